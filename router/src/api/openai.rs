@@ -1,0 +1,67 @@
+//! OpenAI routes: completions, chat completions and the model list.
+
+use super::body::read_json;
+use crate::error::ApiError;
+use crate::pd::request::{validate, Route};
+use crate::state::AppState;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use axum::Json;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    generate(state, Route::Completions, headers, body).await
+}
+
+pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    generate(state, Route::Chat, headers, body).await
+}
+
+/// The `X-Request-Id` the client sent, or a new one.
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|id| !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
+async fn generate(state: Arc<AppState>, route: Route, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let started = std::time::Instant::now();
+    let result = async {
+        let value = read_json(&headers, body, state.config.max_body_bytes).await?;
+        let info = validate(route, &value, request_id(&headers), state.config.max_tokens_limit)?;
+        crate::pd::run(state.clone(), info, value).await
+    }
+    .await;
+    if let Err(err) = &result {
+        crate::metrics::request_finished(route.path(), error_status(err), started.elapsed());
+    }
+    result
+}
+
+fn error_status(err: &ApiError) -> u16 {
+    match err {
+        ApiError::BadRequest { .. } => 400,
+        ApiError::ModelNotFound(_) | ApiError::NotFound(_) => 404,
+        ApiError::PayloadTooLarge(_) => 413,
+        ApiError::Unauthorized(_) => 401,
+        ApiError::Unavailable(_) => 503,
+        ApiError::BadGateway { .. } => 502,
+        ApiError::Upstream { status, .. } => status.as_u16(),
+    }
+}
+
+pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let data: Vec<Value> = state
+        .registry
+        .models()
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "connex"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}

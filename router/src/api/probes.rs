@@ -1,0 +1,29 @@
+//! Probes and metrics: `/health`, `/ready`, `/metrics`, and the 404 fallback.
+
+use crate::error::ApiError;
+use crate::state::AppState;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::Json;
+use serde_json::json;
+use std::sync::Arc;
+
+pub async fn health() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
+}
+
+pub async fn ready(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    let ready = state.registry.is_ready();
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"ready": ready, "instances": state.registry.list().len()})))
+}
+
+pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    let text = state.metrics.as_ref().map(|h| h.render()).unwrap_or_default();
+    ([("content-type", "text/plain; version=0.0.4")], text)
+}
+
+pub async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::NotFound(format!("no route for {}", uri.path()))
+}

@@ -1,0 +1,28 @@
+//! `connex-mock-engine`: the mock vLLM engine as its own process.
+
+use clap::Parser;
+use connex_mock_engine::{CrashAction, MockConfig, MockEngine};
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CONNEX_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let config = MockConfig::parse();
+    let engine = match MockEngine::start(config, CrashAction::ExitProcess).await {
+        Ok(engine) => engine,
+        Err(err) => {
+            eprintln!("connex-mock-engine: cannot listen: {err}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    // The tests read the bound address from this line.
+    println!("connex-mock-engine listening on {}", engine.url());
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = engine.stopped() => {}
+    }
+    engine.stop().await;
+    std::process::ExitCode::SUCCESS
+}

@@ -1,0 +1,173 @@
+//! Router configuration: one clap struct is the single source of truth.
+//!
+//! Every flag can also be set by an env var `CONNEX_<FLAG>` and by a key of the
+//! TOML file given with `--config` (snake_case flag names). Precedence: command
+//! line, then environment, then file, then defaults.
+
+use crate::policy::PolicyKind;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, Parser)]
+#[command(name = "connex-router", version, about = "P/D disaggregated LLM router with request resume")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the OpenAI API, registration and admin routes.
+    Serve(RouterConfig),
+    /// Run an in-process demo cluster (router + 1 prefill + 2 decode mocks).
+    Demo(DemoArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Tokens per demo request.
+    #[arg(long, default_value_t = 24)]
+    pub max_tokens: u32,
+}
+
+/// `connex-router serve` flags.
+#[derive(Debug, Clone, Args, PartialEq)]
+pub struct RouterConfig {
+    /// TOML file with any of these settings (snake_case keys).
+    #[arg(long, env = "CONNEX_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on (port 0 picks a free port; the bound address is printed).
+    #[arg(long, env = "CONNEX_LISTEN", default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+    /// Bearer token for /admin routes. Without it the admin API refuses every call.
+    #[arg(long, env = "CONNEX_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+    /// Bearer token instances must send to register and heartbeat (open when unset).
+    #[arg(long, env = "CONNEX_REGISTER_TOKEN")]
+    pub register_token: Option<String>,
+    /// Policy choosing a prefill instance.
+    #[arg(long, env = "CONNEX_PREFILL_POLICY", value_enum, default_value = "round_robin")]
+    pub prefill_policy: PolicyKind,
+    /// Policy choosing a decode instance.
+    #[arg(long, env = "CONNEX_DECODE_POLICY", value_enum, default_value = "least_loaded")]
+    pub decode_policy: PolicyKind,
+    /// Seconds without a heartbeat after which an instance gets no traffic.
+    #[arg(long, env = "CONNEX_HEARTBEAT_TTL_S", default_value_t = 10)]
+    pub heartbeat_ttl_s: u64,
+    /// Largest accepted request body, in bytes (larger: 413).
+    #[arg(long, env = "CONNEX_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Largest accepted max_tokens.
+    #[arg(long, env = "CONNEX_MAX_TOKENS_LIMIT", default_value_t = 1 << 20)]
+    pub max_tokens_limit: u64,
+    /// Timeout for connecting to an engine, in milliseconds.
+    #[arg(long, env = "CONNEX_CONNECT_TIMEOUT_MS", default_value_t = 2000)]
+    pub connect_timeout_ms: u64,
+    /// Timeout for a whole prefill call, in milliseconds.
+    #[arg(long, env = "CONNEX_PREFILL_TIMEOUT_MS", default_value_t = 600_000)]
+    pub prefill_timeout_ms: u64,
+}
+
+impl RouterConfig {
+    pub fn heartbeat_ttl(&self) -> Duration {
+        Duration::from_secs(self.heartbeat_ttl_s)
+    }
+
+}
+
+/// Errors loading the configuration file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("invalid TOML in {path}: {source}")]
+    Toml { path: PathBuf, source: toml::de::Error },
+    #[error("config key `{0}` is not a router setting")]
+    UnknownKey(String),
+    #[error(transparent)]
+    Cli(#[from] clap::Error),
+}
+
+/// Parses the router's command line, merging the `--config` TOML file of
+/// `serve` under the command line and the environment.
+pub fn load(argv: Vec<OsString>) -> Result<Cli, ConfigError> {
+    let command = Cli::command().args_override_self(true);
+    let matches = command.clone().try_get_matches_from(&argv)?;
+    let cli = Cli::from_arg_matches(&matches)?;
+    let (Command::Serve(config), Some(serve)) = (&cli.command, matches.subcommand_matches("serve")) else {
+        return Ok(cli);
+    };
+    let Some(path) = config.config.clone() else { return Ok(cli) };
+    let file_args = file_arguments(&path, serve)?;
+    // The file's settings go right after `serve`, so that any flag given on the
+    // command line (later, and overriding) wins.
+    let at = argv.iter().position(|a| a == "serve").map_or(argv.len(), |i| i + 1);
+    let mut merged = argv;
+    merged.splice(at..at, file_args.into_iter().map(OsString::from));
+    let matches = command.try_get_matches_from(&merged)?;
+    Ok(Cli::from_arg_matches(&matches)?)
+}
+
+/// `--key=value` arguments for each key of the TOML file that the command line
+/// and the environment left unset.
+fn file_arguments(path: &PathBuf, serve: &ArgMatches) -> Result<Vec<String>, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.clone(), source })?;
+    let table: toml::Table = text.parse().map_err(|source| ConfigError::Toml { path: path.clone(), source })?;
+    let mut args = Vec::new();
+    for (key, value) in &table {
+        let id = key.replace('-', "_");
+        if id == "config" || serve.try_get_raw(&id).is_err() {
+            return Err(ConfigError::UnknownKey(key.clone()));
+        }
+        if matches!(serve.value_source(&id), Some(ValueSource::CommandLine | ValueSource::EnvVariable)) {
+            continue;
+        }
+        let value = match value {
+            toml::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        args.push(format!("--{}={value}", id.replace('_', "-")));
+    }
+    Ok(args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serve(args: &[&str]) -> Result<RouterConfig, ConfigError> {
+        match load(args.iter().map(OsString::from).collect())?.command {
+            Command::Serve(config) => Ok(config),
+            Command::Demo(_) => panic!("expected serve"),
+        }
+    }
+
+    #[test]
+    fn file_sets_values_and_command_line_wins() {
+        let dir = std::env::temp_dir().join(format!("connex-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("router.toml");
+        std::fs::write(&path, "heartbeat_ttl_s = 3\ndecode_policy = \"power_of_two\"\nadmin_token = \"file\"\n")
+            .expect("write config");
+        let path = path.to_string_lossy().to_string();
+        let config = serve(&["connex-router", "serve", "--config", &path, "--admin-token", "cli"]).expect("parse");
+        assert_eq!(config.heartbeat_ttl_s, 3);
+        assert_eq!(config.decode_policy, PolicyKind::PowerOfTwo);
+        assert_eq!(config.admin_token.as_deref(), Some("cli"));
+    }
+
+    #[test]
+    fn unknown_file_key_is_an_error() {
+        let dir = std::env::temp_dir().join(format!("connex-config-bad-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("router.toml");
+        std::fs::write(&path, "no_such_setting = 1\n").expect("write config");
+        let path = path.to_string_lossy().to_string();
+        let err = serve(&["connex-router", "serve", "--config", &path]).expect_err("must fail");
+        assert!(matches!(err, ConfigError::UnknownKey(key) if key == "no_such_setting"));
+    }
+}

@@ -1,0 +1,1 @@
+pub async fn run(_a: crate::config::DemoArgs) -> Result<(), String> { Ok(()) }

@@ -1,0 +1,83 @@
+//! Connex router: the cluster's OpenAI endpoint for prefill/decode disaggregated
+//! vLLM serving. Data flows one way: `api` -> `pd` -> (`policy`, `registry`) -> engines.
+
+pub mod api;
+pub mod config;
+pub mod demo;
+pub mod error;
+pub mod journal;
+pub mod metrics;
+pub mod pd;
+pub mod policy;
+pub mod registry;
+pub mod sse;
+pub mod state;
+
+use config::RouterConfig;
+use state::AppState;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// Errors starting the router.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("cannot build the HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+}
+
+/// A running router: its address, its state and the tasks it owns.
+pub struct Router {
+    pub addr: SocketAddr,
+    pub state: Arc<AppState>,
+    shutdown: CancellationToken,
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl Router {
+    /// Binds and starts serving, with the heartbeat reaper.
+    pub async fn start(config: RouterConfig) -> Result<Self, StartError> {
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| StartError::Bind { addr: config.listen, source })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: config.listen, source })?;
+        let state = Arc::new(AppState::new(config)?);
+        let shutdown = CancellationToken::new();
+        let mut tasks = tokio::task::JoinSet::new();
+        let app = api::routes(state.clone());
+        let stop = shutdown.clone();
+        tasks.spawn(async move {
+            if let Err(err) = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await {
+                tracing::error!(%err, "router server failed");
+            }
+        });
+        tasks.spawn(reap_dead_instances(state.clone(), shutdown.clone()));
+        tracing::info!(%addr, "connex-router listening");
+        Ok(Self { addr, state, shutdown, tasks })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops serving (in-flight streams finish) and waits for the tasks.
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Marks instances whose heartbeats stopped as dead, a few times per TTL.
+async fn reap_dead_instances(state: Arc<AppState>, shutdown: CancellationToken) {
+    let period = (state.registry.ttl() / 4).max(std::time::Duration::from_millis(100));
+    let mut tick = tokio::time::interval(period);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => state.registry.reap(),
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! `connex-router`: `serve` the router, or run the in-process `demo`.
+
+use connex_router::config::{self, Command};
+use std::process::ExitCode;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CONNEX_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = match config::load(std::env::args_os().collect()) {
+        Ok(cli) => cli,
+        Err(config::ConfigError::Cli(err)) => err.exit(),
+        Err(err) => {
+            eprintln!("connex-router: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    match cli.command {
+        Command::Serve(config) => serve(config).await,
+        Command::Demo(args) => match connex_router::demo::run(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("demo failed: {err}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+async fn serve(config: config::RouterConfig) -> ExitCode {
+    let router = match connex_router::Router::start(config).await {
+        Ok(router) => router,
+        Err(err) => {
+            eprintln!("connex-router: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // The tests and scripts read the bound address from this line.
+    println!("connex-router listening on {}", router.url());
+    let _ = tokio::signal::ctrl_c().await;
+    router.stop().await;
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,65 @@
+//! Prometheus metrics: every name the router emits is declared here, once.
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+pub const REQUESTS: &str = "connex_requests_total";
+pub const REQUEST_DURATION: &str = "connex_request_duration_seconds";
+pub const TTFT: &str = "connex_ttft_seconds";
+pub const INTER_TOKEN: &str = "connex_inter_token_latency_seconds";
+pub const UPSTREAM_REQUESTS: &str = "connex_upstream_requests_total";
+pub const UPSTREAM_ERRORS: &str = "connex_upstream_errors_total";
+pub const INSTANCE_INFLIGHT: &str = "connex_instance_inflight";
+pub const PREFILL_RETRIES: &str = "connex_prefill_retries_total";
+
+/// Every metric name, for the test that checks they are all emitted.
+pub const ALL: &[&str] = &[
+    REQUESTS, REQUEST_DURATION, TTFT, INTER_TOKEN, UPSTREAM_REQUESTS, UPSTREAM_ERRORS, INSTANCE_INFLIGHT, PREFILL_RETRIES,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide recorder once and returns its render handle.
+pub fn install() -> Option<PrometheusHandle> {
+    if let Some(handle) = HANDLE.get() {
+        return Some(handle.clone());
+    }
+    let handle = PrometheusBuilder::new()
+        .set_buckets(&[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0])
+        .ok()?
+        .install_recorder()
+        .ok()?;
+    let _ = HANDLE.set(handle.clone());
+    Some(handle)
+}
+
+pub fn request_finished(route: &'static str, status: u16, elapsed: Duration) {
+    counter!(REQUESTS, "route" => route, "status" => status.to_string()).increment(1);
+    histogram!(REQUEST_DURATION, "route" => route).record(elapsed.as_secs_f64());
+}
+
+pub fn first_token(route: &'static str, instance: &str, ttft: Duration) {
+    histogram!(TTFT, "route" => route, "instance" => instance.to_string()).record(ttft.as_secs_f64());
+}
+
+pub fn inter_token(instance: &str, gap: Duration) {
+    histogram!(INTER_TOKEN, "instance" => instance.to_string()).record(gap.as_secs_f64());
+}
+
+pub fn upstream_request(instance: &str, phase: &'static str) {
+    counter!(UPSTREAM_REQUESTS, "instance" => instance.to_string(), "phase" => phase).increment(1);
+}
+
+pub fn upstream_error(instance: &str, phase: &'static str, kind: &'static str) {
+    counter!(UPSTREAM_ERRORS, "instance" => instance.to_string(), "phase" => phase, "kind" => kind).increment(1);
+}
+
+pub fn prefill_retry() {
+    counter!(PREFILL_RETRIES).increment(1);
+}
+
+pub fn instance_inflight(instance: &str, inflight: usize) {
+    gauge!(INSTANCE_INFLIGHT, "instance" => instance.to_string()).set(inflight as f64);
+}

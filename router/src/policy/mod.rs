@@ -1,0 +1,54 @@
+//! Choosing an instance: one `select` call over the eligible candidates.
+
+use crate::registry::Instance;
+use clap::ValueEnum;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// A selection policy, set separately for prefill and decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum PolicyKind {
+    RoundRobin,
+    /// Fewest requests in flight from this router.
+    LeastLoaded,
+    /// The less loaded of two random candidates.
+    PowerOfTwo,
+}
+
+/// A policy with its state (the round-robin cursor).
+#[derive(Debug)]
+pub struct Selector {
+    kind: PolicyKind,
+    cursor: AtomicUsize,
+}
+
+impl Selector {
+    pub fn new(kind: PolicyKind) -> Self {
+        Self { kind, cursor: AtomicUsize::new(0) }
+    }
+
+    /// Picks one of `candidates` whose id is not in `exclude`.
+    pub fn select(&self, candidates: &[Arc<Instance>], exclude: &[String]) -> Option<Arc<Instance>> {
+        let pool: Vec<&Arc<Instance>> = candidates.iter().filter(|c| !exclude.contains(&c.id)).collect();
+        if pool.is_empty() {
+            return None;
+        }
+        let chosen = match self.kind {
+            PolicyKind::RoundRobin => pool[self.cursor.fetch_add(1, Ordering::Relaxed) % pool.len()],
+            PolicyKind::LeastLoaded => {
+                // Ties broken round-robin so equal loads still spread.
+                let start = self.cursor.fetch_add(1, Ordering::Relaxed);
+                let n = pool.len();
+                (0..n).map(|i| pool[(start + i) % n]).min_by_key(|c| c.inflight())?
+            }
+            PolicyKind::PowerOfTwo => {
+                let a = pool[rand::random_range(0..pool.len())];
+                let b = pool[rand::random_range(0..pool.len())];
+                if b.inflight() < a.inflight() { b } else { a }
+            }
+        };
+        Some(chosen.clone())
+    }
+}

@@ -1,0 +1,95 @@
+//! Server-sent events: the one parser for engine streams and the one emitter.
+
+use bytes::{Bytes, BytesMut};
+
+/// Splits a byte stream into the `data:` payloads of complete events.
+#[derive(Debug, Default)]
+pub struct SseParser {
+    buf: BytesMut,
+}
+
+impl SseParser {
+    /// Feeds bytes; returns the data payload of each event completed by them.
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<Bytes> {
+        self.buf.extend_from_slice(chunk);
+        let mut events = Vec::new();
+        while let Some((end, sep)) = find_event_end(&self.buf) {
+            let event = self.buf.split_to(end + sep).freeze();
+            if let Some(data) = event_data(&event[..end]) {
+                events.push(data);
+            }
+        }
+        events
+    }
+
+    /// Bytes received after the last complete event.
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+/// Position and length of the first event separator (blank line).
+fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The joined `data:` lines of one event; `None` for comments and empty events.
+fn event_data(event: &[u8]) -> Option<Bytes> {
+    let mut data: Option<Vec<u8>> = None;
+    for line in event.split(|&b| b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(rest) = line.strip_prefix(b"data:") {
+            let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+            let joined = data.get_or_insert_with(Vec::new);
+            if !joined.is_empty() {
+                joined.push(b'\n');
+            }
+            joined.extend_from_slice(rest);
+        }
+    }
+    data.map(Bytes::from)
+}
+
+/// One SSE event carrying `data`.
+pub fn event(data: &[u8]) -> Bytes {
+    let mut out = Vec::with_capacity(data.len() + 8);
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\n\n");
+    Bytes::from(out)
+}
+
+/// The stream terminator.
+pub const DONE: &[u8] = b"[DONE]";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_events_across_chunk_boundaries() {
+        let mut parser = SseParser::default();
+        assert!(parser.push(b"data: {\"a\":").is_empty());
+        let events = parser.push(b"1}\n\ndata: [DONE]\n\n: comment\n\n");
+        assert_eq!(events, vec![Bytes::from_static(b"{\"a\":1}"), Bytes::from_static(b"[DONE]")]);
+        assert_eq!(parser.pending(), 0);
+    }
+
+    #[test]
+    fn handles_crlf_and_multiline_data() {
+        let mut parser = SseParser::default();
+        let events = parser.push(b"data: a\r\ndata: b\r\n\r\n");
+        assert_eq!(events, vec![Bytes::from_static(b"a\nb")]);
+    }
+
+    #[test]
+    fn emits_what_it_parses() {
+        let mut parser = SseParser::default();
+        assert_eq!(parser.push(&event(b"{}")), vec![Bytes::from_static(b"{}")]);
+    }
+}

@@ -1,0 +1,38 @@
+//! The state every handler shares.
+
+use crate::config::RouterConfig;
+use crate::journal::Journal;
+use crate::policy::Selector;
+use crate::registry::Registry;
+use metrics_exporter_prometheus::PrometheusHandle;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub struct AppState {
+    pub config: RouterConfig,
+    pub registry: Registry,
+    pub journal: Arc<Journal>,
+    pub prefill: Selector,
+    pub decode: Selector,
+    pub client: reqwest::Client,
+    pub metrics: Option<PrometheusHandle>,
+}
+
+impl AppState {
+    pub fn new(config: RouterConfig) -> Result<Self, reqwest::Error> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
+            .tcp_nodelay(true)
+            .pool_max_idle_per_host(1024)
+            .build()?;
+        Ok(Self {
+            registry: Registry::new(config.heartbeat_ttl()),
+            journal: Arc::new(Journal::default()),
+            prefill: Selector::new(config.prefill_policy),
+            decode: Selector::new(config.decode_policy),
+            client,
+            metrics: crate::metrics::install(),
+            config,
+        })
+    }
+}

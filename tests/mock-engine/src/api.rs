@@ -1,0 +1,423 @@
+//! The engine's HTTP surface: the vLLM OpenAI subset plus `/mock/stats`.
+
+use crate::config::{CrashAction, MockConfig, Role};
+use crate::model::{self, ContextHash};
+use crate::stats::{Outcome, RequestLog, RequestRecord};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio_util::sync::CancellationToken;
+
+/// Shared state of one engine.
+pub struct EngineState {
+    pub config: MockConfig,
+    pub addr: SocketAddr,
+    pub engine_id: String,
+    pub log: RequestLog,
+    pub inflight: AtomicU64,
+    crash: CrashAction,
+    shutdown: CancellationToken,
+}
+
+impl EngineState {
+    pub fn new(config: MockConfig, addr: SocketAddr, crash: CrashAction, shutdown: CancellationToken) -> Self {
+        Self {
+            engine_id: format!("mock-{}", uuid::Uuid::new_v4().simple()),
+            config,
+            addr,
+            log: RequestLog::default(),
+            inflight: AtomicU64::new(0),
+            crash,
+            shutdown,
+        }
+    }
+
+    /// The URL announced to the router.
+    pub fn url(&self) -> String {
+        self.config.advertise_url.clone().unwrap_or_else(|| format!("http://{}", self.addr))
+    }
+}
+
+/// Every route of the engine.
+pub fn routes(state: Arc<EngineState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { "ok" }))
+        .route("/mock/stats", get(stats))
+        .with_state(state)
+}
+
+async fn models(State(state): State<Arc<EngineState>>) -> Json<Value> {
+    Json(json!({"object":"list","data":[{"id":state.config.model,"object":"model","owned_by":"connex-mock"}]}))
+}
+
+async fn stats(State(state): State<Arc<EngineState>>) -> Json<Value> {
+    Json(json!({
+        "engine_id": state.engine_id,
+        "role": state.config.role,
+        "requests": state.log.snapshot(),
+    }))
+}
+
+async fn completions(State(state): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(state, Kind::Completion, &headers, &body)
+}
+
+async fn chat_completions(State(state): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(state, Kind::Chat, &headers, &body)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    let body = json!({"error":{"message":message,"type":"BadRequestError","param":null,"code":status.as_u16()}});
+    (status, Json(body)).into_response()
+}
+
+/// Prompt token ids of a completions `prompt` (one prompt only).
+fn completion_prompt(prompt: &Value) -> Option<Vec<u32>> {
+    match prompt {
+        Value::String(text) => Some(model::tokenize(text)),
+        Value::Array(items) if items.iter().all(Value::is_u64) => {
+            items.iter().map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok())).collect()
+        }
+        Value::Array(items) if items.len() == 1 => completion_prompt(&items[0]),
+        _ => None,
+    }
+}
+
+/// Everything one generation needs, decided before the first token.
+struct Plan {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    prompt_ids: Vec<u32>,
+    max_tokens: u32,
+    include_usage: bool,
+    return_token_ids: bool,
+    /// Set for a prefill request: the params its response carries.
+    kv_out: Option<Value>,
+    /// Prompt tokens to "compute" (the rest came from a hold).
+    computed_prompt: usize,
+}
+
+fn generate(state: Arc<EngineState>, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Response {
+    let Ok(request) = serde_json::from_slice::<Value>(body) else {
+        return error(StatusCode::BAD_REQUEST, "invalid JSON body");
+    };
+    let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let index = state.log.push(
+        RequestRecord {
+            path: match kind {
+                Kind::Completion => "/v1/completions".into(),
+                Kind::Chat => "/v1/chat/completions".into(),
+            },
+            request_id: request_id.clone(),
+            body: request.clone(),
+            outcome: Outcome::Running,
+            tokens_emitted: 0,
+            computed_prompt_tokens: 0,
+        },
+        state.config.max_records,
+    );
+    if let Some(status) = state.config.fail_status {
+        state.log.update(index, |r| r.outcome = Outcome::Failed);
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return error(status, "injected failure (--fail-status)");
+    }
+    let plan = match plan(&state, kind, &request, request_id) {
+        Ok(plan) => plan,
+        Err(message) => {
+            state.log.update(index, |r| r.outcome = Outcome::Failed);
+            return error(StatusCode::BAD_REQUEST, message);
+        }
+    };
+    state.log.update(index, |r| r.computed_prompt_tokens = plan.computed_prompt);
+    let stream = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let run = Run::new(state, plan, index);
+    if stream {
+        let body = futures_util::stream::unfold(run, |mut run| async move {
+            run.next_event().await.map(|event| (event, run))
+        });
+        Response::builder()
+            .header("content-type", "text/event-stream")
+            .header("cache-control", "no-cache")
+            .body(Body::from_stream(body))
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+    } else {
+        Body::from_stream(futures_util::stream::once(run.whole())).into_response_json()
+    }
+}
+
+trait IntoJsonResponse {
+    fn into_response_json(self) -> Response;
+}
+
+impl IntoJsonResponse for Body {
+    fn into_response_json(self) -> Response {
+        Response::builder()
+            .header("content-type", "application/json")
+            .body(self)
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+    }
+}
+
+fn plan(state: &EngineState, kind: Kind, request: &Value, request_id: Option<String>) -> Result<Plan, &'static str> {
+    let prompt_ids = match kind {
+        Kind::Completion => completion_prompt(request.get("prompt").ok_or("missing prompt")?)
+            .ok_or("prompt must be a string or a list of token ids")?,
+        Kind::Chat => model::tokenize(
+            &model::apply_chat_template(request.get("messages").ok_or("missing messages")?)
+                .ok_or("messages must be a list of {role, content}")?,
+        ),
+    };
+    let max_tokens = ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|key| request.get(*key).and_then(Value::as_u64))
+        .unwrap_or(16);
+    let max_tokens = u32::try_from(max_tokens).map_err(|_| "max_tokens too large")?;
+    let kv_in = request.get("kv_transfer_params");
+    let flag = |key: &str| kv_in.and_then(|kv| kv.get(key)).and_then(Value::as_bool).unwrap_or(false);
+    let (kv_out, computed_prompt) = if flag("do_remote_decode") {
+        if state.config.role == Role::Decode {
+            return Err("this engine is a decoder and cannot prefill for remote decode");
+        }
+        let blocks: Vec<usize> = (0..prompt_ids.len().div_ceil(16)).collect();
+        let params = json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "transfer_id": format!("xfer-{}", uuid::Uuid::new_v4().simple()),
+            "remote_ctrl": state.addr.to_string(),
+            "remote_engine_id": state.engine_id,
+            "remote_block_ids": blocks,
+            "remote_num_tokens": prompt_ids.len(),
+            "backend": "tcp",
+            "lease_s": state.config.retain_s,
+            "resume_epoch": 0,
+        });
+        (Some(params), prompt_ids.len())
+    } else if flag("do_remote_prefill") {
+        let remote = kv_in
+            .and_then(|kv| kv.get("remote_num_tokens"))
+            .and_then(Value::as_u64)
+            .ok_or("kv_transfer_params.remote_num_tokens missing")?;
+        let remote = usize::try_from(remote).map_err(|_| "remote_num_tokens too large")?;
+        (None, prompt_ids.len().saturating_sub(remote))
+    } else {
+        (None, prompt_ids.len())
+    };
+    let prefix = match kind {
+        Kind::Completion => "cmpl",
+        Kind::Chat => "chatcmpl",
+    };
+    let suffix = request_id.unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    Ok(Plan {
+        kind,
+        id: format!("{prefix}-{suffix}"),
+        created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        model: state.config.model.clone(),
+        max_tokens: if kv_out.is_some() { 1 } else { max_tokens },
+        prompt_ids,
+        include_usage: request
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        return_token_ids: request.get("return_token_ids").and_then(Value::as_bool).unwrap_or(false),
+        kv_out,
+        computed_prompt,
+    })
+}
+
+/// Why a run stopped producing tokens early.
+#[derive(Debug)]
+struct Crashed;
+
+impl std::fmt::Display for Crashed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("mock engine crashed (fault injection)")
+    }
+}
+
+impl std::error::Error for Crashed {}
+
+/// One generation in progress. Its drop marks the record aborted when the
+/// client left before the end.
+struct Run {
+    state: Arc<EngineState>,
+    plan: Plan,
+    record: Option<usize>,
+    context: ContextHash,
+    emitted: Vec<u32>,
+    started: bool,
+    finished: bool,
+    sent_done: bool,
+}
+
+impl Run {
+    fn new(state: Arc<EngineState>, plan: Plan, record: Option<usize>) -> Self {
+        state.inflight.fetch_add(1, Ordering::Relaxed);
+        let context = ContextHash::of(&plan.prompt_ids);
+        Self { state, plan, record, context, emitted: Vec::new(), started: false, finished: false, sent_done: false }
+    }
+
+    /// Produces the next token, applying the prefill cost and the faults.
+    async fn next_token(&mut self) -> Result<Option<u32>, Crashed> {
+        let config = &self.state.config;
+        if !self.started {
+            self.started = true;
+            let cost = config.prefill_us_per_token.saturating_mul(self.plan.computed_prompt as u64);
+            if cost > 0 {
+                tokio::time::sleep(Duration::from_micros(cost)).await;
+            }
+        }
+        if self.emitted.len() as u32 >= self.plan.max_tokens {
+            return Ok(None);
+        }
+        let count = self.emitted.len() as u32;
+        if config.crash_after_tokens == Some(count) && self.plan.kv_out.is_none() {
+            match self.state.crash {
+                CrashAction::ExitProcess => {
+                    eprintln!("connex-mock-engine: crashing after {count} tokens (--crash-after-tokens)");
+                    std::process::exit(137);
+                }
+                CrashAction::StopServing => {
+                    self.state.shutdown.cancel();
+                    return Err(Crashed);
+                }
+            }
+        }
+        if config.stall_after_tokens == Some(count) && self.plan.kv_out.is_none() {
+            std::future::pending::<()>().await;
+        }
+        if config.decode_us_per_token > 0 && !self.emitted.is_empty() {
+            tokio::time::sleep(Duration::from_micros(config.decode_us_per_token)).await;
+        }
+        let token = self.context.next_token();
+        self.context.absorb(token);
+        self.emitted.push(token);
+        let emitted = self.emitted.len() as u32;
+        self.state.log.update(self.record, |r| r.tokens_emitted = emitted);
+        Ok(Some(token))
+    }
+
+    fn finish(&mut self) {
+        if !self.finished {
+            self.finished = true;
+            self.state.log.update(self.record, |r| r.outcome = Outcome::Completed);
+        }
+    }
+
+    fn usage(&self) -> Value {
+        let prompt = self.plan.prompt_ids.len();
+        let completion = self.emitted.len();
+        json!({"prompt_tokens":prompt,"completion_tokens":completion,"total_tokens":prompt+completion})
+    }
+
+    fn object(&self, stream: bool) -> &'static str {
+        match (self.plan.kind, stream) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Chat, false) => "chat.completion",
+        }
+    }
+
+    /// The next SSE event of a streaming response.
+    async fn next_event(&mut self) -> Option<Result<Bytes, Crashed>> {
+        if self.sent_done {
+            return None;
+        }
+        if self.finished {
+            self.sent_done = true;
+            return Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+        }
+        let first = !self.started;
+        let token = match self.next_token().await {
+            Ok(Some(token)) => token,
+            Ok(None) => {
+                // max_tokens 0: nothing to emit but the end.
+                self.finish();
+                return Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+            }
+            Err(crashed) => return Some(Err(crashed)),
+        };
+        let last = self.emitted.len() as u32 >= self.plan.max_tokens;
+        let finish_reason = if last { json!("length") } else { Value::Null };
+        let text = model::token_text(token);
+        let mut choice = match self.plan.kind {
+            Kind::Completion => json!({"index":0,"text":text,"logprobs":null,"finish_reason":finish_reason,"stop_reason":null}),
+            Kind::Chat => {
+                let delta = if first { json!({"role":"assistant","content":text}) } else { json!({"content":text}) };
+                json!({"index":0,"delta":delta,"logprobs":null,"finish_reason":finish_reason,"stop_reason":null})
+            }
+        };
+        let mut chunk = json!({"id":self.plan.id,"object":self.object(true),"created":self.plan.created,"model":self.plan.model});
+        if self.plan.return_token_ids {
+            choice["token_ids"] = json!([token]);
+            if first {
+                match self.plan.kind {
+                    Kind::Completion => choice["prompt_token_ids"] = json!(self.plan.prompt_ids),
+                    Kind::Chat => chunk["prompt_token_ids"] = json!(self.plan.prompt_ids),
+                }
+            }
+        }
+        chunk["choices"] = json!([choice]);
+        let mut out = format!("data: {chunk}\n\n");
+        if last {
+            self.finish();
+            if self.plan.include_usage {
+                let usage = json!({"id":self.plan.id,"object":self.object(true),"created":self.plan.created,"model":self.plan.model,"choices":[],"usage":self.usage()});
+                out.push_str(&format!("data: {usage}\n\n"));
+            }
+        }
+        Some(Ok(Bytes::from(out)))
+    }
+
+    /// The whole non-streaming response body.
+    async fn whole(mut self) -> Result<Bytes, Crashed> {
+        while self.next_token().await?.is_some() {}
+        self.finish();
+        let text = model::detokenize(&self.emitted);
+        let mut choice = match self.plan.kind {
+            Kind::Completion => json!({"index":0,"text":text,"logprobs":null,"finish_reason":"length","stop_reason":null}),
+            Kind::Chat => json!({"index":0,"message":{"role":"assistant","content":text},"logprobs":null,"finish_reason":"length","stop_reason":null}),
+        };
+        let mut response = json!({"id":self.plan.id,"object":self.object(false),"created":self.plan.created,"model":self.plan.model,"usage":self.usage(),"kv_transfer_params":self.plan.kv_out});
+        if self.plan.return_token_ids {
+            choice["token_ids"] = json!(self.emitted);
+            match self.plan.kind {
+                Kind::Completion => choice["prompt_token_ids"] = json!(self.plan.prompt_ids),
+                Kind::Chat => response["prompt_token_ids"] = json!(self.plan.prompt_ids),
+            }
+        }
+        response["choices"] = json!([choice]);
+        Ok(Bytes::from(response.to_string()))
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        self.state.inflight.fetch_sub(1, Ordering::Relaxed);
+        if !self.finished {
+            self.state.log.update(self.record, |r| {
+                if r.outcome == Outcome::Running {
+                    r.outcome = Outcome::Aborted;
+                }
+            });
+        }
+    }
+}

@@ -1,0 +1,82 @@
+//! Command-line configuration of the mock engine, with its fault switches.
+
+use clap::{Parser, ValueEnum};
+use std::net::SocketAddr;
+
+/// Which half of P/D an engine serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Prefill,
+    Decode,
+    Both,
+}
+
+/// What a crash fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CrashAction {
+    /// Exit the process (the standalone binary): the closest thing to a SIGKILL.
+    ExitProcess,
+    /// Cut every connection and stop serving (an engine inside another process,
+    /// as in the demo).
+    StopServing,
+}
+
+/// `connex-mock-engine` flags.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "connex-mock-engine", about = "Deterministic mock of the vLLM OpenAI API for Connex")]
+pub struct MockConfig {
+    /// Address to listen on (port 0 picks a free one; the bound address is printed).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Role announced to the router.
+    #[arg(long, value_enum, default_value = "both")]
+    pub role: Role,
+    /// Model name served.
+    #[arg(long, default_value = "mock")]
+    pub model: String,
+    /// Router to register with, e.g. http://127.0.0.1:8000.
+    #[arg(long)]
+    pub router: Option<String>,
+    /// Instance id to register under (the router assigns one when absent).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// URL announced to the router (default: http://<bound address>).
+    #[arg(long)]
+    pub advertise_url: Option<String>,
+    /// Bearer token sent with registration calls.
+    #[arg(long)]
+    pub register_token: Option<String>,
+    /// Exit the process after emitting this many tokens of one request.
+    #[arg(long)]
+    pub crash_after_tokens: Option<u32>,
+    /// Stop emitting (but keep the connection open) after this many tokens.
+    #[arg(long)]
+    pub stall_after_tokens: Option<u32>,
+    /// Answer every generation request with this HTTP status.
+    #[arg(long)]
+    pub fail_status: Option<u16>,
+    /// Simulated prefill cost per prompt token computed, in microseconds.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_us_per_token: u64,
+    /// Simulated decode cost per generated token, in microseconds.
+    #[arg(long, default_value_t = 0)]
+    pub decode_us_per_token: u64,
+    /// Seconds a prefill's hold is kept (announced as `lease_s`).
+    #[arg(long, default_value_t = 60)]
+    pub retain_s: u64,
+    /// Keep at most this many request records for /mock/stats.
+    #[arg(long, default_value_t = 10_000)]
+    pub max_records: usize,
+}
+
+impl MockConfig {
+    /// Defaults for an engine of `role` serving `model`, registering with `router`.
+    pub fn new(role: Role, model: &str, router: Option<String>) -> Self {
+        let mut config = Self::parse_from(["connex-mock-engine"]);
+        config.role = role;
+        config.model = model.to_string();
+        config.router = router;
+        config
+    }
+}

@@ -1,0 +1,70 @@
+//! `connex-mock-engine`: a deterministic stand-in for a vLLM OpenAI server.
+//!
+//! It speaks the subset of vLLM's API that Connex uses (completions and chat,
+//! stream and non-stream, `kv_transfer_params`, `return_token_ids`), registers
+//! itself with a router, and has fault switches so that every failure mode of a
+//! decoder can be reproduced on a CPU. Tokens are a pure function of the whole
+//! context (see [`model`]).
+
+pub mod api;
+pub mod config;
+pub mod model;
+pub mod register;
+pub mod stats;
+
+pub use config::{CrashAction, MockConfig, Role};
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// A running mock engine. Dropping it does not stop it; call [`MockEngine::stop`].
+pub struct MockEngine {
+    /// Address the HTTP server is bound to.
+    pub addr: SocketAddr,
+    shutdown: CancellationToken,
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl MockEngine {
+    /// Binds `config.listen`, starts serving and (when `config.router` is set)
+    /// registering. `crash` tells what a crash fault does.
+    pub async fn start(config: MockConfig, crash: CrashAction) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(config.listen).await?;
+        let addr = listener.local_addr()?;
+        let shutdown = CancellationToken::new();
+        let state = Arc::new(api::EngineState::new(config.clone(), addr, crash, shutdown.clone()));
+        let mut tasks = tokio::task::JoinSet::new();
+        let app = api::routes(state.clone());
+        let serve_stop = shutdown.clone();
+        tasks.spawn(async move {
+            let result = axum::serve(listener, app)
+                .with_graceful_shutdown(serve_stop.cancelled_owned())
+                .await;
+            if let Err(err) = result {
+                tracing::error!(%err, "mock engine server failed");
+            }
+        });
+        if let Some(router) = config.router.clone() {
+            tasks.spawn(register::run(router, state, shutdown.clone()));
+        }
+        Ok(Self { addr, shutdown, tasks })
+    }
+
+    /// Base URL of this engine.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Resolves when the engine stopped (shutdown or an in-process crash).
+    pub async fn stopped(&self) {
+        self.shutdown.cancelled().await;
+    }
+
+    /// Stops serving and deregisters; waits for the tasks to end.
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}

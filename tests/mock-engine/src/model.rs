@@ -1,0 +1,149 @@
+//! The mock "model": a byte-level tokenizer, a chat template and a next-token
+//! function that depends only on the whole context (prompt ids + generated ids).
+//!
+//! Because the next token is a pure function of the context, any decoder that is
+//! handed a prompt plus the tokens generated so far continues exactly where the
+//! previous one stopped. That property is what lets the end-to-end tests prove
+//! that a resumed stream equals an uninterrupted one.
+
+use serde_json::Value;
+
+/// Size of the mock vocabulary. Ids below 256 are raw bytes (prompts); generated
+/// ids are always at or above [`FIRST_WORD_ID`] so they detokenize to words.
+pub const VOCAB_SIZE: u32 = 32_000;
+/// First id the model generates.
+pub const FIRST_WORD_ID: u32 = 256;
+
+/// Running hash of a context. Absorbing the same ids always gives the same state,
+/// however the context was split between prefill, decode and resumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextHash(u64);
+
+impl Default for ContextHash {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl ContextHash {
+    /// A context hash over `ids`.
+    pub fn of(ids: &[u32]) -> Self {
+        let mut hash = Self::default();
+        for &id in ids {
+            hash.absorb(id);
+        }
+        hash
+    }
+
+    /// Appends one token to the context.
+    pub fn absorb(&mut self, id: u32) {
+        for byte in id.to_le_bytes() {
+            self.0 ^= u64::from(byte);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    /// The token the model produces after this context.
+    pub fn next_token(&self) -> u32 {
+        // splitmix64 finaliser: spreads the FNV state over the vocabulary.
+        let mut z = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        FIRST_WORD_ID + (z % u64::from(VOCAB_SIZE - FIRST_WORD_ID)) as u32
+    }
+}
+
+/// Generates `count` tokens after `context`, the reference any test compares to.
+pub fn generate(context: &[u32], count: usize) -> Vec<u32> {
+    let mut hash = ContextHash::of(context);
+    (0..count)
+        .map(|_| {
+            let token = hash.next_token();
+            hash.absorb(token);
+            token
+        })
+        .collect()
+}
+
+/// Byte-level tokenization of prompt text.
+pub fn tokenize(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+/// Text of one token.
+pub fn token_text(id: u32) -> String {
+    if id < FIRST_WORD_ID {
+        // Prompt bytes are not valid UTF-8 one by one; show them as-is when ASCII.
+        char::from_u32(id).map(String::from).unwrap_or_default()
+    } else {
+        format!(" w{id}")
+    }
+}
+
+/// Text of a run of tokens.
+pub fn detokenize(ids: &[u32]) -> String {
+    ids.iter().map(|&id| token_text(id)).collect()
+}
+
+/// Renders chat messages into the prompt text the model sees.
+///
+/// Returns `None` when `messages` is not a list of objects with a string `role`.
+pub fn apply_chat_template(messages: &Value) -> Option<String> {
+    let mut prompt = String::new();
+    for message in messages.as_array()? {
+        let role = message.get("role")?.as_str()?;
+        prompt.push_str("<|");
+        prompt.push_str(role);
+        prompt.push_str("|>");
+        prompt.push_str(&message_text(message.get("content")));
+        prompt.push('\n');
+    }
+    prompt.push_str("<|assistant|>");
+    Some(prompt)
+}
+
+/// The text of a message's `content`: a string or a list of `{type: text}` parts.
+fn message_text(content: Option<&Value>) -> String {
+    match content {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|part| part.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn continuation_from_any_split_is_identical() {
+        let prompt = tokenize("hello world");
+        let full = generate(&prompt, 50);
+        for split in [0, 1, 17, 49] {
+            let mut context = prompt.clone();
+            context.extend_from_slice(&full[..split]);
+            assert_eq!(generate(&context, 50 - split), full[split..]);
+        }
+    }
+
+    #[test]
+    fn generated_ids_are_words() {
+        let ids = generate(&tokenize("x"), 200);
+        assert!(ids.iter().all(|&id| (FIRST_WORD_ID..VOCAB_SIZE).contains(&id)));
+        assert!(detokenize(&ids[..2]).starts_with(" w"));
+    }
+
+    #[test]
+    fn chat_template_renders_roles() {
+        let messages = serde_json::json!([{"role":"user","content":"hi"}]);
+        assert_eq!(
+            apply_chat_template(&messages).as_deref(),
+            Some("<|user|>hi\n<|assistant|>")
+        );
+        assert_eq!(apply_chat_template(&serde_json::json!("x")), None);
+    }
+}

@@ -1,0 +1,63 @@
+//! Self-registration with a Connex router, then heartbeats until shutdown.
+
+use crate::api::EngineState;
+use serde_json::{json, Value};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Registers, heartbeats every third of the lease TTL (re-registering when the
+/// router forgot us) and deregisters on shutdown. Owned by [`crate::MockEngine`].
+pub async fn run(router: String, state: Arc<EngineState>, shutdown: CancellationToken) {
+    let client = reqwest::Client::new();
+    let router = router.trim_end_matches('/').to_string();
+    let auth = |req: reqwest::RequestBuilder| match &state.config.register_token {
+        Some(token) => req.bearer_auth(token),
+        None => req,
+    };
+    let mut registered: Option<(String, u64)> = None;
+    loop {
+        let wait = match &registered {
+            None => {
+                let body = json!({"role":state.config.role,"url":state.url(),"model":state.config.model,"id":state.config.id,"ctrl":state.addr.to_string()});
+                match auth(client.post(format!("{router}/v1/instances")).json(&body)).send().await {
+                    Ok(resp) if resp.status().is_success() => {
+                        let reply: Value = resp.json().await.unwrap_or_default();
+                        let id = reply.get("id").and_then(Value::as_str).unwrap_or_default().to_string();
+                        let ttl = reply.get("lease_ttl_s").and_then(Value::as_u64).unwrap_or(10).max(1);
+                        tracing::info!(%id, ttl, "registered with router");
+                        registered = Some((id, ttl));
+                        Duration::from_millis(ttl * 1000 / 3)
+                    }
+                    Ok(resp) => {
+                        tracing::warn!(status = %resp.status(), "registration refused");
+                        Duration::from_millis(500)
+                    }
+                    Err(err) => {
+                        tracing::debug!(%err, "router unreachable");
+                        Duration::from_millis(200)
+                    }
+                }
+            }
+            Some((id, ttl)) => {
+                let body = json!({"inflight": state.inflight.load(Ordering::Relaxed)});
+                let url = format!("{router}/v1/instances/{id}/heartbeat");
+                let wait = Duration::from_millis(*ttl * 1000 / 3);
+                match auth(client.post(url).json(&body)).send().await {
+                    Ok(resp) if resp.status() == reqwest::StatusCode::NOT_FOUND => registered = None,
+                    Ok(_) => {}
+                    Err(err) => tracing::debug!(%err, "heartbeat failed"),
+                }
+                wait
+            }
+        };
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+    if let Some((id, _)) = registered {
+        let _ = auth(client.delete(format!("{router}/v1/instances/{id}"))).send().await;
+    }
+}
