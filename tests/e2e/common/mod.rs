@@ -69,7 +69,10 @@ pub fn router(extra: &[&str]) -> Proc {
 
 /// Starts a mock engine of `role` registering with `router` (if given).
 pub fn engine(router: Option<&Proc>, role: &str, extra: &[&str]) -> Proc {
-    let mut all = args(&["--role", role, "--model", "mock"]);
+    let mut all = args(&["--role", role]);
+    if !extra.contains(&"--model") {
+        all.extend(args(&["--model", "mock"]));
+    }
     if let Some(router) = router {
         all.extend(args(&["--router", &router.url]));
     }
