@@ -13,7 +13,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Debug, Parser)]
-#[command(name = "connex-router", version, about = "P/D disaggregated LLM router with request resume")]
+#[command(
+    name = "connex-router",
+    version,
+    about = "P/D disaggregated LLM router with request resume"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -50,10 +54,20 @@ pub struct RouterConfig {
     #[arg(long, env = "CONNEX_REGISTER_TOKEN")]
     pub register_token: Option<String>,
     /// Policy choosing a prefill instance.
-    #[arg(long, env = "CONNEX_PREFILL_POLICY", value_enum, default_value = "round_robin")]
+    #[arg(
+        long,
+        env = "CONNEX_PREFILL_POLICY",
+        value_enum,
+        default_value = "round_robin"
+    )]
     pub prefill_policy: PolicyKind,
     /// Policy choosing a decode instance.
-    #[arg(long, env = "CONNEX_DECODE_POLICY", value_enum, default_value = "least_loaded")]
+    #[arg(
+        long,
+        env = "CONNEX_DECODE_POLICY",
+        value_enum,
+        default_value = "least_loaded"
+    )]
     pub decode_policy: PolicyKind,
     /// Seconds without a heartbeat after which an instance gets no traffic.
     #[arg(long, env = "CONNEX_HEARTBEAT_TTL_S", default_value_t = 10)]
@@ -76,16 +90,21 @@ impl RouterConfig {
     pub fn heartbeat_ttl(&self) -> Duration {
         Duration::from_secs(self.heartbeat_ttl_s)
     }
-
 }
 
 /// Errors loading the configuration file.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("invalid TOML in {path}: {source}")]
-    Toml { path: PathBuf, source: toml::de::Error },
+    Toml {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
     #[error("config key `{0}` is not a router setting")]
     UnknownKey(String),
     #[error(transparent)]
@@ -98,14 +117,20 @@ pub fn load(argv: Vec<OsString>) -> Result<Cli, ConfigError> {
     let command = Cli::command().args_override_self(true);
     let matches = command.clone().try_get_matches_from(&argv)?;
     let cli = Cli::from_arg_matches(&matches)?;
-    let (Command::Serve(config), Some(serve)) = (&cli.command, matches.subcommand_matches("serve")) else {
+    let (Command::Serve(config), Some(serve)) = (&cli.command, matches.subcommand_matches("serve"))
+    else {
         return Ok(cli);
     };
-    let Some(path) = config.config.clone() else { return Ok(cli) };
+    let Some(path) = config.config.clone() else {
+        return Ok(cli);
+    };
     let file_args = file_arguments(&path, serve)?;
     // The file's settings go right after `serve`, so that any flag given on the
     // command line (later, and overriding) wins.
-    let at = argv.iter().position(|a| a == "serve").map_or(argv.len(), |i| i + 1);
+    let at = argv
+        .iter()
+        .position(|a| a == "serve")
+        .map_or(argv.len(), |i| i + 1);
     let mut merged = argv;
     merged.splice(at..at, file_args.into_iter().map(OsString::from));
     let matches = command.try_get_matches_from(&merged)?;
@@ -115,15 +140,24 @@ pub fn load(argv: Vec<OsString>) -> Result<Cli, ConfigError> {
 /// `--key=value` arguments for each key of the TOML file that the command line
 /// and the environment left unset.
 fn file_arguments(path: &PathBuf, serve: &ArgMatches) -> Result<Vec<String>, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.clone(), source })?;
-    let table: toml::Table = text.parse().map_err(|source| ConfigError::Toml { path: path.clone(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.clone(),
+        source,
+    })?;
+    let table: toml::Table = text.parse().map_err(|source| ConfigError::Toml {
+        path: path.clone(),
+        source,
+    })?;
     let mut args = Vec::new();
     for (key, value) in &table {
         let id = key.replace('-', "_");
         if id == "config" || serve.try_get_raw(&id).is_err() {
             return Err(ConfigError::UnknownKey(key.clone()));
         }
-        if matches!(serve.value_source(&id), Some(ValueSource::CommandLine | ValueSource::EnvVariable)) {
+        if matches!(
+            serve.value_source(&id),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        ) {
             continue;
         }
         let value = match value {
@@ -151,10 +185,21 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("connex-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join("router.toml");
-        std::fs::write(&path, "heartbeat_ttl_s = 3\ndecode_policy = \"power_of_two\"\nadmin_token = \"file\"\n")
-            .expect("write config");
+        std::fs::write(
+            &path,
+            "heartbeat_ttl_s = 3\ndecode_policy = \"power_of_two\"\nadmin_token = \"file\"\n",
+        )
+        .expect("write config");
         let path = path.to_string_lossy().to_string();
-        let config = serve(&["connex-router", "serve", "--config", &path, "--admin-token", "cli"]).expect("parse");
+        let config = serve(&[
+            "connex-router",
+            "serve",
+            "--config",
+            &path,
+            "--admin-token",
+            "cli",
+        ])
+        .expect("parse");
         assert_eq!(config.heartbeat_ttl_s, 3);
         assert_eq!(config.decode_policy, PolicyKind::PowerOfTwo);
         assert_eq!(config.admin_token.as_deref(), Some("cli"));

@@ -1,1 +1,226 @@
-pub async fn run(_a: crate::config::DemoArgs) -> Result<(), String> { Ok(()) }
+//! `connex-router demo`: an in-process cluster (the router on the embedded
+//! in-memory registry, one prefill and two decode mock engines that register
+//! themselves) and a few requests through it, with what happened to each.
+
+use crate::config::{Cli, Command, DemoArgs, RouterConfig};
+use crate::pd::{DECODER_HEADER, PREFILL_HEADER};
+use crate::sse::{self, SseParser};
+use crate::Router;
+use clap::Parser;
+use connex_mock_engine::{CrashAction, MockConfig, MockEngine, Role};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+/// Why the demo could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error("starting the router: {0}")]
+    Router(#[from] crate::StartError),
+    #[error("starting a mock engine: {0}")]
+    Engine(#[from] std::io::Error),
+    #[error("the mock engines did not register within 10 s")]
+    Registration,
+    #[error("request `{name}` failed: {message}")]
+    Request { name: &'static str, message: String },
+}
+
+/// One demo request and what the client saw.
+struct Outcome {
+    prefill: String,
+    decoder: String,
+    tokens: usize,
+    ttft: Duration,
+    total: Duration,
+    text: String,
+}
+
+pub async fn run(args: DemoArgs) -> Result<(), DemoError> {
+    let router = Router::start(demo_router_config()).await?;
+    println!(
+        "connex demo: router on {} (embedded in-memory registry)",
+        router.url()
+    );
+    let mut engines = Vec::new();
+    for (id, role) in [
+        ("prefill-0", Role::Prefill),
+        ("decode-0", Role::Decode),
+        ("decode-1", Role::Decode),
+    ] {
+        let mut config = MockConfig::new(role, "mock", Some(router.url()));
+        config.id = Some(id.to_string());
+        config.decode_us_per_token = 2_000;
+        let engine = MockEngine::start(config, CrashAction::StopServing).await?;
+        println!(
+            "connex demo: mock engine {id:<9} ({role:?}) on {} registering",
+            engine.url()
+        );
+        engines.push(engine);
+    }
+    let result = async {
+        wait_registered(&router, engines.len()).await?;
+        let client = reqwest::Client::new();
+        let requests = demo_requests(args.max_tokens);
+        println!();
+        println!("{:<22} {:<10} {:<9} {:>6} {:>9} {:>9}  text", "request", "prefill", "decoder", "tokens", "ttft_ms", "total_ms");
+        for (name, path, body) in &requests {
+            let outcome = send(&client, &router.url(), path, body)
+                .await
+                .map_err(|message| DemoError::Request { name, message })?;
+            println!(
+                "{name:<22} {:<10} {:<9} {:>6} {:>9.1} {:>9.1}  {}",
+                outcome.prefill,
+                outcome.decoder,
+                outcome.tokens,
+                outcome.ttft.as_secs_f64() * 1e3,
+                outcome.total.as_secs_f64() * 1e3,
+                preview(&outcome.text)
+            );
+        }
+        println!();
+        println!("connex demo: {} requests served, each prefilled once and decoded from the prefill's KV hold", requests.len());
+        Ok(())
+    }
+    .await;
+    for engine in engines {
+        engine.stop().await;
+    }
+    router.stop().await;
+    result
+}
+
+fn demo_router_config() -> RouterConfig {
+    // The defaults of `serve`, on an ephemeral loopback port, with the decode
+    // policy that makes the two decoders take turns visibly.
+    let argv = [
+        "connex-router",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--decode-policy",
+        "round_robin",
+    ];
+    match Cli::parse_from(argv).command {
+        Command::Serve(config) => config,
+        Command::Demo(_) => unreachable!("parsed a serve command line"),
+    }
+}
+
+async fn wait_registered(router: &Router, count: usize) -> Result<(), DemoError> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while router.state.registry.list().len() < count {
+        if Instant::now() > deadline {
+            return Err(DemoError::Registration);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+fn demo_requests(max_tokens: u32) -> Vec<(&'static str, &'static str, Value)> {
+    let messages = json!([{"role": "user", "content": "Tell me about disaggregated serving."}]);
+    vec![
+        (
+            "completion",
+            "/v1/completions",
+            json!({"model": "mock", "prompt": "Once upon a time", "max_tokens": max_tokens}),
+        ),
+        (
+            "completion stream",
+            "/v1/completions",
+            json!({"model": "mock", "prompt": "Once upon a time", "max_tokens": max_tokens, "stream": true}),
+        ),
+        (
+            "chat",
+            "/v1/chat/completions",
+            json!({"model": "mock", "messages": messages, "max_tokens": max_tokens}),
+        ),
+        (
+            "chat stream",
+            "/v1/chat/completions",
+            json!({"model": "mock", "messages": messages, "max_tokens": max_tokens, "stream": true}),
+        ),
+    ]
+}
+
+async fn send(
+    client: &reqwest::Client,
+    base: &str,
+    path: &str,
+    body: &Value,
+) -> Result<Outcome, String> {
+    let started = Instant::now();
+    let response = client
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = response.status();
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("?")
+            .to_string()
+    };
+    let (prefill, decoder) = (header(PREFILL_HEADER), header(DECODER_HEADER));
+    if !status.is_success() {
+        return Err(format!(
+            "HTTP {status}: {}",
+            response.text().await.unwrap_or_default()
+        ));
+    }
+    let mut outcome = Outcome {
+        prefill,
+        decoder,
+        tokens: 0,
+        ttft: Duration::ZERO,
+        total: Duration::ZERO,
+        text: String::new(),
+    };
+    if body["stream"] == true {
+        let mut parser = SseParser::default();
+        let mut chunks = response.bytes_stream();
+        while let Some(bytes) = chunks.next().await {
+            for data in parser.push(&bytes.map_err(|e| e.to_string())?) {
+                if data == sse::DONE {
+                    continue;
+                }
+                let chunk: Value = serde_json::from_slice(&data).map_err(|e| e.to_string())?;
+                let piece = choice_text(&chunk["choices"][0]);
+                if !piece.is_empty() {
+                    if outcome.tokens == 0 {
+                        outcome.ttft = started.elapsed();
+                    }
+                    outcome.tokens += 1;
+                    outcome.text.push_str(piece);
+                }
+            }
+        }
+    } else {
+        let reply: Value = response.json().await.map_err(|e| e.to_string())?;
+        outcome.ttft = started.elapsed();
+        outcome.tokens = reply["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
+        outcome.text = choice_text(&reply["choices"][0]).to_string();
+    }
+    outcome.total = started.elapsed();
+    Ok(outcome)
+}
+
+/// The text of a completion or chat choice, whole or as a stream delta.
+fn choice_text(choice: &Value) -> &str {
+    ["/text", "/delta/content", "/message/content"]
+        .iter()
+        .find_map(|pointer| choice.pointer(pointer).and_then(Value::as_str))
+        .unwrap_or("")
+}
+
+fn preview(text: &str) -> String {
+    let text = text.trim();
+    match text.char_indices().nth(40) {
+        Some((at, _)) => format!("{}...", &text[..at]),
+        None => text.to_string(),
+    }
+}

@@ -9,7 +9,10 @@ use serde_json::json;
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     #[error("{message}")]
-    BadRequest { message: String, param: Option<&'static str> },
+    BadRequest {
+        message: String,
+        param: Option<&'static str>,
+    },
     #[error("the model `{0}` does not exist")]
     ModelNotFound(String),
     #[error("not found: {0}")]
@@ -24,12 +27,18 @@ pub enum ApiError {
     BadGateway { instance: String, message: String },
     /// An engine's own 4xx answer, passed through to the client.
     #[error("upstream rejected the request")]
-    Upstream { status: StatusCode, body: bytes::Bytes },
+    Upstream {
+        status: StatusCode,
+        body: bytes::Bytes,
+    },
 }
 
 impl ApiError {
     pub fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self::BadRequest { message: message.into(), param }
+        Self::BadRequest {
+            message: message.into(),
+            param,
+        }
     }
 
     fn status(&self) -> StatusCode {

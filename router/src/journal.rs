@@ -39,7 +39,13 @@ pub struct Journal {
 
 impl Journal {
     /// Opens an entry; it is removed when the returned handle drops.
-    pub fn open(self: &Arc<Self>, request_id: &str, route: &'static str, model: &str, stream: bool) -> JournalHandle {
+    pub fn open(
+        self: &Arc<Self>,
+        request_id: &str,
+        route: &'static str,
+        model: &str,
+        stream: bool,
+    ) -> JournalHandle {
         let entry = Arc::new(Mutex::new(Entry {
             request_id: request_id.to_string(),
             route,
@@ -57,7 +63,11 @@ impl Journal {
             started: Some(Instant::now()),
         }));
         self.entries.insert(request_id.to_string(), entry.clone());
-        JournalHandle { journal: self.clone(), id: request_id.to_string(), entry }
+        JournalHandle {
+            journal: self.clone(),
+            id: request_id.to_string(),
+            entry,
+        }
     }
 
     /// A JSON view of every entry; prompt contents only when `verbose`.
@@ -70,7 +80,11 @@ impl Journal {
                 let mut value = serde_json::to_value(&*entry).unwrap_or(Value::Null);
                 value["prompt_tokens"] = entry.prompt_token_ids.len().into();
                 value["generated_tokens"] = entry.generated_token_ids.len().into();
-                value["age_ms"] = entry.started.map(|s| s.elapsed().as_millis() as u64).unwrap_or(0).into();
+                value["age_ms"] = entry
+                    .started
+                    .map(|s| s.elapsed().as_millis() as u64)
+                    .unwrap_or(0)
+                    .into();
                 if !verbose {
                     if let Some(map) = value.as_object_mut() {
                         for key in ["prompt_token_ids", "generated_token_ids", "text"] {

@@ -24,7 +24,10 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("cannot build the HTTP client: {0}")]
     Client(#[from] reqwest::Error),
 }
@@ -40,23 +43,38 @@ pub struct Router {
 impl Router {
     /// Binds and starts serving, with the heartbeat reaper.
     pub async fn start(config: RouterConfig) -> Result<Self, StartError> {
-        let listener = TcpListener::bind(config.listen)
-            .await
-            .map_err(|source| StartError::Bind { addr: config.listen, source })?;
-        let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: config.listen, source })?;
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| StartError::Bind {
+                    addr: config.listen,
+                    source,
+                })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Bind {
+            addr: config.listen,
+            source,
+        })?;
         let state = Arc::new(AppState::new(config)?);
         let shutdown = CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
         let app = api::routes(state.clone());
         let stop = shutdown.clone();
         tasks.spawn(async move {
-            if let Err(err) = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await {
+            if let Err(err) = axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+            {
                 tracing::error!(%err, "router server failed");
             }
         });
         tasks.spawn(reap_dead_instances(state.clone(), shutdown.clone()));
         tracing::info!(%addr, "connex-router listening");
-        Ok(Self { addr, state, shutdown, tasks })
+        Ok(Self {
+            addr,
+            state,
+            shutdown,
+            tasks,
+        })
     }
 
     pub fn url(&self) -> String {

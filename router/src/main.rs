@@ -5,12 +5,6 @@ use std::process::ExitCode;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CONNEX_LOG").unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = match config::load(std::env::args_os().collect()) {
         Ok(cli) => cli,
         Err(config::ConfigError::Cli(err)) => err.exit(),
@@ -19,6 +13,18 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // The demo prints its own report; its logs are for warnings only.
+    let default_filter = match cli.command {
+        Command::Serve(_) => "info",
+        Command::Demo(_) => "warn",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CONNEX_LOG")
+                .unwrap_or_else(|_| default_filter.into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     match cli.command {
         Command::Serve(config) => serve(config).await,
         Command::Demo(args) => match connex_router::demo::run(args).await {

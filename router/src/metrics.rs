@@ -16,7 +16,14 @@ pub const PREFILL_RETRIES: &str = "connex_prefill_retries_total";
 
 /// Every metric name, for the test that checks they are all emitted.
 pub const ALL: &[&str] = &[
-    REQUESTS, REQUEST_DURATION, TTFT, INTER_TOKEN, UPSTREAM_REQUESTS, UPSTREAM_ERRORS, INSTANCE_INFLIGHT, PREFILL_RETRIES,
+    REQUESTS,
+    REQUEST_DURATION,
+    TTFT,
+    INTER_TOKEN,
+    UPSTREAM_REQUESTS,
+    UPSTREAM_ERRORS,
+    INSTANCE_INFLIGHT,
+    PREFILL_RETRIES,
 ];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -27,7 +34,10 @@ pub fn install() -> Option<PrometheusHandle> {
         return Some(handle.clone());
     }
     let handle = PrometheusBuilder::new()
-        .set_buckets(&[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0])
+        .set_buckets(&[
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            60.0,
+        ])
         .ok()?
         .install_recorder()
         .ok()?;
@@ -41,7 +51,8 @@ pub fn request_finished(route: &'static str, status: u16, elapsed: Duration) {
 }
 
 pub fn first_token(route: &'static str, instance: &str, ttft: Duration) {
-    histogram!(TTFT, "route" => route, "instance" => instance.to_string()).record(ttft.as_secs_f64());
+    histogram!(TTFT, "route" => route, "instance" => instance.to_string())
+        .record(ttft.as_secs_f64());
 }
 
 pub fn inter_token(instance: &str, gap: Duration) {
@@ -53,7 +64,8 @@ pub fn upstream_request(instance: &str, phase: &'static str) {
 }
 
 pub fn upstream_error(instance: &str, phase: &'static str, kind: &'static str) {
-    counter!(UPSTREAM_ERRORS, "instance" => instance.to_string(), "phase" => phase, "kind" => kind).increment(1);
+    counter!(UPSTREAM_ERRORS, "instance" => instance.to_string(), "phase" => phase, "kind" => kind)
+        .increment(1);
 }
 
 pub fn prefill_retry() {

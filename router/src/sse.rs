@@ -31,7 +31,10 @@ impl SseParser {
 /// Position and length of the first event separator (blank line).
 fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|p| (p, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),
@@ -76,7 +79,13 @@ mod tests {
         let mut parser = SseParser::default();
         assert!(parser.push(b"data: {\"a\":").is_empty());
         let events = parser.push(b"1}\n\ndata: [DONE]\n\n: comment\n\n");
-        assert_eq!(events, vec![Bytes::from_static(b"{\"a\":1}"), Bytes::from_static(b"[DONE]")]);
+        assert_eq!(
+            events,
+            vec![
+                Bytes::from_static(b"{\"a\":1}"),
+                Bytes::from_static(b"[DONE]")
+            ]
+        );
         assert_eq!(parser.pending(), 0);
     }
 

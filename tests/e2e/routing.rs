@@ -28,14 +28,29 @@ async fn completions_match_the_model_stream_and_non_stream() {
     let (router, _prefill, _decode) = cluster(&[]).await;
     let expected = model::generate(&model::tokenize(PROMPT), 12);
 
-    let (status, reply) =
-        post(&router, "/v1/completions", &json!({"model":"mock","prompt":PROMPT,"max_tokens":12,"return_token_ids":true})).await;
+    let (status, reply) = post(
+        &router,
+        "/v1/completions",
+        &json!({"model":"mock","prompt":PROMPT,"max_tokens":12,"return_token_ids":true}),
+    )
+    .await;
     assert_eq!(status, 200, "{reply}");
     assert_eq!(ids(&reply["choices"][0]["token_ids"]), expected);
-    assert_eq!(reply["choices"][0]["text"], model::detokenize(&expected).as_str());
-    assert_eq!(reply["usage"]["prompt_tokens"], model::tokenize(PROMPT).len());
+    assert_eq!(
+        reply["choices"][0]["text"],
+        model::detokenize(&expected).as_str()
+    );
+    assert_eq!(
+        reply["usage"]["prompt_tokens"],
+        model::tokenize(PROMPT).len()
+    );
     assert_eq!(reply["usage"]["completion_tokens"], 12);
-    assert!(reply["id"].as_str().is_some_and(|id| id.starts_with("cmpl-")), "{reply}");
+    assert!(
+        reply["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("cmpl-")),
+        "{reply}"
+    );
 
     let chunks = stream(
         &router,
@@ -46,23 +61,43 @@ async fn completions_match_the_model_stream_and_non_stream() {
     .await;
     assert_eq!(chunks.last(), Some(&Value::String("[DONE]".into())));
     assert_eq!(streamed_token_ids(&chunks), expected);
-    let text: String = chunks.iter().filter_map(|c| c.pointer("/choices/0/text").and_then(Value::as_str)).collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c.pointer("/choices/0/text").and_then(Value::as_str))
+        .collect();
     assert_eq!(text, model::detokenize(&expected));
-    let usage = chunks.iter().find(|c| c["usage"].is_object()).expect("usage chunk");
+    let usage = chunks
+        .iter()
+        .find(|c| c["usage"].is_object())
+        .expect("usage chunk");
     assert_eq!(usage["usage"]["completion_tokens"], 12);
     // One id for the whole stream.
     let first_id = chunks[0]["id"].clone();
-    assert!(chunks.iter().filter(|c| c.is_object()).all(|c| c["id"] == first_id));
+    assert!(chunks
+        .iter()
+        .filter(|c| c.is_object())
+        .all(|c| c["id"] == first_id));
 
     // Without return_token_ids the client sees no token ids (vLLM's default).
-    let (_, plain) = post(&router, "/v1/completions", &json!({"model":"mock","prompt":PROMPT,"max_tokens":3})).await;
-    assert!(plain["choices"][0].get("token_ids").is_none_or(Value::is_null), "{plain}");
+    let (_, plain) = post(
+        &router,
+        "/v1/completions",
+        &json!({"model":"mock","prompt":PROMPT,"max_tokens":3}),
+    )
+    .await;
+    assert!(
+        plain["choices"][0]
+            .get("token_ids")
+            .is_none_or(Value::is_null),
+        "{plain}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_matches_the_model_stream_and_non_stream() {
     let (router, _prefill, _decode) = cluster(&[]).await;
-    let messages = json!([{"role":"system","content":"be brief"},{"role":"user","content":"hello there"}]);
+    let messages =
+        json!([{"role":"system","content":"be brief"},{"role":"user","content":"hello there"}]);
     let expected = model::generate(&chat_prompt_ids(&messages), 9);
 
     let (status, reply) = post(
@@ -74,7 +109,10 @@ async fn chat_matches_the_model_stream_and_non_stream() {
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["object"], "chat.completion");
     assert_eq!(ids(&reply["choices"][0]["token_ids"]), expected);
-    assert_eq!(reply["choices"][0]["message"]["content"], model::detokenize(&expected).as_str());
+    assert_eq!(
+        reply["choices"][0]["message"]["content"],
+        model::detokenize(&expected).as_str()
+    );
     assert_eq!(reply["usage"]["completion_tokens"], 9);
 
     let chunks = stream(
@@ -85,10 +123,18 @@ async fn chat_matches_the_model_stream_and_non_stream() {
     )
     .await;
     assert_eq!(streamed_token_ids(&chunks), expected);
-    let content: String =
-        chunks.iter().filter_map(|c| c.pointer("/choices/0/delta/content").and_then(Value::as_str)).collect();
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| {
+            c.pointer("/choices/0/delta/content")
+                .and_then(Value::as_str)
+        })
+        .collect();
     assert_eq!(content, model::detokenize(&expected));
-    assert!(chunks.iter().filter(|c| c.is_object()).all(|c| c["object"] == "chat.completion.chunk"));
+    assert!(chunks
+        .iter()
+        .filter(|c| c.is_object())
+        .all(|c| c["object"] == "chat.completion.chunk"));
     assert_eq!(chunks.last(), Some(&Value::String("[DONE]".into())));
 }
 
@@ -119,19 +165,39 @@ async fn prefill_then_decode_follow_the_vllm_protocol() {
     let kv = &d["body"]["kv_transfer_params"];
     assert_eq!(kv["do_remote_prefill"], true);
     assert_eq!(kv["remote_num_tokens"], model::tokenize(PROMPT).len());
-    let stats: Value = client().get(format!("{}/mock/stats", prefill.url)).send().await.unwrap().json().await.unwrap();
+    let stats: Value = client()
+        .get(format!("{}/mock/stats", prefill.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(kv["remote_engine_id"], stats["engine_id"]);
     // The decoder reused the prefill's KV: no prompt token computed again.
     assert_eq!(d["computed_prompt_tokens"], 0);
     assert_eq!(d["outcome"], "completed");
 
     // Without a client id the router generates one and passes the same to both.
-    let response =
-        client().post(format!("{}/v1/completions", router.url)).json(&json!({"model":"mock","prompt":"x","max_tokens":1})).send().await.unwrap();
-    let generated = response.headers()["x-request-id"].to_str().unwrap().to_string();
+    let response = client()
+        .post(format!("{}/v1/completions", router.url))
+        .json(&json!({"model":"mock","prompt":"x","max_tokens":1}))
+        .send()
+        .await
+        .unwrap();
+    let generated = response.headers()["x-request-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
     assert!(!generated.is_empty());
-    assert_eq!(engine_requests(&prefill).await[1]["request_id"], generated.as_str());
-    assert_eq!(engine_requests(&decode).await[1]["request_id"], generated.as_str());
+    assert_eq!(
+        engine_requests(&prefill).await[1]["request_id"],
+        generated.as_str()
+    );
+    assert_eq!(
+        engine_requests(&decode).await[1]["request_id"],
+        generated.as_str()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -142,10 +208,21 @@ async fn round_robin_spreads_decoders_evenly() {
     let b = engine(Some(&router), "decode", &[]);
     wait_ready(&router, 3).await;
     for i in 0..10 {
-        let (status, _) = post(&router, "/v1/completions", &json!({"model":"mock","prompt":format!("p{i}"),"max_tokens":2})).await;
+        let (status, _) = post(
+            &router,
+            "/v1/completions",
+            &json!({"model":"mock","prompt":format!("p{i}"),"max_tokens":2}),
+        )
+        .await;
         assert_eq!(status, 200);
     }
-    assert_eq!((engine_requests(&a).await.len(), engine_requests(&b).await.len()), (5, 5));
+    assert_eq!(
+        (
+            engine_requests(&a).await.len(),
+            engine_requests(&b).await.len()
+        ),
+        (5, 5)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,17 +231,39 @@ async fn models_are_routed_only_to_instances_serving_them() {
     let _p = engine(Some(&router), "both", &["--model", "alpha"]);
     let beta = engine(Some(&router), "both", &["--model", "beta"]);
     wait_ready(&router, 2).await;
-    let models: Value = client().get(format!("{}/v1/models", router.url)).send().await.unwrap().json().await.unwrap();
-    let mut names: Vec<&str> = models["data"].as_array().unwrap().iter().filter_map(|m| m["id"].as_str()).collect();
+    let models: Value = client()
+        .get(format!("{}/v1/models", router.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut names: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
     names.sort();
     assert_eq!(names, ["alpha", "beta"]);
     for _ in 0..4 {
-        let (status, _) = post(&router, "/v1/completions", &json!({"model":"beta","prompt":"x","max_tokens":1})).await;
+        let (status, _) = post(
+            &router,
+            "/v1/completions",
+            &json!({"model":"beta","prompt":"x","max_tokens":1}),
+        )
+        .await;
         assert_eq!(status, 200);
     }
     // A "both" engine serves its model's prefill and decode: 4 requests, 8 records.
     assert_eq!(engine_requests(&beta).await.len(), 8);
-    let (status, body) = post(&router, "/v1/completions", &json!({"model":"gamma","prompt":"x"})).await;
+    let (status, body) = post(
+        &router,
+        "/v1/completions",
+        &json!({"model":"gamma","prompt":"x"}),
+    )
+    .await;
     assert_eq!(status, 404);
     assert_eq!(body["error"]["code"], "model_not_found", "{body}");
 }
@@ -180,7 +279,15 @@ async fn drained_decoder_finishes_in_flight_and_gets_no_new_requests() {
     let url = format!("{}/v1/completions", router.url);
     let in_flight = tokio::spawn(async move {
         let body = json!({"model":"mock","prompt":PROMPT,"max_tokens":40,"stream":true,"return_token_ids":true});
-        client().post(url).json(&body).send().await.expect("post").text().await.expect("body")
+        client()
+            .post(url)
+            .json(&body)
+            .send()
+            .await
+            .expect("post")
+            .text()
+            .await
+            .expect("body")
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     let other = engine(Some(&router), "decode", &[]);
@@ -195,17 +302,32 @@ async fn drained_decoder_finishes_in_flight_and_gets_no_new_requests() {
     assert_eq!(drained.status(), 200);
 
     for i in 0..4 {
-        let (status, _) = post(&router, "/v1/completions", &json!({"model":"mock","prompt":format!("n{i}"),"max_tokens":2})).await;
+        let (status, _) = post(
+            &router,
+            "/v1/completions",
+            &json!({"model":"mock","prompt":format!("n{i}"),"max_tokens":2}),
+        )
+        .await;
         assert_eq!(status, 200);
     }
-    assert_eq!(engine_requests(&slow).await.len(), 1, "a drained decoder got new requests");
+    assert_eq!(
+        engine_requests(&slow).await.len(),
+        1,
+        "a drained decoder got new requests"
+    );
     assert_eq!(engine_requests(&other).await.len(), 4);
 
     let text = in_flight.await.unwrap();
     let mut parser = connex_router::sse::SseParser::default();
-    let chunks: Vec<Value> =
-        parser.push(text.as_bytes()).iter().filter_map(|d| serde_json::from_slice(d).ok()).collect();
-    assert_eq!(streamed_token_ids(&chunks), model::generate(&model::tokenize(PROMPT), 40));
+    let chunks: Vec<Value> = parser
+        .push(text.as_bytes())
+        .iter()
+        .filter_map(|d| serde_json::from_slice(d).ok())
+        .collect();
+    assert_eq!(
+        streamed_token_ids(&chunks),
+        model::generate(&model::tokenize(PROMPT), 40)
+    );
     assert!(text.trim_end().ends_with("data: [DONE]"));
     assert_eq!(engine_requests(&slow).await[0]["outcome"], "completed");
 
@@ -217,7 +339,10 @@ async fn drained_decoder_finishes_in_flight_and_gets_no_new_requests() {
         .await
         .unwrap();
     assert_eq!(activated.status(), 200);
-    assert!(instances(&router).await.iter().any(|i| i["id"] == slow_id.as_str() && i["state"] == "ready"));
+    assert!(instances(&router)
+        .await
+        .iter()
+        .any(|i| i["id"] == slow_id.as_str() && i["state"] == "ready"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,10 +362,19 @@ async fn instance_whose_heartbeats_stop_is_skipped() {
     wait_ready(&router, 3).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     for i in 0..6 {
-        let (status, _) = post(&router, "/v1/completions", &json!({"model":"mock","prompt":format!("h{i}"),"max_tokens":1})).await;
+        let (status, _) = post(
+            &router,
+            "/v1/completions",
+            &json!({"model":"mock","prompt":format!("h{i}"),"max_tokens":1}),
+        )
+        .await;
         assert_eq!(status, 200);
     }
-    assert_eq!(engine_requests(&silent).await.len(), 0, "an instance with a lapsed lease got traffic");
+    assert_eq!(
+        engine_requests(&silent).await.len(),
+        0,
+        "an instance with a lapsed lease got traffic"
+    );
     assert_eq!(engine_requests(&live).await.len(), 6);
 }
 
@@ -256,7 +390,8 @@ async fn admin_requires_the_bearer_token() {
         ("GET", "/admin/requests"),
     ] {
         for token in [None, Some("wrong")] {
-            let mut request = client().request(method.parse().unwrap(), format!("{}{path}", router.url));
+            let mut request =
+                client().request(method.parse().unwrap(), format!("{}{path}", router.url));
             if let Some(token) = token {
                 request = request.bearer_auth(token);
             }
@@ -275,14 +410,25 @@ async fn admin_requires_the_bearer_token() {
         .await
         .unwrap();
     assert_eq!(added.status(), 201);
-    let id = added.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+    let id = added.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert_eq!(instances(&router).await.len(), 1);
-    let removed =
-        client().delete(format!("{}/admin/instances/{id}", router.url)).bearer_auth(ADMIN_TOKEN).send().await.unwrap();
+    let removed = client()
+        .delete(format!("{}/admin/instances/{id}", router.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(removed.status(), 204);
     assert!(instances(&router).await.is_empty());
-    let missing =
-        client().post(format!("{}/admin/instances/{id}/drain", router.url)).bearer_auth(ADMIN_TOKEN).send().await.unwrap();
+    let missing = client()
+        .post(format!("{}/admin/instances/{id}/drain", router.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(missing.status(), 404);
 }
 
@@ -292,8 +438,17 @@ async fn bad_input_gets_an_openai_error_with_the_right_status() {
     let raw = |body: &'static str| {
         let url = format!("{}/v1/completions", router.url);
         async move {
-            let r = client().post(url).header("content-type", "application/json").body(body).send().await.unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap_or(Value::Null))
+            let r = client()
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            (
+                r.status().as_u16(),
+                r.json::<Value>().await.unwrap_or(Value::Null),
+            )
         }
     };
     let mut cases: Vec<(&str, u16, Value)> = Vec::new();
@@ -302,18 +457,78 @@ async fn bad_input_gets_an_openai_error_with_the_right_status() {
     let (s, b) = raw("[1,2]").await;
     cases.push(("body not an object", s, b));
     for (what, path, body, want) in [
-        ("missing model", "/v1/completions", json!({"prompt":"x"}), 400),
-        ("missing prompt", "/v1/completions", json!({"model":"mock"}), 400),
-        ("missing messages", "/v1/chat/completions", json!({"model":"mock"}), 400),
-        ("model not a string", "/v1/completions", json!({"model":5,"prompt":"x"}), 400),
-        ("prompt wrong type", "/v1/completions", json!({"model":"mock","prompt":{"a":1}}), 400),
-        ("messages not a list", "/v1/chat/completions", json!({"model":"mock","messages":"hi"}), 400),
-        ("stream not a bool", "/v1/completions", json!({"model":"mock","prompt":"x","stream":"yes"}), 400),
-        ("max_tokens negative", "/v1/completions", json!({"model":"mock","prompt":"x","max_tokens":-1}), 400),
-        ("max_tokens absurd", "/v1/completions", json!({"model":"mock","prompt":"x","max_tokens":1u64 << 40}), 400),
-        ("max_tokens a string", "/v1/completions", json!({"model":"mock","prompt":"x","max_tokens":"5"}), 400),
-        ("unknown model", "/v1/chat/completions", json!({"model":"nope","messages":[{"role":"user","content":"x"}]}), 404),
-        ("body over the limit", "/v1/completions", json!({"model":"mock","prompt":"x".repeat(5000)}), 413),
+        (
+            "missing model",
+            "/v1/completions",
+            json!({"prompt":"x"}),
+            400,
+        ),
+        (
+            "missing prompt",
+            "/v1/completions",
+            json!({"model":"mock"}),
+            400,
+        ),
+        (
+            "missing messages",
+            "/v1/chat/completions",
+            json!({"model":"mock"}),
+            400,
+        ),
+        (
+            "model not a string",
+            "/v1/completions",
+            json!({"model":5,"prompt":"x"}),
+            400,
+        ),
+        (
+            "prompt wrong type",
+            "/v1/completions",
+            json!({"model":"mock","prompt":{"a":1}}),
+            400,
+        ),
+        (
+            "messages not a list",
+            "/v1/chat/completions",
+            json!({"model":"mock","messages":"hi"}),
+            400,
+        ),
+        (
+            "stream not a bool",
+            "/v1/completions",
+            json!({"model":"mock","prompt":"x","stream":"yes"}),
+            400,
+        ),
+        (
+            "max_tokens negative",
+            "/v1/completions",
+            json!({"model":"mock","prompt":"x","max_tokens":-1}),
+            400,
+        ),
+        (
+            "max_tokens absurd",
+            "/v1/completions",
+            json!({"model":"mock","prompt":"x","max_tokens":1u64 << 40}),
+            400,
+        ),
+        (
+            "max_tokens a string",
+            "/v1/completions",
+            json!({"model":"mock","prompt":"x","max_tokens":"5"}),
+            400,
+        ),
+        (
+            "unknown model",
+            "/v1/chat/completions",
+            json!({"model":"nope","messages":[{"role":"user","content":"x"}]}),
+            404,
+        ),
+        (
+            "body over the limit",
+            "/v1/completions",
+            json!({"model":"mock","prompt":"x".repeat(5000)}),
+            413,
+        ),
     ] {
         let (status, reply) = post(&router, path, &body).await;
         assert_eq!(status, want, "{what}: {reply}");
@@ -322,14 +537,22 @@ async fn bad_input_gets_an_openai_error_with_the_right_status() {
     for (what, status, body) in &cases {
         assert!((400..500).contains(status), "{what}: {status}");
         let error = &body["error"];
-        assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {body}");
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{what}: {body}"
+        );
         assert!(error["type"].is_string(), "{what}: {body}");
     }
     assert_eq!(cases[0].1, 400);
     // None of it reached an engine, and the router still serves.
     assert!(engine_requests(&prefill).await.is_empty());
     assert!(engine_requests(&decode).await.is_empty());
-    let (status, _) = post(&router, "/v1/completions", &json!({"model":"mock","prompt":"ok","max_tokens":1})).await;
+    let (status, _) = post(
+        &router,
+        "/v1/completions",
+        &json!({"model":"mock","prompt":"ok","max_tokens":1}),
+    )
+    .await;
     assert_eq!(status, 200);
 }
 
@@ -344,17 +567,63 @@ fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
 async fn metrics_count_the_requests_made() {
     let (router, _prefill, decode) = cluster(&[]).await;
     for _ in 0..3 {
-        post(&router, "/v1/completions", &json!({"model":"mock","prompt":"m","max_tokens":2})).await;
+        post(
+            &router,
+            "/v1/completions",
+            &json!({"model":"mock","prompt":"m","max_tokens":2}),
+        )
+        .await;
     }
     stream(&router, "/v1/chat/completions", &json!({"model":"mock","messages":[{"role":"user","content":"m"}],"stream":true,"max_tokens":2})).await;
     post(&router, "/v1/completions", &json!({"model":"mock"})).await;
-    let text = client().get(format!("{}/metrics", router.url)).send().await.unwrap().text().await.unwrap();
-    assert_eq!(metric(&text, "connex_requests_total", &["route=\"/v1/completions\"", "status=\"200\""]), 3.0, "{text}");
-    assert_eq!(metric(&text, "connex_requests_total", &["route=\"/v1/chat/completions\"", "status=\"200\""]), 1.0);
-    assert_eq!(metric(&text, "connex_requests_total", &["route=\"/v1/completions\"", "status=\"400\""]), 1.0);
-    assert_eq!(metric(&text, "connex_ttft_seconds_count", &[]), 4.0, "{text}");
+    let text = client()
+        .get(format!("{}/metrics", router.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        metric(
+            &text,
+            "connex_requests_total",
+            &["route=\"/v1/completions\"", "status=\"200\""]
+        ),
+        3.0,
+        "{text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "connex_requests_total",
+            &["route=\"/v1/chat/completions\"", "status=\"200\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "connex_requests_total",
+            &["route=\"/v1/completions\"", "status=\"400\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&text, "connex_ttft_seconds_count", &[]),
+        4.0,
+        "{text}"
+    );
     let decode_id = instance_id(&router, &decode).await;
-    assert_eq!(metric(&text, "connex_upstream_requests_total", &[&format!("instance=\"{decode_id}\"")]), 4.0, "{text}");
+    assert_eq!(
+        metric(
+            &text,
+            "connex_upstream_requests_total",
+            &[&format!("instance=\"{decode_id}\"")]
+        ),
+        4.0,
+        "{text}"
+    );
     assert!(text.contains("connex_request_duration_seconds"));
     assert!(text.contains("connex_instance_inflight"));
 }
@@ -367,21 +636,40 @@ async fn failed_prefill_is_retried_once_on_another_instance() {
     let _decode = engine(Some(&router), "decode", &[]);
     wait_ready(&router, 3).await;
     for i in 0..4 {
-        let (status, reply) =
-            post(&router, "/v1/completions", &json!({"model":"mock","prompt":format!("r{i}"),"max_tokens":2})).await;
+        let (status, reply) = post(
+            &router,
+            "/v1/completions",
+            &json!({"model":"mock","prompt":format!("r{i}"),"max_tokens":2}),
+        )
+        .await;
         assert_eq!(status, 200, "{reply}");
     }
     assert_eq!(engine_requests(&good).await.len(), 4);
     assert!(!engine_requests(&broken).await.is_empty());
-    let text = client().get(format!("{}/metrics", router.url)).send().await.unwrap().text().await.unwrap();
-    assert!(metric(&text, "connex_prefill_retries_total", &[]) >= 1.0, "{text}");
+    let text = client()
+        .get(format!("{}/metrics", router.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metric(&text, "connex_prefill_retries_total", &[]) >= 1.0,
+        "{text}"
+    );
 
     // With only broken prefills the client gets an error, not a hang.
     let router2 = common::router(&[]);
     let _b = engine(Some(&router2), "prefill", &["--fail-status", "500"]);
     let _d = engine(Some(&router2), "decode", &[]);
     wait_ready(&router2, 2).await;
-    let (status, reply) = post(&router2, "/v1/completions", &json!({"model":"mock","prompt":"x","max_tokens":2})).await;
+    let (status, reply) = post(
+        &router2,
+        "/v1/completions",
+        &json!({"model":"mock","prompt":"x","max_tokens":2}),
+    )
+    .await;
     assert!(status >= 500, "{status} {reply}");
     assert!(reply["error"]["message"].is_string());
 }
@@ -409,11 +697,55 @@ async fn client_disconnect_aborts_the_upstream_request() {
             assert!(records[0]["tokens_emitted"].as_u64().unwrap() < 200);
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "decoder kept generating: {records:?}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "decoder kept generating: {records:?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // The journal entry is gone too.
-    let requests: Value =
-        client().get(format!("{}/admin/requests", router.url)).bearer_auth(ADMIN_TOKEN).send().await.unwrap().json().await.unwrap();
-    assert_eq!(requests["data"].as_array().map(Vec::len), Some(0), "{requests}");
+    let requests: Value = client()
+        .get(format!("{}/admin/requests", router.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        requests["data"].as_array().map(Vec::len),
+        Some(0),
+        "{requests}"
+    );
+}
+
+#[test]
+fn demo_serves_every_request_through_prefill_and_both_decoders() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_connex-router"))
+        .args(["demo", "--max-tokens", "5"])
+        .output()
+        .expect("run the demo");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "demo failed: {stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("completion") || l.starts_with("chat"))
+        .collect();
+    assert_eq!(rows.len(), 4, "{stdout}");
+    for row in &rows {
+        let fields: Vec<&str> = row.split_whitespace().collect();
+        assert!(
+            fields.contains(&"5"),
+            "each request got its 5 tokens: {row}"
+        );
+    }
+    assert!(
+        rows.iter().any(|r| r.contains("decode-0")) && rows.iter().any(|r| r.contains("decode-1")),
+        "{stdout}"
+    );
 }

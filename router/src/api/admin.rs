@@ -14,18 +14,31 @@ use std::sync::Arc;
 
 fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     match state.config.admin_token.as_deref() {
-        None => Err(ApiError::Unauthorized("the admin API is disabled: start the router with --admin-token")),
-        Some(token) => check_bearer(headers, Some(token), "a valid admin bearer token is required"),
+        None => Err(ApiError::Unauthorized(
+            "the admin API is disabled: start the router with --admin-token",
+        )),
+        Some(token) => check_bearer(
+            headers,
+            Some(token),
+            "a valid admin bearer token is required",
+        ),
     }
 }
 
-pub async fn list_instances(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+pub async fn list_instances(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
     let data: Vec<Value> = state.registry.list().iter().map(|i| i.view()).collect();
     Ok(Json(json!({"data": data})))
 }
 
-pub async fn add_instance(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Result<(StatusCode, Json<Value>), ApiError> {
+pub async fn add_instance(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
     authorize(&state, &headers)?;
     let reg = registration(&headers, body, 64 * 1024).await?;
     let instance = state.registry.register(reg);
@@ -34,33 +47,59 @@ pub async fn add_instance(State(state): State<Arc<AppState>>, headers: HeaderMap
 
 fn set_state(state: &AppState, id: &str, lifecycle: Lifecycle) -> Result<Json<Value>, ApiError> {
     if !state.registry.set_lifecycle(id, lifecycle) {
-        return Err(ApiError::NotFound(format!("instance `{id}` is not registered")));
+        return Err(ApiError::NotFound(format!(
+            "instance `{id}` is not registered"
+        )));
     }
-    let view = state.registry.get(id).map(|i| i.view()).unwrap_or(Value::Null);
+    let view = state
+        .registry
+        .get(id)
+        .map(|i| i.view())
+        .unwrap_or(Value::Null);
     Ok(Json(view))
 }
 
-pub async fn drain(State(state): State<Arc<AppState>>, Path(id): Path<String>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+pub async fn drain(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
     set_state(&state, &id, Lifecycle::Draining)
 }
 
-pub async fn activate(State(state): State<Arc<AppState>>, Path(id): Path<String>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+pub async fn activate(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
     set_state(&state, &id, Lifecycle::Ready)
 }
 
-pub async fn remove_instance(State(state): State<Arc<AppState>>, Path(id): Path<String>, headers: HeaderMap) -> Result<StatusCode, ApiError> {
+pub async fn remove_instance(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<StatusCode, ApiError> {
     authorize(&state, &headers)?;
     if state.registry.remove(&id) {
         Ok(StatusCode::NO_CONTENT)
     } else {
-        Err(ApiError::NotFound(format!("instance `{id}` is not registered")))
+        Err(ApiError::NotFound(format!(
+            "instance `{id}` is not registered"
+        )))
     }
 }
 
-pub async fn requests(State(state): State<Arc<AppState>>, headers: HeaderMap, Query(query): Query<HashMap<String, String>>) -> Result<Json<Value>, ApiError> {
+pub async fn requests(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
-    let verbose = query.get("verbose").is_some_and(|v| v == "true" || v == "1");
+    let verbose = query
+        .get("verbose")
+        .is_some_and(|v| v == "true" || v == "1");
     Ok(Json(json!({"data": state.journal.view(verbose)})))
 }

@@ -23,15 +23,23 @@ pub async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<
             ApiError::bad_request(format!("cannot read request body: {err}"), None)
         }
     })?;
-    serde_json::from_slice(&bytes).map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))
+    serde_json::from_slice(&bytes)
+        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))
 }
 
 /// Parses an optional JSON body: empty means `null`.
-pub async fn read_optional_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<Value, ApiError> {
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| ApiError::PayloadTooLarge(limit))?;
+pub async fn read_optional_json(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<Value, ApiError> {
+    let bytes = axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| ApiError::PayloadTooLarge(limit))?;
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(Value::Null);
     }
     let _ = headers;
-    serde_json::from_slice(&bytes).map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))
+    serde_json::from_slice(&bytes)
+        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))
 }

@@ -20,7 +20,10 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .route("/v1/instances", post(instances::register))
         .route("/v1/instances/{id}", delete(instances::deregister))
         .route("/v1/instances/{id}/heartbeat", post(instances::heartbeat))
-        .route("/admin/instances", get(admin::list_instances).post(admin::add_instance))
+        .route(
+            "/admin/instances",
+            get(admin::list_instances).post(admin::add_instance),
+        )
         .route("/admin/instances/{id}", delete(admin::remove_instance))
         .route("/admin/instances/{id}/drain", post(admin::drain))
         .route("/admin/instances/{id}/activate", post(admin::activate))

@@ -12,11 +12,19 @@ use axum::Json;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     generate(state, Route::Completions, headers, body).await
 }
 
-pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     generate(state, Route::Chat, headers, body).await
 }
 
@@ -30,11 +38,21 @@ fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
 }
 
-async fn generate(state: Arc<AppState>, route: Route, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+async fn generate(
+    state: Arc<AppState>,
+    route: Route,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
     let result = async {
         let value = read_json(&headers, body, state.config.max_body_bytes).await?;
-        let info = validate(route, &value, request_id(&headers), state.config.max_tokens_limit)?;
+        let info = validate(
+            route,
+            &value,
+            request_id(&headers),
+            state.config.max_tokens_limit,
+        )?;
         crate::pd::run(state.clone(), info, value).await
     }
     .await;

@@ -15,12 +15,23 @@ pub async fn health() -> Json<serde_json::Value> {
 
 pub async fn ready(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     let ready = state.registry.is_ready();
-    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(json!({"ready": ready, "instances": state.registry.list().len()})))
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({"ready": ready, "instances": state.registry.list().len()})),
+    )
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let text = state.metrics.as_ref().map(|h| h.render()).unwrap_or_default();
+    let text = state
+        .metrics
+        .as_ref()
+        .map(|h| h.render())
+        .unwrap_or_default();
     ([("content-type", "text/plain; version=0.0.4")], text)
 }
 

@@ -29,13 +29,20 @@ pub fn decode_body(body: &Value, kv_transfer_params: &Value) -> Value {
 }
 
 /// Opens the decode stream.
-pub async fn open(state: &AppState, info: &RequestInfo, body: &Value, prefilled: &Prefilled) -> Result<Opened, ApiError> {
+pub async fn open(
+    state: &AppState,
+    info: &RequestInfo,
+    body: &Value,
+    prefilled: &Prefilled,
+) -> Result<Opened, ApiError> {
     let payload = bytes::Bytes::from(decode_body(body, &prefilled.kv_transfer_params).to_string());
     let mut tried: Vec<String> = Vec::new();
     let mut last_error = None;
     for _ in 0..2 {
         let candidates = state.registry.eligible(&info.model, Phase::Decode);
-        let Some(instance) = state.decode.select(&candidates, &tried) else { break };
+        let Some(instance) = state.decode.select(&candidates, &tried) else {
+            break;
+        };
         tried.push(instance.id.clone());
         let guard = LoadGuard::new(instance.clone());
         crate::metrics::upstream_request(&instance.id, "decode");
@@ -48,22 +55,36 @@ pub async fn open(state: &AppState, info: &RequestInfo, body: &Value, prefilled:
             .send()
             .await;
         match sent {
-            Ok(response) if response.status().is_success() => return Ok(Opened { response, guard }),
+            Ok(response) if response.status().is_success() => {
+                return Ok(Opened { response, guard })
+            }
             Ok(response) if response.status().is_server_error() => {
                 crate::metrics::upstream_error(&instance.id, "decode", "5xx");
-                last_error = Some(ApiError::BadGateway { instance: instance.id.clone(), message: format!("HTTP {}", response.status()) });
+                last_error = Some(ApiError::BadGateway {
+                    instance: instance.id.clone(),
+                    message: format!("HTTP {}", response.status()),
+                });
             }
             Ok(response) => {
                 crate::metrics::upstream_error(&instance.id, "decode", "4xx");
-                let status = axum::http::StatusCode::from_u16(response.status().as_u16()).unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
+                let status = axum::http::StatusCode::from_u16(response.status().as_u16())
+                    .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
                 let body = response.bytes().await.unwrap_or_default();
                 return Err(ApiError::Upstream { status, body });
             }
             Err(err) => {
                 crate::metrics::upstream_error(&instance.id, "decode", "connect");
-                last_error = Some(ApiError::BadGateway { instance: instance.id.clone(), message: err.to_string() });
+                last_error = Some(ApiError::BadGateway {
+                    instance: instance.id.clone(),
+                    message: err.to_string(),
+                });
             }
         }
     }
-    Err(last_error.unwrap_or_else(|| ApiError::Unavailable(format!("no decode instance is ready for model `{}`", info.model))))
+    Err(last_error.unwrap_or_else(|| {
+        ApiError::Unavailable(format!(
+            "no decode instance is ready for model `{}`",
+            info.model
+        ))
+    }))
 }

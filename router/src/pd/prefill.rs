@@ -40,13 +40,19 @@ pub fn prefill_body(route: Route, body: &Value) -> Value {
 }
 
 /// Runs prefill, retrying once on another instance after a connect error or 5xx.
-pub async fn run(state: &AppState, info: &RequestInfo, body: &Value) -> Result<Prefilled, ApiError> {
+pub async fn run(
+    state: &AppState,
+    info: &RequestInfo,
+    body: &Value,
+) -> Result<Prefilled, ApiError> {
     let payload = bytes::Bytes::from(prefill_body(info.route, body).to_string());
     let mut tried: Vec<String> = Vec::new();
     let mut last_error = None;
     for attempt in 0..2 {
         let candidates = state.registry.eligible(&info.model, Phase::Prefill);
-        let Some(instance) = state.prefill.select(&candidates, &tried) else { break };
+        let Some(instance) = state.prefill.select(&candidates, &tried) else {
+            break;
+        };
         if attempt > 0 {
             crate::metrics::prefill_retry();
             tracing::warn!(request_id = %info.request_id, instance = %instance.id, "retrying prefill on another instance");
@@ -67,7 +73,10 @@ pub async fn run(state: &AppState, info: &RequestInfo, body: &Value) -> Result<P
             Ok(response) => response,
             Err(err) => {
                 crate::metrics::upstream_error(&instance.id, "prefill", "connect");
-                last_error = Some(ApiError::BadGateway { instance: instance.id.clone(), message: err.to_string() });
+                last_error = Some(ApiError::BadGateway {
+                    instance: instance.id.clone(),
+                    message: err.to_string(),
+                });
                 continue;
             }
         };
@@ -76,41 +85,70 @@ pub async fn run(state: &AppState, info: &RequestInfo, body: &Value) -> Result<P
             Ok(bytes) => bytes,
             Err(err) => {
                 crate::metrics::upstream_error(&instance.id, "prefill", "body");
-                last_error = Some(ApiError::BadGateway { instance: instance.id.clone(), message: err.to_string() });
+                last_error = Some(ApiError::BadGateway {
+                    instance: instance.id.clone(),
+                    message: err.to_string(),
+                });
                 continue;
             }
         };
         if status.is_server_error() {
             crate::metrics::upstream_error(&instance.id, "prefill", "5xx");
-            last_error = Some(ApiError::BadGateway { instance: instance.id.clone(), message: format!("HTTP {status}") });
+            last_error = Some(ApiError::BadGateway {
+                instance: instance.id.clone(),
+                message: format!("HTTP {status}"),
+            });
             continue;
         }
         if !status.is_success() {
             crate::metrics::upstream_error(&instance.id, "prefill", "4xx");
-            let status = axum::http::StatusCode::from_u16(status.as_u16()).unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
-            return Err(ApiError::Upstream { status, body: bytes });
+            let status = axum::http::StatusCode::from_u16(status.as_u16())
+                .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
+            return Err(ApiError::Upstream {
+                status,
+                body: bytes,
+            });
         }
         return parse_answer(info.route, &instance.id, &bytes);
     }
-    Err(last_error.unwrap_or_else(|| ApiError::Unavailable(format!("no prefill instance is ready for model `{}`", info.model))))
+    Err(last_error.unwrap_or_else(|| {
+        ApiError::Unavailable(format!(
+            "no prefill instance is ready for model `{}`",
+            info.model
+        ))
+    }))
 }
 
 /// Reads the hold and the prompt ids out of a prefill answer.
 fn parse_answer(route: Route, instance: &str, bytes: &[u8]) -> Result<Prefilled, ApiError> {
-    let bad = |message: &str| ApiError::BadGateway { instance: instance.to_string(), message: message.to_string() };
-    let answer: Value = serde_json::from_slice(bytes).map_err(|_| bad("prefill answered invalid JSON"))?;
+    let bad = |message: &str| ApiError::BadGateway {
+        instance: instance.to_string(),
+        message: message.to_string(),
+    };
+    let answer: Value =
+        serde_json::from_slice(bytes).map_err(|_| bad("prefill answered invalid JSON"))?;
     let kv_transfer_params = answer
         .get("kv_transfer_params")
         .filter(|kv| kv.is_object())
         .cloned()
-        .ok_or_else(|| bad("prefill answered without kv_transfer_params (is its KV connector configured?)"))?;
+        .ok_or_else(|| {
+            bad("prefill answered without kv_transfer_params (is its KV connector configured?)")
+        })?;
     let ids = match route {
         Route::Completions => answer.pointer("/choices/0/prompt_token_ids"),
         Route::Chat => answer.get("prompt_token_ids"),
     };
     let prompt_token_ids = ids
         .and_then(Value::as_array)
-        .and_then(|ids| ids.iter().map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok())).collect::<Option<Vec<u32>>>())
+        .and_then(|ids| {
+            ids.iter()
+                .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+                .collect::<Option<Vec<u32>>>()
+        })
         .ok_or_else(|| bad("prefill answered without prompt_token_ids"))?;
-    Ok(Prefilled { instance: instance.to_string(), kv_transfer_params, prompt_token_ids })
+    Ok(Prefilled {
+        instance: instance.to_string(),
+        kv_transfer_params,
+        prompt_token_ids,
+    })
 }

@@ -47,10 +47,18 @@ pub struct Relay {
 }
 
 impl Relay {
-    pub fn new(info: RequestInfo, prompt_token_ids: Vec<u32>, opened: Opened, journal: JournalHandle) -> Self {
+    pub fn new(
+        info: RequestInfo,
+        prompt_token_ids: Vec<u32>,
+        opened: Opened,
+        journal: JournalHandle,
+    ) -> Self {
         let id = format!("{}-{}", info.route.id_prefix(), info.request_id);
         Self {
-            created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
             id,
             prompt_token_ids,
             upstream: opened.response.bytes_stream().boxed(),
@@ -90,8 +98,13 @@ impl Relay {
                         self.on_event(&data);
                     }
                 }
-                Some(Err(err)) => self.fail(&format!("decoder {} stream failed: {err}", self.decoder())),
-                None => self.fail(&format!("decoder {} ended the stream before finishing", self.decoder())),
+                Some(Err(err)) => {
+                    self.fail(&format!("decoder {} stream failed: {err}", self.decoder()))
+                }
+                None => self.fail(&format!(
+                    "decoder {} ended the stream before finishing",
+                    self.decoder()
+                )),
             }
         }
     }
@@ -105,7 +118,10 @@ impl Relay {
             if self.choices.iter().all(|c| c.finish_reason.is_some()) {
                 self.finish();
             } else {
-                self.fail(&format!("decoder {} ended the stream before finishing", self.decoder()));
+                self.fail(&format!(
+                    "decoder {} ended the stream before finishing",
+                    self.decoder()
+                ));
             }
             return;
         }
@@ -113,10 +129,16 @@ impl Relay {
             return self.fail(&format!("decoder {} sent an invalid chunk", self.decoder()));
         };
         if let Some(error) = chunk.get("error") {
-            let message = error.get("message").and_then(Value::as_str).unwrap_or("decoder error").to_string();
+            let message = error
+                .get("message")
+                .and_then(Value::as_str)
+                .unwrap_or("decoder error")
+                .to_string();
             return self.fail(&message);
         }
-        let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut) else { return };
+        let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut) else {
+            return;
+        };
         if choices.is_empty() {
             return; // the engine's usage chunk: the router sends its own
         }
@@ -145,7 +167,9 @@ impl Relay {
     /// Journals what one choice of a chunk carries.
     fn absorb(&mut self, choice: &Value, now: Instant) {
         let index = choice.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
-        let Some(state) = self.choices.get_mut(index) else { return };
+        let Some(state) = self.choices.get_mut(index) else {
+            return;
+        };
         let text = match self.info.route {
             Route::Completions => choice.get("text"),
             Route::Chat => choice.pointer("/delta/content"),
@@ -156,11 +180,19 @@ impl Relay {
         let ids: Vec<u32> = choice
             .get("token_ids")
             .and_then(Value::as_array)
-            .map(|ids| ids.iter().filter_map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok())).collect())
+            .map(|ids| {
+                ids.iter()
+                    .filter_map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+                    .collect()
+            })
             .unwrap_or_default();
         if !ids.is_empty() {
             match self.last_token {
-                None => crate::metrics::first_token(self.info.route.path(), &self.guard.instance().id, now - self.started),
+                None => crate::metrics::first_token(
+                    self.info.route.path(),
+                    &self.guard.instance().id,
+                    now - self.started,
+                ),
                 Some(last) => crate::metrics::inter_token(&self.guard.instance().id, now - last),
             }
             self.last_token = Some(now);
@@ -171,7 +203,11 @@ impl Relay {
             state.stop_reason = choice.get("stop_reason").cloned();
         }
         if index == 0 {
-            let finish = state.finish_reason.as_ref().and_then(Value::as_str).map(str::to_string);
+            let finish = state
+                .finish_reason
+                .as_ref()
+                .and_then(Value::as_str)
+                .map(str::to_string);
             let text = text.and_then(Value::as_str).unwrap_or_default().to_string();
             self.journal.update(|e| {
                 e.generated_token_ids.extend_from_slice(&ids);
@@ -218,9 +254,13 @@ impl Relay {
         tracing::warn!(request_id = %self.info.request_id, decoder = %self.decoder(), %message, "decode failed");
         crate::metrics::upstream_error(&self.guard.instance().id, "decode", "stream");
         self.ended = true;
-        let error = ApiError::BadGateway { instance: self.decoder().to_string(), message: message.to_string() };
+        let error = ApiError::BadGateway {
+            instance: self.decoder().to_string(),
+            message: message.to_string(),
+        };
         if self.info.stream {
-            self.out.push_back(sse::event(error.body().to_string().as_bytes()));
+            self.out
+                .push_back(sse::event(error.body().to_string().as_bytes()));
             self.out.push_back(sse::event(sse::DONE));
         }
         self.record(502);
@@ -235,10 +275,17 @@ impl Relay {
     pub fn into_sse_response(self) -> Response {
         let request_id = self.info.request_id.clone();
         let body = futures_util::stream::unfold(self, |mut relay| async move {
-            relay.next_chunk().await.map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), relay))
+            relay
+                .next_chunk()
+                .await
+                .map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), relay))
         });
         (
-            [("content-type", "text/event-stream"), ("cache-control", "no-cache"), ("x-request-id", request_id.as_str())],
+            [
+                ("content-type", "text/event-stream"),
+                ("cache-control", "no-cache"),
+                ("x-request-id", request_id.as_str()),
+            ],
             Body::from_stream(body),
         )
             .into_response()
@@ -279,6 +326,10 @@ impl Relay {
             response["prompt_token_ids"] = json!(self.prompt_token_ids);
         }
         let request_id = self.info.request_id.clone();
-        Ok(([("x-request-id", request_id.as_str())], axum::Json(response)).into_response())
+        Ok((
+            [("x-request-id", request_id.as_str())],
+            axum::Json(response),
+        )
+            .into_response())
     }
 }

@@ -44,13 +44,23 @@ pub struct RequestInfo {
 }
 
 /// Checks the body of a generation request; returns what the flow needs.
-pub fn validate(route: Route, body: &Value, request_id: String, max_tokens_limit: u64) -> Result<RequestInfo, ApiError> {
+pub fn validate(
+    route: Route,
+    body: &Value,
+    request_id: String,
+    max_tokens_limit: u64,
+) -> Result<RequestInfo, ApiError> {
     let object = body
         .as_object()
         .ok_or_else(|| ApiError::bad_request("request body must be a JSON object", None))?;
     let model = match object.get("model") {
         Some(Value::String(model)) if !model.is_empty() => model.clone(),
-        Some(_) => return Err(ApiError::bad_request("`model` must be a non-empty string", Some("model"))),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "`model` must be a non-empty string",
+                Some("model"),
+            ))
+        }
         None => return Err(ApiError::bad_request("`model` is required", Some("model"))),
     };
     match route {
@@ -66,12 +76,19 @@ pub fn validate(route: Route, body: &Value, request_id: String, max_tokens_limit
         Some(value) => value
             .as_u64()
             .filter(|n| (1..=128).contains(n))
-            .ok_or_else(|| ApiError::bad_request("`n` must be an integer from 1 to 128", Some("n")))?,
+            .ok_or_else(|| {
+                ApiError::bad_request("`n` must be an integer from 1 to 128", Some("n"))
+            })?,
     };
     let include_usage = match object.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(Value::Object(options)) => optional_bool(options, "include_usage")?.unwrap_or(false),
-        Some(_) => return Err(ApiError::bad_request("`stream_options` must be an object", Some("stream_options"))),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "`stream_options` must be an object",
+                Some("stream_options"),
+            ))
+        }
     };
     Ok(RequestInfo {
         route,
@@ -84,21 +101,41 @@ pub fn validate(route: Route, body: &Value, request_id: String, max_tokens_limit
     })
 }
 
-fn optional_bool(object: &serde_json::Map<String, Value>, key: &'static str) -> Result<Option<bool>, ApiError> {
+fn optional_bool(
+    object: &serde_json::Map<String, Value>,
+    key: &'static str,
+) -> Result<Option<bool>, ApiError> {
     match object.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(_) => Err(ApiError::bad_request(format!("`{key}` must be a boolean"), Some(key))),
+        Some(_) => Err(ApiError::bad_request(
+            format!("`{key}` must be a boolean"),
+            Some(key),
+        )),
     }
 }
 
 fn check_prompt(prompt: Option<&Value>) -> Result<(), ApiError> {
-    let invalid = || ApiError::bad_request("`prompt` must be a string or a list of token ids", Some("prompt"));
+    let invalid = || {
+        ApiError::bad_request(
+            "`prompt` must be a string or a list of token ids",
+            Some("prompt"),
+        )
+    };
     match prompt {
-        None => Err(ApiError::bad_request("`prompt` is required", Some("prompt"))),
+        None => Err(ApiError::bad_request(
+            "`prompt` is required",
+            Some("prompt"),
+        )),
         Some(Value::String(_)) => Ok(()),
         Some(Value::Array(items)) if items.is_empty() => Err(invalid()),
-        Some(Value::Array(items)) if items.iter().all(|i| i.as_u64().is_some_and(|id| id <= u64::from(u32::MAX))) => Ok(()),
+        Some(Value::Array(items))
+            if items
+                .iter()
+                .all(|i| i.as_u64().is_some_and(|id| id <= u64::from(u32::MAX))) =>
+        {
+            Ok(())
+        }
         Some(Value::Array(items)) if items.len() == 1 => match &items[0] {
             Value::String(_) => Ok(()),
             inner @ Value::Array(_) => check_prompt(Some(inner)),
@@ -114,13 +151,26 @@ fn check_prompt(prompt: Option<&Value>) -> Result<(), ApiError> {
 
 fn check_messages(messages: Option<&Value>) -> Result<(), ApiError> {
     let messages = match messages {
-        None => return Err(ApiError::bad_request("`messages` is required", Some("messages"))),
+        None => {
+            return Err(ApiError::bad_request(
+                "`messages` is required",
+                Some("messages"),
+            ))
+        }
         Some(Value::Array(messages)) if !messages.is_empty() => messages,
-        Some(_) => return Err(ApiError::bad_request("`messages` must be a non-empty list", Some("messages"))),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "`messages` must be a non-empty list",
+                Some("messages"),
+            ))
+        }
     };
     for message in messages {
         if !message.get("role").is_some_and(Value::is_string) {
-            return Err(ApiError::bad_request("each message must be an object with a string `role`", Some("messages")));
+            return Err(ApiError::bad_request(
+                "each message must be an object with a string `role`",
+                Some("messages"),
+            ));
         }
     }
     Ok(())
@@ -130,12 +180,19 @@ fn check_max_tokens(value: Option<&Value>, key: &'static str, limit: u64) -> Res
     match value {
         None | Some(Value::Null) => Ok(()),
         Some(Value::Number(n)) => match n.as_u64() {
-            Some(0) | None => Err(ApiError::bad_request(format!("`{key}` must be a positive integer"), Some(key))),
-            Some(v) if v > limit => {
-                Err(ApiError::bad_request(format!("`{key}` must be at most {limit}"), Some(key)))
-            }
+            Some(0) | None => Err(ApiError::bad_request(
+                format!("`{key}` must be a positive integer"),
+                Some(key),
+            )),
+            Some(v) if v > limit => Err(ApiError::bad_request(
+                format!("`{key}` must be at most {limit}"),
+                Some(key),
+            )),
             Some(_) => Ok(()),
         },
-        Some(_) => Err(ApiError::bad_request(format!("`{key}` must be an integer"), Some(key))),
+        Some(_) => Err(ApiError::bad_request(
+            format!("`{key}` must be an integer"),
+            Some(key),
+        )),
     }
 }

@@ -22,7 +22,10 @@ pub enum Role {
 impl Role {
     /// Whether an instance of this role can serve `phase`.
     pub fn serves(self, phase: Phase) -> bool {
-        matches!((self, phase), (Role::Both, _) | (Role::Prefill, Phase::Prefill) | (Role::Decode, Phase::Decode))
+        matches!(
+            (self, phase),
+            (Role::Both, _) | (Role::Prefill, Phase::Prefill) | (Role::Decode, Phase::Decode)
+        )
     }
 }
 
@@ -104,7 +107,10 @@ impl Instance {
     }
 
     fn heartbeat_age(&self) -> Duration {
-        self.last_heartbeat.lock().unwrap_or_else(|e| e.into_inner()).elapsed()
+        self.last_heartbeat
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
     }
 
     /// Requests this router has in flight on the instance.
@@ -161,7 +167,10 @@ pub struct Registry {
 
 impl Registry {
     pub fn new(ttl: Duration) -> Self {
-        Self { instances: DashMap::new(), ttl }
+        Self {
+            instances: DashMap::new(),
+            ttl,
+        }
     }
 
     pub fn ttl(&self) -> Duration {
@@ -170,7 +179,9 @@ impl Registry {
 
     /// Adds or replaces an instance; returns it.
     pub fn register(&self, reg: Registration) -> Arc<Instance> {
-        let id = reg.id.clone().unwrap_or_else(|| format!("inst-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]));
+        let id = reg.id.clone().unwrap_or_else(|| {
+            format!("inst-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+        });
         let instance = Arc::new(Instance::new(id.clone(), reg));
         tracing::info!(id = %instance.id, role = ?instance.role, url = %instance.url, model = %instance.model, "instance registered");
         self.instances.insert(id, instance.clone());
@@ -180,8 +191,13 @@ impl Registry {
     /// Refreshes an instance's heartbeat. A dead instance that heartbeats again is
     /// ready again; a draining one stays draining. `false` when unknown.
     pub fn heartbeat(&self, id: &str) -> bool {
-        let Some(instance) = self.instances.get(id) else { return false };
-        *instance.last_heartbeat.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        let Some(instance) = self.instances.get(id) else {
+            return false;
+        };
+        *instance
+            .last_heartbeat
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Instant::now();
         if instance.lifecycle() == Lifecycle::Dead {
             tracing::info!(%id, "instance is alive again");
             instance.set_lifecycle(Lifecycle::Ready);
@@ -199,10 +215,15 @@ impl Registry {
 
     /// Sets the lifecycle of an instance (drain / activate). `false` when unknown.
     pub fn set_lifecycle(&self, id: &str, state: Lifecycle) -> bool {
-        let Some(instance) = self.instances.get(id) else { return false };
+        let Some(instance) = self.instances.get(id) else {
+            return false;
+        };
         instance.set_lifecycle(state);
         if state == Lifecycle::Ready {
-            *instance.last_heartbeat.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+            *instance
+                .last_heartbeat
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Instant::now();
         }
         tracing::info!(%id, ?state, "instance state changed");
         true
@@ -252,9 +273,10 @@ impl Registry {
 
     /// Whether some model has both a prefill and a decode instance eligible.
     pub fn is_ready(&self) -> bool {
-        self.models()
-            .iter()
-            .any(|m| !self.eligible(m, Phase::Prefill).is_empty() && !self.eligible(m, Phase::Decode).is_empty())
+        self.models().iter().any(|m| {
+            !self.eligible(m, Phase::Prefill).is_empty()
+                && !self.eligible(m, Phase::Decode).is_empty()
+        })
     }
 
     /// Marks instances whose heartbeats stopped for the TTL as dead.

@@ -34,7 +34,9 @@ impl Proc {
                 }
             }
         });
-        let url = rx.recv_timeout(Duration::from_secs(20)).expect("process did not report its address");
+        let url = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("process did not report its address");
         Proc { child, url }
     }
 
@@ -62,7 +64,13 @@ fn args(list: &[&str]) -> Vec<String> {
 
 /// Starts a router with the admin token and `extra` flags.
 pub fn router(extra: &[&str]) -> Proc {
-    let mut all = args(&["serve", "--listen", "127.0.0.1:0", "--admin-token", ADMIN_TOKEN]);
+    let mut all = args(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-token",
+        ADMIN_TOKEN,
+    ]);
     all.extend(args(extra));
     Proc::start(env!("CARGO_BIN_EXE_connex-router"), &all)
 }
@@ -81,7 +89,10 @@ pub fn engine(router: Option<&Proc>, role: &str, extra: &[&str]) -> Proc {
 }
 
 pub fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client")
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("client")
 }
 
 /// The admin instance list.
@@ -102,11 +113,18 @@ pub async fn instances(router: &Proc) -> Vec<Value> {
 pub async fn wait_ready(router: &Proc, count: usize) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let ready = instances(router).await.iter().filter(|i| i["state"] == "ready").count();
+        let ready = instances(router)
+            .await
+            .iter()
+            .filter(|i| i["state"] == "ready")
+            .count();
         if ready >= count {
             return;
         }
-        assert!(Instant::now() < deadline, "only {ready} of {count} instances became ready");
+        assert!(
+            Instant::now() < deadline,
+            "only {ready} of {count} instances became ready"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -123,7 +141,12 @@ pub async fn instance_id(router: &Proc, engine: &Proc) -> String {
 
 /// POSTs `body` to `path` and returns (status, JSON body).
 pub async fn post(router: &Proc, path: &str, body: &Value) -> (u16, Value) {
-    let response = client().post(format!("{}{path}", router.url)).json(body).send().await.expect("post");
+    let response = client()
+        .post(format!("{}{path}", router.url))
+        .json(body)
+        .send()
+        .await
+        .expect("post");
     let status = response.status().as_u16();
     (status, response.json().await.unwrap_or(Value::Null))
 }
@@ -131,14 +154,22 @@ pub async fn post(router: &Proc, path: &str, body: &Value) -> (u16, Value) {
 /// POSTs a streaming request and returns every `data:` payload parsed (the
 /// final `[DONE]` as the string "[DONE]").
 pub async fn stream(router: &Proc, path: &str, body: &Value) -> Vec<Value> {
-    let response = client().post(format!("{}{path}", router.url)).json(body).send().await.expect("post");
+    let response = client()
+        .post(format!("{}{path}", router.url))
+        .json(body)
+        .send()
+        .await
+        .expect("post");
     assert_eq!(response.status().as_u16(), 200, "stream status");
     let text = response.text().await.expect("stream body");
     let mut parser = connex_router::sse::SseParser::default();
     parser
         .push(text.as_bytes())
         .iter()
-        .map(|data| serde_json::from_slice(data).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(data).into())))
+        .map(|data| {
+            serde_json::from_slice(data)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(data).into()))
+        })
         .collect()
 }
 
@@ -167,5 +198,12 @@ pub async fn engine_requests(engine: &Proc) -> Vec<Value> {
 
 /// Ids as JSON numbers.
 pub fn ids(value: &Value) -> Vec<u32> {
-    value.as_array().map(|a| a.iter().filter_map(|v| v.as_u64().map(|v| v as u32)).collect()).unwrap_or_default()
+    value
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_u64().map(|v| v as u32))
+                .collect()
+        })
+        .unwrap_or_default()
 }

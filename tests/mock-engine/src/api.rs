@@ -28,7 +28,12 @@ pub struct EngineState {
 }
 
 impl EngineState {
-    pub fn new(config: MockConfig, addr: SocketAddr, crash: CrashAction, shutdown: CancellationToken) -> Self {
+    pub fn new(
+        config: MockConfig,
+        addr: SocketAddr,
+        crash: CrashAction,
+        shutdown: CancellationToken,
+    ) -> Self {
         Self {
             engine_id: format!("mock-{}", uuid::Uuid::new_v4().simple()),
             config,
@@ -42,7 +47,10 @@ impl EngineState {
 
     /// The URL announced to the router.
     pub fn url(&self) -> String {
-        self.config.advertise_url.clone().unwrap_or_else(|| format!("http://{}", self.addr))
+        self.config
+            .advertise_url
+            .clone()
+            .unwrap_or_else(|| format!("http://{}", self.addr))
     }
 }
 
@@ -58,7 +66,9 @@ pub fn routes(state: Arc<EngineState>) -> Router {
 }
 
 async fn models(State(state): State<Arc<EngineState>>) -> Json<Value> {
-    Json(json!({"object":"list","data":[{"id":state.config.model,"object":"model","owned_by":"connex-mock"}]}))
+    Json(
+        json!({"object":"list","data":[{"id":state.config.model,"object":"model","owned_by":"connex-mock"}]}),
+    )
 }
 
 async fn stats(State(state): State<Arc<EngineState>>) -> Json<Value> {
@@ -69,11 +79,19 @@ async fn stats(State(state): State<Arc<EngineState>>) -> Json<Value> {
     }))
 }
 
-async fn completions(State(state): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn completions(
+    State(state): State<Arc<EngineState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     generate(state, Kind::Completion, &headers, &body)
 }
 
-async fn chat_completions(State(state): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(
+    State(state): State<Arc<EngineState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     generate(state, Kind::Chat, &headers, &body)
 }
 
@@ -92,9 +110,10 @@ fn error(status: StatusCode, message: &str) -> Response {
 fn completion_prompt(prompt: &Value) -> Option<Vec<u32>> {
     match prompt {
         Value::String(text) => Some(model::tokenize(text)),
-        Value::Array(items) if items.iter().all(Value::is_u64) => {
-            items.iter().map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok())).collect()
-        }
+        Value::Array(items) if items.iter().all(Value::is_u64) => items
+            .iter()
+            .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
+            .collect(),
         Value::Array(items) if items.len() == 1 => completion_prompt(&items[0]),
         _ => None,
     }
@@ -120,7 +139,10 @@ fn generate(state: Arc<EngineState>, kind: Kind, headers: &HeaderMap, body: &[u8
     let Ok(request) = serde_json::from_slice::<Value>(body) else {
         return error(StatusCode::BAD_REQUEST, "invalid JSON body");
     };
-    let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let index = state.log.push(
         RequestRecord {
             path: match kind {
@@ -147,8 +169,13 @@ fn generate(state: Arc<EngineState>, kind: Kind, headers: &HeaderMap, body: &[u8
             return error(StatusCode::BAD_REQUEST, message);
         }
     };
-    state.log.update(index, |r| r.computed_prompt_tokens = plan.computed_prompt);
-    let stream = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    state
+        .log
+        .update(index, |r| r.computed_prompt_tokens = plan.computed_prompt);
+    let stream = request
+        .get("stream")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let run = Run::new(state, plan, index);
     if stream {
         let body = futures_util::stream::unfold(run, |mut run| async move {
@@ -177,7 +204,12 @@ impl IntoJsonResponse for Body {
     }
 }
 
-fn plan(state: &EngineState, kind: Kind, request: &Value, request_id: Option<String>) -> Result<Plan, &'static str> {
+fn plan(
+    state: &EngineState,
+    kind: Kind,
+    request: &Value,
+    request_id: Option<String>,
+) -> Result<Plan, &'static str> {
     let prompt_ids = match kind {
         Kind::Completion => completion_prompt(request.get("prompt").ok_or("missing prompt")?)
             .ok_or("prompt must be a string or a list of token ids")?,
@@ -192,7 +224,12 @@ fn plan(state: &EngineState, kind: Kind, request: &Value, request_id: Option<Str
         .unwrap_or(16);
     let max_tokens = u32::try_from(max_tokens).map_err(|_| "max_tokens too large")?;
     let kv_in = request.get("kv_transfer_params");
-    let flag = |key: &str| kv_in.and_then(|kv| kv.get(key)).and_then(Value::as_bool).unwrap_or(false);
+    let flag = |key: &str| {
+        kv_in
+            .and_then(|kv| kv.get(key))
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    };
     let (kv_out, computed_prompt) = if flag("do_remote_decode") {
         if state.config.role == Role::Decode {
             return Err("this engine is a decoder and cannot prefill for remote decode");
@@ -229,7 +266,10 @@ fn plan(state: &EngineState, kind: Kind, request: &Value, request_id: Option<Str
     Ok(Plan {
         kind,
         id: format!("{prefix}-{suffix}"),
-        created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
         model: state.config.model.clone(),
         max_tokens: if kv_out.is_some() { 1 } else { max_tokens },
         prompt_ids,
@@ -237,7 +277,10 @@ fn plan(state: &EngineState, kind: Kind, request: &Value, request_id: Option<Str
             .pointer("/stream_options/include_usage")
             .and_then(Value::as_bool)
             .unwrap_or(false),
-        return_token_ids: request.get("return_token_ids").and_then(Value::as_bool).unwrap_or(false),
+        return_token_ids: request
+            .get("return_token_ids")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
         kv_out,
         computed_prompt,
     })
@@ -272,7 +315,16 @@ impl Run {
     fn new(state: Arc<EngineState>, plan: Plan, record: Option<usize>) -> Self {
         state.inflight.fetch_add(1, Ordering::Relaxed);
         let context = ContextHash::of(&plan.prompt_ids);
-        Self { state, plan, record, context, emitted: Vec::new(), started: false, finished: false, sent_done: false }
+        Self {
+            state,
+            plan,
+            record,
+            context,
+            emitted: Vec::new(),
+            started: false,
+            finished: false,
+            sent_done: false,
+        }
     }
 
     /// Produces the next token, applying the prefill cost and the faults.
@@ -280,7 +332,9 @@ impl Run {
         let config = &self.state.config;
         if !self.started {
             self.started = true;
-            let cost = config.prefill_us_per_token.saturating_mul(self.plan.computed_prompt as u64);
+            let cost = config
+                .prefill_us_per_token
+                .saturating_mul(self.plan.computed_prompt as u64);
             if cost > 0 {
                 tokio::time::sleep(Duration::from_micros(cost)).await;
             }
@@ -292,7 +346,9 @@ impl Run {
         if config.crash_after_tokens == Some(count) && self.plan.kv_out.is_none() {
             match self.state.crash {
                 CrashAction::ExitProcess => {
-                    eprintln!("connex-mock-engine: crashing after {count} tokens (--crash-after-tokens)");
+                    eprintln!(
+                        "connex-mock-engine: crashing after {count} tokens (--crash-after-tokens)"
+                    );
                     std::process::exit(137);
                 }
                 CrashAction::StopServing => {
@@ -311,14 +367,18 @@ impl Run {
         self.context.absorb(token);
         self.emitted.push(token);
         let emitted = self.emitted.len() as u32;
-        self.state.log.update(self.record, |r| r.tokens_emitted = emitted);
+        self.state
+            .log
+            .update(self.record, |r| r.tokens_emitted = emitted);
         Ok(Some(token))
     }
 
     fn finish(&mut self) {
         if !self.finished {
             self.finished = true;
-            self.state.log.update(self.record, |r| r.outcome = Outcome::Completed);
+            self.state
+                .log
+                .update(self.record, |r| r.outcome = Outcome::Completed);
         }
     }
 
@@ -359,9 +419,15 @@ impl Run {
         let finish_reason = if last { json!("length") } else { Value::Null };
         let text = model::token_text(token);
         let mut choice = match self.plan.kind {
-            Kind::Completion => json!({"index":0,"text":text,"logprobs":null,"finish_reason":finish_reason,"stop_reason":null}),
+            Kind::Completion => {
+                json!({"index":0,"text":text,"logprobs":null,"finish_reason":finish_reason,"stop_reason":null})
+            }
             Kind::Chat => {
-                let delta = if first { json!({"role":"assistant","content":text}) } else { json!({"content":text}) };
+                let delta = if first {
+                    json!({"role":"assistant","content":text})
+                } else {
+                    json!({"content":text})
+                };
                 json!({"index":0,"delta":delta,"logprobs":null,"finish_reason":finish_reason,"stop_reason":null})
             }
         };
@@ -393,8 +459,12 @@ impl Run {
         self.finish();
         let text = model::detokenize(&self.emitted);
         let mut choice = match self.plan.kind {
-            Kind::Completion => json!({"index":0,"text":text,"logprobs":null,"finish_reason":"length","stop_reason":null}),
-            Kind::Chat => json!({"index":0,"message":{"role":"assistant","content":text},"logprobs":null,"finish_reason":"length","stop_reason":null}),
+            Kind::Completion => {
+                json!({"index":0,"text":text,"logprobs":null,"finish_reason":"length","stop_reason":null})
+            }
+            Kind::Chat => {
+                json!({"index":0,"message":{"role":"assistant","content":text},"logprobs":null,"finish_reason":"length","stop_reason":null})
+            }
         };
         let mut response = json!({"id":self.plan.id,"object":self.object(false),"created":self.plan.created,"model":self.plan.model,"usage":self.usage(),"kv_transfer_params":self.plan.kv_out});
         if self.plan.return_token_ids {

@@ -24,7 +24,10 @@ pub enum CrashAction {
 
 /// `connex-mock-engine` flags.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "connex-mock-engine", about = "Deterministic mock of the vLLM OpenAI API for Connex")]
+#[command(
+    name = "connex-mock-engine",
+    about = "Deterministic mock of the vLLM OpenAI API for Connex"
+)]
 pub struct MockConfig {
     /// Address to listen on (port 0 picks a free one; the bound address is printed).
     #[arg(long, default_value = "127.0.0.1:0")]

@@ -34,7 +34,12 @@ impl MockEngine {
         let listener = TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
         let shutdown = CancellationToken::new();
-        let state = Arc::new(api::EngineState::new(config.clone(), addr, crash, shutdown.clone()));
+        let state = Arc::new(api::EngineState::new(
+            config.clone(),
+            addr,
+            crash,
+            shutdown.clone(),
+        ));
         let mut tasks = tokio::task::JoinSet::new();
         let app = api::routes(state.clone());
         let serve_stop = shutdown.clone();
@@ -49,7 +54,11 @@ impl MockEngine {
         if let Some(router) = config.router.clone() {
             tasks.spawn(register::run(router, state, shutdown.clone()));
         }
-        Ok(Self { addr, shutdown, tasks })
+        Ok(Self {
+            addr,
+            shutdown,
+            tasks,
+        })
     }
 
     /// Base URL of this engine.

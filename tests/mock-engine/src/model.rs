@@ -133,7 +133,9 @@ mod tests {
     #[test]
     fn generated_ids_are_words() {
         let ids = generate(&tokenize("x"), 200);
-        assert!(ids.iter().all(|&id| (FIRST_WORD_ID..VOCAB_SIZE).contains(&id)));
+        assert!(ids
+            .iter()
+            .all(|&id| (FIRST_WORD_ID..VOCAB_SIZE).contains(&id)));
         assert!(detokenize(&ids[..2]).starts_with(" w"));
     }
 

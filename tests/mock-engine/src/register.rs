@@ -21,11 +21,22 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
         let wait = match &registered {
             None => {
                 let body = json!({"role":state.config.role,"url":state.url(),"model":state.config.model,"id":state.config.id,"ctrl":state.addr.to_string()});
-                match auth(client.post(format!("{router}/v1/instances")).json(&body)).send().await {
+                match auth(client.post(format!("{router}/v1/instances")).json(&body))
+                    .send()
+                    .await
+                {
                     Ok(resp) if resp.status().is_success() => {
                         let reply: Value = resp.json().await.unwrap_or_default();
-                        let id = reply.get("id").and_then(Value::as_str).unwrap_or_default().to_string();
-                        let ttl = reply.get("lease_ttl_s").and_then(Value::as_u64).unwrap_or(10).max(1);
+                        let id = reply
+                            .get("id")
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                            .to_string();
+                        let ttl = reply
+                            .get("lease_ttl_s")
+                            .and_then(Value::as_u64)
+                            .unwrap_or(10)
+                            .max(1);
                         tracing::info!(%id, ttl, "registered with router");
                         registered = Some((id, ttl));
                         Duration::from_millis(ttl * 1000 / 3)
@@ -45,7 +56,9 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
                 let url = format!("{router}/v1/instances/{id}/heartbeat");
                 let wait = Duration::from_millis(*ttl * 1000 / 3);
                 match auth(client.post(url).json(&body)).send().await {
-                    Ok(resp) if resp.status() == reqwest::StatusCode::NOT_FOUND => registered = None,
+                    Ok(resp) if resp.status() == reqwest::StatusCode::NOT_FOUND => {
+                        registered = None
+                    }
                     Ok(_) => {}
                     Err(err) => tracing::debug!(%err, "heartbeat failed"),
                 }
@@ -58,6 +71,8 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
         }
     }
     if let Some((id, _)) = registered {
-        let _ = auth(client.delete(format!("{router}/v1/instances/{id}"))).send().await;
+        let _ = auth(client.delete(format!("{router}/v1/instances/{id}")))
+            .send()
+            .await;
     }
 }

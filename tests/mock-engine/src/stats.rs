@@ -55,6 +55,9 @@ impl RequestLog {
 
     /// A copy of every record.
     pub fn snapshot(&self) -> Vec<RequestRecord> {
-        self.records.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.records
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }

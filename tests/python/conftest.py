@@ -1,0 +1,63 @@
+"""Fixtures: a real connex-router and mock engines as processes on loopback."""
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN_DIR = Path(os.environ.get("CONNEX_BIN_DIR", ROOT / "target" / "debug"))
+
+
+def start(binary: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """Starts a binary and returns it with the URL from its "listening on" line."""
+    proc = subprocess.Popen([str(BIN_DIR / binary), *args], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "listening on " in line:
+            return proc, line.split("listening on ", 1)[1].strip()
+    proc.kill()
+    raise RuntimeError(f"{binary} exited before listening")
+
+
+def ready_instances(router: str) -> int:
+    request = urllib.request.Request(
+        f"{router}/admin/instances", headers={"Authorization": "Bearer t"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        return sum(1 for i in json.load(reply)["data"] if i["state"] == "ready")
+
+
+@pytest.fixture
+def cluster():
+    """A router with one prefill and one decode mock engine, all registered."""
+    procs = []
+    try:
+        router_proc, router = start(
+            "connex-router", "serve", "--listen", "127.0.0.1:0", "--admin-token", "t"
+        )
+        procs.append(router_proc)
+        for role in ("prefill", "decode"):
+            proc, _ = start(
+                "connex-mock-engine",
+                "--role",
+                role,
+                "--model",
+                "mock",
+                "--router",
+                router,
+            )
+            procs.append(proc)
+        deadline = time.monotonic() + 10
+        while ready_instances(router) < 2:
+            assert time.monotonic() < deadline, "mock engines did not register"
+            time.sleep(0.05)
+        yield router
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
