@@ -1,6 +1,9 @@
 //! End-to-end routing: a real router and real mock-engine processes on
 //! loopback, checked from what a client sees and what each engine received.
 
+// Tests fail loudly on anything unexpected; that is what unwrap is for here.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::*;
