@@ -13,6 +13,7 @@ pub mod registry;
 pub mod sse;
 pub mod state;
 
+use axum::serve::ListenerExt;
 use config::RouterConfig;
 use state::AppState;
 use std::net::SocketAddr;
@@ -60,7 +61,7 @@ impl Router {
         let app = api::routes(state.clone());
         let stop = shutdown.clone();
         tasks.spawn(async move {
-            if let Err(err) = axum::serve(listener, app)
+            if let Err(err) = axum::serve(listener.tap_io(no_delay), app)
                 .with_graceful_shutdown(stop.cancelled_owned())
                 .await
             {
@@ -97,5 +98,13 @@ async fn reap_dead_instances(state: Arc<AppState>, shutdown: CancellationToken) 
             _ = shutdown.cancelled() => break,
             _ = tick.tick() => state.registry.reap(),
         }
+    }
+}
+
+/// Every token is its own small SSE write; with Nagle's algorithm on, such writes
+/// wait for the peer's delayed ACK (~40 ms on Linux), once per response.
+fn no_delay(stream: &mut tokio::net::TcpStream) {
+    if let Err(err) = stream.set_nodelay(true) {
+        tracing::warn!(%err, "could not set TCP_NODELAY");
     }
 }

@@ -14,6 +14,7 @@ pub mod stats;
 
 pub use config::{CrashAction, MockConfig, Role};
 
+use axum::serve::ListenerExt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
@@ -44,7 +45,7 @@ impl MockEngine {
         let app = api::routes(state.clone());
         let serve_stop = shutdown.clone();
         tasks.spawn(async move {
-            let result = axum::serve(listener, app)
+            let result = axum::serve(listener.tap_io(no_delay), app)
                 .with_graceful_shutdown(serve_stop.cancelled_owned())
                 .await;
             if let Err(err) = result {
@@ -75,5 +76,13 @@ impl MockEngine {
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Every token is its own small SSE write; with Nagle's algorithm on, such writes
+/// wait for the peer's delayed ACK (~40 ms on Linux), once per response.
+fn no_delay(stream: &mut tokio::net::TcpStream) {
+    if let Err(err) = stream.set_nodelay(true) {
+        tracing::warn!(%err, "could not set TCP_NODELAY");
     }
 }

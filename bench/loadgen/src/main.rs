@@ -1,0 +1,109 @@
+//! `connex-loadgen`: sends `--requests` requests at `--concurrency` to one URL
+//! (closed loop, bounded in count and by `--timeout-s`) and prints one JSON line:
+//! requests/s, p50 and p99 latency, and the errors seen.
+
+use clap::Parser;
+use futures_util::StreamExt;
+use serde_json::json;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Parser)]
+struct Args {
+    /// Full URL, e.g. http://127.0.0.1:8000/v1/completions.
+    #[arg(long)]
+    url: String,
+    #[arg(long, default_value_t = 300)]
+    requests: usize,
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    #[arg(long, default_value_t = 32)]
+    max_tokens: u32,
+    /// Stream the responses (SSE), reading every chunk.
+    #[arg(long)]
+    stream: bool,
+    /// Hard limit for the whole run.
+    #[arg(long, default_value_t = 120)]
+    timeout_s: u64,
+    /// A label echoed in the output line.
+    #[arg(long, default_value = "run")]
+    label: String,
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(args.concurrency)
+        .build()
+        .expect("http client");
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..args.concurrency {
+        let (client, next, url) = (client.clone(), next.clone(), args.url.clone());
+        let (total, max_tokens, stream) = (args.requests, args.max_tokens, args.stream);
+        workers.spawn(async move {
+            let mut latencies = Vec::new();
+            let mut errors = 0usize;
+            while next.fetch_add(1, Ordering::Relaxed) < total {
+                let i = latencies.len() + errors;
+                let body = json!({"model": "mock", "prompt": format!("benchmark prompt {i} with a few words"),
+                    "max_tokens": max_tokens, "stream": stream});
+                let t = Instant::now();
+                match one(&client, &url, &body).await {
+                    Ok(()) => latencies.push(t.elapsed()),
+                    Err(_) => errors += 1,
+                }
+            }
+            (latencies, errors)
+        });
+    }
+    let deadline = Duration::from_secs(args.timeout_s);
+    let mut latencies = Vec::new();
+    let mut errors = 0;
+    let collected = tokio::time::timeout(deadline, async {
+        while let Some(Ok((l, e))) = workers.join_next().await {
+            latencies.extend(l);
+            errors += e;
+        }
+    })
+    .await;
+    let elapsed = started.elapsed().as_secs_f64();
+    latencies.sort();
+    let pct = |p: f64| {
+        latencies
+            .get(((latencies.len() as f64 * p).ceil() as usize).saturating_sub(1))
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+    };
+    println!(
+        "{}",
+        json!({"label": args.label, "ok": latencies.len(), "errors": errors, "timed_out": collected.is_err(),
+            "seconds": elapsed, "req_s": latencies.len() as f64 / elapsed, "p50_ms": pct(0.50), "p99_ms": pct(0.99)})
+    );
+}
+
+async fn one(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> Result<(), String> {
+    let response = client
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    if !response.status().is_success() {
+        return Err(format!("HTTP {}", response.status()));
+    }
+    let mut body = response.bytes_stream();
+    let mut last = Vec::new();
+    while let Some(chunk) = body.next().await {
+        last = chunk.map_err(|e| e.to_string())?.to_vec();
+    }
+    // A complete stream ends with [DONE]; a complete JSON reply with its usage.
+    let tail = String::from_utf8_lossy(&last);
+    if tail.contains("[DONE]") || tail.contains("\"usage\"") {
+        Ok(())
+    } else {
+        Err("incomplete response".into())
+    }
+}
