@@ -42,6 +42,7 @@ pub struct Relay {
     out: VecDeque<Bytes>,
     started: Instant,
     last_token: Option<Instant>,
+    inter_token: metrics::Histogram,
     ended: bool,
     status: u16,
 }
@@ -54,6 +55,7 @@ impl Relay {
         journal: JournalHandle,
     ) -> Self {
         let id = format!("{}-{}", info.route.id_prefix(), info.request_id);
+        let inter_token = crate::metrics::inter_token(&opened.guard.instance().id);
         Self {
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
@@ -69,6 +71,7 @@ impl Relay {
             out: VecDeque::new(),
             started: Instant::now(),
             last_token: None,
+            inter_token,
             ended: false,
             status: 200,
             info,
@@ -193,7 +196,7 @@ impl Relay {
                     &self.guard.instance().id,
                     now - self.started,
                 ),
-                Some(last) => crate::metrics::inter_token(&self.guard.instance().id, now - last),
+                Some(last) => self.inter_token.record((now - last).as_secs_f64()),
             }
             self.last_token = Some(now);
         }
