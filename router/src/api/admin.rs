@@ -59,13 +59,26 @@ fn set_state(state: &AppState, id: &str, lifecycle: Lifecycle) -> Result<Json<Va
     Ok(Json(view))
 }
 
+/// `POST /admin/instances/{id}/drain[?migrate=true]`: no new requests; with
+/// `migrate`, the instance's live decode streams move to other decoders now.
 pub async fn drain(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
     headers: HeaderMap,
+    Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
-    set_state(&state, &id, Lifecycle::Draining)
+    let lifecycle = if flag(&query, "migrate") {
+        Lifecycle::Migrating
+    } else {
+        Lifecycle::Draining
+    };
+    set_state(&state, &id, lifecycle)
+}
+
+/// A boolean query parameter: `true` or `1`.
+fn flag(query: &HashMap<String, String>, key: &str) -> bool {
+    query.get(key).is_some_and(|v| v == "true" || v == "1")
 }
 
 pub async fn activate(
@@ -98,8 +111,7 @@ pub async fn requests(
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
-    let verbose = query
-        .get("verbose")
-        .is_some_and(|v| v == "true" || v == "1");
-    Ok(Json(json!({"data": state.journal.view(verbose)})))
+    Ok(Json(
+        json!({"data": state.journal.view(flag(&query, "verbose"))}),
+    ))
 }

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio::sync::watch;
 
 /// Which half of P/D an instance serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +53,9 @@ pub enum Lifecycle {
     Ready,
     /// No new requests; in-flight ones finish.
     Draining,
+    /// Draining, and its live decode streams are moved to other decoders now
+    /// (`drain?migrate=true`).
+    Migrating,
     /// Heartbeats stopped for longer than the TTL.
     Dead,
 }
@@ -77,7 +81,9 @@ pub struct Instance {
     pub url: String,
     pub model: String,
     pub ctrl: Option<String>,
-    lifecycle: Mutex<Lifecycle>,
+    /// A watch, so that the streams running on the instance learn at once that
+    /// it died or is being migrated away from.
+    lifecycle: watch::Sender<Lifecycle>,
     last_heartbeat: Mutex<Instant>,
     inflight: AtomicUsize,
     served: AtomicU64,
@@ -91,7 +97,7 @@ impl Instance {
             url: reg.url.trim_end_matches('/').to_string(),
             model: reg.model,
             ctrl: reg.ctrl,
-            lifecycle: Mutex::new(Lifecycle::Ready),
+            lifecycle: watch::Sender::new(Lifecycle::Ready),
             last_heartbeat: Mutex::new(Instant::now()),
             inflight: AtomicUsize::new(0),
             served: AtomicU64::new(0),
@@ -99,11 +105,16 @@ impl Instance {
     }
 
     pub fn lifecycle(&self) -> Lifecycle {
-        *self.lifecycle.lock().unwrap_or_else(|e| e.into_inner())
+        *self.lifecycle.borrow()
+    }
+
+    /// Lifecycle changes from now on.
+    pub fn subscribe(&self) -> watch::Receiver<Lifecycle> {
+        self.lifecycle.subscribe()
     }
 
     fn set_lifecycle(&self, state: Lifecycle) {
-        *self.lifecycle.lock().unwrap_or_else(|e| e.into_inner()) = state;
+        self.lifecycle.send_replace(state);
     }
 
     fn heartbeat_age(&self) -> Duration {
