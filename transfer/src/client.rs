@@ -187,6 +187,12 @@ impl CtrlClient {
         &self.pool.config
     }
 
+    /// Idle pooled connections to `addr` (for tests and diagnostics).
+    pub fn idle_connections(&self, addr: &str) -> usize {
+        let idle = self.pool.idle.lock().unwrap_or_else(|e| e.into_inner());
+        idle.get(addr).map_or(0, Vec::len)
+    }
+
     /// An idle connection to `addr` that still looks alive, if any.
     fn idle(&self, addr: &str) -> Option<TcpStream> {
         let mut idle = self.pool.idle.lock().unwrap_or_else(|e| e.into_inner());
