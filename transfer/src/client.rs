@@ -83,6 +83,17 @@ impl Conn {
             .ok_or_else(|| TransferError::Protocol("connection already closed".into()))
     }
 
+    /// Takes the stream out for blocking I/O; put it back with [`Conn::put_stream`].
+    pub(crate) fn take_stream(&mut self) -> Result<TcpStream> {
+        self.stream
+            .take()
+            .ok_or_else(|| TransferError::Protocol("connection already closed".into()))
+    }
+
+    pub(crate) fn put_stream(&mut self, stream: TcpStream) {
+        self.stream = Some(stream);
+    }
+
     /// Marks the exchange complete: the connection may serve the next request.
     pub(crate) fn finish(&mut self) {
         self.reusable = true;

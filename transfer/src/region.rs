@@ -9,7 +9,7 @@
 #![allow(unsafe_code)]
 
 use crate::error::{Result, TransferError};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -125,13 +125,24 @@ impl Drop for Region {
 pub(crate) struct RegionEntry {
     pub(crate) id: RegionId,
     pub(crate) region: Region,
-    claims: Mutex<Vec<Range<usize>>>,
+    /// Claimed ranges, start -> end (disjoint, so a lookup is one range query).
+    claims: Mutex<BTreeMap<usize, usize>>,
 }
 
 impl RegionEntry {
-    fn claims(&self) -> MutexGuard<'_, Vec<Range<usize>>> {
+    fn claims(&self) -> MutexGuard<'_, BTreeMap<usize, usize>> {
         self.claims.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// Whether `range` overlaps one of the disjoint ranges in `claims`.
+fn claimed(claims: &BTreeMap<usize, usize>, range: &Range<usize>) -> bool {
+    // Only the last claim starting before `range.end` can overlap it.
+    !range.is_empty()
+        && claims
+            .range(..range.end)
+            .next_back()
+            .is_some_and(|(_, &end)| end > range.start)
 }
 
 /// Bytes of a held block, readable while the span (and so its region) lives.
@@ -164,6 +175,16 @@ impl SrcSpan {
             offset: self.offset + from,
             len,
         }
+    }
+
+    /// Extends this span by `next` when `next` starts where it ends in the
+    /// same region (fewer, larger writes).
+    pub(crate) fn try_merge(&mut self, next: &SrcSpan) -> bool {
+        if Arc::ptr_eq(&self.entry, &next.entry) && self.offset + self.len == next.offset {
+            self.len += next.len;
+            return true;
+        }
+        false
     }
 
     /// The held bytes.
@@ -203,6 +224,16 @@ impl DestSpan {
         self.ptr as u64
     }
 
+    /// Extends this span by `next` when `next` starts where it ends and
+    /// belongs to the same claim (fewer, larger reads).
+    pub(crate) fn try_merge(&mut self, next: &DestSpan) -> bool {
+        if Arc::ptr_eq(&self._claim, &next._claim) && self.ptr.wrapping_add(self.len) == next.ptr {
+            self.len += next.len;
+            return true;
+        }
+        false
+    }
+
     /// Splits off the first `at` bytes.
     pub(crate) fn split_front(&mut self, at: usize) -> DestSpan {
         debug_assert!(at <= self.len);
@@ -226,10 +257,7 @@ pub(crate) struct Claim {
 impl Drop for Claim {
     fn drop(&mut self) {
         for (entry, range) in &self.ranges {
-            let mut claims = entry.claims();
-            if let Some(at) = claims.iter().position(|r| r == range) {
-                claims.swap_remove(at);
-            }
+            entry.claims().remove(&range.start);
         }
     }
 }
@@ -251,7 +279,7 @@ impl RegionTable {
         let entry = Arc::new(RegionEntry {
             id,
             region,
-            claims: Mutex::new(Vec::new()),
+            claims: Mutex::new(BTreeMap::new()),
         });
         self.map().insert(id, entry.clone());
         entry
@@ -324,22 +352,32 @@ impl RegionTable {
         for block in blocks {
             let entry = self.get(block.region)?;
             let range = entry.region.check(block.offset, block.len)?;
-            if ranges
-                .iter()
-                .any(|(e, r)| e.id == entry.id && overlaps(r, &range))
-            {
-                return Err(TransferError::InvalidArgument(format!(
-                    "destination blocks overlap in region {}",
-                    entry.id.0
-                )));
-            }
             ranges.push((entry, range));
         }
-        // Take every region's claim lock in one pass; release on any conflict.
+        // Overlaps among the blocks themselves: sort, compare neighbours.
+        let mut order: Vec<(RegionId, usize, usize)> = ranges
+            .iter()
+            .filter(|(_, r)| !r.is_empty())
+            .map(|(e, r)| (e.id, r.start, r.end))
+            .collect();
+        order.sort_unstable();
+        if let Some(pair) = order
+            .windows(2)
+            .find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
+        {
+            return Err(TransferError::InvalidArgument(format!(
+                "destination blocks overlap in region {}",
+                pair[0].0 .0
+            )));
+        }
+        // Then against every running pull; release what was taken on conflict.
         let mut taken: Vec<(Arc<RegionEntry>, Range<usize>)> = Vec::with_capacity(ranges.len());
         for (entry, range) in &ranges {
+            if range.is_empty() {
+                continue;
+            }
             let mut claims = entry.claims();
-            if claims.iter().any(|r| overlaps(r, range)) {
+            if claimed(&claims, range) {
                 drop(claims);
                 drop(Claim { ranges: taken });
                 return Err(TransferError::InvalidArgument(format!(
@@ -347,7 +385,7 @@ impl RegionTable {
                     range.start, range.end, entry.id.0
                 )));
             }
-            claims.push(range.clone());
+            claims.insert(range.start, range.end);
             taken.push((entry.clone(), range.clone()));
         }
         let claim = Arc::new(Claim { ranges: taken });
@@ -361,10 +399,6 @@ impl RegionTable {
             })
             .collect())
     }
-}
-
-fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
-    a.start < b.end && b.start < a.end && !a.is_empty() && !b.is_empty()
 }
 
 #[cfg(test)]

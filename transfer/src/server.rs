@@ -137,17 +137,17 @@ async fn connection(
                 offset,
                 len,
             } => {
-                stream_range(
-                    &mut stream,
-                    &shared,
-                    &shutdown,
-                    seq,
-                    &id,
-                    epoch,
-                    offset,
-                    len,
-                )
-                .await
+                let range = (offset, len);
+                match stream_range(stream, &shared, &shutdown, seq, &id, epoch, range).await {
+                    Ok(back) => {
+                        stream = back;
+                        continue;
+                    }
+                    Err(err) => {
+                        tracing::debug!(%err, "connection closed while streaming");
+                        return;
+                    }
+                }
             }
             other => {
                 let reply = answer(&shared, other);
@@ -245,38 +245,59 @@ pub(crate) fn error_reply(err: &TransferError) -> Reply {
 
 /// Answers a `Read`: a `Data` header, then the bytes straight from the held
 /// memory (no copy on this side; the kernel copies into the socket).
-#[allow(clippy::too_many_arguments)]
+/// Takes the connection and gives it back when the answer is complete.
 async fn stream_range(
-    stream: &mut TcpStream,
+    mut stream: TcpStream,
     shared: &Shared,
     shutdown: &CancellationToken,
     seq: u32,
     id: &str,
     epoch: u32,
-    offset: u64,
-    len: u64,
-) -> Result<()> {
+    (offset, len): (u64, u64),
+) -> Result<TcpStream> {
     let io = shared.io_timeout;
     let spans: Vec<SrcSpan> = match shared.holds.read(id, epoch, offset, len, Instant::now()) {
         Ok(spans) => spans,
-        Err(err) => return conn::write_all(stream, &error_reply(&err).encode(seq), io).await,
+        Err(err) => {
+            conn::write_all(&mut stream, &error_reply(&err).encode(seq), io).await?;
+            return Ok(stream);
+        }
     };
-    conn::write_all(stream, &Reply::Data { len }.encode(seq), io).await?;
-    for span in &spans {
-        for piece in span.bytes().chunks(IO_PIECE) {
-            if let Some(limit) = shared.faults.stall_after_bytes {
-                if shared.streamed.load(Ordering::Relaxed) >= limit {
-                    // Fault injection: keep the connection, send nothing more.
-                    shutdown.cancelled().await;
-                    return Err(TransferError::Protocol("holder stopping".into()));
-                }
-            }
-            conn::write_all(stream, piece, io).await?;
-            shared
-                .streamed
-                .fetch_add(piece.len() as u64, Ordering::Relaxed);
+    conn::write_all(&mut stream, &Reply::Data { len }.encode(seq), io).await?;
+    // Blocks that sit end to end in memory go out as one buffer.
+    let mut merged: Vec<SrcSpan> = Vec::with_capacity(spans.len());
+    for span in spans {
+        if !merged.last_mut().is_some_and(|last| last.try_merge(&span)) {
+            merged.push(span);
         }
     }
+    let stream = match shared.faults.stall_after_bytes {
+        None => {
+            let (stream, ()) = conn::blocking(stream, io, move |stream| {
+                let bufs: Vec<&[u8]> = merged.iter().map(SrcSpan::bytes).collect();
+                conn::write_gather(stream, &bufs)
+            })
+            .await?;
+            stream
+        }
+        Some(limit) => {
+            // Fault injection: after `limit` bytes, keep the connection and
+            // send nothing more until the holder stops.
+            for span in &merged {
+                for piece in span.bytes().chunks(IO_PIECE) {
+                    if shared.streamed.load(Ordering::Relaxed) >= limit {
+                        shutdown.cancelled().await;
+                        return Err(TransferError::Protocol("holder stopping".into()));
+                    }
+                    conn::write_all(&mut stream, piece, io).await?;
+                    shared
+                        .streamed
+                        .fetch_add(piece.len() as u64, Ordering::Relaxed);
+                }
+            }
+            stream
+        }
+    };
     shared.holds.add_bytes_served(len);
-    Ok(())
+    Ok(stream)
 }

@@ -54,8 +54,8 @@ async fn fetch(job: Fetch<'_>) -> Result<u32> {
     let stripe = total.div_ceil(count);
     let mut dest = job.dest.into_iter();
     let mut current: Option<DestSpan> = None;
-    // The tasks own their destination spans (and so the claim); dropping this
-    // future aborts them, and the claim is released only once they are gone.
+    // The tasks own their destination spans (and so the claim): if this
+    // future is dropped, the claim is released only once they are gone.
     let mut tasks = JoinSet::new();
     let mut offset = 0u64;
     while offset < total {
@@ -90,15 +90,20 @@ async fn fetch(job: Fetch<'_>) -> Result<u32> {
         ));
         offset += len;
     }
+    // On a failure, the other stripes are still waited for (each ends at
+    // its peer's close or its I/O timeout), so that when a pull returns,
+    // nothing writes into its destination any more.
+    let mut failed = None;
     while let Some(joined) = tasks.join_next().await {
-        let failed = match joined {
+        let err = match joined {
             Ok(Ok(())) => continue,
             Ok(Err(err)) => err,
             Err(err) => TransferError::Protocol(format!("stripe task failed: {err}")),
         };
-        tasks.abort_all();
-        while tasks.join_next().await.is_some() {}
-        return Err(failed);
+        failed.get_or_insert(err);
+    }
+    if let Some(err) = failed {
+        return Err(err);
     }
     Ok(count as u32)
 }
@@ -111,9 +116,17 @@ async fn read_stripe(
     epoch: u32,
     offset: u64,
     len: u64,
-    mut pieces: Vec<DestSpan>,
+    pieces: Vec<DestSpan>,
     io: Duration,
 ) -> Result<()> {
+    // Destination blocks that sit end to end in memory are read as one buffer.
+    let mut merged: Vec<DestSpan> = Vec::with_capacity(pieces.len());
+    for piece in pieces {
+        if !merged.last_mut().is_some_and(|last| last.try_merge(&piece)) {
+            merged.push(piece);
+        }
+    }
+    let mut pieces = merged;
     let request = Request::Read {
         id,
         epoch,
@@ -129,10 +142,12 @@ async fn read_stripe(
             )))
         }
     }
-    let stream = conn.stream()?;
-    for piece in &mut pieces {
-        conn::read_into(stream, piece.as_mut(), io).await?;
-    }
+    let (stream, ()) = conn::blocking(conn.take_stream()?, io, move |stream| {
+        let mut bufs: Vec<&mut [u8]> = pieces.iter_mut().map(DestSpan::as_mut).collect();
+        conn::read_scatter(stream, &mut bufs)
+    })
+    .await?;
+    conn.put_stream(stream);
     conn.finish();
     Ok(())
 }

@@ -4,7 +4,9 @@
 //! Each `--hold ID:BLOCKS:BLOCK_BYTES` holds `BLOCKS` blocks of `BLOCK_BYTES`
 //! filled with `connex_transfer::pattern(SEED, ..)` (one region per hold,
 //! blocks laid end to end, SEED = the hold's index). Prints `ctrl ADDR` once
-//! serving, then runs until stdin closes or it is killed.
+//! serving, then runs until stdin closes or it is killed. With `--scatter` the
+//! blocks lie in reverse order in memory (as a KV cache's blocks are
+//! scattered), so no two neighbours can be sent as one buffer.
 
 use connex_transfer::{
     pattern, BackendKind, BlockRef, Faults, Holder, HolderConfig, Region, ReleaseMode,
@@ -16,11 +18,13 @@ use tokio::io::AsyncReadExt;
 struct Args {
     config: HolderConfig,
     holds: Vec<(String, u64, u64)>,
+    scatter: bool,
 }
 
 fn parse() -> Result<Args, String> {
     let mut config = HolderConfig::default();
     let mut holds = Vec::new();
+    let mut scatter = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or(format!("{flag} needs a value"));
@@ -40,6 +44,7 @@ fn parse() -> Result<Args, String> {
                     stall_after_bytes: Some(n),
                 };
             }
+            "--scatter" => scatter = true,
             "--hold" => {
                 let spec = value()?;
                 let parts: Vec<&str> = spec.split(':').collect();
@@ -53,7 +58,11 @@ fn parse() -> Result<Args, String> {
             other => return Err(format!("unknown flag {other}")),
         }
     }
-    Ok(Args { config, holds })
+    Ok(Args {
+        config,
+        holds,
+        scatter,
+    })
 }
 
 #[tokio::main]
@@ -74,12 +83,19 @@ async fn main() -> ExitCode {
         }
     };
     for (seed, (id, blocks, size)) in args.holds.iter().enumerate() {
-        let bytes = pattern(seed as u64, (blocks * size) as usize);
+        let (blocks, size) = (*blocks, *size);
+        let logical = pattern(seed as u64, (blocks * size) as usize);
+        let at = |b: u64| if args.scatter { blocks - 1 - b } else { b } * size;
+        let mut bytes = vec![0u8; logical.len()];
+        for b in 0..blocks {
+            let (from, to) = ((b * size) as usize, at(b) as usize);
+            bytes[to..to + size as usize].copy_from_slice(&logical[from..from + size as usize]);
+        }
         let made = holder
             .register_region(Region::owned(bytes))
             .and_then(|region| {
-                let refs = (0..*blocks)
-                    .map(|b| BlockRef::new(region, b * size, *size))
+                let refs = (0..blocks)
+                    .map(|b| BlockRef::new(region, at(b), size))
                     .collect();
                 holder.create_hold(id, refs)
             });
