@@ -74,7 +74,17 @@ impl Reader {
 
     /// Registers destination memory.
     pub fn register_region(&self, region: Region) -> Result<RegionId> {
-        Ok(self.regions.register(region).id)
+        let entry = self.regions.register(region);
+        match self.backend.register_local(&entry) {
+            Ok(exposure) => {
+                entry.keep_alive(exposure.keepalive);
+                Ok(entry.id)
+            }
+            Err(err) => {
+                self.regions.unregister(entry.id);
+                Err(err)
+            }
+        }
     }
 
     /// Forgets a region (a running pull keeps it until it ends).

@@ -7,6 +7,8 @@
 //! say how: an endpoint and per-region keys that travel in the descriptor);
 //! on the reader, move the hold's bytes into the destination blocks.
 
+#[cfg(feature = "mooncake")]
+pub(crate) mod mooncake;
 pub(crate) mod tcp;
 #[cfg(feature = "ucx")]
 pub(crate) mod ucx;
@@ -64,6 +66,12 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// Holder: a reader started a pull (fault injection hooks in here).
     fn pull_started(&self) {}
 
+    /// Reader: registers destination memory with the transport, where it
+    /// needs that (Mooncake reads only into registered memory).
+    fn register_local(&self, _region: &RegionEntry) -> Result<Exposure> {
+        Ok(Exposure::default())
+    }
+
     /// Holder: how a reader reaches this holder's data (empty when the
     /// control address is enough).
     fn endpoint(&self) -> Vec<u8>;
@@ -83,6 +91,9 @@ pub(crate) fn create(kind: BackendKind, role: Role<'_>) -> Result<Arc<dyn Backen
         BackendKind::Ucx => Err(TransferError::Unsupported(
             "the ucx backend is not built in; rebuild connex-transfer with `--features ucx` (needs Debian libucx-dev and libclang-dev)".into(),
         )),
+        #[cfg(feature = "mooncake")]
+        BackendKind::Mooncake => Ok(Arc::new(mooncake::MooncakeBackend::new(role)?)),
+        #[cfg(not(feature = "mooncake"))]
         BackendKind::Mooncake => {
             let _ = role;
             Err(TransferError::Unsupported(
