@@ -559,13 +559,6 @@ async fn bad_input_gets_an_openai_error_with_the_right_status() {
     assert_eq!(status, 200);
 }
 
-fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && labels.iter().all(|label| l.contains(label)))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_the_requests_made() {
     let (router, _prefill, decode) = cluster(&[]).await;
