@@ -744,4 +744,19 @@ fn demo_serves_every_request_through_prefill_and_both_decoders() {
         rows.iter().any(|r| r.contains("decode-0")) && rows.iter().any(|r| r.contains("decode-1")),
         "{stdout}"
     );
+    // Part two: a decoder killed mid-stream, the stream completed on the other.
+    let resumed = stdout
+        .lines()
+        .find(|l| l.contains("the router resumed the request on"))
+        .unwrap_or_else(|| panic!("no resume in the demo: {stdout}"));
+    assert!(
+        resumed.contains("decode-0 died") && resumed.ends_with("decode-1")
+            || resumed.contains("decode-1 died") && resumed.ends_with("decode-0"),
+        "{resumed}"
+    );
+    assert!(
+        stdout.contains("identical to an uninterrupted run"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("gap at the failure"), "{stdout}");
 }

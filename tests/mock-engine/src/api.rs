@@ -23,6 +23,9 @@ pub struct EngineState {
     pub engine_id: String,
     pub log: RequestLog,
     pub inflight: AtomicU64,
+    /// Set by [`crate::MockEngine::crash_now`]: the next token of every decode
+    /// stream crashes the engine, as a kill would.
+    pub crash_now: std::sync::atomic::AtomicBool,
     crash: CrashAction,
     shutdown: CancellationToken,
 }
@@ -40,6 +43,7 @@ impl EngineState {
             addr,
             log: RequestLog::default(),
             inflight: AtomicU64::new(0),
+            crash_now: std::sync::atomic::AtomicBool::new(false),
             crash,
             shutdown,
         }
@@ -348,7 +352,9 @@ impl Run {
             tokio::time::sleep(Duration::from_micros(config.decode_us_per_token)).await;
         }
         let count = self.emitted.len() as u32;
-        if config.crash_after_tokens == Some(count) && self.plan.kv_out.is_none() {
+        let crash = config.crash_after_tokens == Some(count)
+            || self.state.crash_now.load(Ordering::Relaxed);
+        if crash && self.plan.kv_out.is_none() {
             match self.state.crash {
                 CrashAction::ExitProcess => {
                     eprintln!(
