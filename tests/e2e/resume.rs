@@ -127,7 +127,12 @@ async fn trigger(fault: Fault, cluster: &Cluster, k: usize) {
         return;
     }
     // The journal shows the request on d0 with its k tokens, before the move.
-    let entries = journal(&cluster.router, false).await;
+    // d0 counts a token before the router has read it: wait for the router.
+    let mut entries = journal(&cluster.router, false).await;
+    while entries.first().is_some_and(|e| e["generated_tokens"] != k) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        entries = journal(&cluster.router, false).await;
+    }
     assert_eq!(entries.len(), 1, "{entries:?}");
     assert_eq!(entries[0]["decoder"], "d0");
     assert_eq!(entries[0]["generated_tokens"], k);
