@@ -41,12 +41,16 @@ pub async fn add_instance(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     authorize(&state, &headers)?;
     let reg = registration(&headers, body, 64 * 1024).await?;
-    let instance = state.registry.register(reg);
+    let instance = state.registry.register(reg).await?;
     Ok((StatusCode::CREATED, Json(instance.view())))
 }
 
-fn set_state(state: &AppState, id: &str, lifecycle: Lifecycle) -> Result<Json<Value>, ApiError> {
-    if !state.registry.set_lifecycle(id, lifecycle) {
+async fn set_state(
+    state: &AppState,
+    id: &str,
+    lifecycle: Lifecycle,
+) -> Result<Json<Value>, ApiError> {
+    if !state.registry.set_lifecycle(id, lifecycle).await? {
         return Err(ApiError::NotFound(format!(
             "instance `{id}` is not registered"
         )));
@@ -73,7 +77,7 @@ pub async fn drain(
     } else {
         Lifecycle::Draining
     };
-    set_state(&state, &id, lifecycle)
+    set_state(&state, &id, lifecycle).await
 }
 
 /// A boolean query parameter: `true` or `1`.
@@ -87,7 +91,7 @@ pub async fn activate(
     headers: HeaderMap,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
-    set_state(&state, &id, Lifecycle::Ready)
+    set_state(&state, &id, Lifecycle::Ready).await
 }
 
 pub async fn remove_instance(
@@ -96,7 +100,7 @@ pub async fn remove_instance(
     headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
     authorize(&state, &headers)?;
-    if state.registry.remove(&id) {
+    if state.registry.remove(&id).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(

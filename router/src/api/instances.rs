@@ -66,7 +66,7 @@ pub async fn register(
         "a valid registration token is required",
     )?;
     let reg = registration(&headers, body, 64 * 1024).await?;
-    let instance = state.registry.register(reg);
+    let instance = state.registry.register(reg).await?;
     Ok((
         StatusCode::CREATED,
         Json(json!({"id": instance.id, "lease_ttl_s": state.config.heartbeat_ttl_s})),
@@ -85,7 +85,7 @@ pub async fn heartbeat(
         "a valid registration token is required",
     )?;
     let _stats = read_optional_json(&headers, body, 64 * 1024).await?;
-    if state.registry.heartbeat(&id) {
+    if state.registry.heartbeat(&id).await? {
         Ok(Json(
             json!({"id": id, "lease_ttl_s": state.config.heartbeat_ttl_s}),
         ))
@@ -106,7 +106,7 @@ pub async fn deregister(
         state.config.register_token.as_deref(),
         "a valid registration token is required",
     )?;
-    if state.registry.remove(&id) {
+    if state.registry.remove(&id).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(
