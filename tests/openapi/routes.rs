@@ -7,7 +7,9 @@
 use serde_json::Value;
 use std::collections::BTreeSet;
 
-const METHODS: &[&str] = &["get", "put", "post", "delete", "patch", "head", "options", "trace"];
+const METHODS: &[&str] = &[
+    "get", "put", "post", "delete", "patch", "head", "options", "trace",
+];
 
 fn spec() -> Value {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../openapi/openapi.yaml");

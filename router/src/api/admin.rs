@@ -72,7 +72,7 @@ pub async fn drain(
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
-    let lifecycle = if flag(&query, "migrate") {
+    let lifecycle = if flag(&query, "migrate")? {
         Lifecycle::Migrating
     } else {
         Lifecycle::Draining
@@ -80,9 +80,18 @@ pub async fn drain(
     set_state(&state, &id, lifecycle).await
 }
 
-/// A boolean query parameter: `true` or `1`.
-fn flag(query: &HashMap<String, String>, key: &str) -> bool {
-    query.get(key).is_some_and(|v| v == "true" || v == "1")
+/// A boolean query parameter: `true` or `1`, `false` or `0`, absent (false).
+/// Anything else is refused rather than read as false: `migrate=yes` must not
+/// quietly become a plain drain.
+fn flag(query: &HashMap<String, String>, key: &'static str) -> Result<bool, ApiError> {
+    match query.get(key).map(String::as_str) {
+        None | Some("false" | "0") => Ok(false),
+        Some("true" | "1") => Ok(true),
+        Some(_) => Err(ApiError::bad_request(
+            format!("`{key}` must be true, false, 1 or 0"),
+            Some(key),
+        )),
+    }
 }
 
 pub async fn activate(
@@ -116,6 +125,6 @@ pub async fn requests(
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
     Ok(Json(
-        json!({"data": state.journal.view(flag(&query, "verbose"))}),
+        json!({"data": state.journal.view(flag(&query, "verbose")?)}),
     ))
 }
