@@ -122,6 +122,10 @@ pub struct Instance {
     /// Revision of the membership record last applied (etcd mod_revision, or a
     /// local counter): older changes arriving late are ignored.
     revision: AtomicI64,
+    /// The lifecycle the store last gave, and when this replica marked the
+    /// instance dead on its own (`mark_dead`): etcd revives it from these.
+    stored: Mutex<Lifecycle>,
+    marked_dead_at: Mutex<Option<Instant>>,
 }
 
 impl Instance {
@@ -138,6 +142,8 @@ impl Instance {
             served: AtomicU64::new(0),
             lease: AtomicI64::new(0),
             revision: AtomicI64::new(0),
+            stored: Mutex::new(Lifecycle::Ready),
+            marked_dead_at: Mutex::new(None),
         }
     }
 
@@ -148,6 +154,17 @@ impl Instance {
     /// Lifecycle changes from now on.
     pub fn subscribe(&self) -> watch::Receiver<Lifecycle> {
         self.lifecycle.subscribe()
+    }
+
+    /// A lifecycle the store decided (registration, drain, activate, a record
+    /// from etcd): it also ends a local dead mark.
+    fn set_stored(&self, state: Lifecycle) {
+        *self.stored.lock().unwrap_or_else(|e| e.into_inner()) = state;
+        *self
+            .marked_dead_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+        self.set_lifecycle(state);
     }
 
     fn set_lifecycle(&self, state: Lifecycle) {
@@ -363,6 +380,15 @@ impl Registry {
     /// Sets the lifecycle of an instance (drain / activate). `false` when unknown.
     pub async fn set_lifecycle(&self, id: &str, state: Lifecycle) -> Result<bool, RegistryError> {
         self.store.set_lifecycle(id, state).await
+    }
+
+    /// Marks an instance dead now, on proof that it is gone (nothing listens at
+    /// its address). This replica's judgement, not written to etcd: with the
+    /// memory backend its next heartbeat makes it ready again; with etcd, if its
+    /// lease is still kept alive a TTL later (the key did not expire), it was not
+    /// gone after all and gets its stored state back.
+    pub fn mark_dead(&self, id: &str) {
+        self.view.mark_dead(id);
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Instance>> {

@@ -72,7 +72,7 @@ impl View {
                     if current.lifecycle() != lifecycle {
                         tracing::info!(id = %current.id, state = ?lifecycle, "instance state changed");
                     }
-                    current.set_lifecycle(lifecycle);
+                    current.set_stored(lifecycle);
                     return current;
                 }
                 tracing::info!(id = %current.id, url = %fresh.url, "instance re-registered as a new incarnation");
@@ -99,9 +99,42 @@ impl View {
         if state == Lifecycle::Ready {
             instance.touch();
         }
-        instance.set_lifecycle(state);
+        instance.set_stored(state);
         tracing::info!(%id, ?state, "instance state changed");
         true
+    }
+
+    /// This replica's own finding that a ready instance is gone (connect refused).
+    pub fn mark_dead(&self, id: &str) {
+        let Some(instance) = self.get(id) else {
+            return;
+        };
+        if instance.lifecycle() == Lifecycle::Ready {
+            tracing::warn!(%id, "instance unreachable; marked dead");
+            *instance
+                .marked_dead_at
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
+            instance.set_lifecycle(Lifecycle::Dead);
+        }
+    }
+
+    /// Gives instances marked dead by `mark_dead` more than `after` ago their
+    /// stored state back (etcd: they are still in the view, so their lease is
+    /// being kept alive by heartbeats; a dead one's key would have expired).
+    pub fn revive(&self, after: Duration) {
+        for entry in self.instances.iter() {
+            let marked = *entry
+                .marked_dead_at
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if marked.is_some_and(|at| at.elapsed() > after) && entry.lifecycle() == Lifecycle::Dead
+            {
+                let stored = *entry.stored.lock().unwrap_or_else(|e| e.into_inner());
+                tracing::info!(id = %entry.id, state = ?stored, "instance still heartbeats; back from a local dead mark");
+                entry.set_stored(stored);
+            }
+        }
     }
 
     /// Records a heartbeat this router received. A dead instance that heartbeats
@@ -122,7 +155,7 @@ impl View {
     pub fn remove(&self, id: &str, revision: Option<i64>, dead: bool) -> bool {
         let removed = self
             .instances
-            .remove_if(id, |_, i| revision.map_or(true, |r| i.revision() < r));
+            .remove_if(id, |_, i| revision.is_none_or(|r| i.revision() < r));
         let Some((_, instance)) = removed else {
             return false;
         };
@@ -222,7 +255,7 @@ impl View {
 fn with_state(instance: Instance, lifecycle: Lifecycle, lease: i64, revision: i64) -> Instance {
     instance.lease.store(lease, Ordering::Relaxed);
     instance.revision.store(revision, Ordering::Relaxed);
-    instance.set_lifecycle(lifecycle);
+    instance.set_stored(lifecycle);
     instance
 }
 
@@ -274,6 +307,21 @@ mod tests {
         assert!(!Arc::ptr_eq(&old, &new));
         assert_eq!(old.lifecycle(), Lifecycle::Dead);
         assert_eq!(view.eligible("m", Phase::Decode).len(), 1);
+    }
+
+    #[test]
+    fn a_local_dead_mark_ends_when_the_instance_outlives_it() {
+        let view = View::new(None);
+        let instance = view.put("a".into(), reg("http://x"), Lifecycle::Draining, 7, 1);
+        view.mark_dead("a");
+        assert_eq!(instance.lifecycle(), Lifecycle::Draining, "only ready ones");
+        view.set_lifecycle("a", Lifecycle::Ready, 2);
+        view.mark_dead("a");
+        assert_eq!(instance.lifecycle(), Lifecycle::Dead);
+        view.revive(Duration::from_secs(60));
+        assert_eq!(instance.lifecycle(), Lifecycle::Dead, "too early");
+        view.revive(Duration::ZERO);
+        assert_eq!(instance.lifecycle(), Lifecycle::Ready);
     }
 
     #[test]

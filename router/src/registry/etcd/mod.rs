@@ -288,7 +288,21 @@ impl Store for EtcdStore {
             view: self.view.clone(),
             connectivity: self.connectivity.clone(),
         };
-        tasks.spawn(watcher.run(shutdown));
+        tasks.spawn(watcher.run(shutdown.clone()));
+        // Instances this replica marked dead on its own come back if their lease
+        // outlives the mark (heartbeats kept arriving, at this or another replica).
+        let view = self.view.clone();
+        let after = self.ttl + Duration::from_secs(2);
+        let period = (self.ttl / 4).max(Duration::from_millis(100));
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tick.tick() => view.revive(after),
+                }
+            }
+        });
     }
 
     fn status(&self) -> StoreStatus {
