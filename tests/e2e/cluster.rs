@@ -455,3 +455,156 @@ async fn a_replica_cut_off_past_a_compaction_lists_again_and_converges() {
     );
     assert!(now > relists, "A did not list again ({relists} -> {now})");
 }
+
+/// Replicas A and B sharing etcd, a prefill, a decoder `d0` with `d0_flags` and
+/// a healthy `d1`, all registered on A. Round-robin over sorted ids sends each
+/// fresh replica's first decode to `d0`.
+async fn resume_cluster(
+    etcd: &Etcd,
+    prefix: &str,
+    d0_flags: &[&str],
+) -> (Proc, Proc, Proc, Proc, Proc) {
+    let flags = |ttl: &str| {
+        [
+            "--etcd",
+            etcd.url.as_str(),
+            "--etcd-prefix",
+            prefix,
+            "--heartbeat-ttl-s",
+            ttl,
+            "--decode-policy",
+            "round_robin",
+        ]
+        .map(str::to_string)
+    };
+    let a_flags = flags("2");
+    let b_flags = flags("2");
+    let a = router(&a_flags.iter().map(String::as_str).collect::<Vec<_>>());
+    let b = router(&b_flags.iter().map(String::as_str).collect::<Vec<_>>());
+    let prefill = engine(Some(&a), "prefill", &[]);
+    let mut flags = vec!["--id", "d0"];
+    flags.extend_from_slice(d0_flags);
+    let d0 = engine(Some(&a), "decode", &flags);
+    let d1 = engine(Some(&a), "decode", &["--id", "d1"]);
+    wait_ready(&a, 3).await;
+    wait_ready(&b, 3).await;
+    (a, b, prefill, d0, d1)
+}
+
+/// Waits until `engine` has emitted `k` tokens of a running request.
+async fn wait_tokens(engine: &Proc, k: usize) {
+    eventually(Duration::from_secs(10), "d0 reached its token", || async {
+        engine_requests(engine)
+            .await
+            .iter()
+            .any(|r| r["tokens_emitted"].as_u64() >= Some(k as u64))
+    })
+    .await;
+}
+
+/// Streams a completion with token ids; returns (token ids, whole SSE text).
+async fn stream_tokens(router: String, max_tokens: usize) -> (Vec<u32>, String) {
+    let response = client()
+        .post(format!("{router}/v1/completions"))
+        .json(
+            &json!({"model": "mock", "prompt": PROMPT, "max_tokens": max_tokens,
+                      "stream": true, "return_token_ids": true}),
+        )
+        .send()
+        .await
+        .expect("stream");
+    assert_eq!(response.status().as_u16(), 200);
+    let text = response.text().await.expect("stream body");
+    let chunks: Vec<Value> = connex_router::sse::SseParser::default()
+        .push(text.as_bytes())
+        .iter()
+        .filter_map(|data| serde_json::from_slice(data).ok())
+        .collect();
+    (streamed_token_ids(&chunks), text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_resumed_by_a_after_a_decoder_death_while_b_keeps_serving() {
+    use connex_mock_engine::model;
+    let etcd = Etcd::start();
+    // d0 dies (process exit) after its 6th token; paced so tokens reach A first.
+    let (a, b, _prefill, d0, _d1) = resume_cluster(
+        &etcd,
+        "/resume",
+        &[
+            "--crash-after-tokens",
+            "6",
+            "--decode-us-per-token",
+            "20000",
+        ],
+    )
+    .await;
+    let expected = model::generate(&model::tokenize(PROMPT), 24);
+
+    let on_a = tokio::spawn(stream_tokens(a.url.clone(), 24));
+    wait_tokens(&d0, 1).await;
+    // B serves its own clients all along, before and after the death.
+    let mut served_by_b = 0;
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let (status, reply) = post(
+            &b,
+            "/v1/completions",
+            &json!({"model": "mock", "prompt": PROMPT, "max_tokens": 4, "return_token_ids": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "B failed a request: {reply}");
+        assert_eq!(ids(&reply["choices"][0]["token_ids"]), expected[..4]);
+        served_by_b += 1;
+    }
+    let (tokens, text) = on_a.await.unwrap();
+    assert_eq!(
+        tokens, expected,
+        "A's resumed stream is not the uninterrupted one: {text}"
+    );
+    assert!(!text.contains("\"error\""), "{text}");
+    let resumes = metric(&metrics_text(&a).await, "connex_resumes_total", &[]);
+    assert!(resumes >= 1.0, "A counted no resume");
+    assert!(served_by_b >= 5, "B served only {served_by_b}");
+    // The dead decoder leaves both views after its TTL.
+    eventually(
+        Duration::from_secs(6),
+        "d0 gone from both replicas",
+        || async { state_of(&a, "d0").await.is_none() && state_of(&b, "d0").await.is_none() },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migrate_drain_on_b_moves_a_stream_running_on_a() {
+    use connex_mock_engine::model;
+    let etcd = Etcd::start();
+    // d0 stalls after 4 tokens and would hold the stream until A's stall timeout
+    // (10 s by default): only the migration can finish it sooner.
+    let (a, b, _prefill, d0, _d1) =
+        resume_cluster(&etcd, "/migrate", &["--stall-after-tokens", "4"]).await;
+    let expected = model::generate(&model::tokenize(PROMPT), 12);
+    let on_a = tokio::spawn(stream_tokens(a.url.clone(), 12));
+    wait_tokens(&d0, 4).await;
+    let started = Instant::now();
+    let (status, reply) = admin(
+        &b,
+        Method::POST,
+        "/admin/instances/d0/drain?migrate=true",
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{reply}");
+    let (tokens, text) = on_a.await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(tokens, expected, "{text}");
+    assert!(
+        took < Duration::from_secs(5),
+        "the stream moved only after {took:?}"
+    );
+    let text = metrics_text(&a).await;
+    assert!(
+        metric(&text, "connex_resumes_total", &["cause=\"migrate\""]) >= 1.0,
+        "A did not count a migrate resume"
+    );
+}
