@@ -126,10 +126,13 @@ pub struct Instance {
     /// instance dead on its own (`mark_dead`): etcd revives it from these.
     stored: Mutex<Lifecycle>,
     marked_dead_at: Mutex<Option<Instant>>,
+    /// The view's membership generation, bumped by every lifecycle change so
+    /// that the view's cached candidate lists are rebuilt.
+    generation: Arc<AtomicU64>,
 }
 
 impl Instance {
-    fn new(id: String, reg: Registration) -> Self {
+    fn new(id: String, reg: Registration, generation: Arc<AtomicU64>) -> Self {
         Self {
             id,
             role: reg.role,
@@ -144,6 +147,7 @@ impl Instance {
             revision: AtomicI64::new(0),
             stored: Mutex::new(Lifecycle::Ready),
             marked_dead_at: Mutex::new(None),
+            generation,
         }
     }
 
@@ -168,11 +172,14 @@ impl Instance {
     }
 
     fn set_lifecycle(&self, state: Lifecycle) {
-        self.lifecycle.send_if_modified(|current| {
+        let changed = self.lifecycle.send_if_modified(|current| {
             let changed = *current != state;
             *current = state;
             changed
         });
+        if changed {
+            self.generation.fetch_add(1, Ordering::Release);
+        }
     }
 
     fn touch(&self) {

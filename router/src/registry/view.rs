@@ -9,9 +9,9 @@
 use super::{Instance, Lifecycle, Phase, Registration};
 use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
-use std::collections::HashSet;
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 #[derive(Debug)]
@@ -22,6 +22,26 @@ pub struct View {
     expiry: Option<Duration>,
     /// Revisions for stores without their own (memory).
     clock: AtomicI64,
+    /// Bumped by every change of membership or lifecycle.
+    generation: Arc<AtomicU64>,
+    /// Ready instances per (phase, model), sorted by id, as of a generation:
+    /// the routing path filters and sorts a thousand instances once per change
+    /// instead of twice per request.
+    candidates: RwLock<Candidates>,
+}
+
+#[derive(Debug, Default)]
+struct Candidates {
+    generation: u64,
+    /// Indexed by phase (prefill, decode), then model.
+    lists: [HashMap<String, Arc<[Arc<Instance>]>>; 2],
+}
+
+fn slot(phase: Phase) -> usize {
+    match phase {
+        Phase::Prefill => 0,
+        Phase::Decode => 1,
+    }
 }
 
 impl View {
@@ -30,7 +50,13 @@ impl View {
             instances: DashMap::new(),
             expiry,
             clock: AtomicI64::new(0),
+            generation: Arc::new(AtomicU64::new(1)),
+            candidates: RwLock::new(Candidates::default()),
         }
+    }
+
+    fn changed(&self) {
+        self.generation.fetch_add(1, Ordering::Release);
     }
 
     /// A fresh local revision (memory backend).
@@ -58,7 +84,7 @@ impl View {
         lease: i64,
         revision: i64,
     ) -> Arc<Instance> {
-        let fresh = Instance::new(id.clone(), reg);
+        let fresh = Instance::new(id.clone(), reg, self.generation.clone());
         match self.instances.entry(id) {
             Entry::Occupied(mut entry) => {
                 let current = entry.get().clone();
@@ -79,12 +105,14 @@ impl View {
                 let fresh = Arc::new(with_state(fresh, lifecycle, lease, revision));
                 entry.insert(fresh.clone());
                 current.set_lifecycle(Lifecycle::Dead);
+                self.changed();
                 fresh
             }
             Entry::Vacant(entry) => {
                 let fresh = Arc::new(with_state(fresh, lifecycle, lease, revision));
                 tracing::info!(id = %fresh.id, role = ?fresh.role, url = %fresh.url, model = %fresh.model, "instance registered");
                 entry.insert(fresh.clone());
+                self.changed();
                 fresh
             }
         }
@@ -159,6 +187,7 @@ impl View {
         let Some((_, instance)) = removed else {
             return false;
         };
+        self.changed();
         if dead {
             tracing::warn!(%id, "instance is gone from the membership; marked dead");
             instance.set_lifecycle(Lifecycle::Dead);
@@ -202,14 +231,51 @@ impl View {
 
     /// Instances that may take a new `phase` request for `model`, sorted by id.
     pub fn eligible(&self, model: &str, phase: Phase) -> Vec<Arc<Instance>> {
-        let mut out: Vec<_> = self
+        let ready = self.ready(model, phase);
+        match self.expiry {
+            // The local heartbeat TTL can lapse between two changes.
+            Some(_) => ready
+                .iter()
+                .filter(|i| self.eligible_now(i))
+                .cloned()
+                .collect(),
+            None => ready.to_vec(),
+        }
+    }
+
+    /// Ready instances for (model, phase), from the cache when it is current.
+    fn ready(&self, model: &str, phase: Phase) -> Arc<[Arc<Instance>]> {
+        let generation = self.generation.load(Ordering::Acquire);
+        {
+            let cache = self.candidates.read().unwrap_or_else(|e| e.into_inner());
+            if cache.generation == generation {
+                if let Some(list) = cache.lists[slot(phase)].get(model) {
+                    return list.clone();
+                }
+            }
+        }
+        let mut list: Vec<Arc<Instance>> = self
             .instances
             .iter()
-            .filter(|e| e.model == model && e.role.serves(phase) && self.eligible_now(e))
+            .filter(|e| {
+                e.model == model && e.role.serves(phase) && e.lifecycle() == Lifecycle::Ready
+            })
             .map(|e| e.value().clone())
             .collect();
-        out.sort_by(|a, b| a.id.cmp(&b.id));
-        out
+        list.sort_by(|a, b| a.id.cmp(&b.id));
+        let list: Arc<[Arc<Instance>]> = list.into();
+        let mut cache = self.candidates.write().unwrap_or_else(|e| e.into_inner());
+        if cache.generation < generation {
+            *cache = Candidates {
+                generation,
+                ..Candidates::default()
+            };
+        }
+        // A list computed before a newer change is returned but not cached.
+        if cache.generation == generation {
+            cache.lists[slot(phase)].insert(model.to_string(), list.clone());
+        }
+        list
     }
 
     /// Whether any instance (in any state) serves `model`.
@@ -279,12 +345,37 @@ mod tests {
     fn state_changes_update_the_same_arc_and_notify_watchers() {
         let view = View::new(None);
         let first = view.put("a".into(), reg("http://x"), Lifecycle::Ready, 7, 10);
+        assert_eq!(view.eligible("m", Phase::Decode).len(), 1);
         let mut watcher = first.subscribe();
         let again = view.put("a".into(), reg("http://x"), Lifecycle::Migrating, 7, 11);
         assert!(Arc::ptr_eq(&first, &again));
         assert!(watcher.has_changed().unwrap());
         assert_eq!(*watcher.borrow_and_update(), Lifecycle::Migrating);
         assert!(view.eligible("m", Phase::Decode).is_empty());
+    }
+
+    #[test]
+    fn cached_candidates_follow_every_change() {
+        let view = View::new(None);
+        let ids = |v: &View| -> Vec<String> {
+            v.eligible("m", Phase::Decode)
+                .iter()
+                .map(|i| i.id.clone())
+                .collect()
+        };
+        view.put("b".into(), reg("http://b"), Lifecycle::Ready, 1, 1);
+        view.put("a".into(), reg("http://a"), Lifecycle::Ready, 2, 2);
+        assert_eq!(ids(&view), ["a", "b"]);
+        view.mark_dead("a");
+        assert_eq!(ids(&view), ["b"]);
+        view.revive(Duration::ZERO);
+        assert_eq!(ids(&view), ["a", "b"]);
+        view.put("c".into(), reg("http://c"), Lifecycle::Draining, 3, 3);
+        view.set_lifecycle("c", Lifecycle::Ready, 4);
+        assert_eq!(ids(&view), ["a", "b", "c"]);
+        view.remove("b", None, false);
+        assert_eq!(ids(&view), ["a", "c"]);
+        assert!(view.eligible("m", Phase::Prefill).is_empty());
     }
 
     #[test]

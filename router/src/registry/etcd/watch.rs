@@ -114,8 +114,7 @@ impl Watcher {
         let mut client = self.client.clone();
         let options = WatchOptions::new()
             .with_prefix()
-            .with_start_revision(from + 1)
-            .with_prev_key();
+            .with_start_revision(from + 1);
         let mut stream = self
             .bounded(client.watch(self.keys.clone(), Some(options)))
             .await?;
