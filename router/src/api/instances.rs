@@ -52,6 +52,19 @@ pub async fn registration(
             Some("model"),
         ));
     }
+    // The id goes into URL paths (heartbeat, drain) and etcd keys unescaped.
+    let valid_id = |id: &str| {
+        (1..=128).contains(&id.len())
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b))
+    };
+    if reg.id.as_deref().is_some_and(|id| !valid_id(id)) {
+        return Err(ApiError::bad_request(
+            "`id` must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+            Some("id"),
+        ));
+    }
     Ok(reg)
 }
 
