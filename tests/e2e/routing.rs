@@ -491,6 +491,12 @@ async fn bad_input_gets_an_openai_error_with_the_right_status() {
             400,
         ),
         (
+            "prompt token ids not integers",
+            "/v1/completions",
+            json!({"model":"mock","prompt":[1, 2.5, -3]}),
+            400,
+        ),
+        (
             "messages not a list",
             "/v1/chat/completions",
             json!({"model":"mock","messages":"hi"}),
