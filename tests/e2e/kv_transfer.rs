@@ -14,17 +14,6 @@ use std::time::{Duration, Instant};
 
 const PROMPT: &str = "The quick brown fox jumps over the lazy dog";
 
-async fn engine_stats(engine: &Proc) -> Value {
-    client()
-        .get(format!("{}/mock/stats", engine.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 /// Polls the engine's hold counters until `check` holds (or fails after 5 s).
 async fn wait_holds(engine: &Proc, what: &str, check: impl Fn(&Value) -> bool) -> Value {
     let deadline = Instant::now() + Duration::from_secs(5);

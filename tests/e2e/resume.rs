@@ -580,15 +580,7 @@ async fn uncarried_state_fails_over_only_before_the_first_token() {
 
 /// The prefill engine's hold counters.
 async fn holder_stats(prefill: &Proc) -> Value {
-    let stats: Value = client()
-        .get(format!("{}/mock/stats", prefill.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    stats["holds"].clone()
+    engine_stats(prefill).await["holds"].clone()
 }
 
 /// Waits until the prefill holds nothing (releases go out after the response).

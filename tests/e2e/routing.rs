@@ -168,14 +168,7 @@ async fn prefill_then_decode_follow_the_vllm_protocol() {
     let kv = &d["body"]["kv_transfer_params"];
     assert_eq!(kv["do_remote_prefill"], true);
     assert_eq!(kv["remote_num_tokens"], model::tokenize(PROMPT).len());
-    let stats: Value = client()
-        .get(format!("{}/mock/stats", prefill.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stats = engine_stats(&prefill).await;
     assert_eq!(kv["remote_engine_id"], stats["engine_id"]);
     // The decoder reused the prefill's KV: no prompt token computed again.
     assert_eq!(d["computed_prompt_tokens"], 0);
