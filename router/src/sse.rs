@@ -30,11 +30,12 @@ impl SseParser {
 
 /// Position and length of the first event separator (blank line).
 fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
-    let crlf = buf
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|p| (p, 4));
+    let lf = memchr::memmem::find(buf, b"\n\n").map(|p| (p, 2));
+    // Engines end lines with LF; look for CRLF separators only when a CR is there.
+    if memchr::memchr(b'\r', buf).is_none() {
+        return lf;
+    }
+    let crlf = memchr::memmem::find(buf, b"\r\n\r\n").map(|p| (p, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),
