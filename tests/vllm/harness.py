@@ -99,6 +99,9 @@ class Engine:
             VLLM_CPU_OMP_THREADS_BIND=str(self.core % max(os.cpu_count() or 1, 1)),
             VLLM_NO_USAGE_STATS="1",
             PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join(
+                filter(None, [str(ROOT / "shim-py" / "python"), os.environ.get("PYTHONPATH")])
+            ),
         )
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 (closed with the process)
