@@ -84,6 +84,15 @@ pub struct RouterConfig {
     /// Timeout for a whole prefill call, in milliseconds.
     #[arg(long, env = "CONNEX_PREFILL_TIMEOUT_MS", default_value_t = 600_000)]
     pub prefill_timeout_ms: u64,
+    /// A decoder that sends nothing for this long is failed and the request resumed.
+    #[arg(long, env = "CONNEX_STALL_TIMEOUT_MS", default_value_t = 10_000)]
+    pub stall_timeout_ms: u64,
+    /// Most times one request moves to another decoder; then it fails with an error.
+    #[arg(long, env = "CONNEX_MAX_RESUMES", default_value_t = 3)]
+    pub max_resumes: u32,
+    /// How long a resume waits for a decoder to become eligible when none is.
+    #[arg(long, env = "CONNEX_RESUME_WAIT_MS", default_value_t = 2000)]
+    pub resume_wait_ms: u64,
 }
 
 impl RouterConfig {

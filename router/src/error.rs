@@ -41,7 +41,7 @@ impl ApiError {
         }
     }
 
-    fn status(&self) -> StatusCode {
+    pub fn status(&self) -> StatusCode {
         match self {
             Self::BadRequest { .. } => StatusCode::BAD_REQUEST,
             Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,

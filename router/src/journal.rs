@@ -22,6 +22,9 @@ pub struct Entry {
     pub prefill: Option<String>,
     pub decoder: Option<String>,
     pub attempt: u32,
+    /// Resumes so far, and the cause of each.
+    pub resumes: u32,
+    pub causes: Vec<&'static str>,
     pub kv_transfer_params: Option<Value>,
     pub prompt_token_ids: Vec<u32>,
     pub generated_token_ids: Vec<u32>,
@@ -55,6 +58,8 @@ impl Journal {
             prefill: None,
             decoder: None,
             attempt: 0,
+            resumes: 0,
+            causes: Vec::new(),
             kv_transfer_params: None,
             prompt_token_ids: Vec::new(),
             generated_token_ids: Vec::new(),

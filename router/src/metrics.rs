@@ -13,6 +13,9 @@ pub const UPSTREAM_REQUESTS: &str = "connex_upstream_requests_total";
 pub const UPSTREAM_ERRORS: &str = "connex_upstream_errors_total";
 pub const INSTANCE_INFLIGHT: &str = "connex_instance_inflight";
 pub const PREFILL_RETRIES: &str = "connex_prefill_retries_total";
+pub const RESUMES: &str = "connex_resumes_total";
+pub const RESUME_LATENCY: &str = "connex_resume_latency_seconds";
+pub const FAILED_AFTER_RESUME: &str = "connex_requests_failed_after_resume_total";
 
 /// Every metric name, for the test that checks they are all emitted.
 pub const ALL: &[&str] = &[
@@ -24,6 +27,9 @@ pub const ALL: &[&str] = &[
     UPSTREAM_ERRORS,
     INSTANCE_INFLIGHT,
     PREFILL_RETRIES,
+    RESUMES,
+    RESUME_LATENCY,
+    FAILED_AFTER_RESUME,
 ];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -77,4 +83,19 @@ pub fn prefill_retry() {
 
 pub fn instance_inflight(instance: &str, inflight: usize) {
     gauge!(INSTANCE_INFLIGHT, "instance" => instance.to_string()).set(inflight as f64);
+}
+
+/// A request moved to another decoder after a failure of `cause`.
+pub fn resume(cause: &'static str) {
+    counter!(RESUMES, "cause" => cause).increment(1);
+}
+
+/// Failure detected -> first token from the next decoder.
+pub fn resume_latency(latency: Duration) {
+    histogram!(RESUME_LATENCY).record(latency.as_secs_f64());
+}
+
+/// A request that failed although resumes were tried.
+pub fn failed_after_resume() {
+    counter!(FAILED_AFTER_RESUME).increment(1);
 }

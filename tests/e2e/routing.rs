@@ -559,13 +559,6 @@ async fn bad_input_gets_an_openai_error_with_the_right_status() {
     assert_eq!(status, 200);
 }
 
-fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && labels.iter().all(|label| l.contains(label)))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_the_requests_made() {
     let (router, _prefill, decode) = cluster(&[]).await;
@@ -751,4 +744,19 @@ fn demo_serves_every_request_through_prefill_and_both_decoders() {
         rows.iter().any(|r| r.contains("decode-0")) && rows.iter().any(|r| r.contains("decode-1")),
         "{stdout}"
     );
+    // Part two: a decoder killed mid-stream, the stream completed on the other.
+    let resumed = stdout
+        .lines()
+        .find(|l| l.contains("the router resumed the request on"))
+        .unwrap_or_else(|| panic!("no resume in the demo: {stdout}"));
+    assert!(
+        resumed.contains("decode-0 died") && resumed.ends_with("decode-1")
+            || resumed.contains("decode-1 died") && resumed.ends_with("decode-0"),
+        "{resumed}"
+    );
+    assert!(
+        stdout.contains("identical to an uninterrupted run"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("gap at the failure"), "{stdout}");
 }

@@ -1,14 +1,16 @@
 //! The prefill -> decode flow, as named phases: `prefill` (get the KV hold and the
-//! prompt ids), `decode` (open the decoder's stream), `relay` (journal every token
-//! and pass it to the client, or collect it for a non-stream client).
-//!
-//! The journal entry opened here carries what request resume needs; the resume
-//! loop slots in between `decode` and `relay`.
+//! prompt ids), `decode` (open a decoder's stream), the `session` that relays its
+//! tokens through the client's `output` and journals them, and `resume` (continue
+//! the request on another decoder when one fails).
 
+pub mod attempt;
+pub mod chunk;
 pub mod decode;
+pub mod output;
 pub mod prefill;
-pub mod relay;
 pub mod request;
+pub mod resume;
+pub mod session;
 
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -16,6 +18,7 @@ use axum::http::HeaderValue;
 use axum::response::Response;
 use request::RequestInfo;
 use serde_json::Value;
+use session::Session;
 use std::sync::Arc;
 
 /// Runs one validated request through P/D and returns the client's response.
@@ -40,25 +43,23 @@ pub async fn run(
         e.kv_transfer_params = Some(prefilled.kv_transfer_params.clone());
         e.prompt_token_ids = prefilled.prompt_token_ids.clone();
     });
-    let opened = decode::open(&state, &info, &body, &prefilled).await?;
-    journal.update(|e| {
-        e.decoder = Some(opened.guard.instance().id.clone());
-        e.attempt += 1;
-    });
-    let decoder = opened.guard.instance().id.clone();
-    let relay = relay::Relay::new(info, prefilled.prompt_token_ids, opened, journal);
-    let mut response = if relay.info().stream {
-        relay.into_sse_response()
+    let prefill_instance = prefilled.instance.clone();
+    let session = Session::start(state, info, body, prefilled, journal).await?;
+    let decoder = session.first_decoder().to_string();
+    let request_id = session.info().request_id.clone();
+    let mut response = if session.info().stream {
+        session.into_sse_response()
     } else {
-        relay.collect().await?
+        session.collect().await?
     };
     // Which instances served the request, for operators and the demo.
     let headers = response.headers_mut();
-    for (name, id) in [
-        (PREFILL_HEADER, &prefilled.instance),
+    for (name, value) in [
+        ("x-request-id", &request_id),
+        (PREFILL_HEADER, &prefill_instance),
         (DECODER_HEADER, &decoder),
     ] {
-        if let Ok(value) = HeaderValue::from_str(id) {
+        if let Ok(value) = HeaderValue::from_str(value) {
             headers.insert(name, value);
         }
     }

@@ -240,6 +240,17 @@ impl Registry {
         true
     }
 
+    /// Marks an instance dead now, on proof that it is gone (nothing listens at
+    /// its address). Its next heartbeat makes it ready again.
+    pub fn mark_dead(&self, id: &str) {
+        if let Some(instance) = self.instances.get(id) {
+            if instance.lifecycle() == Lifecycle::Ready {
+                tracing::warn!(%id, "instance unreachable; marked dead");
+                instance.set_lifecycle(Lifecycle::Dead);
+            }
+        }
+    }
+
     pub fn get(&self, id: &str) -> Option<Arc<Instance>> {
         self.instances.get(id).map(|i| i.clone())
     }

@@ -46,6 +46,20 @@ impl Proc {
         let _ = self.child.wait();
     }
 
+    /// The process id, for signals.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends `signal` (e.g. "STOP", "CONT") to the process.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal} failed");
+    }
+
     /// Whether the process has exited.
     pub fn exited(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(Some(_)))
@@ -206,4 +220,50 @@ pub fn ids(value: &Value) -> Vec<u32> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// The router's Prometheus text.
+pub async fn metrics_text(router: &Proc) -> String {
+    client()
+        .get(format!("{}/metrics", router.url))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text")
+}
+
+/// Sum of the samples of `name` whose labels contain every one of `labels`.
+pub fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && labels.iter().all(|label| l.contains(label)))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// The router's journal (`GET /admin/requests`).
+pub async fn journal(router: &Proc, verbose: bool) -> Vec<Value> {
+    let reply: Value = client()
+        .get(format!("{}/admin/requests?verbose={verbose}", router.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .expect("admin requests")
+        .json()
+        .await
+        .expect("json");
+    reply["data"].as_array().cloned().unwrap_or_default()
+}
+
+/// Text of choice 0 across stream chunks (completions `text` or chat `delta.content`).
+pub fn streamed_text(chunks: &[Value]) -> String {
+    chunks
+        .iter()
+        .filter_map(|c| {
+            c.pointer("/choices/0/text")
+                .or_else(|| c.pointer("/choices/0/delta/content"))
+                .and_then(Value::as_str)
+        })
+        .collect()
 }

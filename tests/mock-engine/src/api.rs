@@ -23,6 +23,9 @@ pub struct EngineState {
     pub engine_id: String,
     pub log: RequestLog,
     pub inflight: AtomicU64,
+    /// Set by [`crate::MockEngine::crash_now`]: the next token of every decode
+    /// stream crashes the engine, as a kill would.
+    pub crash_now: std::sync::atomic::AtomicBool,
     crash: CrashAction,
     shutdown: CancellationToken,
 }
@@ -40,6 +43,7 @@ impl EngineState {
             addr,
             log: RequestLog::default(),
             inflight: AtomicU64::new(0),
+            crash_now: std::sync::atomic::AtomicBool::new(false),
             crash,
             shutdown,
         }
@@ -342,8 +346,15 @@ impl Run {
         if self.emitted.len() as u32 >= self.plan.max_tokens {
             return Ok(None);
         }
+        // The decode step's time passes first, so that the previous token is on
+        // the wire when a fault below hits.
+        if config.decode_us_per_token > 0 && !self.emitted.is_empty() {
+            tokio::time::sleep(Duration::from_micros(config.decode_us_per_token)).await;
+        }
         let count = self.emitted.len() as u32;
-        if config.crash_after_tokens == Some(count) && self.plan.kv_out.is_none() {
+        let crash = config.crash_after_tokens == Some(count)
+            || self.state.crash_now.load(Ordering::Relaxed);
+        if crash && self.plan.kv_out.is_none() {
             match self.state.crash {
                 CrashAction::ExitProcess => {
                     eprintln!(
@@ -359,9 +370,6 @@ impl Run {
         }
         if config.stall_after_tokens == Some(count) && self.plan.kv_out.is_none() {
             std::future::pending::<()>().await;
-        }
-        if config.decode_us_per_token > 0 && !self.emitted.is_empty() {
-            tokio::time::sleep(Duration::from_micros(config.decode_us_per_token)).await;
         }
         let token = self.context.next_token();
         self.context.absorb(token);
@@ -396,6 +404,26 @@ impl Run {
         }
     }
 
+    /// The end that `--truncate-after-tokens` or `--error-after-tokens` puts on a
+    /// decode stream at this point, if any: `Some(None)` ends the body cleanly
+    /// without a finish_reason, `Some(Some(event))` sends an error event first.
+    fn injected_end(&self) -> Option<Option<Bytes>> {
+        let config = &self.state.config;
+        let count = Some(self.emitted.len() as u32);
+        if self.plan.kv_out.is_some() {
+            return None;
+        }
+        if config.truncate_after_tokens == count {
+            return Some(None);
+        }
+        if config.error_after_tokens == count {
+            let error = json!({"error":{"message":"injected engine error (--error-after-tokens)",
+                "type":"InternalServerError","param":null,"code":500}});
+            return Some(Some(Bytes::from(format!("data: {error}\n\n"))));
+        }
+        None
+    }
+
     /// The next SSE event of a streaming response.
     async fn next_event(&mut self) -> Option<Result<Bytes, Crashed>> {
         if self.sent_done {
@@ -404,6 +432,10 @@ impl Run {
         if self.finished {
             self.sent_done = true;
             return Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+        }
+        if let Some(end) = self.injected_end() {
+            self.sent_done = true;
+            return end.map(Ok);
         }
         let first = !self.started;
         let token = match self.next_token().await {

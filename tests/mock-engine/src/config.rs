@@ -56,6 +56,14 @@ pub struct MockConfig {
     /// Stop emitting (but keep the connection open) after this many tokens.
     #[arg(long)]
     pub stall_after_tokens: Option<u32>,
+    /// End each decode stream cleanly, without a finish_reason or `[DONE]`, after
+    /// this many tokens.
+    #[arg(long)]
+    pub truncate_after_tokens: Option<u32>,
+    /// Send an error event (code 500) and end each decode stream after this many
+    /// tokens, as vLLM does when its engine fails mid-request.
+    #[arg(long)]
+    pub error_after_tokens: Option<u32>,
     /// Answer every generation request with this HTTP status.
     #[arg(long)]
     pub fail_status: Option<u16>,

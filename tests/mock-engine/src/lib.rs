@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 pub struct MockEngine {
     /// Address the HTTP server is bound to.
     pub addr: SocketAddr,
+    state: Arc<api::EngineState>,
     shutdown: CancellationToken,
     tasks: tokio::task::JoinSet<()>,
 }
@@ -53,10 +54,11 @@ impl MockEngine {
             }
         });
         if let Some(router) = config.router.clone() {
-            tasks.spawn(register::run(router, state, shutdown.clone()));
+            tasks.spawn(register::run(router, state.clone(), shutdown.clone()));
         }
         Ok(Self {
             addr,
+            state,
             shutdown,
             tasks,
         })
@@ -65,6 +67,19 @@ impl MockEngine {
     /// Base URL of this engine.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Crashes the engine at the next token of any decode stream, as a kill
+    /// would (what that does is the engine's [`CrashAction`]).
+    pub fn crash_now(&self) {
+        self.state
+            .crash_now
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Every request this engine received so far.
+    pub fn requests(&self) -> Vec<stats::RequestRecord> {
+        self.state.log.snapshot()
     }
 
     /// Resolves when the engine stopped (shutdown or an in-process crash).

@@ -1,0 +1,269 @@
+//! One chunk of a decoder's stream: what the router reads of it (token ids, text,
+//! finish) and the edits it makes before a client sees it.
+//!
+//! Every token of every stream passes through here, so both halves avoid building
+//! a JSON tree: the reading half deserializes into borrowed structs that skip what
+//! the router does not need, and the editing half splices the chunk's bytes (a new
+//! `id`, token-id fields removed). A chunk whose shape the splice does not expect
+//! takes the slow path through `serde_json::Value`, which is always right.
+
+use memchr::memmem;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::Value;
+use std::borrow::Cow;
+
+/// What the router reads of one chunk.
+#[derive(Debug, Deserialize)]
+pub struct Chunk<'a> {
+    #[serde(default, borrow)]
+    pub choices: Vec<Choice<'a>>,
+    #[serde(default, borrow)]
+    pub error: Option<&'a RawValue>,
+}
+
+/// What the router reads of one choice of a chunk.
+#[derive(Debug, Deserialize)]
+pub struct Choice<'a> {
+    #[serde(default)]
+    pub index: usize,
+    /// Completions: the text of this chunk.
+    #[serde(default, borrow)]
+    pub text: Option<Cow<'a, str>>,
+    /// Chat: the delta of this chunk.
+    #[serde(default, borrow)]
+    pub delta: Option<Delta<'a>>,
+    #[serde(default)]
+    pub token_ids: Option<Vec<u32>>,
+    #[serde(default, borrow)]
+    pub finish_reason: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    pub stop_reason: Option<&'a RawValue>,
+}
+
+/// The part of a chat delta the journal keeps.
+#[derive(Debug, Deserialize)]
+pub struct Delta<'a> {
+    #[serde(default, borrow)]
+    pub content: Option<Cow<'a, str>>,
+}
+
+impl Choice<'_> {
+    /// The text this chunk adds, for either route.
+    pub fn text(&self) -> &str {
+        self.text
+            .as_deref()
+            .or_else(|| self.delta.as_ref().and_then(|d| d.content.as_deref()))
+            .unwrap_or_default()
+    }
+}
+
+/// An error event of a decoder stream (`{"error": {...}}`).
+#[derive(Debug, Clone)]
+pub struct ErrorEvent {
+    pub message: String,
+    /// The HTTP-like code the engine gave, when it gave one.
+    pub code: Option<u16>,
+}
+
+impl ErrorEvent {
+    pub fn parse(raw: &RawValue) -> Self {
+        let value: Value = serde_json::from_str(raw.get()).unwrap_or(Value::Null);
+        let message = value
+            .get("message")
+            .and_then(Value::as_str)
+            .or_else(|| value.as_str())
+            .unwrap_or("decoder error")
+            .to_string();
+        let code = value
+            .get("code")
+            .and_then(|c| {
+                c.as_u64()
+                    .or_else(|| c.as_str().and_then(|s| s.parse().ok()))
+            })
+            .and_then(|c| u16::try_from(c).ok());
+        Self { message, code }
+    }
+
+    /// Whether the engine failed (retrying elsewhere may succeed) rather than
+    /// refusing the request.
+    pub fn is_server_error(&self) -> bool {
+        self.code.is_none_or(|c| c >= 500)
+    }
+}
+
+/// Parses one chunk; `None` when it is not a JSON object of the expected shape.
+pub fn parse(data: &[u8]) -> Option<Chunk<'_>> {
+    serde_json::from_slice(data).ok()
+}
+
+/// The client's copy of a chunk: `id` replaced, the listed top-level or choice
+/// fields removed, `kv_transfer_params` always removed.
+pub fn rewrite(data: &[u8], id: &str, strip: &[&str]) -> Vec<u8> {
+    splice(data, id, strip).unwrap_or_else(|| rewrite_value(data, id, strip))
+}
+
+/// The fast path: byte edits on the compact JSON engines emit. `None` when the
+/// chunk does not have the expected shape.
+///
+/// A key pattern such as `"token_ids":` preceded by `{` or `,` can only be a real
+/// key: inside a JSON string every `"` is escaped, so `,"` never occurs there.
+fn splice(data: &[u8], id: &str, strip: &[&str]) -> Option<Vec<u8>> {
+    const ID_KEY: &[u8] = b"{\"id\":\"";
+    if !data.starts_with(ID_KEY) || memmem::find(data, b"\"kv_transfer_params\":").is_some() {
+        return None;
+    }
+    let id_end = ID_KEY.len() + string_end(&data[ID_KEY.len()..])?;
+    let mut out = Vec::with_capacity(data.len() + id.len());
+    out.extend_from_slice(ID_KEY);
+    out.extend_from_slice(id.as_bytes());
+    out.extend_from_slice(&data[id_end..]);
+    for key in strip {
+        while let Some(range) = field_range(&out, key)? {
+            out.drain(range);
+        }
+    }
+    Some(out)
+}
+
+/// The byte range of the first field `key` whose value is an array of numbers or
+/// null, with one separating comma. `Some(None)` when there is no such key; `None`
+/// when it holds another kind of value.
+fn field_range(data: &[u8], key: &str) -> Option<Option<std::ops::Range<usize>>> {
+    let pattern = format!("\"{key}\":");
+    let mut from = 0;
+    let start = loop {
+        let Some(at) = memmem::find(&data[from..], pattern.as_bytes()) else {
+            return Some(None);
+        };
+        let at = from + at;
+        if at > 0 && matches!(data[at - 1], b',' | b'{') {
+            break at;
+        }
+        from = at + pattern.len();
+    };
+    let value = start + pattern.len();
+    let len = match data.get(value)? {
+        b'[' => {
+            let close = memchr::memchr(b']', &data[value..])?;
+            let inner = &data[value + 1..value + close];
+            if !inner
+                .iter()
+                .all(|b| b.is_ascii_digit() || matches!(b, b',' | b' '))
+            {
+                return None;
+            }
+            close + 1
+        }
+        b'n' if data[value..].starts_with(b"null") => 4,
+        _ => return None,
+    };
+    let end = value + len;
+    Some(Some(if data[start - 1] == b',' {
+        start - 1..end
+    } else if data.get(end) == Some(&b',') {
+        start..end + 1
+    } else {
+        start..end
+    }))
+}
+
+/// Offset of the closing quote of a JSON string whose opening quote came just
+/// before `data`.
+fn string_end(data: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while i < data.len() {
+        match data[i] {
+            b'\\' => i += 2,
+            b'"' => return Some(i),
+            _ => i += 1,
+        }
+    }
+    None
+}
+
+/// The slow path: the same edits through a JSON tree.
+fn rewrite_value(data: &[u8], id: &str, strip: &[&str]) -> Vec<u8> {
+    let Ok(mut chunk) = serde_json::from_slice::<Value>(data) else {
+        return data.to_vec();
+    };
+    if let Some(map) = chunk.as_object_mut() {
+        map.insert("id".into(), Value::String(id.to_string()));
+        map.remove("kv_transfer_params");
+        for key in strip {
+            map.remove(*key);
+        }
+    }
+    if let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut) {
+        for choice in choices.iter_mut().filter_map(Value::as_object_mut) {
+            for key in strip {
+                choice.remove(*key);
+            }
+        }
+    }
+    serde_json::to_vec(&chunk).unwrap_or_else(|_| data.to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHUNK: &[u8] = br#"{"id":"cmpl-engine-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" w300","logprobs":null,"finish_reason":null,"stop_reason":null,"token_ids":[300],"prompt_token_ids":[1,2,3]}]}"#;
+
+    #[test]
+    fn reads_tokens_text_and_finish() {
+        let chunk = parse(CHUNK).expect("parses");
+        assert_eq!(chunk.choices.len(), 1);
+        assert_eq!(chunk.choices[0].text(), " w300");
+        assert_eq!(chunk.choices[0].token_ids.as_deref(), Some(&[300][..]));
+        assert_eq!(chunk.choices[0].finish_reason, None);
+        let chat = parse(br#"{"id":"x","choices":[{"index":1,"delta":{"role":"assistant","content":"hi \"q\""},"finish_reason":"stop"}]}"#).expect("parses");
+        assert_eq!(chat.choices[0].index, 1);
+        assert_eq!(chat.choices[0].text(), "hi \"q\"");
+        assert_eq!(chat.choices[0].finish_reason.as_deref(), Some("stop"));
+    }
+
+    #[test]
+    fn splices_id_and_strips_token_ids() {
+        let out = rewrite(CHUNK, "cmpl-router", &["token_ids", "prompt_token_ids"]);
+        let value: Value = serde_json::from_slice(&out).expect("valid JSON");
+        assert_eq!(value["id"], "cmpl-router");
+        assert!(value["choices"][0].get("token_ids").is_none());
+        assert!(value["choices"][0].get("prompt_token_ids").is_none());
+        assert_eq!(value["choices"][0]["text"], " w300");
+        // The fast path made it: the bytes are the original ones, edited.
+        assert!(out.starts_with(br#"{"id":"cmpl-router","object""#));
+        assert!(out.ends_with(br#""stop_reason":null}]}"#));
+    }
+
+    #[test]
+    fn key_names_inside_text_are_left_alone() {
+        let data =
+            br#"{"id":"a","choices":[{"index":0,"text":"\"token_ids\":[1]","token_ids":[7]}]}"#;
+        let value: Value =
+            serde_json::from_slice(&rewrite(data, "b", &["token_ids"])).expect("valid JSON");
+        assert_eq!(value["choices"][0]["text"], "\"token_ids\":[1]");
+        assert!(value["choices"][0].get("token_ids").is_none());
+    }
+
+    #[test]
+    fn unexpected_shapes_take_the_slow_path() {
+        let data = br#"{"object":"x","id":"a","kv_transfer_params":{"k":1},"choices":[{"token_ids":[1],"index":0}]}"#;
+        let value: Value =
+            serde_json::from_slice(&rewrite(data, "b", &["token_ids"])).expect("valid JSON");
+        assert_eq!(value["id"], "b");
+        assert!(value.get("kv_transfer_params").is_none());
+        assert!(value["choices"][0].get("token_ids").is_none());
+    }
+
+    #[test]
+    fn error_events_give_message_and_code() {
+        let chunk =
+            parse(br#"{"error":{"message":"boom","type":"InternalServerError","code":500}}"#)
+                .expect("parses");
+        let error = ErrorEvent::parse(chunk.error.expect("error"));
+        assert_eq!(error.message, "boom");
+        assert_eq!(error.code, Some(500));
+        assert!(error.is_server_error());
+    }
+}

@@ -1,0 +1,427 @@
+//! The decode side of one request, across every decoder that serves it.
+//!
+//! A session opens a decoder's stream, relays (or collects) its tokens through the
+//! client's [`Output`] and journals them; when the decoder fails it resumes the
+//! request on another decoder (fail-over with the client's own body before the
+//! first token, the completions continuation after it), at most `max_resumes`
+//! times. The client sees one stream or one response, or a clear error: never a
+//! silent truncation.
+
+use super::attempt::{Attempt, Cause, Event, Failure};
+use super::chunk::{self, ErrorEvent};
+use super::decode::{self, OpenError};
+use super::output::{Output, Source};
+use super::prefill::Prefilled;
+use super::request::{RequestInfo, Route};
+use super::resume;
+use crate::error::ApiError;
+use crate::journal::JournalHandle;
+use crate::registry::Instance;
+use crate::state::AppState;
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde_json::Value;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One request's decode, from the first decoder to the last token.
+pub struct Session {
+    state: Arc<AppState>,
+    info: RequestInfo,
+    body: Value,
+    hold: Prefilled,
+    journal: JournalHandle,
+    output: Output,
+    attempt: Option<Attempt>,
+    /// Why the request cannot be continued mid-stream, if it cannot.
+    blocker: Option<&'static str>,
+    /// Decoders that failed this request, avoided while others exist.
+    failed: Vec<String>,
+    resumes: u32,
+    epoch: u64,
+    first_decoder: Option<String>,
+    /// Bytes for a streaming client, in order.
+    out: VecDeque<Bytes>,
+    error: Option<ApiError>,
+    timing: Timing,
+}
+
+/// Latency bookkeeping of a session.
+struct Timing {
+    started: Instant,
+    last_token: Option<Instant>,
+    /// When the last decoder failure was detected, until the next token.
+    failure_detected: Option<Instant>,
+    inter_token: Option<metrics::Histogram>,
+}
+
+impl Session {
+    /// Opens the first decoder stream; an error here is the client's HTTP error.
+    pub async fn start(
+        state: Arc<AppState>,
+        info: RequestInfo,
+        body: Value,
+        hold: Prefilled,
+        journal: JournalHandle,
+    ) -> Result<Self, ApiError> {
+        let mut session = Self {
+            output: Output::new(&info, hold.prompt_token_ids.clone()),
+            blocker: resume::mid_stream_blocker(info.route, &body),
+            epoch: hold
+                .kv_transfer_params
+                .get("resume_epoch")
+                .and_then(Value::as_u64)
+                .unwrap_or(0),
+            state,
+            info,
+            body,
+            hold,
+            journal,
+            attempt: None,
+            failed: Vec::new(),
+            resumes: 0,
+            first_decoder: None,
+            out: VecDeque::new(),
+            error: None,
+            timing: Timing {
+                started: Instant::now(),
+                last_token: None,
+                failure_detected: None,
+                inter_token: None,
+            },
+        };
+        session.connect(None).await?;
+        Ok(session)
+    }
+
+    pub fn info(&self) -> &RequestInfo {
+        &self.info
+    }
+
+    /// The first decoder that served the request.
+    pub fn first_decoder(&self) -> &str {
+        self.first_decoder.as_deref().unwrap_or_default()
+    }
+
+    /// Opens a stream on a decoder, after `failure` of the previous one when
+    /// given. Every failure counts as one resume, bounded by `max_resumes`.
+    async fn connect(&mut self, mut failure: Option<Failure>) -> Result<(), ApiError> {
+        loop {
+            if let Some(failure) = failure.take() {
+                self.count_resume(failure)?;
+            }
+            let wait = if self.resumes == 0 {
+                Duration::ZERO
+            } else {
+                Duration::from_millis(self.state.config.resume_wait_ms)
+            };
+            let Some(decoder) =
+                wait_for_decoder(&self.state, &self.info.model, &self.failed, wait).await
+            else {
+                return Err(ApiError::Unavailable(format!(
+                    "no decode instance is ready for model `{}`",
+                    self.info.model
+                )));
+            };
+            let (source, path, payload) = self.next_body();
+            match decode::open(
+                &self.state,
+                decoder.clone(),
+                path,
+                &self.info.request_id,
+                payload,
+                source,
+            )
+            .await
+            {
+                Ok(attempt) => {
+                    self.first_decoder.get_or_insert_with(|| decoder.id.clone());
+                    self.timing.inter_token = Some(crate::metrics::inter_token(&decoder.id));
+                    self.journal.update(|e| {
+                        e.phase = "decode";
+                        e.decoder = Some(decoder.id.clone());
+                        e.attempt += 1;
+                    });
+                    self.attempt = Some(attempt);
+                    return Ok(());
+                }
+                Err(OpenError::Failed(next)) => failure = Some(next),
+                Err(OpenError::Rejected(error)) => return Err(error),
+            }
+        }
+    }
+
+    /// Checks that `failure` may be resumed and counts it.
+    fn count_resume(&mut self, failure: Failure) -> Result<(), ApiError> {
+        let max = self.state.config.max_resumes;
+        tracing::warn!(request_id = %self.info.request_id, decoder = %failure.decoder,
+            cause = failure.cause.as_str(), message = %failure.message, resumes = self.resumes, "decoder failed");
+        let generated = self.output.generated();
+        if let (Some(blocker), true) = (self.blocker, generated > 0) {
+            return Err(ApiError::Unavailable(format!(
+                "{}; a request with {blocker} cannot be resumed after its first token",
+                failure.message
+            )));
+        }
+        if self.resumes >= max {
+            return Err(ApiError::Unavailable(format!(
+                "{}; gave up after {max} resumes",
+                failure.message
+            )));
+        }
+        self.resumes += 1;
+        self.epoch += 1;
+        self.timing
+            .failure_detected
+            .get_or_insert_with(Instant::now);
+        crate::metrics::resume(failure.cause.as_str());
+        if !self.failed.contains(&failure.decoder) {
+            self.failed.push(failure.decoder.clone());
+        }
+        let cause = failure.cause.as_str();
+        self.journal.update(|e| {
+            e.resumes = self.resumes;
+            e.causes.push(cause);
+        });
+        Ok(())
+    }
+
+    /// The route and body of the next attempt: the client's own before the first
+    /// token, the completions continuation after it.
+    fn next_body(&self) -> (Source, &'static str, Bytes) {
+        let kv = resume::with_epoch(&self.hold.kv_transfer_params, self.epoch);
+        let first = self.output.first();
+        if self.output.generated() == 0 {
+            let body = decode::decode_body(&self.body, &kv);
+            (Source::Native, self.info.route.path(), to_bytes(&body))
+        } else {
+            let body = resume::resume_body(
+                self.info.route,
+                &self.body,
+                &self.hold.prompt_token_ids,
+                &first.token_ids,
+                &kv,
+            );
+            (Source::Resumed, Route::Completions.path(), to_bytes(&body))
+        }
+    }
+
+    /// The next bytes for a streaming client; `None` at the end. A non-stream
+    /// client's session runs through here too, collecting.
+    async fn next_bytes(&mut self) -> Option<Bytes> {
+        loop {
+            if let Some(bytes) = self.out.pop_front() {
+                return Some(bytes);
+            }
+            let attempt = self.attempt.as_mut()?;
+            let source = attempt.source;
+            let decoder = attempt.decoder().id.clone();
+            match attempt.next().await {
+                Event::Data(data) => {
+                    if let Err(failure) = self.on_data(&data, source, decoder) {
+                        self.recover(failure).await;
+                    }
+                }
+                Event::Done => self.on_end(None).await,
+                Event::Failed(failure) => self.on_end(Some(failure)).await,
+            }
+        }
+    }
+
+    /// Journals and relays one chunk. A chunk that says the decoder failed is
+    /// returned as a failure.
+    fn on_data(&mut self, data: &[u8], source: Source, decoder: String) -> Result<(), Failure> {
+        let Some(parsed) = chunk::parse(data) else {
+            return Err(Failure {
+                message: format!("decoder {decoder} sent an invalid chunk"),
+                decoder,
+                cause: Cause::ServerError,
+            });
+        };
+        if let Some(raw) = parsed.error {
+            let error = ErrorEvent::parse(raw);
+            if error.is_server_error() {
+                return Err(Failure {
+                    message: format!("decoder {decoder} failed: {}", error.message),
+                    decoder,
+                    cause: Cause::ServerError,
+                });
+            }
+            // The engine refused the request itself: retrying will not help.
+            self.end_with_error(ApiError::BadGateway {
+                instance: decoder,
+                message: error.message,
+            });
+            return Ok(());
+        }
+        let tokens: usize = parsed
+            .choices
+            .iter()
+            .map(|c| c.token_ids.as_ref().map_or(0, Vec::len))
+            .sum();
+        if tokens > 0 {
+            self.on_tokens(&decoder);
+        }
+        if let Some(first) = parsed.choices.iter().find(|c| c.index == 0) {
+            let ids = first.token_ids.as_deref().unwrap_or_default();
+            let text = first.text();
+            let finish = first.finish_reason.as_deref();
+            self.journal.update(|e| {
+                e.generated_token_ids.extend_from_slice(ids);
+                e.text.push_str(text);
+                if let Some(finish) = finish {
+                    e.finish_reason = Some(finish.to_string());
+                }
+            });
+        }
+        if let Some(bytes) = self.output.absorb(&parsed, data, source) {
+            self.out.push_back(bytes);
+        }
+        Ok(())
+    }
+
+    /// Token timing: TTFT, inter-token gaps, and the resume latency (failure
+    /// detected -> first token after it).
+    fn on_tokens(&mut self, decoder: &str) {
+        let now = Instant::now();
+        match self.timing.last_token {
+            None => crate::metrics::first_token(
+                self.info.route.path(),
+                decoder,
+                now - self.timing.started,
+            ),
+            Some(last) => {
+                if let Some(histogram) = &self.timing.inter_token {
+                    histogram.record((now - last).as_secs_f64());
+                }
+            }
+        }
+        if let Some(detected) = self.timing.failure_detected.take() {
+            crate::metrics::resume_latency(now - detected);
+        }
+        self.timing.last_token = Some(now);
+    }
+
+    /// The decoder's stream ended, cleanly (`failure` None) or not.
+    async fn on_end(&mut self, failure: Option<Failure>) {
+        if self.output.all_finished() {
+            // Every choice has its finish_reason: a connection lost after the last
+            // token costs the client nothing.
+            return self.finish();
+        }
+        let failure = failure.unwrap_or_else(|| {
+            let decoder = self
+                .attempt
+                .as_ref()
+                .map(|a| a.decoder().id.clone())
+                .unwrap_or_default();
+            Failure {
+                message: format!("decoder {decoder} ended the stream before finishing"),
+                decoder,
+                cause: Cause::Truncated,
+            }
+        });
+        self.recover(failure).await;
+    }
+
+    /// Moves the request to another decoder after `failure`, or ends it with an
+    /// error when it cannot be moved.
+    async fn recover(&mut self, failure: Failure) {
+        // Dropping the attempt closes its connection: the engine aborts its copy.
+        self.attempt = None;
+        if let Err(error) = self.connect(Some(failure)).await {
+            if self.resumes > 0 {
+                crate::metrics::failed_after_resume();
+            }
+            self.end_with_error(error);
+        }
+    }
+
+    fn finish(&mut self) {
+        self.attempt = None;
+        if self.info.stream {
+            self.out.extend(self.output.end_events());
+        }
+        self.journal.update(|e| e.phase = "finished");
+        self.record(200);
+    }
+
+    fn end_with_error(&mut self, error: ApiError) {
+        self.attempt = None;
+        tracing::warn!(request_id = %self.info.request_id, %error, "request failed");
+        if self.info.stream {
+            self.out.extend(Output::error_events(&error));
+        }
+        self.journal.update(|e| e.phase = "failed");
+        self.record(error.status().as_u16());
+        self.error = Some(error);
+    }
+
+    fn record(&self, status: u16) {
+        crate::metrics::request_finished(
+            self.info.route.path(),
+            status,
+            self.timing.started.elapsed(),
+        );
+    }
+
+    /// A streaming response that relays chunk by chunk.
+    pub fn into_sse_response(self) -> Response {
+        let body = futures_util::stream::unfold(self, |mut session| async move {
+            session
+                .next_bytes()
+                .await
+                .map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), session))
+        });
+        (
+            [
+                ("content-type", "text/event-stream"),
+                ("cache-control", "no-cache"),
+            ],
+            Body::from_stream(body),
+        )
+            .into_response()
+    }
+
+    /// Runs the session to its end and answers one response (non-stream client).
+    pub async fn collect(mut self) -> Result<Response, ApiError> {
+        while self.next_bytes().await.is_some() {}
+        if let Some(error) = self.error.take() {
+            return Err(error);
+        }
+        let mut response = axum::Json(self.output.response()).into_response();
+        response
+            .headers_mut()
+            .insert(RESUMES_HEADER, self.resumes.into());
+        Ok(response)
+    }
+}
+
+/// A decoder for the next attempt, waiting up to `wait` when none is eligible
+/// right now (a restarted decoder re-registers within a heartbeat).
+async fn wait_for_decoder(
+    state: &AppState,
+    model: &str,
+    failed: &[String],
+    wait: Duration,
+) -> Option<Arc<Instance>> {
+    let deadline = Instant::now() + wait;
+    loop {
+        if let Some(decoder) = decode::choose(state, model, failed) {
+            return Some(decoder);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Response header (non-stream) counting the resumes a request needed.
+pub const RESUMES_HEADER: &str = "x-connex-resumes";
+
+fn to_bytes(body: &Value) -> Bytes {
+    Bytes::from(serde_json::to_vec(body).unwrap_or_default())
+}

@@ -1,0 +1,567 @@
+//! End-to-end request resume: a real router, prefill and decoders as real
+//! processes on loopback. The first decoder fails at token k in each way the
+//! router recognises; the client must see exactly the tokens, text and usage of an
+//! uninterrupted run, in one stream or one response, with one resume counted.
+
+// Tests fail loudly on anything unexpected; that is what unwrap is for here.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::*;
+use connex_mock_engine::model;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+const MAX_TOKENS: usize = 16;
+const PROMPT: &str = "Resume me, exactly";
+/// Microseconds per token of a decoder that crashes: each token is flushed to the
+/// router before the next one, so "crash at token k" means k tokens were seen.
+const PACE_US: &str = "1000";
+
+/// How the first decoder fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// The process exits mid-stream (connection reset).
+    Crash,
+    /// The stream ends cleanly without a finish_reason.
+    Truncate,
+    /// An error event with code 500, then the end.
+    ErrorEvent,
+    /// No token within the router's stall timeout.
+    Stall,
+    /// The process is frozen (SIGSTOP): heartbeats stop and the TTL declares it dead.
+    Dead,
+    /// `drain?migrate=true` while the stream runs.
+    Migrate,
+    /// HTTP 503 before any token.
+    Refuse5xx,
+}
+
+impl Fault {
+    fn decoder_flags(self, k: usize) -> Vec<String> {
+        let k = k.to_string();
+        let flags: &[&str] = match self {
+            // Paced, so that each token is on the wire before the process dies.
+            Fault::Crash => &["--crash-after-tokens", &k, "--decode-us-per-token", PACE_US],
+            Fault::Truncate => &["--truncate-after-tokens", &k],
+            Fault::ErrorEvent => &["--error-after-tokens", &k],
+            Fault::Stall | Fault::Dead | Fault::Migrate => &["--stall-after-tokens", &k],
+            Fault::Refuse5xx => &["--fail-status", "503"],
+        };
+        flags.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn router_flags(self) -> &'static [&'static str] {
+        match self {
+            Fault::Stall => &["--stall-timeout-ms", "500"],
+            Fault::Dead => &["--heartbeat-ttl-s", "1"],
+            _ => &[],
+        }
+    }
+
+    /// The `cause` label the router counts when the fault hits at token `k`.
+    fn cause(self, k: usize) -> &'static str {
+        match self {
+            // Before the first token the response never started.
+            Fault::Crash if k == 0 => "connect",
+            Fault::Crash => "reset",
+            Fault::Truncate => "truncated",
+            Fault::ErrorEvent | Fault::Refuse5xx => "5xx",
+            Fault::Stall => "stall",
+            Fault::Dead => "dead",
+            Fault::Migrate => "migrate",
+        }
+    }
+}
+
+/// A router with a prefill, a faulty decoder `d0` and a healthy one `d1`.
+/// Round-robin over the sorted ids sends a fresh router's first request to `d0`.
+struct Cluster {
+    router: Proc,
+    _prefill: Proc,
+    faulty: Proc,
+    healthy: Proc,
+}
+
+async fn cluster(fault: Fault, k: usize, router_flags: &[&str]) -> Cluster {
+    let mut flags = vec!["--decode-policy", "round_robin"];
+    flags.extend_from_slice(fault.router_flags());
+    flags.extend_from_slice(router_flags);
+    let router = router(&flags);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let mut faulty_flags = vec!["--id".to_string(), "d0".to_string()];
+    faulty_flags.extend(fault.decoder_flags(k));
+    let faulty_flags: Vec<&str> = faulty_flags.iter().map(String::as_str).collect();
+    let faulty = engine(Some(&router), "decode", &faulty_flags);
+    let healthy = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 3).await;
+    Cluster {
+        router,
+        _prefill: prefill,
+        faulty,
+        healthy,
+    }
+}
+
+/// For the faults the test causes from outside: waits until `d0` has emitted `k`
+/// tokens (it stalls there), then freezes it or migrates away from it.
+async fn trigger(fault: Fault, cluster: &Cluster, k: usize) {
+    if !matches!(fault, Fault::Dead | Fault::Migrate) {
+        return;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let records = engine_requests(&cluster.faulty).await;
+        if records
+            .iter()
+            .any(|r| r["tokens_emitted"] == k && r["outcome"] == "running")
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "d0 never reached token {k}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    if fault == Fault::Dead {
+        cluster.faulty.signal("STOP");
+        return;
+    }
+    // The journal shows the request on d0 with its k tokens, before the move.
+    let entries = journal(&cluster.router, false).await;
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entries[0]["decoder"], "d0");
+    assert_eq!(entries[0]["generated_tokens"], k);
+    assert!(entries[0].get("prompt_token_ids").is_none(), "not verbose");
+    let reply = client()
+        .post(format!(
+            "{}/admin/instances/d0/drain?migrate=true",
+            cluster.router.url
+        ))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reply.status(), 200);
+}
+
+/// A request of the case: completions or chat, stream or not.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    chat: bool,
+    stream: bool,
+}
+
+const SHAPES: [Shape; 4] = [
+    Shape {
+        chat: false,
+        stream: true,
+    },
+    Shape {
+        chat: false,
+        stream: false,
+    },
+    Shape {
+        chat: true,
+        stream: true,
+    },
+    Shape {
+        chat: true,
+        stream: false,
+    },
+];
+
+impl Shape {
+    fn path(self) -> &'static str {
+        if self.chat {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        }
+    }
+
+    fn messages() -> Value {
+        json!([{"role":"user","content":PROMPT}])
+    }
+
+    fn body(self, extra: Value) -> Value {
+        let mut body = if self.chat {
+            json!({"model":"mock","messages":Self::messages(),"max_tokens":MAX_TOKENS})
+        } else {
+            json!({"model":"mock","prompt":PROMPT,"max_tokens":MAX_TOKENS})
+        };
+        body["return_token_ids"] = json!(true);
+        if self.stream {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        for (key, value) in extra.as_object().into_iter().flatten() {
+            body[key] = value.clone();
+        }
+        body
+    }
+
+    fn prompt_ids(self) -> Vec<u32> {
+        if self.chat {
+            model::tokenize(&model::apply_chat_template(&Self::messages()).unwrap())
+        } else {
+            model::tokenize(PROMPT)
+        }
+    }
+}
+
+/// What the client got: token ids, text, usage, finish reason, or an error.
+#[derive(Debug)]
+struct Outcome {
+    token_ids: Vec<u32>,
+    text: String,
+    usage: Value,
+    finish_reason: Value,
+    error: Option<Value>,
+}
+
+async fn request(router: &Proc, shape: Shape, extra: Value) -> Outcome {
+    let body = shape.body(extra);
+    if !shape.stream {
+        let (status, reply) = post(router, shape.path(), &body).await;
+        if status != 200 {
+            return Outcome {
+                token_ids: vec![],
+                text: String::new(),
+                usage: Value::Null,
+                finish_reason: Value::Null,
+                error: Some(json!({"status": status, "body": reply})),
+            };
+        }
+        let choice = &reply["choices"][0];
+        let text = choice["text"]
+            .as_str()
+            .or_else(|| choice["message"]["content"].as_str())
+            .unwrap_or_default()
+            .to_string();
+        return Outcome {
+            token_ids: ids(&choice["token_ids"]),
+            text,
+            usage: reply["usage"].clone(),
+            finish_reason: choice["finish_reason"].clone(),
+            error: None,
+        };
+    }
+    let chunks = stream(router, shape.path(), &body).await;
+    assert_eq!(
+        chunks.last(),
+        Some(&json!("[DONE]")),
+        "the stream ends with [DONE]"
+    );
+    let objects: Vec<&Value> = chunks.iter().filter(|c| c.is_object()).collect();
+    let error = objects.iter().find(|c| c.get("error").is_some());
+    // One response id for the whole stream, whichever decoder produced a chunk.
+    let first_id = &objects[0]["id"];
+    if error.is_none() {
+        assert!(objects.iter().all(|c| &c["id"] == first_id), "{chunks:?}");
+        let object = if shape.chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        assert!(objects.iter().all(|c| c["object"] == object), "{chunks:?}");
+    }
+    let finish_reason = objects
+        .iter()
+        .filter_map(|c| c.pointer("/choices/0/finish_reason"))
+        .find(|r| !r.is_null())
+        .cloned()
+        .unwrap_or(Value::Null);
+    Outcome {
+        token_ids: streamed_token_ids(&chunks),
+        text: streamed_text(&chunks),
+        usage: objects
+            .iter()
+            .find(|c| c["usage"].is_object())
+            .map(|c| c["usage"].clone())
+            .unwrap_or(Value::Null),
+        finish_reason,
+        error: error.map(|e| (*e).clone()),
+    }
+}
+
+/// Checks that the client got exactly the uninterrupted run.
+fn assert_uninterrupted(outcome: &Outcome, shape: Shape, context: &str) {
+    let prompt = shape.prompt_ids();
+    let expected = model::generate(&prompt, MAX_TOKENS);
+    assert!(outcome.error.is_none(), "{context}: {outcome:?}");
+    assert_eq!(outcome.token_ids, expected, "{context}: token ids");
+    assert_eq!(
+        outcome.text,
+        model::detokenize(&expected),
+        "{context}: text"
+    );
+    assert_eq!(
+        outcome.usage,
+        json!({"prompt_tokens": prompt.len(), "completion_tokens": MAX_TOKENS,
+               "total_tokens": prompt.len() + MAX_TOKENS}),
+        "{context}: usage"
+    );
+    assert_eq!(outcome.finish_reason, "length", "{context}");
+}
+
+/// One case: `fault` on d0 at token `k`, for a request of `shape`.
+async fn resume_case(fault: Fault, k: usize, shape: Shape) {
+    let context = format!("{fault:?} at token {k}, {shape:?}");
+    let cluster = cluster(fault, k, &[]).await;
+    let (outcome, ()) = tokio::join!(
+        request(&cluster.router, shape, json!({})),
+        trigger(fault, &cluster, k)
+    );
+    assert_uninterrupted(&outcome, shape, &context);
+
+    let text = metrics_text(&cluster.router).await;
+    assert_eq!(
+        metric(&text, "connex_resumes_total", &[]),
+        1.0,
+        "{context}: {text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "connex_resumes_total",
+            &[&format!("cause=\"{}\"", fault.cause(k))]
+        ),
+        1.0,
+        "{context}: {text}"
+    );
+    assert_eq!(
+        metric(&text, "connex_resume_latency_seconds_count", &[]),
+        1.0
+    );
+
+    // The healthy decoder continued the request from the hold: prompt ids plus
+    // the k tokens generated so far, computing only those k itself.
+    let records = engine_requests(&cluster.healthy).await;
+    assert_eq!(records.len(), 1, "{context}: {records:?}");
+    let resumed = &records[0];
+    let expected = model::generate(&shape.prompt_ids(), MAX_TOKENS);
+    assert_eq!(resumed["body"]["kv_transfer_params"]["resume_epoch"], 1);
+    assert_eq!(
+        resumed["body"]["kv_transfer_params"]["do_remote_prefill"],
+        true
+    );
+    if k == 0 {
+        assert_eq!(resumed["path"], shape.path(), "{context}");
+    } else {
+        assert_eq!(resumed["path"], "/v1/completions", "{context}");
+        let mut prompt = shape.prompt_ids();
+        prompt.extend_from_slice(&expected[..k]);
+        assert_eq!(ids(&resumed["body"]["prompt"]), prompt, "{context}");
+        assert_eq!(resumed["body"]["max_tokens"], MAX_TOKENS - k, "{context}");
+        assert_eq!(resumed["computed_prompt_tokens"], k, "{context}");
+    }
+    // A decoder the router moved away from while it was alive lost the request.
+    if matches!(fault, Fault::Stall | Fault::Migrate) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while engine_requests(&cluster.faulty).await[0]["outcome"] != "aborted" {
+            assert!(
+                Instant::now() < deadline,
+                "{context}: d0's request was not aborted"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert!(
+        journal(&cluster.router, false).await.is_empty(),
+        "{context}"
+    );
+}
+
+async fn resume_cases(fault: Fault, ks: &[usize]) {
+    for &k in ks {
+        for shape in SHAPES {
+            resume_case(fault, k, shape).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decoder_crash_is_resumed_on_another_decoder() {
+    resume_cases(Fault::Crash, &[0, 1, 8, MAX_TOKENS - 1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_closed_without_finish_is_resumed() {
+    resume_cases(Fault::Truncate, &[1, 8, MAX_TOKENS - 1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_error_event_is_resumed() {
+    resume_cases(Fault::ErrorEvent, &[1, 8, MAX_TOKENS - 1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_decoder_is_resumed() {
+    resume_cases(Fault::Stall, &[1, 8, MAX_TOKENS - 1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decoder_declared_dead_is_resumed() {
+    resume_cases(Fault::Dead, &[1, 8, MAX_TOKENS - 1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_with_migrate_moves_live_streams() {
+    resume_cases(Fault::Migrate, &[1, 8, MAX_TOKENS - 1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decoder_answering_5xx_is_failed_over() {
+    resume_cases(Fault::Refuse5xx, &[0]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_resumed_twice_in_a_row() {
+    // Round-robin over the sorted ids, skipping failed decoders, picks d0, then
+    // d2, then d1: the first two crash.
+    let router = router(&["--decode-policy", "round_robin"]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let _d0 = engine(
+        Some(&router),
+        "decode",
+        &[
+            "--id",
+            "d0",
+            "--crash-after-tokens",
+            "3",
+            "--decode-us-per-token",
+            PACE_US,
+        ],
+    );
+    let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
+    let _d2 = engine(
+        Some(&router),
+        "decode",
+        &[
+            "--id",
+            "d2",
+            "--crash-after-tokens",
+            "4",
+            "--decode-us-per-token",
+            PACE_US,
+        ],
+    );
+    wait_ready(&router, 4).await;
+    let outcome = request(&router, SHAPES[0], json!({})).await;
+    assert_uninterrupted(&outcome, SHAPES[0], "resumed twice");
+    let text = metrics_text(&router).await;
+    assert_eq!(
+        metric(&text, "connex_resumes_total", &["cause=\"reset\""]),
+        2.0,
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exceeding_max_resumes_ends_with_an_error() {
+    for shape in SHAPES {
+        let router = router(&[
+            "--decode-policy",
+            "round_robin",
+            "--max-resumes",
+            "1",
+            "--resume-wait-ms",
+            "100",
+        ]);
+        let _prefill = engine(Some(&router), "prefill", &[]);
+        let _d0 = engine(
+            Some(&router),
+            "decode",
+            &[
+                "--id",
+                "d0",
+                "--crash-after-tokens",
+                "3",
+                "--decode-us-per-token",
+                PACE_US,
+            ],
+        );
+        let _d1 = engine(
+            Some(&router),
+            "decode",
+            &["--id", "d1", "--truncate-after-tokens", "2"],
+        );
+        wait_ready(&router, 3).await;
+        let outcome = request(&router, shape, json!({})).await;
+        let error = outcome.error.clone().expect("an error, not a truncation");
+        let expected = model::generate(&shape.prompt_ids(), MAX_TOKENS);
+        if shape.stream {
+            // What was streamed before the error is the true prefix: 3 + 2 tokens.
+            assert_eq!(outcome.token_ids, expected[..5], "{shape:?}");
+            let message = error["error"]["message"].as_str().unwrap();
+            assert!(message.contains("gave up after 1 resumes"), "{message}");
+        } else {
+            assert_eq!(error["status"], 503, "{error}");
+            assert!(error["body"]["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("gave up after 1 resumes"));
+        }
+        let text = metrics_text(&router).await;
+        assert_eq!(
+            metric(&text, "connex_requests_failed_after_resume_total", &[]),
+            1.0
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_decoder_left_ends_with_an_error() {
+    for shape in SHAPES {
+        let router = router(&["--resume-wait-ms", "200"]);
+        let _prefill = engine(Some(&router), "prefill", &[]);
+        let _d0 = engine(
+            Some(&router),
+            "decode",
+            &[
+                "--crash-after-tokens",
+                "3",
+                "--decode-us-per-token",
+                PACE_US,
+            ],
+        );
+        wait_ready(&router, 2).await;
+        let outcome = request(&router, shape, json!({})).await;
+        let error = outcome.error.expect("an error, not a truncation");
+        if shape.stream {
+            let message = error["error"]["message"].as_str().unwrap();
+            assert!(message.contains("no decode instance"), "{message}");
+            assert_eq!(outcome.token_ids.len(), 3);
+        } else {
+            assert_eq!(error["status"], 503, "{error}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncarried_state_fails_over_only_before_the_first_token() {
+    // logprobs cannot be carried by a resumed request: a crash after the first
+    // token is an error...
+    let cluster_mid = cluster(Fault::Crash, 3, &[]).await;
+    let outcome = request(&cluster_mid.router, SHAPES[0], json!({"logprobs": 1})).await;
+    let error = outcome.error.expect("error");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("cannot be resumed after its first token"),
+        "{error}"
+    );
+    // ...but a failure before it moves the request with its own body.
+    let cluster_early = cluster(Fault::Refuse5xx, 0, &[]).await;
+    let outcome = request(
+        &cluster_early.router,
+        SHAPES[1],
+        json!({"logprobs": 1, "n": 1}),
+    )
+    .await;
+    assert!(outcome.error.is_none(), "{outcome:?}");
+    let records = engine_requests(&cluster_early.healthy).await;
+    assert_eq!(records[0]["path"], "/v1/completions");
+    assert_eq!(records[0]["body"]["logprobs"], 1);
+}
