@@ -57,3 +57,63 @@ def plain_engine() -> harness.Engine:
 @pytest.fixture(scope="session")
 def plain(fleet) -> harness.Engine:
     return fleet.ensure({"plain": plain_engine()})["plain"]
+
+
+def connex_kv(role: str, engine: harness.Engine, **extra) -> dict:
+    """A --kv-transfer-config for ConnexConnector; `policy` sets the load failure policy."""
+    policy = extra.pop("policy", "recompute")
+    return {
+        "kv_connector": "ConnexConnector",
+        "kv_connector_module_path": "connex.adapters.vllm.pd_connector",
+        "kv_role": role,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"ctrl_port": harness.free_port(), **extra},
+    }
+
+
+class Cluster:
+    """connex-router + one prefill + two decoders (self-registered through the
+    connector's in-process agent), a plain engine to compare with, and a second
+    prefill in `after_pull` mode that is not registered with the router."""
+
+    RETAIN_S = 8.0
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.router = harness.Router("--heartbeat-ttl-s", "3")
+        wanted = {"plain": plain_engine()}
+        for name, role, core in (
+            ("prefill", "kv_producer", 0),
+            ("d1", "kv_consumer", 1),
+            ("d2", "kv_consumer", 0),
+        ):
+            engine = harness.Engine(name, core=core)
+            engine.kv_config = connex_kv(
+                role,
+                engine,
+                retain_s=self.RETAIN_S,
+                router=self.router.url,
+                url=engine.url,
+                instance_id=name,
+            )
+            wanted[name] = engine
+        after = harness.Engine("p_after", core=1)
+        after.kv_config = connex_kv("kv_producer", after, retain_s=30, release="after_pull")
+        wanted["p_after"] = after
+        self.engines = fleet.ensure(wanted)
+        self.router.wait_instances({"prefill", "d1", "d2"})
+
+    def __getitem__(self, name: str) -> harness.Engine:
+        return self.engines[name]
+
+    def ctrl(self, name: str) -> str:
+        extra = self.engines[name].kv_config["kv_connector_extra_config"]
+        return f"127.0.0.1:{extra['ctrl_port']}"
+
+
+@pytest.fixture(scope="session")
+def cluster(fleet):
+    cluster = Cluster(fleet)
+    try:
+        yield cluster
+    finally:
+        cluster.router.stop()
