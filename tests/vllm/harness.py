@@ -52,6 +52,7 @@ class Engine:
     name: str
     kv_config: dict | None = None
     core: int = 0
+    extra_args: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="connex-vllm-")))
     proc: subprocess.Popen | None = None
@@ -91,6 +92,7 @@ class Engine:
         ]
         if self.kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        args += self.extra_args
         env = dict(os.environ)
         env.update(
             HF_HUB_OFFLINE="1",
