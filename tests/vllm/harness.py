@@ -34,6 +34,9 @@ START_TIMEOUT_S = float(os.environ.get("CONNEX_VLLM_START_TIMEOUT_S", "600"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_model  # noqa: E402
 
+# One folder for the logs of every process this session starts.
+LOG_DIR = Path(os.environ.get("CONNEX_VLLM_LOG_DIR") or tempfile.mkdtemp(prefix="connex-vllm-"))
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -54,7 +57,7 @@ class Engine:
     core: int = 0
     extra_args: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
-    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="connex-vllm-")))
+    log_dir: Path = LOG_DIR
     proc: subprocess.Popen | None = None
 
     @property
@@ -215,8 +218,11 @@ class Router:
         assert self.proc.stdout is not None
         self.url = ""
         self.lines: list[str] = []
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log = open(LOG_DIR / f"router-{self.proc.pid}.log", "a")  # noqa: SIM115
         for line in self.proc.stdout:
             self.lines.append(line)
+            self.log.write(line)
             if "listening on " in line:
                 self.url = line.split("listening on ", 1)[1].strip()
                 break
@@ -232,6 +238,8 @@ class Router:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
+            self.log.write(line)
+            self.log.flush()
 
     def instances(self) -> list[dict]:
         reply = httpx.get(

@@ -22,6 +22,15 @@ PROMPTS = [
 ]
 
 
+def fresh(tag: str, lines: int = 6) -> str:
+    """A prompt no engine has seen in this session: prefix caches cannot hit it."""
+    fresh.count += 1
+    return f"# {tag} {fresh.count} {time.time_ns()}\n" + "def handler(event, context):\n" * lines
+
+
+fresh.count = 0
+
+
 def wait_for(check, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -123,11 +132,12 @@ def test_chat_through_pd_equals_a_single_engine(cluster):
 def test_decoder_releases_the_hold_when_its_request_finishes(cluster):
     ctrl = cluster.ctrl("prefill")
     before = stats(ctrl)
-    params = prefill(cluster["prefill"], PROMPTS[1])
+    prompt = fresh("release")
+    params = prefill(cluster["prefill"], prompt)
     assert hold(ctrl, params["transfer_id"]) is not None
     assert params["remote_ctrl"] == ctrl
-    want = harness.complete(cluster["plain"].url, PROMPTS[1], 24)["choices"][0]
-    got = harness.complete(cluster["d1"].url, PROMPTS[1], 24, kv_transfer_params=params)
+    want = harness.complete(cluster["plain"].url, prompt, 24)["choices"][0]
+    got = harness.complete(cluster["d1"].url, prompt, 24, kv_transfer_params=params)
     assert got["choices"][0]["token_ids"] == want["token_ids"]
     wait_for(lambda: hold(ctrl, params["transfer_id"]) is None, 10, "release")
     after = stats(ctrl)
@@ -141,7 +151,7 @@ def test_full_local_prefix_hit_pulls_nothing_and_releases(cluster):
     cached must not pull (nor crash), and must still release the hold."""
     ctrl = cluster.ctrl("prefill")
     d1 = cluster["d1"]
-    context = harness.complete(cluster["plain"].url, PROMPTS[2], 1)["choices"][0]
+    context = harness.complete(cluster["plain"].url, fresh("hit", 20), 1)["choices"][0]
     ids = context["prompt_token_ids"]
     # d1 computes (and caches) the whole context once, without P/D.
     harness.complete(d1.url, ids, 1)
@@ -157,7 +167,8 @@ def test_full_local_prefix_hit_pulls_nothing_and_releases(cluster):
 
 def test_stale_resume_epoch_is_refused(cluster):
     ctrl = cluster.ctrl("prefill")
-    params = prefill(cluster["prefill"], PROMPTS[1])
+    prompt = fresh("stale")
+    params = prefill(cluster["prefill"], prompt)
     # A newer decoder (epoch 1) has read the hold ...
     reader = _transfer.Reader(backend="tcp")
     blocks = params["remote_block_ids"]
@@ -170,8 +181,8 @@ def test_stale_resume_epoch_is_refused(cluster):
     # ... so an older one (epoch 0) is refused, and computes the prompt itself.
     d2 = cluster["d2"]
     seen = len(d2.log_text())
-    want = harness.complete(cluster["plain"].url, PROMPTS[1], 16)["choices"][0]
-    got = harness.complete(d2.url, PROMPTS[1], 16, kv_transfer_params=params)
+    want = harness.complete(cluster["plain"].url, prompt, 16)["choices"][0]
+    got = harness.complete(d2.url, prompt, 16, kv_transfer_params=params)
     assert got["choices"][0]["token_ids"] == want["token_ids"]
     log = d2.log_text()[seen:]
     assert "kv load failed" in log and "epoch" in log.lower()
@@ -182,7 +193,7 @@ def test_hold_expires_after_retain_s_and_frees_the_blocks(cluster):
     ctrl = cluster.ctrl("prefill")
     before = stats(ctrl)
     began = time.monotonic()
-    params = prefill(cluster["prefill"], PROMPTS[2])
+    params = prefill(cluster["prefill"], fresh("expiry", 20))
     assert kv_usage(cluster["prefill"]) > 0
     time.sleep(cluster.RETAIN_S / 2)
     assert hold(ctrl, params["transfer_id"]) is not None
@@ -195,14 +206,15 @@ def test_hold_expires_after_retain_s_and_frees_the_blocks(cluster):
 def test_after_pull_frees_the_hold_on_first_read(cluster):
     p_after = cluster["p_after"]
     ctrl = cluster.ctrl("p_after")
-    params = prefill(p_after, PROMPTS[2])
+    prompt = fresh("after_pull", 20)
+    params = prefill(p_after, prompt)
     assert hold(ctrl, params["transfer_id"]) is not None
-    want = harness.complete(cluster["plain"].url, PROMPTS[2], 200)["choices"][0]
+    want = harness.complete(cluster["plain"].url, prompt, 200)["choices"][0]
     ids = []
     events = harness.stream_events(
         cluster["d1"].url,
         "/v1/completions",
-        body(PROMPTS[2], 200, stream=True, kv_transfer_params=params),
+        body(prompt, 200, stream=True, kv_transfer_params=params),
     )
     for event in events:
         ids += event["choices"][0].get("token_ids") or []
@@ -222,7 +234,7 @@ def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
     other decoder with the tokens of an uninterrupted run, without a second
     prefill; the hold is pulled twice and released once at the end."""
     ctrl = cluster.ctrl("prefill")
-    prompt, total, k = PROMPTS[2], 300, 40
+    prompt, total, k = fresh("resume", 30), 300, 40
     want = harness.complete(cluster["plain"].url, prompt, total)["choices"][0]
     prefill_requests = cluster["prefill"].metric("vllm:request_success_total")
     before = stats(ctrl)
