@@ -4,8 +4,10 @@ Keys: `backend` (tcp|ucx|mooncake, default tcp), `retain_s` (60), `release`
 (on_release|after_pull), `host` (the address decoders reach this engine's hold
 control listener at, default 127.0.0.1), `ctrl_port` (that listener's port for TP
 rank 0; rank r listens on ctrl_port + r; default: kv_port), `hold_budget_bytes`
-(0: no cap), `pull_timeout_s` (30), and for self-registration `router`, `url`
-(this engine's HTTP base URL), `instance_id`, `register_token`.
+(0: no cap), `pull_timeout_s` (30), `idle_step_ms` (10: how long an engine
+step that computes nothing waits while holds keep it stepping), and for
+self-registration `router`, `url` (this engine's HTTP base URL), `instance_id`,
+`register_token`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class ConnexConfig:
     ctrl_port: int = 14579
     hold_budget_bytes: int = 0
     pull_timeout_s: float = 30.0
+    idle_step_ms: float = 10.0
     router: str | None = None
     url: str | None = None
     instance_id: str | None = None
@@ -53,6 +56,7 @@ class ConnexConfig:
                 ctrl_port=int(values["ctrl_port"]),
                 hold_budget_bytes=int(values.get("hold_budget_bytes", 0)),
                 pull_timeout_s=float(values.get("pull_timeout_s", 30.0)),
+                idle_step_ms=float(values.get("idle_step_ms", 10.0)),
                 router=values.get("router"),
                 url=values.get("url"),
                 instance_id=values.get("instance_id"),
@@ -64,8 +68,8 @@ class ConnexConfig:
             raise ConfigError(f"backend must be one of {BACKENDS}, not {cfg.backend!r}")
         if cfg.release not in RELEASE_MODES:
             raise ConfigError(f"release must be one of {RELEASE_MODES}, not {cfg.release!r}")
-        if cfg.retain_s <= 0 or cfg.pull_timeout_s <= 0:
-            raise ConfigError("retain_s and pull_timeout_s must be positive")
+        if cfg.retain_s <= 0 or cfg.pull_timeout_s <= 0 or cfg.idle_step_ms < 0:
+            raise ConfigError("retain_s, pull_timeout_s and idle_step_ms must be positive")
         if not 0 < cfg.ctrl_port < 65536:
             raise ConfigError(f"ctrl_port must be a TCP port, not {cfg.ctrl_port}")
         if cfg.router and not cfg.url:

@@ -18,6 +18,7 @@ decides between recompute and fail).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,8 @@ class ConnexScheduler:
         self._hold_seq = 0
         # Consumer state.
         self._consumed: set[str] = set()  # requests whose one transfer is decided
+        # Requests whose blocks wait for their hold to be freed (finished_sending).
+        self._awaiting_free: set[str] = set()
         # This step's work for the workers.
         self._meta = ConnexMetadata()
         self.inflight = 0
@@ -98,7 +101,20 @@ class ConnexScheduler:
         if self._producing:
             self._plan_holds(scheduler_output)
         meta, self._meta = self._meta, ConnexMetadata()
+        if (
+            self._awaiting_free
+            and scheduler_output.total_num_scheduled_tokens == 0
+            and not (meta.holds or meta.drops or meta.loads)
+        ):
+            # vLLM steps without pause while finished requests keep blocks, which
+            # on an idle prefill holding KV burns a core and starves neighbours.
+            # Nothing is computed in such a step; pacing it only delays noticing
+            # a freed hold or a new request by at most idle_step_ms.
+            time.sleep(self.cfg.idle_step_ms / 1000)
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        self._awaiting_free -= set(connector_output.finished_sending or ())
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
@@ -150,6 +166,7 @@ class ConnexScheduler:
             # Nobody will ever learn this hold's id; keep the blocks until the
             # worker has dropped it, since it may be reading them right now.
             self._meta.drops.append(hold.transfer_id)
+            self._awaiting_free.add(request.request_id)
             return True, None
         if hold is None:
             # The prompt finished in a step we did not see (should not happen);
@@ -157,6 +174,7 @@ class ConnexScheduler:
             if not block_ids:
                 return False, None
             hold = self._take_hold(request)
+        self._awaiting_free.add(request.request_id)
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
         params = hold_params(
             transfer_id=hold.transfer_id,
