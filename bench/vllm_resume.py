@@ -29,7 +29,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
-sys.path.insert(0, str(ROOT / "shim-py" / "python"))
 
 import harness  # noqa: E402
 import httpx  # noqa: E402

@@ -6,14 +6,10 @@ once per session, and all engines a test needs are started together.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import harness
 import pytest
-
-# The connex package from source (maturin develop builds its module in place).
-sys.path.insert(0, str(harness.ROOT / "shim-py" / "python"))
 
 
 class Fleet:

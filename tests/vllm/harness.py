@@ -112,9 +112,6 @@ class Engine:
             ),
             VLLM_NO_USAGE_STATS="1",
             PYTHONUNBUFFERED="1",
-            PYTHONPATH=os.pathsep.join(
-                filter(None, [str(ROOT / "shim-py" / "python"), os.environ.get("PYTHONPATH")])
-            ),
         )
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 (closed with the process)

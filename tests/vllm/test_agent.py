@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
@@ -70,7 +69,6 @@ class StubEngine:
 
 
 def test_cli_agent_registers_a_vllm_engine_and_deregisters_on_sigterm(router, plain):
-    env = dict(os.environ, PYTHONPATH=str(harness.ROOT / "shim-py" / "python"))
     agent = subprocess.Popen(
         [
             harness.PYTHON,
@@ -87,7 +85,6 @@ def test_cli_agent_registers_a_vllm_engine_and_deregisters_on_sigterm(router, pl
             "--id",
             "d-cli",
         ],
-        env=env,
         stderr=subprocess.PIPE,
         text=True,
     )

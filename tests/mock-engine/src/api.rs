@@ -26,6 +26,8 @@ pub struct EngineState {
     /// Set by [`crate::MockEngine::crash_now`]: the next token of every decode
     /// stream crashes the engine, as a kill would.
     pub crash_now: std::sync::atomic::AtomicBool,
+    /// Prompt KV: held as a prefill, pulled as a decoder (see [`crate::kv`]).
+    pub kv: crate::kv::KvState,
     crash: CrashAction,
     shutdown: CancellationToken,
 }
@@ -36,6 +38,7 @@ impl EngineState {
         addr: SocketAddr,
         crash: CrashAction,
         shutdown: CancellationToken,
+        kv: crate::kv::KvState,
     ) -> Self {
         Self {
             engine_id: format!("mock-{}", uuid::Uuid::new_v4().simple()),
@@ -44,6 +47,7 @@ impl EngineState {
             log: RequestLog::default(),
             inflight: AtomicU64::new(0),
             crash_now: std::sync::atomic::AtomicBool::new(false),
+            kv,
             crash,
             shutdown,
         }
@@ -79,6 +83,8 @@ async fn stats(State(state): State<Arc<EngineState>>) -> Json<Value> {
     Json(json!({
         "engine_id": state.engine_id,
         "role": state.config.role,
+        "ctrl": state.kv.ctrl_addr(),
+        "holds": state.kv.stats(),
         "requests": state.log.snapshot(),
     }))
 }
@@ -88,7 +94,7 @@ async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    generate(state, Kind::Completion, &headers, &body)
+    generate(state, Kind::Completion, &headers, &body).await
 }
 
 async fn chat_completions(
@@ -96,7 +102,7 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    generate(state, Kind::Chat, &headers, &body)
+    generate(state, Kind::Chat, &headers, &body).await
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,9 +143,18 @@ struct Plan {
     kv_out: Option<Value>,
     /// Prompt tokens to "compute" (the rest came from a hold).
     computed_prompt: usize,
+    /// Decoder: the `kv_transfer_params` to pull the prompt KV with.
+    kv_pull: Option<Value>,
+    /// Decoder: the hold it pulled, released when the request finishes.
+    pulled: Option<crate::kv::Pulled>,
 }
 
-fn generate(state: Arc<EngineState>, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Response {
+async fn generate(
+    state: Arc<EngineState>,
+    kind: Kind,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Response {
     let Ok(request) = serde_json::from_slice::<Value>(body) else {
         return error(StatusCode::BAD_REQUEST, "invalid JSON body");
     };
@@ -158,6 +173,7 @@ fn generate(state: Arc<EngineState>, kind: Kind, headers: &HeaderMap, body: &[u8
             outcome: Outcome::Running,
             tokens_emitted: 0,
             computed_prompt_tokens: 0,
+            pulled_bytes: 0,
         },
         state.config.max_records,
     );
@@ -166,13 +182,26 @@ fn generate(state: Arc<EngineState>, kind: Kind, headers: &HeaderMap, body: &[u8
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         return error(status, "injected failure (--fail-status)");
     }
-    let plan = match plan(&state, kind, &request, request_id) {
+    let mut plan = match plan(&state, kind, &request, request_id) {
         Ok(plan) => plan,
         Err(message) => {
             state.log.update(index, |r| r.outcome = Outcome::Failed);
             return error(StatusCode::BAD_REQUEST, message);
         }
     };
+    if let Some(params) = &plan.kv_pull {
+        match state.kv.load(params, &plan.prompt_ids).await {
+            Ok(pulled) => {
+                state.log.update(index, |r| r.pulled_bytes = pulled.bytes);
+                plan.pulled = Some(pulled);
+            }
+            Err(reason) => {
+                state.log.update(index, |r| r.outcome = Outcome::Failed);
+                let message = format!("kv load failed: {reason}");
+                return error(StatusCode::SERVICE_UNAVAILABLE, &message);
+            }
+        }
+    }
     state
         .log
         .update(index, |r| r.computed_prompt_tokens = plan.computed_prompt);
@@ -238,19 +267,13 @@ fn plan(
         if state.config.role == Role::Decode {
             return Err("this engine is a decoder and cannot prefill for remote decode");
         }
-        let blocks: Vec<usize> = (0..prompt_ids.len().div_ceil(16)).collect();
-        let params = json!({
-            "do_remote_prefill": true,
-            "do_remote_decode": false,
-            "transfer_id": format!("xfer-{}", uuid::Uuid::new_v4().simple()),
-            "remote_ctrl": state.addr.to_string(),
-            "remote_engine_id": state.engine_id,
-            "remote_block_ids": blocks,
-            "remote_num_tokens": prompt_ids.len(),
-            "backend": "tcp",
-            "lease_s": state.config.retain_s,
-            "resume_epoch": 0,
-        });
+        let params = state
+            .kv
+            .hold(&prompt_ids, &state.engine_id)
+            .map_err(|err| {
+                tracing::warn!(%err, "could not hold the prompt KV");
+                "could not hold the prompt KV"
+            })?;
         (Some(params), prompt_ids.len())
     } else if flag("do_remote_prefill") {
         let remote = kv_in
@@ -262,6 +285,9 @@ fn plan(
     } else {
         (None, prompt_ids.len())
     };
+    let kv_pull = (flag("do_remote_prefill") && !flag("do_remote_decode"))
+        .then(|| kv_in.cloned())
+        .flatten();
     let prefix = match kind {
         Kind::Completion => "cmpl",
         Kind::Chat => "chatcmpl",
@@ -287,6 +313,8 @@ fn plan(
             .unwrap_or(false),
         kv_out,
         computed_prompt,
+        kv_pull,
+        pulled: None,
     })
 }
 
@@ -384,6 +412,9 @@ impl Run {
     fn finish(&mut self) {
         if !self.finished {
             self.finished = true;
+            if let Some(pulled) = &self.plan.pulled {
+                self.state.kv.release_later(pulled);
+            }
             self.state
                 .log
                 .update(self.record, |r| r.outcome = Outcome::Completed);

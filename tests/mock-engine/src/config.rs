@@ -1,6 +1,7 @@
 //! Command-line configuration of the mock engine, with its fault switches.
 
 use clap::{Parser, ValueEnum};
+use connex_transfer::{BackendKind, ReleaseMode};
 use std::net::SocketAddr;
 
 /// Which half of P/D an engine serves.
@@ -79,6 +80,19 @@ pub struct MockConfig {
     /// Keep at most this many request records for /mock/stats.
     #[arg(long, default_value_t = 10_000)]
     pub max_records: usize,
+    /// Bytes of KV per prompt token held by a prefill and pulled by a decoder.
+    #[arg(long, default_value_t = 64)]
+    pub kv_bytes_per_token: usize,
+    /// When a hold is freed besides expiry: on_release | after_pull.
+    #[arg(long, default_value = "on_release")]
+    pub hold_release: ReleaseMode,
+    /// Evict the oldest holds to keep held KV under this many bytes.
+    #[arg(long)]
+    pub hold_budget_bytes: Option<u64>,
+    /// Transport for KV pulls: tcp | ucx | mooncake (the last two need the
+    /// cargo features of connex-transfer).
+    #[arg(long, default_value = "tcp")]
+    pub transfer_backend: BackendKind,
 }
 
 impl MockConfig {

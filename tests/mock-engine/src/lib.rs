@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod config;
+pub mod kv;
 pub mod model;
 pub mod register;
 pub mod stats;
@@ -36,13 +37,24 @@ impl MockEngine {
         let listener = TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
         let shutdown = CancellationToken::new();
+        let kv = kv::KvState::start(&config)
+            .await
+            .map_err(|err| std::io::Error::other(format!("KV holder: {err}")))?;
         let state = Arc::new(api::EngineState::new(
             config.clone(),
             addr,
             crash,
             shutdown.clone(),
+            kv,
         ));
         let mut tasks = tokio::task::JoinSet::new();
+        // The holder lives as long as the engine serves (a crash takes it too).
+        let kv_state = state.clone();
+        let kv_stop = shutdown.clone();
+        tasks.spawn(async move {
+            kv_stop.cancelled().await;
+            kv_state.kv.stop().await;
+        });
         let app = api::routes(state.clone());
         let serve_stop = shutdown.clone();
         tasks.spawn(async move {

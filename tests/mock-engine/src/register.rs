@@ -20,7 +20,7 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
     loop {
         let wait = match &registered {
             None => {
-                let body = json!({"role":state.config.role,"url":state.url(),"model":state.config.model,"id":state.config.id,"ctrl":state.addr.to_string()});
+                let body = json!({"role":state.config.role,"url":state.url(),"model":state.config.model,"id":state.config.id,"ctrl":state.kv.ctrl_addr()});
                 match auth(client.post(format!("{router}/v1/instances")).json(&body))
                     .send()
                     .await

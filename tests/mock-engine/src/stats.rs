@@ -25,6 +25,8 @@ pub struct RequestRecord {
     pub tokens_emitted: u32,
     /// Prompt tokens this engine computed itself (not pulled from a hold).
     pub computed_prompt_tokens: usize,
+    /// KV bytes pulled from a prefill's hold (and verified) for this request.
+    pub pulled_bytes: u64,
 }
 
 /// Bounded log of request records.

@@ -99,7 +99,6 @@ class ConnexWorker:
         self._recved: set[str] = set()
         self._failed: set[str] = set()
         self._meta: ConnexMetadata | None = None
-        self._ctrl = None  # control client for dropping this rank's own holds
 
     # ---- setup -------------------------------------------------------------------
 
@@ -164,16 +163,9 @@ class ConnexWorker:
             self._hold_req[hold.transfer_id] = hold.req_id
 
     def _drop(self, transfer_id: str) -> None:
-        if self.holder is None or transfer_id not in self._hold_req:
-            return
-        from connex import _transfer
-
-        if self._ctrl is None:
-            self._ctrl = _transfer.Reader(backend="tcp")
-        try:
-            self._ctrl.release(self.holder.ctrl_addr, transfer_id)
-        except _transfer.TransferError as err:
-            logger.warning("dropping hold %s: %s", transfer_id, err)
+        if self.holder is not None and transfer_id in self._hold_req:
+            # Reported as freed (finished_sending) like any other release.
+            self.holder.release(transfer_id)
 
     def _start_pull(self, load: LoadSpec) -> None:
         if load.error is not None or self.reader is None:

@@ -1,0 +1,420 @@
+//! `connex._transfer`: connex-transfer for Python (the vLLM connector calls
+//! Rust for all transfer work).
+//!
+//! One tokio runtime per process serves every `Holder` and `Reader`. Calls
+//! that wait (`pull`, `release`, `renew`, `stat`, `close`) release the GIL
+//! while they wait. Errors are raised as `TransferError` or one of its
+//! subclasses. Memory is registered by address and length: the caller keeps
+//! it alive (a tensor, a `bytearray`, a ctypes buffer).
+// The module takes raw addresses from Python; that is its whole job.
+#![allow(unsafe_code)]
+
+use connex_transfer as ct;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+create_exception!(
+    connex._transfer,
+    TransferError,
+    PyException,
+    "A transfer failed."
+);
+create_exception!(
+    connex._transfer,
+    HoldNotFound,
+    TransferError,
+    "The hold is unknown, released, expired or evicted."
+);
+create_exception!(
+    connex._transfer,
+    StaleEpoch,
+    TransferError,
+    "The hold already served a higher resume epoch."
+);
+create_exception!(
+    connex._transfer,
+    Unreachable,
+    TransferError,
+    "The holder could not be reached."
+);
+create_exception!(
+    connex._transfer,
+    TransferTimeout,
+    TransferError,
+    "A transfer step took longer than its limit."
+);
+
+fn to_py(err: ct::TransferError) -> PyErr {
+    let text = err.to_string();
+    match err {
+        ct::TransferError::HoldNotFound { .. } => HoldNotFound::new_err(text),
+        ct::TransferError::StaleEpoch { .. } => StaleEpoch::new_err(text),
+        ct::TransferError::Unreachable { .. } => Unreachable::new_err(text),
+        ct::TransferError::Timeout { .. } => TransferTimeout::new_err(text),
+        _ => TransferError::new_err(text),
+    }
+}
+
+/// The process-wide runtime.
+fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    static RUNTIME: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("connex-transfer")
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| TransferError::new_err(format!("cannot start the runtime: {e}")))
+}
+
+fn backend(name: &str) -> PyResult<ct::BackendKind> {
+    name.parse().map_err(PyValueError::new_err)
+}
+
+fn blocks(list: Vec<(u64, u64, u64)>) -> Vec<ct::BlockRef> {
+    list.into_iter()
+        .map(|(region, offset, len)| ct::BlockRef::new(ct::RegionId(region), offset, len))
+        .collect()
+}
+
+/// Caller memory as a region.
+fn raw_region(ptr: usize, length: usize) -> PyResult<ct::Region> {
+    if ptr == 0 && length > 0 {
+        return Err(PyValueError::new_err("null pointer"));
+    }
+    // SAFETY: the Python caller promises (documented on register_region) that
+    // `ptr..ptr+length` stays valid while registered, held or pulled into.
+    Ok(unsafe { ct::Region::raw(ptr as *mut u8, length) })
+}
+
+fn info_dict<'py>(py: Python<'py>, info: &ct::HoldInfo) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("transfer_id", &info.transfer_id)?;
+    d.set_item("blocks", info.blocks)?;
+    d.set_item("bytes", info.bytes)?;
+    d.set_item("expires_in_s", info.expires_in_ms as f64 / 1000.0)?;
+    d.set_item("epoch", info.epoch)?;
+    d.set_item("pulls", info.pulls)?;
+    Ok(d)
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &ct::HolderStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("holds", s.holds)?;
+    d.set_item("held_bytes", s.held_bytes)?;
+    d.set_item("pulls", s.pulls)?;
+    d.set_item("releases", s.releases)?;
+    d.set_item("expiries", s.expiries)?;
+    d.set_item("evictions", s.evictions)?;
+    d.set_item("stale_epoch_refusals", s.stale_epoch_refusals)?;
+    d.set_item("bytes_served", s.bytes_served)?;
+    Ok(d)
+}
+
+fn pull_dict<'py>(py: Python<'py>, stats: &ct::PullStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("bytes", stats.bytes)?;
+    d.set_item("blocks", stats.blocks)?;
+    d.set_item("streams", stats.streams)?;
+    d.set_item("elapsed_s", stats.elapsed.as_secs_f64())?;
+    Ok(d)
+}
+
+/// Holds KV blocks for remote readers (a prefill engine).
+#[pyclass(module = "connex._transfer")]
+struct Holder {
+    inner: Mutex<Option<Arc<ct::Holder>>>,
+}
+
+impl Holder {
+    fn get(&self) -> PyResult<Arc<ct::Holder>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| TransferError::new_err("holder is closed"))
+    }
+}
+
+#[pymethods]
+impl Holder {
+    #[new]
+    #[pyo3(signature = (backend="tcp", listen="127.0.0.1:0", retain_s=60.0, release="on_release", budget_bytes=0))]
+    fn new(
+        py: Python<'_>,
+        backend: &str,
+        listen: &str,
+        retain_s: f64,
+        release: &str,
+        budget_bytes: u64,
+    ) -> PyResult<Self> {
+        let retain = Duration::try_from_secs_f64(retain_s)
+            .map_err(|_| PyValueError::new_err("retain_s must be a positive number of seconds"))?;
+        let config = ct::HolderConfig {
+            listen: listen
+                .parse()
+                .map_err(|e| PyValueError::new_err(format!("listen {listen:?}: {e}")))?,
+            backend: self::backend(backend)?,
+            retain,
+            release: release.parse().map_err(PyValueError::new_err)?,
+            budget_bytes: (budget_bytes > 0).then_some(budget_bytes),
+            ..ct::HolderConfig::default()
+        };
+        let rt = runtime()?;
+        let holder = py
+            .detach(|| rt.block_on(ct::Holder::start(config)))
+            .map_err(to_py)?;
+        Ok(Self {
+            inner: Mutex::new(Some(Arc::new(holder))),
+        })
+    }
+
+    /// "host:port" of the control listener (`remote_ctrl`).
+    #[getter]
+    fn ctrl_addr(&self) -> PyResult<String> {
+        Ok(self.get()?.ctrl_addr().to_string())
+    }
+
+    /// Registers caller-owned memory (e.g. `tensor.data_ptr()`); it must stay
+    /// valid, and its held blocks unwritten, while registered or held.
+    fn register_region(&self, ptr: usize, length: usize) -> PyResult<u64> {
+        let region = raw_region(ptr, length)?;
+        Ok(self.get()?.register_region(region).map_err(to_py)?.0)
+    }
+
+    fn unregister_region(&self, region: u64) -> PyResult<bool> {
+        Ok(self.get()?.unregister_region(ct::RegionId(region)))
+    }
+
+    /// Holds `blocks` = [(region, offset, length), ...] under `transfer_id`.
+    fn create_hold(&self, transfer_id: &str, blocks: Vec<(u64, u64, u64)>) -> PyResult<()> {
+        self.get()?
+            .create_hold(transfer_id, self::blocks(blocks))
+            .map_err(to_py)
+    }
+
+    /// Frees a hold here (idempotent).
+    fn release(&self, transfer_id: &str) -> PyResult<bool> {
+        Ok(self.get()?.release(transfer_id))
+    }
+
+    /// Transfer ids released, expired or evicted since the last call.
+    fn freed(&self) -> PyResult<Vec<String>> {
+        Ok(self.get()?.freed())
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        stats_dict(py, &self.get()?.stats())
+    }
+
+    /// Stops serving; idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let holder = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(holder) = holder {
+            let rt = runtime()?;
+            py.detach(|| rt.block_on(holder.stop()));
+        }
+        Ok(())
+    }
+}
+
+/// A pull running in the background.
+#[pyclass(module = "connex._transfer")]
+struct Pull {
+    handle: Mutex<Option<tokio::task::JoinHandle<ct::Result<ct::PullStats>>>>,
+    outcome: Mutex<Option<Result<ct::PullStats, String>>>,
+}
+
+#[pymethods]
+impl Pull {
+    /// Whether the pull finished (successfully or not).
+    fn done(&self) -> bool {
+        if self
+            .outcome
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            return true;
+        }
+        self.handle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_none_or(|h| h.is_finished())
+    }
+
+    /// Waits for the pull; returns its stats or raises its error.
+    fn result<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let handle = self.handle.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(handle) = handle {
+            let rt = runtime()?;
+            let joined = py.detach(|| rt.block_on(handle));
+            let outcome = match joined {
+                Ok(Ok(stats)) => Ok(stats),
+                Ok(Err(err)) => {
+                    // Keep the typed error for this first raise.
+                    *self.outcome.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(Err(err.to_string()));
+                    return Err(to_py(err));
+                }
+                Err(err) => Err(format!("pull task failed: {err}")),
+            };
+            *self.outcome.lock().unwrap_or_else(|e| e.into_inner()) = Some(outcome);
+        }
+        match &*self.outcome.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(Ok(stats)) => pull_dict(py, stats),
+            Some(Err(message)) => Err(TransferError::new_err(message.clone())),
+            None => Err(TransferError::new_err("pull has no result")),
+        }
+    }
+}
+
+/// Pulls holds into registered memory (a decoder).
+#[pyclass(module = "connex._transfer")]
+struct Reader {
+    inner: Arc<ct::Reader>,
+}
+
+#[pymethods]
+impl Reader {
+    #[new]
+    #[pyo3(signature = (backend="tcp"))]
+    fn new(backend: &str) -> PyResult<Self> {
+        let kind = self::backend(backend)?;
+        Ok(Self {
+            inner: Arc::new(ct::Reader::new(kind).map_err(to_py)?),
+        })
+    }
+
+    /// Registers caller-owned destination memory; it must stay valid while
+    /// registered or pulled into, and not be read during a pull.
+    fn register_region(&self, ptr: usize, length: usize) -> PyResult<u64> {
+        let region = raw_region(ptr, length)?;
+        Ok(self.inner.register_region(region).map_err(to_py)?.0)
+    }
+
+    fn unregister_region(&self, region: u64) -> PyResult<bool> {
+        Ok(self.inner.unregister_region(ct::RegionId(region)))
+    }
+
+    /// Pulls hold `transfer_id` into `blocks` = [(region, offset, length), ...]
+    /// (same count and lengths as the hold's). Releases the GIL while it runs.
+    #[pyo3(signature = (remote_ctrl, transfer_id, epoch, blocks, timeout_s=30.0))]
+    fn pull<'py>(
+        &self,
+        py: Python<'py>,
+        remote_ctrl: &str,
+        transfer_id: &str,
+        epoch: u32,
+        blocks: Vec<(u64, u64, u64)>,
+        timeout_s: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let limit = timeout(timeout_s)?;
+        let (rt, reader, dest) = (runtime()?, self.inner.clone(), self::blocks(blocks));
+        let stats = py
+            .detach(|| {
+                rt.block_on(reader.pull_timeout(remote_ctrl, transfer_id, epoch, &dest, limit))
+            })
+            .map_err(to_py)?;
+        pull_dict(py, &stats)
+    }
+
+    /// Starts a pull in the background; returns a `Pull`.
+    #[pyo3(signature = (remote_ctrl, transfer_id, epoch, blocks, timeout_s=30.0))]
+    fn pull_async(
+        &self,
+        remote_ctrl: String,
+        transfer_id: String,
+        epoch: u32,
+        blocks: Vec<(u64, u64, u64)>,
+        timeout_s: f64,
+    ) -> PyResult<Pull> {
+        let limit = timeout(timeout_s)?;
+        let (reader, dest) = (self.inner.clone(), self::blocks(blocks));
+        // Owned by the returned Pull (its result() joins it); the pull's own
+        // timeout bounds it even if nobody asks.
+        let handle = runtime()?.spawn(async move {
+            reader
+                .pull_timeout(&remote_ctrl, &transfer_id, epoch, &dest, limit)
+                .await
+        });
+        Ok(Pull {
+            handle: Mutex::new(Some(handle)),
+            outcome: Mutex::new(None),
+        })
+    }
+
+    /// Releases a hold at `remote_ctrl` (idempotent): was it held?
+    fn release(&self, py: Python<'_>, remote_ctrl: &str, transfer_id: &str) -> PyResult<bool> {
+        let (rt, reader) = (runtime()?, self.inner.clone());
+        py.detach(|| rt.block_on(reader.release(remote_ctrl, transfer_id)))
+            .map_err(to_py)
+    }
+
+    /// Renews a hold; returns its info.
+    fn renew<'py>(
+        &self,
+        py: Python<'py>,
+        remote_ctrl: &str,
+        transfer_id: &str,
+        epoch: u32,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let (rt, reader) = (runtime()?, self.inner.clone());
+        let info = py
+            .detach(|| rt.block_on(reader.renew(remote_ctrl, transfer_id, epoch)))
+            .map_err(to_py)?;
+        info_dict(py, &info)
+    }
+
+    /// The counters of the holder at `remote_ctrl` (what `Holder.stats()` says
+    /// there): for tests, benchmarks and operators outside the holder's process.
+    fn stats<'py>(&self, py: Python<'py>, remote_ctrl: &str) -> PyResult<Bound<'py, PyDict>> {
+        let (rt, reader) = (runtime()?, self.inner.clone());
+        let stats = py
+            .detach(|| rt.block_on(reader.ctrl().stats(remote_ctrl)))
+            .map_err(to_py)?;
+        stats_dict(py, &stats)
+    }
+
+    /// A hold's info without renewing it, or None.
+    fn stat<'py>(
+        &self,
+        py: Python<'py>,
+        remote_ctrl: &str,
+        transfer_id: &str,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let (rt, reader) = (runtime()?, self.inner.clone());
+        let info = py
+            .detach(|| rt.block_on(reader.stat(remote_ctrl, transfer_id)))
+            .map_err(to_py)?;
+        info.map(|info| info_dict(py, &info)).transpose()
+    }
+}
+
+fn timeout(seconds: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| PyValueError::new_err("timeout_s must be a positive number of seconds"))
+}
+
+#[pymodule]
+fn _transfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Holder>()?;
+    m.add_class::<Reader>()?;
+    m.add_class::<Pull>()?;
+    m.add("TransferError", py.get_type::<TransferError>())?;
+    m.add("HoldNotFound", py.get_type::<HoldNotFound>())?;
+    m.add("StaleEpoch", py.get_type::<StaleEpoch>())?;
+    m.add("Unreachable", py.get_type::<Unreachable>())?;
+    m.add("TransferTimeout", py.get_type::<TransferTimeout>())?;
+    Ok(())
+}

@@ -1,0 +1,159 @@
+"""connex._transfer from Python: a holder in one process, a reader in another,
+pulling into caller-owned memory (bytearray / ctypes buffers)."""
+
+import ctypes
+import hashlib
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from connex import _transfer as t
+
+BLOCK = 64 * 1024
+BLOCKS = 24
+
+# A holder process: holds BLOCKS blocks of deterministic bytes, scattered in a
+# ctypes buffer, under "py-hold"; prints its address and the bytes' sha256;
+# serves until its stdin closes.
+HOLDER = textwrap.dedent(
+    f"""
+    import ctypes, hashlib, sys
+    from connex import _transfer as t
+    retain_s = float(sys.argv[1])
+    logical = bytes((i * 7 + i // 251) % 256 for i in range({BLOCKS} * {BLOCK}))
+    buf = ctypes.create_string_buffer({BLOCKS} * {BLOCK})
+    h = t.Holder(backend="tcp", listen="127.0.0.1:0", retain_s=retain_s)
+    rid = h.register_region(ctypes.addressof(buf), len(buf))
+    blocks = []
+    for b in range({BLOCKS}):
+        at = ({BLOCKS} - 1 - b) * {BLOCK}
+        buf[at:at + {BLOCK}] = logical[b * {BLOCK}:(b + 1) * {BLOCK}]
+        blocks.append((rid, at, {BLOCK}))
+    h.create_hold("py-hold", blocks)
+    print(h.ctrl_addr, hashlib.sha256(logical).hexdigest(), flush=True)
+    sys.stdin.read()
+    h.close()
+    """
+)
+
+
+@pytest.fixture
+def holder_process(request):
+    """(ctrl address, sha256 of the held bytes) of a holder in its own process."""
+    retain_s = getattr(request, "param", 60.0)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(retain_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        addr, digest = proc.stdout.readline().split()
+        yield addr, digest, proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def dest_blocks(rid: int, base: int = 0) -> list[tuple[int, int, int]]:
+    return [(rid, base + b * BLOCK, BLOCK) for b in range(BLOCKS)]
+
+
+def test_pull_into_a_bytearray_matches_the_holders_bytes(holder_process):
+    addr, digest, _ = holder_process
+    reader = t.Reader(backend="tcp")
+    dest = bytearray(BLOCKS * BLOCK)
+    rid = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
+    stats = reader.pull(addr, "py-hold", 0, dest_blocks(rid))
+    assert stats["bytes"] == BLOCKS * BLOCK
+    assert stats["blocks"] == BLOCKS
+    assert hashlib.sha256(dest).hexdigest() == digest
+    info = reader.stat(addr, "py-hold")
+    assert info is not None and info["pulls"] == 1 and info["bytes"] == BLOCKS * BLOCK
+    assert reader.release(addr, "py-hold") is True
+    assert reader.release(addr, "py-hold") is False
+    assert reader.stat(addr, "py-hold") is None
+    with pytest.raises(t.HoldNotFound):
+        reader.pull(addr, "py-hold", 0, dest_blocks(rid))
+
+
+def test_pull_async_into_a_ctypes_buffer(holder_process):
+    addr, digest, _ = holder_process
+    reader = t.Reader()
+    dest = ctypes.create_string_buffer(BLOCKS * BLOCK + 100)
+    rid = reader.register_region(ctypes.addressof(dest), len(dest))
+    pull = reader.pull_async(addr, "py-hold", 2, dest_blocks(rid, base=100))
+    stats = pull.result()
+    assert pull.done()
+    assert stats["bytes"] == BLOCKS * BLOCK
+    assert hashlib.sha256(dest.raw[100:]).hexdigest() == digest
+    # Epoch 2 was served: an older replay is refused, a newer one renews.
+    with pytest.raises(t.StaleEpoch):
+        reader.renew(addr, "py-hold", 1)
+    with pytest.raises(t.StaleEpoch):
+        reader.pull_async(addr, "py-hold", 0, dest_blocks(rid)).result()
+    assert reader.renew(addr, "py-hold", 3)["epoch"] == 3
+
+
+@pytest.mark.parametrize("holder_process", [0.5], indirect=True)
+def test_a_hold_expires_without_pulls(holder_process):
+    addr, _, _ = holder_process
+    reader = t.Reader()
+    assert reader.stat(addr, "py-hold")["expires_in_s"] <= 0.5
+    time.sleep(1.0)
+    assert reader.stat(addr, "py-hold") is None
+    dest = bytearray(BLOCKS * BLOCK)
+    rid = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
+    with pytest.raises(t.HoldNotFound):
+        reader.pull(addr, "py-hold", 0, dest_blocks(rid))
+
+
+def test_errors_are_exceptions(holder_process):
+    addr, _, proc = holder_process
+    reader = t.Reader()
+    dest = bytearray(BLOCKS * BLOCK)
+    rid = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
+    # Wrong geometry: refused before any byte moves.
+    with pytest.raises(t.TransferError, match="size mismatch"):
+        reader.pull(addr, "py-hold", 0, dest_blocks(rid)[:-1])
+    with pytest.raises(t.TransferError, match="outside the region"):
+        reader.pull(addr, "py-hold", 0, [(rid, 1, BLOCKS * BLOCK)])
+    with pytest.raises(ValueError):
+        t.Reader(backend="carrier-pigeon")
+    # The wheel tests/run builds has no mooncake feature.
+    with pytest.raises(t.TransferError, match="not built in"):
+        t.Reader(backend="mooncake")
+    # The holder dies: the next call says so, it does not hang.
+    proc.kill()
+    proc.wait()
+    started = time.monotonic()
+    with pytest.raises(t.Unreachable):
+        reader.pull(addr, "py-hold", 0, dest_blocks(rid), timeout_s=5.0)
+    assert time.monotonic() - started < 5.0
+
+
+def test_in_process_holder_counts_and_frees():
+    holder = t.Holder(retain_s=60.0, release="after_pull", budget_bytes=3 * BLOCK)
+    src = ctypes.create_string_buffer(b"\x5a" * (4 * BLOCK), 4 * BLOCK)
+    rid = holder.register_region(ctypes.addressof(src), len(src))
+    holder.create_hold("a", [(rid, 0, BLOCK), (rid, BLOCK, BLOCK)])
+    holder.create_hold("b", [(rid, 2 * BLOCK, 2 * BLOCK)])  # evicts "a"
+    assert holder.freed() == ["a"]
+    reader = t.Reader()
+    dest = bytearray(2 * BLOCK)
+    did = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
+    reader.pull(holder.ctrl_addr, "b", 0, [(did, 0, 2 * BLOCK)])
+    assert dest == b"\x5a" * (2 * BLOCK)
+    stats = holder.stats()
+    assert (stats["evictions"], stats["pulls"], stats["releases"], stats["holds"]) == (1, 1, 1, 0)
+    assert holder.freed() == ["b"]
+    holder.create_hold("c", [(rid, 0, 1)])
+    with pytest.raises(t.TransferError, match="exists already"):
+        holder.create_hold("c", [(rid, 0, 1)])
+    holder.close()
+    holder.close()
+    with pytest.raises(t.TransferError, match="closed"):
+        holder.stats()

@@ -1,0 +1,166 @@
+//! The TCP backend: the holder streams requested byte ranges of a hold.
+//!
+//! A pull is cut into stripes of the hold's bytes (blocks laid end to end);
+//! each stripe is one `Read` request on its own pooled connection to the
+//! holder's listener, answered with a `Data` header and the raw bytes. The
+//! holder writes straight from the held memory, the reader reads straight into
+//! the destination blocks: the only copies are the kernel's.
+
+use super::{Backend, Fetch};
+use crate::client::CtrlClient;
+use crate::config::BackendKind;
+use crate::conn;
+use crate::error::{Result, TransferError};
+use crate::proto::{Reply, Request};
+use crate::region::{DestSpan, RegionEntry};
+use futures_util::future::BoxFuture;
+use std::time::Duration;
+use tokio::task::JoinSet;
+
+/// Smallest stripe worth its own connection.
+const MIN_STRIPE: u64 = 16 << 20;
+
+pub(crate) struct TcpBackend;
+
+impl Backend for TcpBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Tcp
+    }
+
+    fn expose(&self, _region: &RegionEntry) -> Result<Option<Vec<u8>>> {
+        Ok(None)
+    }
+
+    fn endpoint(&self) -> Vec<u8> {
+        Vec::new()
+    }
+
+    fn fetch<'a>(&'a self, job: Fetch<'a>) -> BoxFuture<'a, Result<u32>> {
+        Box::pin(fetch(job))
+    }
+}
+
+/// How many stripes a pull of `total` bytes is cut into.
+fn stripes(total: u64, max_streams: usize) -> u64 {
+    (total / MIN_STRIPE).clamp(1, max_streams.max(1) as u64)
+}
+
+async fn fetch(job: Fetch<'_>) -> Result<u32> {
+    let total: u64 = job.dest.iter().map(|d| d.len as u64).sum();
+    if total == 0 {
+        return Ok(0);
+    }
+    let count = stripes(total, job.max_streams);
+    let stripe = total.div_ceil(count);
+    let mut dest = job.dest.into_iter();
+    let mut current: Option<DestSpan> = None;
+    // The tasks own their destination spans (and so the claim): if this
+    // future is dropped, the claim is released only once they are gone.
+    let mut tasks = JoinSet::new();
+    let mut offset = 0u64;
+    while offset < total {
+        let len = stripe.min(total - offset);
+        let mut pieces = Vec::new();
+        let mut need = len as usize;
+        while need > 0 {
+            let mut span = match current.take() {
+                Some(span) => span,
+                None => dest.next().ok_or_else(|| {
+                    TransferError::SizeMismatch("destination shorter than the hold".into())
+                })?,
+            };
+            if span.len > need {
+                pieces.push(span.split_front(need));
+                need = 0;
+                current = Some(span);
+            } else {
+                need -= span.len;
+                pieces.push(span);
+            }
+        }
+        tasks.spawn(read_stripe(
+            job.ctrl.clone(),
+            job.remote_ctrl.to_string(),
+            job.transfer_id.to_string(),
+            job.epoch,
+            offset,
+            len,
+            pieces,
+            job.io_timeout,
+        ));
+        offset += len;
+    }
+    // On a failure, the other stripes are still waited for (each ends at
+    // its peer's close or its I/O timeout), so that when a pull returns,
+    // nothing writes into its destination any more.
+    let mut failed = None;
+    while let Some(joined) = tasks.join_next().await {
+        let err = match joined {
+            Ok(Ok(())) => continue,
+            Ok(Err(err)) => err,
+            Err(err) => TransferError::Protocol(format!("stripe task failed: {err}")),
+        };
+        failed.get_or_insert(err);
+    }
+    if let Some(err) = failed {
+        return Err(err);
+    }
+    Ok(count as u32)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn read_stripe(
+    ctrl: CtrlClient,
+    addr: String,
+    id: String,
+    epoch: u32,
+    offset: u64,
+    len: u64,
+    pieces: Vec<DestSpan>,
+    io: Duration,
+) -> Result<()> {
+    // Destination blocks that sit end to end in memory are read as one buffer.
+    let mut merged: Vec<DestSpan> = Vec::with_capacity(pieces.len());
+    for piece in pieces {
+        if !merged.last_mut().is_some_and(|last| last.try_merge(&piece)) {
+            merged.push(piece);
+        }
+    }
+    let mut pieces = merged;
+    let request = Request::Read {
+        id,
+        epoch,
+        offset,
+        len,
+    };
+    let (mut conn, reply) = ctrl.open(&addr, &request).await?;
+    match reply {
+        Reply::Data { len: got } if got == len => {}
+        other => {
+            return Err(TransferError::Protocol(format!(
+                "expected {len} data bytes, got {other:?}"
+            )))
+        }
+    }
+    let (stream, ()) = conn::blocking(conn.take_stream()?, io, move |stream| {
+        let mut bufs: Vec<&mut [u8]> = pieces.iter_mut().map(DestSpan::as_mut).collect();
+        conn::read_scatter(stream, &mut bufs)
+    })
+    .await?;
+    conn.put_stream(stream);
+    conn.finish();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn big_pulls_use_several_streams_small_ones_one() {
+        assert_eq!(stripes(4096, 4), 1);
+        assert_eq!(stripes(MIN_STRIPE * 2, 4), 2);
+        assert_eq!(stripes(256 << 20, 4), 4);
+        assert_eq!(stripes(256 << 20, 0), 1);
+    }
+}

@@ -1,0 +1,352 @@
+//! `CtrlClient`: requests to holders over pooled, reused connections.
+//!
+//! The router (release backstop, renew, hold-lost check) and every reader use
+//! it. Connections are kept per address and reused; each request has a connect
+//! and an I/O time limit; a reused connection that the holder closed while it
+//! sat idle is replaced once, transparently. One request runs on a connection
+//! at a time (a checked-out connection is exclusive), so replies never interleave.
+
+use crate::conn;
+use crate::error::{Result, TransferError};
+use crate::proto::{Descriptor, ErrorCode, Reply, Request};
+use crate::stats::{HoldInfo, HolderStats};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::net::TcpStream;
+
+/// Limits of a [`CtrlClient`].
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    pub connect_timeout: Duration,
+    /// Limit for each read or write (a reply, a piece of block bytes).
+    pub io_timeout: Duration,
+    /// Idle connections kept per holder address.
+    pub max_idle_per_addr: usize,
+    /// An idle connection older than this is closed instead of reused (the
+    /// listener closes its side after two minutes).
+    pub idle_ttl: Duration,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(2),
+            io_timeout: Duration::from_secs(10),
+            max_idle_per_addr: 16,
+            idle_ttl: Duration::from_secs(60),
+        }
+    }
+}
+
+struct Pool {
+    config: ClientConfig,
+    idle: Mutex<HashMap<String, Vec<(TcpStream, Instant)>>>,
+    seq: AtomicU32,
+}
+
+/// Pooled control client; cheap to clone (clones share the pool).
+#[derive(Clone)]
+pub struct CtrlClient {
+    pool: Arc<Pool>,
+}
+
+impl Default for CtrlClient {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for CtrlClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CtrlClient")
+            .field("config", &self.pool.config)
+            .finish()
+    }
+}
+
+/// A checked-out connection; goes back to the pool on drop only after a
+/// complete exchange (so a half-read reply can never be seen by the next user).
+pub(crate) struct Conn {
+    stream: Option<TcpStream>,
+    addr: String,
+    pool: Arc<Pool>,
+    reused: bool,
+    reusable: bool,
+}
+
+impl Conn {
+    pub(crate) fn stream(&mut self) -> Result<&mut TcpStream> {
+        self.stream
+            .as_mut()
+            .ok_or_else(|| TransferError::Protocol("connection already closed".into()))
+    }
+
+    /// Takes the stream out for blocking I/O; put it back with [`Conn::put_stream`].
+    pub(crate) fn take_stream(&mut self) -> Result<TcpStream> {
+        self.stream
+            .take()
+            .ok_or_else(|| TransferError::Protocol("connection already closed".into()))
+    }
+
+    pub(crate) fn put_stream(&mut self, stream: TcpStream) {
+        self.stream = Some(stream);
+    }
+
+    /// Marks the exchange complete: the connection may serve the next request.
+    pub(crate) fn finish(&mut self) {
+        self.reusable = true;
+    }
+
+    async fn exchange(&mut self, request: &Request) -> Result<Reply> {
+        self.reusable = false;
+        let seq = self.pool.seq.fetch_add(1, Ordering::Relaxed);
+        let io = self.pool.config.io_timeout;
+        let frame = request.encode(seq);
+        let stream = self.stream()?;
+        conn::write_all(stream, &frame, io).await?;
+        let raw = conn::read_header(stream, io, io).await?.ok_or_else(|| {
+            TransferError::Io(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "holder closed the connection",
+            ))
+        })?;
+        let header = conn::check_header(&raw)
+            .map_err(|(_, e)| TransferError::Protocol(format!("bad reply header: {e}")))?;
+        if header.seq != seq {
+            return Err(TransferError::Protocol(format!(
+                "reply to request {} while waiting for {seq}",
+                header.seq
+            )));
+        }
+        let payload = conn::read_payload(stream, header.len, io).await?;
+        let reply = Reply::decode(header.op, &payload)
+            .map_err(|e| TransferError::Protocol(format!("bad reply: {e}")))?;
+        if let Reply::Error {
+            code,
+            served,
+            asked,
+            message,
+        } = reply
+        {
+            // An error reply ends the exchange cleanly.
+            self.reusable = true;
+            return Err(remote_error(request, code, served, asked, message));
+        }
+        Ok(reply)
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if !self.reusable {
+            return;
+        }
+        if let Some(stream) = self.stream.take() {
+            let mut idle = self.pool.idle.lock().unwrap_or_else(|e| e.into_inner());
+            let list = idle.entry(std::mem::take(&mut self.addr)).or_default();
+            if list.len() < self.pool.config.max_idle_per_addr {
+                list.push((stream, Instant::now()));
+            }
+        }
+    }
+}
+
+/// The error a holder's error reply stands for.
+fn remote_error(
+    request: &Request,
+    code: u16,
+    served: u32,
+    asked: u32,
+    message: String,
+) -> TransferError {
+    match ErrorCode::from_u16(code) {
+        Some(ErrorCode::HoldNotFound) => TransferError::HoldNotFound {
+            transfer_id: request.transfer_id().unwrap_or_default().to_string(),
+        },
+        Some(ErrorCode::StaleEpoch) => TransferError::StaleEpoch { served, asked },
+        Some(ErrorCode::BadRange) => TransferError::SizeMismatch(message),
+        Some(ErrorCode::WrongBackend) => TransferError::Unsupported(message),
+        _ => TransferError::Remote { code, message },
+    }
+}
+
+/// Errors that mean "the idle connection was dead", worth one fresh retry.
+fn is_stale(err: &TransferError) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(err, TransferError::Io(e) if matches!(e.kind(), UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted))
+}
+
+impl CtrlClient {
+    /// A client with the default limits.
+    pub fn new() -> Self {
+        Self::with_config(ClientConfig::default())
+    }
+
+    pub fn with_config(config: ClientConfig) -> Self {
+        Self {
+            pool: Arc::new(Pool {
+                config,
+                idle: Mutex::new(HashMap::new()),
+                seq: AtomicU32::new(1),
+            }),
+        }
+    }
+
+    pub fn config(&self) -> &ClientConfig {
+        &self.pool.config
+    }
+
+    /// Idle pooled connections to `addr` (for tests and diagnostics).
+    pub fn idle_connections(&self, addr: &str) -> usize {
+        let idle = self.pool.idle.lock().unwrap_or_else(|e| e.into_inner());
+        idle.get(addr).map_or(0, Vec::len)
+    }
+
+    /// An idle connection to `addr` that still looks alive, if any.
+    fn idle(&self, addr: &str) -> Option<TcpStream> {
+        let mut idle = self.pool.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let list = idle.get_mut(addr)?;
+        while let Some((stream, since)) = list.pop() {
+            if since.elapsed() > self.pool.config.idle_ttl {
+                continue;
+            }
+            // Readable now means closed (or garbage): either way unusable.
+            let mut probe = [0u8; 1];
+            match stream.try_read(&mut probe) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(stream),
+                _ => continue,
+            }
+        }
+        None
+    }
+
+    async fn connect(&self, addr: &str) -> Result<TcpStream> {
+        let limit = self.pool.config.connect_timeout;
+        let stream = match tokio::time::timeout(limit, TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(source)) => {
+                return Err(TransferError::Unreachable {
+                    addr: addr.to_string(),
+                    source,
+                })
+            }
+            Err(_) => {
+                return Err(TransferError::Timeout {
+                    what: "connecting to the holder",
+                    after: limit,
+                })
+            }
+        };
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    }
+
+    fn wrap(&self, addr: &str, stream: TcpStream, reused: bool) -> Conn {
+        Conn {
+            stream: Some(stream),
+            addr: addr.to_string(),
+            pool: self.pool.clone(),
+            reused,
+            reusable: false,
+        }
+    }
+
+    /// Sends `request` and reads the reply frame, retrying once on a fresh
+    /// connection when a reused one turns out dead. The connection is returned
+    /// for a `Data` reply (bytes follow) and otherwise given back to the pool.
+    pub(crate) async fn open(&self, addr: &str, request: &Request) -> Result<(Conn, Reply)> {
+        let mut conn = match self.idle(addr) {
+            Some(stream) => self.wrap(addr, stream, true),
+            None => self.wrap(addr, self.connect(addr).await?, false),
+        };
+        let reply = match conn.exchange(request).await {
+            Err(err) if conn.reused && is_stale(&err) => {
+                conn = self.wrap(addr, self.connect(addr).await?, false);
+                conn.exchange(request).await?
+            }
+            other => other?,
+        };
+        if !matches!(reply, Reply::Data { .. }) {
+            conn.finish();
+        }
+        Ok((conn, reply))
+    }
+
+    async fn call(&self, addr: &str, request: Request) -> Result<Reply> {
+        Ok(self.open(addr, &request).await?.1)
+    }
+
+    /// Extends the lease of a hold (refused for a stale epoch).
+    pub async fn renew(&self, addr: &str, transfer_id: &str, epoch: u32) -> Result<HoldInfo> {
+        let id = transfer_id.to_string();
+        match self.call(addr, Request::Renew { id, epoch }).await? {
+            Reply::Hold(info) => Ok(info),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Frees a hold; `false` when it was not held. Idempotent.
+    pub async fn release(&self, addr: &str, transfer_id: &str) -> Result<bool> {
+        let id = transfer_id.to_string();
+        match self.call(addr, Request::Release { id }).await? {
+            Reply::Released(was) => Ok(was),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The hold as it is, without renewing it; `None` when unknown, expired or released.
+    pub async fn stat(&self, addr: &str, transfer_id: &str) -> Result<Option<HoldInfo>> {
+        let id = transfer_id.to_string();
+        match self.call(addr, Request::Stat { id }).await? {
+            Reply::Stat(info) => Ok(info),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The holder's counters.
+    pub async fn stats(&self, addr: &str) -> Result<HolderStats> {
+        match self.call(addr, Request::Stats).await? {
+            Reply::Stats(stats) => Ok(stats),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub(crate) async fn describe(
+        &self,
+        addr: &str,
+        transfer_id: &str,
+        epoch: u32,
+        backend: u8,
+    ) -> Result<Descriptor> {
+        let id = transfer_id.to_string();
+        match self
+            .call(addr, Request::Describe { id, epoch, backend })
+            .await?
+        {
+            Reply::Descriptor(d) => Ok(d),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub(crate) async fn done(
+        &self,
+        addr: &str,
+        transfer_id: &str,
+        epoch: u32,
+        bytes: u64,
+    ) -> Result<bool> {
+        let id = transfer_id.to_string();
+        match self.call(addr, Request::Done { id, epoch, bytes }).await? {
+            Reply::Done { released } => Ok(released),
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
+fn unexpected(reply: &Reply) -> TransferError {
+    let mut text = format!("{reply:?}");
+    text.truncate(200);
+    TransferError::Protocol(format!("unexpected reply {text}"))
+}

@@ -1,0 +1,134 @@
+//! How a holder is set up: backend, lease length, release mode, byte budget.
+
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// The transport that moves block bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    /// Pure tokio TCP, always built: the holder streams requested ranges.
+    Tcp,
+    /// UCX one-sided gets (cargo feature `ucx`).
+    Ucx,
+    /// Mooncake Transfer Engine (cargo feature `mooncake`).
+    Mooncake,
+}
+
+impl BackendKind {
+    /// Name used in `kv_transfer_params.backend`, flags and the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Ucx => "ucx",
+            Self::Mooncake => "mooncake",
+        }
+    }
+
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Self::Tcp => 1,
+            Self::Ucx => 2,
+            Self::Mooncake => 3,
+        }
+    }
+
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        match code {
+            1 => Some(Self::Tcp),
+            2 => Some(Self::Ucx),
+            3 => Some(Self::Mooncake),
+            _ => None,
+        }
+    }
+
+    /// Whether this build includes the backend.
+    pub fn is_built(self) -> bool {
+        match self {
+            Self::Tcp => true,
+            Self::Ucx => cfg!(feature = "ucx"),
+            Self::Mooncake => cfg!(feature = "mooncake"),
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "tcp" => Ok(Self::Tcp),
+            "ucx" => Ok(Self::Ucx),
+            "mooncake" => Ok(Self::Mooncake),
+            other => Err(format!(
+                "unknown backend {other:?} (expected tcp, ucx or mooncake)"
+            )),
+        }
+    }
+}
+
+/// When a hold is freed besides expiry and eviction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReleaseMode {
+    /// Only by an explicit release (decoder, router backstop or engine).
+    #[default]
+    OnRelease,
+    /// Also after the first complete pull (the classic one-shot behaviour).
+    AfterPull,
+}
+
+impl FromStr for ReleaseMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "on_release" | "on_finish" => Ok(Self::OnRelease),
+            "after_pull" => Ok(Self::AfterPull),
+            other => Err(format!(
+                "unknown release mode {other:?} (expected on_release or after_pull)"
+            )),
+        }
+    }
+}
+
+/// Fault switches for tests: make a holder misbehave on purpose.
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    /// Stop serving block bytes after this many (the connection stays open):
+    /// lets a test kill the holder while a reader is provably mid-pull.
+    pub stall_after_bytes: Option<u64>,
+}
+
+/// Configuration of a [`crate::Holder`].
+#[derive(Debug, Clone)]
+pub struct HolderConfig {
+    /// Control listener address (also the TCP backend's data path).
+    pub listen: SocketAddr,
+    pub backend: BackendKind,
+    /// Lease length; every pull and renew extends it by this much.
+    pub retain: Duration,
+    pub release: ReleaseMode,
+    /// When set, the oldest holds are evicted to keep held bytes under it.
+    pub budget_bytes: Option<u64>,
+    /// Limit for each read or write of a connection once a frame started.
+    pub io_timeout: Duration,
+    pub faults: Faults,
+}
+
+impl Default for HolderConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            backend: BackendKind::Tcp,
+            retain: Duration::from_secs(60),
+            release: ReleaseMode::OnRelease,
+            budget_bytes: None,
+            io_timeout: Duration::from_secs(10),
+            faults: Faults::default(),
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! Frame I/O on one TCP connection, every read and write under a time limit.
+//!
+//! Shared by the listener and the client so both sides read headers, payloads
+//! and raw block bytes the same way.
+
+use crate::error::{Result, TransferError};
+use crate::proto::{FrameError, Header, HEADER_LEN, MAX_PAYLOAD, VERSION};
+use std::future::Future;
+use std::io::{IoSlice, IoSliceMut};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Largest piece of block bytes moved by one timed read or write, so that a
+/// dead peer is noticed within one I/O timeout whatever the transfer size.
+pub(crate) const IO_PIECE: usize = 4 << 20;
+/// Most buffers handed to one vectored read or write (Linux allows 1024).
+const MAX_IOVECS: usize = 512;
+
+/// Runs `fut` under `limit`, naming `what` in the timeout error.
+pub(crate) async fn timed<T>(
+    what: &'static str,
+    limit: Duration,
+    fut: impl Future<Output = std::io::Result<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(result) => result.map_err(TransferError::Io),
+        Err(_) => Err(TransferError::Timeout { what, after: limit }),
+    }
+}
+
+/// Reads one frame header. `Ok(None)`: the peer closed cleanly between frames.
+/// Waits up to `idle` for the first byte, then `io` for the rest.
+pub(crate) async fn read_header<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    idle: Duration,
+    io: Duration,
+) -> Result<Option<[u8; HEADER_LEN]>> {
+    let mut buf = [0u8; HEADER_LEN];
+    let first = timed("waiting for a frame", idle, stream.read(&mut buf)).await?;
+    if first == 0 {
+        return Ok(None);
+    }
+    timed(
+        "reading a frame header",
+        io,
+        stream.read_exact(&mut buf[first..]),
+    )
+    .await?;
+    Ok(Some(buf))
+}
+
+/// Why a header cannot be followed: answered with an error, then the
+/// connection is closed (its byte stream cannot be trusted any more).
+pub(crate) fn check_header(
+    raw: &[u8; HEADER_LEN],
+) -> std::result::Result<Header, (crate::proto::ErrorCode, FrameError)> {
+    use crate::proto::ErrorCode;
+    let header = Header::parse(raw).map_err(|e| (ErrorCode::BadFrame, e))?;
+    if header.version != VERSION {
+        return Err((
+            ErrorCode::BadVersion,
+            FrameError(format!(
+                "protocol version {} is not supported; this peer speaks {VERSION}",
+                header.version
+            )),
+        ));
+    }
+    if header.len > MAX_PAYLOAD {
+        return Err((
+            ErrorCode::TooLarge,
+            FrameError(format!(
+                "payload of {} bytes over the limit {MAX_PAYLOAD}",
+                header.len
+            )),
+        ));
+    }
+    Ok(header)
+}
+
+/// Reads a payload of `len` bytes (already checked against the limit).
+pub(crate) async fn read_payload<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    len: u32,
+    io: Duration,
+) -> Result<Vec<u8>> {
+    let mut payload = vec![0u8; len as usize];
+    timed(
+        "reading a frame payload",
+        io,
+        stream.read_exact(&mut payload),
+    )
+    .await?;
+    Ok(payload)
+}
+
+/// Writes a whole frame (or block bytes), piece by piece, each under `io`.
+pub(crate) async fn write_all<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    bytes: &[u8],
+    io: Duration,
+) -> Result<()> {
+    for piece in bytes.chunks(IO_PIECE) {
+        timed("writing", io, stream.write_all(piece)).await?;
+    }
+    Ok(())
+}
+
+/// Runs blocking I/O `f` on `stream` in tokio's blocking pool, with `io` as
+/// the socket's read and write timeouts, and hands the stream back.
+///
+/// Bulk block bytes move this way: a thread sleeping in `readv`/`writev`
+/// costs one system call per buffer-full, where readiness-driven async I/O
+/// adds an `epoll_wait` and a task wake-up to each, which on loopback costs a
+/// quarter of the throughput. The closure owns what it touches (spans keep
+/// their memory alive), so an abandoned transfer stays memory-safe and ends
+/// at the next timeout.
+pub(crate) async fn blocking<T, F>(stream: TcpStream, io: Duration, f: F) -> Result<(TcpStream, T)>
+where
+    T: Send + 'static,
+    F: FnOnce(&mut std::net::TcpStream) -> std::io::Result<T> + Send + 'static,
+{
+    let mut std_stream = stream.into_std()?;
+    std_stream.set_nonblocking(false)?;
+    std_stream.set_read_timeout(Some(io))?;
+    std_stream.set_write_timeout(Some(io))?;
+    let (std_stream, result) = tokio::task::spawn_blocking(move || {
+        let result = f(&mut std_stream);
+        (std_stream, result)
+    })
+    .await
+    .map_err(|e| TransferError::Protocol(format!("blocking transfer task: {e}")))?;
+    let value = result.map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => TransferError::Timeout {
+            what: "moving block bytes",
+            after: io,
+        },
+        _ => TransferError::Io(e),
+    })?;
+    std_stream.set_nonblocking(true)?;
+    Ok((TcpStream::from_std(std_stream)?, value))
+}
+
+/// Moves the cursor `(idx, off)` over `bufs` (given their lengths) by `n` bytes,
+/// skipping empty buffers.
+fn advance(lens: &[usize], idx: &mut usize, off: &mut usize, mut n: usize) {
+    while *idx < lens.len() {
+        let left = lens[*idx] - *off;
+        if n >= left {
+            n -= left;
+            *idx += 1;
+            *off = 0;
+        } else {
+            *off += n;
+            return;
+        }
+    }
+}
+
+/// Writes `bufs` in order with vectored writes (many scattered blocks per
+/// system call).
+pub(crate) fn write_gather(
+    stream: &mut impl std::io::Write,
+    bufs: &[&[u8]],
+) -> std::io::Result<()> {
+    let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+    let (mut idx, mut off) = (0usize, 0usize);
+    advance(&lens, &mut idx, &mut off, 0);
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOVECS);
+    while idx < bufs.len() {
+        slices.clear();
+        slices.push(IoSlice::new(&bufs[idx][off..]));
+        slices.extend(
+            bufs[idx + 1..]
+                .iter()
+                .take(MAX_IOVECS - 1)
+                .map(|b| IoSlice::new(b)),
+        );
+        let n = match stream.write_vectored(&slices) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        advance(&lens, &mut idx, &mut off, n);
+    }
+    Ok(())
+}
+
+/// Fills `bufs` in order with vectored reads.
+pub(crate) fn read_scatter(
+    stream: &mut impl std::io::Read,
+    bufs: &mut [&mut [u8]],
+) -> std::io::Result<()> {
+    let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+    let (mut idx, mut off) = (0usize, 0usize);
+    advance(&lens, &mut idx, &mut off, 0);
+    while idx < bufs.len() {
+        let n = {
+            let (first, rest) = bufs[idx..].split_at_mut(1);
+            let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(MAX_IOVECS);
+            slices.push(IoSliceMut::new(&mut first[0][off..]));
+            slices.extend(
+                rest.iter_mut()
+                    .take(MAX_IOVECS - 1)
+                    .map(|b| IoSliceMut::new(b)),
+            );
+            match stream.read_vectored(&mut slices) {
+                Ok(0) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "peer closed the connection mid-transfer",
+                    ))
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        };
+        advance(&lens, &mut idx, &mut off, n);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A stream that moves at most 5 bytes per call, to exercise partial I/O.
+    struct Trickle(std::io::Cursor<Vec<u8>>);
+
+    impl std::io::Read for Trickle {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = buf.len().min(5);
+            std::io::Read::read(&mut self.0, &mut buf[..n])
+        }
+    }
+
+    impl std::io::Write for Trickle {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let n = buf.len().min(5);
+            std::io::Write::write(&mut self.0, &buf[..n])
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn gather_and_scatter_survive_partial_io_and_empty_buffers() {
+        let data: Vec<u8> = (0..200u8).collect();
+        let parts: Vec<&[u8]> = vec![
+            &data[..0],
+            &data[..13],
+            &data[13..13],
+            &data[13..150],
+            &data[150..],
+        ];
+        let mut out = Trickle(std::io::Cursor::new(Vec::new()));
+        write_gather(&mut out, &parts).unwrap();
+        assert_eq!(out.0.get_ref(), &data);
+
+        let mut input = Trickle(std::io::Cursor::new(data.clone()));
+        let (mut a, mut b, mut c) = (vec![0u8; 7], vec![0u8; 0], vec![0u8; 193]);
+        read_scatter(&mut input, &mut [&mut a, &mut b, &mut c]).unwrap();
+        assert_eq!([a, c].concat(), data);
+        let mut short = Trickle(std::io::Cursor::new(vec![1, 2, 3]));
+        let err = read_scatter(&mut short, &mut [&mut [0u8; 4]]).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+}

@@ -1,0 +1,450 @@
+//! The hold table: transfer id -> held blocks with a lease, plus the counters.
+//!
+//! Every rule about a hold's life lives here and nowhere else: a lease renewed
+//! by every pull and renew, expiry, release (explicit or after the first
+//! complete pull), the byte budget that evicts the oldest holds, and the epoch
+//! check that refuses a replay older than one the hold has served. The table is
+//! plain synchronous code under one mutex, so it is tested without sockets.
+
+use crate::config::ReleaseMode;
+use crate::error::{Result, TransferError};
+use crate::proto;
+use crate::region::SrcSpan;
+use crate::stats::{HoldInfo, HolderStats};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Most freed ids kept for [`HoldTable::take_freed`] when nobody collects them.
+const MAX_FREED: usize = 65_536;
+
+struct Hold {
+    seq: u64,
+    spans: Vec<SrcSpan>,
+    bytes: u64,
+    deadline: Instant,
+    served_epoch: u32,
+    pulls: u32,
+}
+
+#[derive(Default)]
+struct Inner {
+    holds: HashMap<String, Hold>,
+    /// Creation order, for eviction: seq -> transfer id.
+    order: BTreeMap<u64, String>,
+    next_seq: u64,
+    stats: HolderStats,
+    freed: VecDeque<String>,
+}
+
+/// Why a hold left the table.
+#[derive(Clone, Copy)]
+enum Gone {
+    Released,
+    Expired,
+    Evicted,
+}
+
+impl Inner {
+    fn remove(&mut self, id: &str, why: Gone) -> bool {
+        let Some(hold) = self.holds.remove(id) else {
+            return false;
+        };
+        self.order.remove(&hold.seq);
+        self.stats.holds -= 1;
+        self.stats.held_bytes -= hold.bytes;
+        match why {
+            Gone::Released => self.stats.releases += 1,
+            Gone::Expired => self.stats.expiries += 1,
+            Gone::Evicted => self.stats.evictions += 1,
+        }
+        if self.freed.len() >= MAX_FREED {
+            self.freed.pop_front();
+        }
+        self.freed.push_back(id.to_string());
+        true
+    }
+
+    /// The live hold `id`, expiring it first if its lease ran out.
+    fn live(&mut self, id: &str, now: Instant) -> Result<&mut Hold> {
+        let expired = match self.holds.get(id) {
+            None => true,
+            Some(hold) if hold.deadline <= now => {
+                self.remove(id, Gone::Expired);
+                true
+            }
+            Some(_) => false,
+        };
+        match self.holds.get_mut(id) {
+            Some(hold) if !expired => Ok(hold),
+            _ => Err(TransferError::HoldNotFound {
+                transfer_id: id.to_string(),
+            }),
+        }
+    }
+
+    /// `live` + the epoch check + a renewed lease.
+    fn serve(&mut self, id: &str, epoch: u32, now: Instant, lease: Duration) -> Result<&mut Hold> {
+        let hold = self.live(id, now)?;
+        if epoch < hold.served_epoch {
+            let served = hold.served_epoch;
+            self.stats.stale_epoch_refusals += 1;
+            return Err(TransferError::StaleEpoch {
+                served,
+                asked: epoch,
+            });
+        }
+        let hold = self.live(id, now)?;
+        hold.served_epoch = epoch;
+        hold.deadline = now + lease;
+        Ok(hold)
+    }
+}
+
+fn info(id: &str, hold: &Hold, now: Instant) -> HoldInfo {
+    HoldInfo {
+        transfer_id: id.to_string(),
+        blocks: hold.spans.len() as u32,
+        bytes: hold.bytes,
+        expires_in_ms: hold.deadline.saturating_duration_since(now).as_millis() as u64,
+        epoch: hold.served_epoch,
+        pulls: hold.pulls,
+    }
+}
+
+/// All holds of one holder.
+pub(crate) struct HoldTable {
+    inner: Mutex<Inner>,
+    lease: Duration,
+    release: ReleaseMode,
+    budget: Option<u64>,
+}
+
+impl HoldTable {
+    pub(crate) fn new(lease: Duration, release: ReleaseMode, budget: Option<u64>) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            lease,
+            release,
+            budget,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds a hold, evicting the oldest ones when the budget requires it.
+    pub(crate) fn create(&self, id: &str, spans: Vec<SrcSpan>, now: Instant) -> Result<()> {
+        proto::check_transfer_id(id).map_err(|e| TransferError::InvalidArgument(e.to_string()))?;
+        if spans.len() > proto::MAX_BLOCKS {
+            return Err(TransferError::InvalidArgument(format!(
+                "a hold has at most {} blocks, got {}",
+                proto::MAX_BLOCKS,
+                spans.len()
+            )));
+        }
+        let bytes: u64 = spans.iter().map(|s| s.len() as u64).sum();
+        let mut inner = self.lock();
+        // An expired hold of the same id is gone, not a conflict.
+        let _ = inner.live(id, now);
+        if inner.holds.contains_key(id) {
+            return Err(TransferError::HoldExists(id.to_string()));
+        }
+        if let Some(budget) = self.budget {
+            if bytes > budget {
+                return Err(TransferError::OverBudget { bytes, budget });
+            }
+            while inner.stats.held_bytes + bytes > budget {
+                let Some((_, oldest)) = inner.order.pop_first() else {
+                    break;
+                };
+                inner.remove(&oldest, Gone::Evicted);
+            }
+        }
+        let seq = inner.next_seq;
+        inner.next_seq += 1;
+        inner.order.insert(seq, id.to_string());
+        inner.holds.insert(
+            id.to_string(),
+            Hold {
+                seq,
+                spans,
+                bytes,
+                deadline: now + self.lease,
+                served_epoch: 0,
+                pulls: 0,
+            },
+        );
+        inner.stats.holds += 1;
+        inner.stats.held_bytes += bytes;
+        Ok(())
+    }
+
+    /// Extends the lease (refusing a stale epoch).
+    pub(crate) fn renew(&self, id: &str, epoch: u32, now: Instant) -> Result<HoldInfo> {
+        let mut inner = self.lock();
+        let hold = inner.serve(id, epoch, now, self.lease)?;
+        Ok(info(id, hold, now))
+    }
+
+    /// Frees a hold; false when it was not held (release is idempotent).
+    pub(crate) fn release(&self, id: &str) -> bool {
+        self.lock().remove(id, Gone::Released)
+    }
+
+    /// The hold as it is now, without renewing it.
+    pub(crate) fn stat(&self, id: &str, now: Instant) -> Option<HoldInfo> {
+        let mut inner = self.lock();
+        let hold = inner.live(id, now).ok()?;
+        Some(info(id, hold, now))
+    }
+
+    /// Start of a pull: the hold's blocks, lease renewed.
+    pub(crate) fn describe(
+        &self,
+        id: &str,
+        epoch: u32,
+        now: Instant,
+    ) -> Result<(HoldInfo, Vec<SrcSpan>)> {
+        let mut inner = self.lock();
+        let hold = inner.serve(id, epoch, now, self.lease)?;
+        Ok((info(id, hold, now), hold.spans.clone()))
+    }
+
+    /// The spans covering bytes `offset..offset+len` of the hold (blocks laid
+    /// end to end), lease renewed.
+    pub(crate) fn read(
+        &self,
+        id: &str,
+        epoch: u32,
+        offset: u64,
+        len: u64,
+        now: Instant,
+    ) -> Result<Vec<SrcSpan>> {
+        let mut inner = self.lock();
+        let hold = inner.serve(id, epoch, now, self.lease)?;
+        let end = offset
+            .checked_add(len)
+            .filter(|end| *end <= hold.bytes)
+            .ok_or_else(|| {
+                TransferError::InvalidArgument(format!(
+                    "range {offset}+{len} is outside the hold's {} bytes",
+                    hold.bytes
+                ))
+            })?;
+        let mut out = Vec::new();
+        let mut at = 0u64;
+        for span in &hold.spans {
+            let (start, stop) = (at, at + span.len() as u64);
+            at = stop;
+            if stop <= offset || span.len() == 0 {
+                continue;
+            }
+            if start >= end {
+                break;
+            }
+            let from = offset.max(start) - start;
+            let to = end.min(stop) - start;
+            out.push(span.slice(from as usize, (to - from) as usize));
+        }
+        Ok(out)
+    }
+
+    /// End of a complete pull: counts it, and frees the hold in `after_pull`
+    /// mode. Refused when a newer epoch took the hold over meanwhile (the bytes
+    /// the reader got may then be torn). Returns whether the hold was freed.
+    pub(crate) fn finish_pull(&self, id: &str, epoch: u32, now: Instant) -> Result<bool> {
+        let mut inner = self.lock();
+        let hold = inner.serve(id, epoch, now, self.lease)?;
+        hold.pulls += 1;
+        inner.stats.pulls += 1;
+        Ok(self.release == ReleaseMode::AfterPull && inner.remove(id, Gone::Released))
+    }
+
+    /// Drops every hold whose lease ran out.
+    pub(crate) fn sweep(&self, now: Instant) {
+        let mut inner = self.lock();
+        let expired: Vec<String> = inner
+            .holds
+            .iter()
+            .filter(|(_, hold)| hold.deadline <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            inner.remove(&id, Gone::Expired);
+        }
+    }
+
+    pub(crate) fn add_bytes_served(&self, bytes: u64) {
+        self.lock().stats.bytes_served += bytes;
+    }
+
+    pub(crate) fn stats(&self) -> HolderStats {
+        self.lock().stats
+    }
+
+    /// Ids freed (released, expired, evicted) since the last call.
+    pub(crate) fn take_freed(&self) -> Vec<String> {
+        self.lock().freed.drain(..).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::region::{BlockRef, Region, RegionTable};
+
+    fn spans(table: &RegionTable, sizes: &[u64]) -> Vec<SrcSpan> {
+        let total = sizes.iter().sum::<u64>() as usize;
+        let bytes: Vec<u8> = (0..total).map(|i| i as u8).collect();
+        let id = table.register(Region::owned(bytes)).id;
+        let mut at = 0;
+        let blocks: Vec<BlockRef> = sizes
+            .iter()
+            .map(|&len| {
+                let b = BlockRef::new(id, at, len);
+                at += len;
+                b
+            })
+            .collect();
+        table.spans(&blocks).unwrap()
+    }
+
+    const LEASE: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn lease_is_renewed_by_pulls_and_renews_and_expires_otherwise() {
+        let regions = RegionTable::default();
+        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, None);
+        let t0 = Instant::now();
+        table.create("a", spans(&regions, &[4, 4]), t0).unwrap();
+        table.create("b", spans(&regions, &[4]), t0).unwrap();
+        // A renew at 8 s and a pull at 16 s keep "a"; "b" expires at 10 s.
+        table.renew("a", 0, t0 + Duration::from_secs(8)).unwrap();
+        assert_eq!(table.stat("b", t0 + Duration::from_secs(10)), None);
+        let (info, spans) = table
+            .describe("a", 0, t0 + Duration::from_secs(16))
+            .unwrap();
+        assert_eq!((info.blocks, info.bytes, spans.len()), (2, 8, 2));
+        assert_eq!(info.expires_in_ms, 10_000);
+        assert!(table.stat("a", t0 + Duration::from_secs(25)).is_some());
+        table.sweep(t0 + Duration::from_secs(26));
+        let stats = table.stats();
+        assert_eq!((stats.holds, stats.held_bytes, stats.expiries), (0, 0, 2));
+        assert!(matches!(
+            table.renew("a", 0, t0 + Duration::from_secs(27)),
+            Err(TransferError::HoldNotFound { .. })
+        ));
+        let mut freed = table.take_freed();
+        freed.sort();
+        assert_eq!(freed, ["a", "b"]);
+        assert!(table.take_freed().is_empty());
+    }
+
+    #[test]
+    fn release_is_idempotent_and_after_pull_frees_on_the_first_complete_pull() {
+        let regions = RegionTable::default();
+        let now = Instant::now();
+        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, None);
+        table.create("a", spans(&regions, &[8]), now).unwrap();
+        assert!(!table.finish_pull("a", 0, now).unwrap());
+        assert!(table.release("a"));
+        assert!(!table.release("a"));
+        assert_eq!(table.stats().releases, 1);
+        assert_eq!(table.stats().pulls, 1);
+
+        let table = HoldTable::new(LEASE, ReleaseMode::AfterPull, None);
+        table.create("a", spans(&regions, &[8]), now).unwrap();
+        // A started pull does not free it; the finished one does.
+        table.describe("a", 0, now).unwrap();
+        assert!(table.stat("a", now).is_some());
+        assert!(table.finish_pull("a", 0, now).unwrap());
+        assert_eq!(table.stat("a", now), None);
+        assert_eq!(table.take_freed(), ["a"]);
+    }
+
+    #[test]
+    fn budget_evicts_the_oldest_holds_and_counts_them() {
+        let regions = RegionTable::default();
+        let now = Instant::now();
+        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, Some(100));
+        table.create("a", spans(&regions, &[40]), now).unwrap();
+        table.create("b", spans(&regions, &[40]), now).unwrap();
+        table.create("c", spans(&regions, &[50]), now).unwrap();
+        assert_eq!(table.stat("a", now), None);
+        assert!(table.stat("b", now).is_some() && table.stat("c", now).is_some());
+        table.create("d", spans(&regions, &[60]), now).unwrap();
+        let stats = table.stats();
+        // b (40) and c (50) both had to go to fit d (60) under 100.
+        assert_eq!((stats.evictions, stats.holds, stats.held_bytes), (3, 1, 60));
+        assert!(matches!(
+            table.create("e", spans(&regions, &[101]), now),
+            Err(TransferError::OverBudget { .. })
+        ));
+        assert!(matches!(
+            table.create("d", spans(&regions, &[1]), now),
+            Err(TransferError::HoldExists(_))
+        ));
+    }
+
+    #[test]
+    fn stale_epochs_are_refused_and_counted() {
+        let regions = RegionTable::default();
+        let now = Instant::now();
+        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, None);
+        table.create("a", spans(&regions, &[8]), now).unwrap();
+        table.describe("a", 0, now).unwrap();
+        table.renew("a", 2, now).unwrap();
+        assert!(matches!(
+            table.describe("a", 1, now),
+            Err(TransferError::StaleEpoch {
+                served: 2,
+                asked: 1
+            })
+        ));
+        assert!(matches!(
+            table.renew("a", 0, now),
+            Err(TransferError::StaleEpoch {
+                served: 2,
+                asked: 0
+            })
+        ));
+        // A pull of epoch 1 that started before epoch 2 was served cannot finish.
+        assert!(table.finish_pull("a", 1, now).is_err());
+        assert_eq!(table.renew("a", 2, now).unwrap().epoch, 2);
+        assert_eq!(table.stats().stale_epoch_refusals, 3);
+    }
+
+    #[test]
+    fn reads_map_byte_ranges_onto_blocks() {
+        let regions = RegionTable::default();
+        let now = Instant::now();
+        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, None);
+        table
+            .create("a", spans(&regions, &[4, 0, 6, 5]), now)
+            .unwrap();
+        let got: Vec<u8> = table
+            .read("a", 0, 2, 10, now)
+            .unwrap()
+            .iter()
+            .flat_map(|s| s.bytes().to_vec())
+            .collect();
+        assert_eq!(got, (2..12).collect::<Vec<u8>>());
+        assert!(table.read("a", 0, 10, 6, now).is_err());
+        assert!(table.read("a", 0, u64::MAX, 2, now).is_err());
+        assert_eq!(table.read("a", 0, 15, 0, now).unwrap().len(), 0);
+    }
+
+    #[test]
+    fn bad_transfer_ids_are_refused() {
+        let regions = RegionTable::default();
+        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, None);
+        for bad in ["", "a b", &"x".repeat(proto::MAX_ID_LEN + 1), "é"] {
+            assert!(table
+                .create(bad, spans(&regions, &[1]), Instant::now())
+                .is_err());
+        }
+    }
+}

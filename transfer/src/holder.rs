@@ -1,0 +1,152 @@
+//! `Holder`: the engine-side half. Owns the registered regions, the hold
+//! table, the control listener and the expiry sweeper; `stop` (or drop) ends
+//! every task it started.
+
+use crate::backend;
+use crate::config::{BackendKind, HolderConfig};
+use crate::error::Result;
+use crate::hold::HoldTable;
+use crate::region::{BlockRef, Region, RegionId, RegionTable};
+use crate::server::{self, Shared};
+use crate::stats::{HoldInfo, HolderStats};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// Holds KV blocks for remote readers.
+pub struct Holder {
+    shared: Arc<Shared>,
+    ctrl_addr: SocketAddr,
+    shutdown: CancellationToken,
+    tasks: Mutex<JoinSet<()>>,
+}
+
+impl std::fmt::Debug for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Holder")
+            .field("ctrl_addr", &self.ctrl_addr)
+            .field("backend", &self.shared.backend.kind())
+            .finish()
+    }
+}
+
+impl Holder {
+    /// Binds the control listener and starts serving.
+    pub async fn start(config: HolderConfig) -> Result<Self> {
+        let backend = backend::create(config.backend)?;
+        let listener = TcpListener::bind(config.listen).await?;
+        let ctrl_addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            holds: HoldTable::new(config.retain, config.release, config.budget_bytes),
+            regions: RegionTable::default(),
+            backend,
+            keys: Mutex::new(HashMap::new()),
+            io_timeout: config.io_timeout,
+            faults: config.faults.clone(),
+            streamed: AtomicU64::new(0),
+        });
+        let shutdown = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        tasks.spawn(server::serve(listener, shared.clone(), shutdown.clone()));
+        tasks.spawn(sweep(shared.clone(), config.retain, shutdown.clone()));
+        Ok(Self {
+            shared,
+            ctrl_addr,
+            shutdown,
+            tasks: Mutex::new(tasks),
+        })
+    }
+
+    /// The `remote_ctrl` address readers and the router use.
+    pub fn ctrl_addr(&self) -> SocketAddr {
+        self.ctrl_addr
+    }
+
+    pub fn backend(&self) -> BackendKind {
+        self.shared.backend.kind()
+    }
+
+    /// Registers memory that holds may then reference.
+    pub fn register_region(&self, region: Region) -> Result<RegionId> {
+        let entry = self.shared.regions.register(region);
+        match self.shared.backend.expose(&entry) {
+            Ok(Some(key)) => {
+                self.shared
+                    .keys
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(entry.id, key);
+            }
+            Ok(None) => {}
+            Err(err) => {
+                self.shared.regions.unregister(entry.id);
+                return Err(err);
+            }
+        }
+        Ok(entry.id)
+    }
+
+    /// Removes a region from the table. Holds already over it keep it (and an
+    /// owned buffer) alive until they are freed; no new hold can use it.
+    pub fn unregister_region(&self, id: RegionId) -> bool {
+        self.shared.regions.unregister(id).is_some()
+    }
+
+    /// Holds `blocks` under `transfer_id` for `retain` (renewed by every pull).
+    pub fn create_hold(&self, transfer_id: &str, blocks: Vec<BlockRef>) -> Result<()> {
+        let spans = self.shared.regions.spans(&blocks)?;
+        self.shared.holds.create(transfer_id, spans, Instant::now())
+    }
+
+    /// Frees a hold locally (e.g. the engine aborted the request); idempotent.
+    pub fn release(&self, transfer_id: &str) -> bool {
+        self.shared.holds.release(transfer_id)
+    }
+
+    /// The hold as it is now, if held.
+    pub fn stat(&self, transfer_id: &str) -> Option<HoldInfo> {
+        self.shared.holds.stat(transfer_id, Instant::now())
+    }
+
+    /// Transfer ids released, expired or evicted since the last call: the
+    /// engine may reuse their blocks.
+    pub fn freed(&self) -> Vec<String> {
+        self.shared.holds.sweep(Instant::now());
+        self.shared.holds.take_freed()
+    }
+
+    pub fn stats(&self) -> HolderStats {
+        self.shared.holds.stats()
+    }
+
+    /// Stops the listener and the sweeper and waits for them.
+    pub async fn stop(&self) {
+        self.shutdown.cancel();
+        let mut tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|e| e.into_inner()));
+        while tasks.join_next().await.is_some() {}
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        // The JoinSet aborts what is left when it drops; cancelling first lets
+        // connection tasks end at their next await.
+        self.shutdown.cancel();
+    }
+}
+
+/// Expires holds whose lease ran out, a few times per lease.
+async fn sweep(shared: Arc<Shared>, retain: Duration, shutdown: CancellationToken) {
+    let every = (retain / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(every) => shared.holds.sweep(Instant::now()),
+        }
+    }
+}

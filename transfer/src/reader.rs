@@ -1,0 +1,188 @@
+//! `Reader`: the decoder-side half. Registers destination memory and pulls
+//! holds into it: describe (renews the lease, checks the epoch), check the
+//! blocks match, let the backend move the bytes, then report the pull done
+//! (which a newer epoch or a release meanwhile turns into an error).
+
+use crate::backend::{self, Backend, Fetch};
+use crate::client::{ClientConfig, CtrlClient};
+use crate::config::BackendKind;
+use crate::error::{Result, TransferError};
+use crate::region::{BlockRef, Region, RegionId, RegionTable};
+use crate::stats::{HoldInfo, PullStats};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Setup of a [`Reader`].
+#[derive(Debug, Clone)]
+pub struct ReaderConfig {
+    pub backend: BackendKind,
+    pub client: ClientConfig,
+    /// Most data streams of one pull.
+    pub max_streams: usize,
+}
+
+impl ReaderConfig {
+    pub fn new(backend: BackendKind) -> Self {
+        Self {
+            backend,
+            client: ClientConfig::default(),
+            max_streams: 4,
+        }
+    }
+}
+
+/// Pulls holds into registered memory.
+pub struct Reader {
+    backend: Arc<dyn Backend>,
+    regions: RegionTable,
+    ctrl: CtrlClient,
+    max_streams: usize,
+}
+
+impl std::fmt::Debug for Reader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reader")
+            .field("backend", &self.backend.kind())
+            .finish()
+    }
+}
+
+impl Reader {
+    /// A reader of `backend` with default limits. Fails when the backend is
+    /// not built in or its library cannot start.
+    pub fn new(backend: BackendKind) -> Result<Self> {
+        Self::with_config(ReaderConfig::new(backend))
+    }
+
+    pub fn with_config(config: ReaderConfig) -> Result<Self> {
+        Ok(Self {
+            backend: backend::create(config.backend)?,
+            regions: RegionTable::default(),
+            ctrl: CtrlClient::with_config(config.client),
+            max_streams: config.max_streams,
+        })
+    }
+
+    pub fn backend(&self) -> BackendKind {
+        self.backend.kind()
+    }
+
+    /// The control client this reader uses (release, renew, stat).
+    pub fn ctrl(&self) -> &CtrlClient {
+        &self.ctrl
+    }
+
+    /// Registers destination memory.
+    pub fn register_region(&self, region: Region) -> Result<RegionId> {
+        Ok(self.regions.register(region).id)
+    }
+
+    /// Forgets a region (a running pull keeps it until it ends).
+    pub fn unregister_region(&self, id: RegionId) -> bool {
+        self.regions.unregister(id).is_some()
+    }
+
+    /// Unregisters an owned region and gives its bytes back; refused while a
+    /// pull writes into it.
+    pub fn take_region(&self, id: RegionId) -> Result<Vec<u8>> {
+        self.regions.take_owned(id)
+    }
+
+    /// Pulls hold `transfer_id` from the holder at `remote_ctrl` into `dest`
+    /// (same count and lengths, in order, as the hold's blocks). Renews the
+    /// hold. Every wait is bounded: a holder that dies gives an error.
+    pub async fn pull(
+        &self,
+        remote_ctrl: &str,
+        transfer_id: &str,
+        epoch: u32,
+        dest: &[BlockRef],
+    ) -> Result<PullStats> {
+        let started = Instant::now();
+        let spans = self.regions.claim(dest)?;
+        let descriptor = self
+            .ctrl
+            .describe(remote_ctrl, transfer_id, epoch, self.backend.kind().code())
+            .await?;
+        if descriptor.blocks.len() != spans.len() {
+            return Err(TransferError::SizeMismatch(format!(
+                "hold {transfer_id:?} has {} blocks, destination has {}",
+                descriptor.blocks.len(),
+                spans.len()
+            )));
+        }
+        if let Some((i, (remote, local))) = descriptor
+            .blocks
+            .iter()
+            .zip(&spans)
+            .enumerate()
+            .find(|(_, (r, l))| r.len != l.len as u64)
+        {
+            return Err(TransferError::SizeMismatch(format!(
+                "block {i} of hold {transfer_id:?} has {} bytes, destination block {}",
+                remote.len, local.len
+            )));
+        }
+        let bytes: u64 = descriptor.blocks.iter().map(|b| b.len).sum();
+        let streams = self
+            .backend
+            .fetch(Fetch {
+                ctrl: &self.ctrl,
+                remote_ctrl,
+                transfer_id,
+                epoch,
+                descriptor: &descriptor,
+                dest: spans,
+                io_timeout: self.ctrl.config().io_timeout,
+                max_streams: self.max_streams,
+            })
+            .await?;
+        self.ctrl
+            .done(remote_ctrl, transfer_id, epoch, bytes)
+            .await?;
+        Ok(PullStats {
+            bytes,
+            blocks: descriptor.blocks.len() as u32,
+            streams,
+            elapsed: started.elapsed(),
+        })
+    }
+
+    /// [`Reader::pull`] with an overall time limit.
+    pub async fn pull_timeout(
+        &self,
+        remote_ctrl: &str,
+        transfer_id: &str,
+        epoch: u32,
+        dest: &[BlockRef],
+        limit: Duration,
+    ) -> Result<PullStats> {
+        match tokio::time::timeout(limit, self.pull(remote_ctrl, transfer_id, epoch, dest)).await {
+            Ok(result) => result,
+            Err(_) => Err(TransferError::Timeout {
+                what: "pulling a hold",
+                after: limit,
+            }),
+        }
+    }
+
+    /// Releases a hold (idempotent).
+    pub async fn release(&self, remote_ctrl: &str, transfer_id: &str) -> Result<bool> {
+        self.ctrl.release(remote_ctrl, transfer_id).await
+    }
+
+    /// Renews a hold.
+    pub async fn renew(
+        &self,
+        remote_ctrl: &str,
+        transfer_id: &str,
+        epoch: u32,
+    ) -> Result<HoldInfo> {
+        self.ctrl.renew(remote_ctrl, transfer_id, epoch).await
+    }
+
+    /// A hold's state without renewing it.
+    pub async fn stat(&self, remote_ctrl: &str, transfer_id: &str) -> Result<Option<HoldInfo>> {
+        self.ctrl.stat(remote_ctrl, transfer_id).await
+    }
+}

@@ -1,0 +1,303 @@
+//! The holder's listener (`remote_ctrl`): control ops and the TCP data path.
+//!
+//! One task per connection, all owned by the accept loop's `JoinSet` and
+//! stopped by the holder's cancellation token. Connections are kept open for
+//! many requests (readers and the router pool them). A frame whose payload is
+//! bad gets an error reply and the connection goes on; a header that cannot be
+//! trusted (bad magic, unknown version, oversized) gets an error reply and the
+//! connection is closed. Nothing a peer sends can stop the listener.
+
+use crate::backend::Backend;
+use crate::config::Faults;
+use crate::conn::{self, IO_PIECE};
+use crate::error::{Result, TransferError};
+use crate::hold::HoldTable;
+use crate::proto::{Descriptor, ErrorCode, RemoteBlock, Reply, Request, MAX_KEYS};
+use crate::region::{RegionId, RegionTable, SrcSpan};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// Most connections served at once; more are closed on accept.
+pub(crate) const MAX_CONNECTIONS: usize = 1024;
+/// How long a connection may sit idle between frames.
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What every connection of a holder shares.
+pub(crate) struct Shared {
+    pub(crate) holds: HoldTable,
+    pub(crate) regions: RegionTable,
+    pub(crate) backend: Arc<dyn Backend>,
+    /// Remote keys of exposed regions (one-sided backends).
+    pub(crate) keys: Mutex<HashMap<RegionId, Vec<u8>>>,
+    pub(crate) io_timeout: Duration,
+    pub(crate) faults: Faults,
+    /// Block bytes written so far (for the stall fault).
+    pub(crate) streamed: AtomicU64,
+}
+
+/// Accepts connections until `shutdown`, then stops every connection task.
+pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, shutdown: CancellationToken) {
+    let mut connections = JoinSet::new();
+    let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let Ok(permit) = limit.clone().try_acquire_owned() else {
+                        tracing::warn!(%peer, "connection limit reached; closing");
+                        continue;
+                    };
+                    if let Err(err) = stream.set_nodelay(true) {
+                        tracing::debug!(%err, "set_nodelay");
+                    }
+                    connections.spawn(connection(stream, shared.clone(), shutdown.clone(), permit));
+                }
+                Err(err) => {
+                    // Out of file descriptors and the like: back off, keep serving.
+                    tracing::warn!(%err, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    connections.shutdown().await;
+}
+
+async fn connection(
+    mut stream: TcpStream,
+    shared: Arc<Shared>,
+    shutdown: CancellationToken,
+    _permit: OwnedSemaphorePermit,
+) {
+    let io = shared.io_timeout;
+    loop {
+        let raw = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            raw = conn::read_header(&mut stream, IDLE_TIMEOUT, io) => raw,
+        };
+        let raw = match raw {
+            Ok(Some(raw)) => raw,
+            Ok(None) => return,
+            Err(err) => {
+                // A header cut short: tell the peer, if it still listens.
+                if matches!(err, TransferError::Io(_)) {
+                    let reply = Reply::error(ErrorCode::BadFrame, "truncated frame header");
+                    let _ = conn::write_all(&mut stream, &reply.encode(0), io).await;
+                }
+                return;
+            }
+        };
+        let seq = u32::from_le_bytes([raw[4], raw[5], raw[6], raw[7]]);
+        let header = match conn::check_header(&raw) {
+            Ok(header) => header,
+            Err((code, err)) => {
+                let _ =
+                    conn::write_all(&mut stream, &Reply::error(code, err.0).encode(seq), io).await;
+                return;
+            }
+        };
+        let payload = match conn::read_payload(&mut stream, header.len, io).await {
+            Ok(payload) => payload,
+            Err(err) => {
+                let reply = Reply::error(ErrorCode::BadFrame, format!("truncated frame: {err}"));
+                let _ = conn::write_all(&mut stream, &reply.encode(seq), io).await;
+                return;
+            }
+        };
+        let request = match Request::decode(header.op, &payload) {
+            Ok(request) => request,
+            Err(err) => {
+                let code = if Request::known_op(header.op) {
+                    ErrorCode::BadFrame
+                } else {
+                    ErrorCode::UnknownOp
+                };
+                let reply = Reply::error(code, err.0);
+                if conn::write_all(&mut stream, &reply.encode(seq), io)
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                continue;
+            }
+        };
+        let served = match request {
+            Request::Read {
+                id,
+                epoch,
+                offset,
+                len,
+            } => {
+                let range = (offset, len);
+                match stream_range(stream, &shared, &shutdown, seq, &id, epoch, range).await {
+                    Ok(back) => {
+                        stream = back;
+                        continue;
+                    }
+                    Err(err) => {
+                        tracing::debug!(%err, "connection closed while streaming");
+                        return;
+                    }
+                }
+            }
+            other => {
+                let reply = answer(&shared, other);
+                conn::write_all(&mut stream, &reply.encode(seq), io).await
+            }
+        };
+        if let Err(err) = served {
+            tracing::debug!(%err, "connection closed while answering");
+            return;
+        }
+    }
+}
+
+/// The reply to every request but `Read`.
+fn answer(shared: &Shared, request: Request) -> Reply {
+    let now = Instant::now();
+    let holds = &shared.holds;
+    let result = match request {
+        Request::Renew { id, epoch } => holds.renew(&id, epoch, now).map(Reply::Hold),
+        Request::Release { id } => Ok(Reply::Released(holds.release(&id))),
+        Request::Stat { id } => Ok(Reply::Stat(holds.stat(&id, now))),
+        Request::Stats => Ok(Reply::Stats(holds.stats())),
+        Request::Describe { id, epoch, backend } => describe(shared, &id, epoch, backend, now),
+        Request::Done { id, epoch, .. } => holds
+            .finish_pull(&id, epoch, now)
+            .map(|released| Reply::Done { released }),
+        Request::Read { .. } => Err(TransferError::Protocol("read is streamed".into())),
+    };
+    result.unwrap_or_else(|err| error_reply(&err))
+}
+
+fn describe(shared: &Shared, id: &str, epoch: u32, backend: u8, now: Instant) -> Result<Reply> {
+    let ours = shared.backend.kind();
+    if backend != ours.code() {
+        return Ok(Reply::error(
+            ErrorCode::WrongBackend,
+            format!("this holder serves the {ours} backend (reader asked code {backend})"),
+        ));
+    }
+    let (info, spans) = shared.holds.describe(id, epoch, now)?;
+    let all_keys = shared.keys.lock().unwrap_or_else(|e| e.into_inner());
+    let mut keys: Vec<Vec<u8>> = Vec::new();
+    let mut index: HashMap<RegionId, u16> = HashMap::new();
+    let mut blocks = Vec::with_capacity(spans.len());
+    for span in &spans {
+        let key = match all_keys.get(&span.region_id()) {
+            None => 0,
+            Some(key) => match index.get(&span.region_id()) {
+                Some(i) => *i,
+                None => {
+                    if keys.len() >= MAX_KEYS {
+                        return Ok(Reply::error(
+                            ErrorCode::Internal,
+                            format!("hold spans more than {MAX_KEYS} regions"),
+                        ));
+                    }
+                    keys.push(key.clone());
+                    let i = (keys.len() - 1) as u16;
+                    index.insert(span.region_id(), i);
+                    i
+                }
+            },
+        };
+        blocks.push(RemoteBlock {
+            len: span.len() as u64,
+            addr: span.addr(),
+            key,
+        });
+    }
+    Ok(Reply::Descriptor(Descriptor {
+        backend,
+        info,
+        endpoint: shared.backend.endpoint(),
+        keys,
+        blocks,
+    }))
+}
+
+/// Maps an error to its wire reply.
+pub(crate) fn error_reply(err: &TransferError) -> Reply {
+    match err {
+        TransferError::HoldNotFound { .. } => {
+            Reply::error(ErrorCode::HoldNotFound, err.to_string())
+        }
+        TransferError::StaleEpoch { served, asked } => Reply::Error {
+            code: ErrorCode::StaleEpoch as u16,
+            served: *served,
+            asked: *asked,
+            message: err.to_string(),
+        },
+        TransferError::InvalidArgument(_) => Reply::error(ErrorCode::BadRange, err.to_string()),
+        _ => Reply::error(ErrorCode::Internal, err.to_string()),
+    }
+}
+
+/// Answers a `Read`: a `Data` header, then the bytes straight from the held
+/// memory (no copy on this side; the kernel copies into the socket).
+/// Takes the connection and gives it back when the answer is complete.
+async fn stream_range(
+    mut stream: TcpStream,
+    shared: &Shared,
+    shutdown: &CancellationToken,
+    seq: u32,
+    id: &str,
+    epoch: u32,
+    (offset, len): (u64, u64),
+) -> Result<TcpStream> {
+    let io = shared.io_timeout;
+    let spans: Vec<SrcSpan> = match shared.holds.read(id, epoch, offset, len, Instant::now()) {
+        Ok(spans) => spans,
+        Err(err) => {
+            conn::write_all(&mut stream, &error_reply(&err).encode(seq), io).await?;
+            return Ok(stream);
+        }
+    };
+    conn::write_all(&mut stream, &Reply::Data { len }.encode(seq), io).await?;
+    // Blocks that sit end to end in memory go out as one buffer.
+    let mut merged: Vec<SrcSpan> = Vec::with_capacity(spans.len());
+    for span in spans {
+        if !merged.last_mut().is_some_and(|last| last.try_merge(&span)) {
+            merged.push(span);
+        }
+    }
+    let stream = match shared.faults.stall_after_bytes {
+        None => {
+            let (stream, ()) = conn::blocking(stream, io, move |stream| {
+                let bufs: Vec<&[u8]> = merged.iter().map(SrcSpan::bytes).collect();
+                conn::write_gather(stream, &bufs)
+            })
+            .await?;
+            stream
+        }
+        Some(limit) => {
+            // Fault injection: after `limit` bytes, keep the connection and
+            // send nothing more until the holder stops.
+            for span in &merged {
+                for piece in span.bytes().chunks(IO_PIECE) {
+                    if shared.streamed.load(Ordering::Relaxed) >= limit {
+                        shutdown.cancelled().await;
+                        return Err(TransferError::Protocol("holder stopping".into()));
+                    }
+                    conn::write_all(&mut stream, piece, io).await?;
+                    shared
+                        .streamed
+                        .fetch_add(piece.len() as u64, Ordering::Relaxed);
+                }
+            }
+            stream
+        }
+    };
+    shared.holds.add_bytes_served(len);
+    Ok(stream)
+}

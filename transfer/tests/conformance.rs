@@ -1,0 +1,451 @@
+//! The conformance suite: the same user stories run against every backend this
+//! build has. A holder (in this process, or in its own process where the test
+//! kills it) holds pattern bytes; a reader pulls them and checks every byte.
+//! Instantiated per backend by `conformance!` at the bottom.
+
+#![allow(clippy::unwrap_used)]
+// One test hands the holder caller-owned memory through `Region::raw`.
+#![allow(unsafe_code)]
+
+use connex_transfer::{
+    pattern, BackendKind, BlockRef, ClientConfig, Holder, HolderConfig, Reader, ReaderConfig,
+    Region, RegionId, ReleaseMode, TransferError,
+};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A holder of `kind` holding `blocks` blocks of `size` bytes of `pattern(seed)`
+/// under `id`; returns the holder.
+async fn holder(
+    kind: BackendKind,
+    config: HolderConfig,
+    holds: &[(&str, u64, u64, u64)],
+) -> Holder {
+    let holder = Holder::start(HolderConfig {
+        backend: kind,
+        ..config
+    })
+    .await
+    .unwrap();
+    for &(id, seed, blocks, size) in holds {
+        let region = holder
+            .register_region(Region::owned(pattern(seed, (blocks * size) as usize)))
+            .unwrap();
+        let refs = (0..blocks)
+            .map(|b| BlockRef::new(region, b * size, size))
+            .collect();
+        holder.create_hold(id, refs).unwrap();
+        // The holds keep the buffer alive; nobody else needs the region.
+        assert!(holder.unregister_region(region));
+    }
+    holder
+}
+
+fn reader(kind: BackendKind) -> Reader {
+    Reader::new(kind).unwrap()
+}
+
+/// Destination blocks for a hold of `blocks` x `size`, laid out in reverse
+/// order with a gap between them, so that a wrong mapping cannot pass.
+fn scattered(reader: &Reader, blocks: u64, size: u64) -> (RegionId, Vec<BlockRef>) {
+    let stride = size + 3;
+    let region = reader
+        .register_region(Region::owned(vec![0xAA; (blocks * stride) as usize]))
+        .unwrap();
+    let refs = (0..blocks)
+        .map(|b| BlockRef::new(region, (blocks - 1 - b) * stride + 1, size))
+        .collect();
+    (region, refs)
+}
+
+/// The bytes of `refs` in order, taken from the reader's region.
+fn gather(reader: &Reader, region: RegionId, refs: &[BlockRef]) -> Vec<u8> {
+    let bytes = reader.take_region(region).unwrap();
+    refs.iter()
+        .flat_map(|b| bytes[b.offset as usize..(b.offset + b.len) as usize].to_vec())
+        .collect()
+}
+
+fn addr(holder: &Holder) -> String {
+    holder.ctrl_addr().to_string()
+}
+
+/// A holder in its own process (`connex-transfer-holder`), killed on drop.
+struct HolderProcess {
+    child: Child,
+    addr: String,
+}
+
+impl HolderProcess {
+    fn start(kind: BackendKind, args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_connex-transfer-holder"))
+            .args(["--backend", kind.name()])
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .strip_prefix("ctrl ")
+            .expect("ctrl line")
+            .trim()
+            .to_string();
+        Self { child, addr }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for HolderProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub async fn content_checksums_after_pull(kind: BackendKind) {
+    let sizes = [
+        (1u64, 1u64),
+        (7, 4096),
+        (33, 16 << 10),
+        (3, 3 << 20),
+        (1, 40 << 20),
+    ];
+    let holds: Vec<(String, u64, u64, u64)> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &(blocks, size))| (format!("h{i}"), i as u64 + 1, blocks, size))
+        .collect();
+    let spec: Vec<(&str, u64, u64, u64)> = holds
+        .iter()
+        .map(|(id, s, b, z)| (id.as_str(), *s, *b, *z))
+        .collect();
+    let holder = holder(kind, HolderConfig::default(), &spec).await;
+    let reader = reader(kind);
+    for (id, seed, blocks, size) in &holds {
+        let (region, refs) = scattered(&reader, *blocks, *size);
+        let stats = reader.pull(&addr(&holder), id, 0, &refs).await.unwrap();
+        assert_eq!((stats.bytes, stats.blocks), (blocks * size, *blocks as u32));
+        assert_eq!(
+            gather(&reader, region, &refs),
+            pattern(*seed, (blocks * size) as usize),
+            "hold {id}"
+        );
+    }
+    // Caller-owned memory on the holder side works the same way.
+    let mut raw = pattern(99, 1 << 20);
+    // SAFETY: `raw` outlives the holder (stopped below) and is not written meanwhile.
+    let region = holder
+        .register_region(unsafe { Region::raw(raw.as_mut_ptr(), raw.len()) })
+        .unwrap();
+    holder
+        .create_hold(
+            "raw",
+            vec![
+                BlockRef::new(region, 4096, 8192),
+                BlockRef::new(region, 0, 100),
+            ],
+        )
+        .unwrap();
+    let (dest, refs) = scattered(&reader, 1, 8292);
+    let one = [
+        BlockRef::new(refs[0].region, 0, 8192),
+        BlockRef::new(refs[0].region, 8192, 100),
+    ];
+    reader.pull(&addr(&holder), "raw", 0, &one).await.unwrap();
+    let got = reader.take_region(dest).unwrap();
+    assert_eq!(&got[..8192], &raw[4096..4096 + 8192]);
+    assert_eq!(&got[8192..8292], &raw[..100]);
+    // Every hold is still there (on_release mode) and counted its pull.
+    let stats = holder.stats();
+    assert_eq!(
+        (stats.holds, stats.pulls),
+        (holds.len() as u64 + 1, holds.len() as u64 + 1)
+    );
+    holder.stop().await;
+    drop(raw);
+}
+
+pub async fn big_pulls_use_several_streams(kind: BackendKind) {
+    let holder = holder(kind, HolderConfig::default(), &[("big", 5, 32, 2 << 20)]).await;
+    let reader = reader(kind);
+    let (region, refs) = scattered(&reader, 32, 2 << 20);
+    let stats = reader.pull(&addr(&holder), "big", 0, &refs).await.unwrap();
+    assert!(stats.streams > 1, "{stats:?}");
+    assert_eq!(gather(&reader, region, &refs), pattern(5, 64 << 20));
+}
+
+pub async fn expiry(kind: BackendKind) {
+    let config = HolderConfig {
+        retain: Duration::from_millis(600),
+        ..Default::default()
+    };
+    let holder = holder(kind, config, &[("e", 1, 4, 1024), ("idle", 2, 1, 10)]).await;
+    let reader = reader(kind);
+    // Pulls and renews every 300 ms keep "e" alive well past its 600 ms lease.
+    for round in 0..4 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if round % 2 == 0 {
+            let (region, refs) = scattered(&reader, 4, 1024);
+            reader.pull(&addr(&holder), "e", 0, &refs).await.unwrap();
+            reader.take_region(region).unwrap();
+        } else {
+            reader.renew(&addr(&holder), "e", 0).await.unwrap();
+        }
+    }
+    assert!(reader.stat(&addr(&holder), "e").await.unwrap().is_some());
+    // "idle" was never touched: gone.
+    assert_eq!(reader.stat(&addr(&holder), "idle").await.unwrap(), None);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let (_, refs) = scattered(&reader, 4, 1024);
+    assert!(matches!(
+        reader.pull(&addr(&holder), "e", 0, &refs).await,
+        Err(TransferError::HoldNotFound { .. })
+    ));
+    let stats = holder.stats();
+    assert_eq!((stats.holds, stats.held_bytes, stats.expiries), (0, 0, 2));
+    let mut freed = holder.freed();
+    freed.sort();
+    assert_eq!(freed, ["e", "idle"]);
+}
+
+pub async fn release(kind: BackendKind) {
+    let holder = holder(kind, HolderConfig::default(), &[("r", 1, 2, 100)]).await;
+    let reader = reader(kind);
+    assert!(reader.release(&addr(&holder), "r").await.unwrap());
+    assert!(!reader.release(&addr(&holder), "r").await.unwrap());
+    let (_, refs) = scattered(&reader, 2, 100);
+    assert!(matches!(
+        reader.pull(&addr(&holder), "r", 0, &refs).await,
+        Err(TransferError::HoldNotFound { .. })
+    ));
+    assert_eq!(holder.freed(), ["r"]);
+
+    // after_pull: the first complete pull frees the hold.
+    let config = HolderConfig {
+        release: ReleaseMode::AfterPull,
+        ..Default::default()
+    };
+    let holder = self::holder(kind, config, &[("once", 3, 2, 100)]).await;
+    let (region, refs) = scattered(&reader, 2, 100);
+    reader.pull(&addr(&holder), "once", 0, &refs).await.unwrap();
+    assert_eq!(gather(&reader, region, &refs), pattern(3, 200));
+    let (_, refs) = scattered(&reader, 2, 100);
+    assert!(matches!(
+        reader.pull(&addr(&holder), "once", 0, &refs).await,
+        Err(TransferError::HoldNotFound { .. })
+    ));
+    let stats = holder.stats();
+    assert_eq!((stats.pulls, stats.releases, stats.holds), (1, 1, 0));
+}
+
+pub async fn concurrent_pulls(kind: BackendKind) {
+    let holds: Vec<(&str, u64, u64, u64)> = vec![
+        ("c0", 10, 8, 64 << 10),
+        ("c1", 11, 3, 1 << 20),
+        ("c2", 12, 64, 4096),
+        ("c3", 13, 1, 5 << 20),
+    ];
+    let holder = holder(kind, HolderConfig::default(), &holds).await;
+    let reader = std::sync::Arc::new(reader(kind));
+    let mut tasks = tokio::task::JoinSet::new();
+    for round in 0..2 {
+        for &(id, seed, blocks, size) in &holds {
+            let (reader, addr) = (reader.clone(), addr(&holder));
+            tasks.spawn(async move {
+                let (region, refs) = scattered(&reader, blocks, size);
+                reader.pull(&addr, id, 0, &refs).await.unwrap();
+                assert_eq!(
+                    gather(&reader, region, &refs),
+                    pattern(seed, (blocks * size) as usize),
+                    "{id} round {round}"
+                );
+            });
+        }
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    assert_eq!(holder.stats().pulls, 8);
+    // Two pulls into the same destination bytes: the second is refused.
+    let (region, refs) = scattered(&reader, 1, 5 << 20);
+    let at = addr(&holder);
+    let (first, second) = tokio::join!(
+        reader.pull(&at, "c3", 1, &refs),
+        reader.pull(&at, "c3", 1, &refs),
+    );
+    assert!(first.is_ok() != second.is_ok(), "{first:?} {second:?}");
+    assert!(matches!(
+        first.err().or(second.err()),
+        Some(TransferError::InvalidArgument(_))
+    ));
+    assert_eq!(gather(&reader, region, &refs), pattern(13, 5 << 20));
+}
+
+pub async fn stale_epoch_and_mismatches(kind: BackendKind) {
+    let holder = holder(kind, HolderConfig::default(), &[("s", 1, 4, 1000)]).await;
+    let reader = reader(kind);
+    let (region, refs) = scattered(&reader, 4, 1000);
+    reader.pull(&addr(&holder), "s", 1, &refs).await.unwrap();
+    assert!(matches!(
+        reader.pull(&addr(&holder), "s", 0, &refs).await,
+        Err(TransferError::StaleEpoch {
+            served: 1,
+            asked: 0
+        })
+    ));
+    assert!(matches!(
+        reader.renew(&addr(&holder), "s", 0).await,
+        Err(TransferError::StaleEpoch {
+            served: 1,
+            asked: 0
+        })
+    ));
+    // A newer epoch takes over; the destination was left as the good pull wrote it.
+    assert_eq!(reader.renew(&addr(&holder), "s", 2).await.unwrap().epoch, 2);
+    assert_eq!(holder.stats().stale_epoch_refusals, 2);
+    assert_eq!(gather(&reader, region, &refs), pattern(1, 4000));
+    // Wrong block count or size: refused before any byte moves.
+    let (_, refs) = scattered(&reader, 3, 1000);
+    assert!(matches!(
+        reader.pull(&addr(&holder), "s", 2, &refs).await,
+        Err(TransferError::SizeMismatch(_))
+    ));
+    let (_, refs) = scattered(&reader, 4, 999);
+    assert!(matches!(
+        reader.pull(&addr(&holder), "s", 2, &refs).await,
+        Err(TransferError::SizeMismatch(_))
+    ));
+    // Bad destinations never reach the holder.
+    let bad = [BlockRef::new(RegionId(12345), 0, 1000)];
+    assert!(matches!(
+        reader.pull(&addr(&holder), "s", 2, &bad).await,
+        Err(TransferError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        reader.pull(&addr(&holder), "unknown", 2, &refs).await,
+        Err(TransferError::HoldNotFound { .. })
+    ));
+    assert_eq!(holder.stats().pulls, 1);
+}
+
+fn quick_reader(kind: BackendKind) -> Reader {
+    let mut config = ReaderConfig::new(kind);
+    config.client = ClientConfig {
+        io_timeout: Duration::from_secs(2),
+        ..Default::default()
+    };
+    Reader::with_config(config).unwrap()
+}
+
+pub async fn holder_killed_mid_pull(kind: BackendKind) {
+    let mut process = HolderProcess::start(
+        kind,
+        &["--hold", "k:32:2097152", "--stall-after-bytes", "4194304"],
+    );
+    let reader = std::sync::Arc::new(quick_reader(kind));
+    let (region, refs) = scattered(&reader, 32, 2 << 20);
+    let pull = {
+        let (reader, addr) = (reader.clone(), process.addr.clone());
+        tokio::spawn(async move { reader.pull(&addr, "k", 0, &refs).await })
+    };
+    // The holder is alive but stalled: the pull has not finished.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !pull.is_finished(),
+        "the pull cannot finish while the holder stalls"
+    );
+    let killed = Instant::now();
+    process.kill();
+    let result = tokio::time::timeout(Duration::from_secs(10), pull)
+        .await
+        .expect("a dead holder gives an error, not a hang")
+        .unwrap();
+    let err = result.expect_err("a pull from a dead holder fails");
+    assert!(
+        matches!(
+            err,
+            TransferError::Io(_)
+                | TransferError::Unreachable { .. }
+                | TransferError::Timeout { .. }
+                | TransferError::Backend { .. }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        killed.elapsed() < Duration::from_secs(5),
+        "noticed in {:?}",
+        killed.elapsed()
+    );
+    // The destination can be taken back once the failed pull is gone.
+    reader.take_region(region).unwrap();
+}
+
+pub async fn stalled_holder_times_out(kind: BackendKind) {
+    let process =
+        HolderProcess::start(kind, &["--hold", "t:8:1048576", "--stall-after-bytes", "0"]);
+    let reader = quick_reader(kind);
+    let (_, refs) = scattered(&reader, 8, 1 << 20);
+    let started = Instant::now();
+    let err = reader.pull(&process.addr, "t", 0, &refs).await.unwrap_err();
+    assert!(matches!(err, TransferError::Timeout { .. }), "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+macro_rules! conformance {
+    ($module:ident, $kind:expr) => {
+        mod $module {
+            use connex_transfer::BackendKind;
+            const KIND: BackendKind = $kind;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn content_checksums_after_pull() {
+                super::content_checksums_after_pull(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn big_pulls_use_several_streams() {
+                super::big_pulls_use_several_streams(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn expiry() {
+                super::expiry(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn release() {
+                super::release(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_pulls() {
+                super::concurrent_pulls(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn stale_epoch_and_mismatches() {
+                super::stale_epoch_and_mismatches(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn holder_killed_mid_pull() {
+                super::holder_killed_mid_pull(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn stalled_holder_times_out() {
+                super::stalled_holder_times_out(KIND).await
+            }
+        }
+    };
+}
+
+conformance!(tcp, BackendKind::Tcp);
+#[cfg(feature = "ucx")]
+conformance!(ucx, BackendKind::Ucx);
+#[cfg(feature = "mooncake")]
+conformance!(mooncake, BackendKind::Mooncake);
