@@ -50,8 +50,20 @@ def plain_engine() -> harness.Engine:
     return harness.Engine("plain", core=1)
 
 
+# Whether this session runs tests on the P/D cluster: then the first test that
+# needs any engine starts them all at once (one parallel start, not two).
+_WANTS_CLUSTER = False
+
+
+def pytest_collection_modifyitems(items):
+    global _WANTS_CLUSTER
+    _WANTS_CLUSTER = any("cluster" in item.fixturenames for item in items)
+
+
 @pytest.fixture(scope="session")
-def plain(fleet) -> harness.Engine:
+def plain(fleet, request) -> harness.Engine:
+    if _WANTS_CLUSTER:
+        return request.getfixturevalue("cluster")["plain"]
     return fleet.ensure({"plain": plain_engine()})["plain"]
 
 
