@@ -8,8 +8,9 @@ its decoder, and the router resumes it on another decoder, which either
 - finds the hold gone (the bench releases it just before the kill) and recomputes
   prompt + generated tokens itself (`reprefill`, vLLM's kv_load_failure_policy
   recompute: the cost a lost hold has).
-The gap is the time between the last token before the kill and the first one
-after it, as the client sees them. Both modes run in the same run, alternating,
+The gap is the longest wait for a token the client sees from the kill on (the
+chunks already in flight arrive first, then the stream stalls until the new
+decoder answers). Both modes run in the same run, alternating,
 and every resumed stream is checked against an uninterrupted one. The killed
 decoder is restarted in the background for later trials.
 
@@ -155,8 +156,10 @@ class Bench:
                 got = [t for c in event["choices"] for t in c.get("token_ids") or []]
                 if not got:
                     continue
-                if killed is not None and gap == 0.0:
-                    gap = now - last
+                if killed is not None:
+                    # Chunks already in flight arrive right after the kill; the
+                    # stall the client sees is the longest wait from then on.
+                    gap = max(gap, now - last)
                 tokens += got
                 last = now
                 if mode is not None and killed is None and len(tokens) >= KILL_AT:
