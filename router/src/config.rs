@@ -23,6 +23,8 @@ pub struct Cli {
     pub command: Command,
 }
 
+// Parsed once at start: the size of the `serve` variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve the OpenAI API, registration and admin routes.
@@ -84,6 +86,18 @@ pub struct RouterConfig {
     /// Timeout for a whole prefill call, in milliseconds.
     #[arg(long, env = "CONNEX_PREFILL_TIMEOUT_MS", default_value_t = 600_000)]
     pub prefill_timeout_ms: u64,
+    /// etcd endpoints (comma-separated URLs, e.g. http://127.0.0.1:2379) holding
+    /// the membership shared by router replicas. Unset: in-memory membership of
+    /// this router alone. Needs a build with the `etcd` cargo feature.
+    #[arg(long, env = "CONNEX_ETCD")]
+    pub etcd: Option<String>,
+    /// Key prefix of this cluster's membership in etcd (replicas sharing a
+    /// prefix share their instances).
+    #[arg(long, env = "CONNEX_ETCD_PREFIX", default_value = "/connex")]
+    pub etcd_prefix: String,
+    /// Timeout of each etcd call and connection attempt, in milliseconds.
+    #[arg(long, env = "CONNEX_ETCD_TIMEOUT_MS", default_value_t = 2000)]
+    pub etcd_timeout_ms: u64,
     /// A decoder that sends nothing for this long is failed and the request resumed.
     #[arg(long, env = "CONNEX_STALL_TIMEOUT_MS", default_value_t = 10_000)]
     pub stall_timeout_ms: u64,

@@ -31,6 +31,8 @@ pub enum StartError {
     },
     #[error("cannot build the HTTP client: {0}")]
     Client(#[from] reqwest::Error),
+    #[error("membership: {0}")]
+    Registry(#[from] registry::RegistryError),
 }
 
 /// A running router: its address, its state and the tasks it owns.
@@ -42,7 +44,7 @@ pub struct Router {
 }
 
 impl Router {
-    /// Binds and starts serving, with the heartbeat reaper.
+    /// Binds and starts serving, with the membership's background tasks.
     pub async fn start(config: RouterConfig) -> Result<Self, StartError> {
         let listener =
             TcpListener::bind(config.listen)
@@ -55,7 +57,8 @@ impl Router {
             addr: config.listen,
             source,
         })?;
-        let state = Arc::new(AppState::new(config)?);
+        let registry = registry::Registry::open(&config).await?;
+        let state = Arc::new(AppState::new(config, registry)?);
         let shutdown = CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
         let app = api::routes(state.clone());
@@ -68,7 +71,7 @@ impl Router {
                 tracing::error!(%err, "router server failed");
             }
         });
-        tasks.spawn(reap_dead_instances(state.clone(), shutdown.clone()));
+        state.registry.spawn(&mut tasks, shutdown.clone());
         tracing::info!(%addr, "connex-router listening");
         Ok(Self {
             addr,
@@ -86,18 +89,6 @@ impl Router {
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         while self.tasks.join_next().await.is_some() {}
-    }
-}
-
-/// Marks instances whose heartbeats stopped as dead, a few times per TTL.
-async fn reap_dead_instances(state: Arc<AppState>, shutdown: CancellationToken) {
-    let period = (state.registry.ttl() / 4).max(std::time::Duration::from_millis(100));
-    let mut tick = tokio::time::interval(period);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = tick.tick() => state.registry.reap(),
-        }
     }
 }
 

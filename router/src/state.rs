@@ -19,14 +19,14 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(config: RouterConfig) -> Result<Self, reqwest::Error> {
+    pub fn new(config: RouterConfig, registry: Registry) -> Result<Self, reqwest::Error> {
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
             .tcp_nodelay(true)
             .pool_max_idle_per_host(1024)
             .build()?;
         Ok(Self {
-            registry: Registry::new(config.heartbeat_ttl()),
+            registry,
             journal: Arc::new(Journal::default()),
             prefill: Selector::new(config.prefill_policy),
             decode: Selector::new(config.decode_policy),

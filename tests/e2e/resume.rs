@@ -126,12 +126,23 @@ async fn trigger(fault: Fault, cluster: &Cluster, k: usize) {
         cluster.faulty.signal("STOP");
         return;
     }
-    // The journal shows the request on d0 with its k tokens, before the move.
-    let entries = journal(&cluster.router, false).await;
-    assert_eq!(entries.len(), 1, "{entries:?}");
-    assert_eq!(entries[0]["decoder"], "d0");
-    assert_eq!(entries[0]["generated_tokens"], k);
-    assert!(entries[0].get("prompt_token_ids").is_none(), "not verbose");
+    // The journal shows the request on d0 with its k tokens, before the move (it
+    // journals tokens as the client reads them, so it may lag the engine a little).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let entries = journal(&cluster.router, false).await;
+        assert_eq!(entries.len(), 1, "{entries:?}");
+        assert_eq!(entries[0]["decoder"], "d0");
+        assert!(entries[0].get("prompt_token_ids").is_none(), "not verbose");
+        if entries[0]["generated_tokens"] == k {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "journal never reached {k}: {entries:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let reply = client()
         .post(format!(
             "{}/admin/instances/d0/drain?migrate=true",

@@ -41,12 +41,16 @@ pub async fn add_instance(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     authorize(&state, &headers)?;
     let reg = registration(&headers, body, 64 * 1024).await?;
-    let instance = state.registry.register(reg);
+    let instance = state.registry.register(reg).await?;
     Ok((StatusCode::CREATED, Json(instance.view())))
 }
 
-fn set_state(state: &AppState, id: &str, lifecycle: Lifecycle) -> Result<Json<Value>, ApiError> {
-    if !state.registry.set_lifecycle(id, lifecycle) {
+async fn set_state(
+    state: &AppState,
+    id: &str,
+    lifecycle: Lifecycle,
+) -> Result<Json<Value>, ApiError> {
+    if !state.registry.set_lifecycle(id, lifecycle).await? {
         return Err(ApiError::NotFound(format!(
             "instance `{id}` is not registered"
         )));
@@ -68,17 +72,26 @@ pub async fn drain(
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
-    let lifecycle = if flag(&query, "migrate") {
+    let lifecycle = if flag(&query, "migrate")? {
         Lifecycle::Migrating
     } else {
         Lifecycle::Draining
     };
-    set_state(&state, &id, lifecycle)
+    set_state(&state, &id, lifecycle).await
 }
 
-/// A boolean query parameter: `true` or `1`.
-fn flag(query: &HashMap<String, String>, key: &str) -> bool {
-    query.get(key).is_some_and(|v| v == "true" || v == "1")
+/// A boolean query parameter: `true` or `1`, `false` or `0`, absent (false).
+/// Anything else is refused rather than read as false: `migrate=yes` must not
+/// quietly become a plain drain.
+fn flag(query: &HashMap<String, String>, key: &'static str) -> Result<bool, ApiError> {
+    match query.get(key).map(String::as_str) {
+        None | Some("false" | "0") => Ok(false),
+        Some("true" | "1") => Ok(true),
+        Some(_) => Err(ApiError::bad_request(
+            format!("`{key}` must be true, false, 1 or 0"),
+            Some(key),
+        )),
+    }
 }
 
 pub async fn activate(
@@ -87,7 +100,7 @@ pub async fn activate(
     headers: HeaderMap,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
-    set_state(&state, &id, Lifecycle::Ready)
+    set_state(&state, &id, Lifecycle::Ready).await
 }
 
 pub async fn remove_instance(
@@ -96,7 +109,7 @@ pub async fn remove_instance(
     headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
     authorize(&state, &headers)?;
-    if state.registry.remove(&id) {
+    if state.registry.remove(&id).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(
@@ -112,6 +125,6 @@ pub async fn requests(
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
     Ok(Json(
-        json!({"data": state.journal.view(flag(&query, "verbose"))}),
+        json!({"data": state.journal.view(flag(&query, "verbose")?)}),
     ))
 }

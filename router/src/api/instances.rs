@@ -52,6 +52,19 @@ pub async fn registration(
             Some("model"),
         ));
     }
+    // The id goes into URL paths (heartbeat, drain) and etcd keys unescaped.
+    let valid_id = |id: &str| {
+        (1..=128).contains(&id.len())
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b))
+    };
+    if reg.id.as_deref().is_some_and(|id| !valid_id(id)) {
+        return Err(ApiError::bad_request(
+            "`id` must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+            Some("id"),
+        ));
+    }
     Ok(reg)
 }
 
@@ -66,7 +79,7 @@ pub async fn register(
         "a valid registration token is required",
     )?;
     let reg = registration(&headers, body, 64 * 1024).await?;
-    let instance = state.registry.register(reg);
+    let instance = state.registry.register(reg).await?;
     Ok((
         StatusCode::CREATED,
         Json(json!({"id": instance.id, "lease_ttl_s": state.config.heartbeat_ttl_s})),
@@ -85,7 +98,7 @@ pub async fn heartbeat(
         "a valid registration token is required",
     )?;
     let _stats = read_optional_json(&headers, body, 64 * 1024).await?;
-    if state.registry.heartbeat(&id) {
+    if state.registry.heartbeat(&id).await? {
         Ok(Json(
             json!({"id": id, "lease_ttl_s": state.config.heartbeat_ttl_s}),
         ))
@@ -106,7 +119,7 @@ pub async fn deregister(
         state.config.register_token.as_deref(),
         "a valid registration token is required",
     )?;
-    if state.registry.remove(&id) {
+    if state.registry.remove(&id).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(

@@ -22,7 +22,13 @@ pub async fn ready(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     };
     (
         status,
-        Json(json!({"ready": ready, "instances": state.registry.list().len()})),
+        Json(json!({
+            "ready": ready,
+            "instances": state.registry.list().len(),
+            // With etcd: whether this replica's view is current (`stale` while
+            // etcd is unreachable; routing goes on from the last view).
+            "membership": state.registry.status(),
+        })),
     )
 }
 

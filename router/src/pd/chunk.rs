@@ -97,10 +97,39 @@ pub fn parse(data: &[u8]) -> Option<Chunk<'_>> {
     serde_json::from_slice(data).ok()
 }
 
-/// The client's copy of a chunk: `id` replaced, the listed top-level or choice
-/// fields removed, `kv_transfer_params` always removed.
-pub fn rewrite(data: &[u8], id: &str, strip: &[&str]) -> Vec<u8> {
-    splice(data, id, strip).unwrap_or_else(|| rewrite_value(data, id, strip))
+/// A token-id field the router may remove from a chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    TokenIds,
+    PromptTokenIds,
+}
+
+impl Field {
+    fn key(self) -> &'static str {
+        match self {
+            Field::TokenIds => "token_ids",
+            Field::PromptTokenIds => "prompt_token_ids",
+        }
+    }
+
+    /// The field as it appears in compact JSON, quoted and with its colon.
+    fn pattern(self) -> &'static [u8] {
+        match self {
+            Field::TokenIds => b"\"token_ids\":",
+            Field::PromptTokenIds => b"\"prompt_token_ids\":",
+        }
+    }
+}
+
+/// The client's copy of a chunk, as one SSE event: `id` replaced, the listed
+/// top-level or choice fields removed, `kv_transfer_params` always removed.
+pub fn rewrite_event(data: &[u8], id: &str, strip: &[Field]) -> Vec<u8> {
+    splice(data, id, strip).unwrap_or_else(|| {
+        let mut out = b"data: ".to_vec();
+        out.extend_from_slice(&rewrite_value(data, id, strip));
+        out.extend_from_slice(b"\n\n");
+        out
+    })
 }
 
 /// The fast path: byte edits on the compact JSON engines emit. `None` when the
@@ -108,32 +137,33 @@ pub fn rewrite(data: &[u8], id: &str, strip: &[&str]) -> Vec<u8> {
 ///
 /// A key pattern such as `"token_ids":` preceded by `{` or `,` can only be a real
 /// key: inside a JSON string every `"` is escaped, so `,"` never occurs there.
-fn splice(data: &[u8], id: &str, strip: &[&str]) -> Option<Vec<u8>> {
+fn splice(data: &[u8], id: &str, strip: &[Field]) -> Option<Vec<u8>> {
     const ID_KEY: &[u8] = b"{\"id\":\"";
     if !data.starts_with(ID_KEY) || memmem::find(data, b"\"kv_transfer_params\":").is_some() {
         return None;
     }
     let id_end = ID_KEY.len() + string_end(&data[ID_KEY.len()..])?;
-    let mut out = Vec::with_capacity(data.len() + id.len());
+    let mut out = Vec::with_capacity(data.len() + id.len() + 8);
+    out.extend_from_slice(b"data: ");
     out.extend_from_slice(ID_KEY);
     out.extend_from_slice(id.as_bytes());
     out.extend_from_slice(&data[id_end..]);
-    for key in strip {
-        while let Some(range) = field_range(&out, key)? {
+    for field in strip {
+        while let Some(range) = field_range(&out, field.pattern())? {
             out.drain(range);
         }
     }
+    out.extend_from_slice(b"\n\n");
     Some(out)
 }
 
 /// The byte range of the first field `key` whose value is an array of numbers or
 /// null, with one separating comma. `Some(None)` when there is no such key; `None`
 /// when it holds another kind of value.
-fn field_range(data: &[u8], key: &str) -> Option<Option<std::ops::Range<usize>>> {
-    let pattern = format!("\"{key}\":");
+fn field_range(data: &[u8], pattern: &[u8]) -> Option<Option<std::ops::Range<usize>>> {
     let mut from = 0;
     let start = loop {
-        let Some(at) = memmem::find(&data[from..], pattern.as_bytes()) else {
+        let Some(at) = memmem::find(&data[from..], pattern) else {
             return Some(None);
         };
         let at = from + at;
@@ -183,21 +213,21 @@ fn string_end(data: &[u8]) -> Option<usize> {
 }
 
 /// The slow path: the same edits through a JSON tree.
-fn rewrite_value(data: &[u8], id: &str, strip: &[&str]) -> Vec<u8> {
+fn rewrite_value(data: &[u8], id: &str, strip: &[Field]) -> Vec<u8> {
     let Ok(mut chunk) = serde_json::from_slice::<Value>(data) else {
         return data.to_vec();
     };
     if let Some(map) = chunk.as_object_mut() {
         map.insert("id".into(), Value::String(id.to_string()));
         map.remove("kv_transfer_params");
-        for key in strip {
-            map.remove(*key);
+        for field in strip {
+            map.remove(field.key());
         }
     }
     if let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut) {
         for choice in choices.iter_mut().filter_map(Value::as_object_mut) {
-            for key in strip {
-                choice.remove(*key);
+            for field in strip {
+                choice.remove(field.key());
             }
         }
     }
@@ -207,6 +237,16 @@ fn rewrite_value(data: &[u8], id: &str, strip: &[&str]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The JSON of the event `rewrite_event` makes, and checks its framing.
+    fn rewrite(data: &[u8], id: &str, strip: &[Field]) -> Vec<u8> {
+        let event = rewrite_event(data, id, strip);
+        let json = event
+            .strip_prefix(b"data: ")
+            .and_then(|e| e.strip_suffix(b"\n\n"))
+            .expect("one SSE event");
+        json.to_vec()
+    }
 
     const CHUNK: &[u8] = br#"{"id":"cmpl-engine-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" w300","logprobs":null,"finish_reason":null,"stop_reason":null,"token_ids":[300],"prompt_token_ids":[1,2,3]}]}"#;
 
@@ -225,7 +265,11 @@ mod tests {
 
     #[test]
     fn splices_id_and_strips_token_ids() {
-        let out = rewrite(CHUNK, "cmpl-router", &["token_ids", "prompt_token_ids"]);
+        let out = rewrite(
+            CHUNK,
+            "cmpl-router",
+            &[Field::TokenIds, Field::PromptTokenIds],
+        );
         let value: Value = serde_json::from_slice(&out).expect("valid JSON");
         assert_eq!(value["id"], "cmpl-router");
         assert!(value["choices"][0].get("token_ids").is_none());
@@ -241,7 +285,7 @@ mod tests {
         let data =
             br#"{"id":"a","choices":[{"index":0,"text":"\"token_ids\":[1]","token_ids":[7]}]}"#;
         let value: Value =
-            serde_json::from_slice(&rewrite(data, "b", &["token_ids"])).expect("valid JSON");
+            serde_json::from_slice(&rewrite(data, "b", &[Field::TokenIds])).expect("valid JSON");
         assert_eq!(value["choices"][0]["text"], "\"token_ids\":[1]");
         assert!(value["choices"][0].get("token_ids").is_none());
     }
@@ -250,7 +294,7 @@ mod tests {
     fn unexpected_shapes_take_the_slow_path() {
         let data = br#"{"object":"x","id":"a","kv_transfer_params":{"k":1},"choices":[{"token_ids":[1],"index":0}]}"#;
         let value: Value =
-            serde_json::from_slice(&rewrite(data, "b", &["token_ids"])).expect("valid JSON");
+            serde_json::from_slice(&rewrite(data, "b", &[Field::TokenIds])).expect("valid JSON");
         assert_eq!(value["id"], "b");
         assert!(value.get("kv_transfer_params").is_none());
         assert!(value["choices"][0].get("token_ids").is_none());

@@ -7,7 +7,7 @@
 //! the completions route, re-wrapped as a chat chunk. A non-stream client gets one
 //! response built from what was collected.
 
-use super::chunk::{self, Chunk};
+use super::chunk::{self, Chunk, Field};
 use super::request::{RequestInfo, Route};
 use crate::error::ApiError;
 use crate::sse;
@@ -105,29 +105,29 @@ impl Output {
             // Engine usage chunks are dropped: the router sends its own count.
             return None;
         }
-        let data = match (source, self.route) {
+        let event = match (source, self.route) {
             (Source::Native, _) => {
                 self.role_sent = true;
-                let strip: &[&str] = if self.return_token_ids {
+                let strip: &[Field] = if self.return_token_ids {
                     &[]
                 } else {
-                    &["token_ids", "prompt_token_ids"]
+                    &[Field::TokenIds, Field::PromptTokenIds]
                 };
-                chunk::rewrite(raw, &self.id, strip)
+                chunk::rewrite_event(raw, &self.id, strip)
             }
             (Source::Resumed, Route::Completions) => {
                 // The resumed request's prompt is prompt + generated: the client
                 // already has its prompt ids from the first chunk.
-                let strip: &[&str] = if self.return_token_ids {
-                    &["prompt_token_ids"]
+                let strip: &[Field] = if self.return_token_ids {
+                    &[Field::PromptTokenIds]
                 } else {
-                    &["token_ids", "prompt_token_ids"]
+                    &[Field::TokenIds, Field::PromptTokenIds]
                 };
-                chunk::rewrite(raw, &self.id, strip)
+                chunk::rewrite_event(raw, &self.id, strip)
             }
-            (Source::Resumed, Route::Chat) => self.chat_chunk(parsed),
+            (Source::Resumed, Route::Chat) => sse::event(&self.chat_chunk(parsed)).to_vec(),
         };
-        Some(sse::event(&data))
+        Some(Bytes::from(event))
     }
 
     /// A completions chunk of a resumed chat request, as a chat chunk.

@@ -119,33 +119,49 @@ pub async fn run(
     }))
 }
 
+/// The part of a prefill answer the router reads.
+#[derive(serde::Deserialize)]
+struct Answer<'a> {
+    #[serde(borrow, default)]
+    kv_transfer_params: Option<&'a serde_json::value::RawValue>,
+    /// Chat puts the prompt ids at the top level...
+    #[serde(default)]
+    prompt_token_ids: Option<Vec<u32>>,
+    /// ...completions in the choice.
+    #[serde(default)]
+    choices: Vec<AnswerChoice>,
+}
+
+#[derive(serde::Deserialize)]
+struct AnswerChoice {
+    #[serde(default)]
+    prompt_token_ids: Option<Vec<u32>>,
+}
+
 /// Reads the hold and the prompt ids out of a prefill answer.
 fn parse_answer(route: Route, instance: &str, bytes: &[u8]) -> Result<Prefilled, ApiError> {
     let bad = |message: &str| ApiError::BadGateway {
         instance: instance.to_string(),
         message: message.to_string(),
     };
-    let answer: Value =
+    let answer: Answer =
         serde_json::from_slice(bytes).map_err(|_| bad("prefill answered invalid JSON"))?;
     let kv_transfer_params = answer
-        .get("kv_transfer_params")
-        .filter(|kv| kv.is_object())
-        .cloned()
+        .kv_transfer_params
+        .and_then(|raw| serde_json::from_str::<Value>(raw.get()).ok())
+        .filter(Value::is_object)
         .ok_or_else(|| {
             bad("prefill answered without kv_transfer_params (is its KV connector configured?)")
         })?;
-    let ids = match route {
-        Route::Completions => answer.pointer("/choices/0/prompt_token_ids"),
-        Route::Chat => answer.get("prompt_token_ids"),
-    };
-    let prompt_token_ids = ids
-        .and_then(Value::as_array)
-        .and_then(|ids| {
-            ids.iter()
-                .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
-                .collect::<Option<Vec<u32>>>()
-        })
-        .ok_or_else(|| bad("prefill answered without prompt_token_ids"))?;
+    let prompt_token_ids = match route {
+        Route::Completions => answer
+            .choices
+            .into_iter()
+            .next()
+            .and_then(|c| c.prompt_token_ids),
+        Route::Chat => answer.prompt_token_ids,
+    }
+    .ok_or_else(|| bad("prefill answered without prompt_token_ids"))?;
     Ok(Prefilled {
         instance: instance.to_string(),
         kv_transfer_params,

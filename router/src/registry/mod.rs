@@ -1,15 +1,36 @@
 //! Membership: which engine instances exist, their role, model, lifecycle and load.
 //!
-//! This is the in-memory backend (one router). Instances register themselves and
-//! heartbeat; one that misses heartbeats for its TTL is no longer eligible and is
-//! marked dead by the reaper.
+//! One abstraction, two backends. Every router keeps a local [`view::View`] that
+//! the routing hot path reads (never a network round trip per request); writes
+//! (register, heartbeat, drain, activate, remove) go through a [`Store`]:
+//! - [`memory`] (the default): the view *is* the membership of this one router;
+//!   instances whose heartbeats stop for their TTL are marked dead by a reaper.
+//! - `etcd` (`--etcd URL`, cargo feature `etcd`): each instance is a key under a
+//!   prefix bound to an etcd lease (TTL = heartbeat TTL) that heartbeats to any
+//!   replica refresh; a watch applies every change to the view of every replica.
+//!
+//! An instance's `Arc<Instance>` is updated in place when its state changes (never
+//! swapped for a new one while its identity is the same), so that a stream holding
+//! it sees the change through [`Instance::subscribe`]. In-flight counts are local
+//! to each router.
 
-use dashmap::DashMap;
+#[cfg(feature = "etcd")]
+pub mod etcd;
+pub mod memory;
+pub mod status;
+pub mod view;
+
+use crate::config::RouterConfig;
+use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use status::StoreStatus;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use view::View;
 
 /// Which half of P/D an instance serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,7 +68,7 @@ impl Phase {
 }
 
 /// Lifecycle of an instance.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Lifecycle {
     Ready,
@@ -73,6 +94,15 @@ pub struct Registration {
     pub id: Option<String>,
 }
 
+impl Registration {
+    /// The id the instance asked for, or a new one.
+    pub fn id_or_new(&self) -> String {
+        self.id
+            .clone()
+            .unwrap_or_else(|| format!("inst-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]))
+    }
+}
+
 /// One engine instance known to the router.
 #[derive(Debug)]
 pub struct Instance {
@@ -87,10 +117,22 @@ pub struct Instance {
     last_heartbeat: Mutex<Instant>,
     inflight: AtomicUsize,
     served: AtomicU64,
+    /// The etcd lease the instance's key is bound to (0: none, memory backend).
+    lease: AtomicI64,
+    /// Revision of the membership record last applied (etcd mod_revision, or a
+    /// local counter): older changes arriving late are ignored.
+    revision: AtomicI64,
+    /// The lifecycle the store last gave, and when this replica marked the
+    /// instance dead on its own (`mark_dead`): etcd revives it from these.
+    stored: Mutex<Lifecycle>,
+    marked_dead_at: Mutex<Option<Instant>>,
+    /// The view's membership generation, bumped by every lifecycle change so
+    /// that the view's cached candidate lists are rebuilt.
+    generation: Arc<AtomicU64>,
 }
 
 impl Instance {
-    fn new(id: String, reg: Registration) -> Self {
+    fn new(id: String, reg: Registration, generation: Arc<AtomicU64>) -> Self {
         Self {
             id,
             role: reg.role,
@@ -101,6 +143,11 @@ impl Instance {
             last_heartbeat: Mutex::new(Instant::now()),
             inflight: AtomicUsize::new(0),
             served: AtomicU64::new(0),
+            lease: AtomicI64::new(0),
+            revision: AtomicI64::new(0),
+            stored: Mutex::new(Lifecycle::Ready),
+            marked_dead_at: Mutex::new(None),
+            generation,
         }
     }
 
@@ -113,8 +160,33 @@ impl Instance {
         self.lifecycle.subscribe()
     }
 
+    /// A lifecycle the store decided (registration, drain, activate, a record
+    /// from etcd): it also ends a local dead mark.
+    fn set_stored(&self, state: Lifecycle) {
+        *self.stored.lock().unwrap_or_else(|e| e.into_inner()) = state;
+        *self
+            .marked_dead_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+        self.set_lifecycle(state);
+    }
+
     fn set_lifecycle(&self, state: Lifecycle) {
-        self.lifecycle.send_replace(state);
+        let changed = self.lifecycle.send_if_modified(|current| {
+            let changed = *current != state;
+            *current = state;
+            changed
+        });
+        if changed {
+            self.generation.fetch_add(1, Ordering::Release);
+        }
+    }
+
+    fn touch(&self) {
+        *self
+            .last_heartbeat
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Instant::now();
     }
 
     fn heartbeat_age(&self) -> Duration {
@@ -124,17 +196,37 @@ impl Instance {
             .elapsed()
     }
 
+    /// The etcd lease of the instance's key (0 when none).
+    pub fn lease(&self) -> i64 {
+        self.lease.load(Ordering::Relaxed)
+    }
+
+    fn revision(&self) -> i64 {
+        self.revision.load(Ordering::Relaxed)
+    }
+
     /// Requests this router has in flight on the instance.
     pub fn inflight(&self) -> usize {
         self.inflight.load(Ordering::Relaxed)
     }
 
-    /// Whether new requests may go here now.
+    /// Whether new requests may go here now, given a local heartbeat TTL.
     pub fn is_eligible(&self, ttl: Duration) -> bool {
         self.lifecycle() == Lifecycle::Ready && self.heartbeat_age() <= ttl
     }
 
-    /// JSON view for the admin API.
+    /// Same role, URL, model and control address: the same incarnation, whose
+    /// state changes are applied in place.
+    fn same_identity(&self, other: &Instance) -> bool {
+        self.role == other.role
+            && self.url == other.url
+            && self.model == other.model
+            && self.ctrl == other.ctrl
+    }
+
+    /// JSON view for the admin API. `last_heartbeat_ms_ago` is the last heartbeat
+    /// *this* router received (with etcd, heartbeats may go to another replica;
+    /// the etcd lease is what decides liveness there).
     pub fn view(&self) -> serde_json::Value {
         serde_json::json!({
             "id": self.id, "role": self.role, "url": self.url, "model": self.model,
@@ -169,18 +261,97 @@ impl Drop for LoadGuard {
     }
 }
 
-/// The in-memory membership of one router.
-#[derive(Debug)]
+/// Errors of membership writes.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// The shared membership store (etcd) cannot be reached now: the write was
+    /// not made. Routing goes on from the last view.
+    #[error("membership store unreachable: {0}")]
+    Unavailable(String),
+    /// A record in the store that this router cannot read.
+    #[error("invalid membership record for `{id}`: {message}")]
+    Corrupt { id: String, message: String },
+    #[error("invalid membership configuration: {0}")]
+    Config(String),
+}
+
+/// Where membership writes go; reads always come from the local view.
+pub trait Store: Send + Sync {
+    /// Adds (or re-registers) an instance; it is `Ready` afterwards.
+    fn register(&self, reg: Registration) -> BoxFuture<'_, Result<Arc<Instance>, RegistryError>>;
+    /// Refreshes an instance's liveness. `false` when it is unknown (or its lease
+    /// has expired): the instance should register again.
+    fn heartbeat<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, RegistryError>>;
+    /// Drain, migrate, activate. `false` when unknown.
+    fn set_lifecycle<'a>(
+        &'a self,
+        id: &'a str,
+        state: Lifecycle,
+    ) -> BoxFuture<'a, Result<bool, RegistryError>>;
+    /// Forgets an instance. `false` when unknown.
+    fn remove<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, RegistryError>>;
+    /// Starts the tasks that keep the local view current (reaper, watch); they
+    /// stop when `shutdown` is cancelled.
+    fn spawn(&self, tasks: &mut JoinSet<()>, shutdown: CancellationToken);
+    /// Backend name and connectivity, for `/ready` and the metrics.
+    fn status(&self) -> StoreStatus;
+}
+
+/// The membership of one router: the local view plus the store behind it.
 pub struct Registry {
-    instances: DashMap<String, Arc<Instance>>,
+    view: Arc<View>,
+    store: Arc<dyn Store>,
     ttl: Duration,
 }
 
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("backend", &self.store.status().backend)
+            .field("instances", &self.view.len())
+            .finish()
+    }
+}
+
 impl Registry {
+    /// The in-memory membership of one router.
     pub fn new(ttl: Duration) -> Self {
-        Self {
-            instances: DashMap::new(),
-            ttl,
+        let view = Arc::new(View::new(Some(ttl)));
+        let store = Arc::new(memory::MemoryStore::new(view.clone(), ttl));
+        Self { view, store, ttl }
+    }
+
+    /// The backend the configuration asks for: etcd with `--etcd`, else memory.
+    pub async fn open(config: &RouterConfig) -> Result<Self, RegistryError> {
+        let ttl = config.heartbeat_ttl();
+        let Some(endpoints) = config.etcd.as_deref() else {
+            return Ok(Self::new(ttl));
+        };
+        #[cfg(feature = "etcd")]
+        {
+            let view = Arc::new(View::new(None));
+            let store = etcd::EtcdStore::connect(
+                endpoints,
+                &config.etcd_prefix,
+                ttl,
+                Duration::from_millis(config.etcd_timeout_ms),
+                view.clone(),
+            )
+            .await?;
+            Ok(Self {
+                view,
+                store: Arc::new(store),
+                ttl,
+            })
+        }
+        #[cfg(not(feature = "etcd"))]
+        {
+            let _ = endpoints;
+            Err(RegistryError::Config(
+                "--etcd needs a connex-router built with the `etcd` cargo feature \
+                 (cargo build --release --features etcd)"
+                    .into(),
+            ))
         }
     }
 
@@ -188,126 +359,84 @@ impl Registry {
         self.ttl
     }
 
-    /// Adds or replaces an instance; returns it.
-    pub fn register(&self, reg: Registration) -> Arc<Instance> {
-        let id = reg.id.clone().unwrap_or_else(|| {
-            format!("inst-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
-        });
-        let instance = Arc::new(Instance::new(id.clone(), reg));
-        tracing::info!(id = %instance.id, role = ?instance.role, url = %instance.url, model = %instance.model, "instance registered");
-        self.instances.insert(id, instance.clone());
-        instance
+    /// Starts the backend's background tasks (owned by the router).
+    pub fn spawn(&self, tasks: &mut JoinSet<()>, shutdown: CancellationToken) {
+        self.store.spawn(tasks, shutdown);
+    }
+
+    pub fn status(&self) -> StoreStatus {
+        self.store.status()
+    }
+
+    /// Adds or re-registers an instance; returns it.
+    pub async fn register(&self, reg: Registration) -> Result<Arc<Instance>, RegistryError> {
+        self.store.register(reg).await
     }
 
     /// Refreshes an instance's heartbeat. A dead instance that heartbeats again is
-    /// ready again; a draining one stays draining. `false` when unknown.
-    pub fn heartbeat(&self, id: &str) -> bool {
-        let Some(instance) = self.instances.get(id) else {
-            return false;
-        };
-        *instance
-            .last_heartbeat
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Instant::now();
-        if instance.lifecycle() == Lifecycle::Dead {
-            tracing::info!(%id, "instance is alive again");
-            instance.set_lifecycle(Lifecycle::Ready);
-        }
-        true
+    /// ready again (memory backend); a draining one stays draining. `false` when
+    /// unknown.
+    pub async fn heartbeat(&self, id: &str) -> Result<bool, RegistryError> {
+        self.store.heartbeat(id).await
     }
 
-    pub fn remove(&self, id: &str) -> bool {
-        let removed = self.instances.remove(id).is_some();
-        if removed {
-            tracing::info!(%id, "instance removed");
-        }
-        removed
+    pub async fn remove(&self, id: &str) -> Result<bool, RegistryError> {
+        self.store.remove(id).await
     }
 
     /// Sets the lifecycle of an instance (drain / activate). `false` when unknown.
-    pub fn set_lifecycle(&self, id: &str, state: Lifecycle) -> bool {
-        let Some(instance) = self.instances.get(id) else {
-            return false;
-        };
-        instance.set_lifecycle(state);
-        if state == Lifecycle::Ready {
-            *instance
-                .last_heartbeat
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = Instant::now();
-        }
-        tracing::info!(%id, ?state, "instance state changed");
-        true
+    pub async fn set_lifecycle(&self, id: &str, state: Lifecycle) -> Result<bool, RegistryError> {
+        self.store.set_lifecycle(id, state).await
     }
 
     /// Marks an instance dead now, on proof that it is gone (nothing listens at
-    /// its address). Its next heartbeat makes it ready again.
+    /// its address). This replica's judgement, not written to etcd: with the
+    /// memory backend its next heartbeat makes it ready again; with etcd, if its
+    /// lease is still kept alive a TTL later (the key did not expire), it was not
+    /// gone after all and gets its stored state back.
     pub fn mark_dead(&self, id: &str) {
-        if let Some(instance) = self.instances.get(id) {
-            if instance.lifecycle() == Lifecycle::Ready {
-                tracing::warn!(%id, "instance unreachable; marked dead");
-                instance.set_lifecycle(Lifecycle::Dead);
-            }
-        }
+        self.view.mark_dead(id);
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Instance>> {
-        self.instances.get(id).map(|i| i.clone())
+        self.view.get(id)
     }
 
     /// Every instance, sorted by id.
     pub fn list(&self) -> Vec<Arc<Instance>> {
-        let mut all: Vec<_> = self.instances.iter().map(|e| e.value().clone()).collect();
-        all.sort_by(|a, b| a.id.cmp(&b.id));
-        all
+        self.view.list()
     }
 
     /// Instances that may take a new `phase` request for `model`, sorted by id so
     /// that round-robin is stable.
     pub fn eligible(&self, model: &str, phase: Phase) -> Vec<Arc<Instance>> {
-        let mut out: Vec<_> = self
-            .instances
-            .iter()
-            .filter(|e| e.model == model && e.role.serves(phase) && e.is_eligible(self.ttl))
-            .map(|e| e.value().clone())
-            .collect();
-        out.sort_by(|a, b| a.id.cmp(&b.id));
-        out
+        self.view.eligible(model, phase)
     }
 
     /// Whether any instance (in any state) serves `model`.
     pub fn knows_model(&self, model: &str) -> bool {
-        self.instances.iter().any(|e| e.model == model)
+        self.view.knows_model(model)
     }
 
     /// Models served by at least one live instance.
     pub fn models(&self) -> Vec<String> {
-        let mut models: Vec<String> = self
-            .instances
-            .iter()
-            .filter(|e| e.lifecycle() != Lifecycle::Dead)
-            .map(|e| e.model.clone())
-            .collect();
-        models.sort();
-        models.dedup();
-        models
+        self.view.models()
     }
 
     /// Whether some model has both a prefill and a decode instance eligible.
     pub fn is_ready(&self) -> bool {
-        self.models().iter().any(|m| {
-            !self.eligible(m, Phase::Prefill).is_empty()
-                && !self.eligible(m, Phase::Decode).is_empty()
-        })
+        self.view.is_ready()
     }
 
-    /// Marks instances whose heartbeats stopped for the TTL as dead.
+    /// Marks instances whose heartbeats stopped for the TTL as dead (memory
+    /// backend; with etcd the leases decide).
     pub fn reap(&self) {
-        for entry in self.instances.iter() {
-            if entry.lifecycle() != Lifecycle::Dead && entry.heartbeat_age() > self.ttl {
-                tracing::warn!(id = %entry.id, "instance missed heartbeats for its TTL; marked dead");
-                entry.set_lifecycle(Lifecycle::Dead);
-            }
-        }
+        self.view.reap();
+    }
+}
+
+impl From<RegistryError> for crate::error::ApiError {
+    fn from(err: RegistryError) -> Self {
+        crate::error::ApiError::Unavailable(err.to_string())
     }
 }

@@ -267,3 +267,242 @@ pub fn streamed_text(chunks: &[Value]) -> String {
         })
         .collect()
 }
+
+/// A free loopback TCP port (bound, then released for the caller to use).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// A real etcd server (Debian `etcd-server`) on free loopback ports with a
+/// temporary data dir; it can be killed and restarted on the same ports and
+/// data, and is killed (and its data removed) on drop.
+pub struct Etcd {
+    child: Option<Child>,
+    pub url: String,
+    peer: String,
+    dir: std::path::PathBuf,
+}
+
+impl Etcd {
+    pub fn start() -> Etcd {
+        static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("connex-etcd-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("etcd temp dir");
+        let mut etcd = Etcd {
+            child: None,
+            url: format!("http://127.0.0.1:{}", free_port()),
+            peer: format!("http://127.0.0.1:{}", free_port()),
+            dir,
+        };
+        etcd.spawn();
+        etcd
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("etcd.log"))
+            .expect("etcd log");
+        let child = Command::new("etcd")
+            .args([
+                "--name",
+                "connex-test",
+                "--data-dir",
+                &self.dir.join("data").to_string_lossy(),
+                "--listen-client-urls",
+                &self.url,
+                "--advertise-client-urls",
+                &self.url,
+                "--listen-peer-urls",
+                &self.peer,
+                "--initial-advertise-peer-urls",
+                &self.peer,
+                "--initial-cluster",
+                &format!("connex-test={}", self.peer),
+            ])
+            .stdout(log.try_clone().expect("etcd log"))
+            .stderr(log)
+            .spawn()
+            .expect("start etcd (Debian package etcd-server; tests/run installs it)");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.healthy() {
+            assert!(
+                Instant::now() < deadline,
+                "etcd did not become healthy; see {}",
+                self.dir.join("etcd.log").display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `GET /health` answers `"health":"true"`.
+    fn healthy(&self) -> bool {
+        use std::io::{Read, Write};
+        let addr = self.url.trim_start_matches("http://");
+        let Ok(mut stream) = std::net::TcpStream::connect(addr) else {
+            return false;
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+        let request = format!("GET /health HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+        let mut reply = String::new();
+        stream.write_all(request.as_bytes()).is_ok()
+            && stream.read_to_string(&mut reply).is_ok()
+            && reply.contains("\"health\":\"true\"")
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same ports and data.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// The current store revision (through etcd's JSON gateway).
+    pub async fn revision(&self) -> i64 {
+        let reply: Value = client()
+            .post(format!("{}/v3/kv/range", self.url))
+            .json(&serde_json::json!({"key": "AA=="}))
+            .send()
+            .await
+            .expect("etcd range")
+            .json()
+            .await
+            .expect("etcd range json");
+        reply["header"]["revision"]
+            .as_str()
+            .and_then(|r| r.parse().ok())
+            .expect("etcd revision")
+    }
+
+    /// Compacts the history up to the current revision: a watch resuming from an
+    /// older revision must list again.
+    pub async fn compact(&self) {
+        let revision = self.revision().await;
+        let status = client()
+            .post(format!("{}/v3/kv/compaction", self.url))
+            .json(&serde_json::json!({"revision": revision.to_string(), "physical": true}))
+            .send()
+            .await
+            .expect("etcd compaction")
+            .status();
+        assert!(status.is_success(), "etcd compaction: {status}");
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A TCP proxy on loopback that can cut every connection through it and refuse
+/// new ones, to take a network path away from a live server.
+pub struct Proxy {
+    pub url: String,
+    open: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Forwards a new loopback port to `target` (`http://host:port`).
+    pub async fn start(target: &str) -> Proxy {
+        let target = target.trim_start_matches("http://").to_string();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("proxy bind");
+        let url = format!("http://{}", listener.local_addr().expect("proxy addr"));
+        let (open, watch) = tokio::sync::watch::channel(true);
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !*watch.borrow() {
+                    continue; // dropped: refused
+                }
+                let target = target.clone();
+                let mut watch = watch.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = watch.wait_for(|open| !open) => {}
+                    }
+                });
+            }
+        });
+        Proxy { url, open, task }
+    }
+
+    /// Cuts (false) or restores (true) the path.
+    pub fn set_open(&self, open: bool) {
+        self.open.send_replace(open);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A router's `/ready` JSON (any status).
+pub async fn ready(router: &Proc) -> Value {
+    client()
+        .get(format!("{}/ready", router.url))
+        .send()
+        .await
+        .expect("ready")
+        .json()
+        .await
+        .expect("ready json")
+}
+
+/// An admin call: (status, JSON body).
+pub async fn admin(
+    router: &Proc,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<&Value>,
+) -> (u16, Value) {
+    let mut request = client()
+        .request(method, format!("{}{path}", router.url))
+        .bearer_auth(ADMIN_TOKEN);
+    if let Some(body) = body {
+        request = request.json(body);
+    }
+    let response = request.send().await.expect("admin call");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// Polls `check` every 20 ms until it holds; panics with `what` after `limit`.
+/// Returns how long it took.
+pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    loop {
+        if check().await {
+            return started.elapsed();
+        }
+        assert!(started.elapsed() < limit, "not within {limit:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,60 @@
+{{/* Names, labels and the URLs the parts of the release use to find each other. */}}
+
+{{- define "connex.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "connex.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "connex.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "connex.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Selector labels of one component: call with (list $ "router"). */}}
+{{- define "connex.selector" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "connex.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "connex.etcdEndpoints" -}}
+{{- if .Values.etcd.enabled -}}
+{{- $full := include "connex.fullname" . -}}
+{{- printf "http://%s-etcd:2379" $full -}}
+{{- else -}}
+{{- .Values.etcd.external -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where engines register: the internal Service, which includes not-ready router pods. */}}
+{{- define "connex.registerUrl" -}}
+{{- printf "http://%s-router-internal:%d" (include "connex.fullname" .) (int .Values.router.port) -}}
+{{- end -}}
+
+{{- define "connex.adminSecret" -}}
+{{- default (printf "%s-admin" (include "connex.fullname" .)) .Values.router.adminToken.existingSecret -}}
+{{- end -}}
+
+{{- define "connex.registerSecret" -}}
+{{- default (printf "%s-register" (include "connex.fullname" .)) .Values.router.registerToken.existingSecret -}}
+{{- end -}}
+
+{{- define "connex.hasRegisterToken" -}}
+{{- if or .Values.router.registerToken.existingSecret .Values.router.registerToken.value -}}true{{- end -}}
+{{- end -}}

@@ -1,0 +1,311 @@
+//! The etcd backend: membership shared by router replicas.
+//!
+//! Each instance is the key `<prefix>/instances/<id>` (JSON [`record::Record`])
+//! bound to an etcd lease whose TTL is the heartbeat TTL. Any replica can take
+//! a heartbeat (it refreshes the lease), a drain or a removal (it rewrites or
+//! deletes the key); every replica's [`watch`] task applies what changed to its
+//! local view, which is all the routing path reads. A write made here is also
+//! applied to the local view at once, at the revision etcd gave it, so that the
+//! replica that took it routes by it without waiting for its own watch.
+
+pub mod record;
+pub mod watch;
+
+use super::status::{Connectivity, StoreStatus};
+use super::view::View;
+use super::{Instance, Lifecycle, Registration, RegistryError, Store};
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, KeyValue, PutOptions, Txn, TxnOp};
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use record::{Record, State};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// How often a conditional write is retried when the key changed under it.
+const CAS_ATTEMPTS: usize = 5;
+
+pub struct EtcdStore {
+    client: Client,
+    /// `<prefix>/instances/`
+    keys: String,
+    ttl: Duration,
+    timeout: Duration,
+    view: Arc<View>,
+    connectivity: Arc<Connectivity>,
+}
+
+impl EtcdStore {
+    /// A client for `endpoints` (comma-separated URLs). Connects lazily: a router
+    /// may start while etcd is down, and reports its membership stale until the
+    /// watch has listed it.
+    pub async fn connect(
+        endpoints: &str,
+        prefix: &str,
+        ttl: Duration,
+        timeout: Duration,
+        view: Arc<View>,
+    ) -> Result<Self, RegistryError> {
+        let endpoints: Vec<&str> = endpoints
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .collect();
+        if endpoints.is_empty() {
+            return Err(RegistryError::Config("--etcd names no endpoint".into()));
+        }
+        let options = ConnectOptions::new()
+            .with_connect_timeout(timeout)
+            // A dead or hung etcd is noticed by the HTTP/2 keep-alive, so that the
+            // watch breaks (and the view is reported stale) within seconds.
+            .with_keep_alive(Duration::from_secs(2), timeout)
+            .with_keep_alive_while_idle(true)
+            .with_require_leader(true);
+        let client = Client::connect(&endpoints, Some(options))
+            .await
+            .map_err(|err| RegistryError::Config(format!("etcd endpoints {endpoints:?}: {err}")))?;
+        tracing::info!(?endpoints, %prefix, "membership in etcd");
+        Ok(Self {
+            client,
+            keys: format!("{}/instances/", prefix.trim_end_matches('/')),
+            ttl,
+            timeout,
+            view,
+            connectivity: Arc::new(Connectivity::new("etcd", false)),
+        })
+    }
+
+    fn key(&self, id: &str) -> String {
+        format!("{}{id}", self.keys)
+    }
+
+    /// One etcd call, bounded by the timeout; every failure means "unreachable".
+    async fn call<T>(
+        &self,
+        what: &str,
+        call: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, RegistryError> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(err)) => Err(RegistryError::Unavailable(format!("etcd {what}: {err}"))),
+            Err(_) => Err(RegistryError::Unavailable(format!(
+                "etcd {what}: no answer within {:?}",
+                self.timeout
+            ))),
+        }
+    }
+
+    async fn fetch(&self, id: &str) -> Result<Option<(KeyValue, Record)>, RegistryError> {
+        let mut client = self.client.clone();
+        let key = self.key(id);
+        let reply = self.call("get", client.get(key, None)).await?;
+        let Some(kv) = reply.kvs().first() else {
+            return Ok(None);
+        };
+        let record: Record =
+            serde_json::from_slice(kv.value()).map_err(|err| RegistryError::Corrupt {
+                id: id.to_string(),
+                message: err.to_string(),
+            })?;
+        if record.state == State::Removed {
+            return Ok(None);
+        }
+        Ok(Some((kv.clone(), record)))
+    }
+
+    /// Rewrites an instance's record if nobody changed it since it was read,
+    /// keeping its lease. Returns the record written, its lease and revision.
+    async fn rewrite(
+        &self,
+        id: &str,
+        state: State,
+    ) -> Result<Option<(Record, i64, i64)>, RegistryError> {
+        for _ in 0..CAS_ATTEMPTS {
+            let Some((kv, mut record)) = self.fetch(id).await? else {
+                return Ok(None);
+            };
+            record.state = state;
+            let key = self.key(id);
+            let txn = Txn::new()
+                .when([Compare::mod_revision(
+                    key.clone(),
+                    CompareOp::Equal,
+                    kv.mod_revision(),
+                )])
+                .and_then([TxnOp::put(
+                    key,
+                    record.to_json(),
+                    Some(PutOptions::new().with_ignore_lease()),
+                )]);
+            let mut client = self.client.clone();
+            let reply = self.call("txn", client.txn(txn)).await?;
+            if reply.succeeded() {
+                let revision = reply.header().map_or(0, |h| h.revision());
+                return Ok(Some((record, kv.lease(), revision)));
+            }
+        }
+        Err(RegistryError::Unavailable(format!(
+            "instance `{id}` kept changing; try again"
+        )))
+    }
+
+    async fn do_register(&self, reg: Registration) -> Result<Arc<Instance>, RegistryError> {
+        let id = reg.id_or_new();
+        let record = Record::new(id.clone(), &reg, State::Ready);
+        let ttl = i64::try_from(self.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let mut client = self.client.clone();
+        let lease = self
+            .call("lease grant", client.lease_grant(ttl, None))
+            .await?
+            .id();
+        let options = PutOptions::new().with_lease(lease).with_prev_key();
+        let reply = self
+            .call(
+                "put",
+                client.put(self.key(&id), record.to_json(), Some(options)),
+            )
+            .await?;
+        let revision = reply.header().map_or(0, |h| h.revision());
+        // A re-registration leaves the previous lease with no key: let it go now
+        // rather than at its expiry.
+        if let Some(old) = reply.prev_key().map(|kv| kv.lease()) {
+            if old != 0 && old != lease {
+                let _ = self.call("lease revoke", client.lease_revoke(old)).await;
+            }
+        }
+        Ok(self
+            .view
+            .put(id, record.registration(), Lifecycle::Ready, lease, revision))
+    }
+
+    /// Refreshes a lease; `false` when it has expired (its key is gone).
+    async fn keep_alive(&self, lease: i64) -> Result<bool, RegistryError> {
+        let mut client = self.client.clone();
+        // The client reads the first keep-alive answer itself and fails with
+        // `LeaseKeepAliveError` when its TTL says the lease is gone.
+        match tokio::time::timeout(self.timeout, client.lease_keep_alive(lease)).await {
+            Ok(Ok(_)) => Ok(true),
+            Ok(Err(etcd_client::Error::LeaseKeepAliveError(_))) => Ok(false),
+            Ok(Err(err)) => Err(RegistryError::Unavailable(format!(
+                "etcd lease keep-alive: {err}"
+            ))),
+            Err(_) => Err(RegistryError::Unavailable(format!(
+                "etcd lease keep-alive: no answer within {:?}",
+                self.timeout
+            ))),
+        }
+    }
+
+    async fn do_heartbeat(&self, id: &str) -> Result<bool, RegistryError> {
+        let known = self.view.get(id).map(|i| i.lease()).filter(|l| *l != 0);
+        if let Some(lease) = known {
+            if self.keep_alive(lease).await? {
+                self.view.heartbeat(id);
+                return Ok(true);
+            }
+        }
+        // Not in this replica's view yet, or re-registered under a new lease
+        // that the watch has not brought here: ask etcd.
+        let Some((kv, _)) = self.fetch(id).await? else {
+            return Ok(false);
+        };
+        if kv.lease() == 0 || Some(kv.lease()) == known {
+            return Ok(false);
+        }
+        let alive = self.keep_alive(kv.lease()).await?;
+        if alive {
+            self.view.heartbeat(id);
+        }
+        Ok(alive)
+    }
+
+    async fn do_set_lifecycle(&self, id: &str, state: Lifecycle) -> Result<bool, RegistryError> {
+        let Some(stored) = State::of(state) else {
+            // Death is never written: it is a lease expiring. A local judgement
+            // (e.g. health checks) applies to this replica's view only.
+            let revision = self.view.get(id).map_or(0, |i| i.revision());
+            return Ok(self.view.set_lifecycle(id, state, revision));
+        };
+        let Some((record, lease, revision)) = self.rewrite(id, stored).await? else {
+            return Ok(false);
+        };
+        self.view.put(
+            id.to_string(),
+            record.registration(),
+            state,
+            lease,
+            revision,
+        );
+        Ok(true)
+    }
+
+    async fn do_remove(&self, id: &str) -> Result<bool, RegistryError> {
+        // The tombstone tells every replica that this is a removal, not a death.
+        let Some((_, lease, _)) = self.rewrite(id, State::Removed).await? else {
+            return Ok(false);
+        };
+        let mut client = self.client.clone();
+        if lease != 0 {
+            self.call("lease revoke", client.lease_revoke(lease))
+                .await?;
+        } else {
+            self.call("delete", client.delete(self.key(id), None))
+                .await?;
+        }
+        self.view.remove(id, None, false);
+        Ok(true)
+    }
+}
+
+impl Store for EtcdStore {
+    fn register(&self, reg: Registration) -> BoxFuture<'_, Result<Arc<Instance>, RegistryError>> {
+        self.do_register(reg).boxed()
+    }
+
+    fn heartbeat<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, RegistryError>> {
+        self.do_heartbeat(id).boxed()
+    }
+
+    fn set_lifecycle<'a>(
+        &'a self,
+        id: &'a str,
+        state: Lifecycle,
+    ) -> BoxFuture<'a, Result<bool, RegistryError>> {
+        self.do_set_lifecycle(id, state).boxed()
+    }
+
+    fn remove<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, RegistryError>> {
+        self.do_remove(id).boxed()
+    }
+
+    fn spawn(&self, tasks: &mut JoinSet<()>, shutdown: CancellationToken) {
+        let watcher = watch::Watcher {
+            client: self.client.clone(),
+            keys: self.keys.clone(),
+            timeout: self.timeout,
+            view: self.view.clone(),
+            connectivity: self.connectivity.clone(),
+        };
+        tasks.spawn(watcher.run(shutdown.clone()));
+        // Instances this replica marked dead on its own come back if their lease
+        // outlives the mark (heartbeats kept arriving, at this or another replica).
+        let view = self.view.clone();
+        let after = self.ttl + Duration::from_secs(2);
+        let period = (self.ttl / 4).max(Duration::from_millis(100));
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tick.tick() => view.revive(after),
+                }
+            }
+        });
+    }
+
+    fn status(&self) -> StoreStatus {
+        self.connectivity.status(true)
+    }
+}

@@ -1,0 +1,86 @@
+//! What an instance's key under the etcd prefix holds, as JSON.
+
+use super::super::{Instance, Lifecycle, Registration, Role};
+use serde::{Deserialize, Serialize};
+
+/// The stored state. `removed` is written just before a deliberate removal so
+/// that every replica can tell it from a lease expiry (which means death).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum State {
+    Ready,
+    Draining,
+    Migrating,
+    Removed,
+}
+
+impl State {
+    pub fn lifecycle(self) -> Option<Lifecycle> {
+        match self {
+            State::Ready => Some(Lifecycle::Ready),
+            State::Draining => Some(Lifecycle::Draining),
+            State::Migrating => Some(Lifecycle::Migrating),
+            State::Removed => None,
+        }
+    }
+
+    /// The stored form of a lifecycle; `Dead` is never stored (a dead instance's
+    /// key is gone with its lease).
+    pub fn of(lifecycle: Lifecycle) -> Option<State> {
+        match lifecycle {
+            Lifecycle::Ready => Some(State::Ready),
+            Lifecycle::Draining => Some(State::Draining),
+            Lifecycle::Migrating => Some(State::Migrating),
+            Lifecycle::Dead => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    pub id: String,
+    pub role: Role,
+    pub url: String,
+    pub model: String,
+    #[serde(default)]
+    pub ctrl: Option<String>,
+    pub state: State,
+}
+
+impl Record {
+    pub fn new(id: String, reg: &Registration, state: State) -> Self {
+        Self {
+            id,
+            role: reg.role,
+            url: reg.url.trim_end_matches('/').to_string(),
+            model: reg.model.clone(),
+            ctrl: reg.ctrl.clone(),
+            state,
+        }
+    }
+
+    pub fn of_instance(instance: &Instance, state: State) -> Self {
+        Self {
+            id: instance.id.clone(),
+            role: instance.role,
+            url: instance.url.clone(),
+            model: instance.model.clone(),
+            ctrl: instance.ctrl.clone(),
+            state,
+        }
+    }
+
+    pub fn registration(&self) -> Registration {
+        Registration {
+            role: self.role,
+            url: self.url.clone(),
+            model: self.model.clone(),
+            ctrl: self.ctrl.clone(),
+            id: Some(self.id.clone()),
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
