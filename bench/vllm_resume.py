@@ -137,6 +137,12 @@ class Bench:
                 return
         raise RuntimeError(f"no in-flight request with a hold in {entries}")
 
+    def takeover_s(self) -> float:
+        """Sum of the router's resume latencies: failure detected -> first token
+        of the decoder that took over."""
+        text = httpx.get(f"{self.router.url}/metrics", timeout=5).text
+        return harness.sum_metric(text, "connex_resume_latency_seconds_sum")
+
     def trial(self, ids: list[int], mode: str | None) -> tuple[list[int], float]:
         """One stream; with a mode, its decoder is killed at KILL_AT. Returns the
         tokens and the largest gap between two chunks after the kill (seconds)."""
@@ -200,6 +206,7 @@ def main() -> int:
     harness.model_dir()
     bench = Bench()
     gaps: dict[tuple[int, str], list[float]] = {}
+    takeovers: dict[tuple[int, str], list[float]] = {}
     try:
         for size in sizes:
             ids = prompt_ids(size, size)
@@ -208,12 +215,17 @@ def main() -> int:
             for _ in range(args.rounds):
                 for mode in ("resume", "reprefill"):
                     bench.wait_two_decoders()
+                    before = bench.takeover_s()
                     got, gap = bench.trial(ids, mode)
+                    takeover = bench.takeover_s() - before
                     if got != want:
                         raise RuntimeError(f"{mode} at {size} tokens changed the output")
                     gaps.setdefault((size, mode), []).append(gap)
+                    takeovers.setdefault((size, mode), []).append(takeover)
                     print(
-                        f"  {size:>5} tokens  {mode:<9} gap {gap * 1000:8.1f} ms", file=sys.stderr
+                        f"  {size:>5} tokens  {mode:<9} gap {gap * 1000:8.1f} ms"
+                        f"  (router: failure seen -> next token {takeover * 1000:7.1f} ms)",
+                        file=sys.stderr,
                     )
     finally:
         bench.stop()
@@ -225,9 +237,11 @@ def main() -> int:
     for size in sizes:
         resume = statistics.median(gaps[(size, "resume")])
         reprefill = statistics.median(gaps[(size, "reprefill")])
+        took = [statistics.median(takeovers[(size, m)]) * 1000 for m in ("resume", "reprefill")]
         print(
             f"  prompt {size:>5}: resume {resume * 1000:8.1f} ms   "
-            f"reprefill {reprefill * 1000:8.1f} ms   ratio {reprefill / resume:6.2f}"
+            f"reprefill {reprefill * 1000:8.1f} ms   ratio {reprefill / resume:6.2f}   "
+            f"(router takeover {took[0]:.0f} / {took[1]:.0f} ms)"
         )
     largest = max(sizes)
     ratio = statistics.median(gaps[(largest, "reprefill")]) / statistics.median(
