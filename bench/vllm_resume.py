@@ -212,8 +212,11 @@ def main() -> int:
             ids = prompt_ids(size, size)
             bench.wait_two_decoders()
             want, _ = bench.trial(ids, None)
-            for _ in range(args.rounds):
-                for mode in ("resume", "reprefill"):
+            for round_ in range(args.rounds):
+                # Alternate which mode goes first, so that neither always kills the
+                # longer-lived decoder.
+                order = ("resume", "reprefill")
+                for mode in order if (round_ + sizes.index(size)) % 2 == 0 else order[::-1]:
                     bench.wait_two_decoders()
                     before = bench.takeover_s()
                     got, gap = bench.trial(ids, mode)
@@ -247,6 +250,8 @@ def main() -> int:
     ratio = statistics.median(gaps[(largest, "reprefill")]) / statistics.median(
         gaps[(largest, "resume")]
     )
+    took = {m: statistics.median(takeovers[(largest, m)]) for m in ("resume", "reprefill")}
+    print(f"vllm_resume_takeover_ratio={took['reprefill'] / took['resume']:.3f}")
     print(f"vllm_resume_gap_ratio={ratio:.3f}")
     return 0
 
