@@ -104,6 +104,19 @@ pub struct RouterConfig {
     /// Most times one request moves to another decoder; then it fails with an error.
     #[arg(long, env = "CONNEX_MAX_RESUMES", default_value_t = 3)]
     pub max_resumes: u32,
+    /// What a resume does when the prefill's hold is gone: prefill prompt +
+    /// generated tokens again on a healthy prefill instance, or fail the request.
+    #[arg(
+        long,
+        env = "CONNEX_ON_HOLD_LOST",
+        value_enum,
+        default_value = "reprefill"
+    )]
+    pub on_hold_lost: OnHoldLost,
+    /// Time limit of each call to a holder's control listener (hold check,
+    /// release, renew), in milliseconds.
+    #[arg(long, env = "CONNEX_CTRL_TIMEOUT_MS", default_value_t = 1000)]
+    pub ctrl_timeout_ms: u64,
     /// How long a resume waits for a decoder to become eligible when none is.
     #[arg(long, env = "CONNEX_RESUME_WAIT_MS", default_value_t = 2000)]
     pub resume_wait_ms: u64,
@@ -113,6 +126,14 @@ impl RouterConfig {
     pub fn heartbeat_ttl(&self) -> Duration {
         Duration::from_secs(self.heartbeat_ttl_s)
     }
+}
+
+/// `--on-hold-lost`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum OnHoldLost {
+    Reprefill,
+    Fail,
 }
 
 /// Errors loading the configuration file.

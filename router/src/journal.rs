@@ -5,6 +5,7 @@
 //! and is what `GET /admin/requests` shows. An entry lives as long as its
 //! [`JournalHandle`], which the request flow owns.
 
+use crate::holds::Hold;
 use dashmap::DashMap;
 use serde::Serialize;
 use serde_json::Value;
@@ -26,6 +27,11 @@ pub struct Entry {
     pub resumes: u32,
     pub causes: Vec<&'static str>,
     pub kv_transfer_params: Option<Value>,
+    /// The resume epoch of the latest attempt.
+    pub epoch: u64,
+    /// The hold named by `kv_transfer_params`, and when it was last renewed.
+    #[serde(skip)]
+    pub hold: Option<(Hold, Instant)>,
     pub prompt_token_ids: Vec<u32>,
     pub generated_token_ids: Vec<u32>,
     pub text: String,
@@ -37,7 +43,9 @@ pub struct Entry {
 /// All requests in flight.
 #[derive(Debug, Default)]
 pub struct Journal {
-    entries: DashMap<String, Arc<Mutex<Entry>>>,
+    /// Keyed by a sequence number: clients may reuse an `X-Request-Id`.
+    entries: DashMap<u64, Arc<Mutex<Entry>>>,
+    next_key: std::sync::atomic::AtomicU64,
 }
 
 impl Journal {
@@ -61,16 +69,21 @@ impl Journal {
             resumes: 0,
             causes: Vec::new(),
             kv_transfer_params: None,
+            epoch: 0,
+            hold: None,
             prompt_token_ids: Vec::new(),
             generated_token_ids: Vec::new(),
             text: String::new(),
             finish_reason: None,
             started: Some(Instant::now()),
         }));
-        self.entries.insert(request_id.to_string(), entry.clone());
+        let key = self
+            .next_key
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.entries.insert(key, entry.clone());
         JournalHandle {
             journal: self.clone(),
-            id: request_id.to_string(),
+            key,
             entry,
         }
     }
@@ -104,6 +117,23 @@ impl Journal {
         out
     }
 
+    /// The holds of running requests that are due for renewal (half their lease
+    /// since the last renewal), with the epoch to renew at; marks them renewed.
+    pub fn holds_to_renew(&self, now: Instant) -> Vec<(Hold, u32)> {
+        let mut due = Vec::new();
+        for entry in self.entries.iter() {
+            let mut entry = entry.value().lock().unwrap_or_else(|p| p.into_inner());
+            let epoch = u32::try_from(entry.epoch).unwrap_or(u32::MAX);
+            if let Some((hold, renewed)) = &mut entry.hold {
+                if now.duration_since(*renewed) >= hold.lease / 2 {
+                    *renewed = now;
+                    due.push((hold.clone(), epoch));
+                }
+            }
+        }
+        due
+    }
+
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -117,11 +147,20 @@ impl Journal {
 #[derive(Debug)]
 pub struct JournalHandle {
     journal: Arc<Journal>,
-    id: String,
+    key: u64,
     entry: Arc<Mutex<Entry>>,
 }
 
 impl JournalHandle {
+    /// Records the hold the request now uses.
+    pub fn set_hold(&self, kv_transfer_params: &Value) {
+        let hold = Hold::from_params(kv_transfer_params).map(|h| (h, Instant::now()));
+        self.update(|e| {
+            e.kv_transfer_params = Some(kv_transfer_params.clone());
+            e.hold = hold;
+        });
+    }
+
     /// Changes the entry.
     pub fn update<R>(&self, change: impl FnOnce(&mut Entry) -> R) -> R {
         change(&mut self.entry.lock().unwrap_or_else(|p| p.into_inner()))
@@ -130,6 +169,6 @@ impl JournalHandle {
 
 impl Drop for JournalHandle {
     fn drop(&mut self) {
-        self.journal.entries.remove(&self.id);
+        self.journal.entries.remove(&self.key);
     }
 }

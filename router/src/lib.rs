@@ -5,6 +5,7 @@ pub mod api;
 pub mod config;
 pub mod demo;
 pub mod error;
+pub mod holds;
 pub mod journal;
 pub mod metrics;
 pub mod pd;
@@ -58,7 +59,8 @@ impl Router {
             source,
         })?;
         let registry = registry::Registry::open(&config).await?;
-        let state = Arc::new(AppState::new(config, registry)?);
+        let (state, releases) = AppState::new(config, registry)?;
+        let state = Arc::new(state);
         let shutdown = CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
         let app = api::routes(state.clone());
@@ -72,6 +74,12 @@ impl Router {
             }
         });
         state.registry.spawn(&mut tasks, shutdown.clone());
+        state.holds.spawn_keeper(
+            releases,
+            state.journal.clone(),
+            &mut tasks,
+            shutdown.clone(),
+        );
         tracing::info!(%addr, "connex-router listening");
         Ok(Self {
             addr,

@@ -16,6 +16,9 @@ pub const PREFILL_RETRIES: &str = "connex_prefill_retries_total";
 pub const RESUMES: &str = "connex_resumes_total";
 pub const RESUME_LATENCY: &str = "connex_resume_latency_seconds";
 pub const FAILED_AFTER_RESUME: &str = "connex_requests_failed_after_resume_total";
+pub const REPREFILLS: &str = "connex_reprefills_total";
+pub const HOLDS_RELEASED: &str = "connex_holds_released_total";
+pub const HOLDS_RENEWED: &str = "connex_holds_renewed_total";
 
 /// Every metric name, for the test that checks they are all emitted.
 pub const ALL: &[&str] = &[
@@ -30,6 +33,9 @@ pub const ALL: &[&str] = &[
     RESUMES,
     RESUME_LATENCY,
     FAILED_AFTER_RESUME,
+    REPREFILLS,
+    HOLDS_RELEASED,
+    HOLDS_RENEWED,
 ];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -98,4 +104,20 @@ pub fn resume_latency(latency: Duration) {
 /// A request that failed although resumes were tried.
 pub fn failed_after_resume() {
     counter!(FAILED_AFTER_RESUME).increment(1);
+}
+
+/// A resume found its hold gone and prefilled prompt + generated again.
+pub fn reprefill() {
+    counter!(REPREFILLS).increment(1);
+}
+
+/// The router's backstop release of a hold: `released`, `gone` (already freed,
+/// by the decoder or its lease) or `failed`.
+pub fn hold_released(outcome: &'static str) {
+    counter!(HOLDS_RELEASED, "outcome" => outcome).increment(1);
+}
+
+/// A renewal of the hold of a long request: `renewed`, `gone` or `failed`.
+pub fn hold_renewed(outcome: &'static str) {
+    counter!(HOLDS_RENEWED, "outcome" => outcome).increment(1);
 }

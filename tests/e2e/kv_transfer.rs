@@ -14,17 +14,6 @@ use std::time::{Duration, Instant};
 
 const PROMPT: &str = "The quick brown fox jumps over the lazy dog";
 
-async fn engine_stats(engine: &Proc) -> Value {
-    client()
-        .get(format!("{}/mock/stats", engine.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 /// Polls the engine's hold counters until `check` holds (or fails after 5 s).
 async fn wait_holds(engine: &Proc, what: &str, check: impl Fn(&Value) -> bool) -> Value {
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -204,4 +193,53 @@ async fn hold_release_modes_and_budget_are_honoured() {
     assert_eq!(holds["holds"], 2, "{holds}");
     let (status, body) = decode_with(&decode, PROMPT, &first).await;
     assert_eq!(status, 503, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumed_decoder_pulls_the_same_hold_with_the_next_epoch() {
+    let router = router(&["--decode-policy", "round_robin"]);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    // Round-robin over sorted ids sends the first request to d0, which dies at token 3.
+    let _d0 = engine(
+        Some(&router),
+        "decode",
+        &[
+            "--id",
+            "d0",
+            "--crash-after-tokens",
+            "3",
+            "--decode-us-per-token",
+            "1000",
+        ],
+    );
+    let d1 = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 3).await;
+    let prompt = model::tokenize(PROMPT);
+
+    let chunks = stream(
+        &router,
+        "/v1/completions",
+        &json!({"model":"mock","prompt":PROMPT,"max_tokens":10,"stream":true,"return_token_ids":true}),
+    )
+    .await;
+    assert_eq!(streamed_token_ids(&chunks), model::generate(&prompt, 10));
+
+    let resumed = engine_requests(&d1).await;
+    assert_eq!(resumed.len(), 1, "{resumed:?}");
+    let r = &resumed[0];
+    let kv = &r["body"]["kv_transfer_params"];
+    // The same hold, the next epoch: the prompt KV pulled and checked, only the
+    // 3 generated tokens computed locally, no second prefill.
+    assert_eq!(kv["resume_epoch"], 1, "{r}");
+    assert_eq!(r["pulled_bytes"], prompt.len() * 64, "{r}");
+    assert_eq!(r["computed_prompt_tokens"], 3, "{r}");
+    assert_eq!(engine_requests(&prefill).await.len(), 1);
+    // One prefill, one hold, pulled twice (d0 at epoch 0, d1 at epoch 1) and
+    // released once, by d1 when it finished.
+    let holds = wait_holds(&prefill, "released after the resume", |h| h["holds"] == 0).await;
+    assert_eq!(
+        (holds["pulls"].clone(), holds["releases"].clone()),
+        (json!(2), json!(1)),
+        "{holds}"
+    );
 }

@@ -381,6 +381,7 @@ async fn resume_case(fault: Fault, k: usize, shape: Shape) {
         journal(&cluster.router, false).await.is_empty(),
         "{context}"
     );
+    assert_no_holds_left(&cluster._prefill).await;
 }
 
 async fn resume_cases(fault: Fault, ks: &[usize]) {
@@ -575,4 +576,318 @@ async fn uncarried_state_fails_over_only_before_the_first_token() {
     let records = engine_requests(&cluster_early.healthy).await;
     assert_eq!(records[0]["path"], "/v1/completions");
     assert_eq!(records[0]["body"]["logprobs"], 1);
+}
+
+/// The prefill engine's hold counters.
+async fn holder_stats(prefill: &Proc) -> Value {
+    engine_stats(prefill).await["holds"].clone()
+}
+
+/// Waits until the prefill holds nothing (releases go out after the response).
+async fn assert_no_holds_left(prefill: &Proc) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let holds = holder_stats(prefill).await;
+        if holds["holds"] == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "holds left: {holds}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A cluster whose prefill frees each hold on its first pull, so that every
+/// resume finds the hold gone.
+async fn cluster_losing_holds(router_flags: &[&str]) -> (Proc, Proc, Proc, Proc) {
+    let mut flags = vec!["--decode-policy", "round_robin"];
+    flags.extend_from_slice(router_flags);
+    let router = router(&flags);
+    let prefill = engine(Some(&router), "prefill", &["--hold-release", "after_pull"]);
+    let faulty = engine(
+        Some(&router),
+        "decode",
+        &[
+            "--id",
+            "d0",
+            "--crash-after-tokens",
+            "5",
+            "--decode-us-per-token",
+            PACE_US,
+        ],
+    );
+    let healthy = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 3).await;
+    (router, prefill, faulty, healthy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_hold_is_prefilled_again_with_the_generated_tokens() {
+    for shape in [SHAPES[0], SHAPES[3]] {
+        let (router, prefill, _faulty, healthy) = cluster_losing_holds(&[]).await;
+        let outcome = request(&router, shape, json!({})).await;
+        assert_uninterrupted(&outcome, shape, "re-prefill");
+        // Prefill ran twice: the prompt, then prompt + the 5 tokens generated.
+        let expected = model::generate(&shape.prompt_ids(), MAX_TOKENS);
+        let prefills = engine_requests(&prefill).await;
+        assert_eq!(prefills.len(), 2, "{prefills:?}");
+        let mut context = shape.prompt_ids();
+        context.extend_from_slice(&expected[..5]);
+        assert_eq!(prefills[1]["path"], "/v1/completions");
+        assert_eq!(ids(&prefills[1]["body"]["prompt"]), context);
+        assert_eq!(prefills[1]["body"]["max_tokens"], 1);
+        // The decoder continued from the new hold: it computed nothing itself.
+        let resumed = &engine_requests(&healthy).await[0];
+        assert_ne!(
+            resumed["body"]["kv_transfer_params"]["transfer_id"],
+            prefills[0]["body"]["kv_transfer_params"]["transfer_id"]
+        );
+        assert_eq!(
+            resumed["body"]["kv_transfer_params"]["remote_num_tokens"],
+            context.len()
+        );
+        assert_eq!(resumed["computed_prompt_tokens"], 0);
+        let text = metrics_text(&router).await;
+        assert_eq!(metric(&text, "connex_reprefills_total", &[]), 1.0, "{text}");
+        assert_eq!(metric(&text, "connex_resumes_total", &[]), 1.0, "{text}");
+        assert_no_holds_left(&prefill).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_hold_with_the_fail_policy_ends_with_an_error() {
+    for shape in [SHAPES[0], SHAPES[1]] {
+        let (router, prefill, _faulty, _healthy) =
+            cluster_losing_holds(&["--on-hold-lost", "fail"]).await;
+        let outcome = request(&router, shape, json!({})).await;
+        let error = outcome.error.expect("an error");
+        let message = if shape.stream {
+            error["error"]["message"].clone()
+        } else {
+            assert_eq!(error["status"], 503);
+            error["body"]["error"]["message"].clone()
+        };
+        assert!(
+            message.as_str().unwrap().contains("--on-hold-lost fail"),
+            "{message}"
+        );
+        assert_eq!(
+            engine_requests(&prefill).await.len(),
+            1,
+            "no second prefill"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_prefill_instance_is_replaced_by_a_prefill_elsewhere() {
+    let router = router(&[
+        "--decode-policy",
+        "round_robin",
+        "--prefill-policy",
+        "round_robin",
+    ]);
+    let mut p0 = engine(Some(&router), "prefill", &["--id", "p0"]);
+    let p1 = engine(Some(&router), "prefill", &["--id", "p1"]);
+    let faulty = engine(
+        Some(&router),
+        "decode",
+        &["--id", "d0", "--stall-after-tokens", "6"],
+    );
+    let _healthy = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 4).await;
+    let cluster = Cluster {
+        router,
+        _prefill: p1,
+        faulty,
+        healthy: _healthy,
+    };
+    let shape = SHAPES[0];
+    let (outcome, ()) = tokio::join!(request(&cluster.router, shape, json!({})), async {
+        // d0 stalls at token 6; the prefill that holds the KV (p0) dies; then
+        // the operator migrates d0's streams away.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !engine_requests(&cluster.faulty)
+            .await
+            .iter()
+            .any(|r| r["tokens_emitted"] == 6)
+        {
+            assert!(Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        p0.kill();
+        client()
+            .post(format!(
+                "{}/admin/instances/d0/drain?migrate=true",
+                cluster.router.url
+            ))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap();
+    });
+    assert_uninterrupted(&outcome, shape, "prefill died");
+    let on_p1 = engine_requests(&cluster._prefill).await;
+    assert_eq!(on_p1.len(), 1, "p1 prefilled the context again: {on_p1:?}");
+    assert_no_holds_left(&cluster._prefill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_releases_the_hold_and_aborts_the_decoder() {
+    let router = router(&[]);
+    // A prefill that never frees a hold by itself within the test.
+    let prefill = engine(Some(&router), "prefill", &["--retain-s", "600"]);
+    let decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
+    wait_ready(&router, 2).await;
+    let mut response = client()
+        .post(format!("{}/v1/completions", router.url))
+        .json(&json!({"model":"mock","prompt":PROMPT,"max_tokens":200,"stream":true}))
+        .send()
+        .await
+        .unwrap();
+    assert!(response.chunk().await.unwrap().is_some());
+    assert_eq!(holder_stats(&prefill).await["holds"], 1);
+    drop(response);
+    assert_no_holds_left(&prefill).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while engine_requests(&decode).await[0]["outcome"] != "aborted" {
+        assert!(Instant::now() < deadline, "decoder kept generating");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let text = metrics_text(&router).await;
+    assert_eq!(
+        metric(
+            &text,
+            "connex_holds_released_total",
+            &["outcome=\"released\""]
+        ),
+        1.0,
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_request_keeps_its_hold_alive_for_a_late_resume() {
+    // Leases of 1 s; the decode takes ~2.5 s before d0 dies at token 40. The
+    // router renews the hold, so the resume pulls it: no second prefill.
+    let router = router(&["--decode-policy", "round_robin"]);
+    let prefill = engine(Some(&router), "prefill", &["--retain-s", "1"]);
+    let _d0 = engine(
+        Some(&router),
+        "decode",
+        &[
+            "--id",
+            "d0",
+            "--crash-after-tokens",
+            "40",
+            "--decode-us-per-token",
+            "60000",
+        ],
+    );
+    let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 3).await;
+    let body = json!({"model":"mock","prompt":PROMPT,"max_tokens":48,"stream":true,"return_token_ids":true});
+    let chunks = stream(&router, "/v1/completions", &body).await;
+    assert_eq!(
+        streamed_token_ids(&chunks),
+        model::generate(&model::tokenize(PROMPT), 48)
+    );
+    let text = metrics_text(&router).await;
+    assert_eq!(metric(&text, "connex_resumes_total", &[]), 1.0, "{text}");
+    assert_eq!(metric(&text, "connex_reprefills_total", &[]), 0.0, "{text}");
+    assert!(
+        metric(
+            &text,
+            "connex_holds_renewed_total",
+            &["outcome=\"renewed\""]
+        ) >= 2.0,
+        "{text}"
+    );
+    assert_eq!(engine_requests(&prefill).await.len(), 1);
+    assert_eq!(holder_stats(&prefill).await["expiries"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_every_stream_completes_while_decoders_die_and_return() {
+    use rand::{Rng, SeedableRng};
+    const STREAMS: usize = 32;
+    const TOKENS: usize = 200;
+    let router = router(&[
+        "--decode-policy",
+        "least_loaded",
+        "--heartbeat-ttl-s",
+        "1",
+        "--max-resumes",
+        "10",
+        "--resume-wait-ms",
+        "5000",
+    ]);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let decoder_flags = |id: &'static str| vec!["--id", id, "--decode-us-per-token", "5000"];
+    let ids = ["d0", "d1", "d2"];
+    let mut decoders: Vec<Proc> = ids
+        .iter()
+        .map(|id| engine(Some(&router), "decode", &decoder_flags(id)))
+        .collect();
+    wait_ready(&router, 4).await;
+
+    let streams: Vec<_> = (0..STREAMS)
+        .map(|i| {
+            let url = router.url.clone();
+            tokio::spawn(async move {
+                let prompt = format!("chaos stream {i}");
+                let body = json!({"model":"mock","prompt":prompt,"max_tokens":TOKENS,
+                    "stream":true,"return_token_ids":true});
+                let response = reqwest::Client::builder()
+                    .timeout(Duration::from_secs(90))
+                    .build()
+                    .unwrap()
+                    .post(format!("{url}/v1/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                let text = response.text().await.unwrap();
+                let chunks: Vec<Value> = connex_router::sse::SseParser::default()
+                    .push(text.as_bytes())
+                    .iter()
+                    .map(|d| serde_json::from_slice(d).unwrap_or(json!("[DONE]")))
+                    .collect();
+                (prompt, chunks)
+            })
+        })
+        .collect();
+
+    // Kill a random decoder every 250 ms and restart it 150 ms later, until the
+    // streams are done (bounded: at most 40 kills).
+    let mut rng = rand::rngs::StdRng::seed_from_u64(20261203);
+    let mut kills = 0;
+    while streams.iter().any(|s| !s.is_finished()) && kills < 40 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let victim = rng.random_range(0..decoders.len());
+        decoders[victim].kill();
+        kills += 1;
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        decoders[victim] = engine(Some(&router), "decode", &decoder_flags(ids[victim]));
+    }
+    assert!(kills >= 3, "the streams ended before the chaos began");
+    for stream in streams {
+        let (prompt, chunks) = stream.await.unwrap();
+        assert!(
+            chunks.iter().all(|c| c.get("error").is_none()),
+            "{prompt}: {chunks:?}"
+        );
+        assert_eq!(chunks.last(), Some(&json!("[DONE]")));
+        assert_eq!(
+            streamed_token_ids(&chunks),
+            model::generate(&model::tokenize(&prompt), TOKENS),
+            "{prompt}"
+        );
+    }
+    let text = metrics_text(&router).await;
+    assert!(metric(&text, "connex_resumes_total", &[]) >= 3.0, "{text}");
+    assert_eq!(
+        metric(&text, "connex_requests_failed_after_resume_total", &[]),
+        0.0
+    );
+    assert_no_holds_left(&prefill).await;
 }

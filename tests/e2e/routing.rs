@@ -168,14 +168,7 @@ async fn prefill_then_decode_follow_the_vllm_protocol() {
     let kv = &d["body"]["kv_transfer_params"];
     assert_eq!(kv["do_remote_prefill"], true);
     assert_eq!(kv["remote_num_tokens"], model::tokenize(PROMPT).len());
-    let stats: Value = client()
-        .get(format!("{}/mock/stats", prefill.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stats = engine_stats(&prefill).await;
     assert_eq!(kv["remote_engine_id"], stats["engine_id"]);
     // The decoder reused the prefill's KV: no prompt token computed again.
     assert_eq!(d["computed_prompt_tokens"], 0);
@@ -491,6 +484,12 @@ async fn bad_input_gets_an_openai_error_with_the_right_status() {
             400,
         ),
         (
+            "prompt token ids not integers",
+            "/v1/completions",
+            json!({"model":"mock","prompt":[1, 2.5, -3]}),
+            400,
+        ),
+        (
             "messages not a list",
             "/v1/chat/completions",
             json!({"model":"mock","messages":"hi"}),
@@ -759,4 +758,45 @@ fn demo_serves_every_request_through_prefill_and_both_decoders() {
         "{stdout}"
     );
     assert!(stdout.contains("gap at the failure"), "{stdout}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_choices_each_get_their_tokens_and_usage_counts_all() {
+    let (router, _prefill, _decode) = cluster(&[]).await;
+    let expected = model::generate(&model::tokenize(PROMPT), 5);
+    let (status, reply) = post(
+        &router,
+        "/v1/completions",
+        &json!({"model":"mock","prompt":PROMPT,"max_tokens":5,"n":3,"return_token_ids":true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{reply}");
+    let choices = reply["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (index, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], index);
+        assert_eq!(ids(&choice["token_ids"]), expected);
+    }
+    assert_eq!(reply["usage"]["completion_tokens"], 15);
+
+    let chunks = stream(
+        &router,
+        "/v1/completions",
+        &json!({"model":"mock","prompt":PROMPT,"max_tokens":5,"n":2,"stream":true,
+                "stream_options":{"include_usage":true}}),
+    )
+    .await;
+    assert_eq!(chunks.last(), Some(&json!("[DONE]")));
+    for index in 0..2 {
+        let text: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"].as_array())
+            .flatten()
+            .filter(|c| c["index"] == index)
+            .filter_map(|c| c["text"].as_str())
+            .collect();
+        assert_eq!(text, model::detokenize(&expected), "choice {index}");
+    }
+    let usage = chunks.iter().find(|c| c["usage"].is_object()).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 10);
 }

@@ -38,13 +38,11 @@ MUTATING = r"^/(v1/instances|admin/instances)"
 
 def deployment_spec(tmp_path: Path) -> Path:
     """The spec as this test's deployment configures it: `max_tokens` at most the
-    router's --max-tokens-limit (so that generation stays short), and `n` 1,
-    because the mock engine generates one choice (vLLM generates n)."""
+    router's --max-tokens-limit (so that generation stays short)."""
     spec = yaml.safe_load(SPEC.read_text())
     fields = spec["components"]["schemas"]["GenerationFields"]["properties"]
     fields["max_tokens"]["maximum"] = MAX_TOKENS
     fields["max_completion_tokens"]["maximum"] = MAX_TOKENS
-    fields["n"]["maximum"] = 1
     path = tmp_path / "openapi.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path

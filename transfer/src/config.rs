@@ -99,7 +99,10 @@ impl FromStr for ReleaseMode {
 #[derive(Debug, Clone, Default)]
 pub struct Faults {
     /// Stop serving block bytes after this many (the connection stays open):
-    /// lets a test kill the holder while a reader is provably mid-pull.
+    /// lets a test kill the holder while a reader is provably mid-pull. The
+    /// TCP backend counts the bytes it wrote; a one-sided backend cannot count
+    /// reads, so with any value set it stops progressing its transport as soon
+    /// as a pull starts.
     pub stall_after_bytes: Option<u64>,
 }
 

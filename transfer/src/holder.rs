@@ -2,14 +2,13 @@
 //! table, the control listener and the expiry sweeper; `stop` (or drop) ends
 //! every task it started.
 
-use crate::backend;
+use crate::backend::{self, Role};
 use crate::config::{BackendKind, HolderConfig};
 use crate::error::Result;
 use crate::hold::HoldTable;
 use crate::region::{BlockRef, Region, RegionId, RegionTable};
 use crate::server::{self, Shared};
 use crate::stats::{HoldInfo, HolderStats};
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
@@ -38,14 +37,18 @@ impl std::fmt::Debug for Holder {
 impl Holder {
     /// Binds the control listener and starts serving.
     pub async fn start(config: HolderConfig) -> Result<Self> {
-        let backend = backend::create(config.backend)?;
+        let backend = backend::create(
+            config.backend,
+            Role::Holder {
+                faults: &config.faults,
+            },
+        )?;
         let listener = TcpListener::bind(config.listen).await?;
         let ctrl_addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             holds: HoldTable::new(config.retain, config.release, config.budget_bytes),
             regions: RegionTable::default(),
             backend,
-            keys: Mutex::new(HashMap::new()),
             io_timeout: config.io_timeout,
             faults: config.faults.clone(),
             streamed: AtomicU64::new(0),
@@ -75,14 +78,10 @@ impl Holder {
     pub fn register_region(&self, region: Region) -> Result<RegionId> {
         let entry = self.shared.regions.register(region);
         match self.shared.backend.expose(&entry) {
-            Ok(Some(key)) => {
-                self.shared
-                    .keys
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(entry.id, key);
+            Ok(exposure) => {
+                entry.keep_alive(exposure.keepalive);
+                entry.set_remote_key(exposure.key);
             }
-            Ok(None) => {}
             Err(err) => {
                 self.shared.regions.unregister(entry.id);
                 return Err(err);

@@ -38,16 +38,23 @@ pub use stats::{HoldInfo, HolderStats, PullStats};
 /// seeded by `seed`. Holder and reader processes compute the same bytes
 /// without exchanging them, so a pull can be checked byte for byte.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len + 8);
+    let mut out = Vec::with_capacity(len);
+    extend_pattern(&mut out, seed, len);
+    out
+}
+
+/// Appends [`pattern`]`(seed, len)` to `out` (no allocation of its own).
+pub fn extend_pattern(out: &mut Vec<u8>, seed: u64, len: usize) {
+    let end = out.len() + len;
     let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
-    while out.len() < len {
+    while out.len() < end {
         // splitmix64
         state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = state;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+        let word = (z ^ (z >> 31)).to_le_bytes();
+        let take = (end - out.len()).min(8);
+        out.extend_from_slice(&word[..take]);
     }
-    out.truncate(len);
-    out
 }

@@ -3,7 +3,7 @@
 //! blocks match, let the backend move the bytes, then report the pull done
 //! (which a newer epoch or a release meanwhile turns into an error).
 
-use crate::backend::{self, Backend, Fetch};
+use crate::backend::{self, Backend, Fetch, Role};
 use crate::client::{ClientConfig, CtrlClient};
 use crate::config::BackendKind;
 use crate::error::{Result, TransferError};
@@ -56,7 +56,7 @@ impl Reader {
 
     pub fn with_config(config: ReaderConfig) -> Result<Self> {
         Ok(Self {
-            backend: backend::create(config.backend)?,
+            backend: backend::create(config.backend, Role::Reader)?,
             regions: RegionTable::default(),
             ctrl: CtrlClient::with_config(config.client),
             max_streams: config.max_streams,
@@ -74,7 +74,17 @@ impl Reader {
 
     /// Registers destination memory.
     pub fn register_region(&self, region: Region) -> Result<RegionId> {
-        Ok(self.regions.register(region).id)
+        let entry = self.regions.register(region);
+        match self.backend.register_local(&entry) {
+            Ok(exposure) => {
+                entry.keep_alive(exposure.keepalive);
+                Ok(entry.id)
+            }
+            Err(err) => {
+                self.regions.unregister(entry.id);
+                Err(err)
+            }
+        }
     }
 
     /// Forgets a region (a running pull keeps it until it ends).

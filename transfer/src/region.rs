@@ -127,9 +127,40 @@ pub(crate) struct RegionEntry {
     pub(crate) region: Region,
     /// Claimed ranges, start -> end (disjoint, so a lookup is one range query).
     claims: Mutex<BTreeMap<usize, usize>>,
+    /// Backend state tied to the memory (e.g. a UCX mapping), dropped first.
+    keepalive: Mutex<Option<Box<dyn Send + Sync>>>,
+    /// The key remote readers need for this region (one-sided backends).
+    remote_key: Mutex<Option<Arc<Vec<u8>>>>,
+}
+
+impl Drop for RegionEntry {
+    fn drop(&mut self) {
+        // Undo the backend's hold on the memory before the memory goes.
+        drop(
+            self.keepalive
+                .get_mut()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
+    }
 }
 
 impl RegionEntry {
+    pub(crate) fn keep_alive(&self, value: Option<Box<dyn Send + Sync>>) {
+        *self.keepalive.lock().unwrap_or_else(|e| e.into_inner()) = value;
+    }
+
+    pub(crate) fn set_remote_key(&self, key: Option<Vec<u8>>) {
+        *self.remote_key.lock().unwrap_or_else(|e| e.into_inner()) = key.map(Arc::new);
+    }
+
+    pub(crate) fn remote_key(&self) -> Option<Arc<Vec<u8>>> {
+        self.remote_key
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     fn claims(&self) -> MutexGuard<'_, BTreeMap<usize, usize>> {
         self.claims.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -165,6 +196,11 @@ impl SrcSpan {
 
     pub(crate) fn region_id(&self) -> RegionId {
         self.entry.id
+    }
+
+    /// The remote key of the span's region, if its backend made one.
+    pub(crate) fn remote_key(&self) -> Option<Arc<Vec<u8>>> {
+        self.entry.remote_key()
     }
 
     /// The sub-span `[from, from+len)` of this span.
@@ -216,12 +252,6 @@ impl DestSpan {
         // writer and keeps the region registered-or-alive; `&mut self` makes
         // this slice unique.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-
-    /// Address of the first byte (one-sided backends).
-    #[cfg_attr(not(any(feature = "ucx", feature = "mooncake")), allow(dead_code))]
-    pub(crate) fn addr(&self) -> u64 {
-        self.ptr as u64
     }
 
     /// Extends this span by `next` when `next` starts where it ends and
@@ -280,6 +310,8 @@ impl RegionTable {
             id,
             region,
             claims: Mutex::new(BTreeMap::new()),
+            keepalive: Mutex::new(None),
+            remote_key: Mutex::new(None),
         });
         self.map().insert(id, entry.clone());
         entry
@@ -305,6 +337,7 @@ impl RegionTable {
             .ok_or_else(|| TransferError::InvalidArgument(format!("unknown region {}", id.0)))?;
         match Arc::try_unwrap(entry) {
             Ok(mut entry) if entry.region.owned => {
+                entry.keep_alive(None);
                 let slice = std::ptr::slice_from_raw_parts_mut(entry.region.ptr, entry.region.len);
                 entry.region.owned = false;
                 // SAFETY: the pointer came from `Box::into_raw` of a boxed slice;

@@ -16,7 +16,7 @@ use crate::proto::{Descriptor, ErrorCode, RemoteBlock, Reply, Request, MAX_KEYS}
 use crate::region::{RegionId, RegionTable, SrcSpan};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -33,8 +33,6 @@ pub(crate) struct Shared {
     pub(crate) holds: HoldTable,
     pub(crate) regions: RegionTable,
     pub(crate) backend: Arc<dyn Backend>,
-    /// Remote keys of exposed regions (one-sided backends).
-    pub(crate) keys: Mutex<HashMap<RegionId, Vec<u8>>>,
     pub(crate) io_timeout: Duration,
     pub(crate) faults: Faults,
     /// Block bytes written so far (for the stall fault).
@@ -188,12 +186,12 @@ fn describe(shared: &Shared, id: &str, epoch: u32, backend: u8, now: Instant) ->
         ));
     }
     let (info, spans) = shared.holds.describe(id, epoch, now)?;
-    let all_keys = shared.keys.lock().unwrap_or_else(|e| e.into_inner());
+    shared.backend.pull_started();
     let mut keys: Vec<Vec<u8>> = Vec::new();
     let mut index: HashMap<RegionId, u16> = HashMap::new();
     let mut blocks = Vec::with_capacity(spans.len());
     for span in &spans {
-        let key = match all_keys.get(&span.region_id()) {
+        let key = match span.remote_key() {
             None => 0,
             Some(key) => match index.get(&span.region_id()) {
                 Some(i) => *i,
@@ -204,7 +202,7 @@ fn describe(shared: &Shared, id: &str, epoch: u32, backend: u8, now: Instant) ->
                             format!("hold spans more than {MAX_KEYS} regions"),
                         ));
                     }
-                    keys.push(key.clone());
+                    keys.push(key.to_vec());
                     let i = (keys.len() - 1) as u16;
                     index.insert(span.region_id(), i);
                     i

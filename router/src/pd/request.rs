@@ -141,6 +141,12 @@ fn check_prompt(prompt: Option<&Value>) -> Result<(), ApiError> {
             inner @ Value::Array(_) => check_prompt(Some(inner)),
             _ => Err(invalid()),
         },
+        Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
+            Err(ApiError::bad_request(
+                "prompt token ids must be integers from 0 to 4294967295",
+                Some("prompt"),
+            ))
+        }
         Some(Value::Array(_)) => Err(ApiError::bad_request(
             "batched prompts are not supported: send one request per prompt",
             Some("prompt"),

@@ -14,7 +14,9 @@ use super::output::{Output, Source};
 use super::prefill::Prefilled;
 use super::request::{RequestInfo, Route};
 use super::resume;
+use crate::config::OnHoldLost;
 use crate::error::ApiError;
+use crate::holds::{Hold, HoldState};
 use crate::journal::JournalHandle;
 use crate::registry::Instance;
 use crate::state::AppState;
@@ -31,6 +33,9 @@ pub struct Session {
     state: Arc<AppState>,
     info: RequestInfo,
     body: Value,
+    /// The client's prompt as token ids (from the first prefill).
+    prompt_token_ids: Vec<u32>,
+    /// The hold the next attempt pulls from (replaced by a re-prefill).
     hold: Prefilled,
     journal: JournalHandle,
     output: Output,
@@ -66,8 +71,10 @@ impl Session {
         hold: Prefilled,
         journal: JournalHandle,
     ) -> Result<Self, ApiError> {
+        journal.set_hold(&hold.kv_transfer_params);
         let mut session = Self {
             output: Output::new(&info, hold.prompt_token_ids.clone()),
+            prompt_token_ids: hold.prompt_token_ids.clone(),
             blocker: resume::mid_stream_blocker(info.route, &body),
             epoch: hold
                 .kv_transfer_params
@@ -111,6 +118,7 @@ impl Session {
         loop {
             if let Some(failure) = failure.take() {
                 self.count_resume(failure)?;
+                self.ensure_hold().await?;
             }
             let wait = if self.resumes == 0 {
                 Duration::ZERO
@@ -126,6 +134,8 @@ impl Session {
                 )));
             };
             let (source, path, payload) = self.next_body();
+            let epoch = self.epoch;
+            self.journal.update(|e| e.epoch = epoch);
             match decode::open(
                 &self.state,
                 decoder.clone(),
@@ -188,6 +198,47 @@ impl Session {
         Ok(())
     }
 
+    /// Before a resume relies on the hold: checks that it is still there, and
+    /// when it is not, re-prefills prompt + generated (`--on-hold-lost
+    /// reprefill`) or fails the request (`fail`).
+    async fn ensure_hold(&mut self) -> Result<(), ApiError> {
+        let Some(hold) = Hold::from_params(&self.hold.kv_transfer_params) else {
+            return Ok(());
+        };
+        let HoldState::Lost(reason) = self.state.holds.check(&hold).await else {
+            return Ok(());
+        };
+        tracing::warn!(request_id = %self.info.request_id, %reason, "hold lost");
+        if self.state.config.on_hold_lost == OnHoldLost::Fail {
+            return Err(ApiError::Unavailable(format!(
+                "{reason}; not prefilling again (--on-hold-lost fail)"
+            )));
+        }
+        crate::metrics::reprefill();
+        let generated = &self.output.first().token_ids;
+        let prefilled = if generated.is_empty() {
+            super::prefill::run(&self.state, &self.info, &self.body).await?
+        } else {
+            // The whole context so far becomes the new hold's prompt.
+            let mut info = self.info.clone();
+            info.route = Route::Completions;
+            let body = resume::resume_body(
+                self.info.route,
+                &self.body,
+                &self.prompt_token_ids,
+                generated,
+                &Value::Null,
+            );
+            super::prefill::run(&self.state, &info, &body).await?
+        };
+        self.state.holds.release(hold);
+        self.journal.set_hold(&prefilled.kv_transfer_params);
+        self.journal
+            .update(|e| e.prefill = Some(prefilled.instance.clone()));
+        self.hold = prefilled;
+        Ok(())
+    }
+
     /// The route and body of the next attempt: the client's own before the first
     /// token, the completions continuation after it.
     fn next_body(&self) -> (Source, &'static str, Bytes) {
@@ -200,7 +251,7 @@ impl Session {
             let body = resume::resume_body(
                 self.info.route,
                 &self.body,
-                &self.hold.prompt_token_ids,
+                &self.prompt_token_ids,
                 &first.token_ids,
                 &kv,
             );
@@ -396,6 +447,17 @@ impl Session {
             .headers_mut()
             .insert(RESUMES_HEADER, self.resumes.into());
         Ok(response)
+    }
+}
+
+impl Drop for Session {
+    /// However the request ended (finished, failed, or its client went away),
+    /// its hold is released: the decoder does so on a normal finish, the router
+    /// always, as a backstop.
+    fn drop(&mut self) {
+        if let Some(hold) = Hold::from_params(&self.hold.kv_transfer_params) {
+            self.state.holds.release(hold);
+        }
     }
 }
 

@@ -111,16 +111,7 @@ pub fn client() -> reqwest::Client {
 
 /// The admin instance list.
 pub async fn instances(router: &Proc) -> Vec<Value> {
-    let reply: Value = client()
-        .get(format!("{}/admin/instances", router.url))
-        .bearer_auth(ADMIN_TOKEN)
-        .send()
-        .await
-        .expect("admin instances")
-        .json()
-        .await
-        .expect("json");
-    reply["data"].as_array().cloned().unwrap_or_default()
+    admin_list(router, "/admin/instances").await
 }
 
 /// Waits until `count` instances are registered and ready.
@@ -199,15 +190,36 @@ pub fn streamed_token_ids(chunks: &[Value]) -> Vec<u32> {
 
 /// A mock engine's request records.
 pub async fn engine_requests(engine: &Proc) -> Vec<Value> {
-    let stats: Value = client()
+    engine_stats(engine).await["requests"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// A mock engine's `/mock/stats`: its id, request records and hold counters.
+pub async fn engine_stats(engine: &Proc) -> Value {
+    client()
         .get(format!("{}/mock/stats", engine.url))
         .send()
         .await
         .expect("stats")
         .json()
         .await
+        .expect("json")
+}
+
+/// The `data` list of an admin GET (`/admin/instances`, `/admin/requests`).
+async fn admin_list(router: &Proc, path: &str) -> Vec<Value> {
+    let reply: Value = client()
+        .get(format!("{}{path}", router.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .expect("admin call")
+        .json()
+        .await
         .expect("json");
-    stats["requests"].as_array().cloned().unwrap_or_default()
+    reply["data"].as_array().cloned().unwrap_or_default()
 }
 
 /// Ids as JSON numbers.
@@ -244,16 +256,7 @@ pub fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
 
 /// The router's journal (`GET /admin/requests`).
 pub async fn journal(router: &Proc, verbose: bool) -> Vec<Value> {
-    let reply: Value = client()
-        .get(format!("{}/admin/requests?verbose={verbose}", router.url))
-        .bearer_auth(ADMIN_TOKEN)
-        .send()
-        .await
-        .expect("admin requests")
-        .json()
-        .await
-        .expect("json");
-    reply["data"].as_array().cloned().unwrap_or_default()
+    admin_list(router, &format!("/admin/requests?verbose={verbose}")).await
 }
 
 /// Text of choice 0 across stream chunks (completions `text` or chat `delta.content`).

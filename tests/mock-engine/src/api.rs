@@ -23,11 +23,11 @@ pub struct EngineState {
     pub engine_id: String,
     pub log: RequestLog,
     pub inflight: AtomicU64,
+    /// Prompt KV: held as a prefill, pulled as a decoder (see [`crate::kv`]).
+    pub kv: crate::kv::KvState,
     /// Set by [`crate::MockEngine::crash_now`]: the next token of every decode
     /// stream crashes the engine, as a kill would.
     pub crash_now: std::sync::atomic::AtomicBool,
-    /// Prompt KV: held as a prefill, pulled as a decoder (see [`crate::kv`]).
-    pub kv: crate::kv::KvState,
     crash: CrashAction,
     shutdown: CancellationToken,
 }
@@ -46,8 +46,8 @@ impl EngineState {
             addr,
             log: RequestLog::default(),
             inflight: AtomicU64::new(0),
-            crash_now: std::sync::atomic::AtomicBool::new(false),
             kv,
+            crash_now: std::sync::atomic::AtomicBool::new(false),
             crash,
             shutdown,
         }
@@ -137,6 +137,8 @@ struct Plan {
     model: String,
     prompt_ids: Vec<u32>,
     max_tokens: u32,
+    /// Choices per request (`n`): greedy, so every choice has the same tokens.
+    n: usize,
     include_usage: bool,
     return_token_ids: bool,
     /// Set for a prefill request: the params its response carries.
@@ -302,6 +304,10 @@ fn plan(
             .unwrap_or(0),
         model: state.config.model.clone(),
         max_tokens: if kv_out.is_some() { 1 } else { max_tokens },
+        n: request
+            .get("n")
+            .and_then(Value::as_u64)
+            .map_or(1, |n| n.clamp(1, 128) as usize),
         prompt_ids,
         include_usage: request
             .pointer("/stream_options/include_usage")
@@ -423,7 +429,7 @@ impl Run {
 
     fn usage(&self) -> Value {
         let prompt = self.plan.prompt_ids.len();
-        let completion = self.emitted.len();
+        let completion = self.emitted.len() * self.plan.n;
         json!({"prompt_tokens":prompt,"completion_tokens":completion,"total_tokens":prompt+completion})
     }
 
@@ -504,7 +510,7 @@ impl Run {
                 }
             }
         }
-        chunk["choices"] = json!([choice]);
+        chunk["choices"] = self.choices(choice);
         let mut out = format!("data: {chunk}\n\n");
         if last {
             self.finish();
@@ -537,8 +543,19 @@ impl Run {
                 Kind::Chat => response["prompt_token_ids"] = json!(self.plan.prompt_ids),
             }
         }
-        response["choices"] = json!([choice]);
+        response["choices"] = self.choices(choice);
         Ok(Bytes::from(response.to_string()))
+    }
+
+    /// `choice` once per requested choice, with its index.
+    fn choices(&self, choice: Value) -> Value {
+        (0..self.plan.n)
+            .map(|index| {
+                let mut choice = choice.clone();
+                choice["index"] = json!(index);
+                choice
+            })
+            .collect()
     }
 }
 

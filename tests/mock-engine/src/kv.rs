@@ -28,7 +28,7 @@ pub fn kv_bytes(prompt_ids: &[u32], bytes_per_token: usize) -> Vec<u8> {
     for (i, &id) in prompt_ids.iter().enumerate() {
         context.absorb(id);
         let seed = ((i as u64) << 32) | u64::from(context.next_token());
-        out.extend_from_slice(&connex_transfer::pattern(seed, bytes_per_token));
+        connex_transfer::extend_pattern(&mut out, seed, bytes_per_token);
     }
     out
 }

@@ -6,7 +6,7 @@
 //! holder writes straight from the held memory, the reader reads straight into
 //! the destination blocks: the only copies are the kernel's.
 
-use super::{Backend, Fetch};
+use super::{Backend, Exposure, Fetch};
 use crate::client::CtrlClient;
 use crate::config::BackendKind;
 use crate::conn;
@@ -27,8 +27,8 @@ impl Backend for TcpBackend {
         BackendKind::Tcp
     }
 
-    fn expose(&self, _region: &RegionEntry) -> Result<Option<Vec<u8>>> {
-        Ok(None)
+    fn expose(&self, _region: &RegionEntry) -> Result<Exposure> {
+        Ok(Exposure::default())
     }
 
     fn endpoint(&self) -> Vec<u8> {

@@ -1,0 +1,183 @@
+"""bench/run resume: the gap a client sees when its decoder dies mid-stream.
+
+For prompts of 512, 2k, 8k and 32k tokens, a streamed completion is decoded by a
+mock decoder that crashes after token 64; the router resumes it on the other
+decoder. Two ways, in one run, taking turns for ROUNDS rounds (medians reported):
+  resume     the prefill keeps its hold: the new decoder pulls the prompt KV and
+             computes only the 64 generated tokens;
+  reprefill  the prefill frees each hold on its first pull (`--hold-release
+             after_pull`), so the router prefills prompt + 64 tokens again.
+Prefill costs 100 us per computed token on every engine (decoders too, for what
+they compute themselves); each token of KV is 1 KiB, really held and pulled.
+The gap is the time between the last token before the crash and the first one
+after it, as the client sees it. The last line is
+`resume_gap_ratio_at_8k=<reprefill gap / resume gap>`.
+
+Usage: python3 bench/resume.py BIN_DIR [ROUNDS]
+"""
+
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+PROMPTS = [512, 2048, 8192, 32768]
+CRASH_AT = 64
+MAX_TOKENS = 128
+PREFILL_US = "100"
+DECODE_US = "1000"
+KV_BYTES = os.environ.get("CONNEX_BENCH_KV_BYTES", "1024")
+
+
+class Cluster:
+    """A router, a prefill and two decoders (d0 crashes at token 64)."""
+
+    def __init__(self, bin_dir, logs, reprefill):
+        self.procs = []
+        self.logs = logs
+        self.router = self.start(
+            "router",
+            [f"{bin_dir}/connex-router", "serve", "--listen", "127.0.0.1:0"]
+            + ["--decode-policy", "round_robin", "--admin-token", "bench"],
+        )
+        engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", self.router]
+        engine += ["--prefill-us-per-token", PREFILL_US, "--kv-bytes-per-token", KV_BYTES]
+        hold = ["--hold-release", "after_pull"] if reprefill else []
+        self.start("prefill", engine + ["--role", "prefill"] + hold)
+        crash = ["--crash-after-tokens", str(CRASH_AT)]
+        self.start(
+            "d0",
+            engine + ["--role", "decode", "--id", "d0", "--decode-us-per-token", DECODE_US] + crash,
+        )
+        self.start(
+            "d1", engine + ["--role", "decode", "--id", "d1", "--decode-us-per-token", DECODE_US]
+        )
+        self.wait_ready(3)
+
+    def start(self, name, argv):
+        log = open(os.path.join(self.logs, f"resume-{name}.log"), "w")
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**os.environ, "CONNEX_LOG": "warn"},
+        )
+        self.procs.append(proc)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if "listening on " in line:
+                return line.split("listening on ", 1)[1].strip()
+        raise RuntimeError(f"{name} did not start; see {log.name}")
+
+    def wait_ready(self, count):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            req = urllib.request.Request(
+                f"{self.router}/admin/instances", headers={"authorization": "Bearer bench"}
+            )
+            with urllib.request.urlopen(req) as reply:
+                ready = [i for i in json.load(reply)["data"] if i["state"] == "ready"]
+            if len(ready) >= count:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("engines did not register")
+
+    def stop(self):
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def prompt_ids(length, seed):
+    return [(i * 7 + seed) % 250 + 1 for i in range(length)]
+
+
+def stream_gap(router, prompt):
+    """Streams one completion; returns (gap at the failure, median gap) in ms."""
+    host, port = router.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = {
+        "model": "mock",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    reply = conn.getresponse()
+    if reply.status != 200:
+        raise RuntimeError(f"HTTP {reply.status}: {reply.read()[:300]}")
+    arrivals = []
+    buffer = b""
+    while True:
+        data = reply.read1(65536)
+        if not data:
+            break
+        now = time.perf_counter()
+        buffer += data
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            payload = event.removeprefix(b"data: ")
+            if payload == b"[DONE]":
+                continue
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise RuntimeError(f"stream failed: {chunk}")
+            for _ in chunk["choices"][0].get("token_ids") or []:
+                arrivals.append(now)
+    conn.close()
+    if len(arrivals) != MAX_TOKENS:
+        raise RuntimeError(f"got {len(arrivals)} tokens of {MAX_TOKENS}")
+    gaps = [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    failure = gaps[CRASH_AT - 1]
+    others = gaps[: CRASH_AT - 1] + gaps[CRASH_AT:]
+    return failure, statistics.median(others)
+
+
+def main():
+    bin_dir = sys.argv[1]
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    logs = tempfile.mkdtemp(prefix="connex-bench-resume-")
+    results = {(n, mode): [] for n in PROMPTS for mode in ("resume", "reprefill")}
+    usual = []
+    for round_ in range(rounds):
+        for n in PROMPTS:
+            for mode in ("resume", "reprefill"):
+                cluster = Cluster(bin_dir, logs, reprefill=mode == "reprefill")
+                try:
+                    gap, typical = stream_gap(cluster.router, prompt_ids(n, round_))
+                finally:
+                    cluster.stop()
+                results[(n, mode)].append(gap)
+                usual.append(typical)
+        print(f"round {round_ + 1}/{rounds} done", file=sys.stderr)
+    print(
+        f"resume: gap seen by the client when its decoder dies at token {CRASH_AT}, "
+        f"median of {rounds} rounds"
+    )
+    typical = statistics.median(usual)
+    print(
+        f"  (prefill {PREFILL_US} us/token, KV {KV_BYTES} B/token, "
+        f"usual gap between tokens {typical:.1f} ms)"
+    )
+    print(f"  {'prompt':>7} {'resume_ms':>10} {'reprefill_ms':>13} {'ratio':>7}")
+    ratio_8k = None
+    for n in PROMPTS:
+        resume = statistics.median(results[(n, "resume")])
+        reprefill = statistics.median(results[(n, "reprefill")])
+        ratio = reprefill / resume
+        if n == 8192:
+            ratio_8k = ratio
+        print(f"  {n:>7} {resume:>10.1f} {reprefill:>13.1f} {ratio:>7.1f}")
+    print(f"resume_gap_ratio_at_8k={ratio_8k:.2f}")
+
+
+if __name__ == "__main__":
+    main()
