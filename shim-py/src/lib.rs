@@ -106,6 +106,19 @@ fn info_dict<'py>(py: Python<'py>, info: &ct::HoldInfo) -> PyResult<Bound<'py, P
     Ok(d)
 }
 
+fn stats_dict<'py>(py: Python<'py>, s: &ct::HolderStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("holds", s.holds)?;
+    d.set_item("held_bytes", s.held_bytes)?;
+    d.set_item("pulls", s.pulls)?;
+    d.set_item("releases", s.releases)?;
+    d.set_item("expiries", s.expiries)?;
+    d.set_item("evictions", s.evictions)?;
+    d.set_item("stale_epoch_refusals", s.stale_epoch_refusals)?;
+    d.set_item("bytes_served", s.bytes_served)?;
+    Ok(d)
+}
+
 fn pull_dict<'py>(py: Python<'py>, stats: &ct::PullStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("bytes", stats.bytes)?;
@@ -199,17 +212,7 @@ impl Holder {
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.get()?.stats();
-        let d = PyDict::new(py);
-        d.set_item("holds", s.holds)?;
-        d.set_item("held_bytes", s.held_bytes)?;
-        d.set_item("pulls", s.pulls)?;
-        d.set_item("releases", s.releases)?;
-        d.set_item("expiries", s.expiries)?;
-        d.set_item("evictions", s.evictions)?;
-        d.set_item("stale_epoch_refusals", s.stale_epoch_refusals)?;
-        d.set_item("bytes_served", s.bytes_served)?;
-        Ok(d)
+        stats_dict(py, &self.get()?.stats())
     }
 
     /// Stops serving; idempotent.
@@ -370,6 +373,16 @@ impl Reader {
             .detach(|| rt.block_on(reader.renew(remote_ctrl, transfer_id, epoch)))
             .map_err(to_py)?;
         info_dict(py, &info)
+    }
+
+    /// The counters of the holder at `remote_ctrl` (what `Holder.stats()` says
+    /// there): for tests, benchmarks and operators outside the holder's process.
+    fn stats<'py>(&self, py: Python<'py>, remote_ctrl: &str) -> PyResult<Bound<'py, PyDict>> {
+        let (rt, reader) = (runtime()?, self.inner.clone());
+        let stats = py
+            .detach(|| rt.block_on(reader.ctrl().stats(remote_ctrl)))
+            .map_err(to_py)?;
+        stats_dict(py, &stats)
     }
 
     /// A hold's info without renewing it, or None.

@@ -1,0 +1,260 @@
+"""bench/run vllm_resume: the client-visible gap when a decoder dies mid-stream.
+
+Real vLLM engines on CPU (the tiny test Llama) with the ConnexConnector, behind
+connex-router: one prefill, three decoders. For prompts of 128, 512 and 1024
+tokens, a stream of MAX_TOKENS greedy tokens is cut at token KILL_AT by SIGKILL of
+its decoder, and the router resumes it on another decoder, which either
+- pulls the prompt KV from the prefill's hold (`resume`), or
+- finds the hold gone (the bench releases it just before the kill) and recomputes
+  prompt + generated tokens itself (`reprefill`, vLLM's kv_load_failure_policy
+  recompute: the cost a lost hold has).
+The gap is the longest wait for a token the client sees from the kill on (the
+chunks already in flight arrive first, then the stream stalls until the new
+decoder answers). Both modes run in the same run, alternating,
+and every resumed stream is checked against an uninterrupted one. The killed
+decoder is restarted in the background for later trials.
+
+    python bench/vllm_resume.py [--sizes 128,512,1024] [--rounds 1]
+Last line: vllm_resume_gap_ratio=<reprefill gap / resume gap at the largest size>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+
+import harness  # noqa: E402
+import httpx  # noqa: E402
+from connex import _transfer  # noqa: E402
+
+MAX_TOKENS = 120
+KILL_AT = 30
+
+
+def kv_config(role: str, router: str, engine: harness.Engine) -> dict:
+    return {
+        "kv_connector": "ConnexConnector",
+        "kv_connector_module_path": "connex.adapters.vllm.pd_connector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "ctrl_port": harness.free_port(),
+            "retain_s": 60,
+            "router": router,
+            "url": engine.url,
+            "instance_id": engine.name,
+        },
+    }
+
+
+def make_engine(name: str, role: str, router: str, core: int) -> harness.Engine:
+    engine = harness.Engine(name, core=core)
+    if role == "kv_consumer":
+        # A decoder that has seen a context would find it in its prefix cache and
+        # measure nothing: every resume must really pull or recompute.
+        engine.extra_args = ["--no-enable-prefix-caching"]
+    engine.kv_config = kv_config(role, router, engine)
+    return engine
+
+
+def warm_up(engine: harness.Engine) -> None:
+    """An engine's first requests are slow (lazy initialisation): not what is measured."""
+    engine.wait_ready()
+    for n in (16, 600):
+        harness.complete(engine.url, prompt_ids(n, 1), 4)
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    return [1] + [(seed * 7919 + i * 104729) % 2000 + 40 for i in range(n - 1)]
+
+
+class Bench:
+    def __init__(self) -> None:
+        self.router = harness.Router("--heartbeat-ttl-s", "3")
+        url = self.router.url
+        self.prefill = make_engine("prefill", "kv_producer", url, 0)
+        self.decoders = {
+            name: make_engine(name, "kv_consumer", url, core)
+            for name, core in (("d1", 1), ("d2", 0), ("d3", 1))
+        }
+        began = time.monotonic()
+        harness.start_all([self.prefill, *self.decoders.values()])
+        self.router.wait_instances({"prefill", *self.decoders})
+        print(f"cluster up in {time.monotonic() - began:.0f}s", file=sys.stderr)
+        for engine in [self.prefill, *self.decoders.values()]:
+            warm_up(engine)
+        self.restarts: list[threading.Thread] = []
+
+    def ready_decoders(self) -> set[str]:
+        return {
+            i["id"]
+            for i in self.router.instances()
+            if i["state"] == "ready" and i["id"] in self.decoders
+        }
+
+    def wait_two_decoders(self) -> None:
+        # A restarted decoder takes part only once warmed up.
+        for thread in self.restarts:
+            thread.join()
+        self.restarts.clear()
+        deadline = time.monotonic() + harness.START_TIMEOUT_S
+        while len(self.ready_decoders()) < 2:
+            if time.monotonic() > deadline:
+                raise TimeoutError("decoders did not come back")
+            time.sleep(0.5)
+
+    def restart(self, name: str) -> None:
+        old = self.decoders[name]
+        old.stop()
+        fresh = make_engine(name, "kv_consumer", self.router.url, old.core)
+        self.decoders[name] = fresh
+        thread = threading.Thread(target=lambda: warm_up(fresh.start()), daemon=True)
+        thread.start()
+        self.restarts.append(thread)
+
+    def release_hold(self) -> None:
+        """Makes the in-flight request's hold disappear, as an expiry would."""
+        reply = httpx.get(
+            f"{self.router.url}/admin/requests",
+            headers={"Authorization": f"Bearer {self.router.ADMIN_TOKEN}"},
+            timeout=5,
+        ).json()
+        entries = reply.get("data", reply) if isinstance(reply, dict) else reply
+        for entry in entries:
+            params = entry.get("kv_transfer_params") or {}
+            if params.get("transfer_id") and not entry.get("finished"):
+                _transfer.Reader(backend="tcp").release(
+                    params["remote_ctrl"], params["transfer_id"]
+                )
+                return
+        raise RuntimeError(f"no in-flight request with a hold in {entries}")
+
+    def takeover_s(self) -> float:
+        """Sum of the router's resume latencies: failure detected -> first token
+        of the decoder that took over."""
+        text = httpx.get(f"{self.router.url}/metrics", timeout=5).text
+        return harness.sum_metric(text, "connex_resume_latency_seconds_sum")
+
+    def trial(self, ids: list[int], mode: str | None) -> tuple[list[int], float]:
+        """One stream; with a mode, its decoder is killed at KILL_AT. Returns the
+        tokens and the largest gap between two chunks after the kill (seconds)."""
+        body = {
+            "model": harness.MODEL_NAME,
+            "prompt": ids,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        tokens: list[int] = []
+        last = time.monotonic()
+        gap = 0.0
+        killed = None
+        with httpx.stream(
+            "POST", f"{self.router.url}/v1/completions", json=body, timeout=600
+        ) as reply:
+            if reply.status_code != 200:
+                raise RuntimeError(f"HTTP {reply.status_code}: {reply.read()!r}")
+            decoder = reply.headers["x-connex-decoder"]
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event}")
+                now = time.monotonic()
+                got = [t for c in event["choices"] for t in c.get("token_ids") or []]
+                if not got:
+                    continue
+                if killed is not None:
+                    # Chunks already in flight arrive right after the kill; the
+                    # stall the client sees is the longest wait from then on.
+                    gap = max(gap, now - last)
+                tokens += got
+                last = now
+                if mode is not None and killed is None and len(tokens) >= KILL_AT:
+                    if mode == "reprefill":
+                        self.release_hold()
+                    killed = decoder
+                    self.decoders[decoder].kill()
+                    last = time.monotonic()
+        if killed is not None:
+            self.restart(killed)
+        return tokens, gap
+
+    def stop(self) -> None:
+        for engine in [self.prefill, *self.decoders.values()]:
+            engine.stop()
+        self.router.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="128,512,1024")
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    harness.model_dir()
+    bench = Bench()
+    gaps: dict[tuple[int, str], list[float]] = {}
+    takeovers: dict[tuple[int, str], list[float]] = {}
+    try:
+        for size in sizes:
+            ids = prompt_ids(size, size)
+            bench.wait_two_decoders()
+            want, _ = bench.trial(ids, None)
+            for round_ in range(args.rounds):
+                # Alternate which mode goes first, so that neither always kills the
+                # longer-lived decoder.
+                order = ("resume", "reprefill")
+                for mode in order if (round_ + sizes.index(size)) % 2 == 0 else order[::-1]:
+                    bench.wait_two_decoders()
+                    before = bench.takeover_s()
+                    got, gap = bench.trial(ids, mode)
+                    takeover = bench.takeover_s() - before
+                    if got != want:
+                        raise RuntimeError(f"{mode} at {size} tokens changed the output")
+                    gaps.setdefault((size, mode), []).append(gap)
+                    takeovers.setdefault((size, mode), []).append(takeover)
+                    print(
+                        f"  {size:>5} tokens  {mode:<9} gap {gap * 1000:8.1f} ms"
+                        f"  (router: failure seen -> next token {takeover * 1000:7.1f} ms)",
+                        file=sys.stderr,
+                    )
+    finally:
+        bench.stop()
+    print(
+        f"vllm_resume: gap after a decoder SIGKILL at token {KILL_AT} of {MAX_TOKENS}, "
+        f"median of {args.rounds} round(s); resume pulls the held prompt KV, "
+        "reprefill recomputes prompt + generated tokens"
+    )
+    for size in sizes:
+        resume = statistics.median(gaps[(size, "resume")])
+        reprefill = statistics.median(gaps[(size, "reprefill")])
+        took = [statistics.median(takeovers[(size, m)]) * 1000 for m in ("resume", "reprefill")]
+        print(
+            f"  prompt {size:>5}: resume {resume * 1000:8.1f} ms   "
+            f"reprefill {reprefill * 1000:8.1f} ms   ratio {reprefill / resume:6.2f}   "
+            f"(router takeover {took[0]:.0f} / {took[1]:.0f} ms)"
+        )
+    largest = max(sizes)
+    ratio = statistics.median(gaps[(largest, "reprefill")]) / statistics.median(
+        gaps[(largest, "resume")]
+    )
+    took = {m: statistics.median(takeovers[(largest, m)]) for m in ("resume", "reprefill")}
+    print(f"vllm_resume_takeover_ratio={took['reprefill'] / took['resume']:.3f}")
+    print(f"vllm_resume_gap_ratio={ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Adapters that plug Connex into serving engines."""

@@ -1,0 +1,1 @@
+"""vLLM adapter: the ConnexConnector KV connector (see `pd_connector`)."""

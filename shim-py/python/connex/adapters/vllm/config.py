@@ -1,0 +1,80 @@
+"""The connector's settings, read once from `kv_connector_extra_config`.
+
+Keys: `backend` (tcp|ucx|mooncake, default tcp), `retain_s` (60), `release`
+(on_release|after_pull), `host` (the address decoders reach this engine's hold
+control listener at, default 127.0.0.1), `ctrl_port` (that listener's port for TP
+rank 0; rank r listens on ctrl_port + r; default: kv_port), `hold_budget_bytes`
+(0: no cap), `pull_timeout_s` (30), `idle_step_ms` (10: how long an engine
+step that computes nothing waits while holds keep it stepping), and for
+self-registration `router`, `url` (this engine's HTTP base URL), `instance_id`,
+`register_token`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+BACKENDS = ("tcp", "ucx", "mooncake")
+RELEASE_MODES = ("on_release", "after_pull")
+
+
+class ConfigError(ValueError):
+    """A bad `kv_connector_extra_config` value."""
+
+
+@dataclass(frozen=True)
+class ConnexConfig:
+    backend: str = "tcp"
+    retain_s: float = 60.0
+    release: str = "on_release"
+    host: str = "127.0.0.1"
+    ctrl_port: int = 14579
+    hold_budget_bytes: int = 0
+    pull_timeout_s: float = 30.0
+    idle_step_ms: float = 10.0
+    router: str | None = None
+    url: str | None = None
+    instance_id: str | None = None
+    register_token: str | None = None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any], kv_port: int) -> ConnexConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(extra) - known
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config keys for ConnexConnector: {sorted(unknown)}"
+            )
+        values: dict[str, Any] = {"ctrl_port": kv_port, **extra}
+        try:
+            cfg = cls(
+                backend=str(values.get("backend", "tcp")),
+                retain_s=float(values.get("retain_s", 60.0)),
+                release=str(values.get("release", "on_release")),
+                host=str(values.get("host", "127.0.0.1")),
+                ctrl_port=int(values["ctrl_port"]),
+                hold_budget_bytes=int(values.get("hold_budget_bytes", 0)),
+                pull_timeout_s=float(values.get("pull_timeout_s", 30.0)),
+                idle_step_ms=float(values.get("idle_step_ms", 10.0)),
+                router=values.get("router"),
+                url=values.get("url"),
+                instance_id=values.get("instance_id"),
+                register_token=values.get("register_token"),
+            )
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"bad kv_connector_extra_config: {err}") from err
+        if cfg.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, not {cfg.backend!r}")
+        if cfg.release not in RELEASE_MODES:
+            raise ConfigError(f"release must be one of {RELEASE_MODES}, not {cfg.release!r}")
+        if cfg.retain_s <= 0 or cfg.pull_timeout_s <= 0 or cfg.idle_step_ms < 0:
+            raise ConfigError("retain_s, pull_timeout_s and idle_step_ms must be positive")
+        if not 0 < cfg.ctrl_port < 65536:
+            raise ConfigError(f"ctrl_port must be a TCP port, not {cfg.ctrl_port}")
+        if cfg.router and not cfg.url:
+            raise ConfigError("`router` needs `url` (this engine's HTTP base URL) to register")
+        return cfg
+
+    def ctrl_addr(self, tp_rank: int = 0) -> str:
+        return f"{self.host}:{self.ctrl_port + tp_rank}"

@@ -1,0 +1,202 @@
+"""ConnexConnector: vLLM's KV connector for Connex P/D with request resume.
+
+Load it with
+`--kv-transfer-config '{"kv_connector":"ConnexConnector",
+"kv_connector_module_path":"connex.adapters.vllm.pd_connector",
+"kv_role":"kv_producer"|"kv_consumer"|"kv_both","kv_connector_extra_config":{...}}'`
+(keys in `config.py`). vLLM makes one instance per process and role: the
+scheduler half (`scheduler.py`) plans holds and loads, the worker half
+(`worker.py`) moves the bytes through the transfer crate. This class only routes
+vLLM's calls to the half that owns them, and starts the router agent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from .config import ConnexConfig
+from .params import Layout
+from .scheduler import ConnexMetadata, ConnexScheduler
+from .worker import ConnexWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("connex.vllm")
+
+
+def local_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Layout:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            "ConnexConnector supports full-attention models with one KV cache group; "
+            f"this model has {len(groups)}"
+        )
+    spec = groups[0].kv_cache_spec
+    return Layout(
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        block_size=spec.block_size,
+        num_layers=len(groups[0].layer_names),
+        page_bytes=spec.page_size_bytes,
+    )
+
+
+class ConnexConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.cfg = ConnexConfig.from_extra(dict(ktc.kv_connector_extra_config), ktc.kv_port)
+        self.engine_id = str(ktc.engine_id)
+        is_producer = bool(ktc.is_kv_producer)
+        is_consumer = bool(ktc.is_kv_consumer)
+        self.scheduler: ConnexScheduler | None = None
+        self.worker: ConnexWorker | None = None
+        self.agent = None
+        if role == KVConnectorRole.SCHEDULER:
+            keeper = self._make_keeper() if is_consumer else None
+            self.scheduler = ConnexScheduler(
+                self.cfg,
+                self.engine_id,
+                local_layout(vllm_config, kv_cache_config),
+                is_producer,
+                is_consumer,
+                keeper,
+            )
+            if self.cfg.router:
+                self._start_agent(vllm_config, is_producer, is_consumer)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            groups = kv_cache_config.kv_cache_groups
+            self.worker = ConnexWorker(
+                self.cfg,
+                get_tensor_model_parallel_rank(),
+                kv_cache_config.num_blocks,
+                list(groups[0].layer_names) if groups else [],
+                is_producer,
+                is_consumer,
+            )
+
+    def _make_keeper(self):
+        from connex import _transfer
+
+        from .keeper import HoldKeeper
+
+        return HoldKeeper(
+            _transfer.Reader(backend=self.cfg.backend),
+            gone_errors=(_transfer.HoldNotFound, _transfer.StaleEpoch),
+        )
+
+    def _start_agent(self, vllm_config: VllmConfig, is_producer: bool, is_consumer: bool):
+        from connex.agent import Agent
+
+        role = "both" if is_producer and is_consumer else "prefill" if is_producer else "decode"
+        names = vllm_config.model_config.served_model_name
+        model = names[0] if isinstance(names, list | tuple) else str(names)
+        scheduler = self.scheduler
+        assert scheduler is not None and self.cfg.url is not None and self.cfg.router
+        self.agent = Agent(
+            self.cfg.router,
+            role,
+            self.cfg.url,
+            model,
+            ctrl=self.cfg.ctrl_addr(0) if is_producer else None,
+            instance_id=self.cfg.instance_id,
+            token=self.cfg.register_token,
+            load=lambda: {"inflight": scheduler.inflight},
+        ).start()
+        atexit.register(self.agent.stop)
+
+    # ---- scheduler side ----------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:
+            self.scheduler._kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    # ---- worker side -------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, ConnexMetadata):
+            self.worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self.worker is not None:
+            self.worker.bind(None)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        assert self.worker is not None
+        self.worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: the scheduler runs a request only once its
+        # blocks have arrived.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        # Nothing to save: a hold serves the KV cache in place.
+        return
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        sending, recving, failed = self.worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]):
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None and self.scheduler.keeper is not None:
+            self.scheduler.keeper.close()
+        if self.agent is not None:
+            self.agent.stop()

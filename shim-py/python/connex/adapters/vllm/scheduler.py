@@ -1,0 +1,249 @@
+"""The scheduler half of ConnexConnector (in vLLM's EngineCore process).
+
+Producer (prefill): a request sent with `do_remote_decode` gets a hold on its
+prompt blocks in the very step its prompt is computed (the worker creates it right
+after that forward), so the hold exists before anyone can learn its
+`transfer_id`. `request_finished` then keeps the blocks (delay free) and returns
+the hold's kv_transfer_params; the blocks are freed when the worker reports the
+hold released, expired or evicted (finished_sending).
+
+Consumer (decode): a request carrying a hold reports the prompt tokens it lacks
+locally as loadable asynchronously; the worker pulls exactly those blocks. A full
+local prefix hit pulls nothing and reports nothing, and the hold is still renewed
+while the request runs and released when it finishes normally. One transfer per
+request: a load that failed is not retried (vLLM's `kv_load_failure_policy`
+decides between recompute and fail).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.request import RequestStatus
+
+from .config import ConnexConfig
+from .params import Layout, ParamsError, hold_params, remote_hold, wants_hold
+
+logger = logging.getLogger("connex.vllm.scheduler")
+
+NORMAL_FINISH = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+@dataclass
+class HoldSpec:
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    transfer_id: str
+    remote_ctrl: str
+    epoch: int
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    # Set when the load must fail without a pull (e.g. a layout mismatch).
+    error: str | None = None
+
+
+@dataclass
+class ConnexMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers for one step."""
+
+    holds: list[HoldSpec] = field(default_factory=list)
+    drops: list[str] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+class ConnexScheduler:
+    def __init__(
+        self,
+        cfg: ConnexConfig,
+        engine_id: str,
+        layout: Layout,
+        is_producer: bool,
+        is_consumer: bool,
+        keeper=None,
+    ) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.layout = layout
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self.keeper = keeper
+        # Producer state.
+        self._producing: dict[str, Any] = {}  # req_id -> Request (wants a hold)
+        self._held: dict[str, HoldSpec] = {}  # req_id -> its live hold
+        self._hold_seq = 0
+        # Consumer state.
+        self._consumed: set[str] = set()  # requests whose one transfer is decided
+        # Requests whose blocks wait for their hold to be freed (finished_sending).
+        self._awaiting_free: set[str] = set()
+        # This step's work for the workers.
+        self._meta = ConnexMetadata()
+        self.inflight = 0
+
+    # ---- both roles --------------------------------------------------------------
+
+    def on_new_request(self, request) -> None:
+        self.inflight += 1
+        if self.is_producer and wants_hold(request.kv_transfer_params):
+            self._producing[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output) -> ConnexMetadata:
+        if self._producing:
+            self._plan_holds(scheduler_output)
+        meta, self._meta = self._meta, ConnexMetadata()
+        if (
+            self._awaiting_free
+            and scheduler_output.total_num_scheduled_tokens == 0
+            and not (meta.holds or meta.drops or meta.loads)
+        ):
+            # vLLM steps without pause while finished requests keep blocks, which
+            # on an idle prefill holding KV burns a core and starves neighbours.
+            # Nothing is computed in such a step; pacing it only delays noticing
+            # a freed hold or a new request by at most idle_step_ms.
+            time.sleep(self.cfg.idle_step_ms / 1000)
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        self._awaiting_free -= set(connector_output.finished_sending or ())
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        self.inflight = max(self.inflight - 1, 0)
+        if self.keeper is not None and (req_id in self._consumed or self.keeper.keeps(req_id)):
+            # Only a normal finish releases: after an abort or error the router may
+            # resume the request elsewhere from the same hold (it releases the hold
+            # itself when the client is gone).
+            self.keeper.finish(req_id, release=request.status in NORMAL_FINISH)
+        self._consumed.discard(req_id)
+        if req_id not in self._producing:
+            return False, None
+        self._producing.pop(req_id)
+        return self._finish_hold(request, block_ids)
+
+    # ---- producer ----------------------------------------------------------------
+
+    def _plan_holds(self, scheduler_output) -> None:
+        preempted = scheduler_output.preempted_req_ids or ()
+        for req_id in preempted:
+            # Its blocks are gone: the hold on them must go too; a new one is taken
+            # when its prompt has been computed again.
+            hold = self._held.pop(req_id, None)
+            if hold is not None:
+                self._meta.drops.append(hold.transfer_id)
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self._producing.get(req_id)
+            if request is None or req_id in self._held:
+                continue
+            if request.num_computed_tokens + n >= request.num_prompt_tokens:
+                self._take_hold(request)
+
+    def _take_hold(self, request) -> HoldSpec:
+        assert self._kv_cache_manager is not None
+        self._hold_seq += 1
+        transfer_id = f"{self.engine_id}-{self._hold_seq}-{uuid.uuid4().hex[:8]}"
+        block_ids = list(self._kv_cache_manager.get_block_ids(request.request_id)[0])
+        needed = -(-request.num_prompt_tokens // self.layout.block_size)
+        hold = HoldSpec(request.request_id, transfer_id, block_ids[:needed])
+        self._held[request.request_id] = hold
+        self._meta.holds.append(hold)
+        return hold
+
+    def _finish_hold(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        hold = self._held.pop(request.request_id, None)
+        if request.status not in NORMAL_FINISH:
+            if hold is None:
+                return False, None
+            # Nobody will ever learn this hold's id; keep the blocks until the
+            # worker has dropped it, since it may be reading them right now.
+            self._meta.drops.append(hold.transfer_id)
+            self._awaiting_free.add(request.request_id)
+            return True, None
+        if hold is None:
+            # The prompt finished in a step we did not see (should not happen);
+            # hold what was computed, from the next step on.
+            if not block_ids:
+                return False, None
+            hold = self._take_hold(request)
+        self._awaiting_free.add(request.request_id)
+        num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        params = hold_params(
+            transfer_id=hold.transfer_id,
+            remote_ctrl=self.cfg.ctrl_addr(0),
+            engine_id=self.engine_id,
+            block_ids=hold.block_ids,
+            num_tokens=num_tokens,
+            backend=self.cfg.backend,
+            lease_s=self.cfg.retain_s,
+            layout=self.layout,
+        )
+        return True, params
+
+    # ---- consumer ----------------------------------------------------------------
+
+    def _remote(self, request):
+        if not self.is_consumer or request.request_id in self._consumed:
+            return None
+        try:
+            return remote_hold(request.kv_transfer_params)
+        except ParamsError as err:
+            logger.error("request %s: %s; computing it locally", request.request_id, err)
+            return None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        hold = self._remote(request)
+        if hold is None:
+            return 0, False
+        count = min(hold.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        hold = self._remote(request)
+        if hold is None:
+            return
+        req_id = request.request_id
+        self._consumed.add(req_id)
+        if self.keeper is not None:
+            self.keeper.keep(req_id, hold.all_ctrls(), hold.transfer_id, hold.epoch, hold.lease_s)
+        if num_external_tokens <= 0:
+            # Full local prefix hit: nothing to pull, nothing to report; the hold is
+            # still renewed and released like any other.
+            return
+        bs = self.layout.block_size
+        end = min(hold.num_tokens, request.num_prompt_tokens)
+        first = (end - num_external_tokens) // bs
+        last = -(-end // bs)
+        local = list(blocks.get_block_ids()[0][first:last])
+        load = LoadSpec(
+            req_id=req_id,
+            transfer_id=hold.transfer_id,
+            remote_ctrl=hold.remote_ctrl,
+            epoch=hold.epoch,
+            remote_block_ids=hold.block_ids[first:last],
+            local_block_ids=local,
+        )
+        load.error = self.layout.mismatch(hold.layout)
+        if load.error is None and (
+            len(load.remote_block_ids) != last - first or len(local) != last - first
+        ):
+            load.error = (
+                f"hold {hold.transfer_id} has {len(hold.block_ids)} blocks for "
+                f"{hold.num_tokens} tokens; blocks {first}..{last} are needed"
+            )
+        if load.error is not None:
+            logger.error("kv load failed: request %s: %s", req_id, load.error)
+        self._meta.loads.append(load)
+
+    # Set by the connector when vLLM binds its KV cache manager.
+    _kv_cache_manager = None

@@ -1,0 +1,230 @@
+"""Keeps an engine registered with a Connex router.
+
+Registers the engine (`POST /v1/instances` {role, url, model, ctrl?, id?}) once its
+HTTP server answers `/health`, heartbeats every third of the lease the router
+grants (`POST /v1/instances/{id}/heartbeat` with load stats), registers again when
+the router has forgotten it (404), skips heartbeats while the engine is unhealthy
+(so that the router's TTL marks it dead) and deregisters on exit.
+
+Two ways to run it:
+- beside any engine: `python -m connex.agent --router URL --role decode
+  --url http://host:port --model NAME [--ctrl host:port] [--id ID]`; load stats
+  are read from the engine's Prometheus `/metrics`;
+- inside vLLM: the ConnexConnector starts an `Agent` thread when
+  `kv_connector_extra_config.router` is set, with load stats from its scheduler.
+
+Only the standard library is used, so it runs wherever vLLM does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+logger = logging.getLogger("connex.agent")
+
+ROLES = ("prefill", "decode", "both")
+
+
+class Agent:
+    """Registration and heartbeats for one engine, on a daemon thread."""
+
+    def __init__(
+        self,
+        router: str,
+        role: str,
+        url: str,
+        model: str,
+        ctrl: str | None = None,
+        instance_id: str | None = None,
+        token: str | None = None,
+        load: Callable[[], dict] | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be an http(s) URL, not {url!r}")
+        self.router = router.rstrip("/")
+        self.role = role
+        self.url = url.rstrip("/")
+        self.model = model
+        self.ctrl = ctrl
+        self.requested_id = instance_id
+        self.token = token
+        self.load = load or (lambda: metrics_load(self.url, timeout_s))
+        self.timeout_s = timeout_s
+        self.instance_id: str | None = None
+        self.lease_ttl_s = 10.0
+        self.registrations = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def start(self) -> Agent:
+        self._thread = threading.Thread(target=self.run, name="connex-agent", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.timeout_s * 2)
+        if deregister:
+            self.deregister()
+
+    def run(self) -> None:
+        """Registers and heartbeats until `stop()`."""
+        while not self._stop.is_set():
+            self._stop.wait(self.tick())
+
+    def tick(self) -> float:
+        """One round: register or heartbeat. Returns the seconds until the next."""
+        if not self.engine_healthy():
+            return 0.5 if self.instance_id is None else self.lease_ttl_s / 3
+        if self.instance_id is None:
+            return self.register()
+        return self.heartbeat()
+
+    # ---- router calls ----------------------------------------------------------
+
+    def register(self) -> float:
+        body = {"role": self.role, "url": self.url, "model": self.model}
+        if self.ctrl:
+            body["ctrl"] = self.ctrl
+        if self.requested_id:
+            body["id"] = self.requested_id
+        try:
+            status, reply = self._call("POST", "/v1/instances", body)
+        except OSError as err:
+            logger.debug("router %s unreachable: %s", self.router, err)
+            return 0.5
+        if status not in (200, 201) or not isinstance(reply, dict) or "id" not in reply:
+            logger.warning("router refused registration (HTTP %s): %s", status, reply)
+            return 2.0
+        self.instance_id = str(reply["id"])
+        self.lease_ttl_s = max(float(reply.get("lease_ttl_s") or 10), 0.3)
+        self.registrations += 1
+        logger.info(
+            "registered with %s as %s (%s, lease %ss)",
+            self.router,
+            self.instance_id,
+            self.role,
+            self.lease_ttl_s,
+        )
+        return self.lease_ttl_s / 3
+
+    def heartbeat(self) -> float:
+        try:
+            stats = self.load()
+        except Exception as err:  # load stats are best effort; the heartbeat is not
+            logger.debug("load stats unavailable: %s", err)
+            stats = {}
+        try:
+            status, _ = self._call("POST", f"/v1/instances/{self.instance_id}/heartbeat", stats)
+        except OSError as err:
+            logger.debug("heartbeat failed: %s", err)
+            return min(1.0, self.lease_ttl_s / 3)
+        if status == 404:
+            logger.warning("router forgot instance %s; registering again", self.instance_id)
+            self.instance_id = None
+            return 0.0
+        return self.lease_ttl_s / 3
+
+    def deregister(self) -> None:
+        if self.instance_id is None:
+            return
+        try:
+            self._call("DELETE", f"/v1/instances/{self.instance_id}", None)
+            logger.info("deregistered %s", self.instance_id)
+        except OSError as err:
+            logger.warning("could not deregister %s: %s", self.instance_id, err)
+        self.instance_id = None
+
+    def engine_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=self.timeout_s) as r:
+                return r.status == 200
+        except (OSError, ValueError):
+            return False
+
+    def _call(self, method: str, path: str, body: dict | None) -> tuple[int, object]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"{self.router}{path}", data=data, method=method)
+        if data is not None:
+            request.add_header("content-type", "application/json")
+        if self.token:
+            request.add_header("authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                status, raw = reply.status, reply.read()
+        except urllib.error.HTTPError as err:
+            status, raw = err.code, err.read()
+        try:
+            return status, json.loads(raw) if raw else None
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+
+def metrics_load(url: str, timeout_s: float = 5.0) -> dict:
+    """Load stats of a vLLM engine from its Prometheus metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as reply:
+        text = reply.read().decode(errors="replace")
+    wanted = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+    stats = {v: 0 for v in wanted.values()}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            try:
+                stats[wanted[name]] += int(float(line.rsplit(" ", 1)[1]))
+            except ValueError:
+                continue
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m connex.agent", description="Register an engine with a Connex router."
+    )
+    parser.add_argument("--router", required=True, help="router base URL")
+    parser.add_argument("--role", required=True, choices=ROLES)
+    parser.add_argument("--url", required=True, help="the engine's base URL")
+    parser.add_argument("--model", required=True, help="served model name")
+    parser.add_argument("--ctrl", help="host:port of the engine's hold control listener")
+    parser.add_argument("--id", dest="instance_id", help="instance id (default: router picks)")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("CONNEX_REGISTER_TOKEN"),
+        help="registration bearer token (env CONNEX_REGISTER_TOKEN)",
+    )
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    agent = Agent(
+        args.router,
+        args.role,
+        args.url,
+        args.model,
+        ctrl=args.ctrl,
+        instance_id=args.instance_id,
+        token=args.token,
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent._stop.set())
+    agent.run()
+    agent.deregister()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Session-wide vLLM engines, shared by every test of this tier.
+
+Starting an engine costs 40-120 s on two cores, so each kind of engine is started
+once per session, and all engines a test needs are started together.
+"""
+
+from __future__ import annotations
+
+import time
+
+import harness
+import pytest
+
+
+class Fleet:
+    """Engines by name, started on first need and stopped at session end."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, harness.Engine] = {}
+        self.startup_s: dict[str, float] = {}
+
+    def ensure(self, wanted: dict[str, harness.Engine]) -> dict[str, harness.Engine]:
+        missing = [e for name, e in wanted.items() if name not in self.engines]
+        if missing:
+            began = time.monotonic()
+            self.startup_s.update(harness.start_all(missing))
+            names = ", ".join(e.name for e in missing)
+            print(f"\nstarted {names} in {time.monotonic() - began:.1f}s: {self.startup_s}")
+            for engine in missing:
+                self.engines[engine.name] = engine
+        return {name: self.engines[name] for name in wanted}
+
+    def stop(self) -> None:
+        for engine in self.engines.values():
+            engine.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet():
+    harness.model_dir()
+    fleet = Fleet()
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def plain_engine() -> harness.Engine:
+    """A single engine without P/D: the reference every P/D answer must equal."""
+    return harness.Engine("plain", core=1)
+
+
+# Whether this session runs tests on the P/D cluster: then the first test that
+# needs any engine starts them all at once (one parallel start, not two).
+_WANTS_CLUSTER = False
+
+
+def pytest_collection_modifyitems(items):
+    global _WANTS_CLUSTER
+    _WANTS_CLUSTER = any("cluster" in item.fixturenames for item in items)
+
+
+@pytest.fixture(scope="session")
+def plain(fleet, request) -> harness.Engine:
+    if _WANTS_CLUSTER:
+        return request.getfixturevalue("cluster")["plain"]
+    return fleet.ensure({"plain": plain_engine()})["plain"]
+
+
+def connex_kv(role: str, engine: harness.Engine, **extra) -> dict:
+    """A --kv-transfer-config for ConnexConnector; `policy` sets the load failure policy."""
+    policy = extra.pop("policy", "recompute")
+    return {
+        "kv_connector": "ConnexConnector",
+        "kv_connector_module_path": "connex.adapters.vllm.pd_connector",
+        "kv_role": role,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"ctrl_port": harness.free_port(), **extra},
+    }
+
+
+class Cluster:
+    """connex-router + one prefill + two decoders (self-registered through the
+    connector's in-process agent), a plain engine to compare with, and a second
+    prefill in `after_pull` mode that is not registered with the router."""
+
+    RETAIN_S = 8.0
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.router = harness.Router("--heartbeat-ttl-s", "3")
+        wanted = {"plain": plain_engine()}
+        for name, role, core in (
+            ("prefill", "kv_producer", 0),
+            ("d1", "kv_consumer", 1),
+            ("d2", "kv_consumer", 0),
+        ):
+            engine = harness.Engine(name, core=core)
+            engine.kv_config = connex_kv(
+                role,
+                engine,
+                retain_s=self.RETAIN_S,
+                router=self.router.url,
+                url=engine.url,
+                instance_id=name,
+            )
+            wanted[name] = engine
+        after = harness.Engine("p_after", core=1)
+        after.kv_config = connex_kv("kv_producer", after, retain_s=30, release="after_pull")
+        wanted["p_after"] = after
+        self.engines = fleet.ensure(wanted)
+        self.router.wait_instances({"prefill", "d1", "d2"})
+
+    def __getitem__(self, name: str) -> harness.Engine:
+        return self.engines[name]
+
+    def ctrl(self, name: str) -> str:
+        extra = self.engines[name].kv_config["kv_connector_extra_config"]
+        return f"127.0.0.1:{extra['ctrl_port']}"
+
+
+@pytest.fixture(scope="session")
+def cluster(fleet):
+    cluster = Cluster(fleet)
+    try:
+        yield cluster
+    finally:
+        cluster.router.stop()

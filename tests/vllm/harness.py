@@ -1,0 +1,305 @@
+"""Real processes for the vLLM tier: `vllm serve` engines, connex-router, clients.
+
+Owns starting and stopping them on free loopback ports. Each engine runs in its
+own process group (API server, EngineCore and worker), so that a test can kill a
+whole engine at once, as a machine failure would, and teardown leaves nothing
+behind. Used by tests/vllm/ and by `bench/run vllm_resume`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = str(ROOT / ".venv" / "bin" / "python")
+BIN_DIR = Path(os.environ.get("CONNEX_BIN_DIR", ROOT / "target" / "debug"))
+MODEL_NAME = "tiny"
+BLOCK_SIZE = 32
+# Engine start on 2 busy cores takes 40-120 s; this bounds a hung start.
+START_TIMEOUT_S = float(os.environ.get("CONNEX_VLLM_START_TIMEOUT_S", "600"))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_model  # noqa: E402
+
+# Engines are not pinned to cores by default ("nobind"): with more engines than
+# cores, an engine pinned to a core it shares with a busy one starves its transfer
+# threads (a resume took 11 s pinned vs 1.6 s unpinned here). "pin" pins each
+# engine's OMP thread to its `core`.
+BIND = os.environ.get("CONNEX_VLLM_BIND", "nobind")
+
+# One folder for the logs of every process this session starts.
+LOG_DIR = Path(os.environ.get("CONNEX_VLLM_LOG_DIR") or tempfile.mkdtemp(prefix="connex-vllm-"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_dir() -> Path:
+    return tiny_model.ensure()
+
+
+@dataclass
+class Engine:
+    """One `vllm serve` process group on a loopback port."""
+
+    name: str
+    kv_config: dict | None = None
+    core: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    log_dir: Path = LOG_DIR
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def start(self) -> Engine:
+        args = [
+            PYTHON,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir()),
+            "--served-model-name",
+            MODEL_NAME,
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "2048",
+            "--enforce-eager",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--seed",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--uvicorn-log-level",
+            "warning",
+        ]
+        if self.kv_config is not None:
+            args += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        args += self.extra_args
+        env = dict(os.environ)
+        env.update(
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_OMP_THREADS_BIND=(
+                str(self.core % (os.cpu_count() or 1)) if BIND == "pin" else BIND
+            ),
+            VLLM_NO_USAGE_STATS="1",
+            PYTHONUNBUFFERED="1",
+        )
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 (closed with the process)
+        self.proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
+        """Waits for /health; returns the seconds it took. Raises with the log tail."""
+        assert self.proc is not None
+        began = time.monotonic()
+        while time.monotonic() - began < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - began
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signals the whole process group (API server, EngineCore, worker)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.kill(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        # Children (EngineCore, worker) share the group: make sure none is left.
+        self.kill(signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def metric(self, name: str) -> float:
+        """Sum of a Prometheus metric's samples on this engine."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum_metric(text, name)
+
+
+def sum_metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def start_all(engines: list[Engine]) -> dict[str, float]:
+    """Starts engines concurrently; returns each one's startup seconds."""
+    for engine in engines:
+        engine.start()
+    try:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            times = list(pool.map(lambda e: e.wait_ready(), engines))
+    except BaseException:
+        for engine in engines:
+            engine.stop()
+        raise
+    return {e.name: t for e, t in zip(engines, times, strict=True)}
+
+
+class Router:
+    """A connex-router process on a free loopback port."""
+
+    ADMIN_TOKEN = "t"
+
+    def __init__(self, *extra: str):
+        self.proc = subprocess.Popen(
+            [
+                str(BIN_DIR / "connex-router"),
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-token",
+                self.ADMIN_TOKEN,
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = ""
+        self.lines: list[str] = []
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log = open(LOG_DIR / f"router-{self.proc.pid}.log", "a")  # noqa: SIM115
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self.log.write(line)
+            if "listening on " in line:
+                self.url = line.split("listening on ", 1)[1].strip()
+                break
+        if not self.url:
+            self.proc.kill()
+            raise RuntimeError("connex-router exited before listening:\n" + "".join(self.lines))
+        # Keep draining its output so that it never blocks on a full pipe.
+        import threading
+
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self.log.write(line)
+            self.log.flush()
+
+    def instances(self) -> list[dict]:
+        reply = httpx.get(
+            f"{self.url}/admin/instances",
+            headers={"Authorization": f"Bearer {self.ADMIN_TOKEN}"},
+            timeout=5,
+        )
+        reply.raise_for_status()
+        return reply.json()["data"]
+
+    def wait_instances(self, ids: set[str], timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = {i["id"] for i in self.instances() if i["state"] == "ready"}
+            if ids <= ready:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"instances {ids - ready} did not register")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+# ---- clients ------------------------------------------------------------------
+
+
+def complete(url: str, prompt, max_tokens: int, **extra) -> dict:
+    """A non-stream greedy completion; returns the JSON answer."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    if reply.status_code != 200:
+        raise RuntimeError(f"HTTP {reply.status_code}: {reply.text}")
+    return reply.json()
+
+
+def stream_events(url: str, path: str, body: dict, timeout_s: float = 300) -> Iterator[dict]:
+    """POSTs a streaming request; yields each SSE data event as JSON."""
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=timeout_s) as reply:
+        if reply.status_code != 200:
+            reply.read()
+            raise RuntimeError(f"HTTP {reply.status_code}: {reply.text}")
+        for line in reply.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                return
+            yield json.loads(data)

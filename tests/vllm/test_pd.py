@@ -1,0 +1,273 @@
+"""P/D on real vLLM engines with the ConnexConnector, behind connex-router.
+
+One prefill and two decoders (registered by the connector's in-process agent),
+compared token for token with a single engine without P/D. The decoder-kill test
+is last: it leaves one decoder dead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import harness
+import httpx
+import pytest
+from connex import _transfer
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "class Parser:\n    def __init__(self, text):\n        self.text = text\n" * 3,
+    "import os\nimport sys\nfrom pathlib import Path\n" * 12,
+]
+
+
+def fresh(tag: str, lines: int = 6) -> str:
+    """A prompt no engine has seen in this session: prefix caches cannot hit it."""
+    fresh.count += 1
+    return f"# {tag} {fresh.count} {time.time_ns()}\n" + "def handler(event, context):\n" * lines
+
+
+fresh.count = 0
+
+
+def wait_for(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def stream_completion(url: str, body: dict) -> tuple[list[int], str, dict]:
+    ids, text, last = [], "", {}
+    for event in harness.stream_events(url, "/v1/completions", body):
+        for choice in event.get("choices", []):
+            ids += choice.get("token_ids") or []
+            text += choice.get("text") or ""
+            if choice.get("finish_reason"):
+                last = choice
+    return ids, text, last
+
+
+def body(prompt, max_tokens: int, **extra) -> dict:
+    return {
+        "model": harness.MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+def prefill(engine: harness.Engine, prompt) -> dict:
+    """The router's first phase, by hand: returns the hold's kv_transfer_params."""
+    answer = harness.complete(
+        engine.url,
+        prompt,
+        max_tokens=1,
+        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+    )
+    params = answer["kv_transfer_params"]
+    assert params and params["do_remote_prefill"] is True
+    return params
+
+
+def stats(ctrl: str) -> dict:
+    return _transfer.Reader(backend="tcp").stats(ctrl)
+
+
+def hold(ctrl: str, transfer_id: str):
+    return _transfer.Reader(backend="tcp").stat(ctrl, transfer_id)
+
+
+def kv_usage(engine: harness.Engine) -> float:
+    return engine.metric("vllm:kv_cache_usage_perc")
+
+
+# ---- equal to a single engine -------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "medium", "long"])
+def test_completions_through_pd_equal_a_single_engine(cluster, prompt):
+    want = harness.complete(cluster["plain"].url, prompt, 40)["choices"][0]
+    got = harness.complete(cluster.router.url, prompt, 40)["choices"][0]
+    assert got["token_ids"] == want["token_ids"]
+    assert got["text"] == want["text"]
+    ids, text, last = stream_completion(cluster.router.url, body(prompt, 40, stream=True))
+    assert ids == want["token_ids"]
+    assert text == want["text"]
+    assert last["finish_reason"] == "length"
+
+
+def test_chat_through_pd_equals_a_single_engine(cluster):
+    chat = {
+        "model": harness.MODEL_NAME,
+        "messages": [
+            {"role": "system", "content": "You write Python."},
+            {"role": "user", "content": "Write a function that parses a config file."},
+        ],
+        "max_tokens": 32,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    want = httpx.post(f"{cluster['plain'].url}/v1/chat/completions", json=chat, timeout=120)
+    got = httpx.post(f"{cluster.router.url}/v1/chat/completions", json=chat, timeout=120)
+    assert got.status_code == 200, got.text
+    content = want.json()["choices"][0]["message"]["content"]
+    assert got.json()["choices"][0]["message"]["content"] == content
+    pieces = []
+    for event in harness.stream_events(
+        cluster.router.url, "/v1/chat/completions", chat | {"stream": True}
+    ):
+        for choice in event.get("choices", []):
+            pieces.append(choice.get("delta", {}).get("content") or "")
+    assert "".join(pieces) == content
+
+
+def test_decoder_releases_the_hold_when_its_request_finishes(cluster):
+    ctrl = cluster.ctrl("prefill")
+    before = stats(ctrl)
+    prompt = fresh("release")
+    # References first: the holds under test have short leases.
+    want = harness.complete(cluster["plain"].url, prompt, 24)["choices"][0]
+    params = prefill(cluster["prefill"], prompt)
+    assert hold(ctrl, params["transfer_id"]) is not None
+    assert params["remote_ctrl"] == ctrl
+    got = harness.complete(cluster["d1"].url, prompt, 24, kv_transfer_params=params)
+    assert got["choices"][0]["token_ids"] == want["token_ids"]
+    wait_for(lambda: hold(ctrl, params["transfer_id"]) is None, 10, "release")
+    after = stats(ctrl)
+    assert after["pulls"] - before["pulls"] == 1
+    assert after["releases"] - before["releases"] == 1
+    wait_for(lambda: kv_usage(cluster["prefill"]) == 0, 10, "prefill blocks freed")
+
+
+def test_full_local_prefix_hit_pulls_nothing_and_releases(cluster):
+    """Seed breakage 1: a resume landing on a decoder that has the whole context
+    cached must not pull (nor crash), and must still release the hold."""
+    ctrl = cluster.ctrl("prefill")
+    d1 = cluster["d1"]
+    context = harness.complete(cluster["plain"].url, fresh("hit", 20), 1)["choices"][0]
+    ids = context["prompt_token_ids"]
+    # d1 computes (and caches) the whole context once, without P/D.
+    harness.complete(d1.url, ids, 1)
+    want = harness.complete(cluster["plain"].url, ids, 30)["choices"][0]
+    params = prefill(cluster["prefill"], ids[:70])
+    before = stats(ctrl)
+    got = harness.complete(d1.url, ids, 30, kv_transfer_params=params | {"resume_epoch": 1})
+    assert got["choices"][0]["token_ids"] == want["token_ids"]
+    assert stats(ctrl)["pulls"] == before["pulls"]
+    wait_for(lambda: hold(ctrl, params["transfer_id"]) is None, 10, "release")
+    assert d1.alive()
+
+
+def test_stale_resume_epoch_is_refused(cluster):
+    ctrl = cluster.ctrl("prefill")
+    prompt = fresh("stale")
+    want = harness.complete(cluster["plain"].url, prompt, 16)["choices"][0]
+    params = prefill(cluster["prefill"], prompt)
+    # A newer decoder (epoch 1) has read the hold ...
+    reader = _transfer.Reader(backend="tcp")
+    blocks = params["remote_block_ids"]
+    piece = params["page_bytes"]
+    count = len(blocks) * params["num_layers"]
+    buf = ctypes.create_string_buffer(piece * count)
+    rid = reader.register_region(ctypes.addressof(buf), piece * count)
+    reader.pull(ctrl, params["transfer_id"], 1, [(rid, i * piece, piece) for i in range(count)])
+    assert any(buf.raw), "pulled KV is all zeros"
+    # ... so an older one (epoch 0) is refused, and computes the prompt itself.
+    d2 = cluster["d2"]
+    seen = len(d2.log_text())
+    got = harness.complete(d2.url, prompt, 16, kv_transfer_params=params)
+    assert got["choices"][0]["token_ids"] == want["token_ids"]
+    log = d2.log_text()[seen:]
+    assert "kv load failed" in log and "epoch" in log.lower()
+    reader.release(ctrl, params["transfer_id"])
+
+
+def test_hold_expires_after_retain_s_and_frees_the_blocks(cluster):
+    ctrl = cluster.ctrl("prefill")
+    before = stats(ctrl)
+    began = time.monotonic()
+    params = prefill(cluster["prefill"], fresh("expiry", 20))
+    assert kv_usage(cluster["prefill"]) > 0
+    time.sleep(cluster.RETAIN_S / 2)
+    assert hold(ctrl, params["transfer_id"]) is not None
+    wait_for(lambda: hold(ctrl, params["transfer_id"]) is None, cluster.RETAIN_S + 10, "expiry")
+    assert time.monotonic() - began >= cluster.RETAIN_S * 0.9
+    assert stats(ctrl)["expiries"] - before["expiries"] == 1
+    wait_for(lambda: kv_usage(cluster["prefill"]) == 0, 10, "prefill blocks freed")
+
+
+def test_after_pull_frees_the_hold_on_first_read(cluster):
+    p_after = cluster["p_after"]
+    ctrl = cluster.ctrl("p_after")
+    prompt = fresh("after_pull", 20)
+    want = harness.complete(cluster["plain"].url, prompt, 200)["choices"][0]
+    params = prefill(p_after, prompt)
+    assert hold(ctrl, params["transfer_id"]) is not None
+    ids = []
+    events = harness.stream_events(
+        cluster["d1"].url,
+        "/v1/completions",
+        body(prompt, 200, stream=True, kv_transfer_params=params),
+    )
+    for event in events:
+        ids += event["choices"][0].get("token_ids") or []
+        if len(ids) == 1:
+            # The decode is under way: the hold is already gone.
+            assert hold(ctrl, params["transfer_id"]) is None
+            assert stats(ctrl)["pulls"] == 1
+    assert ids == want["token_ids"]
+    wait_for(lambda: kv_usage(p_after) == 0, 10, "prefill blocks freed")
+
+
+# ---- resume -------------------------------------------------------------------------
+
+
+def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
+    """SIGKILL the decoder serving a stream at token k: the stream completes on the
+    other decoder with the tokens of an uninterrupted run, without a second
+    prefill; the hold is pulled twice and released once at the end."""
+    ctrl = cluster.ctrl("prefill")
+    prompt, total, k = fresh("resume", 30), 300, 40
+    want = harness.complete(cluster["plain"].url, prompt, total)["choices"][0]
+    prefill_requests = cluster["prefill"].metric("vllm:request_success_total")
+    before = stats(ctrl)
+    ids: list[int] = []
+    text = ""
+    killed = None
+    request = body(prompt, total, stream=True)
+    with httpx.stream(
+        "POST", f"{cluster.router.url}/v1/completions", json=request, timeout=300
+    ) as reply:
+        assert reply.status_code == 200
+        decoder = reply.headers["x-connex-decoder"]
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = httpx.Response(200, content=line[6:]).json()
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                ids += choice.get("token_ids") or []
+                text += choice.get("text") or ""
+            if killed is None and len(ids) >= k:
+                killed = cluster[decoder]
+                killed.kill()
+    assert killed is not None
+    wait_for(lambda: not killed.alive(), 10, "the killed decoder to exit")
+    assert ids == want["token_ids"]
+    assert text == want["text"]
+    # One prefill only.
+    assert cluster["prefill"].metric("vllm:request_success_total") - prefill_requests == 1
+    # Pulled by the first decoder and by the one that took over; released once.
+    wait_for(lambda: stats(ctrl)["releases"] > before["releases"], 10, "release")
+    after = stats(ctrl)
+    assert after["pulls"] - before["pulls"] == 2
+    assert after["releases"] - before["releases"] == 1
+    assert after["holds"] == before["holds"]

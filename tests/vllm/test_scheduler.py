@@ -1,0 +1,247 @@
+"""ConnexConnector inside vLLM's real Scheduler: hold, async load, release, failure."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from connex.adapters.vllm.params import Layout, hold_params
+from sched_utils import (
+    BLOCK,
+    assert_empty,
+    make_request,
+    make_scheduler,
+    prompt_of,
+    step,
+)
+from vllm.v1.request import RequestStatus
+
+LAYOUT = Layout(tp_size=1, block_size=BLOCK, num_layers=2, page_bytes=2 * BLOCK * 2 * 32 * 2)
+
+
+def remote(num_tokens: int, epoch: int = 0, layout: Layout = LAYOUT, tid: str = "t-1") -> dict:
+    return hold_params(
+        transfer_id=tid,
+        remote_ctrl="127.0.0.1:17000",
+        engine_id="prefill-0",
+        block_ids=list(range(500, 500 + -(-num_tokens // BLOCK))),
+        num_tokens=num_tokens,
+        backend="tcp",
+        lease_s=0.3,
+        layout=layout,
+    ) | {"resume_epoch": epoch}
+
+
+def run_to_finish(sched, request, max_steps: int = 20):
+    """Steps until `request` reports a finish reason; returns that output."""
+    for _ in range(max_steps):
+        _, outputs = step(sched)
+        for output in outputs:
+            if output.request_id == request.request_id and output.finish_reason is not None:
+                return output
+    raise AssertionError(f"{request.request_id} did not finish")
+
+
+def wait_until(check, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+# ---- producer (prefill) -----------------------------------------------------------
+
+
+def test_prefill_holds_prompt_blocks_until_the_hold_is_freed():
+    sched = make_scheduler("kv_producer")
+    request = make_request(
+        prompt_of(70), max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    sched.add_request(request)
+    out, outputs = step(sched)
+    # The hold is taken in the step that computes the prompt, on exactly its blocks.
+    (hold,) = out.kv_connector_metadata.holds
+    blocks = sched.kv_cache_manager.get_block_ids(request.request_id)[0]
+    assert hold.block_ids == blocks[:3]
+    (done,) = outputs
+    params = done.kv_transfer_params
+    assert done.finish_reason is not None
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["transfer_id"] == hold.transfer_id
+    assert params["remote_block_ids"] == hold.block_ids
+    assert params["remote_num_tokens"] == 70
+    assert params["remote_ctrl"] == "127.0.0.1:17000"
+    assert params["resume_epoch"] == 0 and params["lease_s"] == 30
+    assert (params["tp_size"], params["block_size"]) == (1, BLOCK)
+    # Finished, but its blocks stay while the hold lives.
+    for _ in range(3):
+        out, _ = step(sched)
+        assert not out.kv_connector_metadata.holds
+    assert request.request_id in sched.requests
+    assert sched.kv_cache_manager.get_block_ids(request.request_id)[0][:3] == hold.block_ids
+    # The worker reports the hold freed (released / expired): the blocks go.
+    step(sched, finished_sending={request.request_id})
+    assert_empty(sched)
+
+
+def test_prefill_aborted_after_prompt_drops_its_hold_before_freeing():
+    sched = make_scheduler("kv_producer")
+    request = make_request(
+        prompt_of(40), max_tokens=4, kv_transfer_params={"do_remote_decode": True}
+    )
+    sched.add_request(request)
+    out, _ = step(sched)
+    (hold,) = out.kv_connector_metadata.holds
+    sched.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.drops == [hold.transfer_id]
+    assert request.request_id in sched.requests  # blocks kept until dropped
+    step(sched, finished_sending={request.request_id})
+    assert_empty(sched)
+
+
+def test_plain_requests_on_a_prefill_are_untouched():
+    sched = make_scheduler("kv_producer")
+    request = make_request(prompt_of(40), max_tokens=2)
+    sched.add_request(request)
+    out, _ = step(sched)
+    out, outputs = step(sched)
+    assert outputs[0].kv_transfer_params is None
+    assert not out.kv_connector_metadata.holds
+    assert_empty(sched)
+
+
+# ---- consumer (decode) ------------------------------------------------------------
+
+
+def test_decoder_loads_remote_prompt_async_and_releases_at_the_end():
+    sched = make_scheduler("kv_consumer")
+    request = make_request(prompt_of(70), max_tokens=3, kv_transfer_params=remote(70))
+    sched.add_request(request)
+    out, outputs = step(sched)
+    assert not outputs and not out.num_scheduled_tokens
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (load,) = out.kv_connector_metadata.loads
+    assert load.error is None
+    assert load.remote_block_ids == [500, 501, 502]
+    assert load.local_block_ids == sched.kv_cache_manager.get_block_ids(request.request_id)[0]
+    assert (load.transfer_id, load.epoch) == ("t-1", 0)
+    # Still loading: the request does not run.
+    out, _ = step(sched)
+    assert not out.num_scheduled_tokens and not out.kv_connector_metadata.loads
+    # Loaded: only the last prompt token is computed (to sample the next one).
+    step(sched, finished_recving={request.request_id})
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {request.request_id: 1}
+    # Renewed while running ...
+    wait_until(lambda: sched.fake_ctrl.renewed)
+    assert sched.fake_ctrl.renewed[0] == ("127.0.0.1:17000", "t-1", 0)
+    run_to_finish(sched, request)
+    # ... and released once it has finished.
+    wait_until(lambda: sched.fake_ctrl.released)
+    assert sched.fake_ctrl.released == [("127.0.0.1:17000", "t-1")]
+    assert_empty(sched)
+
+
+def test_resumed_request_pulls_the_prompt_and_computes_generated_tokens():
+    sched = make_scheduler("kv_consumer")
+    prompt, generated = prompt_of(70), [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    request = make_request(prompt + generated, max_tokens=5, kv_transfer_params=remote(70, 1))
+    sched.add_request(request)
+    out, _ = step(sched)
+    (load,) = out.kv_connector_metadata.loads
+    assert load.epoch == 1 and load.remote_block_ids == [500, 501, 502]
+    step(sched, finished_recving={request.request_id})
+    out, _ = step(sched)
+    # Exactly the generated suffix is computed locally.
+    assert out.num_scheduled_tokens == {request.request_id: len(generated)}
+
+
+def test_full_local_prefix_hit_pulls_nothing_and_still_releases():
+    sched = make_scheduler("kv_consumer")
+    context = prompt_of(100)
+    # An earlier request left the whole context in this decoder's prefix cache.
+    warm = make_request(context, max_tokens=1)
+    sched.add_request(warm)
+    step(sched)
+    step(sched)
+    # A resume of a 70-token prompt whose context (prompt + generated) is cached.
+    request = make_request(context, max_tokens=2, kv_transfer_params=remote(70, 1))
+    sched.add_request(request)
+    out, _ = step(sched)
+    assert not out.kv_connector_metadata.loads
+    assert request.status == RequestStatus.RUNNING
+    assert out.num_scheduled_tokens[request.request_id] == 100 - 3 * BLOCK
+    # Nothing to report as received; it runs to the end normally ...
+    run_to_finish(sched, request)
+    # ... and the prefill's hold is released.
+    wait_until(lambda: sched.fake_ctrl.released)
+    assert sched.fake_ctrl.released == [("127.0.0.1:17000", "t-1")]
+    assert_empty(sched)
+
+
+def test_partial_local_hit_pulls_only_the_missing_blocks():
+    sched = make_scheduler("kv_consumer")
+    prompt = prompt_of(100)
+    warm = make_request(prompt[:64] + [5] * 10, max_tokens=1)
+    sched.add_request(warm)
+    step(sched)
+    step(sched)
+    request = make_request(prompt, max_tokens=2, kv_transfer_params=remote(100))
+    sched.add_request(request)
+    out, _ = step(sched)
+    (load,) = out.kv_connector_metadata.loads
+    assert load.remote_block_ids == [502, 503]
+    blocks = sched.kv_cache_manager.get_block_ids(request.request_id)[0]
+    assert load.local_block_ids == blocks[2:4]
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_failed_load_follows_kv_load_failure_policy(policy):
+    sched = make_scheduler("kv_consumer", policy=policy)
+    request = make_request(prompt_of(70), max_tokens=2, kv_transfer_params=remote(70))
+    sched.add_request(request)
+    step(sched)
+    rid = request.request_id
+    _, outputs = step(sched, finished_recving={rid}, failed_recving={rid})
+    if policy == "fail":
+        (failed,) = outputs
+        assert failed.finish_reason is not None and str(failed.finish_reason) == "error"
+        assert request.status == RequestStatus.FINISHED_ERROR
+    else:
+        # Recomputed locally, and the failed hold is not pulled a second time.
+        out, _ = step(sched)
+        assert not out.kv_connector_metadata.loads
+        assert out.num_scheduled_tokens == {rid: 70}
+        run_to_finish(sched, request)
+    for _ in range(3):
+        step(sched)
+    assert_empty(sched)
+    # A failed load is not this decoder's to release: the router decides what next.
+    time.sleep(0.1)
+    assert sched.fake_ctrl.released == ([] if policy == "fail" else [("127.0.0.1:17000", "t-1")])
+
+
+def test_layout_mismatch_fails_the_load_with_a_clear_error():
+    sched = make_scheduler("kv_consumer")
+    other = Layout(tp_size=2, block_size=16, num_layers=2, page_bytes=LAYOUT.page_bytes)
+    request = make_request(prompt_of(70), max_tokens=2, kv_transfer_params=remote(70, 0, other))
+    sched.add_request(request)
+    out, _ = step(sched)
+    (load,) = out.kv_connector_metadata.loads
+    assert "tp_size prefill=2 decode=1" in load.error
+    assert "block_size prefill=16 decode=32" in load.error
+
+
+def test_aborted_decode_keeps_the_hold_for_a_resume():
+    sched = make_scheduler("kv_consumer")
+    request = make_request(prompt_of(70), max_tokens=50, kv_transfer_params=remote(70))
+    sched.add_request(request)
+    step(sched)
+    step(sched, finished_recving={request.request_id})
+    step(sched)
+    sched.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    step(sched)
+    time.sleep(0.1)
+    assert sched.fake_ctrl.released == []
+    assert_empty(sched)
