@@ -28,6 +28,8 @@ enum Fault {
     Truncate,
     /// An error event with code 500, then the end.
     ErrorEvent,
+    /// A last chunk with finish_reason "error" (vLLM's failed request).
+    FinishError,
     /// No token within the router's stall timeout.
     Stall,
     /// The process is frozen (SIGSTOP): heartbeats stop and the TTL declares it dead.
@@ -46,6 +48,7 @@ impl Fault {
             Fault::Crash => &["--crash-after-tokens", &k, "--decode-us-per-token", PACE_US],
             Fault::Truncate => &["--truncate-after-tokens", &k],
             Fault::ErrorEvent => &["--error-after-tokens", &k],
+            Fault::FinishError => &["--finish-error-after-tokens", &k],
             Fault::Stall | Fault::Dead | Fault::Migrate => &["--stall-after-tokens", &k],
             Fault::Refuse5xx => &["--fail-status", "503"],
         };
@@ -67,7 +70,7 @@ impl Fault {
             Fault::Crash if k == 0 => "connect",
             Fault::Crash => "reset",
             Fault::Truncate => "truncated",
-            Fault::ErrorEvent | Fault::Refuse5xx => "5xx",
+            Fault::ErrorEvent | Fault::FinishError | Fault::Refuse5xx => "5xx",
             Fault::Stall => "stall",
             Fault::Dead => "dead",
             Fault::Migrate => "migrate",
@@ -405,6 +408,11 @@ async fn stream_closed_without_finish_is_resumed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_error_event_is_resumed() {
     resume_cases(Fault::ErrorEvent, &[1, 8, MAX_TOKENS - 1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_finished_with_an_error_is_resumed() {
+    resume_cases(Fault::FinishError, &[1, MAX_TOKENS - 1]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

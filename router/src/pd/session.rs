@@ -307,6 +307,20 @@ impl Session {
             });
             return Ok(());
         }
+        // vLLM finishes a request it could not run (e.g. its KV could not be
+        // loaded, with kv_load_failure_policy "fail") with finish_reason "error":
+        // that is the decoder failing, not the request ending.
+        if parsed
+            .choices
+            .iter()
+            .any(|c| c.finish_reason.as_deref() == Some("error"))
+        {
+            return Err(Failure {
+                message: format!("decoder {decoder} finished the request with an error"),
+                decoder,
+                cause: Cause::ServerError,
+            });
+        }
         let tokens: usize = parsed
             .choices
             .iter()

@@ -453,6 +453,16 @@ impl Run {
         if config.truncate_after_tokens == count {
             return Some(None);
         }
+        if config.finish_error_after_tokens == count {
+            // vLLM's way of failing a request it could not run: a last chunk with
+            // finish_reason "error", then the usual end.
+            let chunk = json!({"id":self.plan.id,"object":self.object(true),"created":self.plan.created,
+                "model":self.plan.model,"choices":self.choices(json!({"index":0,"text":"","logprobs":null,
+                "finish_reason":"error","stop_reason":null}))});
+            return Some(Some(Bytes::from(format!(
+                "data: {chunk}\n\ndata: [DONE]\n\n"
+            ))));
+        }
         if config.error_after_tokens == count {
             let error = json!({"error":{"message":"injected engine error (--error-after-tokens)",
                 "type":"InternalServerError","param":null,"code":500}});

@@ -65,6 +65,10 @@ pub struct MockConfig {
     /// tokens, as vLLM does when its engine fails mid-request.
     #[arg(long)]
     pub error_after_tokens: Option<u32>,
+    /// Finish each decode stream with finish_reason "error" after this many
+    /// tokens, as vLLM does for a request it could not run.
+    #[arg(long)]
+    pub finish_error_after_tokens: Option<u32>,
     /// Answer every generation request with this HTTP status.
     #[arg(long)]
     pub fail_status: Option<u16>,
