@@ -761,7 +761,10 @@ async fn client_disconnect_releases_the_hold_and_aborts_the_decoder() {
         assert!(Instant::now() < deadline, "decoder kept generating");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(journal(&router, false).await.is_empty(), "journal entry left");
+    assert!(
+        journal(&router, false).await.is_empty(),
+        "journal entry left"
+    );
     let text = metrics_text(&router).await;
     assert_eq!(
         metric(
