@@ -246,14 +246,25 @@ class Router:
             self.log.write(line)
             self.log.flush()
 
-    def instances(self) -> list[dict]:
+    def admin(self, path: str) -> list[dict]:
         reply = httpx.get(
-            f"{self.url}/admin/instances",
+            f"{self.url}/admin/{path}",
             headers={"Authorization": f"Bearer {self.ADMIN_TOKEN}"},
             timeout=5,
         )
         reply.raise_for_status()
         return reply.json()["data"]
+
+    def instances(self) -> list[dict]:
+        return self.admin("instances")
+
+    def requests(self) -> list[dict]:
+        """The journal: requests in flight."""
+        return self.admin("requests")
+
+    def metric(self, name: str) -> float:
+        """Sum of a Prometheus metric's samples on this router."""
+        return sum_metric(httpx.get(f"{self.url}/metrics", timeout=10).text, name)
 
     def wait_instances(self, ids: set[str], timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s

@@ -8,6 +8,7 @@ is last: it leaves one decoder dead.
 from __future__ import annotations
 
 import ctypes
+import signal
 import time
 
 import harness
@@ -230,21 +231,23 @@ def test_after_pull_frees_the_hold_on_first_read(cluster):
 # ---- resume -------------------------------------------------------------------------
 
 
-def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
-    """SIGKILL the decoder serving a stream at token k: the stream completes on the
-    other decoder with the tokens of an uninterrupted run, without a second
-    prefill; the hold is pulled twice and released once at the end."""
-    ctrl = cluster.ctrl("prefill")
-    prompt, total, k = fresh("resume", 30), 300, 40
-    want = harness.complete(cluster["plain"].url, prompt, total)["choices"][0]
-    prefill_requests = cluster["prefill"].metric("vllm:request_success_total")
-    before = stats(ctrl)
+def stream_and_kill_decoder(cluster, prompt: str, total: int, k: int):
+    """Streams `prompt` through the router and kills its decoder at token k.
+
+    The decoder is first frozen (SIGSTOP) and the router's journal consulted: on a
+    heavily loaded machine the client can lag so far behind that the decoder has
+    already finished; then the kill would prove nothing, and the caller tries
+    again. Returns (ids, text, killed engine) or None for such a late kill."""
+    request_id = f"kill-{time.time_ns()}"
     ids: list[int] = []
     text = ""
     killed = None
-    request = body(prompt, total, stream=True)
     with httpx.stream(
-        "POST", f"{cluster.router.url}/v1/completions", json=request, timeout=300
+        "POST",
+        f"{cluster.router.url}/v1/completions",
+        json=body(prompt, total, stream=True),
+        headers={"X-Request-Id": request_id},
+        timeout=300,
     ) as reply:
         assert reply.status_code == 200
         decoder = reply.headers["x-connex-decoder"]
@@ -257,12 +260,45 @@ def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
                 ids += choice.get("token_ids") or []
                 text += choice.get("text") or ""
             if killed is None and len(ids) >= k:
-                killed = cluster[decoder]
-                killed.kill()
+                engine = cluster[decoder]
+                engine.kill(signal.SIGSTOP)
+                entry = next(
+                    (e for e in cluster.router.requests() if e["request_id"] == request_id),
+                    None,
+                )
+                if entry is None or entry["generated_tokens"] >= total:
+                    engine.kill(signal.SIGCONT)
+                    return None
+                assert entry["decoder"] == decoder, entry
+                engine.kill()
+                killed = engine
+    return ids, text, killed
+
+
+def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
+    """SIGKILL the decoder serving a stream at token k: the stream completes on the
+    other decoder with the tokens of an uninterrupted run, without a second
+    prefill; the hold is pulled twice and released once at the end."""
+    ctrl = cluster.ctrl("prefill")
+    total, k = 300, 40
+    for _ in range(3):
+        prompt = fresh("resume", 30)
+        want = harness.complete(cluster["plain"].url, prompt, total)["choices"][0]
+        prefill_requests = cluster["prefill"].metric("vllm:request_success_total")
+        before = stats(ctrl)
+        resumes = cluster.router.metric("connex_resumes_total")
+        outcome = stream_and_kill_decoder(cluster, prompt, total, k)
+        if outcome is not None:
+            break
+    else:
+        pytest.fail("the decoder finished before the client saw token k, three times")
+    ids, text, killed = outcome
     assert killed is not None
     wait_for(lambda: not killed.alive(), 10, "the killed decoder to exit")
     assert ids == want["token_ids"]
     assert text == want["text"]
+    # The router resumed it, once.
+    assert cluster.router.metric("connex_resumes_total") - resumes == 1
     # One prefill only.
     assert cluster["prefill"].metric("vllm:request_success_total") - prefill_requests == 1
     # Pulled by the first decoder and by the one that took over; released once.
