@@ -1,15 +1,26 @@
 //! The UCX backend: one-sided `ucp_get_nbx` reads with packed rkeys.
 //!
 //! Holder: one UCX context and worker; every registered region is mapped
-//! (`ucp_mem_map`) and its packed rkey travels in the descriptor, with the
-//! worker's address as the endpoint. A progress thread drives the worker,
-//! because on the transports of a machine without RDMA (TCP, shared memory on
-//! ordinary memory) UCX emulates gets with messages that the holder must
-//! answer. Reader: its own context and worker, an endpoint per holder
-//! (cached, error mode "peer"), rkeys unpacked per pull, a window of gets in
-//! flight, progressed by the pulling thread itself (tokio's blocking pool)
-//! until done, failed, or no get finished for one I/O timeout, in which case
-//! the gets are cancelled and the endpoint is force-closed.
+//! (`ucp_mem_map`) and its packed rkey travels in the descriptor, with this
+//! host's identity and the worker's address as the endpoint. A progress
+//! thread drives the worker, because on the transports of a machine without
+//! RDMA (TCP, shared memory on ordinary memory) UCX emulates gets with
+//! messages that the holder must answer.
+//!
+//! Reader: its own context and worker, an endpoint per holder (cached), rkeys
+//! unpacked per pull, a window of gets in flight, progressed by the pulling
+//! thread itself (tokio's blocking pool) until done, failed, or no get
+//! finished for one I/O timeout. The endpoint's error mode depends on where
+//! the holder is:
+//! - same host and IPC namespace: mode "none", because UCX 1.13 leaves its
+//!   shared-memory transports out of mode "peer" (gets then go over tcp/lo,
+//!   5-8x slower here). A dead holder's gets in this mode never complete and
+//!   cannot be cancelled, so a failed pull destroys the reader's whole worker
+//!   (which purges them) before its destinations are given back; the next
+//!   pull starts a fresh one.
+//! - another host: mode "peer" (on RDMA a dead peer in mode "none" is fatal):
+//!   a failed pull force-closes the endpoint, which cancels its gets.
+//! `CONNEX_UCX_ERR_MODE=peer|none` overrides the choice.
 #![allow(unsafe_code)]
 
 use super::{Backend, Exposure, Fetch, Role};
@@ -169,36 +180,46 @@ impl Drop for Progress {
     }
 }
 
-/// A reader's endpoints, by holder worker address.
-struct Endpoints(HashMap<Vec<u8>, sys::ucp_ep_h>);
-
-// SAFETY: endpoints are only used under the reader's mutex.
-unsafe impl Send for Endpoints {}
-
-/// The reader's worker and endpoints; pulls take turns on them.
-struct ReaderSide {
-    ucx: Arc<Ucx>,
-    eps: Mutex<Endpoints>,
+/// A reader's worker and its endpoints (by holder worker address). Pulls
+/// take turns on it under the reader's mutex.
+struct ReaderState {
+    /// Created on first use; dropped (worker destroyed) after a pull that
+    /// could not be cleanly cancelled.
+    ucx: Option<Ucx>,
+    eps: HashMap<Vec<u8>, (sys::ucp_ep_h, ErrMode)>,
 }
 
-pub(crate) struct UcxBackend {
+// SAFETY: endpoints and the worker are only used under the reader's mutex.
+unsafe impl Send for ReaderState {}
+
+pub(crate) struct ReaderSide {
+    state: Mutex<ReaderState>,
+}
+
+/// The holder's side: its worker (driven by a progress thread), the
+/// endpoint readers connect to, and the stall fault switch.
+pub(crate) struct HolderSide {
     ucx: Arc<Ucx>,
-    /// Holder: the worker address readers connect to.
-    address: Vec<u8>,
-    reader: Arc<ReaderSide>,
-    /// Holder fault switch: stop progressing once a pull starts.
+    /// This host's identity + the worker address.
+    endpoint: Vec<u8>,
+    /// Fault switch: stop progressing once a pull starts.
     stall_on_pull: bool,
     stalled: Arc<AtomicBool>,
-    _progress: Option<Progress>,
+    _progress: Progress,
+}
+
+pub(crate) enum UcxBackend {
+    Holder(HolderSide),
+    Reader(Arc<ReaderSide>),
 }
 
 impl UcxBackend {
     pub(crate) fn new(role: Role<'_>) -> Result<Self> {
-        let ucx = Arc::new(Ucx::new()?);
-        let address = ucx.address()?;
-        let stalled = Arc::new(AtomicBool::new(false));
-        let (progress, stall_on_pull) = match role {
+        match role {
             Role::Holder { faults } => {
+                let ucx = Arc::new(Ucx::new()?);
+                let endpoint = HolderEndpoint::encode(&host_identity(), &ucx.address()?);
+                let stalled = Arc::new(AtomicBool::new(false));
                 let stop = Arc::new(AtomicBool::new(false));
                 let thread = {
                     let (ucx, stop, stalled) = (ucx.clone(), stop.clone(), stalled.clone());
@@ -206,27 +227,33 @@ impl UcxBackend {
                         .name("connex-ucx-progress".into())
                         .spawn(move || progress_loop(&ucx, &stop, &stalled))?
                 };
-                (
-                    Some(Progress {
+                Ok(Self::Holder(HolderSide {
+                    ucx,
+                    endpoint,
+                    stall_on_pull: faults.stall_after_bytes.is_some(),
+                    stalled,
+                    _progress: Progress {
                         stop,
                         thread: Some(thread),
-                    }),
-                    faults.stall_after_bytes.is_some(),
-                )
+                    },
+                }))
             }
-            Role::Reader => (None, false),
-        };
-        Ok(Self {
-            ucx: ucx.clone(),
-            address,
-            reader: Arc::new(ReaderSide {
-                ucx: ucx.clone(),
-                eps: Mutex::new(Endpoints(HashMap::new())),
-            }),
-            stall_on_pull,
-            stalled,
-            _progress: progress,
-        })
+            Role::Reader => Ok(Self::Reader(Arc::new(ReaderSide {
+                state: Mutex::new(ReaderState {
+                    ucx: None,
+                    eps: HashMap::new(),
+                }),
+            }))),
+        }
+    }
+
+    fn holder(&self) -> Result<&HolderSide> {
+        match self {
+            Self::Holder(holder) => Ok(holder),
+            Self::Reader(_) => Err(TransferError::Protocol(
+                "a ucx reader cannot expose memory".into(),
+            )),
+        }
     }
 }
 
@@ -261,6 +288,7 @@ impl Backend for UcxBackend {
         if region.region.is_empty() {
             return Ok(Exposure::default());
         }
+        let ucx = &self.holder()?.ucx;
         // SAFETY: the region's memory is valid while the entry lives, and the
         // mapping (its keepalive) is dropped before the memory.
         unsafe {
@@ -272,17 +300,17 @@ impl Backend for UcxBackend {
             let mut memh = std::ptr::null_mut();
             check(
                 "ucp_mem_map",
-                sys::ucp_mem_map(self.ucx.context, &params, &mut memh),
+                sys::ucp_mem_map(ucx.context, &params, &mut memh),
             )?;
             let mapping = Mapping {
-                ucx: self.ucx.clone(),
+                ucx: ucx.clone(),
                 memh,
             };
             let mut buf = std::ptr::null_mut();
             let mut len = 0usize;
             check(
                 "ucp_rkey_pack",
-                sys::ucp_rkey_pack(self.ucx.context, memh, &mut buf, &mut len),
+                sys::ucp_rkey_pack(ucx.context, memh, &mut buf, &mut len),
             )?;
             let key = std::slice::from_raw_parts(buf.cast::<u8>(), len).to_vec();
             sys::ucp_rkey_buffer_release(buf);
@@ -294,13 +322,18 @@ impl Backend for UcxBackend {
     }
 
     fn pull_started(&self) {
-        if self.stall_on_pull {
-            self.stalled.store(true, Ordering::Relaxed);
+        if let Self::Holder(holder) = self {
+            if holder.stall_on_pull {
+                holder.stalled.store(true, Ordering::Relaxed);
+            }
         }
     }
 
     fn endpoint(&self) -> Vec<u8> {
-        self.address.clone()
+        match self {
+            Self::Holder(holder) => holder.endpoint.clone(),
+            Self::Reader(_) => Vec::new(),
+        }
     }
 
     fn fetch<'a>(&'a self, job: Fetch<'a>) -> BoxFuture<'a, Result<u32>> {
@@ -320,7 +353,10 @@ impl Backend for UcxBackend {
             let (endpoint, keys, io) = (d.endpoint.clone(), d.keys.clone(), job.io_timeout);
             // The task owns everything it touches (a dropped pull future
             // leaves it to finish on its own, bounded by `io`).
-            let side = self.reader.clone();
+            let Self::Reader(side) = self else {
+                return Err(TransferError::Protocol("a ucx holder cannot pull".into()));
+            };
+            let side = side.clone();
             tokio::task::spawn_blocking(move || side.run_gets(&endpoint, &keys, gets, io))
                 .await
                 .map_err(|e| TransferError::Protocol(format!("ucx pull task: {e}")))?
@@ -335,195 +371,286 @@ struct Get {
     key: usize,
 }
 
+/// How a reader's endpoint treats a holder's failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ErrMode {
+    /// UCX reports a dead peer and a force close cancels every get. On UCX
+    /// 1.13 this mode leaves out the shared-memory transports.
+    Peer,
+    /// Shared memory is used; a dead holder's gets can never complete nor be
+    /// cancelled, so a failed pull destroys the whole reader worker (which
+    /// purges them) before its destinations are given back.
+    None,
+}
+
+impl ErrMode {
+    /// Same host (and IPC namespace) as the holder: shared memory is
+    /// reachable, so mode "none", unless `CONNEX_UCX_ERR_MODE=peer` says
+    /// otherwise. Another host: mode "peer" (on RDMA a dead peer in mode
+    /// "none" is a fatal UCX error).
+    fn for_holder(holder_host: &[u8]) -> Self {
+        match std::env::var("CONNEX_UCX_ERR_MODE").as_deref() {
+            Ok("peer") => Self::Peer,
+            Ok("none") => Self::None,
+            _ if holder_host == host_identity().as_slice() => Self::None,
+            _ => Self::Peer,
+        }
+    }
+
+    fn ucx(self) -> sys::ucp_err_handling_mode_t {
+        match self {
+            Self::Peer => sys::UCP_ERR_HANDLING_MODE_PEER,
+            Self::None => sys::UCP_ERR_HANDLING_MODE_NONE,
+        }
+    }
+}
+
+/// What identifies "this host, this IPC namespace" (shared memory between
+/// two processes needs both): the kernel boot id and the IPC namespace.
+fn host_identity() -> Vec<u8> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let ipc = std::fs::read_link("/proc/self/ns/ipc")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!("{}/{ipc}", boot.trim()).into_bytes()
+}
+
+/// The endpoint bytes a holder publishes: `[host len: u8][host][worker address]`.
+struct HolderEndpoint;
+
+impl HolderEndpoint {
+    fn encode(host: &[u8], address: &[u8]) -> Vec<u8> {
+        let host = &host[..host.len().min(usize::from(u8::MAX))];
+        let mut out = Vec::with_capacity(1 + host.len() + address.len());
+        out.push(host.len() as u8);
+        out.extend_from_slice(host);
+        out.extend_from_slice(address);
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Result<(&[u8], &[u8])> {
+        let (&len, rest) = bytes
+            .split_first()
+            .ok_or_else(|| TransferError::Protocol("empty ucx endpoint".into()))?;
+        let len = usize::from(len);
+        if rest.len() <= len {
+            return Err(TransferError::Protocol("truncated ucx endpoint".into()));
+        }
+        Ok(rest.split_at(len))
+    }
+}
+
+/// How a pull on an endpoint ended.
+enum Ending {
+    /// Every get completed or was cancelled: the endpoint is reusable unless
+    /// the pull failed.
+    Settled,
+    /// Some gets may still write into their destinations: the worker must be
+    /// destroyed before the destinations are given back.
+    Outstanding,
+}
+
 impl ReaderSide {
     /// Issues the gets (a window at a time) and progresses until all are done.
     fn run_gets(
         &self,
         endpoint: &[u8],
         keys: &[Vec<u8>],
-        gets: Vec<Get>,
-        io: Duration,
-    ) -> Result<u32> {
-        let mut eps = self.eps.lock().unwrap_or_else(|e| e.into_inner());
-        let ep = match eps.0.get(endpoint) {
-            Some(ep) => *ep,
-            None => {
-                let ep = self.connect(endpoint)?;
-                eps.0.insert(endpoint.to_vec(), ep);
-                ep
-            }
-        };
-        let mut closed = false;
-        let result = self.gets_on(ep, keys, gets, io, &mut closed);
-        if result.is_err() {
-            // The endpoint may be broken (peer gone, cancelled gets): start afresh next time.
-            eps.0.remove(endpoint);
-            if !closed {
-                self.close(ep);
-            }
-        }
-        result
-    }
-
-    fn connect(&self, endpoint: &[u8]) -> Result<sys::ucp_ep_h> {
-        // SAFETY: the address bytes are a worker address from the holder
-        // (UCX validates them); the params struct is zeroed with masked fields set.
-        unsafe {
-            let mut params: sys::ucp_ep_params_t = std::mem::zeroed();
-            // Error mode "peer": a dead holder fails the gets, and a force
-            // close completes every outstanding get (cancelled), so a failed
-            // pull never leaves UCX writing into its destination. The price
-            // on UCX 1.13: no shared-memory transports in this mode (RMA goes
-            // over tcp/lo, emulated with messages). In mode "none" shared
-            // memory is used (several times faster here) but gets to a dead
-            // peer can never be completed or revoked. See docs/transfer.md.
-            params.field_mask = (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE) as u64;
-            params.address = endpoint.as_ptr().cast();
-            params.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
-            let mut ep = std::ptr::null_mut();
-            check(
-                "ucp_ep_create",
-                sys::ucp_ep_create(self.ucx.worker, &params, &mut ep),
-            )?;
-            Ok(ep)
-        }
-    }
-
-    fn close(&self, ep: sys::ucp_ep_h) {
-        // SAFETY: the endpoint is ours and no request on it is outstanding
-        // (gets_on waits for or cancels every one of them).
-        unsafe {
-            let mut param: sys::ucp_request_param_t = std::mem::zeroed();
-            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
-            param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
-            let request = sys::ucp_ep_close_nbx(ep, &param);
-            if sys::ucs_ptr_is_ptr(request) {
-                let deadline = Instant::now() + Duration::from_secs(1);
-                while sys::ucp_request_check_status(request) == sys::UCS_INPROGRESS
-                    && Instant::now() < deadline
-                {
-                    self.ucx.progress();
-                }
-                sys::ucp_request_free(request);
-            }
-        }
-    }
-
-    fn gets_on(
-        &self,
-        ep: sys::ucp_ep_h,
-        keys: &[Vec<u8>],
         mut gets: Vec<Get>,
         io: Duration,
-        closed: &mut bool,
     ) -> Result<u32> {
-        let mut rkeys = Rkeys(Vec::with_capacity(keys.len()));
-        for key in keys {
-            let mut rkey = std::ptr::null_mut();
-            // SAFETY: unpacks a packed rkey copy; destroyed by `Rkeys` drop.
-            check("ucp_ep_rkey_unpack", unsafe {
-                sys::ucp_ep_rkey_unpack(ep, key.as_ptr().cast(), &mut rkey)
-            })?;
-            rkeys.0.push(rkey);
+        let (host, address) = HolderEndpoint::decode(endpoint)?;
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let state = &mut *state;
+        let ucx = match &mut state.ucx {
+            Some(ucx) => ucx,
+            none => none.insert(Ucx::new()?),
+        };
+        let (ep, mode) = match state.eps.get(address) {
+            Some(&found) => found,
+            None => {
+                let mode = ErrMode::for_holder(host);
+                let ep = connect(ucx, address, mode)?;
+                state.eps.insert(address.to_vec(), (ep, mode));
+                (ep, mode)
+            }
+        };
+        let (result, ending) = gets_on(ucx, ep, mode, keys, &mut gets, io);
+        match ending {
+            Ending::Outstanding => {
+                // Destroying the worker purges its endpoints and every get
+                // still outstanding; only then may the destinations go.
+                state.eps.clear();
+                state.ucx = None;
+                tracing::warn!(
+                    ?mode,
+                    "ucx pull failed with gets outstanding: reader worker reset"
+                );
+            }
+            Ending::Settled if result.is_err() => {
+                // The endpoint may be broken (peer gone): start afresh next time.
+                if let Some((ep, _)) = state.eps.remove(address) {
+                    close(ucx, ep);
+                }
+            }
+            Ending::Settled => {}
         }
-        let mut pending: Vec<sys::ucs_status_ptr_t> = Vec::with_capacity(WINDOW);
-        let mut next = 0usize;
-        let mut last_progress = Instant::now();
-        let mut failure: Option<TransferError> = None;
-        while next < gets.len() || !pending.is_empty() {
-            while failure.is_none() && next < gets.len() && pending.len() < WINDOW {
-                let get = &mut gets[next];
-                let rkey = *rkeys.0.get(get.key).ok_or_else(|| {
-                    TransferError::Protocol(format!("block key {} out of range", get.key))
-                })?;
-                let dest = get.dest.as_mut();
-                // SAFETY: `dest` is a claimed destination that stays valid
-                // (owned by `gets`) until this request completes; the remote
-                // address and rkey come from the holder's descriptor.
-                let request = unsafe {
-                    let param: sys::ucp_request_param_t = std::mem::zeroed();
-                    sys::ucp_get_nbx(
-                        ep,
-                        dest.as_mut_ptr().cast(),
-                        dest.len(),
-                        get.remote,
-                        rkey,
-                        &param,
-                    )
-                };
-                next += 1;
-                if sys::ucs_ptr_is_ptr(request) {
-                    pending.push(request);
-                } else if sys::ucs_ptr_is_err(request) {
-                    failure = Some(fail("ucp_get_nbx", sys::ucs_ptr_raw_status(request)));
-                }
+        drop(gets);
+        result
+    }
+}
+
+fn connect(ucx: &Ucx, address: &[u8], mode: ErrMode) -> Result<sys::ucp_ep_h> {
+    // SAFETY: the address bytes are a worker address from the holder
+    // (UCX validates them); the params struct is zeroed with masked fields set.
+    unsafe {
+        let mut params: sys::ucp_ep_params_t = std::mem::zeroed();
+        params.field_mask = (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+            | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE) as u64;
+        params.address = address.as_ptr().cast();
+        params.err_mode = mode.ucx();
+        let mut ep = std::ptr::null_mut();
+        check(
+            "ucp_ep_create",
+            sys::ucp_ep_create(ucx.worker, &params, &mut ep),
+        )?;
+        Ok(ep)
+    }
+}
+
+/// Force-closes an endpoint in mode "peer" (completing its outstanding
+/// gets as cancelled) and waits a bounded time for the close.
+fn close(ucx: &Ucx, ep: sys::ucp_ep_h) {
+    // SAFETY: the endpoint is ours; its requests are owned by `gets_on`,
+    // which waits for them after a close.
+    unsafe {
+        let mut param: sys::ucp_request_param_t = std::mem::zeroed();
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        let request = sys::ucp_ep_close_nbx(ep, &param);
+        if sys::ucs_ptr_is_ptr(request) {
+            let deadline = Instant::now() + Duration::from_secs(1);
+            while sys::ucp_request_check_status(request) == sys::UCS_INPROGRESS
+                && Instant::now() < deadline
+            {
+                ucx.progress();
             }
-            if pending.is_empty() {
-                if failure.is_some() {
-                    break;
-                }
-                continue;
-            }
-            self.ucx.progress();
-            let before = pending.len();
-            pending.retain(|&request| {
-                // SAFETY: a live request handle of this worker.
-                let status = unsafe { sys::ucp_request_check_status(request) };
-                if status == sys::UCS_INPROGRESS {
-                    return true;
-                }
-                // SAFETY: completed, so ours to free.
-                unsafe { sys::ucp_request_free(request) };
-                if status != sys::UCS_OK && failure.is_none() {
-                    failure = Some(fail("get", status));
-                }
-                false
-            });
-            if pending.len() < before {
-                last_progress = Instant::now();
-            } else if last_progress.elapsed() > io || failure.is_some() {
-                // Nothing finished for a whole I/O timeout (or a get failed):
-                // force-close the endpoint, which completes every get still
-                // outstanding on it (cancelled), and wait for that.
-                self.close(ep);
-                *closed = true;
-                let deadline = Instant::now() + Duration::from_secs(2);
-                while !pending.is_empty() && Instant::now() < deadline {
-                    self.ucx.progress();
-                    pending.retain(|&request| {
-                        // SAFETY: as above.
-                        let done = unsafe { sys::ucp_request_check_status(request) }
-                            != sys::UCS_INPROGRESS;
-                        if done {
-                            // SAFETY: completed (cancelled), ours to free.
-                            unsafe { sys::ucp_request_free(request) };
-                        }
-                        !done
-                    });
-                }
-                if !pending.is_empty() {
-                    // UCX would still write into these destinations: keep them
-                    // (and their claims) forever rather than risk it.
-                    std::mem::forget(gets);
-                    return Err(TransferError::Timeout {
-                        what: "waiting for ucx gets (some never completed)",
-                        after: io,
-                    });
-                }
-                return Err(failure.unwrap_or(TransferError::Timeout {
-                    what: "waiting for ucx gets",
-                    after: io,
-                }));
-            }
-        }
-        match failure {
-            Some(err) => Err(err),
-            None => Ok(WINDOW.min(gets.len()).max(1) as u32),
+            sys::ucp_request_free(request);
         }
     }
 }
 
+/// Frees the requests that have completed; returns whether any did and
+/// records the first failure.
+fn reap(pending: &mut Vec<sys::ucs_status_ptr_t>, failure: &mut Option<TransferError>) -> bool {
+    let before = pending.len();
+    pending.retain(|&request| {
+        // SAFETY: a live request handle of this worker.
+        let status = unsafe { sys::ucp_request_check_status(request) };
+        if status == sys::UCS_INPROGRESS {
+            return true;
+        }
+        // SAFETY: completed, so ours to free.
+        unsafe { sys::ucp_request_free(request) };
+        if status != sys::UCS_OK && status != sys::UCS_ERR_CANCELED && failure.is_none() {
+            *failure = Some(fail("get", status));
+        }
+        false
+    });
+    pending.len() < before
+}
+
+fn gets_on(
+    ucx: &Ucx,
+    ep: sys::ucp_ep_h,
+    mode: ErrMode,
+    keys: &[Vec<u8>],
+    gets: &mut [Get],
+    io: Duration,
+) -> (Result<u32>, Ending) {
+    let mut rkeys = Rkeys(Vec::with_capacity(keys.len()));
+    for key in keys {
+        let mut rkey = std::ptr::null_mut();
+        // SAFETY: unpacks a packed rkey copy; destroyed by `Rkeys` drop.
+        let status = unsafe { sys::ucp_ep_rkey_unpack(ep, key.as_ptr().cast(), &mut rkey) };
+        if status != sys::UCS_OK {
+            return (Err(fail("ucp_ep_rkey_unpack", status)), Ending::Settled);
+        }
+        rkeys.0.push(rkey);
+    }
+    let mut pending: Vec<sys::ucs_status_ptr_t> = Vec::with_capacity(WINDOW);
+    let mut next = 0usize;
+    let mut last_progress = Instant::now();
+    let mut failure: Option<TransferError> = None;
+    while failure.is_none() && (next < gets.len() || !pending.is_empty()) {
+        while failure.is_none() && next < gets.len() && pending.len() < WINDOW {
+            let get = &mut gets[next];
+            let Some(&rkey) = rkeys.0.get(get.key) else {
+                failure = Some(TransferError::Protocol(format!(
+                    "block key {} out of range",
+                    get.key
+                )));
+                break;
+            };
+            let dest = get.dest.as_mut();
+            // SAFETY: `dest` is a claimed destination that stays valid
+            // (owned by the caller) until this request completes or the
+            // worker is destroyed; remote address and rkey come from the
+            // holder's descriptor.
+            let request = unsafe {
+                let param: sys::ucp_request_param_t = std::mem::zeroed();
+                sys::ucp_get_nbx(
+                    ep,
+                    dest.as_mut_ptr().cast(),
+                    dest.len(),
+                    get.remote,
+                    rkey,
+                    &param,
+                )
+            };
+            next += 1;
+            if sys::ucs_ptr_is_ptr(request) {
+                pending.push(request);
+            } else if sys::ucs_ptr_is_err(request) {
+                failure = Some(fail("ucp_get_nbx", sys::ucs_ptr_raw_status(request)));
+            }
+        }
+        if pending.is_empty() {
+            continue;
+        }
+        ucx.progress();
+        if reap(&mut pending, &mut failure) {
+            last_progress = Instant::now();
+        } else if last_progress.elapsed() > io {
+            failure = Some(TransferError::Timeout {
+                what: "waiting for ucx gets",
+                after: io,
+            });
+        }
+    }
+    let Some(failure) = failure else {
+        return (Ok(WINDOW.min(gets.len()).max(1) as u32), Ending::Settled);
+    };
+    if pending.is_empty() {
+        return (Err(failure), Ending::Settled);
+    }
+    if mode == ErrMode::Peer {
+        // A force close completes every get still outstanding (cancelled).
+        close(ucx, ep);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !pending.is_empty() && Instant::now() < deadline {
+            ucx.progress();
+            let mut ignored = None;
+            reap(&mut pending, &mut ignored);
+        }
+    }
+    let ending = if pending.is_empty() {
+        Ending::Settled
+    } else {
+        Ending::Outstanding
+    };
+    (Err(failure), ending)
+}
 /// Unpacked rkeys of one pull; destroyed on drop.
 struct Rkeys(Vec<sys::ucp_rkey_h>);
 
@@ -536,11 +663,12 @@ impl Drop for Rkeys {
     }
 }
 
-impl Drop for ReaderSide {
+impl Drop for ReaderState {
     fn drop(&mut self) {
-        let eps = std::mem::take(&mut self.eps.get_mut().unwrap_or_else(|e| e.into_inner()).0);
-        for (_, ep) in eps {
-            self.close(ep);
+        if let Some(ucx) = &self.ucx {
+            for (_, (ep, _)) in self.eps.drain() {
+                close(ucx, ep);
+            }
         }
     }
 }
