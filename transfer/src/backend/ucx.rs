@@ -20,6 +20,7 @@
 //!   pull starts a fresh one.
 //! - another host: mode "peer" (on RDMA a dead peer in mode "none" is fatal):
 //!   a failed pull force-closes the endpoint, which cancels its gets.
+//!
 //! `CONNEX_UCX_ERR_MODE=peer|none` overrides the choice.
 #![allow(unsafe_code)]
 
