@@ -320,7 +320,11 @@ async fn run(args: Args) -> Result<(), String> {
         let label = target.label();
         target.verify(&want).map_err(|e| format!("{label}: {e}"))?;
     }
-    println!("tcp_backend_vs_socket_ratio={worst_tcp:.3}");
+    if worst_tcp.is_finite() {
+        println!("tcp_backend_vs_socket_ratio={worst_tcp:.3}");
+    } else {
+        println!("(the tcp backend was not among --backends: no tcp_backend_vs_socket_ratio)");
+    }
     Ok(())
 }
 
