@@ -59,15 +59,8 @@ impl Store for MemoryStore {
 
     fn spawn(&self, tasks: &mut JoinSet<()>, shutdown: CancellationToken) {
         let view = self.view.clone();
-        let period = (self.ttl / 4).max(Duration::from_millis(100));
-        tasks.spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tick.tick() => view.reap(),
-                }
-            }
+        super::every(tasks, shutdown, super::sweep_period(self.ttl), move || {
+            view.reap()
         });
     }
 

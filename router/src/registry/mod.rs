@@ -440,3 +440,27 @@ impl From<RegistryError> for crate::error::ApiError {
         crate::error::ApiError::Unavailable(err.to_string())
     }
 }
+
+/// Runs `work` every `period` on `tasks` until `shutdown` (the sweeps both
+/// stores run over their view: reaping missed heartbeats, reviving marks).
+pub(crate) fn every(
+    tasks: &mut JoinSet<()>,
+    shutdown: CancellationToken,
+    period: Duration,
+    mut work: impl FnMut() + Send + 'static,
+) {
+    tasks.spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tick.tick() => work(),
+            }
+        }
+    });
+}
+
+/// How often a store sweeps its view: a quarter of the heartbeat TTL.
+pub(crate) fn sweep_period(ttl: Duration) -> Duration {
+    (ttl / 4).max(Duration::from_millis(100))
+}

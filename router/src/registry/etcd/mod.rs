@@ -293,15 +293,8 @@ impl Store for EtcdStore {
         // outlives the mark (heartbeats kept arriving, at this or another replica).
         let view = self.view.clone();
         let after = self.ttl + Duration::from_secs(2);
-        let period = (self.ttl / 4).max(Duration::from_millis(100));
-        tasks.spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tick.tick() => view.revive(after),
-                }
-            }
+        super::every(tasks, shutdown, super::sweep_period(self.ttl), move || {
+            view.revive(after)
         });
     }
 
