@@ -178,6 +178,17 @@ class Engine:
         return sum_metric(text, name)
 
 
+def wait_for(check, timeout_s: float, what: str):
+    """Polls `check` until it returns something truthy (returned) or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def sum_metric(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():

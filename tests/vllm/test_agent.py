@@ -14,16 +14,6 @@ import pytest
 from connex.agent import Agent
 
 
-def wait_for(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def by_id(router: harness.Router) -> dict[str, dict]:
     return {i["id"]: i for i in router.instances()}
 
@@ -89,7 +79,7 @@ def test_cli_agent_registers_a_vllm_engine_and_deregisters_on_sigterm(router, pl
         text=True,
     )
     try:
-        instance = wait_for(lambda: by_id(router).get("d-cli"), 15, "registration")
+        instance = harness.wait_for(lambda: by_id(router).get("d-cli"), 15, "registration")
         assert instance["url"] == plain.url
         assert instance["role"] == "decode"
         assert instance["model"] == harness.MODEL_NAME
@@ -113,7 +103,7 @@ def test_agent_registers_again_when_the_router_forgets_it(router):
     agent = Agent(router.url, "prefill", engine.url, "m", ctrl="127.0.0.1:7001", instance_id="p1")
     agent.start()
     try:
-        instance = wait_for(lambda: by_id(router).get("p1"), 10, "registration")
+        instance = harness.wait_for(lambda: by_id(router).get("p1"), 10, "registration")
         assert instance["ctrl"] == "127.0.0.1:7001"
         assert instance["role"] == "prefill"
         reply = httpx.delete(
@@ -121,7 +111,7 @@ def test_agent_registers_again_when_the_router_forgets_it(router):
             headers={"Authorization": f"Bearer {router.ADMIN_TOKEN}"},
         )
         assert reply.status_code in (200, 204)
-        wait_for(lambda: "p1" in by_id(router), 5, "re-registration")
+        harness.wait_for(lambda: "p1" in by_id(router), 5, "re-registration")
         assert agent.registrations == 2
     finally:
         agent.stop()
@@ -137,13 +127,13 @@ def test_agent_waits_for_a_healthy_engine_and_lets_a_sick_one_die(router):
         time.sleep(1.5)
         assert "d1" not in by_id(router), "registered an engine that is not healthy"
         engine.healthy = True
-        wait_for(lambda: by_id(router).get("d1", {}).get("state") == "ready", 10, "ready")
+        harness.wait_for(lambda: by_id(router).get("d1", {}).get("state") == "ready", 10, "ready")
         # Unhealthy: no heartbeats, so the router's TTL marks it dead ...
         engine.healthy = False
-        wait_for(lambda: by_id(router)["d1"]["state"] == "dead", 10, "dead")
+        harness.wait_for(lambda: by_id(router)["d1"]["state"] == "dead", 10, "dead")
         # ... and it comes back when the engine does.
         engine.healthy = True
-        wait_for(lambda: by_id(router)["d1"]["state"] == "ready", 10, "alive again")
+        harness.wait_for(lambda: by_id(router)["d1"]["state"] == "ready", 10, "alive again")
     finally:
         agent.stop()
         engine.close()

@@ -32,16 +32,6 @@ def fresh(tag: str, lines: int = 6) -> str:
 fresh.count = 0
 
 
-def wait_for(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def stream_completion(url: str, body: dict) -> tuple[list[int], str, dict]:
     ids, text, last = [], "", {}
     for event in harness.stream_events(url, "/v1/completions", body):
@@ -141,11 +131,11 @@ def test_decoder_releases_the_hold_when_its_request_finishes(cluster):
     assert params["remote_ctrl"] == ctrl
     got = harness.complete(cluster["d1"].url, prompt, 24, kv_transfer_params=params)
     assert got["choices"][0]["token_ids"] == want["token_ids"]
-    wait_for(lambda: hold(ctrl, params["transfer_id"]) is None, 10, "release")
+    harness.wait_for(lambda: hold(ctrl, params["transfer_id"]) is None, 10, "release")
     after = stats(ctrl)
     assert after["pulls"] - before["pulls"] == 1
     assert after["releases"] - before["releases"] == 1
-    wait_for(lambda: kv_usage(cluster["prefill"]) == 0, 10, "prefill blocks freed")
+    harness.wait_for(lambda: kv_usage(cluster["prefill"]) == 0, 10, "prefill blocks freed")
 
 
 def test_full_local_prefix_hit_pulls_nothing_and_releases(cluster):
@@ -163,7 +153,7 @@ def test_full_local_prefix_hit_pulls_nothing_and_releases(cluster):
     got = harness.complete(d1.url, ids, 30, kv_transfer_params=params | {"resume_epoch": 1})
     assert got["choices"][0]["token_ids"] == want["token_ids"]
     assert stats(ctrl)["pulls"] == before["pulls"]
-    wait_for(lambda: hold(ctrl, params["transfer_id"]) is None, 10, "release")
+    harness.wait_for(lambda: hold(ctrl, params["transfer_id"]) is None, 10, "release")
     assert d1.alive()
 
 
@@ -199,10 +189,12 @@ def test_hold_expires_after_retain_s_and_frees_the_blocks(cluster):
     assert kv_usage(cluster["prefill"]) > 0
     time.sleep(cluster.RETAIN_S / 2)
     assert hold(ctrl, params["transfer_id"]) is not None
-    wait_for(lambda: hold(ctrl, params["transfer_id"]) is None, cluster.RETAIN_S + 10, "expiry")
+    harness.wait_for(
+        lambda: hold(ctrl, params["transfer_id"]) is None, cluster.RETAIN_S + 10, "expiry"
+    )
     assert time.monotonic() - began >= cluster.RETAIN_S * 0.9
     assert stats(ctrl)["expiries"] - before["expiries"] == 1
-    wait_for(lambda: kv_usage(cluster["prefill"]) == 0, 10, "prefill blocks freed")
+    harness.wait_for(lambda: kv_usage(cluster["prefill"]) == 0, 10, "prefill blocks freed")
 
 
 def test_after_pull_frees_the_hold_on_first_read(cluster):
@@ -225,7 +217,7 @@ def test_after_pull_frees_the_hold_on_first_read(cluster):
             assert hold(ctrl, params["transfer_id"]) is None
             assert stats(ctrl)["pulls"] == 1
     assert ids == want["token_ids"]
-    wait_for(lambda: kv_usage(p_after) == 0, 10, "prefill blocks freed")
+    harness.wait_for(lambda: kv_usage(p_after) == 0, 10, "prefill blocks freed")
 
 
 # ---- resume -------------------------------------------------------------------------
@@ -294,7 +286,7 @@ def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
         pytest.fail("the decoder finished before the client saw token k, three times")
     ids, text, killed = outcome
     assert killed is not None
-    wait_for(lambda: not killed.alive(), 10, "the killed decoder to exit")
+    harness.wait_for(lambda: not killed.alive(), 10, "the killed decoder to exit")
     assert ids == want["token_ids"]
     assert text == want["text"]
     # The router resumed it, once.
@@ -302,7 +294,7 @@ def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
     # One prefill only.
     assert cluster["prefill"].metric("vllm:request_success_total") - prefill_requests == 1
     # Pulled by the first decoder and by the one that took over; released once.
-    wait_for(lambda: stats(ctrl)["releases"] > before["releases"], 10, "release")
+    harness.wait_for(lambda: stats(ctrl)["releases"] > before["releases"], 10, "release")
     after = stats(ctrl)
     assert after["pulls"] - before["pulls"] == 2
     assert after["releases"] - before["releases"] == 1
