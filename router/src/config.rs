@@ -120,11 +120,35 @@ pub struct RouterConfig {
     /// How long a resume waits for a decoder to become eligible when none is.
     #[arg(long, env = "CONNEX_RESUME_WAIT_MS", default_value_t = 2000)]
     pub resume_wait_ms: u64,
+    /// How often the router probes every ready instance's `/health`, in
+    /// milliseconds (0: no probes; heartbeats and stream errors only).
+    #[arg(long, env = "CONNEX_HEALTH_CHECK_INTERVAL_MS", default_value_t = 1000)]
+    pub health_check_interval_ms: u64,
+    /// Time limit of one probe, in milliseconds.
+    #[arg(long, env = "CONNEX_HEALTH_CHECK_TIMEOUT_MS", default_value_t = 2000)]
+    pub health_check_timeout_ms: u64,
+    /// Failed probes in a row after which an instance is declared dead (its
+    /// streams resume elsewhere; a heartbeat brings it back).
+    #[arg(
+        long,
+        env = "CONNEX_HEALTH_CHECK_FAILURES",
+        default_value_t = 3,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub health_check_failures: u32,
 }
 
 impl RouterConfig {
     pub fn heartbeat_ttl(&self) -> Duration {
         Duration::from_secs(self.heartbeat_ttl_s)
+    }
+
+    pub fn health_checks(&self) -> crate::health::HealthChecks {
+        crate::health::HealthChecks {
+            interval: Duration::from_millis(self.health_check_interval_ms),
+            timeout: Duration::from_millis(self.health_check_timeout_ms),
+            failures: self.health_check_failures,
+        }
     }
 }
 

@@ -5,6 +5,7 @@ pub mod api;
 pub mod config;
 pub mod demo;
 pub mod error;
+pub mod health;
 pub mod holds;
 pub mod journal;
 pub mod metrics;
@@ -74,6 +75,10 @@ impl Router {
             }
         });
         state.registry.spawn(&mut tasks, shutdown.clone());
+        state
+            .config
+            .health_checks()
+            .spawn(state.clone(), &mut tasks, shutdown.clone());
         state.holds.spawn_keeper(
             releases,
             state.journal.clone(),

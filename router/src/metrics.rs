@@ -19,6 +19,7 @@ pub const FAILED_AFTER_RESUME: &str = "connex_requests_failed_after_resume_total
 pub const REPREFILLS: &str = "connex_reprefills_total";
 pub const HOLDS_RELEASED: &str = "connex_holds_released_total";
 pub const HOLDS_RENEWED: &str = "connex_holds_renewed_total";
+pub const HEALTH_CHECK_FAILURES: &str = "connex_health_check_failures_total";
 
 /// Every metric name, for the test that checks they are all emitted.
 pub const ALL: &[&str] = &[
@@ -36,6 +37,7 @@ pub const ALL: &[&str] = &[
     REPREFILLS,
     HOLDS_RELEASED,
     HOLDS_RENEWED,
+    HEALTH_CHECK_FAILURES,
 ];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -120,4 +122,9 @@ pub fn hold_released(outcome: &'static str) {
 /// A renewal of the hold of a long request: `renewed`, `gone` or `failed`.
 pub fn hold_renewed(outcome: &'static str) {
     counter!(HOLDS_RENEWED, "outcome" => outcome).increment(1);
+}
+
+/// A failed `/health` probe of an instance.
+pub fn health_check_failed(instance: &str) {
+    counter!(HEALTH_CHECK_FAILURES, "instance" => instance.to_string()).increment(1);
 }

@@ -19,14 +19,21 @@ const PROMPT: &str = "The quick brown fox";
 
 /// A router replica on `etcd` under `prefix`, with a heartbeat TTL.
 fn replica(etcd_url: &str, prefix: &str, ttl_s: u64) -> Proc {
-    router(&[
+    replica_with(etcd_url, prefix, ttl_s, &[])
+}
+
+fn replica_with(etcd_url: &str, prefix: &str, ttl_s: u64, extra: &[&str]) -> Proc {
+    let ttl_s = ttl_s.to_string();
+    let mut flags = vec![
         "--etcd",
         etcd_url,
         "--etcd-prefix",
         prefix,
         "--heartbeat-ttl-s",
-        &ttl_s.to_string(),
-    ])
+        &ttl_s,
+    ];
+    flags.extend_from_slice(extra);
+    router(&flags)
 }
 
 /// Waits until the replica has listed etcd's membership.
@@ -215,8 +222,11 @@ async fn a_drain_on_b_stops_new_traffic_on_a_and_migrate_reaches_a() {
 async fn heartbeats_to_any_replica_keep_an_instance_and_it_vanishes_from_both_after_its_ttl() {
     let etcd = Etcd::start();
     let ttl = Duration::from_secs(2);
-    let a = replica(&etcd.url, "/ttl", 2);
-    let b = replica(&etcd.url, "/ttl", 2);
+    // "hb" below has an address where nothing listens: no health probes, so
+    // that only heartbeats decide whether it lives.
+    let no_probes = ["--health-check-interval-ms", "0"];
+    let a = replica_with(&etcd.url, "/ttl", 2, &no_probes);
+    let b = replica_with(&etcd.url, "/ttl", 2, &no_probes);
     wait_connected(&a).await;
     wait_connected(&b).await;
 

@@ -34,6 +34,9 @@ enum Fault {
     Stall,
     /// The process is frozen (SIGSTOP): heartbeats stop and the TTL declares it dead.
     Dead,
+    /// The process is frozen (SIGSTOP) with a long heartbeat TTL and stall
+    /// timeout: only the router's `/health` probes can declare it dead.
+    Hung,
     /// `drain?migrate=true` while the stream runs.
     Migrate,
     /// HTTP 503 before any token.
@@ -49,7 +52,9 @@ impl Fault {
             Fault::Truncate => &["--truncate-after-tokens", &k],
             Fault::ErrorEvent => &["--error-after-tokens", &k],
             Fault::FinishError => &["--finish-error-after-tokens", &k],
-            Fault::Stall | Fault::Dead | Fault::Migrate => &["--stall-after-tokens", &k],
+            Fault::Stall | Fault::Dead | Fault::Hung | Fault::Migrate => {
+                &["--stall-after-tokens", &k]
+            }
             Fault::Refuse5xx => &["--fail-status", "503"],
         };
         flags.iter().map(|s| s.to_string()).collect()
@@ -59,6 +64,18 @@ impl Fault {
         match self {
             Fault::Stall => &["--stall-timeout-ms", "500"],
             Fault::Dead => &["--heartbeat-ttl-s", "1"],
+            Fault::Hung => &[
+                "--heartbeat-ttl-s",
+                "60",
+                "--stall-timeout-ms",
+                "30000",
+                "--health-check-interval-ms",
+                "100",
+                "--health-check-timeout-ms",
+                "200",
+                "--health-check-failures",
+                "2",
+            ],
             _ => &[],
         }
     }
@@ -72,7 +89,7 @@ impl Fault {
             Fault::Truncate => "truncated",
             Fault::ErrorEvent | Fault::FinishError | Fault::Refuse5xx => "5xx",
             Fault::Stall => "stall",
-            Fault::Dead => "dead",
+            Fault::Dead | Fault::Hung => "dead",
             Fault::Migrate => "migrate",
         }
     }
@@ -110,7 +127,7 @@ async fn cluster(fault: Fault, k: usize, router_flags: &[&str]) -> Cluster {
 /// For the faults the test causes from outside: waits until `d0` has emitted `k`
 /// tokens (it stalls there), then freezes it or migrates away from it.
 async fn trigger(fault: Fault, cluster: &Cluster, k: usize) {
-    if !matches!(fault, Fault::Dead | Fault::Migrate) {
+    if !matches!(fault, Fault::Dead | Fault::Hung | Fault::Migrate) {
         return;
     }
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -125,7 +142,7 @@ async fn trigger(fault: Fault, cluster: &Cluster, k: usize) {
         assert!(Instant::now() < deadline, "d0 never reached token {k}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    if fault == Fault::Dead {
+    if matches!(fault, Fault::Dead | Fault::Hung) {
         cluster.faulty.signal("STOP");
         return;
     }
@@ -347,6 +364,14 @@ async fn resume_case(fault: Fault, k: usize, shape: Shape) {
         metric(&text, "connex_resume_latency_seconds_count", &[]),
         1.0
     );
+    if fault == Fault::Hung {
+        let failed = metric(
+            &text,
+            "connex_health_check_failures_total",
+            &["instance=\"d0\""],
+        );
+        assert!(failed >= 2.0, "{context}: {text}");
+    }
 
     // The healthy decoder continued the request from the hold: prompt ids plus
     // the k tokens generated so far, computing only those k itself.
@@ -423,6 +448,11 @@ async fn stalled_decoder_is_resumed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decoder_declared_dead_is_resumed() {
     resume_cases(Fault::Dead, &[1, 8, MAX_TOKENS - 1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_decoder_failing_health_checks_is_resumed() {
+    resume_cases(Fault::Hung, &[1, MAX_TOKENS - 1]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

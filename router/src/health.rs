@@ -1,0 +1,93 @@
+//! Active health checks: the router probes the `/health` of every ready
+//! instance and declares dead one that fails `--health-check-failures` probes
+//! in a row. Heartbeats say that an instance's agent lives; a probe says that
+//! its server answers. The difference matters for resume: a decoder that hangs,
+//! or whose process is being torn down after a crash (its sockets stay open
+//! while the kernel frees its memory), sends no bytes and closes nothing, so
+//! without probes its streams wait for the stall timeout or the heartbeat TTL.
+//! Declared dead, its streams resume at once (cause `dead`), and it gets no new
+//! requests until a heartbeat says it is back.
+
+use crate::metrics;
+use crate::registry::{Instance, Lifecycle, Registry};
+use crate::state::AppState;
+use futures_util::future::join_all;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// How the probes run (`--health-check-*`).
+#[derive(Debug, Clone, Copy)]
+pub struct HealthChecks {
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub failures: u32,
+}
+
+impl HealthChecks {
+    /// Starts the probing task on `tasks`, stopped by `shutdown`; a zero
+    /// interval turns probing off.
+    pub fn spawn(self, state: Arc<AppState>, tasks: &mut JoinSet<()>, shutdown: CancellationToken) {
+        if self.interval.is_zero() {
+            return;
+        }
+        tasks.spawn(async move {
+            let mut failed: HashMap<String, u32> = HashMap::new();
+            let mut tick = tokio::time::interval(self.interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tick.tick() => {}
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = self.round(&state.registry, &state.client, &mut failed) => {}
+                }
+            }
+        });
+    }
+
+    /// Probes every ready instance at once; counts failures in a row.
+    async fn round(
+        &self,
+        registry: &Registry,
+        client: &reqwest::Client,
+        failed: &mut HashMap<String, u32>,
+    ) {
+        let ready: Vec<Arc<Instance>> = registry
+            .list()
+            .into_iter()
+            .filter(|i| i.lifecycle() == Lifecycle::Ready)
+            .collect();
+        let outcomes = join_all(ready.iter().map(|i| self.probe(client, i))).await;
+        // Forget instances that are no longer ready (dead, drained, removed).
+        failed.retain(|id, _| ready.iter().any(|i| &i.id == id));
+        for (instance, outcome) in ready.iter().zip(outcomes) {
+            let Err(why) = outcome else {
+                failed.remove(&instance.id);
+                continue;
+            };
+            metrics::health_check_failed(&instance.id);
+            let count = failed.entry(instance.id.clone()).or_default();
+            *count += 1;
+            tracing::warn!(id = %instance.id, %why, failures = *count, "health check failed");
+            if *count >= self.failures {
+                failed.remove(&instance.id);
+                registry.mark_dead(&instance.id);
+            }
+        }
+    }
+
+    async fn probe(&self, client: &reqwest::Client, instance: &Instance) -> Result<(), String> {
+        let url = format!("{}/health", instance.url.trim_end_matches('/'));
+        match client.get(url).timeout(self.timeout).send().await {
+            Ok(reply) if reply.status().is_success() => Ok(()),
+            Ok(reply) => Err(format!("HTTP {}", reply.status())),
+            Err(err) if err.is_timeout() => Err(format!("no answer in {:?}", self.timeout)),
+            Err(err) => Err(err.to_string()),
+        }
+    }
+}
