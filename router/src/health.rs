@@ -6,7 +6,9 @@
 //! while the kernel frees its memory), sends no bytes and closes nothing, so
 //! without probes its streams wait for the stall timeout or the heartbeat TTL.
 //! Declared dead, its streams resume at once (cause `dead`), and it gets no new
-//! requests until a heartbeat says it is back.
+//! requests until a probe succeeds again: not a heartbeat, since the agent
+//! that sends them can outlive the server (vLLM's API server answers `/health`
+//! with 503 once its engine core died, while its process heartbeats on).
 
 use crate::metrics;
 use crate::registry::{Instance, Lifecycle, Registry};
@@ -50,22 +52,30 @@ impl HealthChecks {
         });
     }
 
-    /// Probes every ready instance at once; counts failures in a row.
+    /// Probes every ready instance, and every one the probes declared dead, at
+    /// once; counts failures in a row.
     async fn round(
         &self,
         registry: &Registry,
         client: &reqwest::Client,
         failed: &mut HashMap<String, u32>,
     ) {
-        let ready: Vec<Arc<Instance>> = registry
+        let probed: Vec<Arc<Instance>> = registry
             .list()
             .into_iter()
-            .filter(|i| i.lifecycle() == Lifecycle::Ready)
+            .filter(|i| i.lifecycle() == Lifecycle::Ready || i.is_unhealthy())
             .collect();
-        let outcomes = join_all(ready.iter().map(|i| self.probe(client, i))).await;
-        // Forget instances that are no longer ready (dead, drained, removed).
-        failed.retain(|id, _| ready.iter().any(|i| &i.id == id));
-        for (instance, outcome) in ready.iter().zip(outcomes) {
+        let outcomes = join_all(probed.iter().map(|i| self.probe(client, i))).await;
+        // Forget instances that are no longer probed (dead, drained, removed).
+        failed.retain(|id, _| probed.iter().any(|i| &i.id == id));
+        for (instance, outcome) in probed.iter().zip(outcomes) {
+            if instance.is_unhealthy() {
+                // Out of rotation until it answers again.
+                if outcome.is_ok() {
+                    registry.mark_healthy(&instance.id);
+                }
+                continue;
+            }
             let Err(why) = outcome else {
                 failed.remove(&instance.id);
                 continue;
@@ -76,7 +86,7 @@ impl HealthChecks {
             tracing::warn!(id = %instance.id, %why, failures = *count, "health check failed");
             if *count >= self.failures {
                 failed.remove(&instance.id);
-                registry.mark_dead(&instance.id);
+                registry.mark_unhealthy(&instance.id);
             }
         }
     }

@@ -37,6 +37,10 @@ enum Fault {
     /// The process is frozen (SIGSTOP) with a long heartbeat TTL and stall
     /// timeout: only the router's `/health` probes can declare it dead.
     Hung,
+    /// The engine core dies: streams stop, `/health` answers 503, and the
+    /// engine keeps heartbeating: only the probes can declare it dead, and
+    /// its heartbeats must not bring it back.
+    EngineDead,
     /// `drain?migrate=true` while the stream runs.
     Migrate,
     /// HTTP 503 before any token.
@@ -55,6 +59,7 @@ impl Fault {
             Fault::Stall | Fault::Dead | Fault::Hung | Fault::Migrate => {
                 &["--stall-after-tokens", &k]
             }
+            Fault::EngineDead => &["--engine-dead-after-tokens", &k],
             Fault::Refuse5xx => &["--fail-status", "503"],
         };
         flags.iter().map(|s| s.to_string()).collect()
@@ -67,6 +72,18 @@ impl Fault {
             Fault::Hung => &[
                 "--heartbeat-ttl-s",
                 "60",
+                "--stall-timeout-ms",
+                "30000",
+                "--health-check-interval-ms",
+                "100",
+                "--health-check-timeout-ms",
+                "200",
+                "--health-check-failures",
+                "2",
+            ],
+            Fault::EngineDead => &[
+                "--heartbeat-ttl-s",
+                "2",
                 "--stall-timeout-ms",
                 "30000",
                 "--health-check-interval-ms",
@@ -89,7 +106,7 @@ impl Fault {
             Fault::Truncate => "truncated",
             Fault::ErrorEvent | Fault::FinishError | Fault::Refuse5xx => "5xx",
             Fault::Stall => "stall",
-            Fault::Dead | Fault::Hung => "dead",
+            Fault::Dead | Fault::Hung | Fault::EngineDead => "dead",
             Fault::Migrate => "migrate",
         }
     }
@@ -364,7 +381,7 @@ async fn resume_case(fault: Fault, k: usize, shape: Shape) {
         metric(&text, "connex_resume_latency_seconds_count", &[]),
         1.0
     );
-    if fault == Fault::Hung {
+    if matches!(fault, Fault::Hung | Fault::EngineDead) {
         let failed = metric(
             &text,
             "connex_health_check_failures_total",
@@ -410,6 +427,37 @@ async fn resume_case(fault: Fault, k: usize, shape: Shape) {
         "{context}"
     );
     assert_no_holds_left(&cluster._prefill).await;
+    if fault == Fault::EngineDead {
+        assert_stays_out_while_heartbeating(&cluster, shape, &context).await;
+    }
+}
+
+/// A decoder whose probes fail stays out of rotation though it heartbeats on:
+/// new requests all go to the healthy one, with no failover.
+async fn assert_stays_out_while_heartbeating(cluster: &Cluster, shape: Shape, context: &str) {
+    // Two heartbeat intervals (a third of the 2 s TTL) at least.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let listed = instances(&cluster.router).await;
+    let d0 = listed.iter().find(|i| i["id"] == "d0").unwrap();
+    assert_eq!(d0["state"], "dead", "{context}: {d0}");
+    assert_eq!(d0["unhealthy"], true, "{context}: {d0}");
+    let age = d0["last_heartbeat_ms_ago"].as_u64().unwrap();
+    assert!(age < 1000, "{context}: d0 stopped heartbeating: {d0}");
+    for _ in 0..3 {
+        assert_uninterrupted(
+            &request(&cluster.router, shape, json!({})).await,
+            shape,
+            context,
+        );
+    }
+    assert_eq!(engine_requests(&cluster.faulty).await.len(), 1, "{context}");
+    assert_eq!(
+        engine_requests(&cluster.healthy).await.len(),
+        4,
+        "{context}"
+    );
+    let text = metrics_text(&cluster.router).await;
+    assert_eq!(metric(&text, "connex_resumes_total", &[]), 1.0, "{context}");
 }
 
 async fn resume_cases(fault: Fault, ks: &[usize]) {
@@ -453,6 +501,11 @@ async fn decoder_declared_dead_is_resumed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hung_decoder_failing_health_checks_is_resumed() {
     resume_cases(Fault::Hung, &[1, MAX_TOKENS - 1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decoder_whose_engine_died_is_resumed_and_kept_out() {
+    resume_cases(Fault::EngineDead, &[1, MAX_TOKENS - 1]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

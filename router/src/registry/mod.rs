@@ -24,7 +24,7 @@ use crate::config::RouterConfig;
 use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use status::StoreStatus;
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -126,6 +126,10 @@ pub struct Instance {
     /// instance dead on its own (`mark_dead`): etcd revives it from these.
     stored: Mutex<Lifecycle>,
     marked_dead_at: Mutex<Option<Instant>>,
+    /// Dead because its `/health` probes failed: only a probe that succeeds
+    /// brings it back, not a heartbeat (the agent that sends them may outlive
+    /// the server it speaks for).
+    unhealthy: AtomicBool,
     /// The view's membership generation, bumped by every lifecycle change so
     /// that the view's cached candidate lists are rebuilt.
     generation: Arc<AtomicU64>,
@@ -147,6 +151,7 @@ impl Instance {
             revision: AtomicI64::new(0),
             stored: Mutex::new(Lifecycle::Ready),
             marked_dead_at: Mutex::new(None),
+            unhealthy: AtomicBool::new(false),
             generation,
         }
     }
@@ -161,14 +166,25 @@ impl Instance {
     }
 
     /// A lifecycle the store decided (registration, drain, activate, a record
-    /// from etcd): it also ends a local dead mark.
+    /// from etcd): it also ends a local dead mark (a probe will find a server
+    /// that still fails).
     fn set_stored(&self, state: Lifecycle) {
         *self.stored.lock().unwrap_or_else(|e| e.into_inner()) = state;
         *self
             .marked_dead_at
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = None;
+        self.unhealthy.store(false, Ordering::Relaxed);
         self.set_lifecycle(state);
+    }
+
+    fn stored(&self) -> Lifecycle {
+        *self.stored.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the health checks declared the instance dead (and still do).
+    pub fn is_unhealthy(&self) -> bool {
+        self.unhealthy.load(Ordering::Relaxed)
     }
 
     fn set_lifecycle(&self, state: Lifecycle) {
@@ -230,7 +246,8 @@ impl Instance {
     pub fn view(&self) -> serde_json::Value {
         serde_json::json!({
             "id": self.id, "role": self.role, "url": self.url, "model": self.model,
-            "ctrl": self.ctrl, "state": self.lifecycle(), "inflight": self.inflight(),
+            "ctrl": self.ctrl, "state": self.lifecycle(), "unhealthy": self.is_unhealthy(),
+            "inflight": self.inflight(),
             "served": self.served.load(Ordering::Relaxed),
             "last_heartbeat_ms_ago": self.heartbeat_age().as_millis() as u64,
         })
@@ -396,6 +413,19 @@ impl Registry {
     /// gone after all and gets its stored state back.
     pub fn mark_dead(&self, id: &str) {
         self.view.mark_dead(id);
+    }
+
+    /// Marks an instance dead because its health probes fail: it stays dead,
+    /// whatever its heartbeats say, until [`Registry::mark_healthy`]. This
+    /// replica's judgement, like `mark_dead`.
+    pub fn mark_unhealthy(&self, id: &str) {
+        self.view.mark_unhealthy(id);
+    }
+
+    /// A probe of an instance marked unhealthy succeeded: it gets its stored
+    /// state back.
+    pub fn mark_healthy(&self, id: &str) {
+        self.view.mark_healthy(id);
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Instance>> {

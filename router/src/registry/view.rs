@@ -147,6 +147,34 @@ impl View {
         }
     }
 
+    /// The health checker's finding that a ready instance's server fails its
+    /// probes: dead until a probe succeeds again (see [`Instance::is_unhealthy`]).
+    pub fn mark_unhealthy(&self, id: &str) {
+        let Some(instance) = self.get(id) else {
+            return;
+        };
+        if instance.lifecycle() == Lifecycle::Ready {
+            tracing::warn!(%id, "instance fails its health checks; marked dead");
+            instance.unhealthy.store(true, Ordering::Relaxed);
+            instance.set_lifecycle(Lifecycle::Dead);
+        }
+    }
+
+    /// A probe of an instance marked unhealthy succeeded: it gets its stored
+    /// state back, unless something else declared it dead since.
+    pub fn mark_healthy(&self, id: &str) {
+        let Some(instance) = self.get(id) else {
+            return;
+        };
+        if instance.unhealthy.swap(false, Ordering::Relaxed)
+            && instance.lifecycle() == Lifecycle::Dead
+        {
+            let stored = instance.stored();
+            tracing::info!(%id, state = ?stored, "instance passes its health checks again");
+            instance.set_lifecycle(stored);
+        }
+    }
+
     /// Gives instances marked dead by `mark_dead` more than `after` ago their
     /// stored state back (etcd: they are still in the view, so their lease is
     /// being kept alive by heartbeats; a dead one's key would have expired).
@@ -156,9 +184,11 @@ impl View {
                 .marked_dead_at
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            if marked.is_some_and(|at| at.elapsed() > after) && entry.lifecycle() == Lifecycle::Dead
+            if marked.is_some_and(|at| at.elapsed() > after)
+                && entry.lifecycle() == Lifecycle::Dead
+                && !entry.is_unhealthy()
             {
-                let stored = *entry.stored.lock().unwrap_or_else(|e| e.into_inner());
+                let stored = entry.stored();
                 tracing::info!(id = %entry.id, state = ?stored, "instance still heartbeats; back from a local dead mark");
                 entry.set_stored(stored);
             }
@@ -166,11 +196,11 @@ impl View {
     }
 
     /// Records a heartbeat this router received. A dead instance that heartbeats
-    /// again is ready again. `None` when unknown.
+    /// again is ready again, unless its health probes fail. `None` when unknown.
     pub fn heartbeat(&self, id: &str) -> Option<Arc<Instance>> {
         let instance = self.get(id)?;
         instance.touch();
-        if instance.lifecycle() == Lifecycle::Dead {
+        if instance.lifecycle() == Lifecycle::Dead && !instance.is_unhealthy() {
             tracing::info!(%id, "instance is alive again");
             instance.set_lifecycle(Lifecycle::Ready);
         }
@@ -413,6 +443,28 @@ mod tests {
         assert_eq!(instance.lifecycle(), Lifecycle::Dead, "too early");
         view.revive(Duration::ZERO);
         assert_eq!(instance.lifecycle(), Lifecycle::Ready);
+    }
+
+    #[test]
+    fn an_unhealthy_instance_comes_back_by_a_probe_not_by_heartbeats() {
+        let view = View::new(None);
+        let instance = view.put("a".into(), reg("http://x"), Lifecycle::Ready, 7, 1);
+        view.mark_unhealthy("a");
+        assert_eq!(instance.lifecycle(), Lifecycle::Dead);
+        assert!(view.eligible("m", Phase::Decode).is_empty());
+        // Its agent still heartbeats; etcd would still hold its key.
+        view.heartbeat("a");
+        view.revive(Duration::ZERO);
+        assert_eq!(instance.lifecycle(), Lifecycle::Dead);
+        assert!(instance.is_unhealthy());
+        view.mark_healthy("a");
+        assert_eq!(instance.lifecycle(), Lifecycle::Ready);
+        assert!(!instance.is_unhealthy());
+        assert_eq!(view.eligible("m", Phase::Decode).len(), 1);
+        // A drained instance keeps its drain: probes only take ready ones out.
+        view.set_lifecycle("a", Lifecycle::Draining, 2);
+        view.mark_unhealthy("a");
+        assert_eq!(instance.lifecycle(), Lifecycle::Draining);
     }
 
     #[test]

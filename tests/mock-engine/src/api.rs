@@ -28,6 +28,8 @@ pub struct EngineState {
     /// Set by [`crate::MockEngine::crash_now`]: the next token of every decode
     /// stream crashes the engine, as a kill would.
     pub crash_now: std::sync::atomic::AtomicBool,
+    /// Set by `--engine-dead-after-tokens`: the engine core is gone.
+    engine_dead: std::sync::atomic::AtomicBool,
     crash: CrashAction,
     shutdown: CancellationToken,
 }
@@ -48,6 +50,7 @@ impl EngineState {
             inflight: AtomicU64::new(0),
             kv,
             crash_now: std::sync::atomic::AtomicBool::new(false),
+            engine_dead: std::sync::atomic::AtomicBool::new(false),
             crash,
             shutdown,
         }
@@ -68,9 +71,16 @@ pub fn routes(state: Arc<EngineState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
-        .route("/health", get(|| async { "ok" }))
+        .route("/health", get(health))
         .route("/mock/stats", get(stats))
         .with_state(state)
+}
+
+async fn health(State(state): State<Arc<EngineState>>) -> Response {
+    if state.engine_dead.load(Ordering::Relaxed) {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "engine core is dead");
+    }
+    "ok".into_response()
 }
 
 async fn models(State(state): State<Arc<EngineState>>) -> Json<Value> {
@@ -179,6 +189,10 @@ async fn generate(
         },
         state.config.max_records,
     );
+    if state.engine_dead.load(Ordering::Relaxed) {
+        state.log.update(index, |r| r.outcome = Outcome::Failed);
+        return error(StatusCode::SERVICE_UNAVAILABLE, "engine core is dead");
+    }
     if let Some(status) = state.config.fail_status {
         state.log.update(index, |r| r.outcome = Outcome::Failed);
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -402,7 +416,11 @@ impl Run {
                 }
             }
         }
-        if config.stall_after_tokens == Some(count) && self.plan.kv_out.is_none() {
+        if config.engine_dead_after_tokens == Some(count) && self.plan.kv_out.is_none() {
+            self.state.engine_dead.store(true, Ordering::Relaxed);
+        }
+        let engine_dead = self.state.engine_dead.load(Ordering::Relaxed);
+        if engine_dead || config.stall_after_tokens == Some(count) && self.plan.kv_out.is_none() {
             std::future::pending::<()>().await;
         }
         let token = self.context.next_token();

@@ -57,6 +57,12 @@ pub struct MockConfig {
     /// Stop emitting (but keep the connection open) after this many tokens.
     #[arg(long)]
     pub stall_after_tokens: Option<u32>,
+    /// The engine core dies after this many tokens of a decode stream, while the
+    /// API server and its heartbeats live on: every stream stops emitting,
+    /// `/health` and new requests answer 503 (as vLLM's do once its engine core
+    /// is gone).
+    #[arg(long)]
+    pub engine_dead_after_tokens: Option<u32>,
     /// End each decode stream cleanly, without a finish_reason or `[DONE]`, after
     /// this many tokens.
     #[arg(long)]
