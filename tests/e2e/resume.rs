@@ -65,35 +65,29 @@ impl Fault {
         flags.iter().map(|s| s.to_string()).collect()
     }
 
-    fn router_flags(self) -> &'static [&'static str] {
+    fn router_flags(self) -> Vec<&'static str> {
+        // Quick probes and a stall timeout too long to matter: only the probes
+        // can catch d0, frozen (with a TTL too long to matter) or heartbeating.
+        let probes_only = |ttl_s| {
+            vec![
+                "--heartbeat-ttl-s",
+                ttl_s,
+                "--stall-timeout-ms",
+                "30000",
+                "--health-check-interval-ms",
+                "100",
+                "--health-check-timeout-ms",
+                "200",
+                "--health-check-failures",
+                "2",
+            ]
+        };
         match self {
-            Fault::Stall => &["--stall-timeout-ms", "500"],
-            Fault::Dead => &["--heartbeat-ttl-s", "1"],
-            Fault::Hung => &[
-                "--heartbeat-ttl-s",
-                "60",
-                "--stall-timeout-ms",
-                "30000",
-                "--health-check-interval-ms",
-                "100",
-                "--health-check-timeout-ms",
-                "200",
-                "--health-check-failures",
-                "2",
-            ],
-            Fault::EngineDead => &[
-                "--heartbeat-ttl-s",
-                "2",
-                "--stall-timeout-ms",
-                "30000",
-                "--health-check-interval-ms",
-                "100",
-                "--health-check-timeout-ms",
-                "200",
-                "--health-check-failures",
-                "2",
-            ],
-            _ => &[],
+            Fault::Stall => vec!["--stall-timeout-ms", "500"],
+            Fault::Dead => vec!["--heartbeat-ttl-s", "1"],
+            Fault::Hung => probes_only("60"),
+            Fault::EngineDead => probes_only("2"),
+            _ => vec![],
         }
     }
 
@@ -123,7 +117,7 @@ struct Cluster {
 
 async fn cluster(fault: Fault, k: usize, router_flags: &[&str]) -> Cluster {
     let mut flags = vec!["--decode-policy", "round_robin"];
-    flags.extend_from_slice(fault.router_flags());
+    flags.extend(fault.router_flags());
     flags.extend_from_slice(router_flags);
     let router = router(&flags);
     let prefill = engine(Some(&router), "prefill", &[]);
