@@ -20,6 +20,7 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -207,6 +208,8 @@ def overhead(procs: Procs, etcd: str, requests: int, concurrency: int, rounds: i
 
 
 def main() -> None:
+    # A SIGTERM ends the run through the `finally` below, which stops every process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     count, requests, concurrency, rounds = (int(a) for a in sys.argv[1:5])
     OUT.mkdir(parents=True, exist_ok=True)
     if not shutil.which("etcd"):

@@ -19,6 +19,7 @@ Usage: python3 bench/resume.py BIN_DIR [ROUNDS]
 import http.client
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,24 +41,24 @@ class Cluster:
     def __init__(self, bin_dir, logs, reprefill):
         self.procs = []
         self.logs = logs
-        self.router = self.start(
-            "router",
-            [f"{bin_dir}/connex-router", "serve", "--listen", "127.0.0.1:0"]
-            + ["--decode-policy", "round_robin", "--admin-token", "bench"],
-        )
-        engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", self.router]
-        engine += ["--prefill-us-per-token", PREFILL_US, "--kv-bytes-per-token", KV_BYTES]
-        hold = ["--hold-release", "after_pull"] if reprefill else []
-        self.start("prefill", engine + ["--role", "prefill"] + hold)
-        crash = ["--crash-after-tokens", str(CRASH_AT)]
-        self.start(
-            "d0",
-            engine + ["--role", "decode", "--id", "d0", "--decode-us-per-token", DECODE_US] + crash,
-        )
-        self.start(
-            "d1", engine + ["--role", "decode", "--id", "d1", "--decode-us-per-token", DECODE_US]
-        )
-        self.wait_ready(3)
+        # Half-started (a failure or a signal on the way): stop what runs.
+        try:
+            self.router = self.start(
+                "router",
+                [f"{bin_dir}/connex-router", "serve", "--listen", "127.0.0.1:0"]
+                + ["--decode-policy", "round_robin", "--admin-token", "bench"],
+            )
+            engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", self.router]
+            engine += ["--prefill-us-per-token", PREFILL_US, "--kv-bytes-per-token", KV_BYTES]
+            hold = ["--hold-release", "after_pull"] if reprefill else []
+            self.start("prefill", engine + ["--role", "prefill"] + hold)
+            decoder = engine + ["--role", "decode", "--decode-us-per-token", DECODE_US]
+            self.start("d0", decoder + ["--id", "d0", "--crash-after-tokens", str(CRASH_AT)])
+            self.start("d1", decoder + ["--id", "d1"])
+            self.wait_ready(3)
+        except BaseException:
+            self.stop()
+            raise
 
     def start(self, name, argv):
         log = open(os.path.join(self.logs, f"resume-{name}.log"), "w")
@@ -142,6 +143,8 @@ def stream_gap(router, prompt):
 
 
 def main():
+    # A SIGTERM ends the run through the `finally` below, which stops every process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bin_dir = sys.argv[1]
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     logs = tempfile.mkdtemp(prefix="connex-bench-resume-")

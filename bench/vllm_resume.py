@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import threading
@@ -201,6 +202,8 @@ class Bench:
 
 
 def main() -> int:
+    # A SIGTERM ends the run through the `finally` below, which stops every process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="128,512,1024")
     parser.add_argument("--rounds", type=int, default=1)
