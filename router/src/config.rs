@@ -50,11 +50,16 @@ pub struct RouterConfig {
     #[arg(long, env = "CONNEX_LISTEN", default_value = "127.0.0.1:8000")]
     pub listen: SocketAddr,
     /// Bearer token for /admin routes. Without it the admin API refuses every call.
-    #[arg(long, env = "CONNEX_ADMIN_TOKEN")]
+    #[arg(long, env = "CONNEX_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// Bearer token instances must send to register and heartbeat (open when unset).
-    #[arg(long, env = "CONNEX_REGISTER_TOKEN")]
+    #[arg(long, env = "CONNEX_REGISTER_TOKEN", hide_env_values = true)]
     pub register_token: Option<String>,
+    /// Secret that the engines' KV holders require on their control listeners
+    /// (the same CONNEX_TRANSFER_SECRET as theirs): the router needs it to
+    /// renew, check and release holds.
+    #[arg(long, env = "CONNEX_TRANSFER_SECRET", hide_env_values = true)]
+    pub transfer_secret: Option<String>,
     /// Policy choosing a prefill instance.
     #[arg(
         long,
@@ -128,7 +133,7 @@ pub struct RouterConfig {
     #[arg(long, env = "CONNEX_HEALTH_CHECK_TIMEOUT_MS", default_value_t = 2000)]
     pub health_check_timeout_ms: u64,
     /// Failed probes in a row after which an instance is declared dead (its
-    /// streams resume elsewhere; a heartbeat brings it back).
+    /// streams resume elsewhere; a probe that succeeds brings it back).
     #[arg(
         long,
         env = "CONNEX_HEALTH_CHECK_FAILURES",

@@ -11,7 +11,7 @@
 //! router, so the end of a request never waits on a holder.
 
 use crate::journal::Journal;
-use connex_transfer::{CtrlClient, TransferError};
+use connex_transfer::{CtrlClient, Secret, TransferError};
 use serde_json::Value;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -66,11 +66,12 @@ pub struct Holds {
 pub struct ReleaseQueue(mpsc::UnboundedReceiver<Hold>);
 
 impl Holds {
-    pub fn new(ctrl_timeout: Duration) -> (Self, ReleaseQueue) {
+    pub fn new(ctrl_timeout: Duration, secret: Option<Secret>) -> (Self, ReleaseQueue) {
         let (releases, queue) = mpsc::unbounded_channel();
         let ctrl = CtrlClient::with_config(connex_transfer::ClientConfig {
             connect_timeout: ctrl_timeout,
             io_timeout: ctrl_timeout,
+            secret,
             ..Default::default()
         });
         (Self { ctrl, releases }, ReleaseQueue(queue))
@@ -92,7 +93,12 @@ impl Holds {
                 "hold {} on {} is gone (released, expired or evicted)",
                 hold.transfer_id, hold.ctrl
             )),
-            Err(err) => HoldState::Lost(format!("hold {} unusable: {err}", hold.transfer_id)),
+            Err(err) => {
+                if matches!(err, TransferError::Unauthorized(_)) {
+                    tracing::warn!(%err, "hold check refused: --transfer-secret must be the engines' secret");
+                }
+                HoldState::Lost(format!("hold {} unusable: {err}", hold.transfer_id))
+            }
         }
     }
 

@@ -32,7 +32,11 @@ impl AppState {
             .tcp_nodelay(true)
             .pool_max_idle_per_host(1024)
             .build()?;
-        let (holds, releases) = Holds::new(Duration::from_millis(config.ctrl_timeout_ms));
+        let secret = config
+            .transfer_secret
+            .clone()
+            .and_then(connex_transfer::Secret::new);
+        let (holds, releases) = Holds::new(Duration::from_millis(config.ctrl_timeout_ms), secret);
         let state = Self {
             registry,
             holds,

@@ -43,6 +43,12 @@ create_exception!(
 );
 create_exception!(
     connex._transfer,
+    Unauthorized,
+    TransferError,
+    "The holder requires the transfer secret, and it was not sent or is wrong."
+);
+create_exception!(
+    connex._transfer,
     TransferTimeout,
     TransferError,
     "A transfer step took longer than its limit."
@@ -55,7 +61,16 @@ fn to_py(err: ct::TransferError) -> PyErr {
         ct::TransferError::StaleEpoch { .. } => StaleEpoch::new_err(text),
         ct::TransferError::Unreachable { .. } => Unreachable::new_err(text),
         ct::TransferError::Timeout { .. } => TransferTimeout::new_err(text),
+        ct::TransferError::Unauthorized(_) => Unauthorized::new_err(text),
         _ => TransferError::new_err(text),
+    }
+}
+
+/// A `secret=` argument: `None` takes `CONNEX_TRANSFER_SECRET`, `""` none.
+fn secret(secret: Option<String>) -> Option<ct::Secret> {
+    match secret {
+        None => ct::Secret::from_env(),
+        Some(secret) => ct::Secret::new(secret),
     }
 }
 
@@ -147,7 +162,7 @@ impl Holder {
 #[pymethods]
 impl Holder {
     #[new]
-    #[pyo3(signature = (backend="tcp", listen="127.0.0.1:0", retain_s=60.0, release="on_release", budget_bytes=0))]
+    #[pyo3(signature = (backend="tcp", listen="127.0.0.1:0", retain_s=60.0, release="on_release", budget_bytes=0, secret=None))]
     fn new(
         py: Python<'_>,
         backend: &str,
@@ -155,6 +170,7 @@ impl Holder {
         retain_s: f64,
         release: &str,
         budget_bytes: u64,
+        secret: Option<String>,
     ) -> PyResult<Self> {
         let retain = Duration::try_from_secs_f64(retain_s)
             .map_err(|_| PyValueError::new_err("retain_s must be a positive number of seconds"))?;
@@ -166,6 +182,7 @@ impl Holder {
             retain,
             release: release.parse().map_err(PyValueError::new_err)?,
             budget_bytes: (budget_bytes > 0).then_some(budget_bytes),
+            secret: self::secret(secret),
             ..ct::HolderConfig::default()
         };
         let rt = runtime()?;
@@ -287,11 +304,12 @@ struct Reader {
 #[pymethods]
 impl Reader {
     #[new]
-    #[pyo3(signature = (backend="tcp"))]
-    fn new(backend: &str) -> PyResult<Self> {
-        let kind = self::backend(backend)?;
+    #[pyo3(signature = (backend="tcp", secret=None))]
+    fn new(backend: &str, secret: Option<String>) -> PyResult<Self> {
+        let mut config = ct::ReaderConfig::new(self::backend(backend)?);
+        config.client.secret = self::secret(secret);
         Ok(Self {
-            inner: Arc::new(ct::Reader::new(kind).map_err(to_py)?),
+            inner: Arc::new(ct::Reader::with_config(config).map_err(to_py)?),
         })
     }
 
@@ -416,5 +434,6 @@ fn _transfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StaleEpoch", py.get_type::<StaleEpoch>())?;
     m.add("Unreachable", py.get_type::<Unreachable>())?;
     m.add("TransferTimeout", py.get_type::<TransferTimeout>())?;
+    m.add("Unauthorized", py.get_type::<Unauthorized>())?;
     Ok(())
 }

@@ -197,22 +197,7 @@ async fn hold_release_modes_and_budget_are_honoured() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resumed_decoder_pulls_the_same_hold_with_the_next_epoch() {
-    let router = router(&["--decode-policy", "round_robin"]);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    // Round-robin over sorted ids sends the first request to d0, which dies at token 3.
-    let _d0 = engine(
-        Some(&router),
-        "decode",
-        &[
-            "--id",
-            "d0",
-            "--crash-after-tokens",
-            "3",
-            "--decode-us-per-token",
-            "1000",
-        ],
-    );
-    let d1 = engine(Some(&router), "decode", &["--id", "d1"]);
+    let (router, prefill, _d0, d1) = resume_cluster(None, None);
     wait_ready(&router, 3).await;
     let prompt = model::tokenize(PROMPT);
 
@@ -242,4 +227,83 @@ async fn resumed_decoder_pulls_the_same_hold_with_the_next_epoch() {
         (json!(2), json!(1)),
         "{holds}"
     );
+}
+
+/// A router, a prefill, `d0` and `d1`; round-robin over the sorted ids sends
+/// the first request to d0, which dies at token 3. The engines' holders require
+/// `secret`; the router is given `router_secret`.
+fn resume_cluster(secret: Option<&str>, router_secret: Option<&str>) -> (Proc, Proc, Proc, Proc) {
+    let mut flags = vec!["--decode-policy", "round_robin"];
+    if let Some(router_secret) = router_secret {
+        flags.extend(["--transfer-secret", router_secret]);
+    }
+    let router = router(&flags);
+    let with = |extra: &[&'static str]| {
+        let mut flags = extra.to_vec();
+        if let Some(secret) = secret {
+            flags.extend(["--transfer-secret", secret]);
+        }
+        flags
+    };
+    let prefill = engine(Some(&router), "prefill", &with(&[]));
+    let crash = [
+        "--id",
+        "d0",
+        "--crash-after-tokens",
+        "3",
+        "--decode-us-per-token",
+        "1000",
+    ];
+    let d0 = engine(Some(&router), "decode", &with(&crash));
+    let d1 = engine(Some(&router), "decode", &with(&["--id", "d1"]));
+    (router, prefill, d0, d1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_transfer_secret_only_peers_that_know_it_touch_the_holds() {
+    let prompt = model::tokenize(PROMPT);
+    let body = json!({"model":"mock","prompt":PROMPT,"max_tokens":10,"stream":true,"return_token_ids":true});
+
+    // Everyone has the secret: the decoders pull, the router checks and
+    // renews the hold and the resume pulls it again; no second prefill.
+    let (router, prefill, _d0, d1) = resume_cluster(Some("s3cret"), Some("s3cret"));
+    wait_ready(&router, 3).await;
+    let chunks = stream(&router, "/v1/completions", &body).await;
+    assert_eq!(streamed_token_ids(&chunks), model::generate(&prompt, 10));
+    let text = metrics_text(&router).await;
+    assert_eq!(metric(&text, "connex_resumes_total", &[]), 1.0, "{text}");
+    assert_eq!(metric(&text, "connex_reprefills_total", &[]), 0.0, "{text}");
+    assert_eq!(engine_requests(&prefill).await.len(), 1);
+    assert_eq!(
+        engine_requests(&d1).await[0]["pulled_bytes"],
+        prompt.len() * 64
+    );
+    let holds = wait_holds(&prefill, "released after the resume", |h| h["holds"] == 0).await;
+    assert_eq!(
+        (holds["pulls"].clone(), holds["releases"].clone()),
+        (json!(2), json!(1))
+    );
+
+    // A decoder without it cannot load the KV: a clear 503, the hold untouched.
+    let stranger = engine(None, "decode", &[]);
+    let params = prefill_params(&prefill, PROMPT).await;
+    let (status, reply) = decode_with(&stranger, PROMPT, &params).await;
+    assert_eq!(status, 503, "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("CONNEX_TRANSFER_SECRET"), "{message}");
+    let holds = engine_stats(&prefill).await["holds"].clone();
+    assert_eq!(
+        (holds["holds"].clone(), holds["pulls"].clone()),
+        (json!(1), json!(2)),
+        "{holds}"
+    );
+
+    // A router without it cannot check the hold on resume: it prefills again.
+    let (router, prefill, _d0, _d1) = resume_cluster(Some("s3cret"), None);
+    wait_ready(&router, 3).await;
+    let chunks = stream(&router, "/v1/completions", &body).await;
+    assert_eq!(streamed_token_ids(&chunks), model::generate(&prompt, 10));
+    let text = metrics_text(&router).await;
+    assert_eq!(metric(&text, "connex_reprefills_total", &[]), 1.0, "{text}");
+    assert_eq!(engine_requests(&prefill).await.len(), 2);
 }

@@ -113,6 +113,22 @@ def test_vllm_pools_use_the_connex_connector_and_register_with_the_routers():
     assert find(docs, "Deployment", "rel-connex-decode")["spec"]["replicas"] == 4
 
 
+def test_a_transfer_secret_reaches_the_routers_and_every_engine():
+    docs = manifests(*POOLS, "router.transferSecret.value=kv-s3cret")
+    secret = find(docs, "Secret", "rel-connex-transfer")
+    assert secret["data"]["transfer-secret"] == "a3YtczNjcmV0"  # base64 of kv-s3cret
+    for name in ("rel-connex-router", "rel-connex-prefill", "rel-connex-decode"):
+        env = container(find(docs, "Deployment", name))["env"]
+        entry = next(e for e in env if e["name"] == "CONNEX_TRANSFER_SECRET")
+        ref = entry["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == ("rel-connex-transfer", "transfer-secret"), name
+    # None by default: no Secret, no variable.
+    docs = manifests(*POOLS)
+    assert not [d for d in docs if d["metadata"]["name"] == "rel-connex-transfer"]
+    env = container(find(docs, "Deployment", "rel-connex-decode"))["env"]
+    assert "CONNEX_TRANSFER_SECRET" not in {e["name"] for e in env}
+
+
 def test_bad_values_are_refused():
     no_model = render("vllm.prefill.enabled=true", check=False)
     assert no_model.returncode != 0 and "vllm.model is required" in no_model.stderr

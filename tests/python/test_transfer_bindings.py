@@ -157,3 +157,28 @@ def test_in_process_holder_counts_and_frees():
     holder.close()
     with pytest.raises(t.TransferError, match="closed"):
         holder.stats()
+
+
+def test_a_secret_guards_the_holder(monkeypatch):
+    holder = t.Holder(secret="s3cret")
+    src = ctypes.create_string_buffer(b"\x33" * BLOCK, BLOCK)
+    rid = holder.register_region(ctypes.addressof(src), len(src))
+    holder.create_hold("s", [(rid, 0, BLOCK)])
+    # No secret ("" overrides the environment), or a wrong one: refused, clearly.
+    for secret in ("", "guess"):
+        reader = t.Reader(secret=secret)
+        with pytest.raises(t.Unauthorized, match="CONNEX_TRANSFER_SECRET"):
+            reader.stats(holder.ctrl_addr)
+        dest = bytearray(BLOCK)
+        did = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), BLOCK)
+        with pytest.raises(t.TransferError, match="refused"):
+            reader.pull(holder.ctrl_addr, "s", 0, [(did, 0, BLOCK)], timeout_s=5.0)
+    # The secret given, or taken from the environment when not given.
+    monkeypatch.setenv("CONNEX_TRANSFER_SECRET", "s3cret")
+    for reader in (t.Reader(secret="s3cret"), t.Reader()):
+        dest = bytearray(BLOCK)
+        did = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), BLOCK)
+        reader.pull(holder.ctrl_addr, "s", 0, [(did, 0, BLOCK)])
+        assert dest == b"\x33" * BLOCK
+    assert holder.stats()["pulls"] == 2
+    holder.close()

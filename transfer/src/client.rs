@@ -6,6 +6,7 @@
 //! sat idle is replaced once, transparently. One request runs on a connection
 //! at a time (a checked-out connection is exclusive), so replies never interleave.
 
+use crate::config::Secret;
 use crate::conn;
 use crate::error::{Result, TransferError};
 use crate::proto::{Descriptor, ErrorCode, Reply, Request};
@@ -27,6 +28,8 @@ pub struct ClientConfig {
     /// An idle connection older than this is closed instead of reused (the
     /// listener closes its side after two minutes).
     pub idle_ttl: Duration,
+    /// Sent first on every new connection (default: [`crate::SECRET_ENV`]).
+    pub secret: Option<Secret>,
 }
 
 impl Default for ClientConfig {
@@ -36,6 +39,7 @@ impl Default for ClientConfig {
             io_timeout: Duration::from_secs(10),
             max_idle_per_addr: 16,
             idle_ttl: Duration::from_secs(60),
+            secret: Secret::from_env(),
         }
     }
 }
@@ -168,6 +172,7 @@ fn remote_error(
         Some(ErrorCode::StaleEpoch) => TransferError::StaleEpoch { served, asked },
         Some(ErrorCode::BadRange) => TransferError::SizeMismatch(message),
         Some(ErrorCode::WrongBackend) => TransferError::Unsupported(message),
+        Some(ErrorCode::Unauthorized) => TransferError::Unauthorized(message),
         _ => TransferError::Remote { code, message },
     }
 }
@@ -243,6 +248,28 @@ impl CtrlClient {
         Ok(stream)
     }
 
+    /// A new connection, past the `hello` when this client has a secret.
+    async fn fresh(&self, addr: &str) -> Result<Conn> {
+        let mut conn = self.wrap(addr, self.connect(addr).await?, false);
+        if let Some(secret) = &self.pool.config.secret {
+            let hello = Request::Hello {
+                secret: secret.clone(),
+            };
+            let answer = conn.exchange(&hello).await;
+            if !matches!(answer, Ok(Reply::Welcome)) {
+                // The holder closes a refused connection: not one for the pool.
+                conn.reusable = false;
+                return Err(match answer {
+                    Err(err) => err,
+                    Ok(other) => TransferError::Protocol(format!(
+                        "expected a welcome to hello, got {other:?}"
+                    )),
+                });
+            }
+        }
+        Ok(conn)
+    }
+
     fn wrap(&self, addr: &str, stream: TcpStream, reused: bool) -> Conn {
         Conn {
             stream: Some(stream),
@@ -259,11 +286,11 @@ impl CtrlClient {
     pub(crate) async fn open(&self, addr: &str, request: &Request) -> Result<(Conn, Reply)> {
         let mut conn = match self.idle(addr) {
             Some(stream) => self.wrap(addr, stream, true),
-            None => self.wrap(addr, self.connect(addr).await?, false),
+            None => self.fresh(addr).await?,
         };
         let reply = match conn.exchange(request).await {
             Err(err) if conn.reused && is_stale(&err) => {
-                conn = self.wrap(addr, self.connect(addr).await?, false);
+                conn = self.fresh(addr).await?;
                 conn.exchange(request).await?
             }
             other => other?,

@@ -106,6 +106,47 @@ pub struct Faults {
     pub stall_after_bytes: Option<u64>,
 }
 
+/// The environment variable every holder and client reads its default
+/// [`Secret`] from.
+pub const SECRET_ENV: &str = "CONNEX_TRANSFER_SECRET";
+
+/// A secret shared by the holders and their clients (readers, the router): a
+/// holder given one answers nothing on a connection until the peer has sent
+/// it (op `hello`), so whoever reaches the control port cannot read prompt
+/// KV or release holds without it. Never shown by `Debug`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// `None` for an empty string (no secret), as an unset variable.
+    pub fn new(secret: impl Into<String>) -> Option<Self> {
+        let secret = secret.into();
+        (!secret.is_empty()).then_some(Self(secret))
+    }
+
+    /// The secret in [`SECRET_ENV`], if set and not empty.
+    pub fn from_env() -> Option<Self> {
+        std::env::var(SECRET_ENV).ok().and_then(Self::new)
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+
+    /// Compares in constant time (for a given length), so that the time a
+    /// refusal takes says nothing about how much of a guess was right.
+    pub(crate) fn matches(&self, offered: &[u8]) -> bool {
+        use subtle::ConstantTimeEq;
+        self.0.as_bytes().ct_eq(offered).into()
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
 /// Configuration of a [`crate::Holder`].
 #[derive(Debug, Clone)]
 pub struct HolderConfig {
@@ -120,6 +161,8 @@ pub struct HolderConfig {
     /// Limit for each read or write of a connection once a frame started.
     pub io_timeout: Duration,
     pub faults: Faults,
+    /// Required of every connection before any op (default: [`SECRET_ENV`]).
+    pub secret: Option<Secret>,
 }
 
 impl Default for HolderConfig {
@@ -132,6 +175,7 @@ impl Default for HolderConfig {
             budget_bytes: None,
             io_timeout: Duration::from_secs(10),
             faults: Faults::default(),
+            secret: Secret::from_env(),
         }
     }
 }

@@ -41,6 +41,9 @@ pub enum TransferError {
     /// The holder refused the request for a reason of its own.
     #[error("holder error ({code}): {message}")]
     Remote { code: u16, message: String },
+    /// The holder requires the transfer secret, and it was not sent or is wrong.
+    #[error("holder refused: {0} (holders, readers and the router need the same CONNEX_TRANSFER_SECRET)")]
+    Unauthorized(String),
     /// The transport backend failed.
     #[error("{backend} backend: {message}")]
     Backend {

@@ -52,6 +52,7 @@ impl Holder {
             io_timeout: config.io_timeout,
             faults: config.faults.clone(),
             streamed: AtomicU64::new(0),
+            secret: config.secret.clone(),
         });
         let shutdown = CancellationToken::new();
         let mut tasks = JoinSet::new();

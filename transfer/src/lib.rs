@@ -27,7 +27,7 @@ mod server;
 mod stats;
 
 pub use client::{ClientConfig, CtrlClient};
-pub use config::{BackendKind, Faults, HolderConfig, ReleaseMode};
+pub use config::{BackendKind, Faults, HolderConfig, ReleaseMode, Secret, SECRET_ENV};
 pub use error::{Result, TransferError};
 pub use holder::Holder;
 pub use reader::{Reader, ReaderConfig};

@@ -11,7 +11,7 @@
 //! raw block bytes follow the frame on the stream. docs/transfer.md has the
 //! table of ops and limits.
 
-use crate::config::BackendKind;
+use crate::config::{BackendKind, Secret};
 use crate::stats::{HoldInfo, HolderStats};
 use bytes::{Buf, BufMut, BytesMut};
 
@@ -30,6 +30,8 @@ pub const MAX_KEYS: usize = 64;
 pub const MAX_KEY_LEN: usize = 4096;
 /// Longest backend endpoint blob (e.g. a UCX worker address).
 pub const MAX_ENDPOINT_LEN: usize = 64 * 1024;
+/// Longest transfer secret.
+pub const MAX_SECRET_LEN: usize = 1024;
 /// Longest error message.
 pub const MAX_MESSAGE_LEN: usize = 1024;
 /// Largest single read of the TCP data path.
@@ -44,6 +46,7 @@ mod op {
     pub const DESCRIBE: u8 = 0x05;
     pub const READ: u8 = 0x06;
     pub const DONE: u8 = 0x07;
+    pub const HELLO: u8 = 0x08;
     pub const HOLD: u8 = 0x80;
     pub const RELEASED: u8 = 0x81;
     pub const STAT_REPLY: u8 = 0x82;
@@ -51,6 +54,7 @@ mod op {
     pub const DESCRIPTOR: u8 = 0x84;
     pub const DATA: u8 = 0x85;
     pub const DONE_REPLY: u8 = 0x86;
+    pub const WELCOME: u8 = 0x87;
     pub const ERROR: u8 = 0xFF;
 }
 
@@ -68,6 +72,8 @@ pub enum ErrorCode {
     WrongBackend = 8,
     Busy = 9,
     Internal = 10,
+    /// No `hello` with the holder's secret before the op, or a wrong one.
+    Unauthorized = 11,
 }
 
 impl ErrorCode {
@@ -84,6 +90,7 @@ impl ErrorCode {
             WrongBackend,
             Busy,
             Internal,
+            Unauthorized,
         ]
         .into_iter()
         .find(|c| *c as u16 == code)
@@ -172,6 +179,10 @@ pub enum Request {
         epoch: u32,
         bytes: u64,
     },
+    /// First frame of a connection to a holder that has a secret.
+    Hello {
+        secret: Secret,
+    },
 }
 
 /// One block of a descriptor: its length, remote address and key index.
@@ -209,6 +220,8 @@ pub enum Reply {
     Done {
         released: bool,
     },
+    /// The `hello` was accepted.
+    Welcome,
     Error {
         code: u16,
         served: u32,
@@ -330,6 +343,10 @@ impl Request {
                 out = Out::new(op::DONE, seq);
                 out.str(id).u32(*epoch).u64(*bytes);
             }
+            Request::Hello { secret } => {
+                out = Out::new(op::HELLO, seq);
+                out.blob(secret.as_bytes());
+            }
         }
         out.finish()
     }
@@ -369,6 +386,14 @@ impl Request {
                 epoch: r.u32()?,
                 bytes: r.u64()?,
             },
+            op::HELLO => {
+                let secret = r.blob(MAX_SECRET_LEN)?;
+                let secret = String::from_utf8(secret)
+                    .ok()
+                    .and_then(Secret::new)
+                    .ok_or_else(|| bad("secret must be non-empty UTF-8"))?;
+                Request::Hello { secret }
+            }
             other => return Err(bad(format!("unknown request op 0x{other:02x}"))),
         };
         r.end()?;
@@ -384,13 +409,13 @@ impl Request {
             | Request::Describe { id, .. }
             | Request::Read { id, .. }
             | Request::Done { id, .. } => Some(id),
-            Request::Stats => None,
+            Request::Stats | Request::Hello { .. } => None,
         }
     }
 
     /// Whether `op` is a request op this version knows.
     pub fn known_op(op: u8) -> bool {
-        (op::RENEW..=op::DONE).contains(&op)
+        (op::RENEW..=op::HELLO).contains(&op)
     }
 }
 
@@ -451,6 +476,7 @@ impl Reply {
                 out = Out::new(op::DONE_REPLY, seq);
                 out.u8(u8::from(*released));
             }
+            Reply::Welcome => out = Out::new(op::WELCOME, seq),
             Reply::Error {
                 code,
                 served,
@@ -529,6 +555,7 @@ impl Reply {
             op::DONE_REPLY => Reply::Done {
                 released: r.flag()?,
             },
+            op::WELCOME => Reply::Welcome,
             op::ERROR => Reply::Error {
                 code: r.u16()?,
                 served: r.u32()?,
@@ -681,6 +708,9 @@ mod tests {
                 epoch: 1,
                 bytes: 9,
             },
+            Request::Hello {
+                secret: Secret::new("s3cret").unwrap(),
+            },
         ];
         for (seq, request) in requests.iter().enumerate() {
             let frame = request.encode(seq as u32);
@@ -713,6 +743,7 @@ mod tests {
             }),
             Reply::Data { len: 1 << 20 },
             Reply::Done { released: false },
+            Reply::Welcome,
             Reply::error(ErrorCode::StaleEpoch, "old"),
         ];
         for reply in &replies {
@@ -761,6 +792,11 @@ mod tests {
         d[n - 4..].copy_from_slice(&((MAX_BLOCKS + 1) as u32).to_le_bytes());
         assert!(Reply::decode(0x84, &d[HEADER_LEN..]).is_err());
         assert!(Request::decode(0x7f, &[]).is_err());
+        // A secret over the limit, or empty.
+        let mut p = ((MAX_SECRET_LEN + 1) as u32).to_le_bytes().to_vec();
+        p.extend(std::iter::repeat_n(b'a', MAX_SECRET_LEN + 1));
+        assert!(Request::decode(0x08, &p).is_err());
+        assert!(Request::decode(0x08, &[0, 0, 0, 0]).is_err());
         assert!(Header::parse(b"XX\x01\x01\0\0\0\0\0\0\0\0").is_err());
         // The error message is cut to its limit (on a char boundary).
         let long = Reply::error(ErrorCode::Internal, "é".repeat(MAX_MESSAGE_LEN));

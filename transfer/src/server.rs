@@ -8,7 +8,7 @@
 //! connection is closed. Nothing a peer sends can stop the listener.
 
 use crate::backend::Backend;
-use crate::config::Faults;
+use crate::config::{Faults, Secret};
 use crate::conn::{self, IO_PIECE};
 use crate::error::{Result, TransferError};
 use crate::hold::HoldTable;
@@ -37,6 +37,8 @@ pub(crate) struct Shared {
     pub(crate) faults: Faults,
     /// Block bytes written so far (for the stall fault).
     pub(crate) streamed: AtomicU64,
+    /// Required (op `hello`) before any other op of a connection.
+    pub(crate) secret: Option<Secret>,
 }
 
 /// Accepts connections until `shutdown`, then stops every connection task.
@@ -76,6 +78,7 @@ async fn connection(
     _permit: OwnedSemaphorePermit,
 ) {
     let io = shared.io_timeout;
+    let mut admitted = shared.secret.is_none();
     loop {
         let raw = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -128,6 +131,12 @@ async fn connection(
                 continue;
             }
         };
+        if let Err(refusal) = admit(&shared, &request, &mut admitted) {
+            tracing::warn!(refusal, "connection refused");
+            let reply = Reply::error(ErrorCode::Unauthorized, refusal);
+            let _ = conn::write_all(&mut stream, &reply.encode(seq), io).await;
+            return;
+        }
         let served = match request {
             Request::Read {
                 id,
@@ -159,6 +168,23 @@ async fn connection(
     }
 }
 
+/// Whether `request` may be served on a connection: with a secret, only a
+/// `hello` that carries it admits the connection, and the refusal of anything
+/// else ends it. Without one, a `hello` is welcome and changes nothing.
+fn admit(shared: &Shared, request: &Request, admitted: &mut bool) -> Result<(), &'static str> {
+    match (request, &shared.secret) {
+        (Request::Hello { secret }, Some(ours)) if !ours.matches(secret.as_bytes()) => {
+            Err("wrong transfer secret")
+        }
+        (Request::Hello { .. }, _) => {
+            *admitted = true;
+            Ok(())
+        }
+        _ if *admitted => Ok(()),
+        _ => Err("this holder requires the transfer secret first"),
+    }
+}
+
 /// The reply to every request but `Read`.
 fn answer(shared: &Shared, request: Request) -> Reply {
     let now = Instant::now();
@@ -172,6 +198,7 @@ fn answer(shared: &Shared, request: Request) -> Reply {
         Request::Done { id, epoch, .. } => holds
             .finish_pull(&id, epoch, now)
             .map(|released| Reply::Done { released }),
+        Request::Hello { .. } => Ok(Reply::Welcome),
         Request::Read { .. } => Err(TransferError::Protocol("read is streamed".into())),
     };
     result.unwrap_or_else(|err| error_reply(&err))

@@ -55,6 +55,25 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- default (printf "%s-register" (include "connex.fullname" .)) .Values.router.registerToken.existingSecret -}}
 {{- end -}}
 
+{{- define "connex.transferSecret" -}}
+{{- default (printf "%s-transfer" (include "connex.fullname" .)) .Values.router.transferSecret.existingSecret -}}
+{{- end -}}
+
+{{- define "connex.hasTransferSecret" -}}
+{{- if or .Values.router.transferSecret.existingSecret .Values.router.transferSecret.value -}}true{{- end -}}
+{{- end -}}
+
+{{/* The CONNEX_TRANSFER_SECRET env entry, for the routers and the engines. */}}
+{{- define "connex.transferSecretEnv" -}}
+{{- if include "connex.hasTransferSecret" . }}
+- name: CONNEX_TRANSFER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "connex.transferSecret" . }}
+      key: {{ .Values.router.transferSecret.secretKey }}
+{{- end }}
+{{- end -}}
+
 {{- define "connex.hasRegisterToken" -}}
 {{- if or .Values.router.registerToken.existingSecret .Values.router.registerToken.value -}}true{{- end -}}
 {{- end -}}

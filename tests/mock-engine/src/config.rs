@@ -103,6 +103,10 @@ pub struct MockConfig {
     /// cargo features of connex-transfer).
     #[arg(long, default_value = "tcp")]
     pub transfer_backend: BackendKind,
+    /// Secret of the holder's control listener, also sent by this engine's
+    /// reader (the same for every engine and the router).
+    #[arg(long, env = "CONNEX_TRANSFER_SECRET", hide_env_values = true)]
+    pub transfer_secret: Option<String>,
 }
 
 impl MockConfig {

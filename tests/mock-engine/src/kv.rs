@@ -11,7 +11,8 @@
 use crate::config::MockConfig;
 use crate::model::ContextHash;
 use connex_transfer::{
-    BackendKind, BlockRef, Holder, HolderConfig, HolderStats, Reader, Region, TransferError,
+    BackendKind, BlockRef, Holder, HolderConfig, HolderStats, Reader, ReaderConfig, Region, Secret,
+    TransferError,
 };
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -61,18 +62,22 @@ pub struct KvState {
 impl KvState {
     /// Starts the holder on the engine's host (any free port).
     pub async fn start(config: &MockConfig) -> Result<Self, TransferError> {
+        let secret = config.transfer_secret.clone().and_then(Secret::new);
         let holder = Holder::start(HolderConfig {
             listen: SocketAddr::new(config.listen.ip(), 0),
             backend: config.transfer_backend,
             retain: Duration::from_secs(config.retain_s),
             release: config.hold_release,
             budget_bytes: config.hold_budget_bytes,
+            secret: secret.clone(),
             ..HolderConfig::default()
         })
         .await?;
+        let mut reader = ReaderConfig::new(config.transfer_backend);
+        reader.client.secret = secret;
         Ok(Self {
             holder,
-            reader: Reader::new(config.transfer_backend)?,
+            reader: Reader::with_config(reader)?,
             bytes_per_token: config.kv_bytes_per_token,
             lease_s: config.retain_s,
             releases: std::sync::Mutex::new(JoinSet::new()),

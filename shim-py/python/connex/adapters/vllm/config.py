@@ -7,7 +7,9 @@ rank 0; rank r listens on ctrl_port + r; default: kv_port), `hold_budget_bytes`
 (0: no cap), `pull_timeout_s` (30), `idle_step_ms` (10: how long an engine
 step that computes nothing waits while holds keep it stepping), and for
 self-registration `router`, `url` (this engine's HTTP base URL), `instance_id`,
-`register_token`.
+`register_token`; `transfer_secret`: what the hold control listeners require of
+every connection (default: the environment's CONNEX_TRANSFER_SECRET; the same on
+every engine and the router).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ConnexConfig:
     url: str | None = None
     instance_id: str | None = None
     register_token: str | None = None
+    transfer_secret: str | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], kv_port: int) -> ConnexConfig:
@@ -61,6 +64,7 @@ class ConnexConfig:
                 url=values.get("url"),
                 instance_id=values.get("instance_id"),
                 register_token=values.get("register_token"),
+                transfer_secret=values.get("transfer_secret"),
             )
         except (TypeError, ValueError) as err:
             raise ConfigError(f"bad kv_connector_extra_config: {err}") from err

@@ -98,7 +98,7 @@ class ConnexConnector(KVConnectorBase_V1):
         from .keeper import HoldKeeper
 
         return HoldKeeper(
-            _transfer.Reader(backend=self.cfg.backend),
+            _transfer.Reader(backend=self.cfg.backend, secret=self.cfg.transfer_secret),
             gone_errors=(_transfer.HoldNotFound, _transfer.StaleEpoch),
         )
 

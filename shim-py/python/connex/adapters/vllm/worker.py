@@ -120,6 +120,7 @@ class ConnexWorker:
                 retain_s=self.cfg.retain_s,
                 release=self.cfg.release,
                 budget_bytes=self.cfg.hold_budget_bytes,
+                secret=self.cfg.transfer_secret,
             )
             self._holder_rids = [self.holder.register_region(x.ptr, x.span) for x in self.layers]
             logger.info(
@@ -130,7 +131,9 @@ class ConnexWorker:
                 self.cfg.release,
             )
         if self.is_consumer:
-            self.reader = _transfer.Reader(backend=self.cfg.backend)
+            self.reader = _transfer.Reader(
+                backend=self.cfg.backend, secret=self.cfg.transfer_secret
+            )
             self._reader_rids = [self.reader.register_region(x.ptr, x.span) for x in self.layers]
 
     def _refs(self, rids: list[int], block_ids: list[int]) -> list[tuple[int, int, int]]:
