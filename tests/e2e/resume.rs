@@ -326,6 +326,15 @@ async fn request(router: &Proc, shape: Shape, extra: Value) -> Outcome {
     }
 }
 
+/// How many of the first `n` generated tokens a client has with their text:
+/// trailing split tokens wait for the next token's (see `model::is_split`).
+fn with_text(generated: &[u32], mut n: usize) -> usize {
+    while n > 0 && model::is_split(generated[n - 1]) {
+        n -= 1;
+    }
+    n
+}
+
 /// Checks that the client got exactly the uninterrupted run.
 fn assert_uninterrupted(outcome: &Outcome, shape: Shape, context: &str) {
     let prompt = shape.prompt_ids();
@@ -395,15 +404,21 @@ async fn resume_case(fault: Fault, k: usize, shape: Shape) {
         resumed["body"]["kv_transfer_params"]["do_remote_prefill"],
         true
     );
-    if k == 0 {
+    // It continues after the tokens the client has with their text.
+    let kept = with_text(&expected, k);
+    if kept == 0 {
         assert_eq!(resumed["path"], shape.path(), "{context}");
     } else {
         assert_eq!(resumed["path"], "/v1/completions", "{context}");
         let mut prompt = shape.prompt_ids();
-        prompt.extend_from_slice(&expected[..k]);
+        prompt.extend_from_slice(&expected[..kept]);
         assert_eq!(ids(&resumed["body"]["prompt"]), prompt, "{context}");
-        assert_eq!(resumed["body"]["max_tokens"], MAX_TOKENS - k, "{context}");
-        assert_eq!(resumed["computed_prompt_tokens"], k, "{context}");
+        assert_eq!(
+            resumed["body"]["max_tokens"],
+            MAX_TOKENS - kept,
+            "{context}"
+        );
+        assert_eq!(resumed["computed_prompt_tokens"], kept, "{context}");
     }
     // A decoder the router moved away from while it was alive lost the request.
     if matches!(fault, Fault::Stall | Fault::Migrate) {
@@ -588,8 +603,10 @@ async fn exceeding_max_resumes_ends_with_an_error() {
         let error = outcome.error.clone().expect("an error, not a truncation");
         let expected = model::generate(&shape.prompt_ids(), MAX_TOKENS);
         if shape.stream {
-            // What was streamed before the error is the true prefix: 3 + 2 tokens.
-            assert_eq!(outcome.token_ids, expected[..5], "{shape:?}");
+            // What was streamed before the error is the true prefix: 3 + 2
+            // tokens, less any whose text was still held back.
+            let sent = with_text(&expected, with_text(&expected, 3) + 2);
+            assert_eq!(outcome.token_ids, expected[..sent], "{shape:?}");
             let message = error["error"]["message"].as_str().unwrap();
             assert!(message.contains("gave up after 1 resumes"), "{message}");
         } else {
@@ -628,7 +645,8 @@ async fn no_decoder_left_ends_with_an_error() {
         if shape.stream {
             let message = error["error"]["message"].as_str().unwrap();
             assert!(message.contains("no decode instance"), "{message}");
-            assert_eq!(outcome.token_ids.len(), 3);
+            let expected = model::generate(&shape.prompt_ids(), MAX_TOKENS);
+            assert_eq!(outcome.token_ids.len(), with_text(&expected, 3));
         } else {
             assert_eq!(error["status"], 503, "{error}");
         }
@@ -979,4 +997,28 @@ async fn chaos_every_stream_completes_while_decoders_die_and_return() {
         0.0
     );
     assert_no_holds_left(&prefill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_character_split_across_the_failure_is_sent_whole() {
+    // d0 dies right after a split token (its text held back for the next
+    // token's): the client must still get that text, so the resume continues
+    // from the token before it, and d1 generates the split token again.
+    for shape in SHAPES {
+        let expected = model::generate(&shape.prompt_ids(), MAX_TOKENS);
+        let split = expected[..MAX_TOKENS - 1]
+            .iter()
+            .position(|&id| model::is_split(id))
+            .expect("the mock model splits some token of this prompt");
+        let context = format!("split token at {split}, {shape:?}");
+        let cluster = cluster(Fault::Crash, split + 1, &[]).await;
+        let outcome = request(&cluster.router, shape, json!({})).await;
+        assert_uninterrupted(&outcome, shape, &context);
+        let records = engine_requests(&cluster.healthy).await;
+        let resumed = &records[0]["body"];
+        let mut prompt = shape.prompt_ids();
+        prompt.extend_from_slice(&expected[..split]);
+        assert_eq!(ids(&resumed["prompt"]), prompt, "{context}");
+        assert_eq!(resumed["max_tokens"], MAX_TOKENS - split, "{context}");
+    }
 }

@@ -52,6 +52,13 @@ pub struct Session {
     out: VecDeque<Bytes>,
     /// An event taken while gathering a batch, handled by the next call.
     deferred: Option<(Event, Source, Arc<Instance>)>,
+    /// Chunks of the current decoder whose token ids came without their text:
+    /// the engine's detokenizer holds back a character split across tokens
+    /// until its last byte. They are journaled and relayed with the chunk that
+    /// brings the text; a resume drops them and continues after the last token
+    /// whose text the client has, since the next decoder sees those tokens only
+    /// in its prompt and would never emit the held bytes.
+    withheld: Vec<Bytes>,
     error: Option<ApiError>,
     timing: Timing,
 }
@@ -95,6 +102,7 @@ impl Session {
             first_decoder: None,
             out: VecDeque::new(),
             deferred: None,
+            withheld: Vec::new(),
             error: None,
             timing: Timing {
                 started: Instant::now(),
@@ -383,6 +391,21 @@ impl Session {
         if tokens > 0 {
             self.on_tokens(decoder);
         }
+        if self.blocker.is_none() && text_withheld(&parsed) {
+            self.withheld.push(Bytes::copy_from_slice(data));
+            return Ok(());
+        }
+        for held in std::mem::take(&mut self.withheld) {
+            if let Some(parsed) = chunk::parse(&held) {
+                self.relay(&parsed, &held, source);
+            }
+        }
+        self.relay(&parsed, data, source);
+        Ok(())
+    }
+
+    /// Journals one chunk and queues what a streaming client gets of it.
+    fn relay(&mut self, parsed: &chunk::Chunk<'_>, data: &[u8], source: Source) {
         if let Some(first) = parsed.choices.iter().find(|c| c.index == 0) {
             let ids = first.token_ids.as_deref().unwrap_or_default();
             let text = first.text();
@@ -395,10 +418,9 @@ impl Session {
                 }
             });
         }
-        if let Some(bytes) = self.output.absorb(&parsed, data, source) {
+        if let Some(bytes) = self.output.absorb(parsed, data, source) {
             self.out.push_back(bytes);
         }
-        Ok(())
     }
 
     /// Token timing: TTFT, inter-token gaps, and the resume latency (failure
@@ -450,6 +472,7 @@ impl Session {
     async fn recover(&mut self, failure: Failure) {
         // Dropping the attempt closes its connection: the engine aborts its copy.
         self.attempt = None;
+        self.withheld.clear();
         if let Err(error) = self.connect(Some(failure)).await {
             if self.resumes > 0 {
                 crate::metrics::failed_after_resume();
@@ -560,6 +583,19 @@ const HANDOFF_TURNS: usize = 4;
 
 /// Response header (non-stream) counting the resumes a request needed.
 pub const RESUMES_HEADER: &str = "x-connex-resumes";
+
+/// Whether a chunk brings token ids but not yet their text (and no finish):
+/// one choice, as only single-choice requests are resumed mid-stream.
+fn text_withheld(parsed: &chunk::Chunk<'_>) -> bool {
+    match parsed.choices.as_slice() {
+        [choice] => {
+            choice.token_ids.as_ref().is_some_and(|ids| !ids.is_empty())
+                && choice.text().is_empty()
+                && choice.finish_reason.is_none()
+        }
+        _ => false,
+    }
+}
 
 fn to_bytes(body: &Value) -> Bytes {
     Bytes::from(serde_json::to_vec(body).unwrap_or_default())

@@ -358,6 +358,8 @@ struct Run {
     record: Option<usize>,
     context: ContextHash,
     emitted: Vec<u32>,
+    /// Text of a split token (see [`model::is_split`]) not sent yet.
+    held_text: String,
     started: bool,
     finished: bool,
     sent_done: bool,
@@ -373,6 +375,7 @@ impl Run {
             record,
             context,
             emitted: Vec::new(),
+            held_text: String::new(),
             started: false,
             finished: false,
             sent_done: false,
@@ -514,7 +517,12 @@ impl Run {
         };
         let last = self.emitted.len() as u32 >= self.plan.max_tokens;
         let finish_reason = if last { json!("length") } else { Value::Null };
-        let text = model::token_text(token);
+        // A split token's text goes out with the next token's, as vLLM's
+        // detokenizer holds back an incomplete character.
+        let mut text = std::mem::take(&mut self.held_text) + &model::token_text(token);
+        if model::is_split(token) && !last {
+            self.held_text = std::mem::take(&mut text);
+        }
         let mut choice = match self.plan.kind {
             Kind::Completion => {
                 json!({"index":0,"text":text,"logprobs":null,"finish_reason":finish_reason,"stop_reason":null})

@@ -66,6 +66,15 @@ pub fn generate(context: &[u32], count: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Whether a generated token is the first part of a character split across two
+/// tokens, as a byte-level BPE model splits a multi-byte character: a stream
+/// sends its text only with the next token's (vLLM's detokenizer holds back an
+/// incomplete UTF-8 sequence), and a decoder handed it as the last token of its
+/// prompt never sends that text at all. One generated token in five.
+pub fn is_split(id: u32) -> bool {
+    id >= FIRST_WORD_ID && id % 5 == 0
+}
+
 /// Byte-level tokenization of prompt text.
 pub fn tokenize(text: &str) -> Vec<u32> {
     text.bytes().map(u32::from).collect()
