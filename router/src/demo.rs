@@ -132,7 +132,8 @@ fn demo_requests(max_tokens: u32) -> Vec<(&'static str, &'static str, Value)> {
         (
             "completion stream",
             "/v1/completions",
-            json!({"model": "mock", "prompt": "Once upon a time", "max_tokens": max_tokens, "stream": true}),
+            json!({"model": "mock", "prompt": "Once upon a time", "max_tokens": max_tokens, "stream": true,
+                "stream_options": {"include_usage": true}}),
         ),
         (
             "chat",
@@ -142,7 +143,8 @@ fn demo_requests(max_tokens: u32) -> Vec<(&'static str, &'static str, Value)> {
         (
             "chat stream",
             "/v1/chat/completions",
-            json!({"model": "mock", "messages": messages, "max_tokens": max_tokens, "stream": true}),
+            json!({"model": "mock", "messages": messages, "max_tokens": max_tokens, "stream": true,
+                "stream_options": {"include_usage": true}}),
         ),
     ]
 }
@@ -193,12 +195,15 @@ async fn send(
                     continue;
                 }
                 let chunk: Value = serde_json::from_slice(&data).map_err(|e| e.to_string())?;
+                // Counted from usage: a chunk may carry the text of two tokens.
+                if let Some(count) = chunk.pointer("/usage/completion_tokens") {
+                    outcome.tokens = count.as_u64().unwrap_or(0) as usize;
+                }
                 let piece = choice_text(&chunk["choices"][0]);
                 if !piece.is_empty() {
-                    if outcome.tokens == 0 {
+                    if outcome.text.is_empty() {
                         outcome.ttft = started.elapsed();
                     }
-                    outcome.tokens += 1;
                     outcome.text.push_str(piece);
                 }
             }
