@@ -136,8 +136,9 @@ async fn cluster(fault: Fault, k: usize, router_flags: &[&str]) -> Cluster {
 }
 
 /// For the faults the test causes from outside: waits until `d0` has emitted `k`
-/// tokens (it stalls there), then freezes it or migrates away from it.
-async fn trigger(fault: Fault, cluster: &Cluster, k: usize) {
+/// tokens (it stalls there), then freezes it or migrates away from it once the
+/// router has journaled the `kept` of them whose text it has.
+async fn trigger(fault: Fault, cluster: &Cluster, k: usize, kept: usize) {
     if !matches!(fault, Fault::Dead | Fault::Hung | Fault::Migrate) {
         return;
     }
@@ -157,7 +158,7 @@ async fn trigger(fault: Fault, cluster: &Cluster, k: usize) {
         cluster.faulty.signal("STOP");
         return;
     }
-    // The journal shows the request on d0 with its k tokens, before the move (it
+    // The journal shows the request on d0 with its tokens, before the move (it
     // journals tokens as the client reads them, so it may lag the engine a little).
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -165,12 +166,12 @@ async fn trigger(fault: Fault, cluster: &Cluster, k: usize) {
         assert_eq!(entries.len(), 1, "{entries:?}");
         assert_eq!(entries[0]["decoder"], "d0");
         assert!(entries[0].get("prompt_token_ids").is_none(), "not verbose");
-        if entries[0]["generated_tokens"] == k {
+        if entries[0]["generated_tokens"] == kept {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "journal never reached {k}: {entries:?}"
+            "journal never reached {kept}: {entries:?}"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -359,9 +360,11 @@ fn assert_uninterrupted(outcome: &Outcome, shape: Shape, context: &str) {
 async fn resume_case(fault: Fault, k: usize, shape: Shape) {
     let context = format!("{fault:?} at token {k}, {shape:?}");
     let cluster = cluster(fault, k, &[]).await;
+    let expected = model::generate(&shape.prompt_ids(), MAX_TOKENS);
+    let kept = with_text(&expected, k);
     let (outcome, ()) = tokio::join!(
         request(&cluster.router, shape, json!({})),
-        trigger(fault, &cluster, k)
+        trigger(fault, &cluster, k, kept)
     );
     assert_uninterrupted(&outcome, shape, &context);
 
@@ -394,18 +397,16 @@ async fn resume_case(fault: Fault, k: usize, shape: Shape) {
     }
 
     // The healthy decoder continued the request from the hold: prompt ids plus
-    // the k tokens generated so far, computing only those k itself.
+    // the tokens generated so far, computing only those itself.
     let records = engine_requests(&cluster.healthy).await;
     assert_eq!(records.len(), 1, "{context}: {records:?}");
     let resumed = &records[0];
-    let expected = model::generate(&shape.prompt_ids(), MAX_TOKENS);
     assert_eq!(resumed["body"]["kv_transfer_params"]["resume_epoch"], 1);
     assert_eq!(
         resumed["body"]["kv_transfer_params"]["do_remote_prefill"],
         true
     );
     // It continues after the tokens the client has with their text.
-    let kept = with_text(&expected, k);
     if kept == 0 {
         assert_eq!(resumed["path"], shape.path(), "{context}");
     } else {
