@@ -137,8 +137,7 @@ class Bench:
     def takeover_s(self) -> float:
         """Sum of the router's resume latencies: failure detected -> first token
         of the decoder that took over."""
-        text = httpx.get(f"{self.router.url}/metrics", timeout=5).text
-        return harness.sum_metric(text, "connex_resume_latency_seconds_sum")
+        return self.router.metric("connex_resume_latency_seconds_sum")
 
     def trial(self, ids: list[int], mode: str | None) -> tuple[list[int], float | None]:
         """One stream; with a mode, its decoder is killed at KILL_AT. Returns the

@@ -255,16 +255,17 @@ impl CtrlClient {
             let hello = Request::Hello {
                 secret: secret.clone(),
             };
-            let answer = conn.exchange(&hello).await;
-            if !matches!(answer, Ok(Reply::Welcome)) {
+            let refused = match conn.exchange(&hello).await {
+                Ok(Reply::Welcome) => None,
+                Ok(other) => Some(TransferError::Protocol(format!(
+                    "expected a welcome to hello, got {other:?}"
+                ))),
+                Err(err) => Some(err),
+            };
+            if let Some(err) = refused {
                 // The holder closes a refused connection: not one for the pool.
                 conn.reusable = false;
-                return Err(match answer {
-                    Err(err) => err,
-                    Ok(other) => TransferError::Protocol(format!(
-                        "expected a welcome to hello, got {other:?}"
-                    )),
-                });
+                return Err(err);
             }
         }
         Ok(conn)

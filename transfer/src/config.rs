@@ -135,9 +135,9 @@ impl Secret {
 
     /// Compares in constant time (for a given length), so that the time a
     /// refusal takes says nothing about how much of a guess was right.
-    pub(crate) fn matches(&self, offered: &[u8]) -> bool {
+    pub(crate) fn matches(&self, offered: &Secret) -> bool {
         use subtle::ConstantTimeEq;
-        self.0.as_bytes().ct_eq(offered).into()
+        self.0.as_bytes().ct_eq(offered.as_bytes()).into()
     }
 }
 

@@ -178,8 +178,12 @@ impl Instance {
         self.set_lifecycle(state);
     }
 
-    fn stored(&self) -> Lifecycle {
-        *self.stored.lock().unwrap_or_else(|e| e.into_inner())
+    /// Takes back the lifecycle the store last gave, ending any local mark;
+    /// returns it.
+    fn restore_stored(&self) -> Lifecycle {
+        let stored = *self.stored.lock().unwrap_or_else(|e| e.into_inner());
+        self.set_stored(stored);
+        stored
     }
 
     /// Whether the health checks declared the instance dead (and still do).

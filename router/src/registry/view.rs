@@ -169,9 +169,8 @@ impl View {
         if instance.unhealthy.swap(false, Ordering::Relaxed)
             && instance.lifecycle() == Lifecycle::Dead
         {
-            let stored = instance.stored();
-            tracing::info!(%id, state = ?stored, "instance passes its health checks again");
-            instance.set_lifecycle(stored);
+            let state = instance.restore_stored();
+            tracing::info!(%id, ?state, "instance passes its health checks again");
         }
     }
 
@@ -188,9 +187,8 @@ impl View {
                 && entry.lifecycle() == Lifecycle::Dead
                 && !entry.is_unhealthy()
             {
-                let stored = entry.stored();
-                tracing::info!(id = %entry.id, state = ?stored, "instance still heartbeats; back from a local dead mark");
-                entry.set_stored(stored);
+                let state = entry.restore_stored();
+                tracing::info!(id = %entry.id, ?state, "instance still heartbeats; back from a local dead mark");
             }
         }
     }
