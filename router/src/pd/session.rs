@@ -345,7 +345,7 @@ impl Session {
 
     /// Journals and relays one chunk. A chunk that says the decoder failed is
     /// returned as a failure.
-    fn on_data(&mut self, data: &[u8], source: Source, decoder: &str) -> Result<(), Failure> {
+    fn on_data(&mut self, data: &Bytes, source: Source, decoder: &str) -> Result<(), Failure> {
         let Some(parsed) = chunk::parse(data) else {
             return Err(Failure {
                 message: format!("decoder {decoder} sent an invalid chunk"),
@@ -392,7 +392,7 @@ impl Session {
             self.on_tokens(decoder);
         }
         if self.blocker.is_none() && text_withheld(&parsed) {
-            self.withheld.push(Bytes::copy_from_slice(data));
+            self.withheld.push(data.clone());
             return Ok(());
         }
         for held in std::mem::take(&mut self.withheld) {
