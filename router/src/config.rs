@@ -103,7 +103,8 @@ pub struct RouterConfig {
     /// Timeout of each etcd call and connection attempt, in milliseconds.
     #[arg(long, env = "CONNEX_ETCD_TIMEOUT_MS", default_value_t = 2000)]
     pub etcd_timeout_ms: u64,
-    /// A decoder that sends nothing for this long is failed and the request resumed.
+    /// A decoder that sends no event for this long after its first token is
+    /// failed and the request resumed (before it: --first-token-timeout-ms).
     #[arg(long, env = "CONNEX_STALL_TIMEOUT_MS", default_value_t = 10_000)]
     pub stall_timeout_ms: u64,
     /// Most times one request moves to another decoder; then it fails with an error.
@@ -141,6 +142,29 @@ pub struct RouterConfig {
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub health_check_failures: u32,
+
+    // --- Request path: timeouts and bounds (issue 13) ---
+    /// How long a decoder may take to answer a decode request with its response
+    /// headers, in milliseconds; past it the request resumes elsewhere (cause
+    /// `no_headers`).
+    #[arg(long, env = "CONNEX_DECODE_OPEN_TIMEOUT_MS", default_value_t = 10_000)]
+    pub decode_open_timeout_ms: u64,
+    /// How long a decoder may take to send its first token, in milliseconds
+    /// (it pulls the prompt's KV first: keep this above the connector's pull
+    /// timeout, 30 s). The stall timeout applies after the first token.
+    #[arg(long, env = "CONNEX_FIRST_TOKEN_TIMEOUT_MS", default_value_t = 60_000)]
+    pub first_token_timeout_ms: u64,
+    /// Largest SSE event accepted from a decoder, in bytes (larger: the decoder
+    /// failed, cause `protocol`).
+    #[arg(long, env = "CONNEX_MAX_SSE_EVENT_BYTES", default_value_t = 1024 * 1024)]
+    pub max_sse_event_bytes: usize,
+    /// Largest prefill answer read, in bytes (it carries the prompt's token ids).
+    #[arg(long, env = "CONNEX_MAX_UPSTREAM_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
+    pub max_upstream_body_bytes: usize,
+    /// How long new requests avoid a decoder after a connect to it failed, in
+    /// milliseconds (at most half the decoders are avoided at once).
+    #[arg(long, env = "CONNEX_SUSPECT_MS", default_value_t = 5_000)]
+    pub suspect_ms: u64,
 }
 
 impl RouterConfig {

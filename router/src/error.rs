@@ -25,12 +25,10 @@ pub enum ApiError {
     Unavailable(String),
     #[error("upstream {instance} failed: {message}")]
     BadGateway { instance: String, message: String },
-    /// An engine's own 4xx answer, passed through to the client.
-    #[error("upstream rejected the request")]
-    Upstream {
-        status: StatusCode,
-        body: bytes::Bytes,
-    },
+    /// An engine's own 4xx answer: its status and its message, never its raw
+    /// bytes (see [`ApiError::upstream`]).
+    #[error("{message}")]
+    Upstream { status: StatusCode, message: String },
 }
 
 impl ApiError {
@@ -38,6 +36,33 @@ impl ApiError {
         Self::BadRequest {
             message: message.into(),
             param,
+        }
+    }
+
+    /// An engine's error answer as the client gets it: the engine's status
+    /// (when it is an error status) and the message of its OpenAI or FastAPI
+    /// error body, bounded; any other body becomes a short lossy excerpt.
+    pub fn upstream(status: u16, body: &[u8]) -> Self {
+        let status = StatusCode::from_u16(status)
+            .ok()
+            .filter(|s| s.is_client_error() || s.is_server_error())
+            .unwrap_or(StatusCode::BAD_GATEWAY);
+        let parsed: Option<serde_json::Value> = serde_json::from_slice(body).ok();
+        let message = parsed
+            .as_ref()
+            .and_then(|v| {
+                v.pointer("/error/message")
+                    .or_else(|| v.get("message"))
+                    .or_else(|| v.get("detail"))
+            })
+            .map(|m| match m.as_str() {
+                Some(text) => text.to_string(),
+                None => m.to_string(),
+            })
+            .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned());
+        Self::Upstream {
+            status,
+            message: truncate(message.trim(), MAX_UPSTREAM_MESSAGE),
         }
     }
 
@@ -80,9 +105,45 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if let Self::Upstream { status, body } = self {
-            return (status, [("content-type", "application/json")], body).into_response();
-        }
         (self.status(), Json(self.body())).into_response()
+    }
+}
+
+/// Longest engine message passed on to a client, in bytes.
+pub const MAX_UPSTREAM_MESSAGE: usize = 4096;
+
+/// `text` cut to at most `max` bytes, on a character boundary, marked when cut.
+pub fn truncate(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &text[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_error_keeps_its_status_and_message_never_its_bytes() {
+        let error = ApiError::upstream(
+            400,
+            br#"{"error":{"message":"prompt too long","type":"BadRequestError","code":400}}"#,
+        );
+        assert_eq!(error.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(error.body()["error"]["message"], "prompt too long");
+        assert_eq!(error.body()["error"]["code"], 400);
+        let fastapi = ApiError::upstream(422, br#"{"detail":"bad field"}"#);
+        assert_eq!(fastapi.body()["error"]["message"], "bad field");
+        let huge = vec![b'x'; 1 << 20];
+        let error = ApiError::upstream(413, &huge);
+        let message = error.body()["error"]["message"].as_str().unwrap_or_default().len();
+        assert!(message <= MAX_UPSTREAM_MESSAGE + 3, "bounded: {message}");
+        // A success or odd status from an error path is a bad gateway.
+        assert_eq!(ApiError::upstream(302, b"").status(), StatusCode::BAD_GATEWAY);
     }
 }

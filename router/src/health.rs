@@ -9,10 +9,17 @@
 //! requests until a probe succeeds again: not a heartbeat, since the agent
 //! that sends them can outlive the server (vLLM's API server answers `/health`
 //! with 503 once its engine core died, while its process heartbeats on).
+//!
+//! Probes are evidence only when nothing contradicts them: on a saturated
+//! machine a probe times out while the decoder's streams flow. An instance
+//! whose streams delivered tokens within the probing window is not declared
+//! dead, and ejection is bounded: when declaring one more instance dead would
+//! leave fewer than half of its kind (role and model) in rotation, the router
+//! keeps routing to all (Envoy's `max_ejection_percent` and panic threshold).
 
 use crate::metrics;
+use crate::policy::outlier::{ejection_allowed, Outliers};
 use crate::registry::{Instance, Lifecycle, Registry};
-use crate::state::AppState;
 use futures_util::future::join_all;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -31,7 +38,14 @@ pub struct HealthChecks {
 impl HealthChecks {
     /// Starts the probing task on `tasks`, stopped by `shutdown`; a zero
     /// interval turns probing off.
-    pub fn spawn(self, state: Arc<AppState>, tasks: &mut JoinSet<()>, shutdown: CancellationToken) {
+    pub fn spawn(
+        self,
+        registry: Arc<Registry>,
+        client: reqwest::Client,
+        outliers: Arc<Outliers>,
+        tasks: &mut JoinSet<()>,
+        shutdown: CancellationToken,
+    ) {
         if self.interval.is_zero() {
             return;
         }
@@ -46,7 +60,7 @@ impl HealthChecks {
                 }
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
-                    _ = self.round(&state.registry, &state.client, &mut failed) => {}
+                    _ = self.round(&registry, &client, &outliers, &mut failed) => {}
                 }
             }
         });
@@ -58,6 +72,7 @@ impl HealthChecks {
         &self,
         registry: &Registry,
         client: &reqwest::Client,
+        outliers: &Outliers,
         failed: &mut HashMap<String, u32>,
     ) {
         let probed: Vec<Arc<Instance>> = registry
@@ -84,11 +99,33 @@ impl HealthChecks {
             let count = failed.entry(instance.id.clone()).or_default();
             *count += 1;
             tracing::warn!(id = %instance.id, %why, failures = *count, "health check failed");
-            if *count >= self.failures {
-                failed.remove(&instance.id);
-                registry.mark_unhealthy(&instance.id);
+            if *count < self.failures {
+                continue;
             }
+            if outliers.delivered_within(&instance.id, self.window()) {
+                metrics::ejection_refused(&instance.id, "delivering");
+                continue;
+            }
+            if !ejection_allowed(probed.iter().filter(|i| same_kind(i, instance)).count(), {
+                probed
+                    .iter()
+                    .filter(|i| same_kind(i, instance) && i.is_unhealthy())
+                    .count()
+                    + 1
+            }) {
+                metrics::ejection_refused(&instance.id, "bound");
+                tracing::warn!(id = %instance.id, "not declared dead: too few instances of its kind would remain");
+                continue;
+            }
+            failed.remove(&instance.id);
+            registry.mark_unhealthy(&instance.id);
         }
+    }
+
+    /// The span of the failed probes that would declare an instance dead:
+    /// tokens delivered within it contradict them.
+    fn window(&self) -> std::time::Duration {
+        self.interval * self.failures + self.timeout
     }
 
     async fn probe(&self, client: &reqwest::Client, instance: &Instance) -> Result<(), String> {
@@ -100,4 +137,8 @@ impl HealthChecks {
             Err(err) => Err(err.to_string()),
         }
     }
+}
+
+fn same_kind(a: &Instance, b: &Instance) -> bool {
+    a.role == b.role && a.model == b.model
 }

@@ -1,4 +1,4 @@
-//! The router's side of the prefill holds (DESIGN.md "Holds").
+//! The router's side of the prefill holds (docs/architecture.md, "Holds").
 //!
 //! - Backstop release: when a request ends (finished, failed or abandoned by its
 //!   client) the router releases its hold through the prefill's `remote_ctrl`.
@@ -8,11 +8,14 @@
 //! - The check a resume makes before relying on a hold.
 //!
 //! The I/O of releases and renewals happens on one keeper task owned by the
-//! router, so the end of a request never waits on a holder.
+//! router, so the end of a request never waits on a holder. Each request holds a
+//! [`HoldLease`]; the keeper keeps the leases in renewal order and wakes only
+//! when one is due.
 
-use crate::journal::Journal;
 use connex_transfer::{CtrlClient, Secret, TransferError};
 use serde_json::Value;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -55,33 +58,94 @@ pub enum HoldState {
     Lost(String),
 }
 
-/// Handle to the keeper: queue releases, check holds.
+/// Handle to the keeper: lease holds (renewed while leased, released when the
+/// lease drops), check holds.
 #[derive(Debug, Clone)]
 pub struct Holds {
     ctrl: CtrlClient,
-    releases: mpsc::UnboundedSender<Hold>,
+    commands: mpsc::UnboundedSender<Command>,
+    next_key: Arc<AtomicU64>,
 }
 
-/// The keeper's end of the release queue, taken by [`Holds::spawn_keeper`].
-pub struct ReleaseQueue(mpsc::UnboundedReceiver<Hold>);
+/// The keeper's end of the command queue, taken by [`Holds::spawn_keeper`].
+pub struct ReleaseQueue(mpsc::UnboundedReceiver<Command>);
+
+/// What the keeper is told.
+#[derive(Debug)]
+pub enum Command {
+    /// Renew `hold` at half its lease, at the lease's current epoch, until untracked.
+    Track {
+        key: u64,
+        hold: Hold,
+        epoch: Arc<AtomicU64>,
+    },
+    /// Stop renewing; release the hold (the router's backstop).
+    Release { key: u64 },
+}
+
+/// A request's claim on a hold: renewed by the keeper while it lives, released
+/// when it drops (however the request ended: finished, failed, or its client
+/// went away). The decoder releases the hold too on a normal finish; release is
+/// idempotent.
+#[derive(Debug)]
+pub struct HoldLease {
+    hold: Hold,
+    key: u64,
+    epoch: Arc<AtomicU64>,
+    commands: mpsc::UnboundedSender<Command>,
+}
+
+impl HoldLease {
+    pub fn hold(&self) -> &Hold {
+        &self.hold
+    }
+
+    /// The resume epoch renewals use from now on.
+    pub fn set_epoch(&self, epoch: u64) {
+        self.epoch.store(epoch, Ordering::Relaxed);
+    }
+}
+
+impl Drop for HoldLease {
+    fn drop(&mut self) {
+        // The queue only closes when the router stops; a release then is moot
+        // (the hold expires by its lease).
+        let _ = self.commands.send(Command::Release { key: self.key });
+    }
+}
 
 impl Holds {
     pub fn new(ctrl_timeout: Duration, secret: Option<Secret>) -> (Self, ReleaseQueue) {
-        let (releases, queue) = mpsc::unbounded_channel();
+        let (commands, queue) = mpsc::unbounded_channel();
         let ctrl = CtrlClient::with_config(connex_transfer::ClientConfig {
             connect_timeout: ctrl_timeout,
             io_timeout: ctrl_timeout,
             secret,
             ..Default::default()
         });
-        (Self { ctrl, releases }, ReleaseQueue(queue))
+        let holds = Self {
+            ctrl,
+            commands,
+            next_key: Arc::new(AtomicU64::new(0)),
+        };
+        (holds, ReleaseQueue(queue))
     }
 
-    /// Queues the backstop release of `hold`.
-    pub fn release(&self, hold: Hold) {
-        // The queue only closes when the router stops; a release then is moot
-        // (the hold expires by its lease).
-        let _ = self.releases.send(hold);
+    /// Leases `hold` for a request at resume `epoch`.
+    pub fn lease(&self, hold: Hold, epoch: u64) -> HoldLease {
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let epoch = Arc::new(AtomicU64::new(epoch));
+        let _ = self.commands.send(Command::Track {
+            key,
+            hold: hold.clone(),
+            epoch: epoch.clone(),
+        });
+        HoldLease {
+            hold,
+            key,
+            epoch,
+            commands: self.commands.clone(),
+        }
     }
 
     /// Whether `hold` can still be pulled. An unreachable holder counts as lost:
@@ -107,52 +171,171 @@ impl Holds {
     pub fn spawn_keeper(
         &self,
         queue: ReleaseQueue,
-        journal: Arc<Journal>,
         tasks: &mut JoinSet<()>,
         shutdown: CancellationToken,
     ) {
-        tasks.spawn(keep(self.ctrl.clone(), queue.0, journal, shutdown));
+        tasks.spawn(keep(self.ctrl.clone(), queue.0, shutdown));
     }
 }
 
 /// Most release or renew calls in flight at once.
 const MAX_CALLS: usize = 64;
 
+/// A leased hold the keeper renews.
+struct Tracked {
+    hold: Hold,
+    epoch: Arc<AtomicU64>,
+    /// When the next renewal is due (its key in the schedule), `None` while one
+    /// is in flight.
+    due: Option<Instant>,
+}
+
+/// The leased holds and when each is next renewed: the keeper wakes at the
+/// earliest renewal instead of scanning every request.
+#[derive(Default)]
+struct Schedule {
+    tracked: HashMap<u64, Tracked>,
+    order: BTreeSet<(Instant, u64)>,
+}
+
+impl Schedule {
+    fn track(&mut self, key: u64, hold: Hold, epoch: Arc<AtomicU64>, now: Instant) {
+        let due = now + hold.lease / 2;
+        self.order.insert((due, key));
+        self.tracked.insert(
+            key,
+            Tracked {
+                hold,
+                epoch,
+                due: Some(due),
+            },
+        );
+    }
+
+    fn untrack(&mut self, key: u64) -> Option<Hold> {
+        let tracked = self.tracked.remove(&key)?;
+        if let Some(due) = tracked.due {
+            self.order.remove(&(due, key));
+        }
+        Some(tracked.hold)
+    }
+
+    fn next_due(&self) -> Option<Instant> {
+        self.order.first().map(|(due, _)| *due)
+    }
+
+    /// The holds due at `now`, with their epochs; marked in flight.
+    fn take_due(&mut self, now: Instant, most: usize) -> Vec<(u64, Hold, u32)> {
+        let mut out = Vec::new();
+        while out.len() < most {
+            let Some(&(due, key)) = self.order.first() else {
+                break;
+            };
+            if due > now {
+                break;
+            }
+            self.order.remove(&(due, key));
+            if let Some(tracked) = self.tracked.get_mut(&key) {
+                tracked.due = None;
+                let epoch = u32::try_from(tracked.epoch.load(Ordering::Relaxed)).unwrap_or(u32::MAX);
+                out.push((key, tracked.hold.clone(), epoch));
+            }
+        }
+        out
+    }
+
+    /// A renewal ended: the next one at half the lease after a success, sooner
+    /// after a failure; none once the hold is gone.
+    fn renewed(&mut self, key: u64, outcome: Renewal, now: Instant) {
+        let Some(tracked) = self.tracked.get_mut(&key) else {
+            return;
+        };
+        let after = match outcome {
+            Renewal::Renewed => tracked.hold.lease / 2,
+            Renewal::Failed => (tracked.hold.lease / 8).min(Duration::from_secs(1)),
+            Renewal::Gone => return,
+        };
+        let due = now + after;
+        tracked.due = Some(due);
+        self.order.insert((due, key));
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Renewal {
+    Renewed,
+    Failed,
+    Gone,
+}
+
 async fn keep(
     ctrl: CtrlClient,
-    mut queue: mpsc::UnboundedReceiver<Hold>,
-    journal: Arc<Journal>,
+    mut queue: mpsc::UnboundedReceiver<Command>,
     shutdown: CancellationToken,
 ) {
-    let mut calls = JoinSet::new();
-    // Often enough that a hold renewed at half its lease never lapses (1 s leases too).
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut calls: JoinSet<Option<(u64, Renewal)>> = JoinSet::new();
+    let mut schedule = Schedule::default();
     loop {
+        let wake = schedule.next_due();
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            Some(hold) = queue.recv() => {
-                if calls.len() >= MAX_CALLS {
-                    calls.join_next().await;
+            Some(command) = queue.recv() => match command {
+                Command::Track { key, hold, epoch } => {
+                    schedule.track(key, hold, epoch, Instant::now());
                 }
-                calls.spawn(release(ctrl.clone(), hold));
-            }
-            _ = tick.tick() => {
-                for (hold, epoch) in journal.holds_to_renew(Instant::now()) {
-                    if calls.len() < MAX_CALLS {
-                        calls.spawn(renew(ctrl.clone(), hold, epoch));
+                Command::Release { key } => {
+                    if let Some(hold) = schedule.untrack(key) {
+                        if calls.len() >= MAX_CALLS {
+                            apply(&mut schedule, calls.join_next().await);
+                        }
+                        let ctrl = ctrl.clone();
+                        calls.spawn(async move {
+                            release(ctrl, hold).await;
+                            None
+                        });
                     }
                 }
+            },
+            _ = sleep_until(wake), if wake.is_some() => {
+                let now = Instant::now();
+                let room = MAX_CALLS.saturating_sub(calls.len()).max(1);
+                for (key, hold, epoch) in schedule.take_due(now, room) {
+                    let ctrl = ctrl.clone();
+                    calls.spawn(async move { Some((key, renew(ctrl, hold, epoch).await)) });
+                }
             }
-            Some(_) = calls.join_next(), if !calls.is_empty() => {}
+            Some(done) = calls.join_next(), if !calls.is_empty() => apply(&mut schedule, Some(done)),
         }
     }
     // Releases queued before the stop still go out, bounded by the client's timeouts.
     queue.close();
-    while let Some(hold) = queue.recv().await {
-        calls.spawn(release(ctrl.clone(), hold));
+    while let Some(command) = queue.recv().await {
+        if let Command::Release { key } = command {
+            if let Some(hold) = schedule.untrack(key) {
+                let ctrl = ctrl.clone();
+                calls.spawn(async move {
+                    release(ctrl, hold).await;
+                    None
+                });
+            }
+        }
     }
     while calls.join_next().await.is_some() {}
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    if let Some(at) = at {
+        tokio::time::sleep_until(at.into()).await;
+    }
+}
+
+fn apply(
+    schedule: &mut Schedule,
+    done: Option<Result<Option<(u64, Renewal)>, tokio::task::JoinError>>,
+) {
+    if let Some(Ok(Some((key, outcome)))) = done {
+        schedule.renewed(key, outcome, Instant::now());
+    }
 }
 
 async fn release(ctrl: CtrlClient, hold: Hold) {
@@ -176,12 +359,21 @@ async fn release(ctrl: CtrlClient, hold: Hold) {
     }
 }
 
-async fn renew(ctrl: CtrlClient, hold: Hold, epoch: u32) {
+async fn renew(ctrl: CtrlClient, hold: Hold, epoch: u32) -> Renewal {
     match ctrl.renew(&hold.ctrl, &hold.transfer_id, epoch).await {
-        Ok(_) => crate::metrics::hold_renewed("renewed"),
+        Ok(_) => {
+            crate::metrics::hold_renewed("renewed");
+            Renewal::Renewed
+        }
         Err(err) => {
             tracing::debug!(transfer_id = %hold.transfer_id, %err, "hold renew failed");
-            crate::metrics::hold_renewed(if err.is_hold_lost() { "gone" } else { "failed" });
+            if err.is_hold_lost() {
+                crate::metrics::hold_renewed("gone");
+                Renewal::Gone
+            } else {
+                crate::metrics::hold_renewed("failed");
+                Renewal::Failed
+            }
         }
     }
 }
@@ -199,5 +391,41 @@ mod tests {
         assert_eq!(hold.ctrl, "127.0.0.1:9");
         assert_eq!(hold.lease, Duration::from_secs(30));
         assert_eq!(Hold::from_params(&json!({"transfer_id":"t"})), None);
+    }
+
+    fn hold(lease_s: u64) -> Hold {
+        Hold {
+            ctrl: "127.0.0.1:9".into(),
+            transfer_id: "t".into(),
+            lease: Duration::from_secs(lease_s),
+        }
+    }
+
+    #[test]
+    fn renewals_are_due_at_half_the_lease_and_rescheduled_only_on_success() {
+        let mut schedule = Schedule::default();
+        let now = Instant::now();
+        let epoch = Arc::new(AtomicU64::new(2));
+        schedule.track(1, hold(10), epoch.clone(), now);
+        assert_eq!(schedule.next_due(), Some(now + Duration::from_secs(5)));
+        assert!(schedule.take_due(now, 8).is_empty());
+        epoch.store(3, Ordering::Relaxed);
+        let due = schedule.take_due(now + Duration::from_secs(5), 8);
+        assert_eq!(due.len(), 1);
+        assert_eq!(due[0].2, 3, "renewed at the lease's current epoch");
+        // In flight: not due again until its outcome is known.
+        assert_eq!(schedule.next_due(), None);
+        let later = now + Duration::from_secs(6);
+        schedule.renewed(1, Renewal::Failed, later);
+        assert_eq!(schedule.next_due(), Some(later + Duration::from_secs(1)));
+        schedule.take_due(later + Duration::from_secs(1), 8);
+        schedule.renewed(1, Renewal::Renewed, later);
+        assert_eq!(schedule.next_due(), Some(later + Duration::from_secs(5)));
+        assert!(schedule.untrack(1).is_some());
+        assert_eq!(schedule.next_due(), None);
+        schedule.track(2, hold(10), epoch, now);
+        schedule.take_due(now + Duration::from_secs(5), 8);
+        schedule.renewed(2, Renewal::Gone, later);
+        assert_eq!(schedule.next_due(), None, "a gone hold is not renewed again");
     }
 }

@@ -1,16 +1,44 @@
-//! The journal: per-request state of every request in flight.
+//! The journal: the one record of every request in flight.
 //!
-//! It records what a resume needs (the prefill's `kv_transfer_params`, the prompt
-//! token ids, the tokens and text generated so far, the decoder and the attempt),
-//! and is what `GET /admin/requests` shows. An entry lives as long as its
-//! [`JournalHandle`], which the request flow owns.
+//! The relay writes it (each choice's token ids, text and finish as they reach
+//! the client); resume reads it (what to continue from); `GET /admin/requests`
+//! shows it. It records the prefill's `kv_transfer_params`, the prompt token ids,
+//! the decoder and the attempt. An entry lives as long as its [`JournalHandle`],
+//! which the request flow owns.
+//!
+//! The journal knows nothing of holds: their renewal is the hold keeper's
+//! (`holds.rs`), which tracks each request's lease itself.
 
-use crate::holds::Hold;
 use dashmap::DashMap;
 use serde::Serialize;
 use serde_json::Value;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+/// Where a request is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Waiting for the prefill's answer.
+    Prefill,
+    /// Streaming from a decoder (or opening one).
+    Decode,
+    /// The hold was lost: prefilling prompt + generated again.
+    Reprefill,
+    Finished,
+    Failed,
+}
+
+/// What one choice produced so far, as the client has it.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct ChoiceProgress {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub finish_reason: Option<String>,
+    #[serde(skip)]
+    pub stop_reason: Option<Value>,
+}
 
 /// The state of one request.
 #[derive(Debug, Clone, Serialize)]
@@ -19,7 +47,7 @@ pub struct Entry {
     pub route: &'static str,
     pub model: String,
     pub stream: bool,
-    pub phase: &'static str,
+    pub phase: Phase,
     pub prefill: Option<String>,
     pub decoder: Option<String>,
     pub attempt: u32,
@@ -29,15 +57,24 @@ pub struct Entry {
     pub kv_transfer_params: Option<Value>,
     /// The resume epoch of the latest attempt.
     pub epoch: u64,
-    /// The hold named by `kv_transfer_params`, and when it was last renewed.
-    #[serde(skip)]
-    pub hold: Option<(Hold, Instant)>,
     pub prompt_token_ids: Vec<u32>,
-    pub generated_token_ids: Vec<u32>,
-    pub text: String,
-    pub finish_reason: Option<String>,
+    /// Every choice of the request (one unless `n > 1`).
+    #[serde(skip)]
+    pub choices: Vec<ChoiceProgress>,
     #[serde(skip)]
     pub started: Option<Instant>,
+}
+
+impl Entry {
+    /// Tokens generated so far, over all choices.
+    pub fn generated(&self) -> usize {
+        self.choices.iter().map(|c| c.token_ids.len()).sum()
+    }
+
+    /// Whether every choice has its finish_reason.
+    pub fn all_finished(&self) -> bool {
+        self.choices.iter().all(|c| c.finish_reason.is_some())
+    }
 }
 
 /// All requests in flight.
@@ -45,24 +82,26 @@ pub struct Entry {
 pub struct Journal {
     /// Keyed by a sequence number: clients may reuse an `X-Request-Id`.
     entries: DashMap<u64, Arc<Mutex<Entry>>>,
-    next_key: std::sync::atomic::AtomicU64,
+    next_key: AtomicU64,
 }
 
 impl Journal {
-    /// Opens an entry; it is removed when the returned handle drops.
+    /// Opens an entry for a request of `choices` choices; it is removed when the
+    /// returned handle drops.
     pub fn open(
         self: &Arc<Self>,
         request_id: &str,
         route: &'static str,
         model: &str,
         stream: bool,
+        choices: usize,
     ) -> JournalHandle {
         let entry = Arc::new(Mutex::new(Entry {
             request_id: request_id.to_string(),
             route,
             model: model.to_string(),
             stream,
-            phase: "prefill",
+            phase: Phase::Prefill,
             prefill: None,
             decoder: None,
             attempt: 0,
@@ -70,16 +109,11 @@ impl Journal {
             causes: Vec::new(),
             kv_transfer_params: None,
             epoch: 0,
-            hold: None,
             prompt_token_ids: Vec::new(),
-            generated_token_ids: Vec::new(),
-            text: String::new(),
-            finish_reason: None,
+            choices: vec![ChoiceProgress::default(); choices.max(1)],
             started: Some(Instant::now()),
         }));
-        let key = self
-            .next_key
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         self.entries.insert(key, entry.clone());
         JournalHandle {
             journal: self.clone(),
@@ -88,50 +122,16 @@ impl Journal {
         }
     }
 
-    /// A JSON view of every entry; prompt contents only when `verbose`.
+    /// A JSON view of every entry; prompt and generated contents only when
+    /// `verbose`.
     pub fn view(&self, verbose: bool) -> Vec<Value> {
         let mut out: Vec<Value> = self
             .entries
             .iter()
-            .map(|e| {
-                let entry = e.value().lock().unwrap_or_else(|p| p.into_inner());
-                let mut value = serde_json::to_value(&*entry).unwrap_or(Value::Null);
-                value["prompt_tokens"] = entry.prompt_token_ids.len().into();
-                value["generated_tokens"] = entry.generated_token_ids.len().into();
-                value["age_ms"] = entry
-                    .started
-                    .map(|s| s.elapsed().as_millis() as u64)
-                    .unwrap_or(0)
-                    .into();
-                if !verbose {
-                    if let Some(map) = value.as_object_mut() {
-                        for key in ["prompt_token_ids", "generated_token_ids", "text"] {
-                            map.remove(key);
-                        }
-                    }
-                }
-                value
-            })
+            .map(|e| view_entry(&e.value().lock().unwrap_or_else(|p| p.into_inner()), verbose))
             .collect();
         out.sort_by(|a, b| a["request_id"].as_str().cmp(&b["request_id"].as_str()));
         out
-    }
-
-    /// The holds of running requests that are due for renewal (half their lease
-    /// since the last renewal), with the epoch to renew at; marks them renewed.
-    pub fn holds_to_renew(&self, now: Instant) -> Vec<(Hold, u32)> {
-        let mut due = Vec::new();
-        for entry in self.entries.iter() {
-            let mut entry = entry.value().lock().unwrap_or_else(|p| p.into_inner());
-            let epoch = u32::try_from(entry.epoch).unwrap_or(u32::MAX);
-            if let Some((hold, renewed)) = &mut entry.hold {
-                if now.duration_since(*renewed) >= hold.lease / 2 {
-                    *renewed = now;
-                    due.push((hold.clone(), epoch));
-                }
-            }
-        }
-        due
     }
 
     pub fn len(&self) -> usize {
@@ -143,6 +143,32 @@ impl Journal {
     }
 }
 
+fn view_entry(entry: &Entry, verbose: bool) -> Value {
+    let mut value = serde_json::to_value(entry).unwrap_or(Value::Null);
+    value["prompt_tokens"] = entry.prompt_token_ids.len().into();
+    value["generated_tokens"] = entry.generated().into();
+    value["finish_reason"] = entry
+        .choices
+        .first()
+        .and_then(|c| c.finish_reason.clone())
+        .into();
+    value["age_ms"] = entry
+        .started
+        .map(|s| s.elapsed().as_millis() as u64)
+        .unwrap_or(0)
+        .into();
+    if let Some(map) = value.as_object_mut() {
+        if verbose {
+            let first = entry.choices.first().cloned().unwrap_or_default();
+            map.insert("generated_token_ids".into(), first.token_ids.into());
+            map.insert("text".into(), first.text.into());
+        } else {
+            map.remove("prompt_token_ids");
+        }
+    }
+    value
+}
+
 /// Owner of one journal entry.
 #[derive(Debug)]
 pub struct JournalHandle {
@@ -152,23 +178,47 @@ pub struct JournalHandle {
 }
 
 impl JournalHandle {
-    /// Records the hold the request now uses.
-    pub fn set_hold(&self, kv_transfer_params: &Value) {
-        let hold = Hold::from_params(kv_transfer_params).map(|h| (h, Instant::now()));
-        self.update(|e| {
-            e.kv_transfer_params = Some(kv_transfer_params.clone());
-            e.hold = hold;
-        });
-    }
-
     /// Changes the entry.
     pub fn update<R>(&self, change: impl FnOnce(&mut Entry) -> R) -> R {
         change(&mut self.entry.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Reads the entry.
+    pub fn read<R>(&self, read: impl FnOnce(&Entry) -> R) -> R {
+        read(&self.entry.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    pub fn set_phase(&self, phase: Phase) {
+        self.update(|e| e.phase = phase);
     }
 }
 
 impl Drop for JournalHandle {
     fn drop(&mut self) {
         self.journal.entries.remove(&self.key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_entry_lives_as_long_as_its_handle_and_shows_its_phase() {
+        let journal = Arc::new(Journal::default());
+        let handle = journal.open("r1", "/v1/completions", "m", true, 1);
+        handle.update(|e| {
+            e.phase = Phase::Decode;
+            e.choices[0].token_ids.extend([1, 2]);
+            e.choices[0].text.push_str("ab");
+        });
+        let view = journal.view(true);
+        assert_eq!(view[0]["phase"], "decode");
+        assert_eq!(view[0]["generated_tokens"], 2);
+        assert_eq!(view[0]["generated_token_ids"], serde_json::json!([1, 2]));
+        assert_eq!(view[0]["text"], "ab");
+        assert!(journal.view(false)[0].get("text").is_none());
+        drop(handle);
+        assert!(journal.is_empty());
     }
 }

@@ -75,16 +75,16 @@ impl Router {
             }
         });
         state.registry.spawn(&mut tasks, shutdown.clone());
-        state
-            .config
-            .health_checks()
-            .spawn(state.clone(), &mut tasks, shutdown.clone());
-        state.holds.spawn_keeper(
-            releases,
-            state.journal.clone(),
+        state.config.health_checks().spawn(
+            state.registry.clone(),
+            state.client.clone(),
+            state.outliers.clone(),
             &mut tasks,
             shutdown.clone(),
         );
+        state
+            .holds
+            .spawn_keeper(releases, &mut tasks, shutdown.clone());
         tracing::info!(%addr, "connex-router listening");
         Ok(Self {
             addr,

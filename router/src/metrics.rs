@@ -3,7 +3,7 @@
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub const REQUESTS: &str = "connex_requests_total";
 pub const REQUEST_DURATION: &str = "connex_request_duration_seconds";
@@ -20,6 +20,7 @@ pub const REPREFILLS: &str = "connex_reprefills_total";
 pub const HOLDS_RELEASED: &str = "connex_holds_released_total";
 pub const HOLDS_RENEWED: &str = "connex_holds_renewed_total";
 pub const HEALTH_CHECK_FAILURES: &str = "connex_health_check_failures_total";
+pub const EJECTIONS_REFUSED: &str = "connex_ejections_refused_total";
 
 /// Every metric name, for the test that checks they are all emitted.
 pub const ALL: &[&str] = &[
@@ -38,6 +39,7 @@ pub const ALL: &[&str] = &[
     HOLDS_RELEASED,
     HOLDS_RENEWED,
     HEALTH_CHECK_FAILURES,
+    EJECTIONS_REFUSED,
 ];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -59,9 +61,43 @@ pub fn install() -> Option<PrometheusHandle> {
     Some(handle)
 }
 
-pub fn request_finished(route: &'static str, status: u16, elapsed: Duration) {
-    counter!(REQUESTS, "route" => route, "status" => status.to_string()).increment(1);
-    histogram!(REQUEST_DURATION, "route" => route).record(elapsed.as_secs_f64());
+/// The status recorded for a request whose client went away before its end
+/// (nginx's "client closed request").
+pub const CLIENT_CLOSED: u16 = 499;
+
+/// Records one request's metrics when it ends, however it ends: finished,
+/// failed, or dropped because its client disconnected (recorded as
+/// [`CLIENT_CLOSED`]). Created when the request arrives; the flow says how it
+/// ended with [`RequestGuard::finish`].
+#[derive(Debug)]
+pub struct RequestGuard {
+    route: &'static str,
+    started: Instant,
+    status: Option<u16>,
+}
+
+impl RequestGuard {
+    pub fn new(route: &'static str) -> Self {
+        Self {
+            route,
+            started: Instant::now(),
+            status: None,
+        }
+    }
+
+    /// How the request ended (the first call wins).
+    pub fn finish(&mut self, status: u16) {
+        self.status.get_or_insert(status);
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        let status = self.status.unwrap_or(CLIENT_CLOSED);
+        counter!(REQUESTS, "route" => self.route, "status" => status.to_string()).increment(1);
+        histogram!(REQUEST_DURATION, "route" => self.route)
+            .record(self.started.elapsed().as_secs_f64());
+    }
 }
 
 pub fn first_token(route: &'static str, instance: &str, ttft: Duration) {
@@ -127,4 +163,11 @@ pub fn hold_renewed(outcome: &'static str) {
 /// A failed `/health` probe of an instance.
 pub fn health_check_failed(instance: &str) {
     counter!(HEALTH_CHECK_FAILURES, "instance" => instance.to_string()).increment(1);
+}
+
+/// An instance the probes would have declared dead was kept in rotation: its
+/// streams deliver tokens (`delivering`), or too few instances would remain
+/// (`bound`).
+pub fn ejection_refused(instance: &str, why: &'static str) {
+    counter!(EJECTIONS_REFUSED, "instance" => instance.to_string(), "why" => why).increment(1);
 }

@@ -3,6 +3,9 @@
 use crate::config::RouterConfig;
 use crate::holds::{Holds, ReleaseQueue};
 use crate::journal::Journal;
+use crate::pd::attempt::StreamLimits;
+use crate::pd::upstream::{HttpUpstream, Limits, Upstream};
+use crate::policy::outlier::Outliers;
 use crate::policy::Selector;
 use crate::registry::Registry;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -11,13 +14,44 @@ use std::time::Duration;
 
 pub struct AppState {
     pub config: RouterConfig,
-    pub registry: Registry,
+    pub registry: Arc<Registry>,
     pub journal: Arc<Journal>,
     pub prefill: Selector,
     pub decode: Selector,
+    /// The client of the health probes (engine calls go through `upstream`).
     pub client: reqwest::Client,
+    /// How the request flow reaches the engines.
+    pub upstream: Arc<dyn Upstream>,
+    /// Decoders new requests avoid, and which ones deliver tokens.
+    pub outliers: Arc<Outliers>,
+    pub limits: RequestLimits,
     pub holds: Holds,
     pub metrics: Option<PrometheusHandle>,
+}
+
+/// The request path's limits, from the configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLimits {
+    pub stream: StreamLimits,
+    pub upstream: Limits,
+}
+
+impl RequestLimits {
+    pub fn new(config: &RouterConfig) -> Self {
+        let ms = Duration::from_millis;
+        Self {
+            stream: StreamLimits {
+                first_token: ms(config.first_token_timeout_ms),
+                stall: ms(config.stall_timeout_ms),
+                max_event: config.max_sse_event_bytes,
+            },
+            upstream: Limits {
+                prefill_timeout: ms(config.prefill_timeout_ms),
+                decode_open_timeout: ms(config.decode_open_timeout_ms),
+                max_body: config.max_upstream_body_bytes,
+            },
+        }
+    }
 }
 
 impl AppState {
@@ -27,26 +61,51 @@ impl AppState {
         config: RouterConfig,
         registry: Registry,
     ) -> Result<(Self, ReleaseQueue), reqwest::Error> {
-        let client = reqwest::Client::builder()
-            .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
-            .tcp_nodelay(true)
-            .pool_max_idle_per_host(1024)
-            .build()?;
+        let client = upstream_client(&config)?;
+        let upstream = Arc::new(HttpUpstream::new(
+            client.clone(),
+            RequestLimits::new(&config).upstream,
+        ));
+        Ok(Self::with_upstream(config, registry, client, upstream))
+    }
+
+    /// The state with engines reached through `upstream` (the tests' seam).
+    pub fn with_upstream(
+        config: RouterConfig,
+        registry: Registry,
+        client: reqwest::Client,
+        upstream: Arc<dyn Upstream>,
+    ) -> (Self, ReleaseQueue) {
         let secret = config
             .transfer_secret
             .clone()
             .and_then(connex_transfer::Secret::new);
         let (holds, releases) = Holds::new(Duration::from_millis(config.ctrl_timeout_ms), secret);
         let state = Self {
-            registry,
+            registry: Arc::new(registry),
             holds,
             journal: Arc::new(Journal::default()),
             prefill: Selector::new(config.prefill_policy),
             decode: Selector::new(config.decode_policy),
             client,
+            upstream,
+            outliers: Arc::new(Outliers::new(Duration::from_millis(config.suspect_ms))),
+            limits: RequestLimits::new(&config),
             metrics: crate::metrics::install(),
             config,
         };
-        Ok((state, releases))
+        (state, releases)
     }
+}
+
+/// The client for engines: registered URLs are fetched as they are, so it
+/// follows no redirect (a registered engine must not send the router, its
+/// requests or its probes elsewhere).
+pub fn upstream_client(config: &RouterConfig) -> Result<reqwest::Client, reqwest::Error> {
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
+        .redirect(reqwest::redirect::Policy::none())
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(1024)
+        .build()
 }

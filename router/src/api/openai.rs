@@ -2,6 +2,7 @@
 
 use super::body::read_json;
 use crate::error::ApiError;
+use crate::metrics::RequestGuard;
 use crate::pd::request::{validate, Route};
 use crate::state::AppState;
 use axum::body::Body;
@@ -44,8 +45,10 @@ async fn generate(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let started = std::time::Instant::now();
-    let result = async {
+    // Records the request's metrics when it ends, however it ends (a client
+    // that disconnects included).
+    let mut metrics = RequestGuard::new(route.path());
+    let checked = async {
         let value = read_json(&headers, body, state.config.max_body_bytes).await?;
         let info = validate(
             route,
@@ -53,24 +56,15 @@ async fn generate(
             request_id(&headers),
             state.config.max_tokens_limit,
         )?;
-        crate::pd::run(state.clone(), info, value).await
+        Ok::<_, ApiError>((info, value))
     }
     .await;
-    if let Err(err) = &result {
-        crate::metrics::request_finished(route.path(), error_status(err), started.elapsed());
-    }
-    result
-}
-
-fn error_status(err: &ApiError) -> u16 {
-    match err {
-        ApiError::BadRequest { .. } => 400,
-        ApiError::ModelNotFound(_) | ApiError::NotFound(_) => 404,
-        ApiError::PayloadTooLarge(_) => 413,
-        ApiError::Unauthorized(_) => 401,
-        ApiError::Unavailable(_) => 503,
-        ApiError::BadGateway { .. } => 502,
-        ApiError::Upstream { status, .. } => status.as_u16(),
+    match checked {
+        Ok((info, value)) => crate::pd::run(state, info, value, metrics).await,
+        Err(error) => {
+            metrics.finish(error.status().as_u16());
+            Err(error)
+        }
     }
 }
 

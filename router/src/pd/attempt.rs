@@ -2,52 +2,87 @@
 //!
 //! An attempt yields the data of each SSE event the decoder sends, and turns the
 //! failures that request resume acts on into a [`Failure`] with its [`Cause`]: the
-//! stream erroring or closing early, no event within the stall timeout, or the
-//! decoder being declared dead or migrated away from while the stream waits.
-//! Dropping an attempt closes the connection, which aborts the engine's request.
+//! stream erroring or closing early, no first token within the first-token
+//! timeout, no event within the stall timeout after it, an event larger than the
+//! router reads, or the decoder being declared dead or migrated away from while
+//! the stream waits. Dropping an attempt closes the connection, which aborts the
+//! engine's request.
 
 use super::output::Source;
+use super::upstream::ByteStream;
+use crate::policy::outlier::DeliveryClock;
 use crate::registry::{Instance, Lifecycle, LoadGuard};
 use crate::sse::{self, SseParser};
 use bytes::Bytes;
-use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 /// Why a decoder failed a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Cause {
-    /// Connection refused, reset or timed out before the response started.
+    /// No connection to the decoder: it never saw the request (not a resume).
     Connect,
+    /// Connected, but no response headers within the decode-open timeout.
+    NoHeaders,
     /// The response body failed mid-stream (reset, broken chunking).
     Reset,
     /// The stream ended without a finish_reason for every choice.
     Truncated,
-    /// No event within the stall timeout.
+    /// No first token within the first-token timeout.
+    FirstToken,
+    /// No event within the stall timeout after the first token.
     Stall,
     /// A 5xx status, or an error event with a 5xx code.
     ServerError,
-    /// The registry declared the decoder dead (heartbeat TTL).
+    /// The decoder sent what the protocol does not allow: invalid JSON, a choice
+    /// the request does not have, token ids that are not integers, an event
+    /// larger than the router reads, more tokens than asked for.
+    Protocol,
+    /// The registry declared the decoder dead (heartbeat TTL, probes).
     Dead,
     /// `drain?migrate=true` on the decoder.
     Migrate,
 }
 
 impl Cause {
+    /// Every cause, for the tests that go through them all.
+    pub const ALL: [Cause; 10] = [
+        Cause::Connect,
+        Cause::NoHeaders,
+        Cause::Reset,
+        Cause::Truncated,
+        Cause::FirstToken,
+        Cause::Stall,
+        Cause::ServerError,
+        Cause::Protocol,
+        Cause::Dead,
+        Cause::Migrate,
+    ];
+
     /// The `cause` label of `connex_resumes_total`.
     pub fn as_str(self) -> &'static str {
         match self {
             Cause::Connect => "connect",
+            Cause::NoHeaders => "no_headers",
             Cause::Reset => "reset",
             Cause::Truncated => "truncated",
+            Cause::FirstToken => "first_token",
             Cause::Stall => "stall",
             Cause::ServerError => "5xx",
+            Cause::Protocol => "protocol",
             Cause::Dead => "dead",
             Cause::Migrate => "migrate",
         }
+    }
+
+    /// Whether the decoder had the request (it may have generated tokens):
+    /// every cause but a failed connect.
+    pub fn reached_decoder(self) -> bool {
+        self != Cause::Connect
     }
 }
 
@@ -57,6 +92,16 @@ pub struct Failure {
     pub decoder: String,
     pub cause: Cause,
     pub message: String,
+}
+
+impl Failure {
+    pub fn new(decoder: &str, cause: Cause, message: impl Into<String>) -> Self {
+        Self {
+            decoder: decoder.to_string(),
+            cause,
+            message: message.into(),
+        }
+    }
 }
 
 /// What an attempt yields next.
@@ -69,33 +114,54 @@ pub enum Event {
     Failed(Failure),
 }
 
+/// The time and size limits of a decoder's stream.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamLimits {
+    /// From opening to the first token (a KV pull or an engine queue comes first).
+    pub first_token: Duration,
+    /// Between events after the first token.
+    pub stall: Duration,
+    /// Largest SSE event.
+    pub max_event: usize,
+}
+
 /// A decoder's open stream.
 pub struct Attempt {
     pub source: Source,
     guard: LoadGuard,
-    upstream: BoxStream<'static, reqwest::Result<Bytes>>,
+    upstream: ByteStream,
     parser: SseParser,
     pending: VecDeque<Bytes>,
     lifecycle: watch::Receiver<Lifecycle>,
-    stall: Duration,
+    limits: StreamLimits,
+    /// When the stream fails for want of an event: measured from the last
+    /// complete event, not the last byte, so that an engine trickling bytes
+    /// cannot hold a request.
+    deadline: Instant,
+    delivering: bool,
+    clock: DeliveryClock,
 }
 
 impl Attempt {
     pub fn new(
-        response: reqwest::Response,
+        upstream: ByteStream,
         guard: LoadGuard,
         source: Source,
-        stall: Duration,
+        limits: StreamLimits,
+        clock: DeliveryClock,
     ) -> Self {
         let lifecycle = guard.instance().subscribe();
         Self {
             source,
-            upstream: response.bytes_stream().boxed(),
+            upstream,
             guard,
             parser: SseParser::default(),
             pending: VecDeque::new(),
             lifecycle,
-            stall,
+            deadline: Instant::now() + limits.first_token,
+            limits,
+            delivering: false,
+            clock,
         }
     }
 
@@ -111,10 +177,23 @@ impl Attempt {
         })
     }
 
+    /// The relay saw tokens from this stream: the stall timeout applies from
+    /// now on, and the decoder counts as delivering.
+    pub fn saw_tokens(&mut self) {
+        if !self.delivering {
+            self.deadline = Instant::now() + self.limits.stall;
+        }
+        self.delivering = true;
+        self.clock.tick();
+    }
+
     /// The next event of the stream, or why there is none.
     pub async fn next(&mut self) -> Event {
         loop {
             if let Some(data) = self.pending.pop_front() {
+                if self.delivering {
+                    self.deadline = Instant::now() + self.limits.stall;
+                }
                 return if data == sse::DONE {
                     Event::Done
                 } else {
@@ -129,7 +208,7 @@ impl Attempt {
                         _ => Cause::Dead,
                     })
                 }
-                read = tokio::time::timeout(self.stall, self.upstream.next()) => Ok(read),
+                read = tokio::time::timeout_at(self.deadline, self.upstream.next()) => Ok(read),
             };
             let read = match read {
                 Ok(read) => read,
@@ -144,15 +223,33 @@ impl Attempt {
                 }
             };
             match read {
-                Err(_) => {
+                Err(_) if self.delivering => {
                     let message = format!(
                         "decoder {} sent nothing for {} ms",
                         self.decoder().id,
-                        self.stall.as_millis()
+                        self.limits.stall.as_millis()
                     );
                     return self.failure(Cause::Stall, message);
                 }
-                Ok(Some(Ok(bytes))) => self.pending.extend(self.parser.push(&bytes)),
+                Err(_) => {
+                    let message = format!(
+                        "decoder {} sent no token within {} ms",
+                        self.decoder().id,
+                        self.limits.first_token.as_millis()
+                    );
+                    return self.failure(Cause::FirstToken, message);
+                }
+                Ok(Some(Ok(bytes))) => {
+                    self.pending.extend(self.parser.push(&bytes));
+                    if self.parser.pending() > self.limits.max_event {
+                        let message = format!(
+                            "decoder {} sent an event larger than {} bytes",
+                            self.decoder().id,
+                            self.limits.max_event
+                        );
+                        return self.failure(Cause::Protocol, message);
+                    }
+                }
                 Ok(Some(Err(err))) => {
                     let message = format!("decoder {} stream failed: {err}", self.decoder().id);
                     return self.failure(Cause::Reset, message);

@@ -5,39 +5,49 @@
 
 use super::attempt::{Attempt, Cause, Failure};
 use super::output::Source;
+use super::patch::Patch;
+use super::upstream::{Call, CallError, Opened};
 use crate::error::ApiError;
 use crate::registry::{Instance, LoadGuard, Phase};
 use crate::state::AppState;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// The body sent to a decode instance for the client's own route.
-pub fn decode_body(body: &Value, kv_transfer_params: &Value) -> Value {
-    let mut body = body.clone();
-    if let Some(map) = body.as_object_mut() {
-        map.insert("stream".into(), Value::Bool(true));
-        map.insert("return_token_ids".into(), Value::Bool(true));
-        map.insert("stream_options".into(), json!({"include_usage": false}));
-        map.insert("kv_transfer_params".into(), kv_transfer_params.clone());
-    }
-    body
+pub fn decode_body(body: &Value, kv_transfer_params: &Value) -> Bytes {
+    Patch::new(body, &[])
+        .value("stream", Value::Bool(true))
+        .value("return_token_ids", Value::Bool(true))
+        .value("stream_options", json!({"include_usage": false}))
+        .value("kv_transfer_params", kv_transfer_params.clone())
+        .to_bytes()
 }
 
 /// Why no stream could be opened on a decoder.
 #[derive(Debug)]
 pub enum OpenError {
-    /// The decoder failed (connect error, 5xx): another one may succeed.
+    /// The decoder failed (connect error, no headers, 5xx): another one may
+    /// succeed.
     Failed(Failure),
     /// The decoder refused the request (4xx): its answer goes to the client.
     Rejected(ApiError),
 }
 
-/// Chooses a decoder for `model`: one that has not failed this request when there
-/// is one, else any eligible one (a decoder that failed may have come back).
+/// Chooses a decoder for `model`: one that has not failed this request and is
+/// not suspect when there is one, else one not failed, else any eligible one (a
+/// decoder that failed may have come back).
 pub fn choose(state: &AppState, model: &str, failed: &[String]) -> Option<Arc<Instance>> {
     let candidates = state.registry.eligible(model, Phase::Decode);
+    let mut avoid = state
+        .outliers
+        .avoid(candidates.iter().map(|c| c.id.as_str()));
+    if !avoid.is_empty() {
+        avoid.extend(failed.iter().cloned());
+        if let Some(chosen) = state.decode.select(&candidates, &avoid) {
+            return Some(chosen);
+        }
+    }
     state
         .decode
         .select(&candidates, failed)
@@ -48,60 +58,73 @@ pub fn choose(state: &AppState, model: &str, failed: &[String]) -> Option<Arc<In
 pub async fn open(
     state: &AppState,
     decoder: Arc<Instance>,
-    path: &str,
+    path: &'static str,
     request_id: &str,
     payload: Bytes,
     source: Source,
 ) -> Result<Attempt, OpenError> {
     let guard = LoadGuard::new(decoder.clone());
     crate::metrics::upstream_request(&decoder.id, "decode");
-    let failed = |cause, message: String| {
-        OpenError::Failed(Failure {
-            decoder: decoder.id.clone(),
-            cause,
-            message,
-        })
+    let failed = |cause, message: String| OpenError::Failed(Failure::new(&decoder.id, cause, message));
+    let call = Call {
+        url: &decoder.url,
+        path,
+        request_id,
+        body: payload,
     };
-    let sent = state
-        .client
-        .post(format!("{}{}", decoder.url, path))
-        .header("content-type", "application/json")
-        .header("x-request-id", request_id)
-        .body(payload)
-        .send()
-        .await;
-    let stall = Duration::from_millis(state.config.stall_timeout_ms);
-    match sent {
-        Ok(response) if response.status().is_success() => {
-            Ok(Attempt::new(response, guard, source, stall))
+    match state.upstream.decode(call).await {
+        Ok(Opened::Stream(stream)) => {
+            state.outliers.clear(&decoder.id);
+            let clock = state.outliers.clock(&decoder.id);
+            Ok(Attempt::new(
+                stream,
+                guard,
+                source,
+                state.limits.stream,
+                clock,
+            ))
         }
-        Ok(response) if response.status().is_server_error() => {
+        Ok(Opened::Status(reply)) if reply.status >= 500 => {
             crate::metrics::upstream_error(&decoder.id, "decode", "5xx");
-            let status = response.status();
-            let body = response.text().await.unwrap_or_default();
+            let error = ApiError::upstream(reply.status, &reply.body);
             Err(failed(
                 Cause::ServerError,
-                format!("decoder {} answered {status}: {body}", decoder.id),
+                format!("decoder {} answered {}: {error}", decoder.id, reply.status),
             ))
         }
-        Ok(response) => {
+        Ok(Opened::Status(reply)) => {
             crate::metrics::upstream_error(&decoder.id, "decode", "4xx");
-            let status = axum::http::StatusCode::from_u16(response.status().as_u16())
-                .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
-            let body = response.bytes().await.unwrap_or_default();
-            Err(OpenError::Rejected(ApiError::Upstream { status, body }))
+            Err(OpenError::Rejected(ApiError::upstream(
+                reply.status,
+                &reply.body,
+            )))
         }
-        Err(err) => {
+        Err(CallError::Connect { refused, message }) => {
             crate::metrics::upstream_error(&decoder.id, "decode", "connect");
-            if err.is_connect() {
-                // Nothing listens there: the process is gone. Skip it until its
-                // next heartbeat says otherwise.
+            // The decoder never saw the request: new requests avoid it for a
+            // while. A connect timeout says it is busy (its accept backlog is
+            // full), not gone: its streams in flight are left alone. A refused
+            // connection is evidence that nothing listens there any more.
+            state.outliers.suspect(&decoder.id);
+            if refused {
                 state.registry.mark_dead(&decoder.id);
             }
+            let what = if refused { "refused the connection" } else { "unreachable" };
             Err(failed(
                 Cause::Connect,
-                format!("decoder {} unreachable: {err}", decoder.id),
+                format!("decoder {} {what}: {message}", decoder.id),
             ))
+        }
+        Err(err @ CallError::NoHeaders(_)) => {
+            crate::metrics::upstream_error(&decoder.id, "decode", "no_headers");
+            Err(failed(
+                Cause::NoHeaders,
+                format!("decoder {}: {err}", decoder.id),
+            ))
+        }
+        Err(err) => {
+            crate::metrics::upstream_error(&decoder.id, "decode", "transport");
+            Err(failed(Cause::Reset, format!("decoder {}: {err}", decoder.id)))
         }
     }
 }

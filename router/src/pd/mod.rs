@@ -1,32 +1,73 @@
-//! The prefill -> decode flow, as named phases: `prefill` (get the KV hold and the
-//! prompt ids), `decode` (open a decoder's stream), the `session` that relays its
-//! tokens through the client's `output` and journals them, and `resume` (continue
-//! the request on another decoder when one fails).
+//! The prefill -> decode flow, as named phases:
+//!
+//! 1. `prefill`: get the KV hold and the prompt ids from a prefill instance;
+//! 2. `decode`: open a decoder's stream (an `attempt`);
+//! 3. `relay`: check, journal and relay its tokens through the client's `output`;
+//! 4. on a decoder failure, `resume::decide` picks the next step, `reprefill`
+//!    replaces a lost hold, and the `session` (which drives 2-4) continues on
+//!    another decoder.
+//!
+//! Engines are reached through the [`upstream::Upstream`] seam, so that every
+//! phase is tested against scripted engines as well as real processes.
 
 pub mod attempt;
 pub mod chunk;
 pub mod decode;
 pub mod output;
+pub mod patch;
 pub mod prefill;
+pub mod relay;
+pub mod reprefill;
 pub mod request;
 pub mod resume;
 pub mod session;
+pub mod upstream;
 
 use crate::error::ApiError;
+use crate::metrics::RequestGuard;
 use crate::state::AppState;
-use axum::http::HeaderValue;
-use axum::response::Response;
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::{IntoResponse, Response};
 use request::RequestInfo;
 use serde_json::Value;
 use session::Session;
 use std::sync::Arc;
 
 /// Runs one validated request through P/D and returns the client's response.
+/// `metrics` records how the request ended, however it ends.
 pub async fn run(
     state: Arc<AppState>,
     info: RequestInfo,
     body: Value,
+    mut metrics: RequestGuard,
 ) -> Result<Response, ApiError> {
+    let session = match start(state, info, body).await {
+        Ok(session) => session,
+        Err(error) => {
+            metrics.finish(error.status().as_u16());
+            return Err(error);
+        }
+    };
+    let mut session = session;
+    session.set_metrics(metrics);
+    let served = Served {
+        request_id: session.info().request_id.clone(),
+        prefill: session.prefill_instance(),
+        decoder: session.first_decoder().to_string(),
+    };
+    let (mut response, resumes) = if session.info().stream {
+        (session.into_sse_response(), None)
+    } else {
+        // The session records its own end (status) in `metrics`.
+        let (response, resumes) = session.collect().await?;
+        (axum::Json(response).into_response(), Some(resumes))
+    };
+    served.add_headers(response.headers_mut(), resumes);
+    Ok(response)
+}
+
+/// Prefill, then the first decoder.
+async fn start(state: Arc<AppState>, info: RequestInfo, body: Value) -> Result<Session, ApiError> {
     if !state.registry.knows_model(&info.model) {
         return Err(ApiError::ModelNotFound(info.model.clone()));
     }
@@ -35,38 +76,43 @@ pub async fn run(
         info.route.path(),
         &info.model,
         info.stream,
+        usize::try_from(info.n).unwrap_or(1),
     );
-    let prefilled = prefill::run(&state, &info, &body).await?;
-    journal.update(|e| {
-        e.phase = "decode";
-        e.prefill = Some(prefilled.instance.clone());
-        e.kv_transfer_params = Some(prefilled.kv_transfer_params.clone());
-        e.prompt_token_ids = prefilled.prompt_token_ids.clone();
-    });
-    let prefill_instance = prefilled.instance.clone();
-    let session = Session::start(state, info, body, prefilled, journal).await?;
-    let decoder = session.first_decoder().to_string();
-    let request_id = session.info().request_id.clone();
-    let mut response = if session.info().stream {
-        session.into_sse_response()
-    } else {
-        session.collect().await?
-    };
-    // Which instances served the request, for operators and the demo.
-    let headers = response.headers_mut();
-    for (name, value) in [
-        ("x-request-id", &request_id),
-        (PREFILL_HEADER, &prefill_instance),
-        (DECODER_HEADER, &decoder),
-    ] {
-        if let Ok(value) = HeaderValue::from_str(value) {
-            headers.insert(name, value);
+    let payload = prefill::prefill_body(info.route, &body);
+    let prefilled = prefill::run(&state, &info, info.route, payload).await?;
+    Session::start(state, info, body, prefilled, journal).await
+}
+
+/// Who served a request.
+struct Served {
+    request_id: String,
+    prefill: String,
+    decoder: String,
+}
+
+impl Served {
+    /// The response headers Connex adds, in one place: the request id, the
+    /// instances that served it (for operators and the demo) and, for a
+    /// non-stream response, the resumes it needed.
+    fn add_headers(&self, headers: &mut HeaderMap, resumes: Option<u32>) {
+        for (name, value) in [
+            ("x-request-id", &self.request_id),
+            (PREFILL_HEADER, &self.prefill),
+            (DECODER_HEADER, &self.decoder),
+        ] {
+            if let Ok(value) = HeaderValue::from_str(value) {
+                headers.insert(name, value);
+            }
+        }
+        if let Some(resumes) = resumes {
+            headers.insert(RESUMES_HEADER, resumes.into());
         }
     }
-    Ok(response)
 }
 
 /// Response header naming the prefill instance that served a request.
 pub const PREFILL_HEADER: &str = "x-connex-prefill";
 /// Response header naming the (first) decode instance that served a request.
 pub const DECODER_HEADER: &str = "x-connex-decoder";
+/// Response header (non-stream) counting the resumes a request needed.
+pub const RESUMES_HEADER: &str = "x-connex-resumes";

@@ -1,6 +1,6 @@
 //! What the client sees of a request, whichever decoders served it: one response
-//! id, every choice's text and token ids exactly once, and usage counted by the
-//! router.
+//! id, every choice's text and token ids exactly once (as the journal records
+//! them), and usage counted by the router.
 //!
 //! A streaming client gets each decoder chunk edited (the router's id, token-id
 //! fields it did not ask for removed) or, when a chat request was resumed through
@@ -10,6 +10,7 @@
 use super::chunk::{self, Chunk, Field};
 use super::request::{RequestInfo, Route};
 use crate::error::ApiError;
+use crate::journal::Entry;
 use crate::sse;
 use bytes::Bytes;
 use serde_json::{json, Value};
@@ -25,16 +26,8 @@ pub enum Source {
     Resumed,
 }
 
-/// What one choice produced so far.
-#[derive(Debug, Default, Clone)]
-pub struct ChoiceState {
-    pub text: String,
-    pub token_ids: Vec<u32>,
-    pub finish_reason: Option<String>,
-    pub stop_reason: Option<Value>,
-}
-
-/// The client's view of one request.
+/// How the client sees a request: the formatting of its chunks and of its one
+/// response. What was generated is the journal's ([`Entry`]), read here.
 #[derive(Debug)]
 pub struct Output {
     id: String,
@@ -44,14 +37,12 @@ pub struct Output {
     include_usage: bool,
     return_token_ids: bool,
     model: String,
-    prompt_token_ids: Vec<u32>,
-    choices: Vec<ChoiceState>,
     /// Whether a chat client got the `role` delta yet.
     role_sent: bool,
 }
 
 impl Output {
-    pub fn new(info: &RequestInfo, prompt_token_ids: Vec<u32>) -> Self {
+    pub fn new(info: &RequestInfo) -> Self {
         Self {
             id: format!("{}-{}", info.route.id_prefix(), info.request_id),
             created: SystemTime::now()
@@ -63,44 +54,17 @@ impl Output {
             include_usage: info.include_usage,
             return_token_ids: info.return_token_ids,
             model: info.model.clone(),
-            prompt_token_ids,
-            choices: vec![ChoiceState::default(); usize::try_from(info.n).unwrap_or(1)],
             role_sent: false,
         }
     }
 
-    /// Choice 0 so far: what a resume continues from.
-    pub fn first(&self) -> &ChoiceState {
-        &self.choices[0]
+    pub fn is_stream(&self) -> bool {
+        self.stream
     }
 
-    /// Tokens generated so far, over all choices.
-    pub fn generated(&self) -> usize {
-        self.choices.iter().map(|c| c.token_ids.len()).sum()
-    }
-
-    /// Whether every choice has its finish_reason.
-    pub fn all_finished(&self) -> bool {
-        self.choices.iter().all(|c| c.finish_reason.is_some())
-    }
-
-    /// Records one decoder chunk; returns the bytes a streaming client gets.
-    pub fn absorb(&mut self, parsed: &Chunk<'_>, raw: &[u8], source: Source) -> Option<Bytes> {
-        for choice in &parsed.choices {
-            let Some(state) = self.choices.get_mut(choice.index) else {
-                continue;
-            };
-            state.text.push_str(choice.text());
-            if let Some(ids) = &choice.token_ids {
-                state.token_ids.extend_from_slice(ids);
-            }
-            if let Some(reason) = &choice.finish_reason {
-                state.finish_reason = Some(reason.to_string());
-                state.stop_reason = choice
-                    .stop_reason
-                    .and_then(|r| serde_json::from_str(r.get()).ok());
-            }
-        }
+    /// The bytes a streaming client gets of one decoder chunk (none for a
+    /// non-stream client).
+    pub fn event(&mut self, parsed: &Chunk<'_>, raw: &[u8], source: Source) -> Option<Bytes> {
         if !self.stream || parsed.choices.is_empty() {
             // Engine usage chunks are dropped: the router sends its own count.
             return None;
@@ -154,9 +118,9 @@ impl Output {
         serde_json::to_vec(&chunk).unwrap_or_default()
     }
 
-    fn usage(&self) -> Value {
-        let prompt = self.prompt_token_ids.len();
-        let completion = self.generated();
+    fn usage(entry: &Entry) -> Value {
+        let prompt = entry.prompt_token_ids.len();
+        let completion = entry.generated();
         json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
     }
 
@@ -169,11 +133,11 @@ impl Output {
     }
 
     /// The last events of a finished stream: usage (when asked for) and `[DONE]`.
-    pub fn end_events(&self) -> Vec<Bytes> {
+    pub fn end_events(&self, entry: &Entry) -> Vec<Bytes> {
         let mut events = Vec::with_capacity(2);
         if self.include_usage {
             let chunk = json!({"id": self.id, "object": self.object(), "created": self.created,
-                "model": self.model, "choices": [], "usage": self.usage()});
+                "model": self.model, "choices": [], "usage": Self::usage(entry)});
             events.push(sse::event(chunk.to_string().as_bytes()));
         }
         events.push(sse::event(sse::DONE));
@@ -190,8 +154,8 @@ impl Output {
     }
 
     /// The one response of a non-stream client.
-    pub fn response(&self) -> Value {
-        let choices: Vec<Value> = self
+    pub fn response(&self, entry: &Entry) -> Value {
+        let choices: Vec<Value> = entry
             .choices
             .iter()
             .enumerate()
@@ -205,16 +169,16 @@ impl Output {
                 if self.return_token_ids {
                     choice["token_ids"] = json!(c.token_ids);
                     if self.route == Route::Completions {
-                        choice["prompt_token_ids"] = json!(self.prompt_token_ids);
+                        choice["prompt_token_ids"] = json!(entry.prompt_token_ids);
                     }
                 }
                 choice
             })
             .collect();
         let mut response = json!({"id": self.id, "object": self.object(), "created": self.created,
-            "model": self.model, "choices": choices, "usage": self.usage()});
+            "model": self.model, "choices": choices, "usage": Self::usage(entry)});
         if self.return_token_ids && self.route == Route::Chat {
-            response["prompt_token_ids"] = json!(self.prompt_token_ids);
+            response["prompt_token_ids"] = json!(entry.prompt_token_ids);
         }
         response
     }

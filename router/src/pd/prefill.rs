@@ -1,13 +1,16 @@
 //! Phase 1: prefill. The prompt runs on a prefill instance with `max_tokens: 1`
 //! and `do_remote_decode`; its answer carries the hold (`kv_transfer_params`) and
-//! the prompt token ids. A connect error or 5xx is retried once elsewhere.
+//! the prompt token ids. A connect error, 5xx or unusable answer is retried once
+//! elsewhere.
 
+use super::patch::{Patch, Set};
 use super::request::{RequestInfo, Route};
+use super::upstream::{Call, CallError};
 use crate::error::ApiError;
-use crate::registry::Phase;
+use crate::registry::{Instance, Phase};
 use crate::state::AppState;
+use bytes::Bytes;
 use serde_json::{json, Value};
-use std::time::Duration;
 
 /// What a successful prefill hands to decode.
 #[derive(Debug, Clone)]
@@ -18,34 +21,61 @@ pub struct Prefilled {
 }
 
 /// The body sent to a prefill instance.
-pub fn prefill_body(route: Route, body: &Value) -> Value {
-    let mut body = body.clone();
-    if let Some(map) = body.as_object_mut() {
-        map.insert("stream".into(), Value::Bool(false));
-        map.insert("max_tokens".into(), json!(1));
-        if route == Route::Chat || map.contains_key("max_completion_tokens") {
-            map.insert("max_completion_tokens".into(), json!(1));
-        }
-        map.insert("return_token_ids".into(), Value::Bool(true));
-        map.insert("n".into(), json!(1));
-        for key in ["stream_options", "min_tokens", "min_completion_tokens"] {
-            map.remove(key);
-        }
-        map.insert(
-            "kv_transfer_params".into(),
-            json!({"do_remote_decode": true, "do_remote_prefill": false}),
-        );
+pub fn prefill_body(route: Route, body: &Value) -> Bytes {
+    let mut patch = Patch::new(body, &["stream_options", "min_tokens", "min_completion_tokens"])
+        .value("stream", Value::Bool(false))
+        .value("max_tokens", json!(1));
+    if route == Route::Chat || body.get("max_completion_tokens").is_some() {
+        patch = patch.value("max_completion_tokens", json!(1));
     }
-    body
+    patch
+        .value("return_token_ids", Value::Bool(true))
+        .value("n", json!(1))
+        .value(
+            "kv_transfer_params",
+            json!({"do_remote_decode": true, "do_remote_prefill": false}),
+        )
+        .to_bytes()
 }
 
-/// Runs prefill, retrying once on another instance after a connect error or 5xx.
+/// The prefill of a re-prefill: the client's own route and body before the
+/// first token, else completions on prompt + generated (the continuation).
+pub fn continuation_body(
+    route: Route,
+    body: &Value,
+    prompt_token_ids: &[u32],
+    generated: &[u32],
+) -> (Route, Bytes) {
+    if generated.is_empty() {
+        return (route, prefill_body(route, body));
+    }
+    let mut remove: Vec<&str> = vec!["stream_options", "min_tokens", "min_completion_tokens", "echo"];
+    if route == Route::Chat {
+        remove.extend_from_slice(super::resume::CHAT_ONLY);
+    }
+    let payload = Patch::new(body, &remove)
+        .set("prompt", Set::Ids(prompt_token_ids, generated))
+        .value("stream", Value::Bool(false))
+        .value("max_tokens", json!(1))
+        .value("return_token_ids", Value::Bool(true))
+        .value("n", json!(1))
+        .value(
+            "kv_transfer_params",
+            json!({"do_remote_decode": true, "do_remote_prefill": false}),
+        )
+        .to_bytes();
+    (Route::Completions, payload)
+}
+
+/// Runs prefill (the client's `route` on `body`), retrying once on another
+/// instance after a failure of the instance (connect error, 5xx, an invalid
+/// answer, a `remote_ctrl` that is not its registered control address).
 pub async fn run(
     state: &AppState,
     info: &RequestInfo,
-    body: &Value,
+    route: Route,
+    payload: Bytes,
 ) -> Result<Prefilled, ApiError> {
-    let payload = bytes::Bytes::from(prefill_body(info.route, body).to_string());
     let mut tried: Vec<String> = Vec::new();
     let mut last_error = None;
     for attempt in 0..2 {
@@ -60,56 +90,48 @@ pub async fn run(
         tried.push(instance.id.clone());
         let _load = crate::registry::LoadGuard::new(instance.clone());
         crate::metrics::upstream_request(&instance.id, "prefill");
-        let sent = state
-            .client
-            .post(format!("{}{}", instance.url, info.route.path()))
-            .header("content-type", "application/json")
-            .header("x-request-id", &info.request_id)
-            .timeout(Duration::from_millis(state.config.prefill_timeout_ms))
-            .body(payload.clone())
-            .send()
-            .await;
-        let response = match sent {
-            Ok(response) => response,
+        let bad_gateway = |message: String| ApiError::BadGateway {
+            instance: instance.id.clone(),
+            message,
+        };
+        let call = Call {
+            url: &instance.url,
+            path: route.path(),
+            request_id: &info.request_id,
+            body: payload.clone(),
+        };
+        let reply = match state.upstream.prefill(call).await {
+            Ok(reply) => reply,
             Err(err) => {
-                crate::metrics::upstream_error(&instance.id, "prefill", "connect");
-                last_error = Some(ApiError::BadGateway {
-                    instance: instance.id.clone(),
-                    message: err.to_string(),
-                });
+                let kind = match err {
+                    CallError::Connect { .. } => "connect",
+                    CallError::NoHeaders(_) => "timeout",
+                    CallError::TooLarge(_) => "too_large",
+                    CallError::Transport(_) => "body",
+                };
+                crate::metrics::upstream_error(&instance.id, "prefill", kind);
+                last_error = Some(bad_gateway(err.to_string()));
                 continue;
             }
         };
-        let status = response.status();
-        let bytes = match response.bytes().await {
-            Ok(bytes) => bytes,
-            Err(err) => {
-                crate::metrics::upstream_error(&instance.id, "prefill", "body");
-                last_error = Some(ApiError::BadGateway {
-                    instance: instance.id.clone(),
-                    message: err.to_string(),
-                });
-                continue;
-            }
-        };
-        if status.is_server_error() {
+        if reply.status >= 500 {
             crate::metrics::upstream_error(&instance.id, "prefill", "5xx");
-            last_error = Some(ApiError::BadGateway {
-                instance: instance.id.clone(),
-                message: format!("HTTP {status}"),
-            });
+            let error = ApiError::upstream(reply.status, &reply.body);
+            last_error = Some(bad_gateway(format!("HTTP {}: {error}", reply.status)));
             continue;
         }
-        if !status.is_success() {
+        if !(200..300).contains(&reply.status) {
             crate::metrics::upstream_error(&instance.id, "prefill", "4xx");
-            let status = axum::http::StatusCode::from_u16(status.as_u16())
-                .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
-            return Err(ApiError::Upstream {
-                status,
-                body: bytes,
-            });
+            return Err(ApiError::upstream(reply.status, &reply.body));
         }
-        return parse_answer(info.route, &instance.id, &bytes);
+        match parse_answer(route, &instance, &reply.body) {
+            Ok(prefilled) => return Ok(prefilled),
+            Err(invalid) => {
+                crate::metrics::upstream_error(&instance.id, "prefill", invalid.kind());
+                tracing::warn!(request_id = %info.request_id, instance = %instance.id, %invalid, "prefill answer refused");
+                last_error = Some(bad_gateway(invalid.to_string()));
+            }
+        }
     }
     Err(last_error.unwrap_or_else(|| {
         ApiError::Unavailable(format!(
@@ -138,21 +160,50 @@ struct AnswerChoice {
     prompt_token_ids: Option<Vec<u32>>,
 }
 
-/// Reads the hold and the prompt ids out of a prefill answer.
-fn parse_answer(route: Route, instance: &str, bytes: &[u8]) -> Result<Prefilled, ApiError> {
-    let bad = |message: &str| ApiError::BadGateway {
-        instance: instance.to_string(),
-        message: message.to_string(),
-    };
-    let answer: Answer =
-        serde_json::from_slice(bytes).map_err(|_| bad("prefill answered invalid JSON"))?;
+/// Why a prefill answer cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidAnswer {
+    #[error("prefill answered invalid JSON")]
+    Json,
+    #[error("prefill answered without kv_transfer_params (is its KV connector configured?)")]
+    NoParams,
+    #[error("prefill answered invalid kv_transfer_params: {0}")]
+    BadParams(&'static str),
+    #[error("prefill answered without prompt_token_ids")]
+    NoPromptIds,
+    #[error("prefill named a holder ({answered}) that is not its registered ctrl ({registered})")]
+    ForeignCtrl {
+        answered: String,
+        registered: String,
+    },
+}
+
+impl InvalidAnswer {
+    /// The `kind` label of `connex_upstream_errors_total`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            InvalidAnswer::ForeignCtrl { .. } => "foreign_ctrl",
+            _ => "invalid_answer",
+        }
+    }
+}
+
+/// Reads the hold and the prompt ids out of a prefill answer, and checks them:
+/// the router passes these params to decoders and to its own hold calls, so a
+/// prefill is not trusted on its word. Its `remote_ctrl` must be the control
+/// address it registered.
+pub fn parse_answer(
+    route: Route,
+    instance: &Instance,
+    bytes: &[u8],
+) -> Result<Prefilled, InvalidAnswer> {
+    let answer: Answer = serde_json::from_slice(bytes).map_err(|_| InvalidAnswer::Json)?;
     let kv_transfer_params = answer
         .kv_transfer_params
         .and_then(|raw| serde_json::from_str::<Value>(raw.get()).ok())
         .filter(Value::is_object)
-        .ok_or_else(|| {
-            bad("prefill answered without kv_transfer_params (is its KV connector configured?)")
-        })?;
+        .ok_or(InvalidAnswer::NoParams)?;
+    check_params(&kv_transfer_params, instance)?;
     let prompt_token_ids = match route {
         Route::Completions => answer
             .choices
@@ -161,10 +212,46 @@ fn parse_answer(route: Route, instance: &str, bytes: &[u8]) -> Result<Prefilled,
             .and_then(|c| c.prompt_token_ids),
         Route::Chat => answer.prompt_token_ids,
     }
-    .ok_or_else(|| bad("prefill answered without prompt_token_ids"))?;
+    .filter(|ids| !ids.is_empty())
+    .ok_or(InvalidAnswer::NoPromptIds)?;
     Ok(Prefilled {
-        instance: instance.to_string(),
+        instance: instance.id.clone(),
         kv_transfer_params,
         prompt_token_ids,
     })
+}
+
+/// Longest `transfer_id` accepted.
+const MAX_TRANSFER_ID: usize = 256;
+
+fn check_params(kv: &Value, instance: &Instance) -> Result<(), InvalidAnswer> {
+    let text = |key: &'static str| match kv.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.as_str())),
+        Some(_) => Err(InvalidAnswer::BadParams(key)),
+    };
+    if let Some(id) = text("transfer_id")? {
+        if id.is_empty() || id.len() > MAX_TRANSFER_ID {
+            return Err(InvalidAnswer::BadParams("transfer_id"));
+        }
+    }
+    if let Some(lease) = kv.get("lease_s") {
+        if !lease.as_f64().is_some_and(|l| l.is_finite() && l > 0.0) {
+            return Err(InvalidAnswer::BadParams("lease_s"));
+        }
+    }
+    if let Some(epoch) = kv.get("resume_epoch") {
+        if !epoch.as_u64().is_some_and(|e| e <= u64::from(u32::MAX)) {
+            return Err(InvalidAnswer::BadParams("resume_epoch"));
+        }
+    }
+    if let Some(answered) = text("remote_ctrl")? {
+        if instance.ctrl.as_deref() != Some(answered) {
+            return Err(InvalidAnswer::ForeignCtrl {
+                answered: answered.to_string(),
+                registered: instance.ctrl.clone().unwrap_or_else(|| "none".into()),
+            });
+        }
+    }
+    Ok(())
 }

@@ -8,11 +8,14 @@
 //! guided or structured output, logprobs, tool calls, echo. Those fail over only
 //! before their first token (when nothing has reached the client yet).
 
+use super::attempt::Failure;
+use super::patch::{Patch, Set};
 use super::request::Route;
+use bytes::Bytes;
 use serde_json::{json, Value};
 
 /// Keys of a chat request that a completions request does not take.
-const CHAT_ONLY: &[&str] = &[
+pub const CHAT_ONLY: &[&str] = &[
     "messages",
     "tools",
     "tool_choice",
@@ -70,7 +73,7 @@ pub fn mid_stream_blocker(route: Route, body: &Value) -> Option<&'static str> {
 }
 
 /// The `max_tokens` the client asked for, from either key.
-fn requested_max_tokens(body: &Value) -> Option<u64> {
+pub fn requested_max_tokens(body: &Value) -> Option<u64> {
     ["max_completion_tokens", "max_tokens"]
         .iter()
         .find_map(|key| body.get(*key).and_then(Value::as_u64))
@@ -92,52 +95,111 @@ pub fn resume_body(
     prompt_token_ids: &[u32],
     generated: &[u32],
     kv_transfer_params: &Value,
-) -> Value {
-    let mut out = body.clone();
-    let Some(map) = out.as_object_mut() else {
-        return out;
-    };
-    let max_tokens = requested_max_tokens(body);
-    if route == Route::Chat {
-        for key in CHAT_ONLY {
-            map.remove(*key);
-        }
-    }
-    let mut prompt = Vec::with_capacity(prompt_token_ids.len() + generated.len());
-    prompt.extend_from_slice(prompt_token_ids);
-    prompt.extend_from_slice(generated);
-    map.insert("prompt".into(), json!(prompt));
+) -> Bytes {
+    let remove: &[&str] = if route == Route::Chat { CHAT_ONLY } else { &[] };
     let done = generated.len() as u64;
     // Without a limit the engine generates to the end of the context: `null` asks
     // vLLM for exactly that on the completions route (whose default is 16).
-    map.insert(
-        "max_tokens".into(),
-        max_tokens.map_or(Value::Null, |m| json!(m.saturating_sub(done).max(1))),
-    );
+    let max_tokens = requested_max_tokens(body)
+        .map_or(Value::Null, |m| json!(m.saturating_sub(done).max(1)));
+    let mut patch = Patch::new(body, remove)
+        .set("prompt", Set::Ids(prompt_token_ids, generated))
+        .value("max_tokens", max_tokens);
     for key in ["min_tokens", "min_completion_tokens"] {
-        if let Some(min) = map.get(key).and_then(Value::as_u64) {
-            map.insert(key.into(), json!(min.saturating_sub(done)));
+        if let Some(min) = body.get(key).and_then(Value::as_u64) {
+            patch = patch.value(key, json!(min.saturating_sub(done)));
         }
     }
-    map.insert("stream".into(), Value::Bool(true));
-    map.insert("return_token_ids".into(), Value::Bool(true));
-    map.insert("stream_options".into(), json!({"include_usage": false}));
-    map.insert("n".into(), json!(1));
-    map.insert("echo".into(), Value::Bool(false));
-    map.insert("kv_transfer_params".into(), kv_transfer_params.clone());
-    out
+    patch
+        .value("stream", Value::Bool(true))
+        .value("return_token_ids", Value::Bool(true))
+        .value("stream_options", json!({"include_usage": false}))
+        .value("n", json!(1))
+        .value("echo", Value::Bool(false))
+        .value("kv_transfer_params", kv_transfer_params.clone())
+        .to_bytes()
+}
+
+/// Where a request stands when its decoder fails.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Tokens the client has, over all choices.
+    pub generated: usize,
+    /// Resumes so far (attempts that reached a decoder and failed).
+    pub resumes: u32,
+    /// Connects that failed so far (the decoder never had the request).
+    pub connect_failures: u32,
+}
+
+/// What the operator allows (`--max-resumes`) and the request permits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResumePolicy {
+    pub max_resumes: u32,
+    /// Failed connects one request may go through before it fails.
+    pub max_connect_failures: u32,
+    /// Why the request cannot continue after its first token, if it cannot.
+    pub blocker: Option<&'static str>,
+}
+
+/// The next step after a decoder failure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// The decoder never had the request: the same request on another decoder,
+    /// not counted as a resume.
+    Reconnect,
+    /// Nothing reached the client yet: the client's own body on another
+    /// decoder (a resume).
+    FailOver,
+    /// Continue after the tokens the client has (a resume).
+    Resume,
+    /// End the request with this error message.
+    Fail(String),
+}
+
+/// The resume decision: what to do after `failure`, given the request's
+/// progress and the policy. Pure, so that every cause is tested alone.
+pub fn decide(failure: &Failure, progress: Progress, policy: ResumePolicy) -> Next {
+    if !failure.cause.reached_decoder() {
+        if progress.connect_failures >= policy.max_connect_failures {
+            return Next::Fail(format!(
+                "{}; no decoder reachable after {} tries",
+                failure.message, progress.connect_failures
+            ));
+        }
+        return Next::Reconnect;
+    }
+    if let (Some(blocker), true) = (policy.blocker, progress.generated > 0) {
+        return Next::Fail(format!(
+            "{}; a request with {blocker} cannot be resumed after its first token",
+            failure.message
+        ));
+    }
+    if progress.resumes >= policy.max_resumes {
+        return Next::Fail(format!(
+            "{}; gave up after {} resumes",
+            failure.message, policy.max_resumes
+        ));
+    }
+    if progress.generated == 0 {
+        Next::FailOver
+    } else {
+        Next::Resume
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pd::attempt::Cause;
 
     #[test]
     fn chat_resumes_as_completions_on_prompt_plus_generated() {
         let body = json!({"model":"m","messages":[{"role":"user","content":"hi"}],
             "max_completion_tokens":10,"temperature":0,"seed":7,"min_tokens":4,"stream":false});
         let kv = with_epoch(&json!({"transfer_id":"t","resume_epoch":0}), 1);
-        let out = resume_body(Route::Chat, &body, &[1, 2], &[9, 8, 7], &kv);
+        let out: Value =
+            serde_json::from_slice(&resume_body(Route::Chat, &body, &[1, 2], &[9, 8, 7], &kv))
+                .expect("JSON");
         assert_eq!(out["prompt"], json!([1, 2, 9, 8, 7]));
         assert_eq!(out["max_tokens"], 7);
         assert_eq!(out["min_tokens"], 1);
@@ -167,5 +229,70 @@ mod tests {
         );
         assert_eq!(blocked(json!({"n": 1, "temperature": 0.5})), None);
         assert_eq!(blocked(json!({"logprobs": null, "echo": false})), None);
+    }
+
+    const POLICY: ResumePolicy = ResumePolicy {
+        max_resumes: 3,
+        max_connect_failures: 4,
+        blocker: None,
+    };
+
+    fn failure(cause: Cause) -> Failure {
+        Failure::new("d0", cause, "boom")
+    }
+
+    #[test]
+    fn a_failed_connect_is_not_a_resume() {
+        let progress = Progress {
+            generated: 5,
+            resumes: 3,
+            connect_failures: 0,
+        };
+        // Even with every resume spent and a blocker, the request goes on.
+        let policy = ResumePolicy {
+            blocker: Some("n > 1"),
+            ..POLICY
+        };
+        assert_eq!(
+            decide(&failure(Cause::Connect), progress, policy),
+            Next::Reconnect
+        );
+        let exhausted = Progress {
+            connect_failures: 4,
+            ..progress
+        };
+        assert!(matches!(
+            decide(&failure(Cause::Connect), exhausted, policy),
+            Next::Fail(m) if m.contains("no decoder reachable")
+        ));
+    }
+
+    #[test]
+    fn every_cause_that_reached_a_decoder_fails_over_then_resumes() {
+        for cause in Cause::ALL.into_iter().filter(|c| c.reached_decoder()) {
+            let fresh = Progress::default();
+            assert_eq!(decide(&failure(cause), fresh, POLICY), Next::FailOver, "{cause:?}");
+            let mid = Progress {
+                generated: 7,
+                resumes: 2,
+                connect_failures: 3,
+            };
+            assert_eq!(decide(&failure(cause), mid, POLICY), Next::Resume, "{cause:?}");
+            let spent = Progress { resumes: 3, ..mid };
+            assert!(
+                matches!(decide(&failure(cause), spent, POLICY), Next::Fail(m) if m.contains("gave up after 3 resumes")),
+                "{cause:?}"
+            );
+            let blocked = ResumePolicy {
+                blocker: Some("logprobs"),
+                ..POLICY
+            };
+            assert!(
+                matches!(decide(&failure(cause), mid, blocked), Next::Fail(m) if m.contains("logprobs")),
+                "{cause:?}"
+            );
+            // Before the first token a blocked request still fails over.
+            assert_eq!(decide(&failure(cause), fresh, blocked), Next::FailOver, "{cause:?}");
+        }
     }
 }

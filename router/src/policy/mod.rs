@@ -1,4 +1,7 @@
-//! Choosing an instance: one `select` call over the eligible candidates.
+//! Choosing an instance: one `select` call over the eligible candidates, and
+//! the outliers ([`outlier`]) that new requests avoid.
+
+pub mod outlier;
 
 use crate::registry::Instance;
 use clap::ValueEnum;

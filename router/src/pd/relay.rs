@@ -1,0 +1,474 @@
+//! Relay: from a decoder's events to the client's bytes.
+//!
+//! Each chunk is checked before anything of it is relayed (a chunk the protocol
+//! does not allow is a decoder failure, never the client's), written to the
+//! journal (the one record of what the client has), and formatted by the
+//! client's [`Output`]. Chunks whose token ids came without their text are
+//! withheld until the chunk that brings it. Relaying batches: what the decoder
+//! already sent goes out in one write. Token timing (TTFT, inter-token gaps,
+//! resume latency) is measured here, where tokens pass.
+
+use super::attempt::{Attempt, Cause, Event, Failure};
+use super::chunk::{self, ErrorEvent};
+use super::output::{Output, Source};
+use super::request::RequestInfo;
+use crate::error::ApiError;
+use crate::journal::{Entry, JournalHandle};
+use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt;
+use std::collections::VecDeque;
+use std::time::Instant;
+
+/// Why the relay stopped taking events from a decoder.
+#[derive(Debug)]
+pub enum Stop {
+    /// The stream ended: cleanly (`None`, `[DONE]`) or not.
+    Ended(Option<Failure>),
+    /// A chunk said the decoder failed, or broke the protocol.
+    Failed(Failure),
+    /// The engine refused the request itself (an error event with a 4xx code).
+    Refused(ApiError),
+}
+
+/// Most events gathered into one write to a streaming client, and the size
+/// past which a batch goes out anyway.
+pub const BATCH_EVENTS: usize = 64;
+pub const BATCH_BYTES: usize = 64 * 1024;
+/// Scheduler turns a batch waits for the next chunk the decoder already sent
+/// (measured: one turn almost never suffices, four almost always do; a chunk
+/// not yet sent costs these few turns, microseconds).
+const HANDOFF_TURNS: usize = 4;
+/// Most chunks withheld for their text. A character is at most 4 bytes, so an
+/// engine withholds at most a few tokens; past this bound the chunks are relayed
+/// as they are (the bound on memory matters more than the split character).
+pub const MAX_WITHHELD: usize = 16;
+
+/// The relay of one request, across every decoder that serves it.
+pub struct Relay {
+    output: Output,
+    journal: JournalHandle,
+    /// Bytes for a streaming client, in order.
+    out: VecDeque<Bytes>,
+    /// Chunks of the current decoder whose token ids came without their text:
+    /// the engine's detokenizer holds back a character split across tokens
+    /// until its last byte. They are journaled and relayed with the chunk that
+    /// brings the text; a resume drops them and continues after the last token
+    /// whose text the client has, since the next decoder sees those tokens only
+    /// in its prompt and would never emit the held bytes.
+    withheld: Vec<Bytes>,
+    withheld_tokens: usize,
+    /// Whether chunks may be withheld (single-choice requests that can resume).
+    may_withhold: bool,
+    choices: usize,
+    /// Most tokens a choice may get: what the client asked for.
+    max_tokens: usize,
+    timing: Timing,
+}
+
+/// Latency bookkeeping.
+struct Timing {
+    route: &'static str,
+    started: Instant,
+    last_token: Option<Instant>,
+    /// When the last decoder failure was detected, until the next token.
+    failure_detected: Option<Instant>,
+    inter_token: Option<metrics::Histogram>,
+}
+
+impl Relay {
+    pub fn new(
+        info: &RequestInfo,
+        journal: JournalHandle,
+        may_withhold: bool,
+        max_tokens: u64,
+    ) -> Self {
+        Self {
+            output: Output::new(info),
+            journal,
+            out: VecDeque::new(),
+            withheld: Vec::new(),
+            withheld_tokens: 0,
+            may_withhold,
+            choices: usize::try_from(info.n).unwrap_or(1).max(1),
+            max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
+            timing: Timing {
+                route: info.route.path(),
+                started: Instant::now(),
+                last_token: None,
+                failure_detected: None,
+                inter_token: None,
+            },
+        }
+    }
+
+    pub fn journal(&self) -> &JournalHandle {
+        &self.journal
+    }
+
+    /// A new decoder's stream starts.
+    pub fn on_attempt(&mut self, decoder: &str) {
+        self.timing.inter_token = Some(crate::metrics::inter_token(decoder));
+    }
+
+    /// A decoder failed: chunks withheld from it are dropped (the next decoder
+    /// continues after the last token whose text the client has), and the
+    /// resume latency runs until the next token.
+    pub fn on_failure(&mut self) {
+        self.withheld.clear();
+        self.withheld_tokens = 0;
+        self.timing
+            .failure_detected
+            .get_or_insert_with(Instant::now);
+    }
+
+    /// The next bytes for the client, if any are queued.
+    pub fn pop(&mut self) -> Option<Bytes> {
+        self.out.pop_front()
+    }
+
+    /// Queues the last events of a finished stream.
+    pub fn finish(&mut self) {
+        if self.output.is_stream() {
+            let events = self.journal.read(|e| self.output.end_events(e));
+            self.out.extend(events);
+        }
+    }
+
+    /// Queues the error events of a stream that cannot go on.
+    pub fn fail(&mut self, error: &ApiError) {
+        if self.output.is_stream() {
+            self.out.extend(Output::error_events(error));
+        }
+    }
+
+    /// The one response of a non-stream client.
+    pub fn response(&self) -> serde_json::Value {
+        self.journal.read(|e| self.output.response(e))
+    }
+
+    /// Waits for the next event of `attempt` and relays it; `Some` when the
+    /// relay stops taking events from it.
+    pub async fn next(&mut self, attempt: &mut Attempt) -> Option<Stop> {
+        let event = attempt.next().await;
+        self.take(attempt, event)
+    }
+
+    /// Takes an event `attempt` already has, waiting a few scheduler turns for
+    /// it and no more: `None` when none came.
+    pub async fn take_ready(&mut self, attempt: &mut Attempt) -> Option<Option<Stop>> {
+        for _ in 0..HANDOFF_TURNS {
+            tokio::task::yield_now().await;
+            if let Some(event) = attempt.next().now_or_never() {
+                return Some(self.take(attempt, event));
+            }
+        }
+        None
+    }
+
+    fn take(&mut self, attempt: &mut Attempt, event: Event) -> Option<Stop> {
+        let data = match event {
+            Event::Data(data) => data,
+            Event::Done => return Some(Stop::Ended(None)),
+            Event::Failed(failure) => return Some(Stop::Ended(Some(failure))),
+        };
+        let decoder = attempt.decoder().id.clone();
+        match self.on_data(&data, attempt.source, &decoder) {
+            Ok(0) => None,
+            Ok(_) => {
+                attempt.saw_tokens();
+                None
+            }
+            Err(stop) => Some(stop),
+        }
+    }
+
+    /// Checks, journals and relays one chunk; returns its tokens.
+    pub fn on_data(&mut self, data: &Bytes, source: Source, decoder: &str) -> Result<usize, Stop> {
+        let protocol = |message: String| Stop::Failed(Failure::new(decoder, Cause::Protocol, message));
+        let Some(parsed) = chunk::parse(data) else {
+            return Err(protocol(format!(
+                "decoder {decoder} sent an invalid chunk (not JSON, or token ids that are not integers)"
+            )));
+        };
+        if let Some(raw) = parsed.error {
+            let error = ErrorEvent::parse(raw);
+            if error.is_server_error() {
+                return Err(Stop::Failed(Failure::new(
+                    decoder,
+                    Cause::ServerError,
+                    format!("decoder {decoder} failed: {}", error.message),
+                )));
+            }
+            // The engine refused the request itself: retrying will not help.
+            return Err(Stop::Refused(ApiError::BadGateway {
+                instance: decoder.to_string(),
+                message: error.message,
+            }));
+        }
+        if let Some(choice) = parsed.choices.iter().find(|c| c.index >= self.choices) {
+            return Err(protocol(format!(
+                "decoder {decoder} sent choice {} of a request with {} choice(s)",
+                choice.index, self.choices
+            )));
+        }
+        // vLLM finishes a request it could not run (e.g. its KV could not be
+        // loaded, with kv_load_failure_policy "fail") with finish_reason "error":
+        // that is the decoder failing, not the request ending.
+        if parsed
+            .choices
+            .iter()
+            .any(|c| c.finish_reason.as_deref() == Some("error"))
+        {
+            return Err(Stop::Failed(Failure::new(
+                decoder,
+                Cause::ServerError,
+                format!("decoder {decoder} finished the request with an error"),
+            )));
+        }
+        let tokens: usize = parsed
+            .choices
+            .iter()
+            .map(|c| c.token_ids.as_ref().map_or(0, Vec::len))
+            .sum();
+        if tokens > 0 {
+            let over = self.journal.read(|e| {
+                parsed.choices.iter().any(|c| {
+                    let had = e.choices.get(c.index).map_or(0, |s| s.token_ids.len());
+                    let new = c.token_ids.as_ref().map_or(0, Vec::len);
+                    had + self.withheld_tokens + new > self.max_tokens
+                })
+            });
+            if over {
+                return Err(protocol(format!(
+                    "decoder {decoder} sent more than the {} tokens asked for",
+                    self.max_tokens
+                )));
+            }
+            self.on_tokens(decoder);
+        }
+        if self.may_withhold && self.withheld.len() < MAX_WITHHELD && text_withheld(&parsed) {
+            self.withheld.push(data.clone());
+            self.withheld_tokens += tokens;
+            return Ok(tokens);
+        }
+        self.withheld_tokens = 0;
+        for held in std::mem::take(&mut self.withheld) {
+            if let Some(parsed) = chunk::parse(&held) {
+                self.relay(&parsed, &held, source);
+            }
+        }
+        self.relay(&parsed, data, source);
+        Ok(tokens)
+    }
+
+    /// Journals one (checked) chunk and queues what a streaming client gets of it.
+    fn relay(&mut self, parsed: &chunk::Chunk<'_>, data: &[u8], source: Source) {
+        self.journal.update(|e| record(e, parsed));
+        if let Some(bytes) = self.output.event(parsed, data, source) {
+            self.out.push_back(bytes);
+        }
+    }
+
+    fn on_tokens(&mut self, decoder: &str) {
+        let now = Instant::now();
+        match self.timing.last_token {
+            None => {
+                crate::metrics::first_token(self.timing.route, decoder, now - self.timing.started)
+            }
+            Some(last) => {
+                if let Some(histogram) = &self.timing.inter_token {
+                    histogram.record((now - last).as_secs_f64());
+                }
+            }
+        }
+        if let Some(detected) = self.timing.failure_detected.take() {
+            crate::metrics::resume_latency(now - detected);
+        }
+        self.timing.last_token = Some(now);
+    }
+}
+
+/// Writes what one chunk brings to the journal.
+fn record(entry: &mut Entry, parsed: &chunk::Chunk<'_>) {
+    for choice in &parsed.choices {
+        let Some(state) = entry.choices.get_mut(choice.index) else {
+            continue;
+        };
+        state.text.push_str(choice.text());
+        if let Some(ids) = &choice.token_ids {
+            state.token_ids.extend_from_slice(ids);
+        }
+        if let Some(reason) = &choice.finish_reason {
+            state.finish_reason = Some(reason.to_string());
+            state.stop_reason = choice
+                .stop_reason
+                .and_then(|r| serde_json::from_str(r.get()).ok());
+        }
+    }
+}
+
+/// Whether a chunk brings token ids but not yet their text (and no finish):
+/// one choice, as only single-choice requests are resumed mid-stream.
+fn text_withheld(parsed: &chunk::Chunk<'_>) -> bool {
+    match parsed.choices.as_slice() {
+        [choice] => {
+            choice.token_ids.as_ref().is_some_and(|ids| !ids.is_empty())
+                && choice.text().is_empty()
+                && choice.finish_reason.is_none()
+        }
+        _ => false,
+    }
+}
+
+/// The bytes of one write to a streaming client: the first bytes, then what
+/// else is ready, up to [`BATCH_EVENTS`] events or [`BATCH_BYTES`] bytes.
+pub struct Batch {
+    first: Bytes,
+    rest: Option<BytesMut>,
+    events: usize,
+}
+
+impl Batch {
+    pub fn new(first: Bytes) -> Self {
+        Self {
+            first,
+            rest: None,
+            events: 1,
+        }
+    }
+
+    pub fn push(&mut self, bytes: Bytes) {
+        let first = &self.first;
+        self.rest
+            .get_or_insert_with(|| BytesMut::from(&first[..]))
+            .extend_from_slice(&bytes);
+        self.events += 1;
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.events >= BATCH_EVENTS || self.rest.as_ref().is_some_and(|b| b.len() >= BATCH_BYTES)
+    }
+
+    pub fn finish(self) -> Bytes {
+        self.rest.map_or(self.first, BytesMut::freeze)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::journal::Journal;
+    use crate::pd::request::Route;
+    use std::sync::Arc;
+
+    fn info(n: u64, stream: bool) -> RequestInfo {
+        RequestInfo {
+            route: Route::Completions,
+            request_id: "r".into(),
+            model: "m".into(),
+            stream,
+            include_usage: false,
+            return_token_ids: false,
+            n,
+        }
+    }
+
+    fn relay(n: u64, max_tokens: u64) -> (Arc<Journal>, Relay) {
+        let journal = Arc::new(Journal::default());
+        let handle = journal.open("r", "/v1/completions", "m", true, n as usize);
+        (journal, Relay::new(&info(n, true), handle, n == 1, max_tokens))
+    }
+
+    fn chunk(index: usize, text: &str, ids: &[u32]) -> Bytes {
+        Bytes::from(
+            serde_json::json!({"id":"e","choices":[{"index":index,"text":text,"token_ids":ids,"finish_reason":null}]})
+                .to_string(),
+        )
+    }
+
+    fn cause(stop: Stop) -> Cause {
+        match stop {
+            Stop::Failed(failure) => failure.cause,
+            other => panic!("not a failure: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn relays_and_journals_a_chunk() {
+        let (_journal, mut relay) = relay(1, 16);
+        assert_eq!(relay.on_data(&chunk(0, " a", &[5]), Source::Native, "d0").ok(), Some(1));
+        let out = relay.pop().expect("an event");
+        assert!(out.starts_with(b"data: {\"id\":\"cmpl-r\""));
+        assert_eq!(relay.journal().read(|e| e.choices[0].token_ids.clone()), vec![5]);
+    }
+
+    #[test]
+    fn protocol_violations_are_decoder_failures_never_relayed() {
+        let bad: [&[u8]; 3] = [
+            b"not json",
+            br#"{"choices":[{"index":0,"text":"x","token_ids":[1.5]}]}"#,
+            br#"{"choices":[{"index":0,"text":"x","token_ids":["a"]}]}"#,
+        ];
+        for data in bad {
+            let (_journal, mut relay) = relay(1, 16);
+            let stop = relay
+                .on_data(&Bytes::from_static(data), Source::Native, "d0")
+                .expect_err("refused");
+            assert_eq!(cause(stop), Cause::Protocol);
+            assert!(relay.pop().is_none(), "nothing relayed");
+        }
+        // Choice 7 of an `n: 1` request.
+        let (_journal, mut relay) = relay(1, 16);
+        let stop = relay
+            .on_data(&chunk(7, "x", &[1]), Source::Native, "d0")
+            .expect_err("refused");
+        assert_eq!(cause(stop), Cause::Protocol);
+        assert!(relay.pop().is_none());
+        assert_eq!(relay.journal().read(Entry::generated), 0);
+    }
+
+    #[test]
+    fn more_tokens_than_asked_for_is_a_protocol_failure() {
+        let (_journal, mut relay) = relay(1, 2);
+        assert!(relay.on_data(&chunk(0, "a", &[1, 2]), Source::Native, "d0").is_ok());
+        let stop = relay
+            .on_data(&chunk(0, "b", &[3]), Source::Native, "d0")
+            .expect_err("over");
+        assert_eq!(cause(stop), Cause::Protocol);
+    }
+
+    #[test]
+    fn chunks_without_text_wait_for_theirs_and_are_bounded() {
+        let (_journal, mut relay) = relay(1, 1000);
+        relay.on_data(&chunk(0, "", &[1]), Source::Native, "d0").ok();
+        assert!(relay.pop().is_none(), "withheld");
+        relay.on_data(&chunk(0, "é", &[2]), Source::Native, "d0").ok();
+        assert!(relay.pop().is_some() && relay.pop().is_some(), "both relayed");
+        for id in 0..(MAX_WITHHELD as u32 + 4) {
+            relay.on_data(&chunk(0, "", &[id]), Source::Native, "d0").ok();
+        }
+        assert!(relay.withheld.len() <= MAX_WITHHELD);
+        // A failure drops what was withheld: the resume continues before it.
+        relay.on_failure();
+        assert!(relay.withheld.is_empty());
+    }
+
+    #[test]
+    fn an_engine_refusal_ends_the_request_and_a_server_error_fails_the_decoder() {
+        let (_journal, mut relay) = relay(1, 16);
+        let refused = relay.on_data(
+            &Bytes::from_static(br#"{"error":{"message":"bad","code":400}}"#),
+            Source::Native,
+            "d0",
+        );
+        assert!(matches!(refused, Err(Stop::Refused(_))));
+        let failed = relay
+            .on_data(
+                &Bytes::from_static(br#"{"error":{"message":"boom","code":500}}"#),
+                Source::Native,
+                "d0",
+            )
+            .expect_err("failure");
+        assert_eq!(cause(failed), Cause::ServerError);
+    }
+}

@@ -1,0 +1,49 @@
+//! Phase 3: re-prefill. Before a resume relies on its hold, the router checks
+//! that the hold is still there; when it is not (released, expired, evicted, or
+//! its holder gone) it prefills prompt + generated again on a healthy prefill
+//! instance (`--on-hold-lost reprefill`), or fails the request (`fail`).
+
+use super::prefill::{self, Prefilled};
+use super::request::RequestInfo;
+use crate::config::OnHoldLost;
+use crate::error::ApiError;
+use crate::holds::{Hold, HoldState};
+use crate::journal::{JournalHandle, Phase};
+use crate::state::AppState;
+use serde_json::Value;
+
+/// A new hold from a re-prefill, or `None` when the current one still holds
+/// (or the connector has no holds to check).
+pub async fn ensure_hold(
+    state: &AppState,
+    info: &RequestInfo,
+    body: &Value,
+    hold: Option<&Hold>,
+    journal: &JournalHandle,
+) -> Result<Option<Prefilled>, ApiError> {
+    let Some(hold) = hold else {
+        return Ok(None);
+    };
+    let HoldState::Lost(reason) = state.holds.check(hold).await else {
+        return Ok(None);
+    };
+    tracing::warn!(request_id = %info.request_id, %reason, "hold lost");
+    if state.config.on_hold_lost == OnHoldLost::Fail {
+        return Err(ApiError::Unavailable(format!(
+            "{reason}; not prefilling again (--on-hold-lost fail)"
+        )));
+    }
+    crate::metrics::reprefill();
+    journal.set_phase(Phase::Reprefill);
+    // The whole context so far becomes the new hold's prompt.
+    let (route, payload) = journal.read(|e| {
+        prefill::continuation_body(info.route, body, &e.prompt_token_ids, &e.choices[0].token_ids)
+    });
+    let prefilled = prefill::run(state, info, route, payload).await?;
+    journal.update(|e| {
+        e.prefill = Some(prefilled.instance.clone());
+        e.kv_transfer_params = Some(prefilled.kv_transfer_params.clone());
+        e.phase = Phase::Decode;
+    });
+    Ok(Some(prefilled))
+}

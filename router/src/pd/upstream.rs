@@ -1,0 +1,210 @@
+//! The seam between the request flow and the engines: opening a prefill call and
+//! a decode stream. The router talks HTTP through [`HttpUpstream`]; the session's
+//! unit tests script an [`Upstream`] of their own, one failure cause at a time.
+//!
+//! Every wait here is bounded (the prefill call, a decode stream's response
+//! headers) and so is every body read (a prefill answer up to
+//! `max_upstream_body_bytes`, an error body up to [`MAX_ERROR_BODY`]).
+
+use bytes::{Bytes, BytesMut};
+use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
+use futures_util::StreamExt;
+use std::time::Duration;
+
+/// The body of a decode stream, as the engine sends it.
+pub type ByteStream = BoxStream<'static, Result<Bytes, String>>;
+
+/// Most bytes of an engine's error body the router reads (its message goes to
+/// the client, bounded again).
+pub const MAX_ERROR_BODY: usize = 64 * 1024;
+
+/// Why a call got no answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallError {
+    /// No connection was made: the engine never saw the request. `refused`
+    /// when nothing listens there (the process is gone), as opposed to a
+    /// connect timeout (a busy engine's full accept backlog).
+    Connect { refused: bool, message: String },
+    /// Sent, but no response headers within the time limit.
+    NoHeaders(Duration),
+    /// The request reached the engine and the connection failed after.
+    Transport(String),
+    /// The answer's body is larger than the router reads.
+    TooLarge(usize),
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::Connect { refused: true, message } => {
+                write!(f, "connection refused: {message}")
+            }
+            CallError::Connect { message, .. } => write!(f, "cannot connect: {message}"),
+            CallError::NoHeaders(after) => {
+                write!(f, "no response within {} ms", after.as_millis())
+            }
+            CallError::Transport(message) => write!(f, "{message}"),
+            CallError::TooLarge(limit) => write!(f, "answer larger than {limit} bytes"),
+        }
+    }
+}
+
+/// A whole answer (prefill, or an error status of a decode call).
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Bytes,
+}
+
+/// What opening a decode stream gives.
+pub enum Opened {
+    /// A 2xx: the SSE stream.
+    Stream(ByteStream),
+    /// Another status, with (the start of) its body.
+    Status(Reply),
+}
+
+/// One call to an engine.
+#[derive(Debug, Clone)]
+pub struct Call<'a> {
+    pub url: &'a str,
+    pub path: &'static str,
+    pub request_id: &'a str,
+    pub body: Bytes,
+}
+
+/// Opening prefills and decode streams.
+pub trait Upstream: Send + Sync + 'static {
+    /// Runs a prefill call to its whole answer.
+    fn prefill<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>>;
+    /// Opens a decode stream (the answer's headers).
+    fn decode<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Opened, CallError>>;
+}
+
+/// Time and size limits of [`HttpUpstream`].
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub prefill_timeout: Duration,
+    /// How long a decoder may take to answer with its response headers.
+    pub decode_open_timeout: Duration,
+    /// Largest prefill answer read.
+    pub max_body: usize,
+}
+
+/// The engines over HTTP.
+pub struct HttpUpstream {
+    client: reqwest::Client,
+    limits: Limits,
+}
+
+impl HttpUpstream {
+    pub fn new(client: reqwest::Client, limits: Limits) -> Self {
+        Self { client, limits }
+    }
+
+    fn post(&self, call: &Call<'_>) -> reqwest::RequestBuilder {
+        self.client
+            .post(format!("{}{}", call.url, call.path))
+            .header("content-type", "application/json")
+            .header("x-request-id", call.request_id)
+            .body(call.body.clone())
+    }
+}
+
+impl Upstream for HttpUpstream {
+    fn prefill<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+        Box::pin(async move {
+            let limit = self.limits.prefill_timeout;
+            let call = async {
+                let response = self.post(&call).send().await.map_err(call_error)?;
+                let status = response.status().as_u16();
+                let cap = if response.status().is_success() {
+                    self.limits.max_body
+                } else {
+                    MAX_ERROR_BODY
+                };
+                let body = read_capped(response, cap, status < 300).await?;
+                Ok(Reply { status, body })
+            };
+            tokio::time::timeout(limit, call)
+                .await
+                .unwrap_or(Err(CallError::NoHeaders(limit)))
+        })
+    }
+
+    fn decode<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Opened, CallError>> {
+        Box::pin(async move {
+            let limit = self.limits.decode_open_timeout;
+            let response = tokio::time::timeout(limit, self.post(&call).send())
+                .await
+                .map_err(|_| CallError::NoHeaders(limit))?
+                .map_err(call_error)?;
+            if response.status().is_success() {
+                let stream = response
+                    .bytes_stream()
+                    .map(|r| r.map_err(|e| e.to_string()))
+                    .boxed();
+                return Ok(Opened::Stream(stream));
+            }
+            let status = response.status().as_u16();
+            // The error body is read within the same limit: a decoder that
+            // trickles it must not hold the request.
+            let body = tokio::time::timeout(limit, read_capped(response, MAX_ERROR_BODY, false))
+                .await
+                .unwrap_or(Ok(Bytes::new()))
+                .unwrap_or_default();
+            Ok(Opened::Status(Reply { status, body }))
+        })
+    }
+}
+
+/// Reads at most `cap` bytes of a body; past it, an error when `strict` (the
+/// body is needed whole), else what was read (an error message's start).
+async fn read_capped(
+    mut response: reqwest::Response,
+    cap: usize,
+    strict: bool,
+) -> Result<Bytes, CallError> {
+    let mut body = BytesMut::new();
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .map_err(|e| CallError::Transport(e.to_string()))?
+    {
+        if body.len() + chunk.len() > cap {
+            if strict {
+                return Err(CallError::TooLarge(cap));
+            }
+            body.extend_from_slice(&chunk[..cap - body.len()]);
+            break;
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
+}
+
+/// A reqwest error as a [`CallError`]: a connect failure (and whether it was
+/// refused) apart from failures after the request was sent.
+fn call_error(err: reqwest::Error) -> CallError {
+    if err.is_connect() {
+        return CallError::Connect {
+            refused: is_refused(&err),
+            message: err.to_string(),
+        };
+    }
+    CallError::Transport(err.to_string())
+}
+
+fn is_refused(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(err);
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::ConnectionRefused {
+                return true;
+            }
+        }
+        source = err.source();
+    }
+    false
+}
