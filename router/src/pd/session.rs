@@ -410,3 +410,7 @@ async fn wait_for_decoder(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[cfg(test)]
+#[path = "session_tests.rs"]
+mod tests;

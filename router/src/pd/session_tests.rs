@@ -1,0 +1,418 @@
+//! Sessions against scripted engines: one test per failure cause, through the
+//! [`Upstream`] seam (the process tests in tests/e2e cover the same causes with
+//! real mock engines).
+
+use crate::pd::upstream::{ByteStream, Call, CallError, Opened, Reply, Upstream};
+use crate::config::{self, Command, RouterConfig};
+use crate::error::ApiError;
+use crate::metrics::RequestGuard;
+use crate::pd::request::{validate, Route};
+use crate::registry::{Lifecycle, Registration, Registry, Role};
+use crate::state::AppState;
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// One piece of a scripted decode stream.
+enum Piece {
+    /// An event whose data is this JSON.
+    Event(Value),
+    /// Raw bytes.
+    Raw(&'static [u8]),
+    /// Tokens `from..to` as completions chunks, the last one finishing when
+    /// `finish` is set.
+    Tokens { from: u32, to: u32, finish: bool },
+    /// The connection breaks.
+    Reset,
+    /// Tells the test the stream got here.
+    Reached(Arc<Notify>),
+    /// Nothing more, ever.
+    Hang,
+}
+
+/// What one decode call does.
+enum Script {
+    Refused,
+    NoHeaders,
+    Status(u16, &'static str),
+    Stream(Vec<Piece>),
+}
+
+/// An upstream that answers each decode call with the next script, in call
+/// order (whichever decoder the policy picks), and records the calls.
+#[derive(Default)]
+struct Scripted {
+    scripts: Mutex<VecDeque<Script>>,
+    calls: Mutex<Vec<(String, &'static str, Value)>>,
+}
+
+impl Scripted {
+    fn new(scripts: Vec<Script>) -> Arc<Self> {
+        Arc::new(Self {
+            scripts: Mutex::new(scripts.into()),
+            calls: Mutex::default(),
+        })
+    }
+
+    fn calls(&self) -> Vec<(String, &'static str, Value)> {
+        self.calls.lock().expect("calls").clone()
+    }
+}
+
+fn chunk(id: u32, finish: bool) -> Value {
+    json!({"id": "e", "choices": [{"index": 0, "text": format!(" t{id}"), "token_ids": [id],
+        "finish_reason": if finish { json!("length") } else { Value::Null }}]})
+}
+
+fn stream(pieces: Vec<Piece>) -> ByteStream {
+    let mut out: Vec<Result<Bytes, String>> = Vec::new();
+    let mut tail: Option<Piece> = None;
+    let mut reached = Vec::new();
+    for piece in pieces {
+        match piece {
+            Piece::Event(value) => out.push(Ok(Bytes::from(format!("data: {value}\n\n")))),
+            Piece::Raw(bytes) => out.push(Ok(Bytes::from_static(bytes))),
+            Piece::Tokens { from, to, finish } => {
+                for id in from..to {
+                    let last = finish && id + 1 == to;
+                    out.push(Ok(Bytes::from(format!("data: {}\n\n", chunk(id, last)))));
+                }
+                if finish {
+                    out.push(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+                }
+            }
+            Piece::Reset => out.push(Err("connection reset".into())),
+            Piece::Reached(notify) => reached.push(notify),
+            Piece::Hang => tail = Some(Piece::Hang),
+        }
+    }
+    let head = futures_util::stream::iter(out);
+    let notify = futures_util::stream::once(async move {
+        for n in reached {
+            n.notify_one();
+        }
+    })
+    .filter_map(|()| async { None });
+    match tail {
+        Some(_) => head.chain(notify).chain(futures_util::stream::pending()).boxed(),
+        None => head.chain(notify).boxed(),
+    }
+}
+
+impl Upstream for Scripted {
+    fn prefill<'a>(&'a self, _call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+        Box::pin(async {
+            let body = json!({"choices": [{"index": 0, "text": "x", "prompt_token_ids": [1, 2, 3]}],
+                "kv_transfer_params": {"transfer_id": "t", "do_remote_decode": true}});
+            Ok(Reply {
+                status: 200,
+                body: Bytes::from(body.to_string()),
+            })
+        })
+    }
+
+    fn decode<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Opened, CallError>> {
+        let body: Value = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
+        self.calls
+            .lock()
+            .expect("calls")
+            .push((call.url.to_string(), call.path, body));
+        let script = self.scripts.lock().expect("scripts").pop_front();
+        Box::pin(async move {
+            match script {
+                None | Some(Script::Refused) => Err(CallError::Connect {
+                    refused: true,
+                    message: "refused".into(),
+                }),
+                Some(Script::NoHeaders) => Err(CallError::NoHeaders(Duration::from_millis(1))),
+                Some(Script::Status(status, body)) => Ok(Opened::Status(Reply {
+                    status,
+                    body: Bytes::from_static(body.as_bytes()),
+                })),
+                Some(Script::Stream(pieces)) => Ok(Opened::Stream(stream(pieces))),
+            }
+        })
+    }
+}
+
+fn config(extra: &[&str]) -> RouterConfig {
+    let mut args = vec![
+        "connex-router",
+        "serve",
+        "--stall-timeout-ms",
+        "300",
+        "--first-token-timeout-ms",
+        "300",
+        "--resume-wait-ms",
+        "0",
+        "--health-check-interval-ms",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    match config::load(args.into_iter().map(Into::into).collect()).map(|c| c.command) {
+        Ok(Command::Serve(config)) => config,
+        other => panic!("config: {other:?}"),
+    }
+}
+
+/// A router state with one prefill and `decoders` decoders, on `upstream`.
+async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Arc<AppState> {
+    let registry = Registry::new(Duration::from_secs(60));
+    let mut instances = vec![("p0".to_string(), Role::Prefill)];
+    instances.extend((0..decoders).map(|i| (format!("d{i}"), Role::Decode)));
+    for (id, role) in instances {
+        registry
+            .register(Registration {
+                role,
+                url: format!("http://{id}"),
+                model: "m".into(),
+                ctrl: None,
+                id: Some(id),
+            })
+            .await
+            .expect("register");
+    }
+    let (state, _releases) = AppState::with_upstream(
+        config(extra),
+        registry,
+        reqwest::Client::new(),
+        upstream,
+    );
+    Arc::new(state)
+}
+
+/// Runs a non-stream completions request for 6 tokens; the response's text and
+/// resumes, or the error.
+async fn complete(state: &Arc<AppState>) -> Result<(String, u32), ApiError> {
+    let body = json!({"model": "m", "prompt": "hi", "max_tokens": 6});
+    let info = validate(Route::Completions, &body, "r".into(), 1 << 20)?;
+    let response = crate::pd::run(
+        state.clone(),
+        info,
+        body,
+        RequestGuard::new("/v1/completions"),
+    )
+    .await?;
+    let resumes = response
+        .headers()
+        .get(crate::pd::RESUMES_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .expect("resumes header");
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .expect("body");
+    let value: Value = serde_json::from_slice(&bytes).expect("JSON");
+    Ok((
+        value["choices"][0]["text"].as_str().expect("text").to_string(),
+        resumes,
+    ))
+}
+
+const WHOLE: &str = " t0 t1 t2 t3 t4 t5";
+
+fn tokens(from: u32, to: u32, finish: bool) -> Piece {
+    Piece::Tokens { from, to, finish }
+}
+
+/// The continuation body a resume sent: prompt + generated, max_tokens reduced.
+fn assert_continues_after(call: &(String, &'static str, Value), generated: &[u32]) {
+    assert_eq!(call.1, "/v1/completions");
+    let mut prompt = vec![1, 2, 3];
+    prompt.extend_from_slice(generated);
+    assert_eq!(call.2["prompt"], json!(prompt));
+    assert_eq!(call.2["max_tokens"], json!(6 - generated.len()));
+}
+
+#[tokio::test]
+async fn a_reset_mid_stream_resumes_after_the_tokens_the_client_has() {
+    let upstream = Scripted::new(vec![
+        Script::Stream(vec![tokens(0, 2, false), Piece::Reset]),
+        Script::Stream(vec![tokens(2, 6, true)]),
+    ]);
+    let state = cluster(upstream.clone(), 2, &[]).await;
+    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    let calls = upstream.calls();
+    assert_ne!(calls[0].0, calls[1].0, "another decoder");
+    assert_continues_after(&calls[1], &[0, 1]);
+    assert!(state.journal.is_empty());
+}
+
+#[tokio::test]
+async fn a_truncated_stream_resumes() {
+    let upstream = Scripted::new(vec![
+        Script::Stream(vec![tokens(0, 3, false)]),
+        Script::Stream(vec![tokens(3, 6, true)]),
+    ]);
+    let state = cluster(upstream.clone(), 2, &[]).await;
+    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    assert_continues_after(&upstream.calls()[1], &[0, 1, 2]);
+}
+
+#[tokio::test]
+async fn a_stall_after_the_first_token_resumes() {
+    let upstream = Scripted::new(vec![
+        Script::Stream(vec![tokens(0, 1, false), Piece::Hang]),
+        Script::Stream(vec![tokens(1, 6, true)]),
+    ]);
+    let state = cluster(upstream.clone(), 2, &[]).await;
+    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    assert_continues_after(&upstream.calls()[1], &[0]);
+}
+
+#[tokio::test]
+async fn no_first_token_fails_over_with_the_clients_own_body() {
+    let upstream = Scripted::new(vec![
+        Script::Stream(vec![Piece::Hang]),
+        Script::Stream(vec![tokens(0, 6, true)]),
+    ]);
+    // A first-token timeout longer than the stall timeout: the stall timer
+    // does not run before the first token.
+    let state = cluster(
+        upstream.clone(),
+        2,
+        &["--stall-timeout-ms", "50", "--first-token-timeout-ms", "400"],
+    )
+    .await;
+    let started = std::time::Instant::now();
+    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    assert!(started.elapsed() >= Duration::from_millis(400));
+    let calls = upstream.calls();
+    assert_eq!(calls[1].1, "/v1/completions");
+    assert_eq!(calls[1].2["prompt"], "hi", "the client's own body");
+}
+
+#[tokio::test]
+async fn a_trickling_decoder_is_cut_at_the_stall_timeout() {
+    // Bytes of an event that never completes: each read would reset a timer
+    // measured per read; the stall timer is measured per event.
+    let trickle: Vec<Piece> = std::iter::once(tokens(0, 1, false))
+        .chain((0..2000).map(|_| Piece::Raw(b"d")))
+        .chain(std::iter::once(Piece::Hang))
+        .collect();
+    let upstream = Scripted::new(vec![
+        Script::Stream(trickle),
+        Script::Stream(vec![tokens(1, 6, true)]),
+    ]);
+    let state = cluster(upstream, 2, &["--max-sse-event-bytes", "100000"]).await;
+    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+}
+
+#[tokio::test]
+async fn an_oversized_event_is_a_protocol_failure() {
+    let upstream = Scripted::new(vec![
+        Script::Stream(vec![
+            tokens(0, 1, false),
+            Piece::Raw(&[b'x'; 4096]),
+            Piece::Hang,
+        ]),
+        Script::Stream(vec![tokens(1, 6, true)]),
+    ]);
+    let state = cluster(upstream, 2, &["--max-sse-event-bytes", "1024"]).await;
+    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+}
+
+#[tokio::test]
+async fn no_response_headers_fail_over() {
+    let upstream = Scripted::new(vec![
+        Script::NoHeaders,
+        Script::Stream(vec![tokens(0, 6, true)]),
+    ]);
+    let state = cluster(upstream, 2, &[]).await;
+    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+}
+
+#[tokio::test]
+async fn a_5xx_fails_over_and_a_4xx_reaches_the_client_as_an_openai_error() {
+    let upstream = Scripted::new(vec![
+        Script::Status(503, "busy"),
+        Script::Stream(vec![tokens(0, 6, true)]),
+    ]);
+    let state = cluster(upstream, 2, &[]).await;
+    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+
+    let upstream = Scripted::new(vec![Script::Status(
+        400,
+        r#"{"error":{"message":"max_tokens too large","code":400}}"#,
+    )]);
+    let state = cluster(upstream, 2, &[]).await;
+    let error = complete(&state).await.expect_err("refused");
+    assert_eq!(error.status().as_u16(), 400);
+    assert_eq!(error.body()["error"]["message"], "max_tokens too large");
+}
+
+#[tokio::test]
+async fn a_protocol_violation_resumes_and_is_never_relayed() {
+    let upstream = Scripted::new(vec![
+        Script::Stream(vec![
+            tokens(0, 2, false),
+            Piece::Event(json!({"id": "e", "choices": [{"index": 7, "text": " evil", "token_ids": [99]}]})),
+            tokens(2, 6, true),
+        ]),
+        Script::Stream(vec![tokens(2, 6, true)]),
+    ]);
+    let state = cluster(upstream.clone(), 2, &[]).await;
+    let (text, resumes) = complete(&state).await.expect("ok");
+    assert_eq!((text.as_str(), resumes), (WHOLE, 1));
+    assert_continues_after(&upstream.calls()[1], &[0, 1]);
+}
+
+#[tokio::test]
+async fn a_refused_connect_is_not_a_resume() {
+    let upstream = Scripted::new(vec![
+        Script::Refused,
+        Script::Stream(vec![tokens(0, 6, true)]),
+    ]);
+    // No resume allowed at all: the request still goes on, since the first
+    // decoder never had it.
+    let state = cluster(upstream.clone(), 2, &["--max-resumes", "0"]).await;
+    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 0));
+    let calls = upstream.calls();
+    assert_ne!(calls[0].0, calls[1].0);
+    // The decoder that refused is avoided by new requests.
+    let refused = calls[0].0.trim_start_matches("http://");
+    assert!(state.outliers.is_suspect(refused));
+}
+
+#[tokio::test]
+async fn every_resume_spent_fails_the_request_clearly() {
+    let upstream = Scripted::new(vec![
+        Script::Stream(vec![tokens(0, 1, false), Piece::Reset]),
+        Script::Stream(vec![tokens(1, 2, false), Piece::Reset]),
+    ]);
+    let state = cluster(upstream, 2, &["--max-resumes", "1"]).await;
+    let error = complete(&state).await.expect_err("gave up");
+    assert_eq!(error.status().as_u16(), 503);
+    assert!(error.to_string().contains("gave up after 1 resumes"), "{error}");
+    assert!(state.journal.is_empty());
+}
+
+#[tokio::test]
+async fn a_decoder_declared_dead_or_migrated_resumes_its_streams() {
+    for lifecycle in [Lifecycle::Dead, Lifecycle::Migrating] {
+        let reached = Arc::new(Notify::new());
+        let upstream = Scripted::new(vec![
+            Script::Stream(vec![tokens(0, 2, false), Piece::Reached(reached.clone()), Piece::Hang]),
+            Script::Stream(vec![tokens(2, 6, true)]),
+        ]);
+        let state = cluster(upstream.clone(), 2, &["--stall-timeout-ms", "60000"]).await;
+        let request = tokio::spawn({
+            let state = state.clone();
+            async move { complete(&state).await }
+        });
+        reached.notified().await;
+        let first = upstream.calls()[0].0.trim_start_matches("http://").to_string();
+        state
+            .registry
+            .set_lifecycle(&first, lifecycle)
+            .await
+            .expect("set");
+        let (text, resumes) = request.await.expect("joined").expect("ok");
+        assert_eq!((text.as_str(), resumes), (WHOLE, 1), "{lifecycle:?}");
+    }
+}
