@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod config;
+#[cfg(feature = "demo")]
 pub mod demo;
 pub mod error;
 pub mod health;

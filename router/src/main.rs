@@ -32,6 +32,7 @@ async fn main() -> ExitCode {
         .init();
     match cli.command {
         Command::Serve(config) => serve(config).await,
+        #[cfg(feature = "demo")]
         Command::Demo(args) => match connex_router::demo::run(args).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
@@ -39,6 +40,11 @@ async fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        #[cfg(not(feature = "demo"))]
+        Command::Demo(_) => {
+            eprintln!("connex-router: this build has no demo (built without the `demo` feature)");
+            ExitCode::from(2)
+        }
     }
 }
 

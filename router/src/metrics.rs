@@ -58,6 +58,11 @@ pub fn install() -> Option<PrometheusHandle> {
         .install_recorder()
         .ok()?;
     let _ = HANDLE.set(handle.clone());
+    // Counters without labels exist from the start, at zero: "none happened"
+    // is then a sample a dashboard (and a test) reads, not an absent series.
+    for name in [PREFILL_RETRIES, FAILED_AFTER_RESUME, REPREFILLS] {
+        counter!(name).increment(0);
+    }
     Some(handle)
 }
 

@@ -247,9 +247,20 @@ pub async fn metrics_text(router: &Proc) -> String {
 }
 
 /// Sum of the samples of `name` whose labels contain every one of `labels`.
+/// Panics when the router emits no sample of `name` at all: a misspelt or
+/// missing metric must fail a test, not read as zero.
 pub fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && labels.iter().all(|label| l.contains(label)))
+    let samples: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.split(['{', ' ']).next() == Some(name))
+        .collect();
+    assert!(
+        !samples.is_empty(),
+        "the router emits no metric `{name}`:\n{text}"
+    );
+    samples
+        .into_iter()
+        .filter(|l| labels.iter().all(|label| l.contains(label)))
         .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
         .sum()
 }
