@@ -94,8 +94,8 @@ impl Fault {
     /// The `cause` label the router counts when the fault hits at token `k`.
     fn cause(self, k: usize) -> &'static str {
         match self {
-            // Before the first token the response never started.
-            Fault::Crash if k == 0 => "connect",
+            // Before the first token too: the decoder had accepted the
+            // request (a connect that fails is not a resume at all).
             Fault::Crash => "reset",
             Fault::Truncate => "truncated",
             Fault::ErrorEvent | Fault::FinishError | Fault::Refuse5xx => "5xx",
