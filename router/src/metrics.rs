@@ -139,6 +139,11 @@ pub fn resume(cause: &'static str) {
     counter!(RESUMES, "cause" => cause).increment(1);
 }
 
+/// Makes the resume series of `cause` exist (at zero).
+pub fn declare_resume_cause(cause: &'static str) {
+    counter!(RESUMES, "cause" => cause).increment(0);
+}
+
 /// Failure detected -> first token from the next decoder.
 pub fn resume_latency(latency: Duration) {
     histogram!(RESUME_LATENCY).record(latency.as_secs_f64());

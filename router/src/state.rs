@@ -81,6 +81,14 @@ impl AppState {
             .clone()
             .and_then(connex_transfer::Secret::new);
         let (holds, releases) = Holds::new(Duration::from_millis(config.ctrl_timeout_ms), secret);
+        let metrics = crate::metrics::install();
+        // Every resume cause is a series from the start, at zero.
+        for cause in crate::pd::attempt::Cause::ALL
+            .into_iter()
+            .filter(|c| c.reached_decoder())
+        {
+            crate::metrics::declare_resume_cause(cause.as_str());
+        }
         let state = Self {
             registry: Arc::new(registry),
             holds,
@@ -91,7 +99,7 @@ impl AppState {
             upstream,
             outliers: Arc::new(Outliers::new(Duration::from_millis(config.suspect_ms))),
             limits: RequestLimits::new(&config),
-            metrics: crate::metrics::install(),
+            metrics,
             config,
         };
         (state, releases)

@@ -768,3 +768,74 @@ async fn several_choices_each_get_their_tokens_and_usage_counts_all() {
     let usage = chunks.iter().find(|c| c["usage"].is_object()).unwrap();
     assert_eq!(usage["usage"]["completion_tokens"], 10);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_naming_a_foreign_holder_is_not_used() {
+    // p1 answers with a `remote_ctrl` that is not the control address it
+    // registered: a decoder would pull (and the router would send its hold
+    // calls) to a holder of the prefill's choosing.
+    let router = router(&["--prefill-policy", "round_robin"]);
+    let _honest = engine(Some(&router), "prefill", &["--id", "p0"]);
+    let liar = engine(
+        Some(&router),
+        "prefill",
+        &["--id", "p1", "--answer-remote-ctrl", "127.0.0.1:1"],
+    );
+    let decoder = engine(Some(&router), "decode", &[]);
+    wait_ready(&router, 3).await;
+    for i in 0..4 {
+        let (status, reply) = post(
+            &router,
+            "/v1/completions",
+            &json!({"model":"mock","prompt":format!("foreign {i}"),"max_tokens":2}),
+        )
+        .await;
+        assert_eq!(status, 200, "{reply}");
+    }
+    assert!(
+        !engine_requests(&liar).await.is_empty(),
+        "the lying prefill was tried"
+    );
+    for request in engine_requests(&decoder).await {
+        assert_ne!(
+            request["body"]["kv_transfer_params"]["remote_ctrl"], "127.0.0.1:1",
+            "a decoder was sent the foreign holder"
+        );
+    }
+    let text = metrics_text(&router).await;
+    assert!(
+        metric(
+            &text,
+            "connex_upstream_errors_total",
+            &["kind=\"foreign_ctrl\"", "instance=\"p1\""]
+        ) >= 1.0,
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redirects_from_an_engine_are_not_followed() {
+    let router = router(&["--decode-policy", "round_robin"]);
+    // Where a redirect would send the router: an engine that must see nothing.
+    let elsewhere = engine(None, "decode", &[]);
+    let target = format!("{}/v1/completions", elsewhere.url);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let _redirecting = engine(
+        Some(&router),
+        "decode",
+        &["--id", "d0", "--redirect-to", &target],
+    );
+    let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 3).await;
+    let (status, reply) = post(
+        &router,
+        "/v1/completions",
+        &json!({"model":"mock","prompt":"stay here","max_tokens":3}),
+    )
+    .await;
+    assert_eq!(status, 200, "{reply}");
+    assert!(
+        engine_requests(&elsewhere).await.is_empty(),
+        "the router followed a redirect"
+    );
+}

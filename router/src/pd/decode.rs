@@ -84,7 +84,9 @@ pub async fn open(
                 clock,
             ))
         }
-        Ok(Opened::Status(reply)) if reply.status >= 500 => {
+        // A redirect is not followed (it could send the request anywhere): like
+        // a 5xx, the decoder failed and another may serve the request.
+        Ok(Opened::Status(reply)) if reply.status >= 500 || reply.status < 400 => {
             crate::metrics::upstream_error(&decoder.id, "decode", "5xx");
             let error = ApiError::upstream(reply.status, &reply.body);
             Err(failed(

@@ -121,6 +121,29 @@ enum Kind {
     Chat,
 }
 
+/// An error answer of `bytes` bytes of `x`, streamed in 64 KiB pieces.
+fn huge_body(status: StatusCode, bytes: u64) -> Response {
+    const PIECE: u64 = 64 * 1024;
+    let piece = Bytes::from(vec![b'x'; PIECE as usize]);
+    let pieces = futures_util::stream::unfold(bytes, move |left| {
+        let piece = piece.clone();
+        async move {
+            (left > 0).then(|| {
+                let len = left.min(PIECE);
+                (
+                    Ok::<_, std::convert::Infallible>(piece.slice(..len as usize)),
+                    left - len,
+                )
+            })
+        }
+    });
+    Response::builder()
+        .status(status)
+        .header("content-type", "text/plain")
+        .body(Body::from_stream(pieces))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
 fn error(status: StatusCode, message: &str) -> Response {
     let body = json!({"error":{"message":message,"type":"BadRequestError","param":null,"code":status.as_u16()}});
     (status, Json(body)).into_response()
@@ -196,7 +219,18 @@ async fn generate(
     if let Some(status) = state.config.fail_status {
         state.log.update(index, |r| r.outcome = Outcome::Failed);
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        if let Some(bytes) = state.config.fail_body_bytes {
+            return huge_body(status, bytes);
+        }
         return error(status, "injected failure (--fail-status)");
+    }
+    if let Some(location) = &state.config.redirect_to {
+        state.log.update(index, |r| r.outcome = Outcome::Failed);
+        return Response::builder()
+            .status(StatusCode::TEMPORARY_REDIRECT)
+            .header("location", location.as_str())
+            .body(Body::empty())
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
     }
     let mut plan = match plan(&state, kind, &request, request_id) {
         Ok(plan) => plan,
@@ -217,6 +251,12 @@ async fn generate(
                 return error(StatusCode::SERVICE_UNAVAILABLE, &message);
             }
         }
+    }
+    if state.config.hang_before_headers && plan.kv_out.is_none() {
+        std::future::pending::<()>().await;
+    }
+    if let (Some(ctrl), Some(kv)) = (&state.config.answer_remote_ctrl, &mut plan.kv_out) {
+        kv["remote_ctrl"] = json!(ctrl);
     }
     state
         .log
@@ -363,6 +403,8 @@ struct Run {
     started: bool,
     finished: bool,
     sent_done: bool,
+    /// `--bad-chunk-after-tokens` sent its chunk.
+    sent_bad: bool,
 }
 
 impl Run {
@@ -379,6 +421,7 @@ impl Run {
             started: false,
             finished: false,
             sent_done: false,
+            sent_bad: false,
         }
     }
 
@@ -496,6 +539,22 @@ impl Run {
     async fn next_event(&mut self) -> Option<Result<Bytes, Crashed>> {
         if self.sent_done {
             return None;
+        }
+        let count = Some(self.emitted.len() as u32);
+        if self.plan.kv_out.is_none() && self.state.config.trickle_after_tokens == count {
+            // One byte of an event that never ends, now and then.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            return Some(Ok(Bytes::from_static(b"d")));
+        }
+        if self.plan.kv_out.is_none()
+            && self.state.config.bad_chunk_after_tokens == count
+            && !self.sent_bad
+        {
+            self.sent_bad = true;
+            let chunk = json!({"id":self.plan.id,"object":self.object(true),"created":self.plan.created,
+                "model":self.plan.model,"choices":[{"index":7,"text":" evil","logprobs":null,
+                "finish_reason":null,"stop_reason":null,"token_ids":[99]}]});
+            return Some(Ok(Bytes::from(format!("data: {chunk}\n\n"))));
         }
         if self.finished {
             self.sent_done = true;

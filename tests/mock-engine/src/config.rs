@@ -78,6 +78,29 @@ pub struct MockConfig {
     /// Answer every generation request with this HTTP status.
     #[arg(long)]
     pub fail_status: Option<u16>,
+    /// With --fail-status: the error body is this many bytes (streamed, never
+    /// held in memory), to prove the router reads error bodies bounded.
+    #[arg(long)]
+    pub fail_body_bytes: Option<u64>,
+    /// Answer generation requests with a 307 redirect to this URL.
+    #[arg(long)]
+    pub redirect_to: Option<String>,
+    /// A decoder that accepts decode requests and never answers them (no
+    /// response headers, ever).
+    #[arg(long)]
+    pub hang_before_headers: bool,
+    /// After this many tokens, each decode stream trickles one byte of an
+    /// event that never completes every 100 ms.
+    #[arg(long)]
+    pub trickle_after_tokens: Option<u32>,
+    /// After this many tokens, each decode stream sends one chunk for choice
+    /// index 7 (text " evil"), then goes on: a protocol violation.
+    #[arg(long)]
+    pub bad_chunk_after_tokens: Option<u32>,
+    /// A prefill whose answers name this holder (`remote_ctrl`) instead of its
+    /// own: a lying or compromised prefill.
+    #[arg(long)]
+    pub answer_remote_ctrl: Option<String>,
     /// Simulated prefill cost per prompt token computed, in microseconds.
     #[arg(long, default_value_t = 0)]
     pub prefill_us_per_token: u64,

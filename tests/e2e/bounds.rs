@@ -1,0 +1,346 @@
+//! End-to-end bounds and fault detection on the request path, on real
+//! processes: a decoder that never answers, one that trickles, one that breaks
+//! the protocol, a 1 GiB error body, decoders killed and replaced under load,
+//! and a burst that overflows a decoder's accept backlog. Each fails on a router
+//! without the matching timeout, bound or detection rule.
+
+// Tests fail loudly on anything unexpected; that is what unwrap is for here.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::*;
+use connex_mock_engine::model;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+const PROMPT: &str = "Bounded, always";
+
+/// A streaming completions request of `tokens` tokens for `prompt`.
+fn body(prompt: &str, tokens: usize) -> Value {
+    json!({"model":"mock","prompt":prompt,"max_tokens":tokens,"stream":true,"return_token_ids":true})
+}
+
+/// Streams `prompt` through `router` and checks the client got exactly the
+/// tokens of an uninterrupted run, and no chunk the request does not have.
+async fn assert_token_exact(router: &Proc, prompt: &str, tokens: usize) {
+    let chunks = stream(router, "/v1/completions", &body(prompt, tokens)).await;
+    assert!(
+        chunks.iter().all(|c| c.get("error").is_none()),
+        "{prompt}: {chunks:?}"
+    );
+    assert!(
+        chunks
+            .iter()
+            .filter_map(|c| c["choices"].as_array())
+            .flatten()
+            .all(|c| c["index"] == 0),
+        "a choice the request does not have reached the client: {chunks:?}"
+    );
+    assert_eq!(chunks.last(), Some(&json!("[DONE]")));
+    assert_eq!(
+        streamed_token_ids(&chunks),
+        model::generate(&model::tokenize(prompt), tokens),
+        "{prompt}"
+    );
+}
+
+/// A router with a prefill, a faulty decoder `d0` (`faults`) and a healthy
+/// `d1`; round-robin sends the first request to `d0`.
+async fn cluster(router_flags: &[&str], faults: &[&str]) -> (Proc, Vec<Proc>) {
+    let mut flags = vec!["--decode-policy", "round_robin"];
+    flags.extend_from_slice(router_flags);
+    let router = router(&flags);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let mut d0 = vec!["--id", "d0"];
+    d0.extend_from_slice(faults);
+    let faulty = engine(Some(&router), "decode", &d0);
+    let healthy = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 3).await;
+    (router, vec![prefill, faulty, healthy])
+}
+
+fn resumes(text: &str, cause: &str) -> f64 {
+    metric(
+        text,
+        "connex_resumes_total",
+        &[&format!("cause=\"{cause}\"")],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_that_accepts_and_never_answers_is_resumed() {
+    let (router, _engines) =
+        cluster(&["--decode-open-timeout-ms", "500"], &["--hang-before-headers"]).await;
+    assert_token_exact(&router, PROMPT, 8).await;
+    let text = metrics_text(&router).await;
+    assert_eq!(resumes(&text, "no_headers"), 1.0, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickling_decoder_is_cut_at_the_stall_timeout() {
+    let (router, _engines) =
+        cluster(&["--stall-timeout-ms", "500"], &["--trickle-after-tokens", "3"]).await;
+    let started = Instant::now();
+    assert_token_exact(&router, PROMPT, 8).await;
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let text = metrics_text(&router).await;
+    assert_eq!(resumes(&text, "stall"), 1.0, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protocol_violating_chunk_is_never_relayed() {
+    let (router, _engines) = cluster(&[], &["--bad-chunk-after-tokens", "3"]).await;
+    assert_token_exact(&router, PROMPT, 8).await;
+    let text = metrics_text(&router).await;
+    assert_eq!(resumes(&text, "protocol"), 1.0, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_1_gib_error_body_reaches_the_client_as_a_bounded_openai_error() {
+    let router = router(&[]);
+    let _prefill = engine(
+        Some(&router),
+        "prefill",
+        &["--fail-status", "400", "--fail-body-bytes", "1073741824"],
+    );
+    let _decoder = engine(Some(&router), "decode", &[]);
+    wait_ready(&router, 2).await;
+    let started = Instant::now();
+    let response = client()
+        .post(format!("{}/v1/completions", router.url))
+        .json(&json!({"model":"mock","prompt":PROMPT,"max_tokens":4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 400, "the engine's status");
+    let bytes = response.bytes().await.unwrap();
+    assert!(bytes.len() < 16 * 1024, "bounded: {} bytes", bytes.len());
+    let error: Value = serde_json::from_slice(&bytes).expect("an OpenAI error body");
+    assert_eq!(error["error"]["code"], 400);
+    assert!(error["error"]["message"].as_str().unwrap().starts_with("xxxx"));
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+/// The churn: 48 greedy streams while a decoder is SIGKILLed and
+/// replaced (by a new one, registered first) every half second, 4 live
+/// decoders at any time. Killed decoders stay listed until their connection is
+/// refused, a probe or the TTL catches up; connects that fail on them are not
+/// resumes, so no stream runs out of `--max-resumes`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn churn_loses_no_stream_while_a_live_decoder_exists() {
+    const STREAMS: usize = 48;
+    const TOKENS: usize = 48;
+    let router = router(&["--heartbeat-ttl-s", "3"]);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let flags = |id: &str| {
+        vec![
+            "--id".to_string(),
+            id.to_string(),
+            "--decode-us-per-token".to_string(),
+            "40000".to_string(),
+        ]
+    };
+    let start = |id: String| {
+        let flags = flags(&id);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        engine(Some(&router), "decode", &flags)
+    };
+    let mut decoders: Vec<Proc> = (0..4).map(|i| start(format!("d{i}"))).collect();
+    wait_ready(&router, 5).await;
+    let streams: Vec<_> = (0..STREAMS)
+        .map(|i| {
+            let url = router.url.clone();
+            tokio::spawn(async move {
+                let prompt = format!("churn stream {i}");
+                let text = reqwest::Client::builder()
+                    .timeout(Duration::from_secs(90))
+                    .build()
+                    .unwrap()
+                    .post(format!("{url}/v1/completions"))
+                    .json(&body(&prompt, TOKENS))
+                    .send()
+                    .await
+                    .unwrap()
+                    .text()
+                    .await
+                    .unwrap();
+                let chunks: Vec<Value> = connex_router::sse::SseParser::default()
+                    .push(text.as_bytes())
+                    .iter()
+                    .map(|d| serde_json::from_slice(d).unwrap_or(json!("[DONE]")))
+                    .collect();
+                (prompt, chunks)
+            })
+        })
+        .collect();
+    let mut rng_state: u64 = 20261203;
+    let mut next = 4;
+    let mut kills = 0;
+    while streams.iter().any(|s| !s.is_finished()) && kills < 30 {
+        // The replacement first: 4 live decoders at any time.
+        let replacement = start(format!("d{next}"));
+        next += 1;
+        let id = format!("d{}", next - 1);
+        eventually(Duration::from_secs(10), "the replacement registered", || async {
+            instances(&router)
+                .await
+                .iter()
+                .any(|i| i["id"] == id.as_str() && i["state"] == "ready")
+        })
+        .await;
+        rng_state = rng_state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let victim = (rng_state >> 33) as usize % decoders.len();
+        decoders[victim].kill();
+        decoders[victim] = replacement;
+        kills += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(kills >= 3, "the streams ended before the churn began");
+    for stream in streams {
+        let (prompt, chunks) = stream.await.unwrap();
+        assert!(
+            chunks.iter().all(|c| c.get("error").is_none()),
+            "{prompt}: {chunks:?}"
+        );
+        assert_eq!(
+            streamed_token_ids(&chunks),
+            model::generate(&model::tokenize(&prompt), TOKENS),
+            "{prompt}"
+        );
+    }
+    let text = metrics_text(&router).await;
+    assert_eq!(
+        metric(&text, "connex_requests_failed_after_resume_total", &[]),
+        0.0,
+        "{text}"
+    );
+    drop(prefill);
+}
+
+/// A TCP proxy in front of a decoder that serves the first `serve` connections
+/// and then stops accepting, with a listen backlog of 1: later connects fill
+/// the backlog and then time out, as a busy decoder's would, while the streams
+/// already on it flow on.
+async fn saturating_proxy(target: std::net::SocketAddr, serve: usize) -> String {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = socket.local_addr().unwrap();
+    let listener = socket.listen(1).unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        for _ in 0..serve {
+            let (mut inbound, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut outbound = tokio::net::TcpStream::connect(target).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+        // Keep the listener (and its full backlog) open, accepting nothing.
+        held.push(listener);
+        std::future::pending::<()>().await;
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accept_backlog_burst_costs_only_the_requests_that_could_not_connect() {
+    const FLOWING: usize = 4;
+    const BURST: usize = 24;
+    const TOKENS: usize = 40;
+    let router = router(&[
+        "--connect-timeout-ms",
+        "300",
+        "--decode-open-timeout-ms",
+        "1000",
+        "--health-check-interval-ms",
+        "0",
+        "--heartbeat-ttl-s",
+        "60",
+        "--decode-policy",
+        "least_loaded",
+    ]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    // d0 sits behind the proxy (registered by hand with the proxy's URL).
+    let d0 = engine(None, "decode", &["--decode-us-per-token", "50000"]);
+    let target = d0.url.trim_start_matches("http://").parse().unwrap();
+    let proxy = saturating_proxy(target, FLOWING).await;
+    let registered = client()
+        .post(format!("{}/v1/instances", router.url))
+        .json(&json!({"role":"decode","url":proxy,"model":"mock","id":"d0"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(registered.status().as_u16(), 201);
+    wait_ready(&router, 2).await;
+
+    // FLOWING streams on d0, the only decoder, fill its accepted connections.
+    let spawn = |i: usize| {
+        let url = router.url.clone();
+        tokio::spawn(async move {
+            let prompt = format!("burst stream {i}");
+            let text = client()
+                .post(format!("{url}/v1/completions"))
+                .json(&body(&prompt, TOKENS))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let chunks: Vec<Value> = connex_router::sse::SseParser::default()
+                .push(text.as_bytes())
+                .iter()
+                .map(|d| serde_json::from_slice(d).unwrap_or(json!("[DONE]")))
+                .collect();
+            (prompt, chunks)
+        })
+    };
+    let mut streams: Vec<_> = (0..FLOWING).map(spawn).collect();
+    eventually(Duration::from_secs(10), "the first streams flow", || async {
+        journal(&router, false)
+            .await
+            .iter()
+            .filter(|e| e["generated_tokens"].as_u64() > Some(0))
+            .count()
+            >= FLOWING
+    })
+    .await;
+    // Then a second decoder and a burst: d0 accepts nothing more.
+    let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 3).await;
+    streams.extend((FLOWING..FLOWING + BURST).map(spawn));
+    for stream in streams {
+        let (prompt, chunks) = stream.await.unwrap();
+        assert!(
+            chunks.iter().all(|c| c.get("error").is_none()),
+            "{prompt}: {chunks:?}"
+        );
+        assert_eq!(
+            streamed_token_ids(&chunks),
+            model::generate(&model::tokenize(&prompt), TOKENS),
+            "{prompt}"
+        );
+    }
+    let text = metrics_text(&router).await;
+    // The burst did overflow d0: some connects to it failed.
+    assert!(
+        metric(
+            &text,
+            "connex_upstream_errors_total",
+            &["instance=\"d0\"", "kind=\"connect\""]
+        ) >= 1.0,
+        "{text}"
+    );
+    // The streams flowing on d0 were never moved: a connect timeout is not
+    // evidence that d0 is gone.
+    assert_eq!(resumes(&text, "dead"), 0.0, "{text}");
+    // Only requests the kernel queued on d0's full backlog (never answered)
+    // cost a resume; the rest went elsewhere without one.
+    assert!(
+        metric(&text, "connex_resumes_total", &[]) <= 2.0,
+        "{text}"
+    );
+}
