@@ -141,9 +141,15 @@ mod tests {
         assert_eq!(fastapi.body()["error"]["message"], "bad field");
         let huge = vec![b'x'; 1 << 20];
         let error = ApiError::upstream(413, &huge);
-        let message = error.body()["error"]["message"].as_str().unwrap_or_default().len();
+        let message = error.body()["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .len();
         assert!(message <= MAX_UPSTREAM_MESSAGE + 3, "bounded: {message}");
         // A success or odd status from an error path is a bad gateway.
-        assert_eq!(ApiError::upstream(302, b"").status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            ApiError::upstream(302, b"").status(),
+            StatusCode::BAD_GATEWAY
+        );
     }
 }

@@ -237,7 +237,8 @@ impl Schedule {
             self.order.remove(&(due, key));
             if let Some(tracked) = self.tracked.get_mut(&key) {
                 tracked.due = None;
-                let epoch = u32::try_from(tracked.epoch.load(Ordering::Relaxed)).unwrap_or(u32::MAX);
+                let epoch =
+                    u32::try_from(tracked.epoch.load(Ordering::Relaxed)).unwrap_or(u32::MAX);
                 out.push((key, tracked.hold.clone(), epoch));
             }
         }
@@ -426,6 +427,10 @@ mod tests {
         schedule.track(2, hold(10), epoch, now);
         schedule.take_due(now + Duration::from_secs(5), 8);
         schedule.renewed(2, Renewal::Gone, later);
-        assert_eq!(schedule.next_due(), None, "a gone hold is not renewed again");
+        assert_eq!(
+            schedule.next_due(),
+            None,
+            "a gone hold is not renewed again"
+        );
     }
 }

@@ -128,7 +128,12 @@ impl Journal {
         let mut out: Vec<Value> = self
             .entries
             .iter()
-            .map(|e| view_entry(&e.value().lock().unwrap_or_else(|p| p.into_inner()), verbose))
+            .map(|e| {
+                view_entry(
+                    &e.value().lock().unwrap_or_else(|p| p.into_inner()),
+                    verbose,
+                )
+            })
             .collect();
         out.sort_by(|a, b| a["request_id"].as_str().cmp(&b["request_id"].as_str()));
         out

@@ -70,8 +70,11 @@ fn resumes(text: &str, cause: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decoder_that_accepts_and_never_answers_is_resumed() {
-    let (router, _engines) =
-        cluster(&["--decode-open-timeout-ms", "500"], &["--hang-before-headers"]).await;
+    let (router, _engines) = cluster(
+        &["--decode-open-timeout-ms", "500"],
+        &["--hang-before-headers"],
+    )
+    .await;
     assert_token_exact(&router, PROMPT, 8).await;
     let text = metrics_text(&router).await;
     assert_eq!(resumes(&text, "no_headers"), 1.0, "{text}");
@@ -79,8 +82,11 @@ async fn a_decoder_that_accepts_and_never_answers_is_resumed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trickling_decoder_is_cut_at_the_stall_timeout() {
-    let (router, _engines) =
-        cluster(&["--stall-timeout-ms", "500"], &["--trickle-after-tokens", "3"]).await;
+    let (router, _engines) = cluster(
+        &["--stall-timeout-ms", "500"],
+        &["--trickle-after-tokens", "3"],
+    )
+    .await;
     let started = Instant::now();
     assert_token_exact(&router, PROMPT, 8).await;
     assert!(started.elapsed() < Duration::from_secs(10));
@@ -118,7 +124,10 @@ async fn a_1_gib_error_body_reaches_the_client_as_a_bounded_openai_error() {
     assert!(bytes.len() < 16 * 1024, "bounded: {} bytes", bytes.len());
     let error: Value = serde_json::from_slice(&bytes).expect("an OpenAI error body");
     assert_eq!(error["error"]["code"], 400);
-    assert!(error["error"]["message"].as_str().unwrap().starts_with("xxxx"));
+    assert!(error["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("xxxx"));
     assert!(started.elapsed() < Duration::from_secs(10));
 }
 
@@ -182,12 +191,16 @@ async fn churn_loses_no_stream_while_a_live_decoder_exists() {
         let replacement = start(format!("d{next}"));
         next += 1;
         let id = format!("d{}", next - 1);
-        eventually(Duration::from_secs(10), "the replacement registered", || async {
-            instances(&router)
-                .await
-                .iter()
-                .any(|i| i["id"] == id.as_str() && i["state"] == "ready")
-        })
+        eventually(
+            Duration::from_secs(10),
+            "the replacement registered",
+            || async {
+                instances(&router)
+                    .await
+                    .iter()
+                    .any(|i| i["id"] == id.as_str() && i["state"] == "ready")
+            },
+        )
         .await;
         rng_state = rng_state
             .wrapping_mul(6364136223846793005)
@@ -299,14 +312,18 @@ async fn an_accept_backlog_burst_costs_only_the_requests_that_could_not_connect(
         })
     };
     let mut streams: Vec<_> = (0..FLOWING).map(spawn).collect();
-    eventually(Duration::from_secs(10), "the first streams flow", || async {
-        journal(&router, false)
-            .await
-            .iter()
-            .filter(|e| e["generated_tokens"].as_u64() > Some(0))
-            .count()
-            >= FLOWING
-    })
+    eventually(
+        Duration::from_secs(10),
+        "the first streams flow",
+        || async {
+            journal(&router, false)
+                .await
+                .iter()
+                .filter(|e| e["generated_tokens"].as_u64() > Some(0))
+                .count()
+                >= FLOWING
+        },
+    )
     .await;
     // Then a second decoder and a burst: d0 accepts nothing more.
     let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
@@ -339,8 +356,5 @@ async fn an_accept_backlog_burst_costs_only_the_requests_that_could_not_connect(
     assert_eq!(resumes(&text, "dead"), 0.0, "{text}");
     // Only requests the kernel queued on d0's full backlog (never answered)
     // cost a resume; the rest went elsewhere without one.
-    assert!(
-        metric(&text, "connex_resumes_total", &[]) <= 2.0,
-        "{text}"
-    );
+    assert!(metric(&text, "connex_resumes_total", &[]) <= 2.0, "{text}");
 }

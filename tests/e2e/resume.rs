@@ -92,7 +92,7 @@ impl Fault {
     }
 
     /// The `cause` label the router counts when the fault hits at token `k`.
-    fn cause(self, k: usize) -> &'static str {
+    fn cause(self) -> &'static str {
         match self {
             // Before the first token too: the decoder had accepted the
             // request (a connect that fails is not a resume at all).
@@ -378,7 +378,7 @@ async fn resume_case(fault: Fault, k: usize, shape: Shape) {
         metric(
             &text,
             "connex_resumes_total",
-            &[&format!("cause=\"{}\"", fault.cause(k))]
+            &[&format!("cause=\"{}\"", fault.cause())]
         ),
         1.0,
         "{context}: {text}"

@@ -286,12 +286,16 @@ async fn drained_decoder_finishes_in_flight_and_gets_no_new_requests() {
             .expect("body")
     });
     // The stream is on the slow decoder once the journal says so.
-    eventually(Duration::from_secs(10), "the stream reached its decoder", || async {
-        journal(&router, false)
-            .await
-            .iter()
-            .any(|e| e["phase"] == "decode" && e["decoder"].is_string())
-    })
+    eventually(
+        Duration::from_secs(10),
+        "the stream reached its decoder",
+        || async {
+            journal(&router, false)
+                .await
+                .iter()
+                .any(|e| e["phase"] == "decode" && e["decoder"].is_string())
+        },
+    )
     .await;
     let other = engine(Some(&router), "decode", &[]);
     wait_ready(&router, 3).await;
@@ -364,12 +368,16 @@ async fn instance_whose_heartbeats_stop_is_skipped() {
     assert_eq!(reply.status(), 201);
     wait_ready(&router, 3).await;
     // The silent engine is dead once its TTL ran out.
-    eventually(Duration::from_secs(10), "the silent engine's TTL ran out", || async {
-        instances(&router)
-            .await
-            .iter()
-            .any(|i| i["url"] == silent.url.as_str() && i["state"] == "dead")
-    })
+    eventually(
+        Duration::from_secs(10),
+        "the silent engine's TTL ran out",
+        || async {
+            instances(&router)
+                .await
+                .iter()
+                .any(|i| i["url"] == silent.url.as_str() && i["state"] == "dead")
+        },
+    )
     .await;
     for i in 0..6 {
         let (status, _) = post(

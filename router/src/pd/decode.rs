@@ -65,7 +65,8 @@ pub async fn open(
 ) -> Result<Attempt, OpenError> {
     let guard = LoadGuard::new(decoder.clone());
     crate::metrics::upstream_request(&decoder.id, "decode");
-    let failed = |cause, message: String| OpenError::Failed(Failure::new(&decoder.id, cause, message));
+    let failed =
+        |cause, message: String| OpenError::Failed(Failure::new(&decoder.id, cause, message));
     let call = Call {
         url: &decoder.url,
         path,
@@ -111,7 +112,11 @@ pub async fn open(
             if refused {
                 state.registry.mark_dead(&decoder.id);
             }
-            let what = if refused { "refused the connection" } else { "unreachable" };
+            let what = if refused {
+                "refused the connection"
+            } else {
+                "unreachable"
+            };
             Err(failed(
                 Cause::Connect,
                 format!("decoder {} {what}: {message}", decoder.id),
@@ -126,7 +131,10 @@ pub async fn open(
         }
         Err(err) => {
             crate::metrics::upstream_error(&decoder.id, "decode", "transport");
-            Err(failed(Cause::Reset, format!("decoder {}: {err}", decoder.id)))
+            Err(failed(
+                Cause::Reset,
+                format!("decoder {}: {err}", decoder.id),
+            ))
         }
     }
 }

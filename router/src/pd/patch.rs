@@ -93,7 +93,10 @@ mod tests {
             .value("stream", json!(true))
             .to_bytes();
         let out: Value = serde_json::from_slice(&bytes).expect("JSON");
-        assert_eq!(out, json!({"model": "m", "stream": true, "prompt": [1, 2, 3]}));
+        assert_eq!(
+            out,
+            json!({"model": "m", "stream": true, "prompt": [1, 2, 3]})
+        );
         let text = String::from_utf8_lossy(&bytes);
         assert_eq!(text.matches("\"stream\"").count(), 1);
     }

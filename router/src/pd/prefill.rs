@@ -22,9 +22,12 @@ pub struct Prefilled {
 
 /// The body sent to a prefill instance.
 pub fn prefill_body(route: Route, body: &Value) -> Bytes {
-    let mut patch = Patch::new(body, &["stream_options", "min_tokens", "min_completion_tokens"])
-        .value("stream", Value::Bool(false))
-        .value("max_tokens", json!(1));
+    let mut patch = Patch::new(
+        body,
+        &["stream_options", "min_tokens", "min_completion_tokens"],
+    )
+    .value("stream", Value::Bool(false))
+    .value("max_tokens", json!(1));
     if route == Route::Chat || body.get("max_completion_tokens").is_some() {
         patch = patch.value("max_completion_tokens", json!(1));
     }
@@ -49,7 +52,12 @@ pub fn continuation_body(
     if generated.is_empty() {
         return (route, prefill_body(route, body));
     }
-    let mut remove: Vec<&str> = vec!["stream_options", "min_tokens", "min_completion_tokens", "echo"];
+    let mut remove: Vec<&str> = vec![
+        "stream_options",
+        "min_tokens",
+        "min_completion_tokens",
+        "echo",
+    ];
     if route == Route::Chat {
         remove.extend_from_slice(super::resume::CHAT_ONLY);
     }
@@ -241,7 +249,7 @@ fn check_params(kv: &Value, instance: &Instance) -> Result<(), InvalidAnswer> {
         }
     }
     if let Some(epoch) = kv.get("resume_epoch") {
-        if !epoch.as_u64().is_some_and(|e| e <= u64::from(u32::MAX)) {
+        if epoch.as_u64().is_none_or(|e| e > u64::from(u32::MAX)) {
             return Err(InvalidAnswer::BadParams("resume_epoch"));
         }
     }

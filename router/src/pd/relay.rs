@@ -184,7 +184,8 @@ impl Relay {
 
     /// Checks, journals and relays one chunk; returns its tokens.
     pub fn on_data(&mut self, data: &Bytes, source: Source, decoder: &str) -> Result<usize, Stop> {
-        let protocol = |message: String| Stop::Failed(Failure::new(decoder, Cause::Protocol, message));
+        let protocol =
+            |message: String| Stop::Failed(Failure::new(decoder, Cause::Protocol, message));
         let Some(parsed) = chunk::parse(data) else {
             return Err(protocol(format!(
                 "decoder {decoder} sent an invalid chunk (not JSON, or token ids that are not integers)"
@@ -376,7 +377,10 @@ mod tests {
     fn relay(n: u64, max_tokens: u64) -> (Arc<Journal>, Relay) {
         let journal = Arc::new(Journal::default());
         let handle = journal.open("r", "/v1/completions", "m", true, n as usize);
-        (journal, Relay::new(&info(n, true), handle, n == 1, max_tokens))
+        (
+            journal,
+            Relay::new(&info(n, true), handle, n == 1, max_tokens),
+        )
     }
 
     fn chunk(index: usize, text: &str, ids: &[u32]) -> Bytes {
@@ -396,12 +400,20 @@ mod tests {
     #[test]
     fn relays_and_journals_a_chunk() {
         let (_journal, mut relay) = relay(1, 16);
-        assert_eq!(relay.on_data(&chunk(0, " a", &[5]), Source::Native, "d0").ok(), Some(1));
+        assert_eq!(
+            relay
+                .on_data(&chunk(0, " a", &[5]), Source::Native, "d0")
+                .ok(),
+            Some(1)
+        );
         let out = relay.pop().expect("an event");
         let event: serde_json::Value =
             serde_json::from_slice(&out[b"data: ".len()..]).expect("one event");
         assert_eq!(event["id"], "cmpl-r");
-        assert_eq!(relay.journal().read(|e| e.choices[0].token_ids.clone()), vec![5]);
+        assert_eq!(
+            relay.journal().read(|e| e.choices[0].token_ids.clone()),
+            vec![5]
+        );
     }
 
     #[test]
@@ -432,7 +444,9 @@ mod tests {
     #[test]
     fn more_tokens_than_asked_for_is_a_protocol_failure() {
         let (_journal, mut relay) = relay(1, 2);
-        assert!(relay.on_data(&chunk(0, "a", &[1, 2]), Source::Native, "d0").is_ok());
+        assert!(relay
+            .on_data(&chunk(0, "a", &[1, 2]), Source::Native, "d0")
+            .is_ok());
         let stop = relay
             .on_data(&chunk(0, "b", &[3]), Source::Native, "d0")
             .expect_err("over");
@@ -442,12 +456,21 @@ mod tests {
     #[test]
     fn chunks_without_text_wait_for_theirs_and_are_bounded() {
         let (_journal, mut relay) = relay(1, 1000);
-        relay.on_data(&chunk(0, "", &[1]), Source::Native, "d0").ok();
+        relay
+            .on_data(&chunk(0, "", &[1]), Source::Native, "d0")
+            .ok();
         assert!(relay.pop().is_none(), "withheld");
-        relay.on_data(&chunk(0, "é", &[2]), Source::Native, "d0").ok();
-        assert!(relay.pop().is_some() && relay.pop().is_some(), "both relayed");
+        relay
+            .on_data(&chunk(0, "é", &[2]), Source::Native, "d0")
+            .ok();
+        assert!(
+            relay.pop().is_some() && relay.pop().is_some(),
+            "both relayed"
+        );
         for id in 0..(MAX_WITHHELD as u32 + 4) {
-            relay.on_data(&chunk(0, "", &[id]), Source::Native, "d0").ok();
+            relay
+                .on_data(&chunk(0, "", &[id]), Source::Native, "d0")
+                .ok();
         }
         assert!(relay.withheld.len() <= MAX_WITHHELD);
         // A failure drops what was withheld: the resume continues before it.

@@ -37,7 +37,12 @@ pub async fn ensure_hold(
     journal.set_phase(Phase::Reprefill);
     // The whole context so far becomes the new hold's prompt.
     let (route, payload) = journal.read(|e| {
-        prefill::continuation_body(info.route, body, &e.prompt_token_ids, &e.choices[0].token_ids)
+        prefill::continuation_body(
+            info.route,
+            body,
+            &e.prompt_token_ids,
+            &e.choices[0].token_ids,
+        )
     });
     let prefilled = prefill::run(state, info, route, payload).await?;
     journal.update(|e| {

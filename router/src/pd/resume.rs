@@ -100,8 +100,8 @@ pub fn resume_body(
     let done = generated.len() as u64;
     // Without a limit the engine generates to the end of the context: `null` asks
     // vLLM for exactly that on the completions route (whose default is 16).
-    let max_tokens = requested_max_tokens(body)
-        .map_or(Value::Null, |m| json!(m.saturating_sub(done).max(1)));
+    let max_tokens =
+        requested_max_tokens(body).map_or(Value::Null, |m| json!(m.saturating_sub(done).max(1)));
     let mut patch = Patch::new(body, remove)
         .set("prompt", Set::Ids(prompt_token_ids, generated))
         .value("max_tokens", max_tokens);
@@ -271,13 +271,21 @@ mod tests {
     fn every_cause_that_reached_a_decoder_fails_over_then_resumes() {
         for cause in Cause::ALL.into_iter().filter(|c| c.reached_decoder()) {
             let fresh = Progress::default();
-            assert_eq!(decide(&failure(cause), fresh, POLICY), Next::FailOver, "{cause:?}");
+            assert_eq!(
+                decide(&failure(cause), fresh, POLICY),
+                Next::FailOver,
+                "{cause:?}"
+            );
             let mid = Progress {
                 generated: 7,
                 resumes: 2,
                 connect_failures: 3,
             };
-            assert_eq!(decide(&failure(cause), mid, POLICY), Next::Resume, "{cause:?}");
+            assert_eq!(
+                decide(&failure(cause), mid, POLICY),
+                Next::Resume,
+                "{cause:?}"
+            );
             let spent = Progress { resumes: 3, ..mid };
             assert!(
                 matches!(decide(&failure(cause), spent, POLICY), Next::Fail(m) if m.contains("gave up after 3 resumes")),
@@ -292,7 +300,11 @@ mod tests {
                 "{cause:?}"
             );
             // Before the first token a blocked request still fails over.
-            assert_eq!(decide(&failure(cause), fresh, blocked), Next::FailOver, "{cause:?}");
+            assert_eq!(
+                decide(&failure(cause), fresh, blocked),
+                Next::FailOver,
+                "{cause:?}"
+            );
         }
     }
 }

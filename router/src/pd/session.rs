@@ -13,9 +13,9 @@ use super::decode::{self, OpenError};
 use super::output::Source;
 use super::prefill::Prefilled;
 use super::relay::{Batch, Relay, Stop};
+use super::reprefill;
 use super::request::{RequestInfo, Route};
 use super::resume::{self, Next, Progress, ResumePolicy};
-use super::reprefill;
 use crate::error::ApiError;
 use crate::holds::{Hold, HoldLease};
 use crate::journal::{JournalHandle, Phase};
@@ -214,9 +214,14 @@ impl Session {
     /// Re-prefills when the hold is gone (the re-prefill phase decides).
     async fn ensure_hold(&mut self) -> Result<(), ApiError> {
         let hold = self.lease.as_ref().map(HoldLease::hold);
-        let Some(prefilled) =
-            reprefill::ensure_hold(&self.state, &self.info, &self.body, hold, self.relay.journal())
-                .await?
+        let Some(prefilled) = reprefill::ensure_hold(
+            &self.state,
+            &self.info,
+            &self.body,
+            hold,
+            self.relay.journal(),
+        )
+        .await?
         else {
             return Ok(());
         };

@@ -2,11 +2,11 @@
 //! [`Upstream`] seam (the process tests in tests/e2e cover the same causes with
 //! real mock engines).
 
-use crate::pd::upstream::{ByteStream, Call, CallError, Opened, Reply, Upstream};
 use crate::config::{self, Command, RouterConfig};
 use crate::error::ApiError;
 use crate::metrics::RequestGuard;
 use crate::pd::request::{validate, Route};
+use crate::pd::upstream::{ByteStream, Call, CallError, Opened, Reply, Upstream};
 use crate::registry::{Lifecycle, Registration, Registry, Role};
 use crate::state::AppState;
 use bytes::Bytes;
@@ -99,7 +99,10 @@ fn stream(pieces: Vec<Piece>) -> ByteStream {
     })
     .filter_map(|()| async { None });
     match tail {
-        Some(_) => head.chain(notify).chain(futures_util::stream::pending()).boxed(),
+        Some(_) => head
+            .chain(notify)
+            .chain(futures_util::stream::pending())
+            .boxed(),
         None => head.chain(notify).boxed(),
     }
 }
@@ -177,12 +180,8 @@ async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Ar
             .await
             .expect("register");
     }
-    let (state, _releases) = AppState::with_upstream(
-        config(extra),
-        registry,
-        reqwest::Client::new(),
-        upstream,
-    );
+    let (state, _releases) =
+        AppState::with_upstream(config(extra), registry, reqwest::Client::new(), upstream);
     Arc::new(state)
 }
 
@@ -209,7 +208,10 @@ async fn complete(state: &Arc<AppState>) -> Result<(String, u32), ApiError> {
         .expect("body");
     let value: Value = serde_json::from_slice(&bytes).expect("JSON");
     Ok((
-        value["choices"][0]["text"].as_str().expect("text").to_string(),
+        value["choices"][0]["text"]
+            .as_str()
+            .expect("text")
+            .to_string(),
         resumes,
     ))
 }
@@ -276,7 +278,12 @@ async fn no_first_token_fails_over_with_the_clients_own_body() {
     let state = cluster(
         upstream.clone(),
         2,
-        &["--stall-timeout-ms", "50", "--first-token-timeout-ms", "400"],
+        &[
+            "--stall-timeout-ms",
+            "50",
+            "--first-token-timeout-ms",
+            "400",
+        ],
     )
     .await;
     let started = std::time::Instant::now();
@@ -351,7 +358,9 @@ async fn a_protocol_violation_resumes_and_is_never_relayed() {
     let upstream = Scripted::new(vec![
         Script::Stream(vec![
             tokens(0, 2, false),
-            Piece::Event(json!({"id": "e", "choices": [{"index": 7, "text": " evil", "token_ids": [99]}]})),
+            Piece::Event(
+                json!({"id": "e", "choices": [{"index": 7, "text": " evil", "token_ids": [99]}]}),
+            ),
             tokens(2, 6, true),
         ]),
         Script::Stream(vec![tokens(2, 6, true)]),
@@ -388,7 +397,10 @@ async fn every_resume_spent_fails_the_request_clearly() {
     let state = cluster(upstream, 2, &["--max-resumes", "1"]).await;
     let error = complete(&state).await.expect_err("gave up");
     assert_eq!(error.status().as_u16(), 503);
-    assert!(error.to_string().contains("gave up after 1 resumes"), "{error}");
+    assert!(
+        error.to_string().contains("gave up after 1 resumes"),
+        "{error}"
+    );
     assert!(state.journal.is_empty());
 }
 
@@ -397,7 +409,11 @@ async fn a_decoder_declared_dead_or_migrated_resumes_its_streams() {
     for lifecycle in [Lifecycle::Dead, Lifecycle::Migrating] {
         let reached = Arc::new(Notify::new());
         let upstream = Scripted::new(vec![
-            Script::Stream(vec![tokens(0, 2, false), Piece::Reached(reached.clone()), Piece::Hang]),
+            Script::Stream(vec![
+                tokens(0, 2, false),
+                Piece::Reached(reached.clone()),
+                Piece::Hang,
+            ]),
             Script::Stream(vec![tokens(2, 6, true)]),
         ]);
         let state = cluster(upstream.clone(), 2, &["--stall-timeout-ms", "60000"]).await;
@@ -406,7 +422,10 @@ async fn a_decoder_declared_dead_or_migrated_resumes_its_streams() {
             async move { complete(&state).await }
         });
         reached.notified().await;
-        let first = upstream.calls()[0].0.trim_start_matches("http://").to_string();
+        let first = upstream.calls()[0]
+            .0
+            .trim_start_matches("http://")
+            .to_string();
         state
             .registry
             .set_lifecycle(&first, lifecycle)

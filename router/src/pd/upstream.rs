@@ -37,7 +37,10 @@ pub enum CallError {
 impl std::fmt::Display for CallError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            CallError::Connect { refused: true, message } => {
+            CallError::Connect {
+                refused: true,
+                message,
+            } => {
                 write!(f, "connection refused: {message}")
             }
             CallError::Connect { message, .. } => write!(f, "cannot connect: {message}"),
