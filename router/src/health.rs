@@ -142,3 +142,67 @@ impl HealthChecks {
 fn same_kind(a: &Instance, b: &Instance) -> bool {
     a.role == b.role && a.model == b.model
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::{Registration, Role};
+
+    /// Two decoders whose probes fail (nothing listens at their address).
+    async fn registry() -> Registry {
+        let registry = Registry::new(Duration::from_secs(60));
+        for id in ["d0", "d1"] {
+            registry
+                .register(Registration {
+                    role: Role::Decode,
+                    url: "http://127.0.0.1:1".into(),
+                    model: "m".into(),
+                    ctrl: None,
+                    id: Some(id.into()),
+                })
+                .await
+                .expect("register");
+        }
+        registry
+    }
+
+    const CHECKS: HealthChecks = HealthChecks {
+        interval: Duration::from_millis(100),
+        timeout: Duration::from_millis(200),
+        failures: 1,
+    };
+
+    fn unhealthy(registry: &Registry) -> Vec<String> {
+        registry
+            .list()
+            .iter()
+            .filter(|i| i.is_unhealthy())
+            .map(|i| i.id.clone())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn failed_probes_declare_dead_only_within_the_ejection_bound() {
+        let registry = registry().await;
+        let outliers = Outliers::default();
+        let mut failed = HashMap::new();
+        CHECKS
+            .round(&registry, &reqwest::Client::new(), &outliers, &mut failed)
+            .await;
+        // Both fail their probes; declaring the second dead too would leave
+        // none of the two in rotation.
+        assert_eq!(unhealthy(&registry), vec!["d0"]);
+    }
+
+    #[tokio::test]
+    async fn a_decoder_whose_streams_deliver_is_not_declared_dead() {
+        let registry = registry().await;
+        let outliers = Outliers::default();
+        outliers.clock("d0").tick();
+        let mut failed = HashMap::new();
+        CHECKS
+            .round(&registry, &reqwest::Client::new(), &outliers, &mut failed)
+            .await;
+        assert_eq!(unhealthy(&registry), vec!["d1"]);
+    }
+}

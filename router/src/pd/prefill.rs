@@ -122,7 +122,8 @@ pub async fn run(
                 continue;
             }
         };
-        if reply.status >= 500 {
+        // A redirect is not followed: like a 5xx, this prefill failed.
+        if reply.status >= 500 || reply.status < 200 || (300..400).contains(&reply.status) {
             crate::metrics::upstream_error(&instance.id, "prefill", "5xx");
             let error = ApiError::upstream(reply.status, &reply.body);
             last_error = Some(bad_gateway(format!("HTTP {}: {error}", reply.status)));
