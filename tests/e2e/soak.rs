@@ -1,0 +1,269 @@
+//! The chaos soak: 200 concurrent greedy streams through one router to one
+//! prefill and 4 mock decoders, while decoders are SIGKILLed and come back with
+//! random faults (crash, stall, engine death, truncation) and clients hang up
+//! mid-stream. Every stream either completes token-exact or ends with a clear
+//! error event; afterwards no journal entry and no hold is left, and the
+//! router's memory is back near its warm baseline.
+//!
+//! Bounded: `CONNEX_SOAK_S` seconds of chaos (default 20; CI keeps the whole
+//! test around a minute), at most 200 streams in flight.
+
+// Tests fail loudly on anything unexpected; that is what unwrap is for here.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::*;
+use connex_mock_engine::model;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const CONCURRENCY: usize = 200;
+const TOKENS: usize = 24;
+
+/// A small deterministic generator (the test needs no cryptographic quality).
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) as usize % n
+    }
+}
+
+/// How one stream ended.
+#[derive(Debug, Default)]
+struct Tally {
+    exact: AtomicUsize,
+    clear_errors: AtomicUsize,
+    hung_up: AtomicUsize,
+}
+
+/// The router's resident memory, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+/// One stream: read to the end (or hang up after a few chunks when `hang_up`),
+/// and check what the client got.
+async fn one_stream(url: String, i: usize, hang_up: bool, tally: Arc<Tally>) {
+    let prompt = format!("soak stream {i}");
+    let body = json!({"model":"mock","prompt":prompt,"max_tokens":TOKENS,"stream":true,"return_token_ids":true});
+    let mut response = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    if response.status() != 200 {
+        // Refused before the stream started (e.g. no decoder for a moment):
+        // an OpenAI error body, never a silent failure.
+        let status = response.status();
+        let error: Value = response.json().await.unwrap();
+        assert!(error["error"]["message"].is_string(), "{status}: {error}");
+        eprintln!(
+            "soak: {prompt} refused ({status}): {}",
+            error["error"]["message"]
+        );
+        tally.clear_errors.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let mut parser = connex_router::sse::SseParser::default();
+    let mut chunks: Vec<Value> = Vec::new();
+    while let Some(bytes) = response.chunk().await.unwrap() {
+        chunks.extend(
+            parser
+                .push(&bytes)
+                .iter()
+                .map(|d| serde_json::from_slice(d).unwrap_or(json!("[DONE]"))),
+        );
+        if hang_up && chunks.len() >= 3 {
+            tally.hung_up.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    }
+    assert_eq!(
+        chunks.last(),
+        Some(&json!("[DONE]")),
+        "{prompt}: a stream that ends says so"
+    );
+    if let Some(error) = chunks.iter().find(|c| c.get("error").is_some()) {
+        assert!(error["error"]["message"].is_string(), "{error}");
+        eprintln!("soak: {prompt} ended with {}", error["error"]["message"]);
+        tally.clear_errors.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    assert_eq!(
+        streamed_token_ids(&chunks),
+        model::generate(&model::tokenize(&prompt), TOKENS),
+        "{prompt}"
+    );
+    tally.exact.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Runs streams with `CONCURRENCY` in flight until `until`; every tenth hangs up.
+async fn load(url: &str, until: Instant, first: usize, tally: Arc<Tally>) -> usize {
+    let mut running = tokio::task::JoinSet::new();
+    let mut next = first;
+    while Instant::now() < until || !running.is_empty() {
+        while Instant::now() < until && running.len() < CONCURRENCY {
+            running.spawn(one_stream(
+                url.to_string(),
+                next,
+                next % 10 == 9,
+                tally.clone(),
+            ));
+            next += 1;
+        }
+        if let Some(done) = running.join_next().await {
+            done.unwrap();
+        }
+    }
+    next - first
+}
+
+fn decoder_flags(id: &str, fault: Option<(&str, usize)>) -> Vec<String> {
+    let mut flags = vec![
+        "--id".to_string(),
+        id.to_string(),
+        "--decode-us-per-token".to_string(),
+        "20000".to_string(),
+    ];
+    if let Some((flag, at)) = fault {
+        flags.extend([flag.to_string(), at.to_string()]);
+    }
+    flags
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_soak_every_stream_completes_or_ends_clearly() {
+    let chaos_s: u64 = std::env::var("CONNEX_SOAK_S")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let router = router(&[
+        "--stall-timeout-ms",
+        "1000",
+        "--first-token-timeout-ms",
+        "5000",
+        "--heartbeat-ttl-s",
+        "2",
+        "--health-check-interval-ms",
+        "300",
+        "--max-resumes",
+        "6",
+        "--resume-wait-ms",
+        "3000",
+    ]);
+    let router_pid = router.pid();
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let start = |id: &str, fault: Option<(&str, usize)>| {
+        let flags = decoder_flags(id, fault);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        engine(Some(&router), "decode", &flags)
+    };
+    let ids = ["d0", "d1", "d2", "d3"];
+    let mut decoders: Vec<Proc> = ids.iter().map(|id| start(id, None)).collect();
+    wait_ready(&router, 5).await;
+
+    // Warm up (connections, allocator pools), then the baseline.
+    let warm = Arc::new(Tally::default());
+    load(
+        &router.url,
+        Instant::now() + Duration::from_secs(3),
+        0,
+        warm,
+    )
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "the warm-up left the journal",
+        || async { journal(&router, false).await.is_empty() },
+    )
+    .await;
+    let baseline = rss_kib(router_pid);
+
+    let tally = Arc::new(Tally::default());
+    let until = Instant::now() + Duration::from_secs(chaos_s);
+    let streams = tokio::spawn({
+        let (url, tally) = (router.url.clone(), tally.clone());
+        async move { load(&url, until, 100_000, tally).await }
+    });
+    // Every 700 ms one decoder is SIGKILLed and restarted, healthy or with a
+    // random fault that hits every stream it serves at a random token.
+    let faults = [
+        None,
+        Some("--crash-after-tokens"),
+        Some("--stall-after-tokens"),
+        Some("--engine-dead-after-tokens"),
+        Some("--truncate-after-tokens"),
+    ];
+    let mut rng = Lcg(20261203);
+    let mut kills = 0;
+    while Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let victim = rng.below(ids.len());
+        decoders[victim].kill();
+        kills += 1;
+        // At most one faulty decoder at a time: a stream always has a
+        // healthy decoder to resume on.
+        let fault = faults[rng.below(faults.len())].filter(|_| victim == 0);
+        decoders[victim] = start(ids[victim], fault.map(|f| (f, 1 + rng.below(TOKENS - 1))));
+    }
+    // The chaos ends with every decoder healthy, so that streams still in
+    // flight can finish.
+    decoders[0].kill();
+    decoders[0] = start(ids[0], None);
+    let total = streams.await.unwrap();
+
+    let (exact, errors, hung_up) = (
+        tally.exact.load(Ordering::Relaxed),
+        tally.clear_errors.load(Ordering::Relaxed),
+        tally.hung_up.load(Ordering::Relaxed),
+    );
+    eprintln!(
+        "soak: {total} streams in {chaos_s} s, {kills} kills: {exact} exact, {errors} clear errors, {hung_up} hung up"
+    );
+    assert_eq!(exact + errors + hung_up, total);
+    assert!(kills >= 5, "the chaos did not run");
+    assert!(
+        exact * 10 >= (total - hung_up) * 8,
+        "most streams complete token-exact: {exact} of {}",
+        total - hung_up
+    );
+
+    eventually(Duration::from_secs(20), "no journal entry left", || async {
+        journal(&router, false).await.is_empty()
+    })
+    .await;
+    eventually(Duration::from_secs(20), "no hold left", || async {
+        engine_stats(&prefill).await["holds"]["holds"] == 0
+    })
+    .await;
+    // The allocator gives memory back lazily: a little time to settle.
+    let mut rss = rss_kib(router_pid);
+    eventually(
+        Duration::from_secs(15),
+        "router memory back within 10% of its warm baseline",
+        || {
+            rss = rss_kib(router_pid);
+            std::future::ready(rss * 10 <= baseline * 11)
+        },
+    )
+    .await;
+    eprintln!("soak: router RSS {baseline} KiB warm, {rss} KiB after");
+}
