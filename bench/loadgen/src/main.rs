@@ -98,6 +98,10 @@ async fn one(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> R
     let mut last = Vec::new();
     while let Some(chunk) = body.next().await {
         last = chunk.map_err(|e| e.to_string())?.to_vec();
+        // A stream that ends with an error event ends with [DONE] too.
+        if carries_error_event(&last) {
+            return Err("error event".into());
+        }
     }
     // A complete stream ends with [DONE]; a complete JSON reply with its usage.
     let tail = String::from_utf8_lossy(&last);
@@ -106,4 +110,9 @@ async fn one(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> R
     } else {
         Err("incomplete response".into())
     }
+}
+
+/// Whether a piece of a stream carries an OpenAI error event.
+fn carries_error_event(bytes: &[u8]) -> bool {
+    bytes.windows(10).any(|w| w == b"{\"error\":{")
 }

@@ -1,0 +1,145 @@
+"""bench/run scale: many concurrent streams through one router.
+
+For each count of STREAMS (default 1000 5000 10000), that many streamed
+completions are opened at once (connex-loadgen, one request per connection)
+through one connex-router to one prefill and 4 slow mock decoders (200 ms per
+token, 32 tokens: every stream is in flight for ~6 s at the same time). While
+they run, the router's resident memory is sampled every 100 ms; its CPU time is
+read from /proc before and after. Reported per count: failures (must be 0),
+the router's peak RSS above its idle RSS per in-flight stream, and router CPU
+per token relayed. The last line is `rss_per_stream_kib=<x>` at the largest
+count.
+
+Every stream needs two sockets in the router (client and decoder): the count
+that fits is bounded by the open-file limit (`ulimit -n`), which the script
+raises to its hard limit and reports.
+
+Usage: python3 bench/scale.py BIN_DIR [STREAMS...]
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+TOKENS = 32
+DECODE_US = "200000"
+DECODERS = 4
+
+
+def start(name, argv, logs, procs):
+    log = open(os.path.join(logs, f"scale-{name}.log"), "w")
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "CONNEX_LOG": "warn"}
+    )
+    procs.append(proc)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "listening on " in line:
+            return proc, line.split("listening on ", 1)[1].strip()
+    raise RuntimeError(f"{name} did not start; see {log.name}")
+
+
+def wait_ready(router, count):
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        req = urllib.request.Request(f"{router}/admin/instances", headers={"authorization": "Bearer bench"})
+        with urllib.request.urlopen(req) as reply:
+            if sum(i["state"] == "ready" for i in json.load(reply)["data"]) >= count:
+                return
+        time.sleep(0.05)
+    raise RuntimeError("engines did not register")
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def cpu_s(pid):
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(bin_dir, router, pid, streams):
+    idle = rss_kib(pid)
+    cpu_before = cpu_s(pid)
+    peak = [idle]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_kib(pid))
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        out = subprocess.run(
+            [f"{bin_dir}/connex-loadgen", "--url", f"{router}/v1/completions", "--label", f"scale{streams}",
+             "--stream", "--requests", str(streams), "--concurrency", str(streams),
+             "--max-tokens", str(TOKENS), "--timeout-s", "180"],
+            capture_output=True, text=True, check=True,
+        )
+    finally:
+        done.set()
+        sampler.join()
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    cpu = cpu_s(pid) - cpu_before
+    failures = result["errors"] + (streams - result["ok"] - result["errors"])
+    per_stream = (peak[0] - idle) / streams
+    print(
+        f"scale streams={streams} ok={result['ok']} failures={failures} timed_out={result['timed_out']} "
+        f"seconds={result['seconds']:.1f} router_idle_rss_mib={idle / 1024:.1f} "
+        f"router_peak_rss_mib={peak[0] / 1024:.1f} rss_per_stream_kib={per_stream:.1f} "
+        f"router_cpu_ms_per_token={cpu * 1e3 / (streams * TOKENS):.4f}",
+        flush=True,
+    )
+    return failures, per_stream
+
+
+def main():
+    bin_dir = sys.argv[1]
+    counts = [int(n) for n in sys.argv[2:]] or [1000, 5000, 10000]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    print(f"scale: open-file limit {hard} (each stream needs 2 in the router)", flush=True)
+    logs = tempfile.mkdtemp(prefix="connex-scale-")
+    procs = []
+    failed = 0
+    per_stream = 0.0
+    try:
+        router_proc, router = start(
+            "router", [f"{bin_dir}/connex-router", "serve", "--listen", "127.0.0.1:0", "--admin-token", "bench"],
+            logs, procs,
+        )
+        engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", router]
+        start("prefill", engine + ["--role", "prefill"], logs, procs)
+        for i in range(DECODERS):
+            start(f"d{i}", engine + ["--role", "decode", "--id", f"d{i}", "--decode-us-per-token", DECODE_US],
+                  logs, procs)
+        wait_ready(router, 1 + DECODERS)
+        for streams in counts:
+            failures, per_stream = run(bin_dir, router, router_proc.pid, streams)
+            failed += failures
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    print(f"rss_per_stream_kib={per_stream:.1f}")
+    if failed:
+        sys.exit(f"scale: {failed} streams failed (logs in {logs})")
+
+
+if __name__ == "__main__":
+    main()
