@@ -1,6 +1,11 @@
 //! `connex-loadgen`: sends `--requests` requests at `--concurrency` to one URL
 //! (closed loop, bounded in count and by `--timeout-s`) and prints one JSON line:
-//! requests/s, p50 and p99 latency, and the errors seen.
+//! requests/s, p50 and p99 latency, p50 time to first token (streams), and the
+//! errors seen.
+//!
+//! With `--prefill-url` it is its own P/D router, the zero-router limit: each
+//! request goes to the prefill (`max_tokens: 1`, `do_remote_decode`), then to
+//! `--url` (a decoder) with the `kv_transfer_params` the prefill answered.
 
 use clap::Parser;
 use futures_util::StreamExt;
@@ -26,6 +31,9 @@ struct Args {
     /// Hard limit for the whole run.
     #[arg(long, default_value_t = 120)]
     timeout_s: u64,
+    /// Do P/D here: prefill at this URL, then decode at `--url`.
+    #[arg(long)]
+    prefill_url: Option<String>,
     /// A label echoed in the output line.
     #[arg(long, default_value = "run")]
     label: String,
@@ -44,47 +52,96 @@ async fn main() {
     for _ in 0..args.concurrency {
         let (client, next, url) = (client.clone(), next.clone(), args.url.clone());
         let (total, max_tokens, stream) = (args.requests, args.max_tokens, args.stream);
+        let prefill_url = args.prefill_url.clone();
         workers.spawn(async move {
             let mut latencies = Vec::new();
+            let mut ttfts = Vec::new();
             let mut errors = 0usize;
             while next.fetch_add(1, Ordering::Relaxed) < total {
                 let i = latencies.len() + errors;
-                let body = json!({"model": "mock", "prompt": format!("benchmark prompt {i} with a few words"),
+                let mut body = json!({"model": "mock", "prompt": format!("benchmark prompt {i} with a few words"),
                     "max_tokens": max_tokens, "stream": stream});
                 let t = Instant::now();
-                match one(&client, &url, &body).await {
-                    Ok(()) => latencies.push(t.elapsed()),
+                if let Some(prefill_url) = &prefill_url {
+                    match prefill(&client, prefill_url, &body).await {
+                        Ok(kv) => body["kv_transfer_params"] = kv,
+                        Err(_) => {
+                            errors += 1;
+                            continue;
+                        }
+                    }
+                }
+                match one(&client, &url, &body, t).await {
+                    Ok(ttft) => {
+                        latencies.push(t.elapsed());
+                        ttfts.extend(ttft);
+                    }
                     Err(_) => errors += 1,
                 }
             }
-            (latencies, errors)
+            (latencies, ttfts, errors)
         });
     }
     let deadline = Duration::from_secs(args.timeout_s);
     let mut latencies = Vec::new();
+    let mut ttfts = Vec::new();
     let mut errors = 0;
     let collected = tokio::time::timeout(deadline, async {
-        while let Some(Ok((l, e))) = workers.join_next().await {
+        while let Some(Ok((l, t, e))) = workers.join_next().await {
             latencies.extend(l);
+            ttfts.extend(t);
             errors += e;
         }
     })
     .await;
     let elapsed = started.elapsed().as_secs_f64();
     latencies.sort();
-    let pct = |p: f64| {
-        latencies
-            .get(((latencies.len() as f64 * p).ceil() as usize).saturating_sub(1))
+    ttfts.sort();
+    let pct = |sorted: &[Duration], p: f64| {
+        sorted
+            .get(((sorted.len() as f64 * p).ceil() as usize).saturating_sub(1))
             .map_or(0.0, |d| d.as_secs_f64() * 1e3)
     };
     println!(
         "{}",
         json!({"label": args.label, "ok": latencies.len(), "errors": errors, "timed_out": collected.is_err(),
-            "seconds": elapsed, "req_s": latencies.len() as f64 / elapsed, "p50_ms": pct(0.50), "p99_ms": pct(0.99)})
+            "seconds": elapsed, "req_s": latencies.len() as f64 / elapsed, "p50_ms": pct(&latencies, 0.50),
+            "p99_ms": pct(&latencies, 0.99), "ttft_p50_ms": pct(&ttfts, 0.50)})
     );
 }
 
-async fn one(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> Result<(), String> {
+/// The zero-router limit's prefill: the `kv_transfer_params` of its answer.
+async fn prefill(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> Result<serde_json::Value, String> {
+    let mut body = body.clone();
+    body["stream"] = json!(false);
+    body["max_tokens"] = json!(1);
+    body["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false});
+    let answer: serde_json::Value = client
+        .post(url)
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?
+        .json()
+        .await
+        .map_err(|e| e.to_string())?;
+    answer
+        .get("kv_transfer_params")
+        .cloned()
+        .ok_or_else(|| "no kv_transfer_params".to_string())
+}
+
+/// One request to its end; the time to its first token (streams) from `started`.
+async fn one(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+    started: Instant,
+) -> Result<Option<Duration>, String> {
     let response = client
         .post(url)
         .json(body)
@@ -96,8 +153,10 @@ async fn one(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> R
     }
     let mut body = response.bytes_stream();
     let mut last = Vec::new();
+    let mut ttft = None;
     while let Some(chunk) = body.next().await {
         last = chunk.map_err(|e| e.to_string())?.to_vec();
+        ttft.get_or_insert_with(|| started.elapsed());
         // A stream that ends with an error event ends with [DONE] too.
         if carries_error_event(&last) {
             return Err("error event".into());
@@ -106,7 +165,7 @@ async fn one(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> R
     // A complete stream ends with [DONE]; a complete JSON reply with its usage.
     let tail = String::from_utf8_lossy(&last);
     if tail.contains("[DONE]") || tail.contains("\"usage\"") {
-        Ok(())
+        Ok(ttft)
     } else {
         Err("incomplete response".into())
     }
