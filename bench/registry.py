@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +141,13 @@ def register(conn: Conn, body: dict) -> None:
         raise SystemExit(f"registration failed: {status} {reply!r}")
 
 
+def engine_ctrl(url: str) -> str:
+    """A mock engine's holder control address (a prefill registers it: the
+    router uses a prefill's hold only when its answer names that holder)."""
+    with urllib.request.urlopen(f"{url}/mock/stats") as reply:
+        return json.load(reply)["ctrl"]
+
+
 def pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[max(0, int(len(ordered) * p + 0.999999) - 1)]
@@ -149,13 +157,16 @@ def propagation(procs: Procs, etcd: str, count: int) -> list[float]:
     a = router(procs, "a", etcd, "/propagation")
     b = router(procs, "b", etcd, "/propagation")
     both = procs.start("both", str(BIN / "connex-mock-engine"), "--role", "both", "--model", "m")
+    both_ctrl = engine_ctrl(both)
     on_a, on_b = Conn(a), Conn(b)
     times = []
     for i in range(count):
         model = f"bench-{i}"
         probe = {"model": model, "prompt": "hi", "max_tokens": 1}
         started = time.perf_counter()
-        register(on_a, {"id": f"p{i}", "role": "both", "url": both, "model": model})
+        register(
+            on_a, {"id": f"p{i}", "role": "both", "url": both, "model": model, "ctrl": both_ctrl}
+        )
         deadline = started + 10
         while True:
             status, _ = on_b.call("POST", "/v1/completions", probe)
@@ -170,13 +181,17 @@ def propagation(procs: Procs, etcd: str, count: int) -> list[float]:
 def overhead(procs: Procs, etcd: str, requests: int, concurrency: int, rounds: int) -> dict:
     prefill = procs.start("prefill", str(BIN / "connex-mock-engine"), "--role", "prefill")
     decode = procs.start("decode", str(BIN / "connex-mock-engine"), "--role", "decode")
+    prefill_ctrl = engine_ctrl(prefill)
     targets = {}
     for n in (10, 1000):
         url = router(procs, f"r{n}", etcd, f"/overhead-{n}")
         conn = Conn(url)
         for i in range(n):
             role, engine = ("prefill", prefill) if i % 2 == 0 else ("decode", decode)
-            register(conn, {"id": f"i{i:04}", "role": role, "url": engine, "model": "mock"})
+            ctrl = prefill_ctrl if role == "prefill" else None
+            register(
+                conn, {"id": f"i{i:04}", "role": role, "url": engine, "model": "mock", "ctrl": ctrl}
+            )
         _, ready = conn.call("GET", "/ready")
         if json.loads(ready)["instances"] != n:
             raise SystemExit(f"router r{n} does not list {n} instances: {ready!r}")

@@ -35,7 +35,11 @@ DECODERS = 4
 def start(name, argv, logs, procs):
     log = open(os.path.join(logs, f"scale-{name}.log"), "w")
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "CONNEX_LOG": "warn"}
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env={**os.environ, "CONNEX_LOG": "warn"},
     )
     procs.append(proc)
     deadline = time.monotonic() + 20
@@ -49,7 +53,9 @@ def start(name, argv, logs, procs):
 def wait_ready(router, count):
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        req = urllib.request.Request(f"{router}/admin/instances", headers={"authorization": "Bearer bench"})
+        req = urllib.request.Request(
+            f"{router}/admin/instances", headers={"authorization": "Bearer bench"}
+        )
         with urllib.request.urlopen(req) as reply:
             if sum(i["state"] == "ready" for i in json.load(reply)["data"]) >= count:
                 return
@@ -86,10 +92,25 @@ def run(bin_dir, router, pid, streams):
     sampler.start()
     try:
         out = subprocess.run(
-            [f"{bin_dir}/connex-loadgen", "--url", f"{router}/v1/completions", "--label", f"scale{streams}",
-             "--stream", "--requests", str(streams), "--concurrency", str(streams),
-             "--max-tokens", str(TOKENS), "--timeout-s", "180"],
-            capture_output=True, text=True, check=True,
+            [
+                f"{bin_dir}/connex-loadgen",
+                "--url",
+                f"{router}/v1/completions",
+                "--label",
+                f"scale{streams}",
+                "--stream",
+                "--requests",
+                str(streams),
+                "--concurrency",
+                str(streams),
+                "--max-tokens",
+                str(TOKENS),
+                "--timeout-s",
+                "180",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         )
     finally:
         done.set()
@@ -120,14 +141,27 @@ def main():
     per_stream = 0.0
     try:
         router_proc, router = start(
-            "router", [f"{bin_dir}/connex-router", "serve", "--listen", "127.0.0.1:0", "--admin-token", "bench"],
-            logs, procs,
+            "router",
+            [
+                f"{bin_dir}/connex-router",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-token",
+                "bench",
+            ],
+            logs,
+            procs,
         )
         engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", router]
         start("prefill", engine + ["--role", "prefill"], logs, procs)
         for i in range(DECODERS):
-            start(f"d{i}", engine + ["--role", "decode", "--id", f"d{i}", "--decode-us-per-token", DECODE_US],
-                  logs, procs)
+            start(
+                f"d{i}",
+                engine + ["--role", "decode", "--id", f"d{i}", "--decode-us-per-token", DECODE_US],
+                logs,
+                procs,
+            )
         wait_ready(router, 1 + DECODERS)
         for streams in counts:
             failures, per_stream = run(bin_dir, router, router_proc.pid, streams)

@@ -97,16 +97,19 @@ async fn an_instance_registered_on_a_is_routable_through_b_within_a_second() {
     let prefill = engine(None, "prefill", &[]);
     let decode = engine(None, "decode", &[]);
 
+    // A prefill registers its holder's control address: the router uses a
+    // prefill's hold only when the answer names that holder.
+    let ctrl = engine_stats(&prefill).await["ctrl"].clone();
     let started = Instant::now();
-    for (id, role, url) in [
-        ("p1", "prefill", &prefill.url),
-        ("d1", "decode", &decode.url),
+    for (id, role, url, ctrl) in [
+        ("p1", "prefill", &prefill.url, ctrl),
+        ("d1", "decode", &decode.url, Value::Null),
     ] {
         let (status, reply) = admin(
             &a,
             Method::POST,
             "/admin/instances",
-            Some(&json!({"id": id, "role": role, "url": url, "model": "mock"})),
+            Some(&json!({"id": id, "role": role, "url": url, "model": "mock", "ctrl": ctrl})),
         )
         .await;
         assert_eq!(status, 201, "{reply}");
