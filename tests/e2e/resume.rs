@@ -871,6 +871,21 @@ async fn client_disconnect_releases_the_hold_and_aborts_the_decoder() {
         1.0,
         "{text}"
     );
+    // The request is counted, as one whose client went away.
+    assert_eq!(
+        metric(
+            &text,
+            "connex_requests_total",
+            &["route=\"/v1/completions\"", "status=\"499\""]
+        ),
+        1.0,
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "connex_requests_total", &[]),
+        1.0,
+        "counted once: {text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
