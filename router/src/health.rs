@@ -106,13 +106,10 @@ impl HealthChecks {
                 metrics::ejection_refused(&instance.id, "delivering");
                 continue;
             }
-            if !ejection_allowed(probed.iter().filter(|i| same_kind(i, instance)).count(), {
-                probed
-                    .iter()
-                    .filter(|i| same_kind(i, instance) && i.is_unhealthy())
-                    .count()
-                    + 1
-            }) {
+            let kind: Vec<&Arc<Instance>> =
+                probed.iter().filter(|i| same_kind(i, instance)).collect();
+            let ejected = kind.iter().filter(|i| i.is_unhealthy()).count();
+            if !ejection_allowed(kind.len(), ejected + 1) {
                 metrics::ejection_refused(&instance.id, "bound");
                 tracing::warn!(id = %instance.id, "not declared dead: too few instances of its kind would remain");
                 continue;
