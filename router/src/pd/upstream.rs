@@ -211,3 +211,101 @@ fn is_refused(err: &(dyn std::error::Error + 'static)) -> bool {
     }
     false
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    /// The router's own client (`state::upstream_client`), with small limits.
+    fn upstream() -> HttpUpstream {
+        let config = match crate::config::load(vec!["connex-router".into(), "serve".into()])
+            .map(|c| c.command)
+        {
+            Ok(crate::config::Command::Serve(config)) => config,
+            _ => panic!("default config"),
+        };
+        HttpUpstream::new(
+            crate::state::upstream_client(&config).expect("client"),
+            Limits {
+                prefill_timeout: Duration::from_secs(5),
+                decode_open_timeout: Duration::from_millis(300),
+                max_body: 1024,
+            },
+        )
+    }
+
+    fn call(url: &str) -> Call<'_> {
+        Call {
+            url,
+            path: "/v1/completions",
+            request_id: "r",
+            body: Bytes::from_static(b"{}"),
+        }
+    }
+
+    /// A server that reads a request and answers `answer` (then keeps the
+    /// connection open); `None`: never answers.
+    async fn server(answer: Option<Vec<u8>>) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.expect("accept");
+            let mut buf = vec![0; 4096];
+            let _ = socket.read(&mut buf).await;
+            if let Some(answer) = answer {
+                let _ = socket.write_all(&answer).await;
+            }
+            std::future::pending::<()>().await;
+        });
+        url
+    }
+
+    #[tokio::test]
+    async fn a_refused_connect_is_told_apart() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        drop(listener);
+        match upstream().decode(call(&url)).await {
+            Err(CallError::Connect { refused, .. }) => assert!(refused),
+            other => panic!("not a refused connect: {:?}", other.err()),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_decoder_without_response_headers_times_out() {
+        let url = server(None).await;
+        let opened = upstream().decode(call(&url)).await;
+        assert!(matches!(opened, Err(CallError::NoHeaders(_))));
+    }
+
+    #[tokio::test]
+    async fn error_bodies_and_prefill_answers_are_read_bounded() {
+        let mut answer = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 1048576\r\n\r\n".to_vec();
+        answer.extend(std::iter::repeat_n(b'x', 1 << 20));
+        let url = server(Some(answer.clone())).await;
+        match upstream().decode(call(&url)).await {
+            Ok(Opened::Status(reply)) => {
+                assert_eq!(reply.status, 400);
+                assert_eq!(reply.body.len(), MAX_ERROR_BODY);
+            }
+            _ => panic!("expected the status"),
+        }
+        let mut ok = b"HTTP/1.1 200 OK\r\ncontent-length: 4096\r\n\r\n".to_vec();
+        ok.extend(std::iter::repeat_n(b'{', 4096));
+        let url = server(Some(ok)).await;
+        let reply = upstream().prefill(call(&url)).await;
+        assert_eq!(reply.err(), Some(CallError::TooLarge(1024)));
+    }
+
+    #[tokio::test]
+    async fn redirects_are_answers_not_followed() {
+        let answer = b"HTTP/1.1 307 Temporary Redirect\r\nlocation: http://169.254.169.254/\r\ncontent-length: 0\r\n\r\n";
+        let url = server(Some(answer.to_vec())).await;
+        match upstream().decode(call(&url)).await {
+            Ok(Opened::Status(reply)) => assert_eq!(reply.status, 307),
+            _ => panic!("expected the redirect itself"),
+        }
+    }
+}
