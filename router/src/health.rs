@@ -81,8 +81,10 @@ impl HealthChecks {
             .filter(|i| i.lifecycle() == Lifecycle::Ready || i.is_unhealthy())
             .collect();
         let outcomes = join_all(probed.iter().map(|i| self.probe(client, i))).await;
-        // Forget instances that are no longer probed (dead, drained, removed).
+        // Forget instances that are no longer probed (dead, drained, removed),
+        // and the outlier state of those the registry no longer knows.
         failed.retain(|id, _| probed.iter().any(|i| &i.id == id));
+        outliers.retain(|id| registry.get(id).is_some());
         for (instance, outcome) in probed.iter().zip(outcomes) {
             if instance.is_unhealthy() {
                 // Out of rotation until it answers again.

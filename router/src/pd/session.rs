@@ -334,7 +334,15 @@ impl Session {
     /// error when it cannot be moved.
     async fn recover(&mut self, failure: Failure) {
         // Dropping the attempt closes its connection: the engine aborts its copy.
-        self.attempt = None;
+        let decoder = self.attempt.take().map(|a| a.decoder().clone());
+        if let (Cause::Reset, Some(decoder)) = (failure.cause, decoder) {
+            // Evidence that the decoder's process is gone: its streams broke
+            // together and none is left. New requests skip it at once.
+            if self.state.outliers.stream_broke(&decoder.id) && decoder.inflight() == 0 {
+                tracing::warn!(decoder = %decoder.id, "every stream of the decoder broke: declared dead");
+                self.state.registry.mark_dead(&decoder.id);
+            }
+        }
         let result = match self.after_failure(failure).await {
             Ok(()) => self.connect().await,
             Err(error) => Err(error),

@@ -17,11 +17,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Suspects and delivery clocks, keyed by instance id.
+/// Suspects, delivery clocks and broken streams, keyed by instance id.
 #[derive(Debug)]
 pub struct Outliers {
     suspects: DashMap<String, Instant>,
     clocks: DashMap<String, DeliveryClock>,
+    /// When the first of a decoder's recent broken streams broke, and how
+    /// many broke since.
+    breaks: DashMap<String, (Instant, u32)>,
     /// How long a failed connect keeps a decoder suspect.
     suspect_for: Duration,
     origin: Instant,
@@ -33,6 +36,11 @@ impl Default for Outliers {
     }
 }
 
+/// Broken streams of one decoder, within [`BREAK_WINDOW`], that are evidence
+/// its process is gone (with none of its streams left).
+pub const BREAKS_FOR_EVIDENCE: u32 = 2;
+pub const BREAK_WINDOW: Duration = Duration::from_secs(1);
+
 /// Most of a candidate list suspicion may exclude, in percent.
 pub const MAX_EJECTION_PERCENT: usize = 50;
 
@@ -41,6 +49,7 @@ impl Outliers {
         Self {
             suspects: DashMap::new(),
             clocks: DashMap::new(),
+            breaks: DashMap::new(),
             suspect_for,
             origin: Instant::now(),
         }
@@ -111,10 +120,33 @@ impl Outliers {
             .is_some_and(|since| since <= window)
     }
 
+    /// A stream of `id` broke (its connection reset). True when this is
+    /// evidence that the decoder's process is gone: at least
+    /// [`BREAKS_FOR_EVIDENCE`] of its streams broke within [`BREAK_WINDOW`] and
+    /// none delivered a token since the first one broke. (The caller also
+    /// checks that none of its streams is left.)
+    pub fn stream_broke(&self, id: &str) -> bool {
+        let now = Instant::now();
+        let mut entry = self.breaks.entry(id.to_string()).or_insert((now, 0));
+        if now.duration_since(entry.0) > BREAK_WINDOW {
+            *entry = (now, 0);
+        }
+        entry.1 += 1;
+        let (first, count) = *entry;
+        drop(entry);
+        let delivered_since = self
+            .clocks
+            .get(id)
+            .and_then(|c| c.since_last())
+            .is_some_and(|since| since < now.duration_since(first));
+        count >= BREAKS_FOR_EVIDENCE && !delivered_since
+    }
+
     /// Forgets instances that are gone from the registry.
     pub fn retain(&self, live: impl Fn(&str) -> bool) {
         self.suspects.retain(|id, _| live(id));
         self.clocks.retain(|id, _| live(id));
+        self.breaks.retain(|id, _| live(id));
     }
 }
 
@@ -168,6 +200,22 @@ mod tests {
         outliers.clear("d1");
         outliers.clear("d3");
         assert_eq!(outliers.avoid(ids.iter().copied()), vec!["d2"]);
+    }
+
+    #[test]
+    fn streams_breaking_together_are_evidence_one_is_not() {
+        let outliers = Outliers::default();
+        assert!(
+            !outliers.stream_broke("d0"),
+            "one broken stream proves nothing"
+        );
+        assert!(outliers.stream_broke("d0"), "two within the window do");
+        // A decoder still delivering is not gone, however many streams broke.
+        outliers.clock("d1").tick();
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(!outliers.stream_broke("d1"));
+        outliers.clock("d1").tick();
+        assert!(!outliers.stream_broke("d1"));
     }
 
     #[test]
