@@ -339,25 +339,39 @@ fn apply(
     }
 }
 
+/// Waits before each retry of a release: a holder busy under load (its
+/// accept backlog full, a call past the control timeout) gets a few chances
+/// over ~2 s; after that the hold's lease frees it anyway.
+const RELEASE_BACKOFF: [Duration; 3] = [
+    Duration::from_millis(100),
+    Duration::from_millis(500),
+    Duration::from_millis(1500),
+];
+
 async fn release(ctrl: CtrlClient, hold: Hold) {
-    // One retry covers a holder that was briefly busy; after that the lease
-    // frees the hold anyway.
-    for attempt in 0..2 {
+    let mut backoff = RELEASE_BACKOFF.iter();
+    loop {
         match ctrl.release(&hold.ctrl, &hold.transfer_id).await {
             Ok(was_held) => {
                 crate::metrics::hold_released(if was_held { "released" } else { "gone" });
                 return;
             }
-            Err(err) if attempt == 0 && !matches!(err, TransferError::Unreachable { .. }) => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(err) => {
-                tracing::debug!(transfer_id = %hold.transfer_id, %err, "hold release failed");
-                crate::metrics::hold_released("failed");
-                return;
-            }
+            Err(err) => match backoff.next() {
+                // A refused connection: the holder is gone, and its holds with it.
+                Some(wait) if !is_refused(&err) => tokio::time::sleep(*wait).await,
+                _ => {
+                    tracing::debug!(transfer_id = %hold.transfer_id, %err, "hold release failed");
+                    crate::metrics::hold_released("failed");
+                    return;
+                }
+            },
         }
     }
+}
+
+fn is_refused(err: &TransferError) -> bool {
+    matches!(err, TransferError::Unreachable { source, .. }
+        if source.kind() == std::io::ErrorKind::ConnectionRefused)
 }
 
 async fn renew(ctrl: CtrlClient, hold: Hold, epoch: u32) -> Renewal {

@@ -161,7 +161,7 @@ async fn chaos_soak_every_stream_completes_or_ends_clearly() {
         "--first-token-timeout-ms",
         "5000",
         "--heartbeat-ttl-s",
-        "2",
+        "5",
         "--health-check-interval-ms",
         "300",
         "--max-resumes",
@@ -250,6 +250,14 @@ async fn chaos_soak_every_stream_completes_or_ends_clearly() {
         journal(&router, false).await.is_empty()
     })
     .await;
+    let text = metrics_text(&router).await;
+    for line in text.lines().filter(|l| l.starts_with("connex_holds_")) {
+        eprintln!("soak: {line}");
+    }
+    eprintln!(
+        "soak: prefill holds {}",
+        engine_stats(&prefill).await["holds"]
+    );
     eventually(Duration::from_secs(20), "no hold left", || async {
         engine_stats(&prefill).await["holds"]["holds"] == 0
     })
