@@ -5,8 +5,9 @@
 
 use super::patch::{Patch, Set};
 use super::request::{RequestInfo, Route};
-use super::upstream::{Call, CallError};
+use super::upstream::{Call, CallError, Reply};
 use crate::error::ApiError;
+use crate::holds::Hold;
 use crate::registry::{Instance, Phase};
 use crate::state::AppState;
 use bytes::Bytes;
@@ -102,26 +103,21 @@ pub async fn run(
             instance: instance.id.clone(),
             message,
         };
-        let call = Call {
-            url: &instance.url,
-            path: route.path(),
-            request_id: &info.request_id,
-            body: payload.clone(),
-        };
-        let reply = match state.upstream.prefill(call).await {
-            Ok(reply) => reply,
-            Err(err) => {
-                let kind = match err {
-                    CallError::Connect { .. } => "connect",
-                    CallError::NoHeaders(_) => "timeout",
-                    CallError::TooLarge(_) => "too_large",
-                    CallError::Transport(_) => "body",
-                };
-                crate::metrics::upstream_error(&instance.id, "prefill", kind);
-                last_error = Some(bad_gateway(err.to_string()));
-                continue;
-            }
-        };
+        let reply =
+            match call_owning_the_hold(state, &instance.url, route, info, payload.clone()).await {
+                Ok(reply) => reply,
+                Err(err) => {
+                    let kind = match err {
+                        CallError::Connect { .. } => "connect",
+                        CallError::NoHeaders(_) => "timeout",
+                        CallError::TooLarge(_) => "too_large",
+                        CallError::Transport(_) => "body",
+                    };
+                    crate::metrics::upstream_error(&instance.id, "prefill", kind);
+                    last_error = Some(bad_gateway(err.to_string()));
+                    continue;
+                }
+            };
         // A redirect is not followed: like a 5xx, this prefill failed.
         if reply.status >= 500 || reply.status < 200 || (300..400).contains(&reply.status) {
             crate::metrics::upstream_error(&instance.id, "prefill", "5xx");
@@ -148,6 +144,44 @@ pub async fn run(
             info.model
         ))
     }))
+}
+
+/// Runs one prefill call on its own task, so that it completes even when the
+/// request is dropped meanwhile (its client went away): the hold the prefill
+/// made is then released at once instead of waiting for its lease to lapse.
+async fn call_owning_the_hold(
+    state: &AppState,
+    url: &str,
+    route: Route,
+    info: &RequestInfo,
+    payload: Bytes,
+) -> Result<Reply, CallError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (upstream, holds) = (state.upstream.clone(), state.holds.clone());
+    let (url, request_id) = (url.to_string(), info.request_id.clone());
+    tokio::spawn(async move {
+        let call = Call {
+            url: &url,
+            path: route.path(),
+            request_id: &request_id,
+            body: payload,
+        };
+        let reply = upstream.prefill(call).await;
+        if let Err(Ok(abandoned)) = tx.send(reply) {
+            let hold = serde_json::from_slice::<Value>(&abandoned.body)
+                .ok()
+                .and_then(|answer| Hold::from_params(answer.get("kv_transfer_params")?));
+            if let Some(hold) = hold {
+                // A lease dropped at once: the keeper releases the hold.
+                drop(holds.lease(hold, 0));
+            }
+        }
+    });
+    rx.await.unwrap_or_else(|_| {
+        Err(CallError::Transport(
+            "the prefill call was cancelled".into(),
+        ))
+    })
 }
 
 /// The part of a prefill answer the router reads.
