@@ -2,6 +2,7 @@
 
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -102,6 +103,23 @@ impl Drop for RequestGuard {
         counter!(REQUESTS, "route" => self.route, "status" => status.to_string()).increment(1);
         histogram!(REQUEST_DURATION, "route" => self.route)
             .record(self.started.elapsed().as_secs_f64());
+        upkeep_now_and_then();
+    }
+}
+
+/// Requests ended, for [`upkeep_now_and_then`].
+static ENDED: AtomicU64 = AtomicU64::new(0);
+
+/// The exporter keeps every histogram sample (one per token for the
+/// inter-token latency) until the next `/metrics` scrape folds them into the
+/// buckets: without scrapes they would pile up. Every 1,024 requests the
+/// request that ends folds them itself, so the memory stays bounded with no
+/// task of its own.
+fn upkeep_now_and_then() {
+    if ENDED.fetch_add(1, Ordering::Relaxed) % 1024 == 1023 {
+        if let Some(handle) = HANDLE.get() {
+            handle.run_upkeep();
+        }
     }
 }
 
