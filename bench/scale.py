@@ -120,7 +120,8 @@ def run(bin_dir, router, pid, streams):
     failures = result["errors"] + (streams - result["ok"] - result["errors"])
     per_stream = (peak[0] - idle) / streams
     print(
-        f"scale streams={streams} ok={result['ok']} failures={failures} timed_out={result['timed_out']} "
+        f"scale streams={streams} ok={result['ok']} failures={failures} "
+        f"timed_out={result['timed_out']} "
         f"seconds={result['seconds']:.1f} router_idle_rss_mib={idle / 1024:.1f} "
         f"router_peak_rss_mib={peak[0] / 1024:.1f} rss_per_stream_kib={per_stream:.1f} "
         f"router_cpu_ms_per_token={cpu * 1e3 / (streams * TOKENS):.4f}",
