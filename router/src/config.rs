@@ -141,6 +141,77 @@ pub struct RouterConfig {
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub health_check_failures: u32,
+
+    // ---- The edge: listeners, who may get in, the registry's bounds, the
+    // server's lifecycle (docs/security.md, docs/operations.md).
+    /// Address of the internal listener: registration, admin and /metrics
+    /// (the client listener serves only the OpenAI routes and the probes).
+    #[arg(long, env = "CONNEX_INTERNAL_LISTEN", default_value = "127.0.0.1:8001")]
+    pub internal_listen: SocketAddr,
+    /// File holding the admin token (instead of --admin-token).
+    #[arg(long, env = "CONNEX_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+    /// File holding the register token (instead of --register-token).
+    #[arg(long, env = "CONNEX_REGISTER_TOKEN_FILE")]
+    pub register_token_file: Option<PathBuf>,
+    /// File holding the transfer secret (instead of --transfer-secret).
+    #[arg(long, env = "CONNEX_TRANSFER_SECRET_FILE")]
+    pub transfer_secret_file: Option<PathBuf>,
+    /// Accept registrations without a register token on a non-loopback
+    /// internal listener (anyone who reaches it can add an instance).
+    #[arg(long, env = "CONNEX_ALLOW_OPEN_REGISTRATION", num_args = 0..=1,
+          default_value_t = false, default_missing_value = "true")]
+    pub allow_open_registration: bool,
+    /// Most instances the registry holds (further registrations: 503).
+    #[arg(long, env = "CONNEX_MAX_INSTANCES", default_value_t = 1024)]
+    pub max_instances: usize,
+    /// Seconds an expired (dead) instance stays listed before it is evicted.
+    #[arg(long, env = "CONNEX_DEAD_INSTANCE_GRACE_S", default_value_t = 60)]
+    pub dead_instance_grace_s: u64,
+    /// Send the serving instances' ids to clients (`x-connex-prefill`,
+    /// `x-connex-decoder`).
+    #[arg(long, env = "CONNEX_EXPOSE_INSTANCE_HEADERS", num_args = 0..=1,
+          default_value_t = false, default_missing_value = "true")]
+    pub expose_instance_headers: bool,
+    /// Networks registered instances may live in (comma-separated CIDRs).
+    /// Default: everything but link-local and cloud metadata addresses. The
+    /// router's own listeners are always refused.
+    #[arg(long, env = "CONNEX_ALLOWED_UPSTREAMS")]
+    pub allowed_upstreams: Option<String>,
+    /// CA certificate (PEM) that etcd's server certificate must chain to (TLS).
+    #[arg(long, env = "CONNEX_ETCD_CA_FILE")]
+    pub etcd_ca_file: Option<PathBuf>,
+    /// Client certificate (PEM) for etcd mutual TLS (with --etcd-key-file).
+    #[arg(long, env = "CONNEX_ETCD_CERT_FILE")]
+    pub etcd_cert_file: Option<PathBuf>,
+    /// Client key (PEM) for etcd mutual TLS.
+    #[arg(long, env = "CONNEX_ETCD_KEY_FILE")]
+    pub etcd_key_file: Option<PathBuf>,
+    /// etcd user (with --etcd-password-file or CONNEX_ETCD_PASSWORD).
+    #[arg(long, env = "CONNEX_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// etcd password (prefer CONNEX_ETCD_PASSWORD or --etcd-password-file).
+    #[arg(long, env = "CONNEX_ETCD_PASSWORD", hide_env_values = true)]
+    pub etcd_password: Option<String>,
+    /// File holding the etcd password.
+    #[arg(long, env = "CONNEX_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
+    /// On SIGTERM/SIGINT: seconds in-flight streams get to finish before they
+    /// end with an error event.
+    #[arg(long, env = "CONNEX_SHUTDOWN_GRACE_S", default_value_t = 30)]
+    pub shutdown_grace_s: u64,
+    /// Time a client has to send a request's headers, in milliseconds.
+    #[arg(long, env = "CONNEX_HEADER_READ_TIMEOUT_MS", default_value_t = 10_000)]
+    pub header_read_timeout_ms: u64,
+    /// A client connection idle this long between requests is closed, in seconds.
+    #[arg(long, env = "CONNEX_IDLE_TIMEOUT_S", default_value_t = 90)]
+    pub idle_timeout_s: u64,
+    /// Most open client connections (further ones wait in the accept backlog).
+    #[arg(long, env = "CONNEX_MAX_CONNECTIONS", default_value_t = 16_384)]
+    pub max_connections: usize,
+    /// Most OpenAI requests in flight; past it, 429 with Retry-After.
+    #[arg(long, env = "CONNEX_MAX_CONCURRENT_REQUESTS", default_value_t = 10_000)]
+    pub max_concurrent_requests: usize,
 }
 
 impl RouterConfig {

@@ -231,7 +231,7 @@ async fn heartbeats_to_any_replica_keep_an_instance_and_it_vanishes_from_both_af
     wait_connected(&b).await;
 
     // Registered on A, kept alive only by heartbeats sent to B, for 2 TTLs.
-    let (status, _) = admin(
+    let (status, added) = admin(
         &a,
         Method::POST,
         "/admin/instances",
@@ -239,9 +239,16 @@ async fn heartbeats_to_any_replica_keep_an_instance_and_it_vanishes_from_both_af
     )
     .await;
     assert_eq!(status, 201);
+    let credential = added["credential"].as_str().unwrap().to_string();
     let until = Instant::now() + 2 * ttl;
     while Instant::now() < until {
-        let (status, reply) = post(&b, "/v1/instances/hb/heartbeat", &json!({})).await;
+        let (status, reply) = post_internal(
+            &b,
+            "/v1/instances/hb/heartbeat",
+            &json!({}),
+            Some(&credential),
+        )
+        .await;
         assert_eq!(status, 200, "{reply}");
         tokio::time::sleep(Duration::from_millis(400)).await;
     }
@@ -269,7 +276,13 @@ async fn heartbeats_to_any_replica_keep_an_instance_and_it_vanishes_from_both_af
         "gone after {took:?}, before its TTL could pass"
     );
     // It has to register again: a heartbeat is refused as unknown.
-    let (status, _) = post(&a, "/v1/instances/hb/heartbeat", &json!({})).await;
+    let (status, _) = post_internal(
+        &a,
+        "/v1/instances/hb/heartbeat",
+        &json!({}),
+        Some(&credential),
+    )
+    .await;
     assert_eq!(status, 404);
 }
 

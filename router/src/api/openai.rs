@@ -63,15 +63,7 @@ async fn generate(
 }
 
 fn error_status(err: &ApiError) -> u16 {
-    match err {
-        ApiError::BadRequest { .. } => 400,
-        ApiError::ModelNotFound(_) | ApiError::NotFound(_) => 404,
-        ApiError::PayloadTooLarge(_) => 413,
-        ApiError::Unauthorized(_) => 401,
-        ApiError::Unavailable(_) => 503,
-        ApiError::BadGateway { .. } => 502,
-        ApiError::Upstream { status, .. } => status.as_u16(),
-    }
+    err.status().as_u16()
 }
 
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {

@@ -332,15 +332,39 @@ impl View {
         })
     }
 
-    /// Marks instances whose heartbeats stopped for the TTL as dead (local TTL only).
-    pub fn reap(&self) {
+    /// Whether an instance's registration still holds its id: its heartbeats
+    /// are within the TTL (local TTL), or its key exists (the store decides,
+    /// and the view holds only what the store has).
+    pub fn is_live(&self, instance: &Instance) -> bool {
+        self.expiry
+            .is_none_or(|ttl| instance.heartbeat_age() <= ttl)
+    }
+
+    /// Marks instances whose heartbeats stopped for the TTL as dead, and evicts
+    /// those silent for the TTL plus `grace` (local TTL only): the registry
+    /// stays bounded however many ids come and go.
+    pub fn reap(&self, grace: Duration) {
         let Some(ttl) = self.expiry else {
             return;
         };
+        let mut evicted = Vec::new();
         for entry in self.instances.iter() {
-            if entry.lifecycle() != Lifecycle::Dead && entry.heartbeat_age() > ttl {
+            let age = entry.heartbeat_age();
+            if entry.lifecycle() != Lifecycle::Dead && age > ttl {
                 tracing::warn!(id = %entry.id, "instance missed heartbeats for its TTL; marked dead");
                 entry.set_lifecycle(Lifecycle::Dead);
+            }
+            if age > ttl + grace {
+                evicted.push(entry.id.clone());
+            }
+        }
+        for id in evicted {
+            let removed = self
+                .instances
+                .remove_if(&id, |_, i| i.heartbeat_age() > ttl + grace);
+            if removed.is_some() {
+                tracing::info!(%id, "dead instance evicted");
+                self.changed();
             }
         }
     }
@@ -366,6 +390,7 @@ mod tests {
             model: "m".into(),
             ctrl: None,
             id: None,
+            credential: None,
         }
     }
 
