@@ -200,12 +200,10 @@ pub struct RouterConfig {
     /// end with an error event.
     #[arg(long, env = "CONNEX_SHUTDOWN_GRACE_S", default_value_t = 30)]
     pub shutdown_grace_s: u64,
-    /// Time a client has to send a request's headers, in milliseconds.
-    #[arg(long, env = "CONNEX_HEADER_READ_TIMEOUT_MS", default_value_t = 10_000)]
+    /// Time a client has to send a request's headers, in milliseconds; it also
+    /// bounds how long a kept-alive connection may idle between requests.
+    #[arg(long, env = "CONNEX_HEADER_READ_TIMEOUT_MS", default_value_t = 30_000)]
     pub header_read_timeout_ms: u64,
-    /// A client connection idle this long between requests is closed, in seconds.
-    #[arg(long, env = "CONNEX_IDLE_TIMEOUT_S", default_value_t = 90)]
-    pub idle_timeout_s: u64,
     /// Most open client connections (further ones wait in the accept backlog).
     #[arg(long, env = "CONNEX_MAX_CONNECTIONS", default_value_t = 16_384)]
     pub max_connections: usize,

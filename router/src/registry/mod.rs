@@ -226,13 +226,7 @@ impl Instance {
     /// Whether `given` is this instance's credential (constant time; an
     /// instance without one matches nothing).
     pub fn credential_matches(&self, given: Option<&str>) -> bool {
-        use subtle::ConstantTimeEq;
-        match given {
-            Some(given) if !self.credential.is_empty() => {
-                bool::from(self.credential.as_bytes().ct_eq(given.as_bytes()))
-            }
-            _ => false,
-        }
+        credential_matches(&self.credential, given)
     }
 
     pub(crate) fn credential(&self) -> &str {
@@ -604,6 +598,18 @@ impl Registry {
     /// Whether some model has both a prefill and a decode instance eligible.
     pub fn is_ready(&self) -> bool {
         self.view.is_ready()
+    }
+}
+
+/// Whether `given` is the credential `expected` (constant time; an empty
+/// `expected` matches nothing).
+pub(crate) fn credential_matches(expected: &str, given: Option<&str>) -> bool {
+    use subtle::ConstantTimeEq;
+    match given {
+        Some(given) if !expected.is_empty() => {
+            bool::from(expected.as_bytes().ct_eq(given.as_bytes()))
+        }
+        _ => false,
     }
 }
 

@@ -212,7 +212,10 @@ impl EtcdStore {
         let Some((kv, record)) = self.fetch(id).await? else {
             return Ok(false);
         };
-        if !record.registration().credential_matches(credential) {
+        if !super::credential_matches(
+            record.credential.as_deref().unwrap_or_default(),
+            Some(credential),
+        ) {
             return Err(RegistryError::WrongCredential(id.to_string()));
         }
         if kv.lease() == 0 || Some(kv.lease()) == known {
