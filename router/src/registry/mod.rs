@@ -16,14 +16,16 @@
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
+pub mod machine;
 pub mod memory;
 pub mod status;
 pub mod view;
 
 use futures_util::future::BoxFuture;
+use machine::{Event, Machine, Verdict};
 use serde::{Deserialize, Serialize};
 use status::StoreStatus;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -117,8 +119,11 @@ pub struct Instance {
     /// What its registrant must present to heartbeat, re-register or
     /// deregister under this id (`x-connex-credential`).
     credential: String,
-    /// A watch, so that the streams running on the instance learn at once that
-    /// it died or is being migrated away from.
+    /// Its state machine (stored state and this replica's verdict); every
+    /// change goes through [`Instance::apply`].
+    machine: Mutex<Machine>,
+    /// The machine's lifecycle as a watch, so that the streams running on the
+    /// instance learn at once that it died or is being migrated away from.
     lifecycle: watch::Sender<Lifecycle>,
     last_heartbeat: Mutex<Instant>,
     inflight: AtomicUsize,
@@ -128,14 +133,6 @@ pub struct Instance {
     /// Revision of the membership record last applied (etcd mod_revision, or a
     /// local counter): older changes arriving late are ignored.
     revision: AtomicI64,
-    /// The lifecycle the store last gave, and when this replica marked the
-    /// instance dead on its own (`mark_dead`): etcd revives it from these.
-    stored: Mutex<Lifecycle>,
-    marked_dead_at: Mutex<Option<Instant>>,
-    /// Dead because its `/health` probes failed: only a probe that succeeds
-    /// brings it back, not a heartbeat (the agent that sends them may outlive
-    /// the server it speaks for).
-    unhealthy: AtomicBool,
     /// The view's membership generation, bumped by every lifecycle change so
     /// that the view's cached candidate lists are rebuilt.
     generation: Arc<AtomicU64>,
@@ -150,15 +147,13 @@ impl Instance {
             model: reg.model,
             ctrl: reg.ctrl,
             credential: reg.credential.unwrap_or_default(),
+            machine: Mutex::new(Machine::new(Lifecycle::Ready)),
             lifecycle: watch::Sender::new(Lifecycle::Ready),
             last_heartbeat: Mutex::new(Instant::now()),
             inflight: AtomicUsize::new(0),
             served: AtomicU64::new(0),
             lease: AtomicI64::new(0),
             revision: AtomicI64::new(0),
-            stored: Mutex::new(Lifecycle::Ready),
-            marked_dead_at: Mutex::new(None),
-            unhealthy: AtomicBool::new(false),
             generation,
         }
     }
@@ -172,41 +167,36 @@ impl Instance {
         self.lifecycle.subscribe()
     }
 
-    /// A lifecycle the store decided (registration, drain, activate, a record
-    /// from etcd): it also ends a local dead mark (a probe will find a server
-    /// that still fails).
-    fn set_stored(&self, state: Lifecycle) {
-        *self.stored.lock().unwrap_or_else(|e| e.into_inner()) = state;
-        *self
-            .marked_dead_at
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = None;
-        self.unhealthy.store(false, Ordering::Relaxed);
-        self.set_lifecycle(state);
-    }
-
-    /// Takes back the lifecycle the store last gave, ending any local mark;
-    /// returns it.
-    fn restore_stored(&self) -> Lifecycle {
-        let stored = *self.stored.lock().unwrap_or_else(|e| e.into_inner());
-        self.set_stored(stored);
-        stored
-    }
-
-    /// Whether the health checks declared the instance dead (and still do).
-    pub fn is_unhealthy(&self) -> bool {
-        self.unhealthy.load(Ordering::Relaxed)
-    }
-
-    fn set_lifecycle(&self, state: Lifecycle) {
+    /// Applies `event` to the instance's state machine; returns the lifecycle
+    /// before and after. A change is published to the watchers and to the
+    /// view's candidate cache.
+    fn apply(&self, event: Event) -> (Lifecycle, Lifecycle) {
+        let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+        let before = machine.lifecycle();
+        *machine = machine.next(event);
+        let after = machine.lifecycle();
+        // Published under the lock, so that watchers see changes in order.
         let changed = self.lifecycle.send_if_modified(|current| {
-            let changed = *current != state;
-            *current = state;
+            let changed = *current != after;
+            *current = after;
             changed
         });
         if changed {
             self.generation.fetch_add(1, Ordering::Release);
         }
+        (before, after)
+    }
+
+    fn verdict(&self) -> Verdict {
+        self.machine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .verdict()
+    }
+
+    /// Whether the health checks declared the instance dead (and still do).
+    pub fn is_unhealthy(&self) -> bool {
+        self.verdict() == Verdict::Unhealthy
     }
 
     fn touch(&self) {

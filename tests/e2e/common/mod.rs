@@ -116,6 +116,17 @@ pub fn engine(router: Option<&Proc>, role: &str, extra: &[&str]) -> Proc {
     }
     if let Some(router) = router {
         all.extend(args(&["--router", &router.internal]));
+        // An engine restarted under the same id keeps its credential (as a
+        // real agent may), so that it gets its id back at once.
+        if let Some(at) = extra.iter().position(|a| *a == "--id") {
+            if let Some(id) = extra.get(at + 1) {
+                let dir = std::env::temp_dir().join(format!("connex-e2e-{}", std::process::id()));
+                let _ = std::fs::create_dir_all(&dir);
+                let port = router.internal.rsplit(':').next().unwrap_or("0");
+                let file = dir.join(format!("{port}-{id}.credential"));
+                all.extend(args(&["--credential-file", &file.to_string_lossy()]));
+            }
+        }
     }
     all.extend(args(extra));
     Proc::start(env!("CARGO_BIN_EXE_connex-mock-engine"), &all)

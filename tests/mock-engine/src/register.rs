@@ -17,7 +17,13 @@ const CREDENTIAL_HEADER: &str = "x-connex-credential";
 pub async fn run(router: String, state: Arc<EngineState>, shutdown: CancellationToken) {
     let client = reqwest::Client::new();
     let router = router.trim_end_matches('/').to_string();
-    let mut credential: Option<String> = None;
+    // A credential kept by an earlier run under the same id, if any.
+    let saved = state.config.credential_file.clone();
+    let mut credential: Option<String> = saved
+        .as_ref()
+        .and_then(|path| std::fs::read_to_string(path).ok())
+        .map(|c| c.trim().to_string())
+        .filter(|c| !c.is_empty());
     let auth = |req: reqwest::RequestBuilder, credential: &Option<String>| {
         let req = match &state.config.register_token {
             Some(token) => req.bearer_auth(token),
@@ -54,6 +60,11 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
                             .max(1);
                         if let Some(issued) = reply.get("credential").and_then(Value::as_str) {
                             credential = Some(issued.to_string());
+                            if let Some(path) = &saved {
+                                if let Err(err) = std::fs::write(path, issued) {
+                                    tracing::warn!(%err, "cannot keep the credential");
+                                }
+                            }
                         }
                         tracing::info!(%id, ttl, "registered with router");
                         registered = Some((id, ttl));
