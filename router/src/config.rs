@@ -3,8 +3,9 @@
 //! Every flag can also be set by an env var `CONNEX_<FLAG>` and by a key of the
 //! TOML file given with `--config` (snake_case flag names). Precedence: command
 //! line, then environment, then file, then defaults.
-
-use crate::policy::PolicyKind;
+//!
+//! A leaf: it imports nothing from the crate, so that every subsystem can be
+//! built and tested from its own small config (assembled in `lib.rs`).
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::ffi::OsString;
@@ -216,14 +217,19 @@ impl RouterConfig {
     pub fn heartbeat_ttl(&self) -> Duration {
         Duration::from_secs(self.heartbeat_ttl_s)
     }
+}
 
-    pub fn health_checks(&self) -> crate::health::HealthChecks {
-        crate::health::HealthChecks {
-            interval: Duration::from_millis(self.health_check_interval_ms),
-            timeout: Duration::from_millis(self.health_check_timeout_ms),
-            failures: self.health_check_failures,
-        }
-    }
+/// A selection policy (`--prefill-policy`, `--decode-policy`), set separately
+/// for prefill and decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum PolicyKind {
+    RoundRobin,
+    /// Fewest requests in flight from this router.
+    LeastLoaded,
+    /// The less loaded of two random candidates.
+    PowerOfTwo,
 }
 
 /// `--on-hold-lost`.

@@ -101,6 +101,15 @@ fn registry_config(config: &RouterConfig) -> RegistryConfig {
     }
 }
 
+/// The health probes' own configuration, from the router's flags.
+fn health_checks(config: &RouterConfig) -> health::HealthChecks {
+    health::HealthChecks {
+        interval: Duration::from_millis(config.health_check_interval_ms),
+        timeout: Duration::from_millis(config.health_check_timeout_ms),
+        failures: config.health_check_failures,
+    }
+}
+
 impl Router {
     /// Checks the configuration, binds both listeners and starts serving, with
     /// the membership's background tasks. Everything the router runs is
@@ -155,10 +164,7 @@ impl Router {
         let background = CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
         state.registry.spawn(&mut tasks, background.clone());
-        state
-            .config
-            .health_checks()
-            .spawn(state.clone(), &mut tasks, background.clone());
+        health_checks(&state.config).spawn(state.clone(), &mut tasks, background.clone());
         state.holds.spawn_keeper(
             releases,
             state.journal.clone(),
@@ -210,5 +216,96 @@ impl Router {
         }
         self.background.cancel();
         while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// No import cycle between the crate's top-level modules: each may use only
+/// modules "below" it, so that any of them can be built and tested without the
+/// ones that use it.
+#[cfg(test)]
+mod module_graph {
+    #![allow(clippy::unwrap_used)]
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::path::Path;
+
+    /// Top-level module -> the top-level modules its code names as `crate::X`.
+    fn graph() -> BTreeMap<String, BTreeSet<String>> {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let mut stack = vec![src.clone()];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                    continue;
+                }
+                let relative = path.strip_prefix(&src).unwrap();
+                let module = relative
+                    .components()
+                    .next()
+                    .unwrap()
+                    .as_os_str()
+                    .to_string_lossy()
+                    .trim_end_matches(".rs")
+                    .to_string();
+                if ["lib", "main", "bin"].contains(&module.as_str()) {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).unwrap();
+                let uses = graph.entry(module.clone()).or_default();
+                for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
+                    for (at, _) in line.match_indices("crate::") {
+                        let name: String = line[at + 7..]
+                            .chars()
+                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                            .collect();
+                        if !name.is_empty() && name != module {
+                            uses.insert(name);
+                        }
+                    }
+                }
+            }
+        }
+        graph
+    }
+
+    /// A cycle through `start`, if any (depth-first).
+    fn cycle(
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        let last = path.last().unwrap().clone();
+        for next in graph.get(&last).into_iter().flatten() {
+            if next == &path[0] {
+                let mut found = path.clone();
+                found.push(next.clone());
+                return Some(found);
+            }
+            if !path.contains(next) && next > &path[0] {
+                path.push(next.clone());
+                if let Some(found) = cycle(graph, path) {
+                    return Some(found);
+                }
+                path.pop();
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn the_top_level_modules_have_no_import_cycle() {
+        let graph = graph();
+        assert!(graph.contains_key("config") && graph.contains_key("registry"));
+        assert!(
+            graph["config"].is_empty(),
+            "config must be a leaf: {:?}",
+            graph["config"]
+        );
+        let cycles: Vec<Vec<String>> = graph
+            .keys()
+            .filter_map(|start| cycle(&graph, &mut vec![start.clone()]))
+            .collect();
+        assert!(cycles.is_empty(), "import cycles: {cycles:?}");
     }
 }
