@@ -106,7 +106,7 @@ async fn sigterm_lets_50_streams_finish_and_takes_no_new_connections() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_past_the_grace_end_with_an_error_event() {
     let mut router = router(&["--shutdown-grace-s", "1"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
+    let prefill = engine(Some(&router), "prefill", &[]);
     let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
     wait_ready(&router, 2).await;
     let response = open_stream(&router, 400).await;
@@ -140,6 +140,13 @@ async fn streams_past_the_grace_end_with_an_error_event() {
     // The kept-alive probe connection was told 503 (or closed): not 200.
     assert_ne!(ready_rx.await.unwrap(), Some(200));
     wait_exit(&mut router, Duration::from_secs(10)).await;
+    // The cut stream's hold was released, not left to its lease.
+    eventually(
+        Duration::from_secs(5),
+        "the prefill's hold released",
+        || async { engine_stats(&prefill).await["holds"]["holds"] == 0 },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
