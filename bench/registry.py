@@ -47,6 +47,8 @@ class Procs:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        # The internal URL of the last router started.
+        self.internal = ""
 
     def start(self, name: str, *args: str) -> str:
         log = open(OUT / f"registry-{name}.log", "w")  # noqa: SIM115 (closed with the process)
@@ -55,6 +57,9 @@ class Procs:
         assert proc.stdout is not None
         deadline = time.monotonic() + 30
         for line in proc.stdout:
+            # A router prints its internal listener (registration, admin) first.
+            if "internal API on " in line:
+                self.internal = line.split("internal API on ", 1)[1].strip()
             if "listening on " in line:
                 return line.split("listening on ", 1)[1].strip()
             if time.monotonic() > deadline:
@@ -126,13 +131,16 @@ def request(base: str, method: str, path: str, body: dict | None = None) -> tupl
         conn.conn.close()
 
 
-def router(procs: Procs, name: str, etcd: str, prefix: str) -> str:
-    return procs.start(
+def router(procs: Procs, name: str, etcd: str, prefix: str) -> tuple[str, str]:
+    """A router replica: (client URL, internal URL)."""
+    url = procs.start(
         name, str(BIN / "connex-router"), "serve", "--listen", "127.0.0.1:0",
+        "--internal-listen", "127.0.0.1:0",
         "--admin-token", TOKEN, "--etcd", etcd, "--etcd-prefix", prefix,
         # No heartbeats in the bench: leases outlive it.
         "--heartbeat-ttl-s", "3600",
     )  # fmt: skip
+    return url, procs.internal
 
 
 def register(conn: Conn, body: dict) -> None:
@@ -154,8 +162,8 @@ def pct(values: list[float], p: float) -> float:
 
 
 def propagation(procs: Procs, etcd: str, count: int) -> list[float]:
-    a = router(procs, "a", etcd, "/propagation")
-    b = router(procs, "b", etcd, "/propagation")
+    _, a = router(procs, "a", etcd, "/propagation")
+    b, _ = router(procs, "b", etcd, "/propagation")
     both = procs.start("both", str(BIN / "connex-mock-engine"), "--role", "both", "--model", "m")
     both_ctrl = engine_ctrl(both)
     on_a, on_b = Conn(a), Conn(b)
@@ -184,15 +192,15 @@ def overhead(procs: Procs, etcd: str, requests: int, concurrency: int, rounds: i
     prefill_ctrl = engine_ctrl(prefill)
     targets = {}
     for n in (10, 1000):
-        url = router(procs, f"r{n}", etcd, f"/overhead-{n}")
-        conn = Conn(url)
+        url, internal = router(procs, f"r{n}", etcd, f"/overhead-{n}")
+        conn = Conn(internal)
         for i in range(n):
             role, engine = ("prefill", prefill) if i % 2 == 0 else ("decode", decode)
             ctrl = prefill_ctrl if role == "prefill" else None
             register(
                 conn, {"id": f"i{i:04}", "role": role, "url": engine, "model": "mock", "ctrl": ctrl}
             )
-        _, ready = conn.call("GET", "/ready")
+        _, ready = request(url, "GET", "/ready")
         if json.loads(ready)["instances"] != n:
             raise SystemExit(f"router r{n} does not list {n} instances: {ready!r}")
         targets[n] = url

@@ -41,14 +41,18 @@ class Cluster:
     def __init__(self, bin_dir, logs, reprefill):
         self.procs = []
         self.logs = logs
+        self.internal_url = ""
         # Half-started (a failure or a signal on the way): stop what runs.
         try:
             self.router = self.start(
                 "router",
                 [f"{bin_dir}/connex-router", "serve", "--listen", "127.0.0.1:0"]
+                + ["--internal-listen", "127.0.0.1:0"]
                 + ["--decode-policy", "round_robin", "--admin-token", "bench"],
             )
-            engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", self.router]
+            # Registration and admin: the internal listener, printed first.
+            self.internal = self.internal_url
+            engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", self.internal]
             engine += ["--prefill-us-per-token", PREFILL_US, "--kv-bytes-per-token", KV_BYTES]
             hold = ["--hold-release", "after_pull"] if reprefill else []
             self.start("prefill", engine + ["--role", "prefill"] + hold)
@@ -73,6 +77,8 @@ class Cluster:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
+            if "internal API on " in line:
+                self.internal_url = line.split("internal API on ", 1)[1].strip()
             if "listening on " in line:
                 return line.split("listening on ", 1)[1].strip()
         raise RuntimeError(f"{name} did not start; see {log.name}")
@@ -81,7 +87,7 @@ class Cluster:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             req = urllib.request.Request(
-                f"{self.router}/admin/instances", headers={"authorization": "Bearer bench"}
+                f"{self.internal}/admin/instances", headers={"authorization": "Bearer bench"}
             )
             with urllib.request.urlopen(req) as reply:
                 ready = [i for i in json.load(reply)["data"] if i["state"] == "ready"]

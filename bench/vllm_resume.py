@@ -80,7 +80,7 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 class Bench:
     def __init__(self) -> None:
         self.router = harness.Router("--heartbeat-ttl-s", "3")
-        url = self.router.url
+        url = self.router.internal
         self.prefill = make_engine("prefill", "kv_producer", url, 0)
         self.decoders = {
             name: make_engine(name, "kv_consumer", url, core)
@@ -115,7 +115,7 @@ class Bench:
     def restart(self, name: str) -> None:
         old = self.decoders[name]
         old.stop()
-        fresh = make_engine(name, "kv_consumer", self.router.url, old.core)
+        fresh = make_engine(name, "kv_consumer", self.router.internal, old.core)
         self.decoders[name] = fresh
         thread = threading.Thread(target=lambda: warm_up(fresh.start()), daemon=True)
         thread.start()

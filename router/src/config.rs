@@ -3,8 +3,9 @@
 //! Every flag can also be set by an env var `CONNEX_<FLAG>` and by a key of the
 //! TOML file given with `--config` (snake_case flag names). Precedence: command
 //! line, then environment, then file, then defaults.
-
-use crate::policy::PolicyKind;
+//!
+//! A leaf: it imports nothing from the crate, so that every subsystem can be
+//! built and tested from its own small config (assembled in `lib.rs`).
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::ffi::OsString;
@@ -165,20 +166,94 @@ pub struct RouterConfig {
     /// milliseconds (at most half the decoders are avoided at once).
     #[arg(long, env = "CONNEX_SUSPECT_MS", default_value_t = 5_000)]
     pub suspect_ms: u64,
+
+    // ---- The edge: listeners, who may get in, the registry's bounds, the
+    // server's lifecycle (docs/security.md, docs/operations.md).
+    /// Address of the internal listener: registration, admin and /metrics
+    /// (the client listener serves only the OpenAI routes and the probes).
+    #[arg(long, env = "CONNEX_INTERNAL_LISTEN", default_value = "127.0.0.1:8001")]
+    pub internal_listen: SocketAddr,
+    /// File holding the admin token (instead of --admin-token).
+    #[arg(long, env = "CONNEX_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+    /// File holding the register token (instead of --register-token).
+    #[arg(long, env = "CONNEX_REGISTER_TOKEN_FILE")]
+    pub register_token_file: Option<PathBuf>,
+    /// File holding the transfer secret (instead of --transfer-secret).
+    #[arg(long, env = "CONNEX_TRANSFER_SECRET_FILE")]
+    pub transfer_secret_file: Option<PathBuf>,
+    /// Accept registrations without a register token on a non-loopback
+    /// internal listener (anyone who reaches it can add an instance).
+    #[arg(long, env = "CONNEX_ALLOW_OPEN_REGISTRATION", num_args = 0..=1,
+          default_value_t = false, default_missing_value = "true")]
+    pub allow_open_registration: bool,
+    /// Most instances the registry holds (further registrations: 503).
+    #[arg(long, env = "CONNEX_MAX_INSTANCES", default_value_t = 1024)]
+    pub max_instances: usize,
+    /// Seconds an expired (dead) instance stays listed before it is evicted.
+    #[arg(long, env = "CONNEX_DEAD_INSTANCE_GRACE_S", default_value_t = 60)]
+    pub dead_instance_grace_s: u64,
+    /// Send the serving instances' ids to clients (`x-connex-prefill`,
+    /// `x-connex-decoder`).
+    #[arg(long, env = "CONNEX_EXPOSE_INSTANCE_HEADERS", num_args = 0..=1,
+          default_value_t = false, default_missing_value = "true")]
+    pub expose_instance_headers: bool,
+    /// Networks registered instances may live in (comma-separated CIDRs).
+    /// Default: everything but link-local and cloud metadata addresses. The
+    /// router's own listeners are always refused.
+    #[arg(long, env = "CONNEX_ALLOWED_UPSTREAMS")]
+    pub allowed_upstreams: Option<String>,
+    /// CA certificate (PEM) that etcd's server certificate must chain to (TLS).
+    #[arg(long, env = "CONNEX_ETCD_CA_FILE")]
+    pub etcd_ca_file: Option<PathBuf>,
+    /// Client certificate (PEM) for etcd mutual TLS (with --etcd-key-file).
+    #[arg(long, env = "CONNEX_ETCD_CERT_FILE")]
+    pub etcd_cert_file: Option<PathBuf>,
+    /// Client key (PEM) for etcd mutual TLS.
+    #[arg(long, env = "CONNEX_ETCD_KEY_FILE")]
+    pub etcd_key_file: Option<PathBuf>,
+    /// etcd user (with --etcd-password-file or CONNEX_ETCD_PASSWORD).
+    #[arg(long, env = "CONNEX_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// etcd password (prefer CONNEX_ETCD_PASSWORD or --etcd-password-file).
+    #[arg(long, env = "CONNEX_ETCD_PASSWORD", hide_env_values = true)]
+    pub etcd_password: Option<String>,
+    /// File holding the etcd password.
+    #[arg(long, env = "CONNEX_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
+    /// On SIGTERM/SIGINT: seconds in-flight streams get to finish before they
+    /// end with an error event.
+    #[arg(long, env = "CONNEX_SHUTDOWN_GRACE_S", default_value_t = 30)]
+    pub shutdown_grace_s: u64,
+    /// Time a client has to send a request's headers, in milliseconds; it also
+    /// bounds how long a kept-alive connection may idle between requests.
+    #[arg(long, env = "CONNEX_HEADER_READ_TIMEOUT_MS", default_value_t = 30_000)]
+    pub header_read_timeout_ms: u64,
+    /// Most open client connections (further ones wait in the accept backlog).
+    #[arg(long, env = "CONNEX_MAX_CONNECTIONS", default_value_t = 16_384)]
+    pub max_connections: usize,
+    /// Most OpenAI requests in flight; past it, 429 with Retry-After.
+    #[arg(long, env = "CONNEX_MAX_CONCURRENT_REQUESTS", default_value_t = 10_000)]
+    pub max_concurrent_requests: usize,
 }
 
 impl RouterConfig {
     pub fn heartbeat_ttl(&self) -> Duration {
         Duration::from_secs(self.heartbeat_ttl_s)
     }
+}
 
-    pub fn health_checks(&self) -> crate::health::HealthChecks {
-        crate::health::HealthChecks {
-            interval: Duration::from_millis(self.health_check_interval_ms),
-            timeout: Duration::from_millis(self.health_check_timeout_ms),
-            failures: self.health_check_failures,
-        }
-    }
+/// A selection policy (`--prefill-policy`, `--decode-policy`), set separately
+/// for prefill and decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum PolicyKind {
+    RoundRobin,
+    /// Fewest requests in flight from this router.
+    LeastLoaded,
+    /// The less loaded of two random candidates.
+    PowerOfTwo,
 }
 
 /// `--on-hold-lost`.

@@ -49,7 +49,7 @@ pub async fn run(args: DemoArgs) -> Result<(), DemoError> {
         ("decode-0", Role::Decode),
         ("decode-1", Role::Decode),
     ] {
-        let mut config = MockConfig::new(role, "mock", Some(router.url()));
+        let mut config = MockConfig::new(role, "mock", Some(router.internal_url()));
         config.id = Some(id.to_string());
         config.decode_us_per_token = 2_000;
         let engine = MockEngine::start(config, CrashAction::StopServing).await?;
@@ -101,6 +101,10 @@ fn demo_router_config() -> RouterConfig {
         "serve",
         "--listen",
         "127.0.0.1:0",
+        "--internal-listen",
+        "127.0.0.1:0",
+        // The demo prints which instances served each request.
+        "--expose-instance-headers",
         "--decode-policy",
         "round_robin",
     ];

@@ -23,6 +23,15 @@ pub enum ApiError {
     Unauthorized(&'static str),
     #[error("{0}")]
     Unavailable(String),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("this route takes `content-type: application/json`")]
+    UnsupportedMediaType,
+    /// The router's concurrency limit: try again after `retry_after_s`.
+    #[error("the router is at its limit of {limit} requests in flight; retry later")]
+    Overloaded { limit: usize, retry_after_s: u64 },
     #[error("upstream {instance} failed: {message}")]
     BadGateway { instance: String, message: String },
     /// An engine's own 4xx answer: its status and its message, never its raw
@@ -73,6 +82,10 @@ impl ApiError {
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Forbidden(_) => StatusCode::FORBIDDEN,
+            Self::Conflict(_) => StatusCode::CONFLICT,
+            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::BadGateway { .. } => StatusCode::BAD_GATEWAY,
             Self::Upstream { status, .. } => *status,
         }
@@ -80,7 +93,12 @@ impl ApiError {
 
     fn kind(&self) -> &'static str {
         match self {
-            Self::BadRequest { .. } | Self::PayloadTooLarge(_) => "invalid_request_error",
+            Self::BadRequest { .. } | Self::PayloadTooLarge(_) | Self::UnsupportedMediaType => {
+                "invalid_request_error"
+            }
+            Self::Forbidden(_) => "permission_error",
+            Self::Conflict(_) => "conflict_error",
+            Self::Overloaded { .. } => "rate_limit_error",
             Self::ModelNotFound(_) | Self::NotFound(_) => "not_found_error",
             Self::Unauthorized(_) => "authentication_error",
             Self::Unavailable(_) => "service_unavailable",
@@ -105,6 +123,10 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        if let Self::Overloaded { retry_after_s, .. } = self {
+            let retry = retry_after_s.to_string();
+            return (self.status(), [("retry-after", retry)], Json(self.body())).into_response();
+        }
         (self.status(), Json(self.body())).into_response()
     }
 }

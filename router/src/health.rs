@@ -149,16 +149,22 @@ mod tests {
 
     /// Two decoders whose probes fail (nothing listens at their address).
     async fn registry() -> Registry {
-        let registry = Registry::new(Duration::from_secs(60));
+        let registry = Registry::new(&crate::registry::RegistryConfig::memory(
+            Duration::from_secs(60),
+        ));
         for id in ["d0", "d1"] {
             registry
-                .register(Registration {
-                    role: Role::Decode,
-                    url: "http://127.0.0.1:1".into(),
-                    model: "m".into(),
-                    ctrl: None,
-                    id: Some(id.into()),
-                })
+                .register(
+                    Registration {
+                        role: Role::Decode,
+                        url: "http://127.0.0.1:1".into(),
+                        model: "m".into(),
+                        ctrl: None,
+                        id: Some(id.into()),
+                        credential: None,
+                    },
+                    crate::registry::Claim::Admin,
+                )
                 .await
                 .expect("register");
         }

@@ -13,14 +13,21 @@ pub mod metrics;
 pub mod pd;
 pub mod policy;
 pub mod registry;
+pub mod secrets;
+pub mod server;
 pub mod sse;
 pub mod state;
+pub mod upstreams;
 
-use axum::serve::ListenerExt;
+use api::access::Access;
+use api::{Edge, Listener};
 use config::RouterConfig;
+use registry::{EtcdConfig, RegistryConfig};
+use server::{Gate, ServerLimits, Shutdown};
 use state::AppState;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -36,80 +43,273 @@ pub enum StartError {
     Client(#[from] reqwest::Error),
     #[error("membership: {0}")]
     Registry(#[from] registry::RegistryError),
+    #[error(transparent)]
+    Secret(#[from] secrets::SecretError),
+    #[error(transparent)]
+    Upstreams(#[from] upstreams::BadCidr),
+    #[error(
+        "the internal listener {0} is not on loopback and no register token is set: anyone \
+         who reaches it could register an instance and receive requests. Set \
+         --register-token-file (or CONNEX_REGISTER_TOKEN), or accept the risk with \
+         --allow-open-registration"
+    )]
+    OpenRegistration(SocketAddr),
 }
 
-/// A running router: its address, its state and the tasks it owns.
+/// A running router: its addresses, its state and the tasks it owns.
 pub struct Router {
+    /// The client listener (OpenAI routes, probes).
     pub addr: SocketAddr,
+    /// The internal listener (registration, admin, metrics).
+    pub internal_addr: SocketAddr,
     pub state: Arc<AppState>,
-    shutdown: CancellationToken,
+    shutdown: Shutdown,
+    grace: Duration,
+    /// The two servers; they end once their connections have.
+    servers: tokio::task::JoinSet<()>,
+    /// Background tasks (membership, probes, holds), stopped after the servers.
+    background: CancellationToken,
     tasks: tokio::task::JoinSet<()>,
 }
 
+async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartError> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { addr, source })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|source| StartError::Bind { addr, source })?;
+    Ok((listener, bound))
+}
+
+/// The membership's own configuration, from the router's flags.
+fn registry_config(config: &RouterConfig) -> RegistryConfig {
+    RegistryConfig {
+        ttl: Duration::from_secs(config.heartbeat_ttl_s),
+        max_instances: config.max_instances,
+        dead_grace: Duration::from_secs(config.dead_instance_grace_s),
+        etcd: config.etcd.clone().map(|endpoints| EtcdConfig {
+            endpoints,
+            prefix: config.etcd_prefix.clone(),
+            timeout: Duration::from_millis(config.etcd_timeout_ms),
+            ca_file: config.etcd_ca_file.clone(),
+            identity: config
+                .etcd_cert_file
+                .clone()
+                .zip(config.etcd_key_file.clone()),
+            user: config.etcd_user.clone().zip(config.etcd_password.clone()),
+        }),
+    }
+}
+
+/// The health probes' own configuration, from the router's flags.
+fn health_checks(config: &RouterConfig) -> health::HealthChecks {
+    health::HealthChecks {
+        interval: Duration::from_millis(config.health_check_interval_ms),
+        timeout: Duration::from_millis(config.health_check_timeout_ms),
+        failures: config.health_check_failures,
+    }
+}
+
 impl Router {
-    /// Binds and starts serving, with the membership's background tasks.
-    pub async fn start(config: RouterConfig) -> Result<Self, StartError> {
-        let listener =
-            TcpListener::bind(config.listen)
-                .await
-                .map_err(|source| StartError::Bind {
-                    addr: config.listen,
-                    source,
-                })?;
-        let addr = listener.local_addr().map_err(|source| StartError::Bind {
-            addr: config.listen,
-            source,
-        })?;
-        let registry = registry::Registry::open(&config).await?;
+    /// Checks the configuration, binds both listeners and starts serving, with
+    /// the membership's background tasks. Everything the router runs is
+    /// assembled here.
+    pub async fn start(mut config: RouterConfig) -> Result<Self, StartError> {
+        secrets::resolve(&mut config)?;
+        let internal_ip = config.internal_listen.ip();
+        if config.register_token.is_none() && !internal_ip.to_canonical().is_loopback() {
+            if !config.allow_open_registration {
+                return Err(StartError::OpenRegistration(config.internal_listen));
+            }
+            tracing::warn!(
+                listen = %config.internal_listen,
+                "registration is open to anyone who reaches the internal listener \
+                 (--allow-open-registration without a register token)"
+            );
+        }
+        let (listener, addr) = bind(config.listen).await?;
+        let (internal_listener, internal_addr) = bind(config.internal_listen).await?;
+        let upstreams = upstreams::UpstreamPolicy::parse(config.allowed_upstreams.as_deref())?
+            .with_own_listeners(&[addr, internal_addr]);
+        let registry = registry::Registry::open(&registry_config(&config)).await?;
+        let shutdown = Shutdown::default();
+        let edge = Edge {
+            access: Arc::new(Access {
+                admin_token: config.admin_token.clone(),
+                register_token: config.register_token.clone(),
+                upstreams,
+            }),
+            gate: Arc::new(Gate::new(
+                config.max_concurrent_requests,
+                config.expose_instance_headers,
+                shutdown.clone(),
+            )),
+            shutdown: shutdown.clone(),
+        };
+        let limits = ServerLimits {
+            header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
+            max_connections: config.max_connections,
+        };
+        let grace = Duration::from_secs(config.shutdown_grace_s);
         let (state, releases) = AppState::new(config, registry)?;
         let state = Arc::new(state);
-        let shutdown = CancellationToken::new();
+        let mut servers = tokio::task::JoinSet::new();
+        for (listener, audience) in [
+            (listener, Listener::Client),
+            (internal_listener, Listener::Internal),
+        ] {
+            let app = api::routes(audience, state.clone(), &edge);
+            servers.spawn(server::serve(listener, app, limits, shutdown.clone()));
+        }
+        let background = CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
-        let app = api::routes(state.clone());
-        let stop = shutdown.clone();
-        tasks.spawn(async move {
-            if let Err(err) = axum::serve(listener.tap_io(no_delay), app)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await
-            {
-                tracing::error!(%err, "router server failed");
-            }
-        });
-        state.registry.spawn(&mut tasks, shutdown.clone());
-        state.config.health_checks().spawn(
+        state.registry.spawn(&mut tasks, background.clone());
+        health_checks(&state.config).spawn(
             state.registry.clone(),
             state.client.clone(),
             state.outliers.clone(),
             &mut tasks,
-            shutdown.clone(),
+            background.clone(),
         );
         state
             .holds
-            .spawn_keeper(releases, &mut tasks, shutdown.clone());
-        tracing::info!(%addr, "connex-router listening");
+            .spawn_keeper(releases, &mut tasks, background.clone());
+        tracing::info!(%addr, %internal_addr, "connex-router listening");
         Ok(Self {
             addr,
+            internal_addr,
             state,
             shutdown,
+            grace,
+            servers,
+            background,
             tasks,
         })
     }
 
+    /// The client listener's URL.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 
-    /// Stops serving (in-flight streams finish) and waits for the tasks.
+    /// The internal listener's URL (registration, admin, metrics).
+    pub fn internal_url(&self) -> String {
+        format!("http://{}", self.internal_addr)
+    }
+
+    /// Shuts down gracefully: `/ready` 503 and no new connections at once;
+    /// in-flight requests get the grace period (`--shutdown-grace-s`); streams
+    /// still open then end with an error event; then the background tasks stop.
     pub async fn stop(mut self) {
-        self.shutdown.cancel();
+        self.shutdown.draining.cancel();
+        tracing::info!(grace = ?self.grace, "shutting down: no new connections; in-flight requests finish");
+        let finished = async { while self.servers.join_next().await.is_some() {} };
+        if tokio::time::timeout(self.grace, finished).await.is_err() {
+            tracing::warn!("grace period over: ending the streams still open");
+            self.shutdown.cut.cancel();
+            // Non-stream requests still waiting on an engine are not waited
+            // for past a short margin.
+            let rest = async { while self.servers.join_next().await.is_some() {} };
+            if tokio::time::timeout(Duration::from_secs(5), rest)
+                .await
+                .is_err()
+            {
+                self.servers.abort_all();
+            }
+        }
+        self.background.cancel();
         while self.tasks.join_next().await.is_some() {}
     }
 }
 
-/// Every token is its own small SSE write; with Nagle's algorithm on, such writes
-/// wait for the peer's delayed ACK (~40 ms on Linux), once per response.
-fn no_delay(stream: &mut tokio::net::TcpStream) {
-    if let Err(err) = stream.set_nodelay(true) {
-        tracing::warn!(%err, "could not set TCP_NODELAY");
+/// No import cycle between the crate's top-level modules: each may use only
+/// modules "below" it, so that any of them can be built and tested without the
+/// ones that use it.
+#[cfg(test)]
+mod module_graph {
+    #![allow(clippy::unwrap_used)]
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::path::Path;
+
+    /// Top-level module -> the top-level modules its code names as `crate::X`.
+    fn graph() -> BTreeMap<String, BTreeSet<String>> {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let mut stack = vec![src.clone()];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                    continue;
+                }
+                let relative = path.strip_prefix(&src).unwrap();
+                let module = relative
+                    .components()
+                    .next()
+                    .unwrap()
+                    .as_os_str()
+                    .to_string_lossy()
+                    .trim_end_matches(".rs")
+                    .to_string();
+                if ["lib", "main", "bin"].contains(&module.as_str()) {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).unwrap();
+                let uses = graph.entry(module.clone()).or_default();
+                for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
+                    for (at, _) in line.match_indices("crate::") {
+                        let name: String = line[at + 7..]
+                            .chars()
+                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                            .collect();
+                        if !name.is_empty() && name != module {
+                            uses.insert(name);
+                        }
+                    }
+                }
+            }
+        }
+        graph
+    }
+
+    /// A cycle through `start`, if any (depth-first).
+    fn cycle(
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        let last = path.last().unwrap().clone();
+        for next in graph.get(&last).into_iter().flatten() {
+            if next == &path[0] {
+                let mut found = path.clone();
+                found.push(next.clone());
+                return Some(found);
+            }
+            if !path.contains(next) && next > &path[0] {
+                path.push(next.clone());
+                if let Some(found) = cycle(graph, path) {
+                    return Some(found);
+                }
+                path.pop();
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn the_top_level_modules_have_no_import_cycle() {
+        let graph = graph();
+        assert!(graph.contains_key("config") && graph.contains_key("registry"));
+        assert!(
+            graph["config"].is_empty(),
+            "config must be a leaf: {:?}",
+            graph["config"]
+        );
+        let cycles: Vec<Vec<String>> = graph
+            .keys()
+            .filter_map(|start| cycle(&graph, &mut vec![start.clone()]))
+            .collect();
+        assert!(cycles.is_empty(), "import cycles: {cycles:?}");
     }
 }

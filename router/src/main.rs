@@ -56,9 +56,11 @@ async fn serve(config: config::RouterConfig) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    // The tests and scripts read the bound address from this line.
+    // The tests and scripts read the bound addresses from these lines (the
+    // internal one first: a reader may stop at "listening on").
+    println!("connex-router internal API on {}", router.internal_url());
     println!("connex-router listening on {}", router.url());
-    let _ = tokio::signal::ctrl_c().await;
+    connex_router::server::terminate_signal().await;
     router.stop().await;
     ExitCode::SUCCESS
 }

@@ -234,7 +234,7 @@ async fn heartbeats_to_any_replica_keep_an_instance_and_it_vanishes_from_both_af
     wait_connected(&b).await;
 
     // Registered on A, kept alive only by heartbeats sent to B, for 2 TTLs.
-    let (status, _) = admin(
+    let (status, added) = admin(
         &a,
         Method::POST,
         "/admin/instances",
@@ -242,9 +242,16 @@ async fn heartbeats_to_any_replica_keep_an_instance_and_it_vanishes_from_both_af
     )
     .await;
     assert_eq!(status, 201);
+    let credential = added["credential"].as_str().unwrap().to_string();
     let until = Instant::now() + 2 * ttl;
     while Instant::now() < until {
-        let (status, reply) = post(&b, "/v1/instances/hb/heartbeat", &json!({})).await;
+        let (status, reply) = post_internal(
+            &b,
+            "/v1/instances/hb/heartbeat",
+            &json!({}),
+            Some(&credential),
+        )
+        .await;
         assert_eq!(status, 200, "{reply}");
         tokio::time::sleep(Duration::from_millis(400)).await;
     }
@@ -272,7 +279,13 @@ async fn heartbeats_to_any_replica_keep_an_instance_and_it_vanishes_from_both_af
         "gone after {took:?}, before its TTL could pass"
     );
     // It has to register again: a heartbeat is refused as unknown.
-    let (status, _) = post(&a, "/v1/instances/hb/heartbeat", &json!({})).await;
+    let (status, _) = post_internal(
+        &a,
+        "/v1/instances/hb/heartbeat",
+        &json!({}),
+        Some(&credential),
+    )
+    .await;
     assert_eq!(status, 404);
 }
 
@@ -412,7 +425,13 @@ async fn a_replica_cut_off_past_a_compaction_lists_again_and_converges() {
     let register = |id: &'static str| {
         let c = &c;
         async move {
-            let body = json!({"id": id, "role": "decode", "url": format!("http://127.0.0.1:9/{id}"), "model": "m"});
+            // A distinct (bare-origin) address per instance.
+            let port = match id {
+                "keep" => 9,
+                "gone" => 10,
+                _ => 11,
+            };
+            let body = json!({"id": id, "role": "decode", "url": format!("http://127.0.0.1:{port}"), "model": "m"});
             let (status, reply) = admin(c, Method::POST, "/admin/instances", Some(&body)).await;
             assert_eq!(status, 201, "{reply}");
         }
@@ -619,5 +638,68 @@ async fn a_migrate_drain_on_b_moves_a_stream_running_on_a() {
     assert!(
         metric(&text, "connex_resumes_total", &["cause=\"migrate\""]) >= 1.0,
         "A did not count a migrate resume"
+    );
+}
+
+/// Standard base64, for etcd's JSON gateway.
+fn base64(bytes: &[u8]) -> String {
+    const TABLE: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(TABLE[(n >> (18 - 6 * i)) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_whose_id_disagrees_with_its_key_is_ignored_and_counted() {
+    let etcd = Etcd::start();
+    let a = replica(&etcd.url, "/mismatch", 10);
+    wait_connected(&a).await;
+    let put = |key: &str, id: &str| {
+        let record = json!({"id": id, "role": "decode", "url": "http://127.0.0.1:9",
+                            "model": "mock", "state": "ready"});
+        let body = json!({"key": base64(key.as_bytes()),
+                          "value": base64(record.to_string().as_bytes())});
+        let url = format!("{}/v3/kv/put", etcd.url);
+        async move {
+            let status = client()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .status();
+            assert!(status.is_success(), "etcd put: {status}");
+        }
+    };
+    // A ghost: the key says "ghost", the record claims the id "victim".
+    put("/mismatch/instances/ghost", "victim").await;
+    put("/mismatch/instances/honest", "honest").await;
+    eventually(
+        Duration::from_secs(5),
+        "the honest record applied",
+        || async { state_of(&a, "honest").await.is_some() },
+    )
+    .await;
+    let listed = states(&a).await;
+    assert!(!listed.contains_key("victim"), "{listed:?}");
+    assert!(!listed.contains_key("ghost"), "{listed:?}");
+    let text = metrics_text(&a).await;
+    assert!(
+        metric(&text, "connex_registry_mismatched_records_total", &[]) >= 1.0,
+        "{text}"
     );
 }

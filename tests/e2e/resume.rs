@@ -178,7 +178,7 @@ async fn trigger(fault: Fault, cluster: &Cluster, k: usize, kept: usize) {
     let reply = client()
         .post(format!(
             "{}/admin/instances/d0/drain?migrate=true",
-            cluster.router.url
+            cluster.router.internal
         ))
         .bearer_auth(ADMIN_TOKEN)
         .send()
@@ -822,7 +822,7 @@ async fn dead_prefill_instance_is_replaced_by_a_prefill_elsewhere() {
         client()
             .post(format!(
                 "{}/admin/instances/d0/drain?migrate=true",
-                cluster.router.url
+                cluster.router.internal
             ))
             .bearer_auth(ADMIN_TOKEN)
             .send()

@@ -301,7 +301,10 @@ async fn drained_decoder_finishes_in_flight_and_gets_no_new_requests() {
     wait_ready(&router, 3).await;
     let slow_id = instance_id(&router, &slow).await;
     let drained = client()
-        .post(format!("{}/admin/instances/{slow_id}/drain", router.url))
+        .post(format!(
+            "{}/admin/instances/{slow_id}/drain",
+            router.internal
+        ))
         .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
@@ -340,7 +343,10 @@ async fn drained_decoder_finishes_in_flight_and_gets_no_new_requests() {
 
     // Activate brings it back.
     let activated = client()
-        .post(format!("{}/admin/instances/{slow_id}/activate", router.url))
+        .post(format!(
+            "{}/admin/instances/{slow_id}/activate",
+            router.internal
+        ))
         .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
@@ -360,7 +366,7 @@ async fn instance_whose_heartbeats_stop_is_skipped() {
     // A real engine that never heartbeats: registered once by hand.
     let silent = engine(None, "decode", &[]);
     let reply = client()
-        .post(format!("{}/v1/instances", router.url))
+        .post(format!("{}/v1/instances", router.internal))
         .json(&json!({"role":"decode","url":silent.url,"model":"mock"}))
         .send()
         .await
@@ -408,8 +414,10 @@ async fn admin_requires_the_bearer_token() {
         ("GET", "/admin/requests"),
     ] {
         for token in [None, Some("wrong")] {
-            let mut request =
-                client().request(method.parse().unwrap(), format!("{}{path}", router.url));
+            let mut request = client().request(
+                method.parse().unwrap(),
+                format!("{}{path}", router.internal),
+            );
             if let Some(token) = token {
                 request = request.bearer_auth(token);
             }
@@ -421,7 +429,7 @@ async fn admin_requires_the_bearer_token() {
     }
     // With the token: add, list, remove.
     let added = client()
-        .post(format!("{}/admin/instances", router.url))
+        .post(format!("{}/admin/instances", router.internal))
         .bearer_auth(ADMIN_TOKEN)
         .json(&json!({"role":"decode","url":"http://127.0.0.1:9","model":"mock"}))
         .send()
@@ -434,7 +442,7 @@ async fn admin_requires_the_bearer_token() {
         .to_string();
     assert_eq!(instances(&router).await.len(), 1);
     let removed = client()
-        .delete(format!("{}/admin/instances/{id}", router.url))
+        .delete(format!("{}/admin/instances/{id}", router.internal))
         .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
@@ -442,7 +450,7 @@ async fn admin_requires_the_bearer_token() {
     assert_eq!(removed.status(), 204);
     assert!(instances(&router).await.is_empty());
     let missing = client()
-        .post(format!("{}/admin/instances/{id}/drain", router.url))
+        .post(format!("{}/admin/instances/{id}/drain", router.internal))
         .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
@@ -594,7 +602,7 @@ async fn metrics_count_the_requests_made() {
     stream(&router, "/v1/chat/completions", &json!({"model":"mock","messages":[{"role":"user","content":"m"}],"stream":true,"max_tokens":2})).await;
     post(&router, "/v1/completions", &json!({"model":"mock"})).await;
     let text = client()
-        .get(format!("{}/metrics", router.url))
+        .get(format!("{}/metrics", router.internal))
         .send()
         .await
         .unwrap()
@@ -664,7 +672,7 @@ async fn failed_prefill_is_retried_once_on_another_instance() {
     assert_eq!(engine_requests(&good).await.len(), 4);
     assert!(!engine_requests(&broken).await.is_empty());
     let text = client()
-        .get(format!("{}/metrics", router.url))
+        .get(format!("{}/metrics", router.internal))
         .send()
         .await
         .unwrap()

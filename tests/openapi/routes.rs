@@ -89,3 +89,26 @@ fn every_operation_that_takes_input_documents_openai_error_bodies() {
         }
     }
 }
+
+#[test]
+fn each_operation_names_the_listener_that_serves_it() {
+    let spec = spec();
+    let served: BTreeSet<(String, String, String)> = connex_router::api::route_table()
+        .into_iter()
+        .map(|(method, path, listener)| {
+            (
+                method.to_string(),
+                path.to_string(),
+                listener.as_str().to_string(),
+            )
+        })
+        .collect();
+    let documented: BTreeSet<(String, String, String)> = operations(&spec)
+        .into_iter()
+        .map(|(method, path, operation)| {
+            let listener = operation["x-connex-listener"].as_str().unwrap_or("none");
+            (method, path, listener.to_string())
+        })
+        .collect();
+    assert_eq!(served, documented);
+}

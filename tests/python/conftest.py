@@ -13,13 +13,19 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN_DIR = Path(os.environ.get("CONNEX_BIN_DIR", ROOT / "target" / "debug"))
 
 
-def start(binary: str, *args: str) -> tuple[subprocess.Popen, str]:
-    """Starts a binary and returns it with the URL from its "listening on" line."""
+def start(binary: str, *args: str) -> tuple[subprocess.Popen, str, str]:
+    """Starts a binary; returns it with the URL of its "listening on" line and,
+    for a router, of its internal listener (registration, admin, metrics),
+    printed just before; other binaries have one URL for both."""
     proc = subprocess.Popen([str(BIN_DIR / binary), *args], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
+    internal = ""
     for line in proc.stdout:
+        if "internal API on " in line:
+            internal = line.split("internal API on ", 1)[1].strip()
         if "listening on " in line:
-            return proc, line.split("listening on ", 1)[1].strip()
+            url = line.split("listening on ", 1)[1].strip()
+            return proc, url, internal or url
     proc.kill()
     raise RuntimeError(f"{binary} exited before listening")
 
@@ -34,26 +40,34 @@ def ready_instances(router: str) -> int:
 
 @pytest.fixture
 def cluster():
-    """A router with one prefill and one decode mock engine, all registered."""
+    """A router with one prefill and one decode mock engine, all registered
+    through the router's internal listener; yields the client URL."""
     procs = []
     try:
-        router_proc, router = start(
-            "connex-router", "serve", "--listen", "127.0.0.1:0", "--admin-token", "t"
+        router_proc, router, internal = start(
+            "connex-router",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--internal-listen",
+            "127.0.0.1:0",
+            "--admin-token",
+            "t",
         )
         procs.append(router_proc)
         for role in ("prefill", "decode"):
-            proc, _ = start(
+            proc, _, _ = start(
                 "connex-mock-engine",
                 "--role",
                 role,
                 "--model",
                 "mock",
                 "--router",
-                router,
+                internal,
             )
             procs.append(proc)
         deadline = time.monotonic() + 10
-        while ready_instances(router) < 2:
+        while ready_instances(internal) < 2:
             assert time.monotonic() < deadline, "mock engines did not register"
             time.sleep(0.05)
         yield router

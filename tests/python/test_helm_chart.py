@@ -6,6 +6,7 @@ real connex-router binary."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -72,10 +73,10 @@ def test_router_deployment_replicas_probes_config_and_token():
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert "--etcd=http://rel-connex-etcd:2379" in c["args"]
     assert "--etcd-prefix=/connex" in c["args"]
-    token = next(e for e in c["env"] if e["name"] == "CONNEX_ADMIN_TOKEN")
-    ref = token["valueFrom"]["secretKeyRef"]
-    secret = find(docs, "Secret", ref["name"])
-    assert secret["data"][ref["key"]]
+    assert "--admin-token-file=/etc/connex/secrets/admin-token" in c["args"]
+    admin = secret_source(router, "admin-token")
+    secret = find(docs, "Secret", admin["name"])
+    assert secret["data"][admin["items"][0]["key"]]
     config = find(docs, "ConfigMap", "rel-connex-router")["data"]["router.toml"]
     assert 'decode_policy = "power_of_two"' in config
     etcd = find(docs, "StatefulSet", "rel-connex-etcd")
@@ -84,11 +85,23 @@ def test_router_deployment_replicas_probes_config_and_token():
     assert internal["spec"]["publishNotReadyAddresses"] is True
 
 
+def secret_source(router: dict, path: str) -> dict:
+    """The projected Secret source that mounts `path` in the router's secrets volume."""
+    volumes = router["spec"]["template"]["spec"]["volumes"]
+    projected = next(v for v in volumes if v["name"] == "secrets")["projected"]["sources"]
+    return next(s["secret"] for s in projected if s["secret"]["items"][0]["path"] == path)
+
+
 def test_an_existing_secret_is_used_and_none_is_made():
-    docs = manifests("router.adminToken.existingSecret=ops-token")
-    c = container(find(docs, "Deployment", "rel-connex-router"))
-    token = next(e for e in c["env"] if e["name"] == "CONNEX_ADMIN_TOKEN")
-    assert token["valueFrom"]["secretKeyRef"]["name"] == "ops-token"
+    docs = manifests(
+        "router.adminToken.existingSecret=ops-token",
+        "router.registerToken.existingSecret=ops-register",
+        "router.transferSecret.existingSecret=ops-transfer",
+    )
+    router = find(docs, "Deployment", "rel-connex-router")
+    assert secret_source(router, "admin-token")["name"] == "ops-token"
+    assert secret_source(router, "register-token")["name"] == "ops-register"
+    assert secret_source(router, "transfer-secret")["name"] == "ops-transfer"
     assert not [d for d in docs if d["kind"] == "Secret"]
 
 
@@ -104,10 +117,13 @@ def test_vllm_pools_use_the_connex_connector_and_register_with_the_routers():
         assert ktc["kv_connector_module_path"] == "connex.adapters.vllm.pd_connector"
         assert ktc["kv_role"] == role
         extra = ktc["kv_connector_extra_config"]
-        assert extra["router"] == "http://rel-connex-router-internal:8000"
+        assert extra["router"] == "http://rel-connex-router-internal:8001"
         # Kubernetes expands $(VAR) in args from the container's env.
         assert extra["url"] == "http://$(POD_IP):8000"
-        assert extra["register_token"] == "$(CONNEX_REGISTER_TOKEN)"
+        # The token stays out of argv (ps, vLLM's startup log): the agent
+        # reads it from its environment.
+        assert "register_token" not in extra
+        assert "reg" not in json.dumps(ktc).replace("register", "")
         env = {e["name"] for e in c["env"]}
         assert {"POD_IP", "POD_NAME", "CONNEX_REGISTER_TOKEN"} <= env
     assert find(docs, "Deployment", "rel-connex-decode")["spec"]["replicas"] == 4
@@ -117,16 +133,78 @@ def test_a_transfer_secret_reaches_the_routers_and_every_engine():
     docs = manifests(*POOLS, "router.transferSecret.value=kv-s3cret")
     secret = find(docs, "Secret", "rel-connex-transfer")
     assert secret["data"]["transfer-secret"] == "a3YtczNjcmV0"  # base64 of kv-s3cret
-    for name in ("rel-connex-router", "rel-connex-prefill", "rel-connex-decode"):
+    for name in ("rel-connex-prefill", "rel-connex-decode"):
         env = container(find(docs, "Deployment", name))["env"]
         entry = next(e for e in env if e["name"] == "CONNEX_TRANSFER_SECRET")
         ref = entry["valueFrom"]["secretKeyRef"]
         assert (ref["name"], ref["key"]) == ("rel-connex-transfer", "transfer-secret"), name
-    # None by default: no Secret, no variable.
+    router = find(docs, "Deployment", "rel-connex-router")
+    assert secret_source(router, "transfer-secret")["name"] == "rel-connex-transfer"
+    assert "--transfer-secret-file=/etc/connex/secrets/transfer-secret" in container(router)["args"]
+
+
+def test_the_register_token_and_transfer_secret_are_generated_by_default():
     docs = manifests(*POOLS)
-    assert not [d for d in docs if d["metadata"]["name"] == "rel-connex-transfer"]
-    env = container(find(docs, "Deployment", "rel-connex-decode"))["env"]
-    assert "CONNEX_TRANSFER_SECRET" not in {e["name"] for e in env}
+    for name, key in (
+        ("rel-connex-register", "register-token"),
+        ("rel-connex-transfer", "transfer-secret"),
+    ):
+        secret = find(docs, "Secret", name)
+        assert len(base64.b64decode(secret["data"][key])) == 32, name
+    router = find(docs, "Deployment", "rel-connex-router")
+    args = container(router)["args"]
+    assert "--register-token-file=/etc/connex/secrets/register-token" in args
+    # No secret value in any container's argv or plain env.
+    for workload in [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]:
+        for c in workload["spec"]["template"]["spec"]["containers"]:
+            for e in c.get("env", []):
+                if "TOKEN" in e["name"] or "SECRET" in e["name"]:
+                    assert "valueFrom" in e, (workload["metadata"]["name"], e)
+    for name in ("rel-connex-prefill", "rel-connex-decode"):
+        env = {e["name"]: e for e in container(find(docs, "Deployment", name))["env"]}
+        ref = env["CONNEX_REGISTER_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "rel-connex-register"
+        assert "CONNEX_TRANSFER_SECRET" in env
+
+
+def test_two_services_and_a_network_policy_guard_the_internal_listener():
+    docs = manifests(*POOLS)
+    client = find(docs, "Service", "rel-connex-router")
+    assert [(p["port"], p["targetPort"]) for p in client["spec"]["ports"]] == [(8000, "http")]
+    internal = find(docs, "Service", "rel-connex-router-internal")
+    assert [(p["port"], p["targetPort"]) for p in internal["spec"]["ports"]] == [(8001, "internal")]
+    router = container(find(docs, "Deployment", "rel-connex-router"))
+    assert "--internal-listen=0.0.0.0:8001" in router["args"]
+    assert {p["name"]: p["containerPort"] for p in router["ports"]} == {
+        "http": 8000,
+        "internal": 8001,
+    }
+    policy = find(docs, "NetworkPolicy", "rel-connex-router")
+    rules = {r["ports"][0]["port"]: r for r in policy["spec"]["ingress"]}
+    assert "from" not in rules["http"], "clients reach the client port from anywhere"
+    peers = rules["internal"]["from"]
+    components = [
+        p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        for p in peers
+        if "podSelector" in p
+    ]
+    assert components == ["prefill", "decode"]
+    scrapers = [p for p in peers if "namespaceSelector" in p]
+    assert scrapers == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    assert len(peers) == 3, peers
+    off = manifests("router.networkPolicy.enabled=false")
+    assert not [d for d in off if d["kind"] == "NetworkPolicy"]
+
+
+def test_the_router_drains_within_its_termination_grace():
+    docs = manifests("router.shutdownGraceS=40", "router.preStopSleepS=7")
+    spec = find(docs, "Deployment", "rel-connex-router")["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert "--shutdown-grace-s=40" in c["args"]
+    assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 7}}
+    assert spec["terminationGracePeriodSeconds"] >= 40 + 7
 
 
 def test_bad_values_are_refused():
@@ -148,6 +226,8 @@ def test_the_rendered_router_config_is_accepted_by_connex_router(tmp_path: Path)
             str(config),
             "--listen",
             "127.0.0.1:0",
+            "--internal-listen",
+            "127.0.0.1:0",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -155,8 +235,11 @@ def test_the_rendered_router_config_is_accepted_by_connex_router(tmp_path: Path)
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "listening on" in line, proc.stderr.read() if proc.stderr else ""
+        # The internal listener's line comes first, then "listening on"; a
+        # router that refused its config exits, ending stdout.
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        assert "internal API on" in lines[0], lines
+        assert "listening on" in lines[1], lines
     finally:
         proc.kill()
         proc.wait()

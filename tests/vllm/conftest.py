@@ -99,7 +99,7 @@ class Cluster:
                 role,
                 engine,
                 retain_s=self.RETAIN_S,
-                router=self.router.url,
+                router=self.router.internal,
                 url=engine.url,
                 instance_id=name,
             )

@@ -223,6 +223,10 @@ class Router:
                 "serve",
                 "--listen",
                 "127.0.0.1:0",
+                "--internal-listen",
+                "127.0.0.1:0",
+                # The tests check which decoder served (x-connex-decoder).
+                "--expose-instance-headers",
                 "--admin-token",
                 self.ADMIN_TOKEN,
                 *extra,
@@ -233,12 +237,16 @@ class Router:
         )
         assert self.proc.stdout is not None
         self.url = ""
+        # Registration, admin and metrics: the router's internal listener.
+        self.internal = ""
         self.lines: list[str] = []
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log = open(LOG_DIR / f"router-{self.proc.pid}.log", "a")  # noqa: SIM115
         for line in self.proc.stdout:
             self.lines.append(line)
             self.log.write(line)
+            if "internal API on " in line:
+                self.internal = line.split("internal API on ", 1)[1].strip()
             if "listening on " in line:
                 self.url = line.split("listening on ", 1)[1].strip()
                 break
@@ -259,7 +267,7 @@ class Router:
 
     def admin(self, path: str) -> list[dict]:
         reply = httpx.get(
-            f"{self.url}/admin/{path}",
+            f"{self.internal}/admin/{path}",
             headers={"Authorization": f"Bearer {self.ADMIN_TOKEN}"},
             timeout=5,
         )
@@ -275,7 +283,7 @@ class Router:
 
     def metric(self, name: str) -> float:
         """Sum of a Prometheus metric's samples on this router."""
-        return sum_metric(httpx.get(f"{self.url}/metrics", timeout=10).text, name)
+        return sum_metric(httpx.get(f"{self.internal}/metrics", timeout=10).text, name)
 
     def wait_instances(self, ids: set[str], timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s

@@ -65,7 +65,7 @@ def test_cli_agent_registers_a_vllm_engine_and_deregisters_on_sigterm(router, pl
             "-m",
             "connex.agent",
             "--router",
-            router.url,
+            router.internal,
             "--role",
             "decode",
             "--url",
@@ -100,14 +100,16 @@ def test_cli_agent_registers_a_vllm_engine_and_deregisters_on_sigterm(router, pl
 
 def test_agent_registers_again_when_the_router_forgets_it(router):
     engine = StubEngine()
-    agent = Agent(router.url, "prefill", engine.url, "m", ctrl="127.0.0.1:7001", instance_id="p1")
+    agent = Agent(
+        router.internal, "prefill", engine.url, "m", ctrl="127.0.0.1:7001", instance_id="p1"
+    )
     agent.start()
     try:
         instance = harness.wait_for(lambda: by_id(router).get("p1"), 10, "registration")
         assert instance["ctrl"] == "127.0.0.1:7001"
         assert instance["role"] == "prefill"
         reply = httpx.delete(
-            f"{router.url}/admin/instances/p1",
+            f"{router.internal}/admin/instances/p1",
             headers={"Authorization": f"Bearer {router.ADMIN_TOKEN}"},
         )
         assert reply.status_code in (200, 204)
@@ -122,7 +124,7 @@ def test_agent_registers_again_when_the_router_forgets_it(router):
 def test_agent_waits_for_a_healthy_engine_and_lets_a_sick_one_die(router):
     engine = StubEngine()
     engine.healthy = False
-    agent = Agent(router.url, "decode", engine.url, "m", instance_id="d1").start()
+    agent = Agent(router.internal, "decode", engine.url, "m", instance_id="d1").start()
     try:
         time.sleep(1.5)
         assert "d1" not in by_id(router), "registered an engine that is not healthy"

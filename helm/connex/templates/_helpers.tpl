@@ -44,7 +44,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 
 {{/* Where engines register: the internal Service, which includes not-ready router pods. */}}
 {{- define "connex.registerUrl" -}}
-{{- printf "http://%s-router-internal:%d" (include "connex.fullname" .) (int .Values.router.port) -}}
+{{- printf "http://%s-router-internal:%d" (include "connex.fullname" .) (int .Values.router.internalPort) -}}
 {{- end -}}
 
 {{- define "connex.adminSecret" -}}
@@ -59,21 +59,20 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- default (printf "%s-transfer" (include "connex.fullname" .)) .Values.router.transferSecret.existingSecret -}}
 {{- end -}}
 
-{{- define "connex.hasTransferSecret" -}}
-{{- if or .Values.router.transferSecret.existingSecret .Values.router.transferSecret.value -}}true{{- end -}}
-{{- end -}}
-
-{{/* The CONNEX_TRANSFER_SECRET env entry, for the routers and the engines. */}}
+{{/* The CONNEX_TRANSFER_SECRET env entry, for the engines. */}}
 {{- define "connex.transferSecretEnv" -}}
-{{- if include "connex.hasTransferSecret" . }}
 - name: CONNEX_TRANSFER_SECRET
   valueFrom:
     secretKeyRef:
       name: {{ include "connex.transferSecret" . }}
       key: {{ .Values.router.transferSecret.secretKey }}
-{{- end }}
 {{- end -}}
 
-{{- define "connex.hasRegisterToken" -}}
-{{- if or .Values.router.registerToken.existingSecret .Values.router.registerToken.value -}}true{{- end -}}
+{{/* The CONNEX_REGISTER_TOKEN env entry, for the engines' agents. */}}
+{{- define "connex.registerTokenEnv" -}}
+- name: CONNEX_REGISTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "connex.registerSecret" . }}
+      key: {{ .Values.router.registerToken.secretKey }}
 {{- end -}}

@@ -1,48 +1,37 @@
-//! The admin API (bearer token): instances and the request journal.
+//! The admin API: instances and the request journal. The bearer token is
+//! checked once, by the [`super::access::admin`] layer on these routes.
 
-use super::instances::{check_bearer, registration};
+use super::access::Access;
+use super::instances::registration;
 use crate::error::ApiError;
-use crate::registry::Lifecycle;
+use crate::registry::{Claim, Lifecycle};
 use crate::state::AppState;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::Json;
+use axum::{Extension, Json};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    match state.config.admin_token.as_deref() {
-        None => Err(ApiError::Unauthorized(
-            "the admin API is disabled: start the router with --admin-token",
-        )),
-        Some(token) => check_bearer(
-            headers,
-            Some(token),
-            "a valid admin bearer token is required",
-        ),
-    }
-}
-
-pub async fn list_instances(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-) -> Result<Json<Value>, ApiError> {
-    authorize(&state, &headers)?;
+pub async fn list_instances(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let data: Vec<Value> = state.registry.list().iter().map(|i| i.view()).collect();
     Ok(Json(json!({"data": data})))
 }
 
+/// Adds an instance, or replaces a live one under the same id (its old
+/// credential stops working; the answer carries the new one).
 pub async fn add_instance(
     State(state): State<Arc<AppState>>,
+    Extension(access): Extension<Arc<Access>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    authorize(&state, &headers)?;
-    let reg = registration(&headers, body, 64 * 1024).await?;
-    let instance = state.registry.register(reg).await?;
-    Ok((StatusCode::CREATED, Json(instance.view())))
+    let reg = registration(&access, &headers, body).await?;
+    let (instance, credential) = state.registry.register(reg, Claim::Admin).await?;
+    let mut view = instance.view();
+    view["credential"] = json!(credential);
+    Ok((StatusCode::CREATED, Json(view)))
 }
 
 async fn set_state(
@@ -68,10 +57,8 @@ async fn set_state(
 pub async fn drain(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
-    headers: HeaderMap,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
-    authorize(&state, &headers)?;
     let lifecycle = if flag(&query, "migrate")? {
         Lifecycle::Migrating
     } else {
@@ -97,19 +84,15 @@ fn flag(query: &HashMap<String, String>, key: &'static str) -> Result<bool, ApiE
 pub async fn activate(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
-    headers: HeaderMap,
 ) -> Result<Json<Value>, ApiError> {
-    authorize(&state, &headers)?;
     set_state(&state, &id, Lifecycle::Ready).await
 }
 
 pub async fn remove_instance(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
-    headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
-    authorize(&state, &headers)?;
-    if state.registry.remove(&id).await? {
+    if state.registry.remove(&id, Claim::Admin).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(
@@ -120,10 +103,8 @@ pub async fn remove_instance(
 
 pub async fn requests(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
-    authorize(&state, &headers)?;
     Ok(Json(
         json!({"data": state.journal.view(flag(&query, "verbose")?)}),
     ))

@@ -1,50 +1,44 @@
 //! Self-registration of engine instances: register, heartbeat, deregister.
+//! Who may call them is the [`super::access::registrar`] layer's job; which
+//! id a caller may act on is the credential's.
 
+use super::access::{credential, require_json, Access};
 use super::body::{read_json, read_optional_json};
 use crate::error::ApiError;
-use crate::registry::Registration;
+use crate::registry::{Claim, Registration};
 use crate::state::AppState;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::Json;
+use axum::{Extension, Json};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-/// Checks `Authorization: Bearer <expected>` when a token is configured.
-pub fn check_bearer(
-    headers: &HeaderMap,
-    expected: Option<&str>,
-    what: &'static str,
-) -> Result<(), ApiError> {
-    let Some(expected) = expected else {
-        return Ok(());
-    };
-    let given = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(expected) {
-        Ok(())
-    } else {
-        Err(ApiError::Unauthorized(what))
-    }
-}
+/// Largest registration or heartbeat body.
+const BODY_LIMIT: usize = 64 * 1024;
 
-/// Parses a registration body.
+/// Parses and checks a registration body (JSON only; URL and ctrl within the
+/// upstream policy).
 pub async fn registration(
+    access: &Access,
     headers: &HeaderMap,
     body: Body,
-    limit: usize,
 ) -> Result<Registration, ApiError> {
-    let value = read_json(headers, body, limit).await?;
-    let reg: Registration = serde_json::from_value(value)
+    require_json(headers)?;
+    let value = read_json(headers, body, BODY_LIMIT).await?;
+    let mut reg: Registration = serde_json::from_value(value)
         .map_err(|err| ApiError::bad_request(format!("invalid registration: {err}"), None))?;
-    if !(reg.url.starts_with("http://") || reg.url.starts_with("https://")) {
-        return Err(ApiError::bad_request(
-            "`url` must be an http(s) URL",
-            Some("url"),
-        ));
+    reg.url = access
+        .upstreams
+        .check_url(&reg.url)
+        .await
+        .map_err(|why| ApiError::bad_request(format!("`url` {why}"), Some("url")))?;
+    if let Some(ctrl) = &reg.ctrl {
+        access
+            .upstreams
+            .check_ctrl(ctrl)
+            .await
+            .map_err(|why| ApiError::bad_request(format!("`ctrl`: {why}"), Some("ctrl")))?;
     }
     if reg.model.is_empty() {
         return Err(ApiError::bad_request(
@@ -70,19 +64,20 @@ pub async fn registration(
 
 pub async fn register(
     State(state): State<Arc<AppState>>,
+    Extension(access): Extension<Arc<Access>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    check_bearer(
-        &headers,
-        state.config.register_token.as_deref(),
-        "a valid registration token is required",
-    )?;
-    let reg = registration(&headers, body, 64 * 1024).await?;
-    let instance = state.registry.register(reg).await?;
+    let reg = registration(&access, &headers, body).await?;
+    let claim = Claim::Registrant(credential(&headers));
+    let (instance, credential) = state.registry.register(reg, claim).await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"id": instance.id, "lease_ttl_s": state.config.heartbeat_ttl_s})),
+        Json(json!({
+            "id": instance.id,
+            "lease_ttl_s": state.registry.ttl().as_secs(),
+            "credential": credential,
+        })),
     ))
 }
 
@@ -92,15 +87,13 @@ pub async fn heartbeat(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
-    check_bearer(
-        &headers,
-        state.config.register_token.as_deref(),
-        "a valid registration token is required",
-    )?;
-    let _stats = read_optional_json(&headers, body, 64 * 1024).await?;
-    if state.registry.heartbeat(&id).await? {
+    let stats = read_optional_json(&headers, body, BODY_LIMIT).await?;
+    if !stats.is_null() {
+        require_json(&headers)?;
+    }
+    if state.registry.heartbeat(&id, credential(&headers)).await? {
         Ok(Json(
-            json!({"id": id, "lease_ttl_s": state.config.heartbeat_ttl_s}),
+            json!({"id": id, "lease_ttl_s": state.registry.ttl().as_secs()}),
         ))
     } else {
         Err(ApiError::NotFound(format!(
@@ -114,12 +107,8 @@ pub async fn deregister(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
-    check_bearer(
-        &headers,
-        state.config.register_token.as_deref(),
-        "a valid registration token is required",
-    )?;
-    if state.registry.remove(&id).await? {
+    let claim = Claim::Registrant(credential(&headers));
+    if state.registry.remove(&id, claim).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(

@@ -1,25 +1,64 @@
 //! The router's whole HTTP surface, assembled in one place.
 //!
-//! The route table is data ([`endpoints`]) so that it can be listed: the test
-//! that holds `openapi/openapi.yaml` to the code compares against it.
+//! Two listeners by audience: the client listener serves the OpenAI routes and
+//! the probes; the internal listener serves registration (engines), the admin
+//! API (operators) and `/metrics` (the scraper). The route table is data
+//! ([`endpoints`]) so that it can be listed: the test that holds
+//! `openapi/openapi.yaml` to the code compares against it.
 
+pub mod access;
 pub mod admin;
 pub mod body;
 pub mod instances;
 pub mod openai;
 pub mod probes;
 
+use crate::server::{self, Gate, Shutdown};
 use crate::state::AppState;
+use access::Access;
 use axum::handler::Handler;
 use axum::http::Method;
+use axum::middleware::from_fn_with_state;
 use axum::routing::{on, MethodFilter, MethodRouter};
-use axum::Router;
+use axum::{Extension, Router};
 use std::sync::Arc;
+
+/// Which listener serves a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listener {
+    /// `--listen`: clients.
+    Client,
+    /// `--internal-listen`: engines, operators, the metrics scraper.
+    Internal,
+}
+
+impl Listener {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Listener::Client => "client",
+            Listener::Internal => "internal",
+        }
+    }
+}
+
+/// Who may call a route, beyond reaching its listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Guard {
+    Open,
+    /// The client gate: concurrency limit, instance headers, shutdown cut.
+    Gated,
+    /// The register token, or a loopback peer when none is set.
+    Registrar,
+    /// The admin bearer token.
+    Admin,
+}
 
 /// One route: method, path (`{param}` syntax, as in OpenAPI) and its handler.
 pub struct Endpoint {
     pub method: Method,
     pub path: &'static str,
+    pub listener: Listener,
+    guard: Guard,
     handler: MethodRouter<Arc<AppState>>,
 }
 
@@ -31,7 +70,7 @@ enum Verb {
     Delete,
 }
 
-fn at<H, T>(verb: Verb, path: &'static str, handler: H) -> Endpoint
+fn at<H, T>(verb: Verb, path: &'static str, guard: Guard, handler: H) -> Endpoint
 where
     H: Handler<T, Arc<AppState>>,
     T: 'static,
@@ -41,32 +80,64 @@ where
         Verb::Post => (Method::POST, MethodFilter::POST),
         Verb::Delete => (Method::DELETE, MethodFilter::DELETE),
     };
+    let listener = match (guard, path) {
+        (Guard::Open, "/metrics") | (Guard::Registrar | Guard::Admin, _) => Listener::Internal,
+        (Guard::Open | Guard::Gated, _) => Listener::Client,
+    };
     Endpoint {
         method,
         path,
+        listener,
+        guard,
         handler: on(filter, handler),
     }
 }
 
 /// Every route of the router.
 pub fn endpoints() -> Vec<Endpoint> {
+    use Guard::{Admin, Gated, Open, Registrar};
     use Verb::{Delete, Get, Post};
     vec![
-        at(Post, "/v1/completions", openai::completions),
-        at(Post, "/v1/chat/completions", openai::chat_completions),
-        at(Get, "/v1/models", openai::models),
-        at(Post, "/v1/instances", instances::register),
-        at(Delete, "/v1/instances/{id}", instances::deregister),
-        at(Post, "/v1/instances/{id}/heartbeat", instances::heartbeat),
-        at(Get, "/admin/instances", admin::list_instances),
-        at(Post, "/admin/instances", admin::add_instance),
-        at(Delete, "/admin/instances/{id}", admin::remove_instance),
-        at(Post, "/admin/instances/{id}/drain", admin::drain),
-        at(Post, "/admin/instances/{id}/activate", admin::activate),
-        at(Get, "/admin/requests", admin::requests),
-        at(Get, "/health", probes::health),
-        at(Get, "/ready", probes::ready),
-        at(Get, "/metrics", probes::metrics),
+        at(Post, "/v1/completions", Gated, openai::completions),
+        at(
+            Post,
+            "/v1/chat/completions",
+            Gated,
+            openai::chat_completions,
+        ),
+        at(Get, "/v1/models", Open, openai::models),
+        at(Get, "/health", Open, probes::health),
+        at(Get, "/ready", Open, probes::ready),
+        at(Post, "/v1/instances", Registrar, instances::register),
+        at(
+            Delete,
+            "/v1/instances/{id}",
+            Registrar,
+            instances::deregister,
+        ),
+        at(
+            Post,
+            "/v1/instances/{id}/heartbeat",
+            Registrar,
+            instances::heartbeat,
+        ),
+        at(Get, "/admin/instances", Admin, admin::list_instances),
+        at(Post, "/admin/instances", Admin, admin::add_instance),
+        at(
+            Delete,
+            "/admin/instances/{id}",
+            Admin,
+            admin::remove_instance,
+        ),
+        at(Post, "/admin/instances/{id}/drain", Admin, admin::drain),
+        at(
+            Post,
+            "/admin/instances/{id}/activate",
+            Admin,
+            admin::activate,
+        ),
+        at(Get, "/admin/requests", Admin, admin::requests),
+        at(Get, "/metrics", Open, probes::metrics),
     ]
 }
 
@@ -78,12 +149,54 @@ pub fn route_list() -> Vec<(Method, &'static str)> {
         .collect()
 }
 
-/// The router's axum app.
-pub fn routes(state: Arc<AppState>) -> Router {
+/// (method, path, listener) of every route.
+pub fn route_table() -> Vec<(Method, &'static str, Listener)> {
     endpoints()
         .into_iter()
+        .map(|e| (e.method, e.path, e.listener))
+        .collect()
+}
+
+/// What the layers of both listeners share.
+#[derive(Clone)]
+pub struct Edge {
+    pub access: Arc<Access>,
+    pub gate: Arc<Gate>,
+    pub shutdown: Shutdown,
+}
+
+/// Routes of `listener` guarded by `guard`, with the guard's layer.
+fn group(listener: Listener, guard: Guard, edge: &Edge) -> Router<Arc<AppState>> {
+    let routes: Vec<Endpoint> = endpoints()
+        .into_iter()
+        .filter(|e| e.listener == listener && e.guard == guard)
+        .collect();
+    if routes.is_empty() {
+        return Router::new();
+    }
+    let router = routes
+        .into_iter()
         // Routes on one path with different methods merge into one.
-        .fold(Router::new(), |router, e| router.route(e.path, e.handler))
+        .fold(Router::new(), |router, e| router.route(e.path, e.handler));
+    match guard {
+        Guard::Open => router,
+        Guard::Gated => router.route_layer(from_fn_with_state(edge.gate.clone(), server::gate)),
+        Guard::Registrar => {
+            router.route_layer(from_fn_with_state(edge.access.clone(), access::registrar))
+        }
+        Guard::Admin => router.route_layer(from_fn_with_state(edge.access.clone(), access::admin)),
+    }
+}
+
+/// The app of `listener`.
+pub fn routes(listener: Listener, state: Arc<AppState>, edge: &Edge) -> Router {
+    [Guard::Open, Guard::Gated, Guard::Registrar, Guard::Admin]
+        .into_iter()
+        .fold(Router::new(), |router, guard| {
+            router.merge(group(listener, guard, edge))
+        })
         .fallback(probes::not_found)
+        .layer(Extension(edge.access.clone()))
+        .layer(Extension(edge.shutdown.clone()))
         .with_state(state)
 }

@@ -1,11 +1,12 @@
 //! Probes and metrics: `/health`, `/ready`, `/metrics`, and the 404 fallback.
 
 use crate::error::ApiError;
+use crate::server::Shutdown;
 use crate::state::AppState;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
-use axum::Json;
+use axum::{Extension, Json};
 use serde_json::json;
 use std::sync::Arc;
 
@@ -13,8 +14,14 @@ pub async fn health() -> Json<serde_json::Value> {
     Json(json!({"status": "ok"}))
 }
 
-pub async fn ready(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let ready = state.registry.is_ready();
+pub async fn ready(
+    State(state): State<Arc<AppState>>,
+    Extension(shutdown): Extension<Shutdown>,
+) -> impl IntoResponse {
+    // A router shutting down says so at once, so that load balancers stop
+    // sending it new requests while its streams finish.
+    let shutting_down = shutdown.draining.is_cancelled();
+    let ready = state.registry.is_ready() && !shutting_down;
     let status = if ready {
         StatusCode::OK
     } else {
@@ -24,6 +31,7 @@ pub async fn ready(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         status,
         Json(json!({
             "ready": ready,
+            "shutting_down": shutting_down,
             "instances": state.registry.list().len(),
             // With etcd: whether this replica's view is current (`stale` while
             // etcd is unreachable; routing goes on from the last view).

@@ -165,18 +165,24 @@ fn config(extra: &[&str]) -> RouterConfig {
 
 /// A router state with one prefill and `decoders` decoders, on `upstream`.
 async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Arc<AppState> {
-    let registry = Registry::new(Duration::from_secs(60));
+    let registry = Registry::new(&crate::registry::RegistryConfig::memory(
+        Duration::from_secs(60),
+    ));
     let mut instances = vec![("p0".to_string(), Role::Prefill)];
     instances.extend((0..decoders).map(|i| (format!("d{i}"), Role::Decode)));
     for (id, role) in instances {
         registry
-            .register(Registration {
-                role,
-                url: format!("http://{id}"),
-                model: "m".into(),
-                ctrl: None,
-                id: Some(id),
-            })
+            .register(
+                Registration {
+                    role,
+                    url: format!("http://{id}"),
+                    model: "m".into(),
+                    ctrl: None,
+                    id: Some(id),
+                    credential: None,
+                },
+                crate::registry::Claim::Admin,
+            )
             .await
             .expect("register");
     }

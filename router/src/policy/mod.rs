@@ -4,21 +4,11 @@
 pub mod outlier;
 
 use crate::registry::Instance;
-use clap::ValueEnum;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-/// A selection policy, set separately for prefill and decode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-#[value(rename_all = "snake_case")]
-pub enum PolicyKind {
-    RoundRobin,
-    /// Fewest requests in flight from this router.
-    LeastLoaded,
-    /// The less loaded of two random candidates.
-    PowerOfTwo,
-}
+/// Defined with the flags that name it (config is a leaf).
+pub use crate::config::PolicyKind;
 
 /// A policy with its state (the round-robin cursor).
 #[derive(Debug)]

@@ -15,14 +15,17 @@ use tokio_util::sync::CancellationToken;
 pub struct MemoryStore {
     view: Arc<View>,
     ttl: Duration,
+    /// How long an expired instance stays listed.
+    grace: Duration,
     connectivity: Connectivity,
 }
 
 impl MemoryStore {
-    pub fn new(view: Arc<View>, ttl: Duration) -> Self {
+    pub fn new(view: Arc<View>, ttl: Duration, grace: Duration) -> Self {
         Self {
             view,
             ttl,
+            grace,
             connectivity: Connectivity::new("memory", true),
         }
     }
@@ -36,7 +39,11 @@ impl Store for MemoryStore {
         async move { Ok(instance) }.boxed()
     }
 
-    fn heartbeat<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, RegistryError>> {
+    fn heartbeat<'a>(
+        &'a self,
+        id: &'a str,
+        _credential: &'a str,
+    ) -> BoxFuture<'a, Result<bool, RegistryError>> {
         let known = self.view.heartbeat(id).is_some();
         async move { Ok(known) }.boxed()
     }
@@ -59,8 +66,9 @@ impl Store for MemoryStore {
 
     fn spawn(&self, tasks: &mut JoinSet<()>, shutdown: CancellationToken) {
         let view = self.view.clone();
+        let grace = self.grace;
         super::every(tasks, shutdown, super::sweep_period(self.ttl), move || {
-            view.reap()
+            view.reap(grace)
         });
     }
 

@@ -16,15 +16,16 @@
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
+pub mod machine;
 pub mod memory;
 pub mod status;
 pub mod view;
 
-use crate::config::RouterConfig;
 use futures_util::future::BoxFuture;
+use machine::{Event, Machine, Verdict};
 use serde::{Deserialize, Serialize};
 use status::StoreStatus;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -92,6 +93,10 @@ pub struct Registration {
     pub ctrl: Option<String>,
     #[serde(default)]
     pub id: Option<String>,
+    /// The instance's credential: issued by the registry, never read from a
+    /// registrant's body.
+    #[serde(skip)]
+    pub credential: Option<String>,
 }
 
 impl Registration {
@@ -111,8 +116,14 @@ pub struct Instance {
     pub url: String,
     pub model: String,
     pub ctrl: Option<String>,
-    /// A watch, so that the streams running on the instance learn at once that
-    /// it died or is being migrated away from.
+    /// What its registrant must present to heartbeat, re-register or
+    /// deregister under this id (`x-connex-credential`).
+    credential: String,
+    /// Its state machine (stored state and this replica's verdict); every
+    /// change goes through [`Instance::apply`].
+    machine: Mutex<Machine>,
+    /// The machine's lifecycle as a watch, so that the streams running on the
+    /// instance learn at once that it died or is being migrated away from.
     lifecycle: watch::Sender<Lifecycle>,
     last_heartbeat: Mutex<Instant>,
     inflight: AtomicUsize,
@@ -122,14 +133,6 @@ pub struct Instance {
     /// Revision of the membership record last applied (etcd mod_revision, or a
     /// local counter): older changes arriving late are ignored.
     revision: AtomicI64,
-    /// The lifecycle the store last gave, and when this replica marked the
-    /// instance dead on its own (`mark_dead`): etcd revives it from these.
-    stored: Mutex<Lifecycle>,
-    marked_dead_at: Mutex<Option<Instant>>,
-    /// Dead because its `/health` probes failed: only a probe that succeeds
-    /// brings it back, not a heartbeat (the agent that sends them may outlive
-    /// the server it speaks for).
-    unhealthy: AtomicBool,
     /// The view's membership generation, bumped by every lifecycle change so
     /// that the view's cached candidate lists are rebuilt.
     generation: Arc<AtomicU64>,
@@ -143,15 +146,14 @@ impl Instance {
             url: reg.url.trim_end_matches('/').to_string(),
             model: reg.model,
             ctrl: reg.ctrl,
+            credential: reg.credential.unwrap_or_default(),
+            machine: Mutex::new(Machine::new(Lifecycle::Ready)),
             lifecycle: watch::Sender::new(Lifecycle::Ready),
             last_heartbeat: Mutex::new(Instant::now()),
             inflight: AtomicUsize::new(0),
             served: AtomicU64::new(0),
             lease: AtomicI64::new(0),
             revision: AtomicI64::new(0),
-            stored: Mutex::new(Lifecycle::Ready),
-            marked_dead_at: Mutex::new(None),
-            unhealthy: AtomicBool::new(false),
             generation,
         }
     }
@@ -165,41 +167,36 @@ impl Instance {
         self.lifecycle.subscribe()
     }
 
-    /// A lifecycle the store decided (registration, drain, activate, a record
-    /// from etcd): it also ends a local dead mark (a probe will find a server
-    /// that still fails).
-    fn set_stored(&self, state: Lifecycle) {
-        *self.stored.lock().unwrap_or_else(|e| e.into_inner()) = state;
-        *self
-            .marked_dead_at
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = None;
-        self.unhealthy.store(false, Ordering::Relaxed);
-        self.set_lifecycle(state);
-    }
-
-    /// Takes back the lifecycle the store last gave, ending any local mark;
-    /// returns it.
-    fn restore_stored(&self) -> Lifecycle {
-        let stored = *self.stored.lock().unwrap_or_else(|e| e.into_inner());
-        self.set_stored(stored);
-        stored
-    }
-
-    /// Whether the health checks declared the instance dead (and still do).
-    pub fn is_unhealthy(&self) -> bool {
-        self.unhealthy.load(Ordering::Relaxed)
-    }
-
-    fn set_lifecycle(&self, state: Lifecycle) {
+    /// Applies `event` to the instance's state machine; returns the lifecycle
+    /// before and after. A change is published to the watchers and to the
+    /// view's candidate cache.
+    fn apply(&self, event: Event) -> (Lifecycle, Lifecycle) {
+        let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+        let before = machine.lifecycle();
+        *machine = machine.next(event);
+        let after = machine.lifecycle();
+        // Published under the lock, so that watchers see changes in order.
         let changed = self.lifecycle.send_if_modified(|current| {
-            let changed = *current != state;
-            *current = state;
+            let changed = *current != after;
+            *current = after;
             changed
         });
         if changed {
             self.generation.fetch_add(1, Ordering::Release);
         }
+        (before, after)
+    }
+
+    fn verdict(&self) -> Verdict {
+        self.machine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .verdict()
+    }
+
+    /// Whether the health checks declared the instance dead (and still do).
+    pub fn is_unhealthy(&self) -> bool {
+        self.verdict() == Verdict::Unhealthy
     }
 
     fn touch(&self) {
@@ -214,6 +211,16 @@ impl Instance {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .elapsed()
+    }
+
+    /// Whether `given` is this instance's credential (constant time; an
+    /// instance without one matches nothing).
+    pub fn credential_matches(&self, given: Option<&str>) -> bool {
+        credential_matches(&self.credential, given)
+    }
+
+    pub(crate) fn credential(&self) -> &str {
+        &self.credential
     }
 
     /// The etcd lease of the instance's key (0 when none).
@@ -242,6 +249,7 @@ impl Instance {
             && self.url == other.url
             && self.model == other.model
             && self.ctrl == other.ctrl
+            && self.credential == other.credential
     }
 
     /// JSON view for the admin API. `last_heartbeat_ms_ago` is the last heartbeat
@@ -294,6 +302,15 @@ pub enum RegistryError {
     Corrupt { id: String, message: String },
     #[error("invalid membership configuration: {0}")]
     Config(String),
+    /// The id is held by a live instance whose credential was not presented.
+    #[error("instance id `{0}` is taken by a live instance; present its credential or wait for its registration to expire")]
+    Taken(String),
+    /// A heartbeat or deregistration without the instance's credential.
+    #[error("the credential presented is not that of instance `{0}`")]
+    WrongCredential(String),
+    /// `--max-instances` reached.
+    #[error("the registry holds its maximum of {0} instances")]
+    Full(usize),
 }
 
 /// Where membership writes go; reads always come from the local view.
@@ -302,7 +319,13 @@ pub trait Store: Send + Sync {
     fn register(&self, reg: Registration) -> BoxFuture<'_, Result<Arc<Instance>, RegistryError>>;
     /// Refreshes an instance's liveness. `false` when it is unknown (or its lease
     /// has expired): the instance should register again.
-    fn heartbeat<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, RegistryError>>;
+    /// The caller checked `credential` against the local view; a backend that
+    /// looks the instance up elsewhere (etcd) checks it against what it finds.
+    fn heartbeat<'a>(
+        &'a self,
+        id: &'a str,
+        credential: &'a str,
+    ) -> BoxFuture<'a, Result<bool, RegistryError>>;
     /// Drain, migrate, activate. `false` when unknown.
     fn set_lifecycle<'a>(
         &'a self,
@@ -318,11 +341,62 @@ pub trait Store: Send + Sync {
     fn status(&self) -> StoreStatus;
 }
 
+/// What the membership needs to know (built from the router's flags in one place).
+#[derive(Debug, Clone)]
+pub struct RegistryConfig {
+    /// Heartbeat TTL: an instance silent for this long gets no traffic, and
+    /// its id is free again.
+    pub ttl: Duration,
+    /// Most instances held; registrations of new ids past it are refused.
+    pub max_instances: usize,
+    /// How long an expired instance stays listed before it is evicted (memory).
+    pub dead_grace: Duration,
+    /// The shared etcd store, if any.
+    pub etcd: Option<EtcdConfig>,
+}
+
+impl RegistryConfig {
+    /// The in-memory membership with defaults, for tests and tools.
+    pub fn memory(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            max_instances: 1024,
+            dead_grace: Duration::from_secs(60),
+            etcd: None,
+        }
+    }
+}
+
+/// How to reach etcd (`--etcd*`).
+#[derive(Debug, Clone)]
+pub struct EtcdConfig {
+    /// Comma-separated endpoint URLs (`https://` with TLS).
+    pub endpoints: String,
+    pub prefix: String,
+    pub timeout: Duration,
+    /// CA certificate (PEM) that the server's certificate must chain to.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// Client certificate and key (PEM) for mutual TLS.
+    pub identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// User and password for etcd's own authentication.
+    pub user: Option<(String, String)>,
+}
+
+/// Who asks to (re-)register or remove an id.
+#[derive(Debug, Clone, Copy)]
+pub enum Claim<'a> {
+    /// The admin API: may replace a live instance.
+    Admin,
+    /// A registrant, with the credential it was given, if any.
+    Registrant(Option<&'a str>),
+}
+
 /// The membership of one router: the local view plus the store behind it.
 pub struct Registry {
     view: Arc<View>,
     store: Arc<dyn Store>,
     ttl: Duration,
+    max_instances: usize,
 }
 
 impl std::fmt::Debug for Registry {
@@ -336,38 +410,40 @@ impl std::fmt::Debug for Registry {
 
 impl Registry {
     /// The in-memory membership of one router.
-    pub fn new(ttl: Duration) -> Self {
-        let view = Arc::new(View::new(Some(ttl)));
-        let store = Arc::new(memory::MemoryStore::new(view.clone(), ttl));
-        Self { view, store, ttl }
+    pub fn new(config: &RegistryConfig) -> Self {
+        let view = Arc::new(View::new(Some(config.ttl)));
+        let store = Arc::new(memory::MemoryStore::new(
+            view.clone(),
+            config.ttl,
+            config.dead_grace,
+        ));
+        Self {
+            view,
+            store,
+            ttl: config.ttl,
+            max_instances: config.max_instances,
+        }
     }
 
-    /// The backend the configuration asks for: etcd with `--etcd`, else memory.
-    pub async fn open(config: &RouterConfig) -> Result<Self, RegistryError> {
-        let ttl = config.heartbeat_ttl();
-        let Some(endpoints) = config.etcd.as_deref() else {
-            return Ok(Self::new(ttl));
+    /// The backend the configuration asks for: etcd when configured, else memory.
+    pub async fn open(config: &RegistryConfig) -> Result<Self, RegistryError> {
+        let Some(etcd) = config.etcd.as_ref() else {
+            return Ok(Self::new(config));
         };
         #[cfg(feature = "etcd")]
         {
             let view = Arc::new(View::new(None));
-            let store = etcd::EtcdStore::connect(
-                endpoints,
-                &config.etcd_prefix,
-                ttl,
-                Duration::from_millis(config.etcd_timeout_ms),
-                view.clone(),
-            )
-            .await?;
+            let store = etcd::EtcdStore::connect(etcd, config.ttl, view.clone()).await?;
             Ok(Self {
                 view,
                 store: Arc::new(store),
-                ttl,
+                ttl: config.ttl,
+                max_instances: config.max_instances,
             })
         }
         #[cfg(not(feature = "etcd"))]
         {
-            let _ = endpoints;
+            let _ = etcd;
             Err(RegistryError::Config(
                 "--etcd needs a connex-router built with the `etcd` cargo feature \
                  (cargo build --release --features etcd)"
@@ -389,19 +465,71 @@ impl Registry {
         self.store.status()
     }
 
-    /// Adds or re-registers an instance; returns it.
-    pub async fn register(&self, reg: Registration) -> Result<Arc<Instance>, RegistryError> {
-        self.store.register(reg).await
+    /// Adds or re-registers an instance; returns it with its credential.
+    ///
+    /// An id held by a live instance is only re-registered by whoever presents
+    /// its credential (it keeps it) or by the admin API (a new one is issued);
+    /// anyone else gets [`RegistryError::Taken`]. A new or expired id gets a
+    /// new credential.
+    pub async fn register(
+        &self,
+        mut reg: Registration,
+        claim: Claim<'_>,
+    ) -> Result<(Arc<Instance>, String), RegistryError> {
+        let current = reg
+            .id
+            .as_deref()
+            .and_then(|id| self.view.get(id))
+            .filter(|i| self.view.is_live(i));
+        let credential = match (&current, claim) {
+            (Some(current), Claim::Registrant(given)) => {
+                if !current.credential_matches(given) {
+                    return Err(RegistryError::Taken(current.id.clone()));
+                }
+                current.credential().to_string()
+            }
+            _ => new_credential(),
+        };
+        let known = reg
+            .id
+            .as_deref()
+            .is_some_and(|id| self.view.get(id).is_some());
+        if !known && self.view.len() >= self.max_instances {
+            return Err(RegistryError::Full(self.max_instances));
+        }
+        reg.credential = Some(credential.clone());
+        let instance = self.store.register(reg).await?;
+        Ok((instance, credential))
     }
 
     /// Refreshes an instance's heartbeat. A dead instance that heartbeats again is
     /// ready again (memory backend); a draining one stays draining. `false` when
-    /// unknown.
-    pub async fn heartbeat(&self, id: &str) -> Result<bool, RegistryError> {
-        self.store.heartbeat(id).await
+    /// unknown (the registrant should register again).
+    pub async fn heartbeat(
+        &self,
+        id: &str,
+        credential: Option<&str>,
+    ) -> Result<bool, RegistryError> {
+        if let Some(instance) = self.view.get(id) {
+            if !instance.credential_matches(credential) {
+                return Err(RegistryError::WrongCredential(id.to_string()));
+            }
+        }
+        self.store
+            .heartbeat(id, credential.unwrap_or_default())
+            .await
     }
 
-    pub async fn remove(&self, id: &str) -> Result<bool, RegistryError> {
+    /// Removes an instance on behalf of `claim`. `false` when unknown.
+    pub async fn remove(&self, id: &str, claim: Claim<'_>) -> Result<bool, RegistryError> {
+        let Some(instance) = self.view.get(id) else {
+            return Ok(false);
+        };
+        if let Claim::Registrant(given) = claim {
+            if !instance.credential_matches(given) {
+                return Err(RegistryError::WrongCredential(id.to_string()));
+            }
+        }
         self.store.remove(id).await
     }
 
@@ -461,17 +589,36 @@ impl Registry {
     pub fn is_ready(&self) -> bool {
         self.view.is_ready()
     }
+}
 
-    /// Marks instances whose heartbeats stopped for the TTL as dead (memory
-    /// backend; with etcd the leases decide).
-    pub fn reap(&self) {
-        self.view.reap();
+/// Whether `given` is the credential `expected` (constant time; an empty
+/// `expected` matches nothing).
+pub(crate) fn credential_matches(expected: &str, given: Option<&str>) -> bool {
+    use subtle::ConstantTimeEq;
+    match given {
+        Some(given) if !expected.is_empty() => {
+            bool::from(expected.as_bytes().ct_eq(given.as_bytes()))
+        }
+        _ => false,
     }
+}
+
+/// A new instance credential: 128 bits from the OS CSPRNG (rand's thread
+/// RNG is a CSPRNG reseeded from it), hex.
+fn new_credential() -> String {
+    use rand::Rng;
+    let bytes: [u8; 16] = rand::rng().random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl From<RegistryError> for crate::error::ApiError {
     fn from(err: RegistryError) -> Self {
-        crate::error::ApiError::Unavailable(err.to_string())
+        use crate::error::ApiError;
+        match err {
+            RegistryError::Taken(_) => ApiError::Conflict(err.to_string()),
+            RegistryError::WrongCredential(_) => ApiError::Forbidden(err.to_string()),
+            _ => ApiError::Unavailable(err.to_string()),
+        }
     }
 }
 

@@ -17,6 +17,8 @@ pub const RELISTS: &str = "connex_registry_relists_total";
 pub const EVENTS: &str = "connex_registry_events_total";
 /// Counter: reconnections of the membership watch after it broke.
 pub const RECONNECTS: &str = "connex_registry_reconnects_total";
+/// Counter: membership records ignored because their id disagrees with their key.
+pub const MISMATCHED: &str = "connex_registry_mismatched_records_total";
 
 /// What `/ready` reports about membership.
 #[derive(Debug, Clone, Serialize)]
@@ -85,6 +87,10 @@ impl Connectivity {
 
     pub fn applied(&self, events: usize) {
         counter!(EVENTS).increment(events as u64);
+    }
+
+    pub fn mismatched(&self) {
+        counter!(MISMATCHED).increment(1);
     }
 
     pub fn reconnecting(&self) {

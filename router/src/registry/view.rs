@@ -6,6 +6,7 @@
 //! so that a local write and the watch echo of it (or a late event) can arrive
 //! in any order. State changes update the instance's `Arc` in place.
 
+use super::machine::Event;
 use super::{Instance, Lifecycle, Phase, Registration};
 use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
@@ -98,13 +99,13 @@ impl View {
                     if current.lifecycle() != lifecycle {
                         tracing::info!(id = %current.id, state = ?lifecycle, "instance state changed");
                     }
-                    current.set_stored(lifecycle);
+                    current.apply(Event::Stored(lifecycle));
                     return current;
                 }
                 tracing::info!(id = %current.id, url = %fresh.url, "instance re-registered as a new incarnation");
                 let fresh = Arc::new(with_state(fresh, lifecycle, lease, revision));
                 entry.insert(fresh.clone());
-                current.set_lifecycle(Lifecycle::Dead);
+                current.apply(Event::Gone);
                 self.changed();
                 fresh
             }
@@ -127,7 +128,7 @@ impl View {
         if state == Lifecycle::Ready {
             instance.touch();
         }
-        instance.set_stored(state);
+        instance.apply(Event::Stored(state));
         tracing::info!(%id, ?state, "instance state changed");
         true
     }
@@ -137,13 +138,9 @@ impl View {
         let Some(instance) = self.get(id) else {
             return;
         };
-        if instance.lifecycle() == Lifecycle::Ready {
+        let now = std::time::Instant::now();
+        if instance.apply(Event::Unreachable(now)) == (Lifecycle::Ready, Lifecycle::Dead) {
             tracing::warn!(%id, "instance unreachable; marked dead");
-            *instance
-                .marked_dead_at
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
-            instance.set_lifecycle(Lifecycle::Dead);
         }
     }
 
@@ -153,10 +150,8 @@ impl View {
         let Some(instance) = self.get(id) else {
             return;
         };
-        if instance.lifecycle() == Lifecycle::Ready {
+        if instance.apply(Event::Unhealthy) == (Lifecycle::Ready, Lifecycle::Dead) {
             tracing::warn!(%id, "instance fails its health checks; marked dead");
-            instance.unhealthy.store(true, Ordering::Relaxed);
-            instance.set_lifecycle(Lifecycle::Dead);
         }
     }
 
@@ -166,11 +161,9 @@ impl View {
         let Some(instance) = self.get(id) else {
             return;
         };
-        if instance.unhealthy.swap(false, Ordering::Relaxed)
-            && instance.lifecycle() == Lifecycle::Dead
-        {
-            let state = instance.restore_stored();
-            tracing::info!(%id, ?state, "instance passes its health checks again");
+        let (before, after) = instance.apply(Event::Healthy);
+        if before != after {
+            tracing::info!(%id, state = ?after, "instance passes its health checks again");
         }
     }
 
@@ -178,16 +171,10 @@ impl View {
     /// stored state back (etcd: they are still in the view, so their lease is
     /// being kept alive by heartbeats; a dead one's key would have expired).
     pub fn revive(&self, after: Duration) {
+        let now = std::time::Instant::now();
         for entry in self.instances.iter() {
-            let marked = *entry
-                .marked_dead_at
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            if marked.is_some_and(|at| at.elapsed() > after)
-                && entry.lifecycle() == Lifecycle::Dead
-                && !entry.is_unhealthy()
-            {
-                let state = entry.restore_stored();
+            let (before, state) = entry.apply(Event::Revive { now, after });
+            if before != state {
                 tracing::info!(id = %entry.id, ?state, "instance still heartbeats; back from a local dead mark");
             }
         }
@@ -198,9 +185,9 @@ impl View {
     pub fn heartbeat(&self, id: &str) -> Option<Arc<Instance>> {
         let instance = self.get(id)?;
         instance.touch();
-        if instance.lifecycle() == Lifecycle::Dead && !instance.is_unhealthy() {
-            tracing::info!(%id, "instance is alive again");
-            instance.set_lifecycle(Lifecycle::Ready);
+        let (before, after) = instance.apply(Event::Heartbeat);
+        if before != after {
+            tracing::info!(%id, state = ?after, "instance is alive again");
         }
         Some(instance)
     }
@@ -218,7 +205,7 @@ impl View {
         self.changed();
         if dead {
             tracing::warn!(%id, "instance is gone from the membership; marked dead");
-            instance.set_lifecycle(Lifecycle::Dead);
+            instance.apply(Event::Gone);
         } else {
             tracing::info!(%id, "instance removed");
         }
@@ -332,15 +319,38 @@ impl View {
         })
     }
 
-    /// Marks instances whose heartbeats stopped for the TTL as dead (local TTL only).
-    pub fn reap(&self) {
+    /// Whether an instance's registration still holds its id: its heartbeats
+    /// are within the TTL (local TTL), or its key exists (the store decides,
+    /// and the view holds only what the store has).
+    pub fn is_live(&self, instance: &Instance) -> bool {
+        self.expiry
+            .is_none_or(|ttl| instance.heartbeat_age() <= ttl)
+    }
+
+    /// Marks instances whose heartbeats stopped for the TTL as dead, and evicts
+    /// those silent for the TTL plus `grace` (local TTL only): the registry
+    /// stays bounded however many ids come and go.
+    pub fn reap(&self, grace: Duration) {
         let Some(ttl) = self.expiry else {
             return;
         };
+        let mut evicted = Vec::new();
         for entry in self.instances.iter() {
-            if entry.lifecycle() != Lifecycle::Dead && entry.heartbeat_age() > ttl {
+            let age = entry.heartbeat_age();
+            if age > ttl && entry.apply(Event::Expired).0 != Lifecycle::Dead {
                 tracing::warn!(id = %entry.id, "instance missed heartbeats for its TTL; marked dead");
-                entry.set_lifecycle(Lifecycle::Dead);
+            }
+            if age > ttl + grace {
+                evicted.push(entry.id.clone());
+            }
+        }
+        for id in evicted {
+            let removed = self
+                .instances
+                .remove_if(&id, |_, i| i.heartbeat_age() > ttl + grace);
+            if removed.is_some() {
+                tracing::info!(%id, "dead instance evicted");
+                self.changed();
             }
         }
     }
@@ -349,7 +359,7 @@ impl View {
 fn with_state(instance: Instance, lifecycle: Lifecycle, lease: i64, revision: i64) -> Instance {
     instance.lease.store(lease, Ordering::Relaxed);
     instance.revision.store(revision, Ordering::Relaxed);
-    instance.set_stored(lifecycle);
+    instance.apply(Event::Stored(lifecycle));
     instance
 }
 
@@ -366,6 +376,7 @@ mod tests {
             model: "m".into(),
             ctrl: None,
             id: None,
+            credential: None,
         }
     }
 

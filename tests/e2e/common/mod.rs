@@ -14,6 +14,9 @@ pub const ADMIN_TOKEN: &str = "test-admin-token";
 pub struct Proc {
     child: Child,
     pub url: String,
+    /// A router's internal listener (registration, admin, metrics); for other
+    /// processes, their one URL.
+    pub internal: String,
 }
 
 impl Proc {
@@ -28,16 +31,26 @@ impl Proc {
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
+            // A router prints its internal address first, then "listening on".
+            let mut internal = None;
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(url) = line.split("internal API on ").nth(1) {
+                    internal = Some(url.trim().to_string());
+                }
                 if let Some(url) = line.split("listening on ").nth(1) {
-                    let _ = tx.send(url.trim().to_string());
+                    let _ = tx.send((url.trim().to_string(), internal.take()));
                 }
             }
         });
-        let url = rx
+        let (url, internal) = rx
             .recv_timeout(Duration::from_secs(20))
             .expect("process did not report its address");
-        Proc { child, url }
+        let internal = internal.unwrap_or_else(|| url.clone());
+        Proc {
+            child,
+            url,
+            internal,
+        }
     }
 
     /// Kills the process now (SIGKILL) and reaps it.
@@ -76,15 +89,21 @@ fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
 }
 
-/// Starts a router with the admin token and `extra` flags.
+/// Starts a router with the admin token and `extra` flags, both listeners on
+/// free loopback ports; clients see the instance headers (tests check them).
 pub fn router(extra: &[&str]) -> Proc {
     let mut all = args(&[
         "serve",
         "--listen",
         "127.0.0.1:0",
+        "--internal-listen",
+        "127.0.0.1:0",
         "--admin-token",
         ADMIN_TOKEN,
     ]);
+    if !extra.contains(&"--expose-instance-headers=false") {
+        all.push("--expose-instance-headers".into());
+    }
     all.extend(args(extra));
     Proc::start(env!("CARGO_BIN_EXE_connex-router"), &all)
 }
@@ -96,7 +115,18 @@ pub fn engine(router: Option<&Proc>, role: &str, extra: &[&str]) -> Proc {
         all.extend(args(&["--model", "mock"]));
     }
     if let Some(router) = router {
-        all.extend(args(&["--router", &router.url]));
+        all.extend(args(&["--router", &router.internal]));
+        // An engine restarted under the same id keeps its credential (as a
+        // real agent may), so that it gets its id back at once.
+        if let Some(at) = extra.iter().position(|a| *a == "--id") {
+            if let Some(id) = extra.get(at + 1) {
+                let dir = std::env::temp_dir().join(format!("connex-e2e-{}", std::process::id()));
+                let _ = std::fs::create_dir_all(&dir);
+                let port = router.internal.rsplit(':').next().unwrap_or("0");
+                let file = dir.join(format!("{port}-{id}.credential"));
+                all.extend(args(&["--credential-file", &file.to_string_lossy()]));
+            }
+        }
     }
     all.extend(args(extra));
     Proc::start(env!("CARGO_BIN_EXE_connex-mock-engine"), &all)
@@ -211,7 +241,7 @@ pub async fn engine_stats(engine: &Proc) -> Value {
 /// The `data` list of an admin GET (`/admin/instances`, `/admin/requests`).
 async fn admin_list(router: &Proc, path: &str) -> Vec<Value> {
     let reply: Value = client()
-        .get(format!("{}{path}", router.url))
+        .get(format!("{}{path}", router.internal))
         .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
@@ -237,7 +267,7 @@ pub fn ids(value: &Value) -> Vec<u32> {
 /// The router's Prometheus text.
 pub async fn metrics_text(router: &Proc) -> String {
     client()
-        .get(format!("{}/metrics", router.url))
+        .get(format!("{}/metrics", router.internal))
         .send()
         .await
         .expect("metrics")
@@ -494,7 +524,7 @@ pub async fn admin(
     body: Option<&Value>,
 ) -> (u16, Value) {
     let mut request = client()
-        .request(method, format!("{}{path}", router.url))
+        .request(method, format!("{}{path}", router.internal))
         .bearer_auth(ADMIN_TOKEN);
     if let Some(body) = body {
         request = request.json(body);
@@ -519,4 +549,23 @@ where
         assert!(started.elapsed() < limit, "not within {limit:?}: {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// POSTs `body` as JSON to `path` on the router's internal listener (the
+/// registration routes), with an instance credential if given: (status, JSON).
+pub async fn post_internal(
+    router: &Proc,
+    path: &str,
+    body: &Value,
+    credential: Option<&str>,
+) -> (u16, Value) {
+    let mut request = client()
+        .post(format!("{}{path}", router.internal))
+        .json(body);
+    if let Some(credential) = credential {
+        request = request.header("x-connex-credential", credential);
+    }
+    let response = request.send().await.expect("post");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
 }

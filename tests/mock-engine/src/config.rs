@@ -51,6 +51,10 @@ pub struct MockConfig {
     /// Bearer token sent with registration calls.
     #[arg(long)]
     pub register_token: Option<String>,
+    /// File keeping the instance credential the router issued, so that a
+    /// restarted engine re-registers its id at once (as an agent that kept it).
+    #[arg(long)]
+    pub credential_file: Option<std::path::PathBuf>,
     /// Exit the process after emitting this many tokens of one request.
     #[arg(long)]
     pub crash_after_tokens: Option<u32>,

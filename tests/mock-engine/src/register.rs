@@ -7,23 +7,44 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-/// Registers, heartbeats every third of the lease TTL (re-registering when the
-/// router forgot us) and deregisters on shutdown. Owned by [`crate::MockEngine`].
+/// Header carrying the credential the router issued for our id.
+const CREDENTIAL_HEADER: &str = "x-connex-credential";
+
+/// Registers (at the router's internal listener), heartbeats every third of
+/// the lease TTL (re-registering when the router forgot us) and deregisters on
+/// shutdown, presenting the credential of the first registration each time.
+/// Owned by [`crate::MockEngine`].
 pub async fn run(router: String, state: Arc<EngineState>, shutdown: CancellationToken) {
     let client = reqwest::Client::new();
     let router = router.trim_end_matches('/').to_string();
-    let auth = |req: reqwest::RequestBuilder| match &state.config.register_token {
-        Some(token) => req.bearer_auth(token),
-        None => req,
+    // A credential kept by an earlier run under the same id, if any.
+    let saved = state.config.credential_file.clone();
+    let mut credential: Option<String> = saved
+        .as_ref()
+        .and_then(|path| std::fs::read_to_string(path).ok())
+        .map(|c| c.trim().to_string())
+        .filter(|c| !c.is_empty());
+    let auth = |req: reqwest::RequestBuilder, credential: &Option<String>| {
+        let req = match &state.config.register_token {
+            Some(token) => req.bearer_auth(token),
+            None => req,
+        };
+        match credential {
+            Some(credential) => req.header(CREDENTIAL_HEADER, credential),
+            None => req,
+        }
     };
     let mut registered: Option<(String, u64)> = None;
     loop {
         let wait = match &registered {
             None => {
                 let body = json!({"role":state.config.role,"url":state.url(),"model":state.config.model,"id":state.config.id,"ctrl":state.kv.ctrl_addr()});
-                match auth(client.post(format!("{router}/v1/instances")).json(&body))
-                    .send()
-                    .await
+                match auth(
+                    client.post(format!("{router}/v1/instances")).json(&body),
+                    &credential,
+                )
+                .send()
+                .await
                 {
                     Ok(resp) if resp.status().is_success() => {
                         let reply: Value = resp.json().await.unwrap_or_default();
@@ -37,6 +58,14 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
                             .and_then(Value::as_u64)
                             .unwrap_or(10)
                             .max(1);
+                        if let Some(issued) = reply.get("credential").and_then(Value::as_str) {
+                            credential = Some(issued.to_string());
+                            if let Some(path) = &saved {
+                                if let Err(err) = std::fs::write(path, issued) {
+                                    tracing::warn!(%err, "cannot keep the credential");
+                                }
+                            }
+                        }
                         tracing::info!(%id, ttl, "registered with router");
                         registered = Some((id, ttl));
                         Duration::from_millis(ttl * 1000 / 3)
@@ -55,7 +84,7 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
                 let body = json!({"inflight": state.inflight.load(Ordering::Relaxed)});
                 let url = format!("{router}/v1/instances/{id}/heartbeat");
                 let wait = Duration::from_millis(*ttl * 1000 / 3);
-                match auth(client.post(url).json(&body)).send().await {
+                match auth(client.post(url).json(&body), &credential).send().await {
                     Ok(resp) if resp.status() == reqwest::StatusCode::NOT_FOUND => {
                         registered = None
                     }
@@ -71,8 +100,11 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
         }
     }
     if let Some((id, _)) = registered {
-        let _ = auth(client.delete(format!("{router}/v1/instances/{id}")))
-            .send()
-            .await;
+        let _ = auth(
+            client.delete(format!("{router}/v1/instances/{id}")),
+            &credential,
+        )
+        .send()
+        .await;
     }
 }

@@ -13,7 +13,7 @@ pub mod watch;
 
 use super::status::{Connectivity, StoreStatus};
 use super::view::View;
-use super::{Instance, Lifecycle, Registration, RegistryError, Store};
+use super::{EtcdConfig, Instance, Lifecycle, Registration, RegistryError, Store};
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, KeyValue, PutOptions, Txn, TxnOp};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
@@ -42,13 +42,13 @@ impl EtcdStore {
     /// may start while etcd is down, and reports its membership stale until the
     /// watch has listed it.
     pub async fn connect(
-        endpoints: &str,
-        prefix: &str,
+        config: &EtcdConfig,
         ttl: Duration,
-        timeout: Duration,
         view: Arc<View>,
     ) -> Result<Self, RegistryError> {
-        let endpoints: Vec<&str> = endpoints
+        let (prefix, timeout) = (config.prefix.as_str(), config.timeout);
+        let endpoints: Vec<&str> = config
+            .endpoints
             .split(',')
             .map(str::trim)
             .filter(|e| !e.is_empty())
@@ -63,6 +63,7 @@ impl EtcdStore {
             .with_keep_alive(Duration::from_secs(2), timeout)
             .with_keep_alive_while_idle(true)
             .with_require_leader(true);
+        let options = secure(options, config)?;
         let client = Client::connect(&endpoints, Some(options))
             .await
             .map_err(|err| RegistryError::Config(format!("etcd endpoints {endpoints:?}: {err}")))?;
@@ -198,7 +199,7 @@ impl EtcdStore {
         }
     }
 
-    async fn do_heartbeat(&self, id: &str) -> Result<bool, RegistryError> {
+    async fn do_heartbeat(&self, id: &str, credential: &str) -> Result<bool, RegistryError> {
         let known = self.view.get(id).map(|i| i.lease()).filter(|l| *l != 0);
         if let Some(lease) = known {
             if self.keep_alive(lease).await? {
@@ -208,9 +209,15 @@ impl EtcdStore {
         }
         // Not in this replica's view yet, or re-registered under a new lease
         // that the watch has not brought here: ask etcd.
-        let Some((kv, _)) = self.fetch(id).await? else {
+        let Some((kv, record)) = self.fetch(id).await? else {
             return Ok(false);
         };
+        if !super::credential_matches(
+            record.credential.as_deref().unwrap_or_default(),
+            Some(credential),
+        ) {
+            return Err(RegistryError::WrongCredential(id.to_string()));
+        }
         if kv.lease() == 0 || Some(kv.lease()) == known {
             return Ok(false);
         }
@@ -259,13 +266,43 @@ impl EtcdStore {
     }
 }
 
+/// Adds TLS (`--etcd-ca-file`, `--etcd-cert-file`, `--etcd-key-file`) and
+/// etcd authentication (`--etcd-user`, password) to the connect options.
+fn secure(
+    mut options: ConnectOptions,
+    config: &EtcdConfig,
+) -> Result<ConnectOptions, RegistryError> {
+    let read = |path: &std::path::Path| {
+        std::fs::read(path)
+            .map_err(|err| RegistryError::Config(format!("cannot read {}: {err}", path.display())))
+    };
+    if config.ca_file.is_some() || config.identity.is_some() {
+        let mut tls = etcd_client::TlsOptions::new();
+        if let Some(ca) = &config.ca_file {
+            tls = tls.ca_certificate(etcd_client::Certificate::from_pem(read(ca)?));
+        }
+        if let Some((cert, key)) = &config.identity {
+            tls = tls.identity(etcd_client::Identity::from_pem(read(cert)?, read(key)?));
+        }
+        options = options.with_tls(tls);
+    }
+    if let Some((user, password)) = &config.user {
+        options = options.with_user(user.clone(), password.clone());
+    }
+    Ok(options)
+}
+
 impl Store for EtcdStore {
     fn register(&self, reg: Registration) -> BoxFuture<'_, Result<Arc<Instance>, RegistryError>> {
         self.do_register(reg).boxed()
     }
 
-    fn heartbeat<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, RegistryError>> {
-        self.do_heartbeat(id).boxed()
+    fn heartbeat<'a>(
+        &'a self,
+        id: &'a str,
+        credential: &'a str,
+    ) -> BoxFuture<'a, Result<bool, RegistryError>> {
+        self.do_heartbeat(id, credential).boxed()
     }
 
     fn set_lifecycle<'a>(

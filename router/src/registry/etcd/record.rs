@@ -44,6 +44,10 @@ pub struct Record {
     pub model: String,
     #[serde(default)]
     pub ctrl: Option<String>,
+    /// The instance's credential, so that any replica can check it. etcd
+    /// access must be guarded accordingly (TLS and auth, docs/security.md).
+    #[serde(default)]
+    pub credential: Option<String>,
     pub state: State,
 }
 
@@ -55,6 +59,7 @@ impl Record {
             url: reg.url.trim_end_matches('/').to_string(),
             model: reg.model.clone(),
             ctrl: reg.ctrl.clone(),
+            credential: reg.credential.clone(),
             state,
         }
     }
@@ -66,6 +71,7 @@ impl Record {
             url: instance.url.clone(),
             model: instance.model.clone(),
             ctrl: instance.ctrl.clone(),
+            credential: Some(instance.credential().to_string()),
             state,
         }
     }
@@ -77,6 +83,7 @@ impl Record {
             model: self.model.clone(),
             ctrl: self.ctrl.clone(),
             id: Some(self.id.clone()),
+            credential: self.credential.clone(),
         }
     }
 

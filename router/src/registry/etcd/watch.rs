@@ -195,6 +195,14 @@ impl Watcher {
                 return None;
             }
         };
+        // The key names the instance: a record claiming another id (written by
+        // hand or by a compromised writer) would shadow that instance, or leave
+        // a ghost that no deregistration of its key removes.
+        if self.id_of(kv).as_deref() != Some(record.id.as_str()) {
+            tracing::warn!(key = ?kv.key_str(), id = %record.id, "ignoring a membership record whose id disagrees with its key");
+            self.connectivity.mismatched();
+            return None;
+        }
         let Some(lifecycle) = record.state.lifecycle() else {
             debug_assert_eq!(record.state, State::Removed);
             self.view.remove(&record.id, Some(kv.mod_revision()), false);

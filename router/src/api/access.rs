@@ -1,0 +1,92 @@
+//! Who may call the internal listener's routes, as tower layers: the admin
+//! API takes the admin bearer token; registration takes the register token
+//! or, when none is configured, only loopback peers (fail closed).
+
+use crate::error::ApiError;
+use crate::secrets::bearer_matches;
+use crate::upstreams::UpstreamPolicy;
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::HeaderMap;
+use axum::middleware::Next;
+use axum::response::Response;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// The credentials and policies of the internal listener.
+#[derive(Debug)]
+pub struct Access {
+    pub admin_token: Option<String>,
+    pub register_token: Option<String>,
+    pub upstreams: UpstreamPolicy,
+}
+
+/// Header carrying an instance's credential (heartbeat, re-registration,
+/// deregistration).
+pub const CREDENTIAL_HEADER: &str = "x-connex-credential";
+
+/// `route_layer` of the admin routes.
+pub async fn admin(
+    State(access): State<Arc<Access>>,
+    request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    match access.admin_token.as_deref() {
+        None => Err(ApiError::Unauthorized(
+            "the admin API is disabled: start the router with --admin-token",
+        )),
+        Some(token) if bearer_matches(request.headers(), token) => Ok(next.run(request).await),
+        Some(_) => Err(ApiError::Unauthorized(
+            "a valid admin bearer token is required",
+        )),
+    }
+}
+
+/// `route_layer` of the registration routes.
+pub async fn registrar(
+    State(access): State<Arc<Access>>,
+    request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    match access.register_token.as_deref() {
+        Some(token) if bearer_matches(request.headers(), token) => Ok(next.run(request).await),
+        Some(_) => Err(ApiError::Unauthorized(
+            "a valid registration token is required",
+        )),
+        None => {
+            let peer = request
+                .extensions()
+                .get::<ConnectInfo<SocketAddr>>()
+                .map(|info| info.0.ip().to_canonical());
+            if peer.is_some_and(|ip| ip.is_loopback()) {
+                Ok(next.run(request).await)
+            } else {
+                Err(ApiError::Unauthorized(
+                    "registration without --register-token is open to loopback peers only",
+                ))
+            }
+        }
+    }
+}
+
+/// Registration and admin bodies must say they are JSON: a browser page can
+/// send a cross-origin `text/plain` POST without a preflight, never a JSON one.
+pub fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
+    let json = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if json {
+        Ok(())
+    } else {
+        Err(ApiError::UnsupportedMediaType)
+    }
+}
+
+/// The credential a registrant presented, if any.
+pub fn credential(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(CREDENTIAL_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty())
+}

@@ -1,0 +1,240 @@
+//! The HTTP servers and their lifecycle: one accept loop per listener with a
+//! header-read timeout (slowloris), a connection limit and graceful shutdown;
+//! the client listener's gate (a concurrency limit past which requests get 429
+//! with `Retry-After`, the instance headers, the end of streams at shutdown).
+//!
+//! Shutdown (SIGTERM/SIGINT, or [`crate::Router::stop`]): `/ready` answers
+//! 503 at once and the listeners close (no new connections); in-flight
+//! requests run on for `--shutdown-grace-s`; streams still open then end with
+//! an OpenAI error event and `[DONE]`.
+
+use crate::error::ApiError;
+use axum::body::Body;
+use axum::extract::{ConnectInfo, Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use http_body::Frame;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+
+/// What bounds one listener's connections.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerLimits {
+    /// Time a client has for a request's headers; hyper also counts a kept-alive
+    /// connection's wait for its next request against it.
+    pub header_read_timeout: Duration,
+    /// Most open connections; further ones wait in the accept backlog.
+    pub max_connections: usize,
+}
+
+/// The phases of a shutdown, shared by the servers and the gate.
+#[derive(Debug, Default, Clone)]
+pub struct Shutdown {
+    /// Cancelled when shutdown begins: `/ready` 503, listeners closed.
+    pub draining: CancellationToken,
+    /// Cancelled when the grace period is over: open streams end now.
+    pub cut: CancellationToken,
+}
+
+/// Serves `app` on `listener` until `shutdown.draining`, then waits for its
+/// connections to finish (the caller bounds that wait).
+pub async fn serve(
+    listener: TcpListener,
+    app: axum::Router,
+    limits: ServerLimits,
+    shutdown: Shutdown,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let graceful = GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .keep_alive(true);
+    loop {
+        let slot = tokio::select! {
+            _ = shutdown.draining.cancelled() => break,
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+        };
+        let (stream, peer) = tokio::select! {
+            _ = shutdown.draining.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(err) => {
+                    // EMFILE and the like: wait rather than spin.
+                    tracing::warn!(%err, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        // Every token is its own small SSE write; with Nagle's algorithm on,
+        // such writes wait for the peer's delayed ACK (~40 ms on Linux).
+        if let Err(err) = stream.set_nodelay(true) {
+            tracing::warn!(%err, "could not set TCP_NODELAY");
+        }
+        let app = app.clone();
+        let service = tower::service_fn(move |mut request: Request<hyper::body::Incoming>| {
+            request.extensions_mut().insert(ConnectInfo(peer));
+            app.clone().oneshot(request.map(Body::new))
+        });
+        let connection =
+            builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(err) = connection.await {
+                tracing::debug!(%err, %peer, "connection ended with an error");
+            }
+            drop(slot);
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+}
+
+/// The client listener's gate on the OpenAI routes.
+#[derive(Debug)]
+pub struct Gate {
+    permits: Arc<Semaphore>,
+    limit: usize,
+    expose_instance_headers: bool,
+    shutdown: Shutdown,
+}
+
+impl Gate {
+    pub fn new(limit: usize, expose_instance_headers: bool, shutdown: Shutdown) -> Self {
+        Self {
+            permits: Arc::new(Semaphore::new(limit.max(1))),
+            limit: limit.max(1),
+            expose_instance_headers,
+            shutdown,
+        }
+    }
+}
+
+/// Headers naming the instances that served a request: instance ids are what
+/// an attacker needs to act on an instance, so clients get them only when the
+/// operator says so.
+const INSTANCE_HEADERS: [&str; 2] = [crate::pd::PREFILL_HEADER, crate::pd::DECODER_HEADER];
+
+/// `route_layer` of the OpenAI routes.
+pub async fn gate(State(gate): State<Arc<Gate>>, request: Request, next: Next) -> Response {
+    let Ok(permit) = gate.permits.clone().try_acquire_owned() else {
+        return ApiError::Overloaded {
+            limit: gate.limit,
+            retry_after_s: 1,
+        }
+        .into_response();
+    };
+    let mut response = next.run(request).await;
+    if !gate.expose_instance_headers {
+        for name in INSTANCE_HEADERS {
+            response.headers_mut().remove(name);
+        }
+    }
+    let stream = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let cut = gate.shutdown.cut.clone();
+    response.map(|inner| {
+        Body::new(GatedBody {
+            inner,
+            _permit: permit,
+            cut: stream.then(|| Box::pin(cut.cancelled_owned()) as BoxFuture<'static, ()>),
+            ended: false,
+        })
+    })
+}
+
+/// A response body that holds its concurrency permit until it ends and, for
+/// a stream, ends with an error event when the shutdown grace is over.
+struct GatedBody {
+    inner: Body,
+    _permit: OwnedSemaphorePermit,
+    cut: Option<BoxFuture<'static, ()>>,
+    ended: bool,
+}
+
+/// The last event of a stream cut by shutdown.
+fn shutdown_event() -> Bytes {
+    let error = ApiError::Unavailable(
+        "the router is shutting down; the stream was cut at the end of its grace period".into(),
+    );
+    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", error.body()))
+}
+
+impl http_body::Body for GatedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        if let Some(cut) = self.cut.as_mut() {
+            if cut.as_mut().poll(cx).is_ready() {
+                self.ended = true;
+                return Poll::Ready(Some(Ok(Frame::data(shutdown_event()))));
+            }
+        }
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(None) = polled {
+            self.ended = true;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        if self.cut.is_some() {
+            http_body::SizeHint::default()
+        } else {
+            self.inner.size_hint()
+        }
+    }
+}
+
+/// Waits for SIGTERM (what Kubernetes sends) or SIGINT (Ctrl-C).
+pub async fn terminate_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(err) => {
+                tracing::warn!(%err, "cannot watch SIGTERM; waiting for Ctrl-C only");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,218 @@
+//! The server's lifecycle and limits (issue 13), on real processes: graceful
+//! shutdown on SIGTERM, a slowloris client, the concurrency limit.
+
+// Tests fail loudly on anything unexpected; that is what unwrap is for here.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+/// Parses an SSE body into its `data:` payloads.
+fn events(text: &str) -> Vec<Value> {
+    let mut parser = connex_router::sse::SseParser::default();
+    parser
+        .push(text.as_bytes())
+        .iter()
+        .map(|data| {
+            serde_json::from_slice(data)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(data).into()))
+        })
+        .collect()
+}
+
+/// Starts a stream and returns once its response headers are in.
+async fn open_stream(router: &Proc, max_tokens: u32) -> reqwest::Response {
+    let response = client()
+        .post(format!("{}/v1/completions", router.url))
+        .json(
+            &json!({"model":"mock","prompt":"shutdown test","max_tokens":max_tokens,
+                      "stream":true,"return_token_ids":true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response
+}
+
+async fn wait_exit(router: &mut Proc, limit: Duration) {
+    let started = Instant::now();
+    while !router.exited() {
+        assert!(
+            started.elapsed() < limit,
+            "router still running after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_50_streams_finish_and_takes_no_new_connections() {
+    let mut router = router(&["--shutdown-grace-s", "30"]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "40000"]);
+    wait_ready(&router, 2).await;
+    let mut streams = Vec::new();
+    for _ in 0..50 {
+        let url = router.url.clone();
+        let (opened_tx, opened_rx) = tokio::sync::oneshot::channel();
+        streams.push((
+            opened_rx,
+            tokio::spawn(async move {
+                let response = client()
+                    .post(format!("{url}/v1/completions"))
+                    .json(
+                        &json!({"model":"mock","prompt":"shutdown test","max_tokens":40,
+                                  "stream":true,"return_token_ids":true}),
+                    )
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(response.status(), 200);
+                let _ = opened_tx.send(());
+                response.text().await.unwrap()
+            }),
+        ));
+    }
+    let mut tasks = Vec::new();
+    for (opened, task) in streams {
+        opened.await.unwrap();
+        tasks.push(task);
+    }
+    router.signal("TERM");
+    // New connections are refused at once (the listener is closed).
+    let addr = router.url.trim_start_matches("http://").to_string();
+    eventually(Duration::from_secs(2), "client listener closed", || {
+        let addr = addr.clone();
+        async move { std::net::TcpStream::connect(addr).is_err() }
+    })
+    .await;
+    for task in tasks {
+        let chunks = events(&task.await.unwrap());
+        assert_eq!(chunks.last().unwrap(), "[DONE]");
+        assert!(
+            chunks.iter().all(|c| c.get("error").is_none()),
+            "a stream was cut within the grace: {chunks:?}"
+        );
+        assert_eq!(streamed_token_ids(&chunks).len(), 40);
+    }
+    wait_exit(&mut router, Duration::from_secs(10)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_past_the_grace_end_with_an_error_event() {
+    let mut router = router(&["--shutdown-grace-s", "1"]);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
+    wait_ready(&router, 2).await;
+    let response = open_stream(&router, 400).await;
+    // /ready turns 503 at once for a client already connected.
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    let probe = client();
+    let url = router.url.clone();
+    let status = probe
+        .get(format!("{url}/ready"))
+        .send()
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(status, 200);
+    let started = Instant::now();
+    router.signal("TERM");
+    tokio::spawn(async move {
+        let reply = probe.get(format!("{url}/ready")).send().await;
+        let _ = ready_tx.send(reply.map(|r| r.status().as_u16()).ok());
+    });
+    let chunks = events(&response.text().await.unwrap());
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(8), "cut after {took:?}");
+    assert_eq!(chunks.last().unwrap(), "[DONE]");
+    let error = chunks
+        .iter()
+        .find_map(|c| c.get("error"))
+        .expect("an error event at the cut");
+    assert!(error["message"].as_str().unwrap().contains("shutting down"));
+    assert!(streamed_token_ids(&chunks).len() < 400);
+    // The kept-alive probe connection was told 503 (or closed): not 200.
+    assert_ne!(ready_rx.await.unwrap(), Some(200));
+    wait_exit(&mut router, Duration::from_secs(10)).await;
+    // The cut stream's hold was released, not left to its lease.
+    eventually(
+        Duration::from_secs(5),
+        "the prefill's hold released",
+        || async { engine_stats(&prefill).await["holds"]["holds"] == 0 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slowloris_client_is_cut_at_the_header_read_timeout() {
+    let router = router(&["--header-read-timeout-ms", "500"]);
+    let addr = router.url.trim_start_matches("http://").to_string();
+    let mut slow = std::net::TcpStream::connect(&addr).unwrap();
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let started = Instant::now();
+    let mut buf = [0u8; 512];
+    // Closed (EOF or reset, possibly after a 408), never left hanging.
+    loop {
+        match slow.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => continue,
+        }
+    }
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(4), "connection held {took:?}");
+    // Others are still served.
+    let (status, _) = post(
+        &router,
+        "/v1/completions",
+        &json!({"model":"nope","prompt":"x","max_tokens":1}),
+    )
+    .await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_the_concurrency_limit_get_429_with_retry_after() {
+    let router = router(&["--max-concurrent-requests", "2"]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
+    wait_ready(&router, 2).await;
+    let first = open_stream(&router, 60).await;
+    let second = open_stream(&router, 60).await;
+    let third = client()
+        .post(format!("{}/v1/completions", router.url))
+        .json(&json!({"model":"mock","prompt":"x","max_tokens":2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(third.status(), 429);
+    assert!(third.headers().get("retry-after").is_some());
+    let body: Value = third.json().await.unwrap();
+    assert!(body["error"]["message"].is_string(), "{body}");
+    // The probes are not limited; a finished stream frees its slot.
+    let models = client()
+        .get(format!("{}/v1/models", router.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 200);
+    drop(first);
+    let _ = second.text().await.unwrap();
+    eventually(Duration::from_secs(5), "a slot is free again", || async {
+        post(
+            &router,
+            "/v1/completions",
+            &json!({"model":"mock","prompt":"x","max_tokens":1}),
+        )
+        .await
+        .0 == 200
+    })
+    .await;
+}
