@@ -347,12 +347,16 @@ impl CtrlClient {
         transfer_id: &str,
         epoch: u32,
         backend: u8,
+        window_ms: u32,
     ) -> Result<Descriptor> {
         let id = transfer_id.to_string();
-        match self
-            .call(addr, Request::Describe { id, epoch, backend })
-            .await?
-        {
+        let request = Request::Describe {
+            id,
+            epoch,
+            backend,
+            window_ms,
+        };
+        match self.call(addr, request).await? {
             Reply::Descriptor(d) => Ok(d),
             other => Err(unexpected(&other)),
         }

@@ -104,6 +104,11 @@ pub struct Faults {
     /// reads, so with any value set it stops progressing its transport as soon
     /// as a pull starts.
     pub stall_after_bytes: Option<u64>,
+    /// Serve block bytes a trickle at a time: one byte per interval on TCP
+    /// (each well inside any I/O timeout), one transport progress call per
+    /// interval on UCX. Lets a test prove a pull is cut at its overall
+    /// deadline, not kept alive by every byte.
+    pub trickle: Option<std::time::Duration>,
 }
 
 /// The environment variable every holder and client reads its default

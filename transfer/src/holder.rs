@@ -104,8 +104,10 @@ impl Holder {
     }
 
     /// Frees a hold locally (e.g. the engine aborted the request); idempotent.
+    /// The blocks are reported by [`Holder::freed`] once the reads in
+    /// flight on them (fenced now) have stopped.
     pub fn release(&self, transfer_id: &str) -> bool {
-        self.shared.holds.release(transfer_id)
+        self.shared.holds.release(transfer_id, Instant::now())
     }
 
     /// The hold as it is now, if held.
@@ -113,11 +115,19 @@ impl Holder {
         self.shared.holds.stat(transfer_id, Instant::now())
     }
 
-    /// Transfer ids released, expired or evicted since the last call: the
-    /// engine may reuse their blocks.
+    /// Transfer ids released, expired or evicted since the last call, whose
+    /// last read has stopped: the engine may reuse their blocks. A hold freed
+    /// during a read is reported only once that read has ended.
     pub fn freed(&self) -> Vec<String> {
-        self.shared.holds.sweep(Instant::now());
-        self.shared.holds.take_freed()
+        let now = Instant::now();
+        self.shared.holds.sweep(now);
+        self.shared.holds.take_freed(now)
+    }
+
+    /// Holds freed but not yet reported by [`Holder::freed`] because a read
+    /// of them has not stopped yet.
+    pub fn draining(&self) -> usize {
+        self.shared.holds.draining()
     }
 
     pub fn stats(&self) -> HolderStats {

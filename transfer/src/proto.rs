@@ -160,11 +160,14 @@ pub enum Request {
         id: String,
     },
     Stats,
-    /// Start of a pull: the blocks and keys a reader needs.
+    /// Start of a pull: the blocks and keys a reader needs. `window_ms`: how
+    /// long the pull may run (its deadline); a one-sided backend's hold is
+    /// not freed while a pull's window is open and it has not reported done.
     Describe {
         id: String,
         epoch: u32,
         backend: u8,
+        window_ms: u32,
     },
     /// TCP data path: bytes `offset..offset+len` of the hold's blocks laid end to end.
     Read {
@@ -326,9 +329,14 @@ impl Request {
                 out.str(id);
             }
             Request::Stats => out = Out::new(op::STATS, seq),
-            Request::Describe { id, epoch, backend } => {
+            Request::Describe {
+                id,
+                epoch,
+                backend,
+                window_ms,
+            } => {
                 out = Out::new(op::DESCRIBE, seq);
-                out.str(id).u32(*epoch).u8(*backend);
+                out.str(id).u32(*epoch).u8(*backend).u32(*window_ms);
             }
             Request::Read {
                 id,
@@ -366,6 +374,7 @@ impl Request {
                 id: r.id()?,
                 epoch: r.u32()?,
                 backend: r.u8()?,
+                window_ms: r.u32()?,
             },
             op::READ => {
                 let (id, epoch, offset, len) = (r.id()?, r.u32()?, r.u64()?, r.u64()?);
@@ -696,6 +705,7 @@ mod tests {
                 id: "a".into(),
                 epoch: 1,
                 backend: 2,
+                window_ms: 30_000,
             },
             Request::Read {
                 id: "a".into(),

@@ -3,7 +3,7 @@
 //! blocks match, let the backend move the bytes, then report the pull done
 //! (which a newer epoch or a release meanwhile turns into an error).
 
-use crate::backend::{self, Backend, Fetch, Role};
+use crate::backend::{self, Backend, CutOnDrop, Fetch, PullFence, Role};
 use crate::client::{ClientConfig, CtrlClient};
 use crate::config::BackendKind;
 use crate::error::{Result, TransferError};
@@ -19,6 +19,8 @@ pub struct ReaderConfig {
     pub client: ClientConfig,
     /// Most data streams of one pull.
     pub max_streams: usize,
+    /// Overall limit of a [`Reader::pull`] (describe, data and done together).
+    pub pull_timeout: Duration,
 }
 
 impl ReaderConfig {
@@ -27,6 +29,7 @@ impl ReaderConfig {
             backend,
             client: ClientConfig::default(),
             max_streams: 4,
+            pull_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -37,6 +40,7 @@ pub struct Reader {
     regions: RegionTable,
     ctrl: CtrlClient,
     max_streams: usize,
+    pull_timeout: Duration,
 }
 
 impl std::fmt::Debug for Reader {
@@ -60,6 +64,7 @@ impl Reader {
             regions: RegionTable::default(),
             ctrl: CtrlClient::with_config(config.client),
             max_streams: config.max_streams,
+            pull_timeout: config.pull_timeout,
         })
     }
 
@@ -100,7 +105,7 @@ impl Reader {
 
     /// Pulls hold `transfer_id` from the holder at `remote_ctrl` into `dest`
     /// (same count and lengths, in order, as the hold's blocks). Renews the
-    /// hold. Every wait is bounded: a holder that dies gives an error.
+    /// hold. Bounded by the configured `pull_timeout` as a whole.
     pub async fn pull(
         &self,
         remote_ctrl: &str,
@@ -108,12 +113,45 @@ impl Reader {
         epoch: u32,
         dest: &[BlockRef],
     ) -> Result<PullStats> {
+        self.pull_timeout(remote_ctrl, transfer_id, epoch, dest, self.pull_timeout)
+            .await
+    }
+
+    /// [`Reader::pull`] with an overall time limit: at `limit` the pull's
+    /// sockets are shut down and its writers stopped, and only then does it
+    /// fail, so once this returns (whatever it returns) nothing writes into
+    /// `dest` any more and the blocks may go back to the engine. A holder
+    /// that trickles bytes is cut at the limit too. Dropping the future
+    /// instead stops the writers as soon as they notice; the destination
+    /// stays claimed (no other pull may write it) until they have.
+    pub async fn pull_timeout(
+        &self,
+        remote_ctrl: &str,
+        transfer_id: &str,
+        epoch: u32,
+        dest: &[BlockRef],
+        limit: Duration,
+    ) -> Result<PullStats> {
         let started = Instant::now();
+        let deadline = started + limit;
+        let timeout = || TransferError::Timeout {
+            what: "pulling a hold",
+            after: limit,
+        };
         let spans = self.regions.claim(dest)?;
-        let descriptor = self
-            .ctrl
-            .describe(remote_ctrl, transfer_id, epoch, self.backend.kind().code())
-            .await?;
+        let window = u32::try_from(limit.as_millis()).unwrap_or(u32::MAX);
+        let descriptor = tokio::time::timeout_at(
+            deadline.into(),
+            self.ctrl.describe(
+                remote_ctrl,
+                transfer_id,
+                epoch,
+                self.backend.kind().code(),
+                window,
+            ),
+        )
+        .await
+        .map_err(|_| timeout())??;
         if descriptor.blocks.len() != spans.len() {
             return Err(TransferError::SizeMismatch(format!(
                 "hold {transfer_id:?} has {} blocks, destination has {}",
@@ -134,7 +172,9 @@ impl Reader {
             )));
         }
         let bytes: u64 = descriptor.blocks.iter().map(|b| b.len).sum();
-        let streams = self
+        let fence = Arc::new(PullFence::default());
+        let cut_if_dropped = CutOnDrop(Some(fence.clone()));
+        let fetched = self
             .backend
             .fetch(Fetch {
                 ctrl: &self.ctrl,
@@ -144,36 +184,28 @@ impl Reader {
                 descriptor: &descriptor,
                 dest: spans,
                 io_timeout: self.ctrl.config().io_timeout,
+                deadline,
+                fence,
                 max_streams: self.max_streams,
             })
-            .await?;
-        self.ctrl
-            .done(remote_ctrl, transfer_id, epoch, bytes)
-            .await?;
+            .await;
+        cut_if_dropped.disarm();
+        let streams = fetched.map_err(|err| match err {
+            TransferError::Timeout { .. } if Instant::now() >= deadline => timeout(),
+            other => other,
+        })?;
+        tokio::time::timeout_at(
+            deadline.into(),
+            self.ctrl.done(remote_ctrl, transfer_id, epoch, bytes),
+        )
+        .await
+        .map_err(|_| timeout())??;
         Ok(PullStats {
             bytes,
             blocks: descriptor.blocks.len() as u32,
             streams,
             elapsed: started.elapsed(),
         })
-    }
-
-    /// [`Reader::pull`] with an overall time limit.
-    pub async fn pull_timeout(
-        &self,
-        remote_ctrl: &str,
-        transfer_id: &str,
-        epoch: u32,
-        dest: &[BlockRef],
-        limit: Duration,
-    ) -> Result<PullStats> {
-        match tokio::time::timeout(limit, self.pull(remote_ctrl, transfer_id, epoch, dest)).await {
-            Ok(result) => result,
-            Err(_) => Err(TransferError::Timeout {
-                what: "pulling a hold",
-                after: limit,
-            }),
-        }
     }
 
     /// Releases a hold (idempotent).

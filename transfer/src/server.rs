@@ -8,7 +8,7 @@
 //! connection is closed. Nothing a peer sends can stop the listener.
 
 use crate::backend::Backend;
-use crate::config::{Faults, Secret};
+use crate::config::{BackendKind, Faults, Secret};
 use crate::conn::{self, IO_PIECE};
 use crate::error::{Result, TransferError};
 use crate::hold::HoldTable;
@@ -191,10 +191,15 @@ fn answer(shared: &Shared, request: Request) -> Reply {
     let holds = &shared.holds;
     let result = match request {
         Request::Renew { id, epoch } => holds.renew(&id, epoch, now).map(Reply::Hold),
-        Request::Release { id } => Ok(Reply::Released(holds.release(&id))),
+        Request::Release { id } => Ok(Reply::Released(holds.release(&id, now))),
         Request::Stat { id } => Ok(Reply::Stat(holds.stat(&id, now))),
         Request::Stats => Ok(Reply::Stats(holds.stats())),
-        Request::Describe { id, epoch, backend } => describe(shared, &id, epoch, backend, now),
+        Request::Describe {
+            id,
+            epoch,
+            backend,
+            window_ms,
+        } => describe(shared, &id, epoch, (backend, window_ms), now),
         Request::Done { id, epoch, .. } => holds
             .finish_pull(&id, epoch, now)
             .map(|released| Reply::Done { released }),
@@ -204,7 +209,16 @@ fn answer(shared: &Shared, request: Request) -> Reply {
     result.unwrap_or_else(|err| error_reply(&err))
 }
 
-fn describe(shared: &Shared, id: &str, epoch: u32, backend: u8, now: Instant) -> Result<Reply> {
+/// Longest window a one-sided pull may keep a freed hold's blocks from the engine.
+const MAX_PULL_WINDOW: Duration = Duration::from_secs(600);
+
+fn describe(
+    shared: &Shared,
+    id: &str,
+    epoch: u32,
+    (backend, window_ms): (u8, u32),
+    now: Instant,
+) -> Result<Reply> {
     let ours = shared.backend.kind();
     if backend != ours.code() {
         return Ok(Reply::error(
@@ -212,7 +226,11 @@ fn describe(shared: &Shared, id: &str, epoch: u32, backend: u8, now: Instant) ->
             format!("this holder serves the {ours} backend (reader asked code {backend})"),
         ));
     }
-    let (info, spans) = shared.holds.describe(id, epoch, now)?;
+    // A one-sided pull reads the blocks without this side: count it as a
+    // read until its done or the end of the window its reader announced.
+    let window = (ours != BackendKind::Tcp)
+        .then(|| Duration::from_millis(u64::from(window_ms)).min(MAX_PULL_WINDOW));
+    let (info, spans) = shared.holds.describe(id, epoch, window, now)?;
     shared.backend.pull_started();
     let mut keys: Vec<Vec<u8>> = Vec::new();
     let mut index: HashMap<RegionId, u16> = HashMap::new();
@@ -270,7 +288,9 @@ pub(crate) fn error_reply(err: &TransferError) -> Reply {
 
 /// Answers a `Read`: a `Data` header, then the bytes straight from the held
 /// memory (no copy on this side; the kernel copies into the socket).
-/// Takes the connection and gives it back when the answer is complete.
+/// Takes the connection and gives it back when the answer is complete. The
+/// read is counted on the hold until its writer has stopped, and a release
+/// meanwhile shuts the socket down (the reader sees a cut stream).
 async fn stream_range(
     mut stream: TcpStream,
     shared: &Shared,
@@ -281,8 +301,8 @@ async fn stream_range(
     (offset, len): (u64, u64),
 ) -> Result<TcpStream> {
     let io = shared.io_timeout;
-    let spans: Vec<SrcSpan> = match shared.holds.read(id, epoch, offset, len, Instant::now()) {
-        Ok(spans) => spans,
+    let (spans, read) = match shared.holds.read(id, epoch, offset, len, Instant::now()) {
+        Ok(found) => found,
         Err(err) => {
             conn::write_all(&mut stream, &error_reply(&err).encode(seq), io).await?;
             return Ok(stream);
@@ -296,30 +316,76 @@ async fn stream_range(
             merged.push(span);
         }
     }
-    let stream = match shared.faults.stall_after_bytes {
-        None => {
-            let (stream, ()) = conn::blocking(stream, io, move |stream| {
-                let bufs: Vec<&[u8]> = merged.iter().map(SrcSpan::bytes).collect();
-                conn::write_gather(stream, &bufs)
-            })
+    let faults = &shared.faults;
+    let stream = match (faults.stall_after_bytes, faults.trickle) {
+        (None, Some(every)) => {
+            // Fault injection: one byte per interval until done or fenced.
+            let fenced = read.fenced();
+            for span in &merged {
+                for byte in span.bytes().chunks(1) {
+                    tokio::select! {
+                        _ = tokio::time::sleep(every) => {}
+                        _ = fenced.cancelled() => {
+                            return Err(TransferError::Protocol("hold freed".into()));
+                        }
+                        _ = shutdown.cancelled() => {
+                            return Err(TransferError::Protocol("holder stopping".into()));
+                        }
+                    }
+                    conn::write_all(&mut stream, byte, io).await?;
+                }
+            }
+            drop(read);
+            stream
+        }
+        (None, None) => {
+            // A reader must take at least one I/O piece per I/O timeout.
+            let pieces = u32::try_from(len / IO_PIECE as u64).unwrap_or(u32::MAX);
+            let now = Instant::now();
+            let deadline = now
+                .checked_add(io.saturating_mul(pieces.saturating_add(1)))
+                .unwrap_or(now + IDLE_TIMEOUT);
+            let fencer = read.fencer();
+            let (stream, ()) = conn::blocking(
+                stream,
+                io,
+                deadline,
+                |socket| fencer.watch(socket),
+                move |stream| {
+                    // Owned here: the read counts until this writer stops.
+                    let _read = read;
+                    let bufs: Vec<&[u8]> = merged.iter().map(SrcSpan::bytes).collect();
+                    conn::write_gather(stream, &bufs)
+                },
+            )
             .await?;
             stream
         }
-        Some(limit) => {
+        (Some(limit), _) => {
             // Fault injection: after `limit` bytes, keep the connection and
-            // send nothing more until the holder stops.
+            // send nothing more until the holder stops or the hold is freed.
+            let fenced = read.fenced();
             for span in &merged {
                 for piece in span.bytes().chunks(IO_PIECE) {
                     if shared.streamed.load(Ordering::Relaxed) >= limit {
-                        shutdown.cancelled().await;
-                        return Err(TransferError::Protocol("holder stopping".into()));
+                        tokio::select! {
+                            _ = shutdown.cancelled() => {}
+                            _ = fenced.cancelled() => {}
+                        }
+                        return Err(TransferError::Protocol("read stopped".into()));
                     }
-                    conn::write_all(&mut stream, piece, io).await?;
+                    tokio::select! {
+                        written = conn::write_all(&mut stream, piece, io) => written?,
+                        _ = fenced.cancelled() => {
+                            return Err(TransferError::Protocol("hold freed".into()));
+                        }
+                    }
                     shared
                         .streamed
                         .fetch_add(piece.len() as u64, Ordering::Relaxed);
                 }
             }
+            drop(read);
             stream
         }
     };

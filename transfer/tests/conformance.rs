@@ -8,8 +8,8 @@
 #![allow(unsafe_code)]
 
 use connex_transfer::{
-    pattern, BackendKind, BlockRef, ClientConfig, Holder, HolderConfig, Reader, ReaderConfig,
-    Region, RegionId, ReleaseMode, TransferError,
+    pattern, BackendKind, BlockRef, ClientConfig, Faults, Holder, HolderConfig, Reader,
+    ReaderConfig, Region, RegionId, ReleaseMode, TransferError,
 };
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -403,6 +403,224 @@ pub async fn stalled_holder_times_out(kind: BackendKind) {
     );
 }
 
+/// A reader whose waits are short: `io` per wait, `pull` per pull.
+fn reader_with(kind: BackendKind, io: Duration, pull: Duration) -> Reader {
+    let mut config = ReaderConfig::new(kind);
+    config.client = ClientConfig {
+        io_timeout: io,
+        ..Default::default()
+    };
+    config.pull_timeout = pull;
+    Reader::with_config(config).unwrap()
+}
+
+/// Caller-owned memory for a test to poke at while a transfer may run:
+/// written and read through raw pointers only (never through a reference
+/// while a transfer could write it).
+struct RawBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a pointer to a leaked buffer; the tests only touch it through
+// volatile accesses.
+unsafe impl Send for RawBuf {}
+// SAFETY: as above.
+unsafe impl Sync for RawBuf {}
+
+impl RawBuf {
+    /// Leaked on purpose: a buggy transfer may still write into it after
+    /// the test ends, and must not write into freed memory.
+    fn new(bytes: Vec<u8>) -> Self {
+        let len = bytes.len();
+        let ptr = Box::leak(bytes.into_boxed_slice()).as_mut_ptr();
+        Self { ptr, len }
+    }
+
+    fn region(&self) -> Region {
+        // SAFETY: the buffer is leaked, so valid for the rest of the process.
+        unsafe { Region::raw(self.ptr, self.len) }
+    }
+
+    fn fill(&self, byte: u8) {
+        for i in 0..self.len {
+            // SAFETY: in bounds of the leaked buffer.
+            unsafe { self.ptr.add(i).write_volatile(byte) };
+        }
+    }
+
+    fn snapshot(&self) -> Vec<u8> {
+        // SAFETY: in bounds of the leaked buffer.
+        (0..self.len)
+            .map(|i| unsafe { self.ptr.add(i).read_volatile() })
+            .collect()
+    }
+}
+
+const GUARD: u8 = 0xEE;
+
+/// A holder that serves slowly: on TCP it trickles one byte per `every`
+/// (each well inside the reader's I/O timeout); a one-sided backend's reads
+/// cannot be slowed by the holder, so it stops serving gets once the pull
+/// has started (the stall fault) and the reader's waits decide.
+fn slow(kind: BackendKind, every: Duration) -> Faults {
+    match kind {
+        BackendKind::Tcp => Faults {
+            trickle: Some(every),
+            ..Default::default()
+        },
+        _ => Faults {
+            stall_after_bytes: Some(0),
+            ..Default::default()
+        },
+    }
+}
+
+/// [`slow`] as flags of `connex-transfer-holder`.
+fn slow_args(kind: BackendKind, every: Duration) -> Vec<String> {
+    let faults = slow(kind, every);
+    match (faults.trickle, faults.stall_after_bytes) {
+        (Some(every), _) => vec!["--trickle-ms".into(), every.as_millis().to_string()],
+        (_, Some(bytes)) => vec!["--stall-after-bytes".into(), bytes.to_string()],
+        _ => Vec::new(),
+    }
+}
+
+/// A release while a read streams the hold's blocks: the blocks are reported
+/// freed only once the read has stopped, so the engine that reuses them then
+/// (here: fills them with a guard pattern) never has a byte of theirs reach
+/// the reader.
+pub async fn release_during_a_read(kind: BackendKind) {
+    let (blocks, size) = (64u64, 1024u64);
+    let source = RawBuf::new(pattern(21, (blocks * size) as usize));
+    let holder = Holder::start(HolderConfig {
+        backend: kind,
+        faults: slow(kind, Duration::from_millis(20)),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let region = holder.register_region(source.region()).unwrap();
+    let refs = (0..blocks)
+        .map(|b| BlockRef::new(region, b * size, size))
+        .collect();
+    holder.create_hold(RD_ID, refs).unwrap();
+    let reader = std::sync::Arc::new(reader_with(
+        kind,
+        Duration::from_secs(2),
+        Duration::from_secs(4),
+    ));
+    let (dest, refs) = scattered(&reader, blocks, size);
+    let pull = {
+        let (reader, addr) = (reader.clone(), addr(&holder));
+        tokio::spawn(async move { reader.pull(&addr, RD_ID, 0, &refs).await.map(|_| refs) })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!pull.is_finished(), "the trickled read is in flight");
+    assert!(holder.release(RD_ID));
+    // The engine reuses the blocks as soon as they are reported freed.
+    let started = Instant::now();
+    loop {
+        if holder.freed() == [RD_ID] {
+            // A one-sided read cannot be fenced from here: the blocks wait
+            // until the reader has given up (its window).
+            assert!(
+                kind == BackendKind::Tcp || pull.is_finished(),
+                "freed while a one-sided pull still runs"
+            );
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "a released hold is freed once its reads stopped"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    source.fill(GUARD);
+    let result = tokio::time::timeout(Duration::from_secs(10), pull)
+        .await
+        .expect("the pull ends")
+        .unwrap();
+    assert!(result.is_err(), "a pull of a released hold fails");
+    // Wait out what a writer still running could send, then look.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let got = reader.take_region(dest).unwrap();
+    assert!(
+        !got.contains(&GUARD),
+        "bytes of reused blocks reached the reader"
+    );
+    assert_eq!(holder.draining(), 0);
+    holder.stop().await;
+}
+
+/// A pull past its time limit: when `pull_timeout` returns, its writers have
+/// stopped, so blocks the caller gives back at once (and refills: the guard
+/// pattern) are never written by it again.
+pub async fn pull_past_its_timeout_never_writes_into_returned_blocks(kind: BackendKind) {
+    let hold = format!("{T_ID}:8:4096");
+    let mut args = vec!["--hold", &hold];
+    let slow = slow_args(kind, Duration::from_millis(20));
+    args.extend(slow.iter().map(String::as_str));
+    let process = HolderProcess::start(kind, &args);
+    let reader = reader_with(kind, Duration::from_secs(5), Duration::from_secs(30));
+    let dest = RawBuf::new(vec![0xAA; 8 * 4096]);
+    let region = reader.register_region(dest.region()).unwrap();
+    let refs: Vec<BlockRef> = (0..8)
+        .map(|b| BlockRef::new(region, b * 4096, 4096))
+        .collect();
+    let limit = Duration::from_millis(800);
+    let started = Instant::now();
+    let err = reader
+        .pull_timeout(&process.addr, T_ID, 0, &refs, limit)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TransferError::Timeout { .. }), "{err:?}");
+    assert!(
+        started.elapsed() < limit + Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    // The caller owns the blocks again: no pull claims them any more.
+    assert!(reader.unregister_region(region));
+    dest.fill(GUARD);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        dest.snapshot().iter().all(|&b| b == GUARD),
+        "a timed-out pull wrote into blocks it had given back"
+    );
+}
+
+/// A holder that sends one byte per 100 ms never lets a single wait reach the
+/// 5 s I/O timeout; the pull's own 1.5 s deadline cuts it.
+pub async fn trickling_holder_is_cut_at_the_deadline(kind: BackendKind) {
+    let hold = format!("{T_ID}:4:65536");
+    let mut args = vec!["--hold", &hold];
+    let slow = slow_args(kind, Duration::from_millis(100));
+    args.extend(slow.iter().map(String::as_str));
+    let process = HolderProcess::start(kind, &args);
+    let reader = reader_with(kind, Duration::from_secs(5), Duration::from_millis(1500));
+    let (region, refs) = scattered(&reader, 4, 65536);
+    let started = Instant::now();
+    let result = tokio::time::timeout(
+        Duration::from_secs(20),
+        reader.pull(&process.addr, T_ID, 0, &refs),
+    )
+    .await
+    .expect("a trickling holder is cut, not waited for byte by byte");
+    let err = result.unwrap_err();
+    assert!(matches!(err, TransferError::Timeout { .. }), "{err:?}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1400) && took < Duration::from_millis(3000),
+        "cut after {took:?}, deadline 1.5 s"
+    );
+    reader.take_region(region).unwrap();
+}
+
+/// Transfer ids of the tests above.
+const RD_ID: &str = "rd-3f0c9a6e5b2d48c1a7e4f9b0c2d5e8a1";
+const T_ID: &str = "t-5a1b2c3d4e5f60718293a4b5c6d7e8f9";
+
 macro_rules! conformance {
     ($module:ident, $kind:expr) => {
         mod $module {
@@ -439,6 +657,18 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn stalled_holder_times_out() {
                 super::stalled_holder_times_out(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn release_during_a_read() {
+                super::release_during_a_read(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn pull_past_its_timeout_never_writes_into_returned_blocks() {
+                super::pull_past_its_timeout_never_writes_into_returned_blocks(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn trickling_holder_is_cut_at_the_deadline() {
+                super::trickling_holder_is_cut_at_the_deadline(KIND).await
             }
         }
     };

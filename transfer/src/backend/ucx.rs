@@ -24,7 +24,7 @@
 //! `CONNEX_UCX_ERR_MODE=peer|none` overrides the choice.
 #![allow(unsafe_code)]
 
-use super::{Backend, Exposure, Fetch, Role};
+use super::{Backend, Exposure, Fetch, PullFence, Role};
 use crate::config::BackendKind;
 use crate::error::{Result, TransferError};
 use crate::region::{DestSpan, RegionEntry};
@@ -224,9 +224,10 @@ impl UcxBackend {
                 let stop = Arc::new(AtomicBool::new(false));
                 let thread = {
                     let (ucx, stop, stalled) = (ucx.clone(), stop.clone(), stalled.clone());
+                    let trickle = faults.trickle;
                     std::thread::Builder::new()
                         .name("connex-ucx-progress".into())
-                        .spawn(move || progress_loop(&ucx, &stop, &stalled))?
+                        .spawn(move || progress_loop(&ucx, &stop, &stalled, trickle))?
                 };
                 Ok(Self::Holder(HolderSide {
                     ucx,
@@ -260,11 +261,17 @@ impl UcxBackend {
 
 /// Drives the holder's worker: busy while there is work, then backing off to
 /// short sleeps so an idle holder costs little CPU.
-fn progress_loop(ucx: &Ucx, stop: &AtomicBool, stalled: &AtomicBool) {
+/// With the trickle fault, one progress call per interval.
+fn progress_loop(ucx: &Ucx, stop: &AtomicBool, stalled: &AtomicBool, trickle: Option<Duration>) {
     let mut idle = 0u32;
     while !stop.load(Ordering::Relaxed) {
         if stalled.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(5));
+            continue;
+        }
+        if let Some(every) = trickle {
+            ucx.progress();
+            std::thread::sleep(every);
             continue;
         }
         if ucx.progress() > 0 {
@@ -351,18 +358,34 @@ impl Backend for UcxBackend {
                     key: usize::from(b.key),
                 })
                 .collect();
-            let (endpoint, keys, io) = (d.endpoint.clone(), d.keys.clone(), job.io_timeout);
+            let (endpoint, keys) = (d.endpoint.clone(), d.keys.clone());
+            let limits = Limits {
+                io: job.io_timeout,
+                deadline: job.deadline,
+                fence: job.fence.clone(),
+            };
             // The task owns everything it touches (a dropped pull future
-            // leaves it to finish on its own, bounded by `io`).
+            // cuts the fence, which the task notices between two progress
+            // calls; it settles or purges its gets before it ends).
             let Self::Reader(side) = self else {
                 return Err(TransferError::Protocol("a ucx holder cannot pull".into()));
             };
             let side = side.clone();
-            tokio::task::spawn_blocking(move || side.run_gets(&endpoint, &keys, gets, io))
+            tokio::task::spawn_blocking(move || side.run_gets(&endpoint, &keys, gets, &limits))
                 .await
                 .map_err(|e| TransferError::Protocol(format!("ucx pull task: {e}")))?
         })
     }
+}
+
+/// When a pull's gets must stop.
+struct Limits {
+    /// No get completed for this long: the holder is gone or stuck.
+    io: Duration,
+    /// The pull's overall deadline.
+    deadline: Instant,
+    /// Cut when the pull is abandoned.
+    fence: Arc<PullFence>,
 }
 
 /// One block to fetch.
@@ -458,7 +481,7 @@ impl ReaderSide {
         endpoint: &[u8],
         keys: &[Vec<u8>],
         mut gets: Vec<Get>,
-        io: Duration,
+        limits: &Limits,
     ) -> Result<u32> {
         let (host, address) = HolderEndpoint::decode(endpoint)?;
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -476,7 +499,7 @@ impl ReaderSide {
                 (ep, mode)
             }
         };
-        let (result, ending) = gets_on(ucx, ep, mode, keys, &mut gets, io);
+        let (result, ending) = gets_on(ucx, ep, mode, keys, &mut gets, limits);
         match ending {
             Ending::Outstanding => {
                 // Destroying the worker purges its endpoints and every get
@@ -567,7 +590,7 @@ fn gets_on(
     mode: ErrMode,
     keys: &[Vec<u8>],
     gets: &mut [Get],
-    io: Duration,
+    limits: &Limits,
 ) -> (Result<u32>, Ending) {
     let mut rkeys = Rkeys(Vec::with_capacity(keys.len()));
     for key in keys {
@@ -622,10 +645,16 @@ fn gets_on(
         ucx.progress();
         if reap(&mut pending, &mut failure) {
             last_progress = Instant::now();
-        } else if last_progress.elapsed() > io {
+        } else if last_progress.elapsed() > limits.io {
             failure = Some(TransferError::Timeout {
                 what: "waiting for ucx gets",
-                after: io,
+                after: limits.io,
+            });
+        }
+        if failure.is_none() && (limits.fence.is_cut() || Instant::now() >= limits.deadline) {
+            failure = Some(TransferError::Timeout {
+                what: "pulling a hold (deadline)",
+                after: limits.io,
             });
         }
     }
