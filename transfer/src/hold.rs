@@ -172,9 +172,22 @@ impl Inner {
         }
     }
 
-    /// `live` + the epoch check + a renewed lease.
-    fn serve(&mut self, id: &str, epoch: u32, now: Instant, lease: Duration) -> Result<&mut Hold> {
+    /// `live` + the epoch checks + a renewed lease.
+    fn serve(
+        &mut self,
+        id: &str,
+        epoch: u32,
+        now: Instant,
+        lease: Duration,
+        max_epoch: u32,
+    ) -> Result<&mut Hold> {
         let hold = self.live(id, now)?;
+        if epoch > max_epoch {
+            return Err(TransferError::EpochOutOfRange {
+                asked: epoch,
+                max: max_epoch,
+            });
+        }
         if epoch < hold.served_epoch {
             let served = hold.served_epoch;
             self.stats.stale_epoch_refusals += 1;
@@ -207,6 +220,7 @@ pub(crate) struct HoldTable {
     lease: Duration,
     release: ReleaseMode,
     budget: Option<u64>,
+    max_epoch: u32,
 }
 
 impl HoldTable {
@@ -216,7 +230,14 @@ impl HoldTable {
             lease,
             release,
             budget,
+            max_epoch: crate::config::DEFAULT_MAX_EPOCH,
         }
+    }
+
+    /// The highest resume epoch a hold accepts.
+    pub(crate) fn with_max_epoch(mut self, max_epoch: u32) -> Self {
+        self.max_epoch = max_epoch;
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -275,7 +296,7 @@ impl HoldTable {
     /// Extends the lease (refusing a stale epoch).
     pub(crate) fn renew(&self, id: &str, epoch: u32, now: Instant) -> Result<HoldInfo> {
         let mut inner = self.lock();
-        let hold = inner.serve(id, epoch, now, self.lease)?;
+        let hold = inner.serve(id, epoch, now, self.lease, self.max_epoch)?;
         Ok(info(id, hold, now))
     }
 
@@ -302,7 +323,7 @@ impl HoldTable {
         now: Instant,
     ) -> Result<(HoldInfo, Vec<SrcSpan>)> {
         let mut inner = self.lock();
-        let hold = inner.serve(id, epoch, now, self.lease)?;
+        let hold = inner.serve(id, epoch, now, self.lease, self.max_epoch)?;
         if let Some(window) = window {
             hold.reads.windows.push(now + window);
         }
@@ -323,7 +344,7 @@ impl HoldTable {
         let mut inner = self.lock();
         let key = inner.next_read;
         inner.next_read += 1;
-        let hold = inner.serve(id, epoch, now, self.lease)?;
+        let hold = inner.serve(id, epoch, now, self.lease, self.max_epoch)?;
         let end = offset
             .checked_add(len)
             .filter(|end| *end <= hold.bytes)
@@ -383,7 +404,7 @@ impl HoldTable {
             }
         }
         inner.settle(now);
-        let hold = inner.serve(id, epoch, now, self.lease)?;
+        let hold = inner.serve(id, epoch, now, self.lease, self.max_epoch)?;
         hold.pulls += 1;
         inner.stats.pulls += 1;
         Ok(self.release == ReleaseMode::AfterPull && inner.remove(id, Gone::Released, now))
@@ -617,6 +638,16 @@ mod tests {
         assert!(table.finish_pull("a", 1, now).is_err());
         assert_eq!(table.renew("a", 2, now).unwrap().epoch, 2);
         assert_eq!(table.stats().stale_epoch_refusals, 3);
+        // Nobody pushes a hold past the resume bound (and so locks it out).
+        let table = table.with_max_epoch(3);
+        assert!(matches!(
+            table.renew("a", u32::MAX, now),
+            Err(TransferError::EpochOutOfRange {
+                asked: u32::MAX,
+                max: 3
+            })
+        ));
+        assert_eq!(table.renew("a", 3, now).unwrap().epoch, 3);
     }
 
     #[test]

@@ -35,11 +35,17 @@ async fn holder(
         let refs = (0..blocks)
             .map(|b| BlockRef::new(region, b * size, size))
             .collect();
-        holder.create_hold(id, refs).unwrap();
+        holder.create_hold(&tid(id), refs).unwrap();
         // The holds keep the buffer alive; nobody else needs the region.
         assert!(holder.unregister_region(region));
     }
     holder
+}
+
+/// The transfer id of test hold `name`: holders refuse ids without 128
+/// random bits' worth of hex at their end.
+fn tid(name: &str) -> String {
+    format!("{name}-5f3c9a1e7b2d4086a9c1e3f5b7d90246")
 }
 
 fn reader(kind: BackendKind) -> Reader {
@@ -131,7 +137,10 @@ pub async fn content_checksums_after_pull(kind: BackendKind) {
     let reader = reader(kind);
     for (id, seed, blocks, size) in &holds {
         let (region, refs) = scattered(&reader, *blocks, *size);
-        let stats = reader.pull(&addr(&holder), id, 0, &refs).await.unwrap();
+        let stats = reader
+            .pull(&addr(&holder), &tid(id), 0, &refs)
+            .await
+            .unwrap();
         assert_eq!((stats.bytes, stats.blocks), (blocks * size, *blocks as u32));
         assert_eq!(
             gather(&reader, region, &refs),
@@ -147,7 +156,7 @@ pub async fn content_checksums_after_pull(kind: BackendKind) {
         .unwrap();
     holder
         .create_hold(
-            "raw",
+            &tid("raw"),
             vec![
                 BlockRef::new(region, 4096, 8192),
                 BlockRef::new(region, 0, 100),
@@ -159,7 +168,10 @@ pub async fn content_checksums_after_pull(kind: BackendKind) {
         BlockRef::new(refs[0].region, 0, 8192),
         BlockRef::new(refs[0].region, 8192, 100),
     ];
-    reader.pull(&addr(&holder), "raw", 0, &one).await.unwrap();
+    reader
+        .pull(&addr(&holder), &tid("raw"), 0, &one)
+        .await
+        .unwrap();
     let got = reader.take_region(dest).unwrap();
     assert_eq!(&got[..8192], &raw[4096..4096 + 8192]);
     assert_eq!(&got[8192..8292], &raw[..100]);
@@ -177,7 +189,10 @@ pub async fn big_pulls_use_several_streams(kind: BackendKind) {
     let holder = holder(kind, HolderConfig::default(), &[("big", 5, 32, 2 << 20)]).await;
     let reader = reader(kind);
     let (region, refs) = scattered(&reader, 32, 2 << 20);
-    let stats = reader.pull(&addr(&holder), "big", 0, &refs).await.unwrap();
+    let stats = reader
+        .pull(&addr(&holder), &tid("big"), 0, &refs)
+        .await
+        .unwrap();
     assert!(stats.streams > 1, "{stats:?}");
     assert_eq!(gather(&reader, region, &refs), pattern(5, 64 << 20));
 }
@@ -194,39 +209,49 @@ pub async fn expiry(kind: BackendKind) {
         tokio::time::sleep(Duration::from_millis(300)).await;
         if round % 2 == 0 {
             let (region, refs) = scattered(&reader, 4, 1024);
-            reader.pull(&addr(&holder), "e", 0, &refs).await.unwrap();
+            reader
+                .pull(&addr(&holder), &tid("e"), 0, &refs)
+                .await
+                .unwrap();
             reader.take_region(region).unwrap();
         } else {
-            reader.renew(&addr(&holder), "e", 0).await.unwrap();
+            reader.renew(&addr(&holder), &tid("e"), 0).await.unwrap();
         }
     }
-    assert!(reader.stat(&addr(&holder), "e").await.unwrap().is_some());
+    assert!(reader
+        .stat(&addr(&holder), &tid("e"))
+        .await
+        .unwrap()
+        .is_some());
     // "idle" was never touched: gone.
-    assert_eq!(reader.stat(&addr(&holder), "idle").await.unwrap(), None);
+    assert_eq!(
+        reader.stat(&addr(&holder), &tid("idle")).await.unwrap(),
+        None
+    );
     tokio::time::sleep(Duration::from_millis(800)).await;
     let (_, refs) = scattered(&reader, 4, 1024);
     assert!(matches!(
-        reader.pull(&addr(&holder), "e", 0, &refs).await,
+        reader.pull(&addr(&holder), &tid("e"), 0, &refs).await,
         Err(TransferError::HoldNotFound { .. })
     ));
     let stats = holder.stats();
     assert_eq!((stats.holds, stats.held_bytes, stats.expiries), (0, 0, 2));
     let mut freed = holder.freed();
     freed.sort();
-    assert_eq!(freed, ["e", "idle"]);
+    assert_eq!(freed, [tid("e"), tid("idle")]);
 }
 
 pub async fn release(kind: BackendKind) {
     let holder = holder(kind, HolderConfig::default(), &[("r", 1, 2, 100)]).await;
     let reader = reader(kind);
-    assert!(reader.release(&addr(&holder), "r").await.unwrap());
-    assert!(!reader.release(&addr(&holder), "r").await.unwrap());
+    assert!(reader.release(&addr(&holder), &tid("r")).await.unwrap());
+    assert!(!reader.release(&addr(&holder), &tid("r")).await.unwrap());
     let (_, refs) = scattered(&reader, 2, 100);
     assert!(matches!(
-        reader.pull(&addr(&holder), "r", 0, &refs).await,
+        reader.pull(&addr(&holder), &tid("r"), 0, &refs).await,
         Err(TransferError::HoldNotFound { .. })
     ));
-    assert_eq!(holder.freed(), ["r"]);
+    assert_eq!(holder.freed(), [tid("r")]);
 
     // after_pull: the first complete pull frees the hold.
     let config = HolderConfig {
@@ -235,11 +260,14 @@ pub async fn release(kind: BackendKind) {
     };
     let holder = self::holder(kind, config, &[("once", 3, 2, 100)]).await;
     let (region, refs) = scattered(&reader, 2, 100);
-    reader.pull(&addr(&holder), "once", 0, &refs).await.unwrap();
+    reader
+        .pull(&addr(&holder), &tid("once"), 0, &refs)
+        .await
+        .unwrap();
     assert_eq!(gather(&reader, region, &refs), pattern(3, 200));
     let (_, refs) = scattered(&reader, 2, 100);
     assert!(matches!(
-        reader.pull(&addr(&holder), "once", 0, &refs).await,
+        reader.pull(&addr(&holder), &tid("once"), 0, &refs).await,
         Err(TransferError::HoldNotFound { .. })
     ));
     let stats = holder.stats();
@@ -261,7 +289,7 @@ pub async fn concurrent_pulls(kind: BackendKind) {
             let (reader, addr) = (reader.clone(), addr(&holder));
             tasks.spawn(async move {
                 let (region, refs) = scattered(&reader, blocks, size);
-                reader.pull(&addr, id, 0, &refs).await.unwrap();
+                reader.pull(&addr, &tid(id), 0, &refs).await.unwrap();
                 assert_eq!(
                     gather(&reader, region, &refs),
                     pattern(seed, (blocks * size) as usize),
@@ -280,44 +308,54 @@ pub async fn stale_epoch_and_mismatches(kind: BackendKind) {
     let holder = holder(kind, HolderConfig::default(), &[("s", 1, 4, 1000)]).await;
     let reader = reader(kind);
     let (region, refs) = scattered(&reader, 4, 1000);
-    reader.pull(&addr(&holder), "s", 1, &refs).await.unwrap();
+    reader
+        .pull(&addr(&holder), &tid("s"), 1, &refs)
+        .await
+        .unwrap();
     assert!(matches!(
-        reader.pull(&addr(&holder), "s", 0, &refs).await,
+        reader.pull(&addr(&holder), &tid("s"), 0, &refs).await,
         Err(TransferError::StaleEpoch {
             served: 1,
             asked: 0
         })
     ));
     assert!(matches!(
-        reader.renew(&addr(&holder), "s", 0).await,
+        reader.renew(&addr(&holder), &tid("s"), 0).await,
         Err(TransferError::StaleEpoch {
             served: 1,
             asked: 0
         })
     ));
     // A newer epoch takes over; the destination was left as the good pull wrote it.
-    assert_eq!(reader.renew(&addr(&holder), "s", 2).await.unwrap().epoch, 2);
+    assert_eq!(
+        reader
+            .renew(&addr(&holder), &tid("s"), 2)
+            .await
+            .unwrap()
+            .epoch,
+        2
+    );
     assert_eq!(holder.stats().stale_epoch_refusals, 2);
     assert_eq!(gather(&reader, region, &refs), pattern(1, 4000));
     // Wrong block count or size: refused before any byte moves.
     let (_, refs) = scattered(&reader, 3, 1000);
     assert!(matches!(
-        reader.pull(&addr(&holder), "s", 2, &refs).await,
+        reader.pull(&addr(&holder), &tid("s"), 2, &refs).await,
         Err(TransferError::SizeMismatch(_))
     ));
     let (_, refs) = scattered(&reader, 4, 999);
     assert!(matches!(
-        reader.pull(&addr(&holder), "s", 2, &refs).await,
+        reader.pull(&addr(&holder), &tid("s"), 2, &refs).await,
         Err(TransferError::SizeMismatch(_))
     ));
     // Bad destinations never reach the holder.
     let bad = [BlockRef::new(RegionId(12345), 0, 1000)];
     assert!(matches!(
-        reader.pull(&addr(&holder), "s", 2, &bad).await,
+        reader.pull(&addr(&holder), &tid("s"), 2, &bad).await,
         Err(TransferError::InvalidArgument(_))
     ));
     assert!(matches!(
-        reader.pull(&addr(&holder), "unknown", 2, &refs).await,
+        reader.pull(&addr(&holder), &tid("unknown"), 2, &refs).await,
         Err(TransferError::HoldNotFound { .. })
     ));
     assert_eq!(holder.stats().pulls, 1);
@@ -335,13 +373,18 @@ fn quick_reader(kind: BackendKind) -> Reader {
 pub async fn holder_killed_mid_pull(kind: BackendKind) {
     let mut process = HolderProcess::start(
         kind,
-        &["--hold", "k:32:2097152", "--stall-after-bytes", "4194304"],
+        &[
+            "--hold",
+            &format!("{}:32:2097152", tid("k")),
+            "--stall-after-bytes",
+            "4194304",
+        ],
     );
     let reader = std::sync::Arc::new(quick_reader(kind));
     let (region, refs) = scattered(&reader, 32, 2 << 20);
     let pull = {
         let (reader, addr) = (reader.clone(), process.addr.clone());
-        tokio::spawn(async move { reader.pull(&addr, "k", 0, &refs).await })
+        tokio::spawn(async move { reader.pull(&addr, &tid("k"), 0, &refs).await })
     };
     // The holder is alive but stalled: the pull has not finished.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -376,12 +419,20 @@ pub async fn holder_killed_mid_pull(kind: BackendKind) {
 }
 
 pub async fn stalled_holder_times_out(kind: BackendKind) {
-    let process =
-        HolderProcess::start(kind, &["--hold", "t:8:1048576", "--stall-after-bytes", "0"]);
+    let process = HolderProcess::start(
+        kind,
+        &[
+            "--hold",
+            &format!("{}:8:1048576", tid("t")),
+            "--stall-after-bytes",
+            "0",
+        ],
+    );
     let reader = quick_reader(kind);
     let (_, refs) = scattered(&reader, 8, 1 << 20);
     let started = Instant::now();
-    let mut stuck = std::pin::pin!(reader.pull(&process.addr, "t", 0, &refs));
+    let id = tid("t");
+    let mut stuck = std::pin::pin!(reader.pull(&process.addr, &id, 0, &refs));
     let outcome = tokio::time::timeout(Duration::from_millis(300), stuck.as_mut()).await;
     assert!(
         outcome.is_err(),
@@ -389,7 +440,7 @@ pub async fn stalled_holder_times_out(kind: BackendKind) {
     );
     // While it is stuck it owns its destination: a second pull into the same
     // bytes is refused at once, never interleaved.
-    let second = reader.pull(&process.addr, "t", 0, &refs).await;
+    let second = reader.pull(&process.addr, &tid("t"), 0, &refs).await;
     assert!(
         matches!(second, Err(TransferError::InvalidArgument(_))),
         "{second:?}"
