@@ -189,7 +189,7 @@ impl Default for HolderConfig {
             faults: Faults::default(),
             secret: Secret::from_env(),
             max_epoch: DEFAULT_MAX_EPOCH,
-            max_connections_per_peer: 256,
+            max_connections_per_peer: 512,
         }
     }
 }

@@ -133,7 +133,10 @@ impl Reader {
         limit: Duration,
     ) -> Result<PullStats> {
         let started = Instant::now();
-        let deadline = started + limit;
+        // A limit past what an Instant can hold (say, from Python) is "a year".
+        let deadline = started
+            .checked_add(limit)
+            .unwrap_or(started + Duration::from_secs(365 * 86_400));
         let timeout = || TransferError::Timeout {
             what: "pulling a hold",
             after: limit,

@@ -399,3 +399,20 @@ async fn a_holder_with_a_secret_serves_only_peers_that_prove_it() {
     assert_eq!(reader.take_region(dest).unwrap(), held);
     assert_eq!(holder.stats().pulls, 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_limit_past_what_the_clock_holds_is_just_long() {
+    let holder = holder_with_hold().await;
+    let (reader, dest) = reader_with(None);
+    let stats = reader
+        .pull_timeout(
+            &holder.ctrl_addr().to_string(),
+            H1,
+            0,
+            &[BlockRef::new(dest, 0, 4096)],
+            Duration::MAX,
+        )
+        .await
+        .unwrap();
+    assert_eq!(stats.bytes, 4096);
+}
