@@ -327,3 +327,54 @@ async fn one_peer_cannot_take_every_connection() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickling_reader_cannot_hold_a_writer_for_ever() {
+    // 32 MiB at no less than one 4 MiB piece per I/O timeout (1 s): the
+    // holder gives the read 9 s, however steadily the reader trickles
+    // (taking it all at this pace would take 16 s; the socket buffers hold
+    // a few MiB of it).
+    const LEN: usize = 32 << 20;
+    let holder = Holder::start(HolderConfig {
+        secret: None,
+        io_timeout: Duration::from_secs(1),
+        ..HolderConfig::default()
+    })
+    .await
+    .unwrap();
+    let region = holder.register_region(Region::owned(vec![7; LEN])).unwrap();
+    let id = new_transfer_id();
+    holder
+        .create_hold(&id, vec![BlockRef::new(region, 0, LEN as u64)])
+        .unwrap();
+    let mut stream = TcpStream::connect(holder.ctrl_addr()).await.unwrap();
+    let read = Request::Read {
+        id: id.clone(),
+        epoch: 0,
+        offset: 0,
+        len: LEN as u64,
+    };
+    stream.write_all(&read.encode(1)).await.unwrap();
+    let started = Instant::now();
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 512 << 10];
+    loop {
+        // 512 KiB per 250 ms: every single write of the holder goes through
+        // well within its I/O timeout, once the socket buffers are full.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => got += n,
+            Err(_) => panic!("the holder neither sent nor closed"),
+        }
+    }
+    assert!(got < LEN, "cut before the end ({got} bytes)");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    // The read stopped: a release is reported freed at once.
+    assert!(holder.release(&id));
+    assert_eq!(holder.freed(), [id]);
+}
