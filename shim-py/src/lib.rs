@@ -234,7 +234,9 @@ impl Holder {
         Ok(self.get()?.release(transfer_id))
     }
 
-    /// Transfer ids released, expired or evicted since the last call.
+    /// Transfer ids released, expired or evicted since the last call whose
+    /// last read has stopped: their blocks may be reused now (a hold freed
+    /// while a reader streams it is reported once that read has ended).
     fn freed(&self) -> PyResult<Vec<String>> {
         Ok(self.get()?.freed())
     }
@@ -337,6 +339,8 @@ impl Reader {
 
     /// Pulls hold `transfer_id` into `blocks` = [(region, offset, length), ...]
     /// (same count and lengths as the hold's). Releases the GIL while it runs.
+    /// `timeout_s` bounds the whole pull; when it raises (a timeout or any
+    /// other error), nothing writes into `blocks` any more.
     #[pyo3(signature = (remote_ctrl, transfer_id, epoch, blocks, timeout_s=30.0))]
     fn pull<'py>(
         &self,
