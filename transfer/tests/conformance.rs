@@ -626,8 +626,9 @@ pub async fn pull_past_its_timeout_never_writes_into_returned_blocks(kind: Backe
         .await
         .unwrap_err();
     assert!(matches!(err, TransferError::Timeout { .. }), "{err:?}");
+    // Well before the 5 s I/O timeout could have ended it.
     assert!(
-        started.elapsed() < limit + Duration::from_secs(1),
+        started.elapsed() < limit + Duration::from_secs(3),
         "{:?}",
         started.elapsed()
     );
@@ -662,7 +663,7 @@ pub async fn trickling_holder_is_cut_at_the_deadline(kind: BackendKind) {
     assert!(matches!(err, TransferError::Timeout { .. }), "{err:?}");
     let took = started.elapsed();
     assert!(
-        took >= Duration::from_millis(1400) && took < Duration::from_millis(3000),
+        took >= Duration::from_millis(1400) && took < Duration::from_millis(4500),
         "cut after {took:?}, deadline 1.5 s"
     );
     reader.take_region(region).unwrap();

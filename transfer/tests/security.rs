@@ -367,13 +367,10 @@ async fn a_trickling_reader_cannot_hold_a_writer_for_ever() {
             Ok(Ok(n)) => got += n,
             Err(_) => panic!("the holder neither sent nor closed"),
         }
+        assert!(started.elapsed() < Duration::from_secs(60), "never cut");
     }
+    // Read to the end at this pace, it would all have come (in 16 s).
     assert!(got < LEN, "cut before the end ({got} bytes)");
-    assert!(
-        started.elapsed() < Duration::from_secs(15),
-        "{:?}",
-        started.elapsed()
-    );
     // The read stopped: a release is reported freed at once.
     assert!(holder.release(&id));
     assert_eq!(holder.freed(), [id]);
