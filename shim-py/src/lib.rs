@@ -347,11 +347,11 @@ impl Reader {
         py: Python<'py>,
         remote_ctrl: &str,
         transfer_id: &str,
-        epoch: u32,
+        epoch: &Bound<'_, PyAny>,
         blocks: Vec<(u64, u64, u64)>,
         timeout_s: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let limit = timeout(timeout_s)?;
+        let (limit, epoch) = (timeout(timeout_s)?, self::epoch(epoch)?);
         let (rt, reader, dest) = (runtime()?, self.inner.clone(), self::blocks(blocks));
         let stats = py
             .detach(|| {
@@ -367,11 +367,11 @@ impl Reader {
         &self,
         remote_ctrl: String,
         transfer_id: String,
-        epoch: u32,
+        epoch: &Bound<'_, PyAny>,
         blocks: Vec<(u64, u64, u64)>,
         timeout_s: f64,
     ) -> PyResult<Pull> {
-        let limit = timeout(timeout_s)?;
+        let (limit, epoch) = (timeout(timeout_s)?, self::epoch(epoch)?);
         let (reader, dest) = (self.inner.clone(), self::blocks(blocks));
         // Owned by the returned Pull (its result() joins it); the pull's own
         // timeout bounds it even if nobody asks.
@@ -399,9 +399,9 @@ impl Reader {
         py: Python<'py>,
         remote_ctrl: &str,
         transfer_id: &str,
-        epoch: u32,
+        epoch: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let (rt, reader) = (runtime()?, self.inner.clone());
+        let (rt, reader, epoch) = (runtime()?, self.inner.clone(), self::epoch(epoch)?);
         let info = py
             .detach(|| rt.block_on(reader.renew(remote_ctrl, transfer_id, epoch)))
             .map_err(to_py)?;
@@ -438,6 +438,14 @@ impl Reader {
 #[pyfunction]
 fn new_transfer_id() -> String {
     ct::new_transfer_id()
+}
+
+/// A resume epoch from Python: any int outside `u32` (negative, 2**32 and up)
+/// is a `ValueError`, like every other bad argument, not an `OverflowError`.
+fn epoch(value: &Bound<'_, PyAny>) -> PyResult<u32> {
+    value.extract::<u32>().map_err(|_| {
+        PyValueError::new_err(format!("resume epoch must be an int in 0..={}", u32::MAX))
+    })
 }
 
 fn timeout(seconds: f64) -> PyResult<Duration> {

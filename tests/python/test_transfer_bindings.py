@@ -265,3 +265,30 @@ def test_a_fake_holder_never_learns_the_secret():
     assert seen, "the reader did connect"
     assert SECRET.encode() not in seen
     assert hold.encode() not in seen
+
+
+def test_bad_epochs_and_timeouts_are_value_errors():
+    """What a decoder may be handed in kv_transfer_params: a ValueError the
+    connector can turn into a failed load, never an OverflowError."""
+    holder = t.Holder()
+    src = ctypes.create_string_buffer(BLOCK)
+    rid = holder.register_region(ctypes.addressof(src), len(src))
+    hold = t.new_transfer_id()
+    holder.create_hold(hold, [(rid, 0, BLOCK)])
+    reader = t.Reader()
+    dest = bytearray(BLOCK)
+    did = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), BLOCK)
+    blocks = [(did, 0, BLOCK)]
+    for epoch in (2**32, -1, 2**64, "1", 1.5):
+        with pytest.raises(ValueError, match="resume epoch"):
+            reader.pull(holder.ctrl_addr, hold, epoch, blocks)
+        with pytest.raises(ValueError, match="resume epoch"):
+            reader.pull_async(holder.ctrl_addr, hold, epoch, blocks)
+        with pytest.raises(ValueError, match="resume epoch"):
+            reader.renew(holder.ctrl_addr, hold, epoch)
+    for timeout_s in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="timeout_s"):
+            reader.pull(holder.ctrl_addr, hold, 0, blocks, timeout_s=timeout_s)
+    reader.pull(holder.ctrl_addr, hold, 0, blocks)
+    assert bytes(dest) == bytes(BLOCK)
+    holder.close()

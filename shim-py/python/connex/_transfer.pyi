@@ -45,7 +45,7 @@ class Reader:
         self,
         remote_ctrl: str,
         transfer_id: str,
-        epoch: int,
+        epoch: int,  # 0..=2**32-1, else ValueError
         blocks: list[Block],
         timeout_s: float = 30.0,
     ) -> dict: ...
@@ -53,7 +53,7 @@ class Reader:
         self,
         remote_ctrl: str,
         transfer_id: str,
-        epoch: int,
+        epoch: int,  # 0..=2**32-1, else ValueError
         blocks: list[Block],
         timeout_s: float = 30.0,
     ) -> Pull: ...
