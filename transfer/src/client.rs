@@ -383,6 +383,15 @@ impl CtrlClient {
         }
     }
 
+    /// Tells the holder a one-sided pull failed and its gets have stopped.
+    pub(crate) async fn abort(&self, addr: &str, transfer_id: &str) -> Result<()> {
+        let id = transfer_id.to_string();
+        match self.call(addr, Request::Abort { id }).await? {
+            Reply::Done { .. } => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
     pub(crate) async fn done(
         &self,
         addr: &str,

@@ -145,6 +145,22 @@ impl Inner {
         }
     }
 
+    /// Closes the window of one one-sided pull of `id` (the one that ends
+    /// first: they are alike), then reports the hold if that was its last read.
+    fn close_window(&mut self, id: &str, now: Instant) -> bool {
+        let closed = self.reads(id).is_some_and(|reads| {
+            let first = reads
+                .windows
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, end)| **end)
+                .map(|(i, _)| i);
+            first.map(|i| reads.windows.swap_remove(i)).is_some()
+        });
+        self.settle(now);
+        closed
+    }
+
     /// A TCP read ended.
     fn end_read(&mut self, id: &str, key: u64, now: Instant) {
         if let Some(reads) = self.reads(id) {
@@ -392,22 +408,17 @@ impl HoldTable {
     pub(crate) fn finish_pull(&self, id: &str, epoch: u32, now: Instant) -> Result<bool> {
         let mut inner = self.lock();
         // A one-sided pull's window closes with its done, whatever it says.
-        if let Some(reads) = inner.reads(id) {
-            if let Some(first) = reads
-                .windows
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, end)| **end)
-            {
-                let first = first.0;
-                reads.windows.swap_remove(first);
-            }
-        }
-        inner.settle(now);
+        inner.close_window(id, now);
         let hold = inner.serve(id, epoch, now, self.lease, self.max_epoch)?;
         hold.pulls += 1;
         inner.stats.pulls += 1;
         Ok(self.release == ReleaseMode::AfterPull && inner.remove(id, Gone::Released, now))
+    }
+
+    /// A one-sided pull failed and its gets have stopped: closes its window.
+    /// Returns whether the hold had one open.
+    pub(crate) fn abort_pull(&self, id: &str, now: Instant) -> bool {
+        self.lock().close_window(id, now)
     }
 
     /// Drops every hold whose lease ran out.
@@ -725,6 +736,14 @@ mod tests {
         // Its done (refused: the hold is gone) closes the window.
         assert!(table.finish_pull("a", 0, now).is_err());
         assert_eq!(table.take_freed(now), ["a"]);
+        // One whose pull failed says so (abort): freed at once.
+        table.create("c", spans(&regions, &[8]), now).unwrap();
+        table.describe("c", 0, window, now).unwrap();
+        table.release("c", now);
+        assert!(table.take_freed(now).is_empty());
+        assert!(table.abort_pull("c", now));
+        assert!(!table.abort_pull("c", now));
+        assert_eq!(table.take_freed(now), ["c"]);
         // A reader that never says done: freed when its window ends.
         table.create("b", spans(&regions, &[8]), now).unwrap();
         table.describe("b", 0, window, now).unwrap();

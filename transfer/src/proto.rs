@@ -49,6 +49,7 @@ mod op {
     pub const DONE: u8 = 0x07;
     pub const HELLO: u8 = 0x08;
     pub const PROOF: u8 = 0x09;
+    pub const ABORT: u8 = 0x0A;
     pub const HOLD: u8 = 0x80;
     pub const RELEASED: u8 = 0x81;
     pub const STAT_REPLY: u8 = 0x82;
@@ -197,6 +198,11 @@ pub enum Request {
     /// The client's proof over the holder's nonce and its own.
     Proof {
         proof: Proof,
+    },
+    /// A one-sided pull failed and its gets have stopped: its window closes
+    /// (answered with `Done{released: false}`).
+    Abort {
+        id: String,
     },
 }
 
@@ -376,6 +382,10 @@ impl Request {
                 out = Out::new(op::PROOF, seq);
                 out.blob(proof);
             }
+            Request::Abort { id } => {
+                out = Out::new(op::ABORT, seq);
+                out.str(id);
+            }
         }
         out.finish()
     }
@@ -422,6 +432,7 @@ impl Request {
             op::PROOF => Request::Proof {
                 proof: r.fixed::<PROOF_LEN>("proof")?,
             },
+            op::ABORT => Request::Abort { id: r.id()? },
             other => return Err(bad(format!("unknown request op 0x{other:02x}"))),
         };
         r.end()?;
@@ -436,14 +447,15 @@ impl Request {
             | Request::Stat { id }
             | Request::Describe { id, .. }
             | Request::Read { id, .. }
-            | Request::Done { id, .. } => Some(id),
+            | Request::Done { id, .. }
+            | Request::Abort { id } => Some(id),
             Request::Stats | Request::Hello { .. } | Request::Proof { .. } => None,
         }
     }
 
     /// Whether `op` is a request op this version knows.
     pub fn known_op(op: u8) -> bool {
-        (op::RENEW..=op::PROOF).contains(&op)
+        (op::RENEW..=op::ABORT).contains(&op)
     }
 }
 
@@ -753,6 +765,7 @@ mod tests {
             },
             Request::Hello { nonce: [7; 32] },
             Request::Proof { proof: [9; 32] },
+            Request::Abort { id: "a".into() },
         ];
         for (seq, request) in requests.iter().enumerate() {
             let frame = request.encode(seq as u32);

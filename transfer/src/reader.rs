@@ -193,6 +193,16 @@ impl Reader {
             })
             .await;
         cut_if_dropped.disarm();
+        if fetched.is_err() && self.backend.kind() != BackendKind::Tcp {
+            // The holder counts a one-sided pull as a read of the hold until
+            // its done or its window ends: say at once that it is over (its
+            // gets have stopped), so a released hold's blocks go back now.
+            // Best effort, briefly: the window bounds it anyway.
+            let abort = self.ctrl.abort(remote_ctrl, transfer_id);
+            if let Ok(Err(err)) = tokio::time::timeout(Duration::from_secs(1), abort).await {
+                tracing::debug!(%err, "abort of a failed pull");
+            }
+        }
         let streams = fetched.map_err(|err| match err {
             TransferError::Timeout { .. } if Instant::now() >= deadline => timeout(),
             other => other,

@@ -330,6 +330,10 @@ fn answer(shared: &Shared, request: Request) -> Reply {
         Request::Done { id, epoch, .. } => holds
             .finish_pull(&id, epoch, now)
             .map(|released| Reply::Done { released }),
+        Request::Abort { id } => {
+            holds.abort_pull(&id, now);
+            Ok(Reply::Done { released: false })
+        }
         Request::Hello { .. } | Request::Proof { .. } => Err(TransferError::Protocol(
             "handshake ops are answered above".into(),
         )),
