@@ -7,7 +7,8 @@ use crate::backend::{self, Backend, CutOnDrop, Fetch, PullFence, Role};
 use crate::client::{ClientConfig, CtrlClient};
 use crate::config::BackendKind;
 use crate::error::{Result, TransferError};
-use crate::region::{BlockRef, Region, RegionId, RegionTable};
+use crate::proto::Descriptor;
+use crate::region::{BlockRef, DestSpan, Region, RegionId, RegionTable};
 use crate::stats::{HoldInfo, PullStats};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -155,24 +156,9 @@ impl Reader {
         )
         .await
         .map_err(|_| timeout())??;
-        if descriptor.blocks.len() != spans.len() {
-            return Err(TransferError::SizeMismatch(format!(
-                "hold {transfer_id:?} has {} blocks, destination has {}",
-                descriptor.blocks.len(),
-                spans.len()
-            )));
-        }
-        if let Some((i, (remote, local))) = descriptor
-            .blocks
-            .iter()
-            .zip(&spans)
-            .enumerate()
-            .find(|(_, (r, l))| r.len != l.len as u64)
-        {
-            return Err(TransferError::SizeMismatch(format!(
-                "block {i} of hold {transfer_id:?} has {} bytes, destination block {}",
-                remote.len, local.len
-            )));
+        if let Some(mismatch) = mismatch(&descriptor, &spans, transfer_id) {
+            self.end_one_sided(remote_ctrl, transfer_id).await;
+            return Err(TransferError::SizeMismatch(mismatch));
         }
         let bytes: u64 = descriptor.blocks.iter().map(|b| b.len).sum();
         let fence = Arc::new(PullFence::default());
@@ -193,15 +179,8 @@ impl Reader {
             })
             .await;
         cut_if_dropped.disarm();
-        if fetched.is_err() && self.backend.kind() != BackendKind::Tcp {
-            // The holder counts a one-sided pull as a read of the hold until
-            // its done or its window ends: say at once that it is over (its
-            // gets have stopped), so a released hold's blocks go back now.
-            // Best effort, briefly: the window bounds it anyway.
-            let abort = self.ctrl.abort(remote_ctrl, transfer_id);
-            if let Ok(Err(err)) = tokio::time::timeout(Duration::from_secs(1), abort).await {
-                tracing::debug!(%err, "abort of a failed pull");
-            }
+        if fetched.is_err() {
+            self.end_one_sided(remote_ctrl, transfer_id).await;
         }
         let streams = fetched.map_err(|err| match err {
             TransferError::Timeout { .. } if Instant::now() >= deadline => timeout(),
@@ -219,6 +198,21 @@ impl Reader {
             streams,
             elapsed: started.elapsed(),
         })
+    }
+
+    /// A one-sided pull that will not say `done` (it failed, and its gets
+    /// have stopped, or never started): the holder counts it as a read of
+    /// the hold until its done or its window ends, so say at once that it is
+    /// over and a released hold's blocks go back now. Best effort, briefly:
+    /// the window bounds it anyway.
+    async fn end_one_sided(&self, remote_ctrl: &str, transfer_id: &str) {
+        if self.backend.kind() == BackendKind::Tcp {
+            return;
+        }
+        let abort = self.ctrl.abort(remote_ctrl, transfer_id);
+        if let Ok(Err(err)) = tokio::time::timeout(Duration::from_secs(1), abort).await {
+            tracing::debug!(%err, "abort of a failed pull");
+        }
     }
 
     /// Releases a hold (idempotent).
@@ -240,4 +234,25 @@ impl Reader {
     pub async fn stat(&self, remote_ctrl: &str, transfer_id: &str) -> Result<Option<HoldInfo>> {
         self.ctrl.stat(remote_ctrl, transfer_id).await
     }
+}
+
+/// Why the hold's blocks do not fit the destination, if they do not.
+fn mismatch(descriptor: &Descriptor, dest: &[DestSpan], transfer_id: &str) -> Option<String> {
+    if descriptor.blocks.len() != dest.len() {
+        return Some(format!(
+            "hold {transfer_id:?} has {} blocks, destination has {}",
+            descriptor.blocks.len(),
+            dest.len()
+        ));
+    }
+    let (i, (remote, local)) = descriptor
+        .blocks
+        .iter()
+        .zip(dest)
+        .enumerate()
+        .find(|(_, (r, l))| r.len != l.len as u64)?;
+    Some(format!(
+        "block {i} of hold {transfer_id:?} has {} bytes, destination block {}",
+        remote.len, local.len
+    ))
 }
