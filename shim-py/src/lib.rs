@@ -37,6 +37,12 @@ create_exception!(
 );
 create_exception!(
     connex._transfer,
+    EpochOutOfRange,
+    StaleEpoch,
+    "The resume epoch is above the holder's bound (the hold cannot be resumed that far)."
+);
+create_exception!(
+    connex._transfer,
     Unreachable,
     TransferError,
     "The holder could not be reached."
@@ -45,7 +51,7 @@ create_exception!(
     connex._transfer,
     Unauthorized,
     TransferError,
-    "The holder requires the transfer secret, and it was not sent or is wrong."
+    "The transfer handshake failed: this side or the peer lacks the transfer secret or has another."
 );
 create_exception!(
     connex._transfer,
@@ -59,6 +65,7 @@ fn to_py(err: ct::TransferError) -> PyErr {
     match err {
         ct::TransferError::HoldNotFound { .. } => HoldNotFound::new_err(text),
         ct::TransferError::StaleEpoch { .. } => StaleEpoch::new_err(text),
+        ct::TransferError::EpochOutOfRange { .. } => EpochOutOfRange::new_err(text),
         ct::TransferError::Unreachable { .. } => Unreachable::new_err(text),
         ct::TransferError::Timeout { .. } => TransferTimeout::new_err(text),
         ct::TransferError::Unauthorized(_) => Unauthorized::new_err(text),
@@ -162,7 +169,8 @@ impl Holder {
 #[pymethods]
 impl Holder {
     #[new]
-    #[pyo3(signature = (backend="tcp", listen="127.0.0.1:0", retain_s=60.0, release="on_release", budget_bytes=0, secret=None))]
+    #[pyo3(signature = (backend="tcp", listen="127.0.0.1:0", retain_s=60.0, release="on_release", budget_bytes=0, secret=None, max_epoch=ct::DEFAULT_MAX_EPOCH))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         backend: &str,
@@ -171,6 +179,7 @@ impl Holder {
         release: &str,
         budget_bytes: u64,
         secret: Option<String>,
+        max_epoch: u32,
     ) -> PyResult<Self> {
         let retain = Duration::try_from_secs_f64(retain_s)
             .map_err(|_| PyValueError::new_err("retain_s must be a positive number of seconds"))?;
@@ -183,6 +192,7 @@ impl Holder {
             release: release.parse().map_err(PyValueError::new_err)?,
             budget_bytes: (budget_bytes > 0).then_some(budget_bytes),
             secret: self::secret(secret),
+            max_epoch,
             ..ct::HolderConfig::default()
         };
         let rt = runtime()?;
@@ -211,7 +221,8 @@ impl Holder {
         Ok(self.get()?.unregister_region(ct::RegionId(region)))
     }
 
-    /// Holds `blocks` = [(region, offset, length), ...] under `transfer_id`.
+    /// Holds `blocks` = [(region, offset, length), ...] under `transfer_id`,
+    /// which must end with 128 random bits in hex (`new_transfer_id()`).
     fn create_hold(&self, transfer_id: &str, blocks: Vec<(u64, u64, u64)>) -> PyResult<()> {
         self.get()?
             .create_hold(transfer_id, self::blocks(blocks))
@@ -223,7 +234,9 @@ impl Holder {
         Ok(self.get()?.release(transfer_id))
     }
 
-    /// Transfer ids released, expired or evicted since the last call.
+    /// Transfer ids released, expired or evicted since the last call whose
+    /// last read has stopped: their blocks may be reused now (a hold freed
+    /// while a reader streams it is reported once that read has ended).
     fn freed(&self) -> PyResult<Vec<String>> {
         Ok(self.get()?.freed())
     }
@@ -326,17 +339,19 @@ impl Reader {
 
     /// Pulls hold `transfer_id` into `blocks` = [(region, offset, length), ...]
     /// (same count and lengths as the hold's). Releases the GIL while it runs.
+    /// `timeout_s` bounds the whole pull; when it raises (a timeout or any
+    /// other error), nothing writes into `blocks` any more.
     #[pyo3(signature = (remote_ctrl, transfer_id, epoch, blocks, timeout_s=30.0))]
     fn pull<'py>(
         &self,
         py: Python<'py>,
         remote_ctrl: &str,
         transfer_id: &str,
-        epoch: u32,
+        epoch: &Bound<'_, PyAny>,
         blocks: Vec<(u64, u64, u64)>,
         timeout_s: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let limit = timeout(timeout_s)?;
+        let (limit, epoch) = (timeout(timeout_s)?, self::epoch(epoch)?);
         let (rt, reader, dest) = (runtime()?, self.inner.clone(), self::blocks(blocks));
         let stats = py
             .detach(|| {
@@ -352,11 +367,11 @@ impl Reader {
         &self,
         remote_ctrl: String,
         transfer_id: String,
-        epoch: u32,
+        epoch: &Bound<'_, PyAny>,
         blocks: Vec<(u64, u64, u64)>,
         timeout_s: f64,
     ) -> PyResult<Pull> {
-        let limit = timeout(timeout_s)?;
+        let (limit, epoch) = (timeout(timeout_s)?, self::epoch(epoch)?);
         let (reader, dest) = (self.inner.clone(), self::blocks(blocks));
         // Owned by the returned Pull (its result() joins it); the pull's own
         // timeout bounds it even if nobody asks.
@@ -384,9 +399,9 @@ impl Reader {
         py: Python<'py>,
         remote_ctrl: &str,
         transfer_id: &str,
-        epoch: u32,
+        epoch: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let (rt, reader) = (runtime()?, self.inner.clone());
+        let (rt, reader, epoch) = (runtime()?, self.inner.clone(), self::epoch(epoch)?);
         let info = py
             .detach(|| rt.block_on(reader.renew(remote_ctrl, transfer_id, epoch)))
             .map_err(to_py)?;
@@ -418,6 +433,21 @@ impl Reader {
     }
 }
 
+/// A transfer id nobody can guess: `cx-` and 128 bits from the operating
+/// system's CSPRNG in hex. Holders refuse ids without such an ending.
+#[pyfunction]
+fn new_transfer_id() -> String {
+    ct::new_transfer_id()
+}
+
+/// A resume epoch from Python: any int outside `u32` (negative, 2**32 and up)
+/// is a `ValueError`, like every other bad argument, not an `OverflowError`.
+fn epoch(value: &Bound<'_, PyAny>) -> PyResult<u32> {
+    value.extract::<u32>().map_err(|_| {
+        PyValueError::new_err(format!("resume epoch must be an int in 0..={}", u32::MAX))
+    })
+}
+
 fn timeout(seconds: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(seconds)
         .map_err(|_| PyValueError::new_err("timeout_s must be a positive number of seconds"))
@@ -429,9 +459,11 @@ fn _transfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Holder>()?;
     m.add_class::<Reader>()?;
     m.add_class::<Pull>()?;
+    m.add_function(wrap_pyfunction!(new_transfer_id, m)?)?;
     m.add("TransferError", py.get_type::<TransferError>())?;
     m.add("HoldNotFound", py.get_type::<HoldNotFound>())?;
     m.add("StaleEpoch", py.get_type::<StaleEpoch>())?;
+    m.add("EpochOutOfRange", py.get_type::<EpochOutOfRange>())?;
     m.add("Unreachable", py.get_type::<Unreachable>())?;
     m.add("TransferTimeout", py.get_type::<TransferTimeout>())?;
     m.add("Unauthorized", py.get_type::<Unauthorized>())?;

@@ -1,11 +1,16 @@
 """connex._transfer from Python: a holder in one process, a reader in another,
-pulling into caller-owned memory (bytearray / ctypes buffers)."""
+pulling into caller-owned memory (bytearray / ctypes buffers). Every test runs
+with CONNEX_TRANSFER_SECRET set, as a cluster does: each connection starts with
+the challenge-response handshake."""
 
 import ctypes
 import hashlib
+import re
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -13,9 +18,24 @@ from connex import _transfer as t
 
 BLOCK = 64 * 1024
 BLOCKS = 24
+SECRET = "py-cluster-secret"
+# Holders refuse transfer ids without 128 random bits' worth of hex at their end.
+HOLD = "py-hold-5f3c9a1e7b2d4086a9c1e3f5b7d90246"
+
+
+def tid(name: str) -> str:
+    return f"{name}-5f3c9a1e7b2d4086a9c1e3f5b7d90246"
+
+
+@pytest.fixture(autouse=True)
+def cluster_secret(monkeypatch):
+    """The secret every holder and reader takes from the environment (holder
+    processes inherit it)."""
+    monkeypatch.setenv("CONNEX_TRANSFER_SECRET", SECRET)
+
 
 # A holder process: holds BLOCKS blocks of deterministic bytes, scattered in a
-# ctypes buffer, under "py-hold"; prints its address and the bytes' sha256;
+# ctypes buffer, under HOLD; prints its address and the bytes' sha256;
 # serves until its stdin closes.
 HOLDER = textwrap.dedent(
     f"""
@@ -31,7 +51,7 @@ HOLDER = textwrap.dedent(
         at = ({BLOCKS} - 1 - b) * {BLOCK}
         buf[at:at + {BLOCK}] = logical[b * {BLOCK}:(b + 1) * {BLOCK}]
         blocks.append((rid, at, {BLOCK}))
-    h.create_hold("py-hold", blocks)
+    h.create_hold("{HOLD}", blocks)
     print(h.ctrl_addr, hashlib.sha256(logical).hexdigest(), flush=True)
     sys.stdin.read()
     h.close()
@@ -67,17 +87,17 @@ def test_pull_into_a_bytearray_matches_the_holders_bytes(holder_process):
     reader = t.Reader(backend="tcp")
     dest = bytearray(BLOCKS * BLOCK)
     rid = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
-    stats = reader.pull(addr, "py-hold", 0, dest_blocks(rid))
+    stats = reader.pull(addr, HOLD, 0, dest_blocks(rid))
     assert stats["bytes"] == BLOCKS * BLOCK
     assert stats["blocks"] == BLOCKS
     assert hashlib.sha256(dest).hexdigest() == digest
-    info = reader.stat(addr, "py-hold")
+    info = reader.stat(addr, HOLD)
     assert info is not None and info["pulls"] == 1 and info["bytes"] == BLOCKS * BLOCK
-    assert reader.release(addr, "py-hold") is True
-    assert reader.release(addr, "py-hold") is False
-    assert reader.stat(addr, "py-hold") is None
+    assert reader.release(addr, HOLD) is True
+    assert reader.release(addr, HOLD) is False
+    assert reader.stat(addr, HOLD) is None
     with pytest.raises(t.HoldNotFound):
-        reader.pull(addr, "py-hold", 0, dest_blocks(rid))
+        reader.pull(addr, HOLD, 0, dest_blocks(rid))
 
 
 def test_pull_async_into_a_ctypes_buffer(holder_process):
@@ -85,30 +105,30 @@ def test_pull_async_into_a_ctypes_buffer(holder_process):
     reader = t.Reader()
     dest = ctypes.create_string_buffer(BLOCKS * BLOCK + 100)
     rid = reader.register_region(ctypes.addressof(dest), len(dest))
-    pull = reader.pull_async(addr, "py-hold", 2, dest_blocks(rid, base=100))
+    pull = reader.pull_async(addr, HOLD, 2, dest_blocks(rid, base=100))
     stats = pull.result()
     assert pull.done()
     assert stats["bytes"] == BLOCKS * BLOCK
     assert hashlib.sha256(dest.raw[100:]).hexdigest() == digest
     # Epoch 2 was served: an older replay is refused, a newer one renews.
     with pytest.raises(t.StaleEpoch):
-        reader.renew(addr, "py-hold", 1)
+        reader.renew(addr, HOLD, 1)
     with pytest.raises(t.StaleEpoch):
-        reader.pull_async(addr, "py-hold", 0, dest_blocks(rid)).result()
-    assert reader.renew(addr, "py-hold", 3)["epoch"] == 3
+        reader.pull_async(addr, HOLD, 0, dest_blocks(rid)).result()
+    assert reader.renew(addr, HOLD, 3)["epoch"] == 3
 
 
 @pytest.mark.parametrize("holder_process", [0.5], indirect=True)
 def test_a_hold_expires_without_pulls(holder_process):
     addr, _, _ = holder_process
     reader = t.Reader()
-    assert reader.stat(addr, "py-hold")["expires_in_s"] <= 0.5
+    assert reader.stat(addr, HOLD)["expires_in_s"] <= 0.5
     time.sleep(1.0)
-    assert reader.stat(addr, "py-hold") is None
+    assert reader.stat(addr, HOLD) is None
     dest = bytearray(BLOCKS * BLOCK)
     rid = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
     with pytest.raises(t.HoldNotFound):
-        reader.pull(addr, "py-hold", 0, dest_blocks(rid))
+        reader.pull(addr, HOLD, 0, dest_blocks(rid))
 
 
 def test_errors_are_exceptions(holder_process):
@@ -118,9 +138,9 @@ def test_errors_are_exceptions(holder_process):
     rid = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
     # Wrong geometry: refused before any byte moves.
     with pytest.raises(t.TransferError, match="size mismatch"):
-        reader.pull(addr, "py-hold", 0, dest_blocks(rid)[:-1])
+        reader.pull(addr, HOLD, 0, dest_blocks(rid)[:-1])
     with pytest.raises(t.TransferError, match="outside the region"):
-        reader.pull(addr, "py-hold", 0, [(rid, 1, BLOCKS * BLOCK)])
+        reader.pull(addr, HOLD, 0, [(rid, 1, BLOCKS * BLOCK)])
     with pytest.raises(ValueError):
         t.Reader(backend="carrier-pigeon")
     # The wheel tests/run builds has no mooncake feature.
@@ -131,7 +151,7 @@ def test_errors_are_exceptions(holder_process):
     proc.wait()
     started = time.monotonic()
     with pytest.raises(t.Unreachable):
-        reader.pull(addr, "py-hold", 0, dest_blocks(rid), timeout_s=5.0)
+        reader.pull(addr, HOLD, 0, dest_blocks(rid), timeout_s=5.0)
     assert time.monotonic() - started < 5.0
 
 
@@ -139,20 +159,20 @@ def test_in_process_holder_counts_and_frees():
     holder = t.Holder(retain_s=60.0, release="after_pull", budget_bytes=3 * BLOCK)
     src = ctypes.create_string_buffer(b"\x5a" * (4 * BLOCK), 4 * BLOCK)
     rid = holder.register_region(ctypes.addressof(src), len(src))
-    holder.create_hold("a", [(rid, 0, BLOCK), (rid, BLOCK, BLOCK)])
-    holder.create_hold("b", [(rid, 2 * BLOCK, 2 * BLOCK)])  # evicts "a"
-    assert holder.freed() == ["a"]
+    holder.create_hold(tid("a"), [(rid, 0, BLOCK), (rid, BLOCK, BLOCK)])
+    holder.create_hold(tid("b"), [(rid, 2 * BLOCK, 2 * BLOCK)])  # evicts "a"
+    assert holder.freed() == [tid("a")]
     reader = t.Reader()
     dest = bytearray(2 * BLOCK)
     did = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
-    reader.pull(holder.ctrl_addr, "b", 0, [(did, 0, 2 * BLOCK)])
+    reader.pull(holder.ctrl_addr, tid("b"), 0, [(did, 0, 2 * BLOCK)])
     assert dest == b"\x5a" * (2 * BLOCK)
     stats = holder.stats()
     assert (stats["evictions"], stats["pulls"], stats["releases"], stats["holds"]) == (1, 1, 1, 0)
-    assert holder.freed() == ["b"]
-    holder.create_hold("c", [(rid, 0, 1)])
+    assert holder.freed() == [tid("b")]
+    holder.create_hold(tid("c"), [(rid, 0, 1)])
     with pytest.raises(t.TransferError, match="exists already"):
-        holder.create_hold("c", [(rid, 0, 1)])
+        holder.create_hold(tid("c"), [(rid, 0, 1)])
     holder.close()
     holder.close()
     with pytest.raises(t.TransferError, match="closed"):
@@ -163,7 +183,7 @@ def test_a_secret_guards_the_holder(monkeypatch):
     holder = t.Holder(secret="s3cret")
     src = ctypes.create_string_buffer(b"\x33" * BLOCK, BLOCK)
     rid = holder.register_region(ctypes.addressof(src), len(src))
-    holder.create_hold("s", [(rid, 0, BLOCK)])
+    holder.create_hold(tid("s"), [(rid, 0, BLOCK)])
     # No secret ("" overrides the environment), or a wrong one: refused, clearly.
     for secret in ("", "guess"):
         reader = t.Reader(secret=secret)
@@ -171,14 +191,104 @@ def test_a_secret_guards_the_holder(monkeypatch):
             reader.stats(holder.ctrl_addr)
         dest = bytearray(BLOCK)
         did = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), BLOCK)
-        with pytest.raises(t.TransferError, match="refused"):
-            reader.pull(holder.ctrl_addr, "s", 0, [(did, 0, BLOCK)], timeout_s=5.0)
+        with pytest.raises(t.Unauthorized, match="handshake failed"):
+            reader.pull(holder.ctrl_addr, tid("s"), 0, [(did, 0, BLOCK)], timeout_s=5.0)
     # The secret given, or taken from the environment when not given.
     monkeypatch.setenv("CONNEX_TRANSFER_SECRET", "s3cret")
     for reader in (t.Reader(secret="s3cret"), t.Reader()):
         dest = bytearray(BLOCK)
         did = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), BLOCK)
-        reader.pull(holder.ctrl_addr, "s", 0, [(did, 0, BLOCK)])
+        reader.pull(holder.ctrl_addr, tid("s"), 0, [(did, 0, BLOCK)])
         assert dest == b"\x33" * BLOCK
     assert holder.stats()["pulls"] == 2
+    holder.close()
+
+
+def test_transfer_ids_are_random_and_guessable_ones_are_refused():
+    ids = {t.new_transfer_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(re.fullmatch(r"cx-[0-9a-f]{32}", i) for i in ids)
+    holder = t.Holder()
+    src = ctypes.create_string_buffer(BLOCK)
+    rid = holder.register_region(ctypes.addressof(src), len(src))
+    # What the vLLM connector made before: 32 random bits.
+    for weak in ("engine-0-7-1a2b3c4d", "req-42", "0" * 32):
+        with pytest.raises(t.TransferError, match="128 bits|random"):
+            holder.create_hold(weak, [(rid, 0, BLOCK)])
+    hold = t.new_transfer_id()
+    holder.create_hold(hold, [(rid, 0, BLOCK)])
+    holder.close()
+
+
+def test_an_epoch_past_the_bound_is_refused():
+    holder = t.Holder(max_epoch=4)
+    src = ctypes.create_string_buffer(BLOCK)
+    rid = holder.register_region(ctypes.addressof(src), len(src))
+    hold = t.new_transfer_id()
+    holder.create_hold(hold, [(rid, 0, BLOCK)])
+    reader = t.Reader()
+    # A subclass of StaleEpoch: the connector treats the hold as gone.
+    with pytest.raises(t.EpochOutOfRange):
+        reader.renew(holder.ctrl_addr, hold, 2**32 - 1)
+    assert issubclass(t.EpochOutOfRange, t.StaleEpoch)
+    assert reader.renew(holder.ctrl_addr, hold, 4)["epoch"] == 4
+    holder.close()
+
+
+def test_a_fake_holder_never_learns_the_secret():
+    """A listener posing as a holder records what a reader with the secret
+    sends it: a nonce, never the secret nor the transfer id."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen = bytearray()
+
+    def fake() -> None:
+        conn, _ = listener.accept()
+        conn.settimeout(1.5)
+        try:
+            while chunk := conn.recv(4096):
+                seen.extend(chunk)
+        except OSError:
+            pass
+        conn.close()
+
+    thread = threading.Thread(target=fake)
+    thread.start()
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    reader = t.Reader()
+    dest = bytearray(BLOCK)
+    did = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), BLOCK)
+    hold = t.new_transfer_id()
+    with pytest.raises(t.TransferError):
+        reader.pull(addr, hold, 0, [(did, 0, BLOCK)], timeout_s=1.0)
+    thread.join()
+    listener.close()
+    assert seen, "the reader did connect"
+    assert SECRET.encode() not in seen
+    assert hold.encode() not in seen
+
+
+def test_bad_epochs_and_timeouts_are_value_errors():
+    """What a decoder may be handed in kv_transfer_params: a ValueError the
+    connector can turn into a failed load, never an OverflowError."""
+    holder = t.Holder()
+    src = ctypes.create_string_buffer(BLOCK)
+    rid = holder.register_region(ctypes.addressof(src), len(src))
+    hold = t.new_transfer_id()
+    holder.create_hold(hold, [(rid, 0, BLOCK)])
+    reader = t.Reader()
+    dest = bytearray(BLOCK)
+    did = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), BLOCK)
+    blocks = [(did, 0, BLOCK)]
+    for epoch in (2**32, -1, 2**64, "1", 1.5):
+        with pytest.raises(ValueError, match="resume epoch"):
+            reader.pull(holder.ctrl_addr, hold, epoch, blocks)
+        with pytest.raises(ValueError, match="resume epoch"):
+            reader.pull_async(holder.ctrl_addr, hold, epoch, blocks)
+        with pytest.raises(ValueError, match="resume epoch"):
+            reader.renew(holder.ctrl_addr, hold, epoch)
+    for timeout_s in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="timeout_s"):
+            reader.pull(holder.ctrl_addr, hold, 0, blocks, timeout_s=timeout_s)
+    reader.pull(holder.ctrl_addr, hold, 0, blocks)
+    assert bytes(dest) == bytes(BLOCK)
     holder.close()

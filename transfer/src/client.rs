@@ -6,6 +6,7 @@
 //! sat idle is replaced once, transparently. One request runs on a connection
 //! at a time (a checked-out connection is exclusive), so replies never interleave.
 
+use crate::auth;
 use crate::config::Secret;
 use crate::conn;
 use crate::error::{Result, TransferError};
@@ -28,7 +29,8 @@ pub struct ClientConfig {
     /// An idle connection older than this is closed instead of reused (the
     /// listener closes its side after two minutes).
     pub idle_ttl: Duration,
-    /// Sent first on every new connection (default: [`crate::SECRET_ENV`]).
+    /// Proven on every new connection, and required of the holder (default:
+    /// [`crate::SECRET_ENV`]).
     pub secret: Option<Secret>,
 }
 
@@ -170,10 +172,37 @@ fn remote_error(
             transfer_id: request.transfer_id().unwrap_or_default().to_string(),
         },
         Some(ErrorCode::StaleEpoch) => TransferError::StaleEpoch { served, asked },
+        Some(ErrorCode::EpochOutOfRange) => TransferError::EpochOutOfRange { asked, max: served },
         Some(ErrorCode::BadRange) => TransferError::SizeMismatch(message),
         Some(ErrorCode::WrongBackend) => TransferError::Unsupported(message),
         Some(ErrorCode::Unauthorized) => TransferError::Unauthorized(message),
         _ => TransferError::Remote { code, message },
+    }
+}
+
+/// The reader's half of the handshake (see `auth`).
+async fn handshake(conn: &mut Conn, secret: &Secret) -> Result<()> {
+    let reader = auth::nonce();
+    let (holder, proof) = match conn.exchange(&Request::Hello { nonce: reader }).await? {
+        Reply::Challenge { nonce, proof } => (nonce, proof),
+        Reply::Welcome => {
+            return Err(TransferError::Unauthorized(format!(
+                "holder {} has no transfer secret, so it cannot prove it is one of ours",
+                conn.addr
+            )))
+        }
+        other => return Err(unexpected(&other)),
+    };
+    if !auth::verify(&auth::holder_proof(secret, &reader, &holder), &proof) {
+        return Err(TransferError::Unauthorized(format!(
+            "holder {} could not prove it knows the transfer secret",
+            conn.addr
+        )));
+    }
+    let proof = auth::reader_proof(secret, &holder, &reader);
+    match conn.exchange(&Request::Proof { proof }).await? {
+        Reply::Welcome => Ok(()),
+        other => Err(unexpected(&other)),
     }
 }
 
@@ -248,22 +277,14 @@ impl CtrlClient {
         Ok(stream)
     }
 
-    /// A new connection, past the `hello` when this client has a secret.
+    /// A new connection, past the handshake when this client has a secret:
+    /// the holder proves it knows the secret before this side proves it (and
+    /// before anything else is sent), so a fake holder learns nothing.
     async fn fresh(&self, addr: &str) -> Result<Conn> {
         let mut conn = self.wrap(addr, self.connect(addr).await?, false);
         if let Some(secret) = &self.pool.config.secret {
-            let hello = Request::Hello {
-                secret: secret.clone(),
-            };
-            let refused = match conn.exchange(&hello).await {
-                Ok(Reply::Welcome) => None,
-                Ok(other) => Some(TransferError::Protocol(format!(
-                    "expected a welcome to hello, got {other:?}"
-                ))),
-                Err(err) => Some(err),
-            };
-            if let Some(err) = refused {
-                // The holder closes a refused connection: not one for the pool.
+            if let Err(err) = handshake(&mut conn, secret).await {
+                // Refused or abandoned: not a connection for the pool.
                 conn.reusable = false;
                 return Err(err);
             }
@@ -347,13 +368,26 @@ impl CtrlClient {
         transfer_id: &str,
         epoch: u32,
         backend: u8,
+        window_ms: u32,
     ) -> Result<Descriptor> {
         let id = transfer_id.to_string();
-        match self
-            .call(addr, Request::Describe { id, epoch, backend })
-            .await?
-        {
+        let request = Request::Describe {
+            id,
+            epoch,
+            backend,
+            window_ms,
+        };
+        match self.call(addr, request).await? {
             Reply::Descriptor(d) => Ok(d),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Tells the holder a one-sided pull failed and its gets have stopped.
+    pub(crate) async fn abort(&self, addr: &str, transfer_id: &str) -> Result<()> {
+        let id = transfer_id.to_string();
+        match self.call(addr, Request::Abort { id }).await? {
+            Reply::Done { .. } => Ok(()),
             other => Err(unexpected(&other)),
         }
     }

@@ -104,6 +104,11 @@ pub struct Faults {
     /// reads, so with any value set it stops progressing its transport as soon
     /// as a pull starts.
     pub stall_after_bytes: Option<u64>,
+    /// Serve block bytes a trickle at a time: one byte per interval on TCP
+    /// (each well inside any I/O timeout), one transport progress call per
+    /// interval on UCX. Lets a test prove a pull is cut at its overall
+    /// deadline, not kept alive by every byte.
+    pub trickle: Option<std::time::Duration>,
 }
 
 /// The environment variable every holder and client reads its default
@@ -111,9 +116,12 @@ pub struct Faults {
 pub const SECRET_ENV: &str = "CONNEX_TRANSFER_SECRET";
 
 /// A secret shared by the holders and their clients (readers, the router): a
-/// holder given one answers nothing on a connection until the peer has sent
-/// it (op `hello`), so whoever reaches the control port cannot read prompt
-/// KV or release holds without it. Never shown by `Debug`.
+/// holder given one answers nothing on a connection until the peer has proven
+/// it knows the secret, and a client given one trusts no holder that cannot
+/// prove the same (a challenge-response, see `auth`; the secret itself never
+/// crosses the wire). So whoever reaches a control port cannot read prompt KV
+/// or release holds, and a fake holder can neither learn the secret nor feed
+/// a reader its bytes. Never shown by `Debug`.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
 
@@ -131,13 +139,6 @@ impl Secret {
 
     pub(crate) fn as_bytes(&self) -> &[u8] {
         self.0.as_bytes()
-    }
-
-    /// Compares in constant time (for a given length), so that the time a
-    /// refusal takes says nothing about how much of a guess was right.
-    pub(crate) fn matches(&self, offered: &Secret) -> bool {
-        use subtle::ConstantTimeEq;
-        self.0.as_bytes().ct_eq(offered.as_bytes()).into()
     }
 }
 
@@ -161,9 +162,20 @@ pub struct HolderConfig {
     /// Limit for each read or write of a connection once a frame started.
     pub io_timeout: Duration,
     pub faults: Faults,
-    /// Required of every connection before any op (default: [`SECRET_ENV`]).
+    /// Proven by every connection before any op (default: [`SECRET_ENV`]).
+    /// Without one the holder serves anyone who reaches it (a warning says so).
     pub secret: Option<Secret>,
+    /// Highest resume epoch a hold accepts: no request is resumed more often
+    /// than the router's resume bound, so a higher one is refused rather
+    /// than let anyone lock a hold out at `u32::MAX`.
+    pub max_epoch: u32,
+    /// Most connections one peer address may hold open at once (of the
+    /// listener's 1024).
+    pub max_connections_per_peer: usize,
 }
+
+/// Default of [`HolderConfig::max_epoch`].
+pub const DEFAULT_MAX_EPOCH: u32 = 64;
 
 impl Default for HolderConfig {
     fn default() -> Self {
@@ -176,6 +188,8 @@ impl Default for HolderConfig {
             io_timeout: Duration::from_secs(10),
             faults: Faults::default(),
             secret: Secret::from_env(),
+            max_epoch: DEFAULT_MAX_EPOCH,
+            max_connections_per_peer: 512,
         }
     }
 }

@@ -7,7 +7,7 @@ use crate::error::{Result, TransferError};
 use crate::proto::{FrameError, Header, HEADER_LEN, MAX_PAYLOAD, VERSION};
 use std::future::Future;
 use std::io::{IoSlice, IoSliceMut};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -106,26 +106,99 @@ pub(crate) async fn write_all<S: AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// Runs blocking I/O `f` on `stream` in tokio's blocking pool, with `io` as
-/// the socket's read and write timeouts, and hands the stream back.
+/// A blocking socket whose every read and write ends by `deadline`: each
+/// system call waits at most the I/O timeout, and in the last stretch before
+/// the deadline only what is left of it. A peer that trickles one byte per
+/// I/O timeout is therefore cut at the deadline, not kept alive by each byte.
+pub(crate) struct DeadlineStream<'a> {
+    inner: &'a mut std::net::TcpStream,
+    io: Duration,
+    deadline: Instant,
+    /// The timeout the socket has now (a system call to change it).
+    current: Duration,
+}
+
+impl DeadlineStream<'_> {
+    /// The time the next system call may wait, or `TimedOut` past the deadline.
+    fn arm(&mut self) -> std::io::Result<()> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "deadline passed",
+            ));
+        }
+        let wait = left.min(self.io);
+        if wait < self.current {
+            self.inner.set_read_timeout(Some(wait))?;
+            self.inner.set_write_timeout(Some(wait))?;
+            self.current = wait;
+        }
+        Ok(())
+    }
+}
+
+impl std::io::Read for DeadlineStream<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.arm()?;
+        self.inner.read(buf)
+    }
+    fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> std::io::Result<usize> {
+        self.arm()?;
+        self.inner.read_vectored(bufs)
+    }
+}
+
+impl std::io::Write for DeadlineStream<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.arm()?;
+        self.inner.write(buf)
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        self.arm()?;
+        self.inner.write_vectored(bufs)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs blocking I/O `f` on `stream` in tokio's blocking pool, each system
+/// call bounded by `io` and the whole by `deadline`, and hands the stream back.
+/// `fence` gets a handle of the socket before any byte moves: shutting it
+/// down (a release on the holder, a pull cut at its deadline or dropped on
+/// the reader) makes the blocked call return at once.
 ///
 /// Bulk block bytes move this way: a thread sleeping in `readv`/`writev`
 /// costs one system call per buffer-full, where readiness-driven async I/O
 /// adds an `epoll_wait` and a task wake-up to each, which on loopback costs a
 /// quarter of the throughput. The closure owns what it touches (spans keep
-/// their memory alive), so an abandoned transfer stays memory-safe and ends
-/// at the next timeout.
-pub(crate) async fn blocking<T, F>(stream: TcpStream, io: Duration, f: F) -> Result<(TcpStream, T)>
+/// their memory alive, guards their counts), so an abandoned transfer stays
+/// memory-safe and ends at the latest at its deadline.
+pub(crate) async fn blocking<T, F>(
+    stream: TcpStream,
+    io: Duration,
+    deadline: Instant,
+    fence: impl FnOnce(std::net::TcpStream) -> Result<()>,
+    f: F,
+) -> Result<(TcpStream, T)>
 where
     T: Send + 'static,
-    F: FnOnce(&mut std::net::TcpStream) -> std::io::Result<T> + Send + 'static,
+    F: FnOnce(&mut DeadlineStream<'_>) -> std::io::Result<T> + Send + 'static,
 {
     let mut std_stream = stream.into_std()?;
     std_stream.set_nonblocking(false)?;
     std_stream.set_read_timeout(Some(io))?;
     std_stream.set_write_timeout(Some(io))?;
+    fence(std_stream.try_clone()?)?;
     let (std_stream, result) = tokio::task::spawn_blocking(move || {
-        let result = f(&mut std_stream);
+        let mut timed = DeadlineStream {
+            inner: &mut std_stream,
+            io,
+            deadline,
+            current: io,
+        };
+        let result = f(&mut timed);
         (std_stream, result)
     })
     .await

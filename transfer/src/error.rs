@@ -23,6 +23,10 @@ pub enum TransferError {
     /// The hold already served a higher resume epoch.
     #[error("stale resume epoch {asked}: the hold has served epoch {served}")]
     StaleEpoch { served: u32, asked: u32 },
+    /// The resume epoch is above the holder's bound (no resume goes that far:
+    /// a bug or an attack, refused so that nobody can lock a hold out).
+    #[error("resume epoch {asked} is above the holder's bound {max}")]
+    EpochOutOfRange { asked: u32, max: u32 },
     /// A hold with this transfer id exists already.
     #[error("hold {0:?} exists already")]
     HoldExists(String),
@@ -41,8 +45,9 @@ pub enum TransferError {
     /// The holder refused the request for a reason of its own.
     #[error("holder error ({code}): {message}")]
     Remote { code: u16, message: String },
-    /// The holder requires the transfer secret, and it was not sent or is wrong.
-    #[error("holder refused: {0} (holders, readers and the router need the same CONNEX_TRANSFER_SECRET)")]
+    /// The handshake over the transfer secret failed: this side or the peer
+    /// lacks it or has another one.
+    #[error("transfer handshake failed: {0} (holders, readers and the router need the same CONNEX_TRANSFER_SECRET)")]
     Unauthorized(String),
     /// The transport backend failed.
     #[error("{backend} backend: {message}")]
@@ -62,7 +67,10 @@ impl TransferError {
     /// True when the hold cannot be read any more (gone or taken over by a newer
     /// epoch): the caller should re-prefill rather than retry.
     pub fn is_hold_lost(&self) -> bool {
-        matches!(self, Self::HoldNotFound { .. } | Self::StaleEpoch { .. })
+        matches!(
+            self,
+            Self::HoldNotFound { .. } | Self::StaleEpoch { .. } | Self::EpochOutOfRange { .. }
+        )
     }
 }
 

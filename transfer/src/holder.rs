@@ -4,7 +4,7 @@
 
 use crate::backend::{self, Role};
 use crate::config::{BackendKind, HolderConfig};
-use crate::error::Result;
+use crate::error::{Result, TransferError};
 use crate::hold::HoldTable;
 use crate::region::{BlockRef, Region, RegionId, RegionTable};
 use crate::server::{self, Shared};
@@ -46,14 +46,23 @@ impl Holder {
         let listener = TcpListener::bind(config.listen).await?;
         let ctrl_addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
-            holds: HoldTable::new(config.retain, config.release, config.budget_bytes),
+            holds: HoldTable::new(config.retain, config.release, config.budget_bytes)
+                .with_max_epoch(config.max_epoch),
             regions: RegionTable::default(),
             backend,
             io_timeout: config.io_timeout,
             faults: config.faults.clone(),
             streamed: AtomicU64::new(0),
             secret: config.secret.clone(),
+            max_connections_per_peer: config.max_connections_per_peer.max(1),
         });
+        if config.secret.is_none() {
+            tracing::warn!(
+                listen = %ctrl_addr,
+                "KV holder without a transfer secret: anyone who reaches it can read and release holds (set {})",
+                crate::SECRET_ENV
+            );
+        }
         let shutdown = CancellationToken::new();
         let mut tasks = JoinSet::new();
         tasks.spawn(server::serve(listener, shared.clone(), shutdown.clone()));
@@ -98,14 +107,20 @@ impl Holder {
     }
 
     /// Holds `blocks` under `transfer_id` for `retain` (renewed by every pull).
+    /// The id must carry 128 random bits (see [`crate::new_transfer_id`]):
+    /// whoever can guess it could otherwise pull or release another
+    /// request's KV.
     pub fn create_hold(&self, transfer_id: &str, blocks: Vec<BlockRef>) -> Result<()> {
+        crate::auth::check_id_entropy(transfer_id).map_err(TransferError::InvalidArgument)?;
         let spans = self.shared.regions.spans(&blocks)?;
         self.shared.holds.create(transfer_id, spans, Instant::now())
     }
 
     /// Frees a hold locally (e.g. the engine aborted the request); idempotent.
+    /// The blocks are reported by [`Holder::freed`] once the reads in
+    /// flight on them (fenced now) have stopped.
     pub fn release(&self, transfer_id: &str) -> bool {
-        self.shared.holds.release(transfer_id)
+        self.shared.holds.release(transfer_id, Instant::now())
     }
 
     /// The hold as it is now, if held.
@@ -113,11 +128,19 @@ impl Holder {
         self.shared.holds.stat(transfer_id, Instant::now())
     }
 
-    /// Transfer ids released, expired or evicted since the last call: the
-    /// engine may reuse their blocks.
+    /// Transfer ids released, expired or evicted since the last call, whose
+    /// last read has stopped: the engine may reuse their blocks. A hold freed
+    /// during a read is reported only once that read has ended.
     pub fn freed(&self) -> Vec<String> {
-        self.shared.holds.sweep(Instant::now());
-        self.shared.holds.take_freed()
+        let now = Instant::now();
+        self.shared.holds.sweep(now);
+        self.shared.holds.take_freed(now)
+    }
+
+    /// Holds freed but not yet reported by [`Holder::freed`] because a read
+    /// of them has not stopped yet.
+    pub fn draining(&self) -> usize {
+        self.shared.holds.draining()
     }
 
     pub fn stats(&self) -> HolderStats {

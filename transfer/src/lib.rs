@@ -13,6 +13,7 @@
 //! See docs/transfer.md for the protocol, the limits and what each backend
 //! really supports.
 
+mod auth;
 mod backend;
 mod client;
 mod config;
@@ -26,8 +27,11 @@ mod region;
 mod server;
 mod stats;
 
+pub use auth::{check_id_entropy, new_transfer_id};
 pub use client::{ClientConfig, CtrlClient};
-pub use config::{BackendKind, Faults, HolderConfig, ReleaseMode, Secret, SECRET_ENV};
+pub use config::{
+    BackendKind, Faults, HolderConfig, ReleaseMode, Secret, DEFAULT_MAX_EPOCH, SECRET_ENV,
+};
 pub use error::{Result, TransferError};
 pub use holder::Holder;
 pub use reader::{Reader, ReaderConfig};

@@ -11,12 +11,15 @@
 //! raw block bytes follow the frame on the stream. docs/transfer.md has the
 //! table of ops and limits.
 
-use crate::config::{BackendKind, Secret};
+use crate::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
+use crate::config::BackendKind;
 use crate::stats::{HoldInfo, HolderStats};
 use bytes::{Buf, BufMut, BytesMut};
 
 pub const MAGIC: [u8; 2] = *b"CX";
-pub const VERSION: u8 = 1;
+/// Version 2: the challenge-response handshake (the secret no longer
+/// travels) and the pull window in `describe`.
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 12;
 /// Largest payload of any frame.
 pub const MAX_PAYLOAD: u32 = 2 << 20;
@@ -30,8 +33,6 @@ pub const MAX_KEYS: usize = 64;
 pub const MAX_KEY_LEN: usize = 4096;
 /// Longest backend endpoint blob (e.g. a UCX worker address).
 pub const MAX_ENDPOINT_LEN: usize = 64 * 1024;
-/// Longest transfer secret.
-pub const MAX_SECRET_LEN: usize = 1024;
 /// Longest error message.
 pub const MAX_MESSAGE_LEN: usize = 1024;
 /// Largest single read of the TCP data path.
@@ -47,6 +48,8 @@ mod op {
     pub const READ: u8 = 0x06;
     pub const DONE: u8 = 0x07;
     pub const HELLO: u8 = 0x08;
+    pub const PROOF: u8 = 0x09;
+    pub const ABORT: u8 = 0x0A;
     pub const HOLD: u8 = 0x80;
     pub const RELEASED: u8 = 0x81;
     pub const STAT_REPLY: u8 = 0x82;
@@ -55,6 +58,7 @@ mod op {
     pub const DATA: u8 = 0x85;
     pub const DONE_REPLY: u8 = 0x86;
     pub const WELCOME: u8 = 0x87;
+    pub const CHALLENGE: u8 = 0x88;
     pub const ERROR: u8 = 0xFF;
 }
 
@@ -72,8 +76,10 @@ pub enum ErrorCode {
     WrongBackend = 8,
     Busy = 9,
     Internal = 10,
-    /// No `hello` with the holder's secret before the op, or a wrong one.
+    /// No completed handshake before the op, or a wrong proof.
     Unauthorized = 11,
+    /// A resume epoch above the holder's bound (`served` carries the bound).
+    EpochOutOfRange = 12,
 }
 
 impl ErrorCode {
@@ -91,6 +97,7 @@ impl ErrorCode {
             Busy,
             Internal,
             Unauthorized,
+            EpochOutOfRange,
         ]
         .into_iter()
         .find(|c| *c as u16 == code)
@@ -160,11 +167,14 @@ pub enum Request {
         id: String,
     },
     Stats,
-    /// Start of a pull: the blocks and keys a reader needs.
+    /// Start of a pull: the blocks and keys a reader needs. `window_ms`: how
+    /// long the pull may run (its deadline); a one-sided backend's hold is
+    /// not freed while a pull's window is open and it has not reported done.
     Describe {
         id: String,
         epoch: u32,
         backend: u8,
+        window_ms: u32,
     },
     /// TCP data path: bytes `offset..offset+len` of the hold's blocks laid end to end.
     Read {
@@ -179,9 +189,20 @@ pub enum Request {
         epoch: u32,
         bytes: u64,
     },
-    /// First frame of a connection to a holder that has a secret.
+    /// First frame of a connection from a client that has the secret: its
+    /// nonce. A holder with the secret answers [`Reply::Challenge`], one
+    /// without it [`Reply::Welcome`] (which such a client refuses).
     Hello {
-        secret: Secret,
+        nonce: Nonce,
+    },
+    /// The client's proof over the holder's nonce and its own.
+    Proof {
+        proof: Proof,
+    },
+    /// A one-sided pull failed and its gets have stopped: its window closes
+    /// (answered with `Done{released: false}`).
+    Abort {
+        id: String,
     },
 }
 
@@ -220,8 +241,13 @@ pub enum Reply {
     Done {
         released: bool,
     },
-    /// The `hello` was accepted.
+    /// The handshake is complete (or not needed: a holder without a secret).
     Welcome,
+    /// The holder's nonce and its proof over the reader's nonce and its own.
+    Challenge {
+        nonce: Nonce,
+        proof: Proof,
+    },
     Error {
         code: u16,
         served: u32,
@@ -326,9 +352,14 @@ impl Request {
                 out.str(id);
             }
             Request::Stats => out = Out::new(op::STATS, seq),
-            Request::Describe { id, epoch, backend } => {
+            Request::Describe {
+                id,
+                epoch,
+                backend,
+                window_ms,
+            } => {
                 out = Out::new(op::DESCRIBE, seq);
-                out.str(id).u32(*epoch).u8(*backend);
+                out.str(id).u32(*epoch).u8(*backend).u32(*window_ms);
             }
             Request::Read {
                 id,
@@ -343,9 +374,17 @@ impl Request {
                 out = Out::new(op::DONE, seq);
                 out.str(id).u32(*epoch).u64(*bytes);
             }
-            Request::Hello { secret } => {
+            Request::Hello { nonce } => {
                 out = Out::new(op::HELLO, seq);
-                out.blob(secret.as_bytes());
+                out.blob(nonce);
+            }
+            Request::Proof { proof } => {
+                out = Out::new(op::PROOF, seq);
+                out.blob(proof);
+            }
+            Request::Abort { id } => {
+                out = Out::new(op::ABORT, seq);
+                out.str(id);
             }
         }
         out.finish()
@@ -366,6 +405,7 @@ impl Request {
                 id: r.id()?,
                 epoch: r.u32()?,
                 backend: r.u8()?,
+                window_ms: r.u32()?,
             },
             op::READ => {
                 let (id, epoch, offset, len) = (r.id()?, r.u32()?, r.u64()?, r.u64()?);
@@ -386,14 +426,13 @@ impl Request {
                 epoch: r.u32()?,
                 bytes: r.u64()?,
             },
-            op::HELLO => {
-                let secret = r.blob(MAX_SECRET_LEN)?;
-                let secret = String::from_utf8(secret)
-                    .ok()
-                    .and_then(Secret::new)
-                    .ok_or_else(|| bad("secret must be non-empty UTF-8"))?;
-                Request::Hello { secret }
-            }
+            op::HELLO => Request::Hello {
+                nonce: r.fixed::<NONCE_LEN>("nonce")?,
+            },
+            op::PROOF => Request::Proof {
+                proof: r.fixed::<PROOF_LEN>("proof")?,
+            },
+            op::ABORT => Request::Abort { id: r.id()? },
             other => return Err(bad(format!("unknown request op 0x{other:02x}"))),
         };
         r.end()?;
@@ -408,14 +447,15 @@ impl Request {
             | Request::Stat { id }
             | Request::Describe { id, .. }
             | Request::Read { id, .. }
-            | Request::Done { id, .. } => Some(id),
-            Request::Stats | Request::Hello { .. } => None,
+            | Request::Done { id, .. }
+            | Request::Abort { id } => Some(id),
+            Request::Stats | Request::Hello { .. } | Request::Proof { .. } => None,
         }
     }
 
     /// Whether `op` is a request op this version knows.
     pub fn known_op(op: u8) -> bool {
-        (op::RENEW..=op::HELLO).contains(&op)
+        (op::RENEW..=op::ABORT).contains(&op)
     }
 }
 
@@ -477,6 +517,10 @@ impl Reply {
                 out.u8(u8::from(*released));
             }
             Reply::Welcome => out = Out::new(op::WELCOME, seq),
+            Reply::Challenge { nonce, proof } => {
+                out = Out::new(op::CHALLENGE, seq);
+                out.blob(nonce).blob(proof);
+            }
             Reply::Error {
                 code,
                 served,
@@ -556,6 +600,10 @@ impl Reply {
                 released: r.flag()?,
             },
             op::WELCOME => Reply::Welcome,
+            op::CHALLENGE => Reply::Challenge {
+                nonce: r.fixed::<NONCE_LEN>("nonce")?,
+                proof: r.fixed::<PROOF_LEN>("proof")?,
+            },
             op::ERROR => Reply::Error {
                 code: r.u16()?,
                 served: r.u32()?,
@@ -632,6 +680,12 @@ impl In<'_> {
         self.0 = rest;
         Ok(head.to_vec())
     }
+    /// A blob of exactly `N` bytes.
+    fn fixed<const N: usize>(&mut self, what: &str) -> Result<[u8; N], FrameError> {
+        let blob = self.blob(N)?;
+        blob.try_into()
+            .map_err(|_| bad(format!("{what} must be {N} bytes")))
+    }
     fn count(&mut self, max: usize, what: &str) -> Result<usize, FrameError> {
         let n = self.u32()? as usize;
         if n > max {
@@ -696,6 +750,7 @@ mod tests {
                 id: "a".into(),
                 epoch: 1,
                 backend: 2,
+                window_ms: 30_000,
             },
             Request::Read {
                 id: "a".into(),
@@ -708,9 +763,9 @@ mod tests {
                 epoch: 1,
                 bytes: 9,
             },
-            Request::Hello {
-                secret: Secret::new("s3cret").unwrap(),
-            },
+            Request::Hello { nonce: [7; 32] },
+            Request::Proof { proof: [9; 32] },
+            Request::Abort { id: "a".into() },
         ];
         for (seq, request) in requests.iter().enumerate() {
             let frame = request.encode(seq as u32);
@@ -744,6 +799,10 @@ mod tests {
             Reply::Data { len: 1 << 20 },
             Reply::Done { released: false },
             Reply::Welcome,
+            Reply::Challenge {
+                nonce: [1; 32],
+                proof: [2; 32],
+            },
             Reply::error(ErrorCode::StaleEpoch, "old"),
         ];
         for reply in &replies {
@@ -792,11 +851,14 @@ mod tests {
         d[n - 4..].copy_from_slice(&((MAX_BLOCKS + 1) as u32).to_le_bytes());
         assert!(Reply::decode(0x84, &d[HEADER_LEN..]).is_err());
         assert!(Request::decode(0x7f, &[]).is_err());
-        // A secret over the limit, or empty.
-        let mut p = ((MAX_SECRET_LEN + 1) as u32).to_le_bytes().to_vec();
-        p.extend(std::iter::repeat_n(b'a', MAX_SECRET_LEN + 1));
-        assert!(Request::decode(0x08, &p).is_err());
-        assert!(Request::decode(0x08, &[0, 0, 0, 0]).is_err());
+        // A nonce or a proof of the wrong length.
+        for op in [0x08, 0x09] {
+            for len in [0u32, 31, 33] {
+                let mut p = len.to_le_bytes().to_vec();
+                p.extend(std::iter::repeat_n(1u8, len as usize));
+                assert!(Request::decode(op, &p).is_err(), "op {op} len {len}");
+            }
+        }
         assert!(Header::parse(b"XX\x01\x01\0\0\0\0\0\0\0\0").is_err());
         // The error message is cut to its limit (on a char boundary).
         let long = Reply::error(ErrorCode::Internal, "é".repeat(MAX_MESSAGE_LEN));

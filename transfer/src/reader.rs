@@ -3,11 +3,12 @@
 //! blocks match, let the backend move the bytes, then report the pull done
 //! (which a newer epoch or a release meanwhile turns into an error).
 
-use crate::backend::{self, Backend, Fetch, Role};
+use crate::backend::{self, Backend, CutOnDrop, Fetch, PullFence, Role};
 use crate::client::{ClientConfig, CtrlClient};
 use crate::config::BackendKind;
 use crate::error::{Result, TransferError};
-use crate::region::{BlockRef, Region, RegionId, RegionTable};
+use crate::proto::Descriptor;
+use crate::region::{BlockRef, DestSpan, Region, RegionId, RegionTable};
 use crate::stats::{HoldInfo, PullStats};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,6 +20,8 @@ pub struct ReaderConfig {
     pub client: ClientConfig,
     /// Most data streams of one pull.
     pub max_streams: usize,
+    /// Overall limit of a [`Reader::pull`] (describe, data and done together).
+    pub pull_timeout: Duration,
 }
 
 impl ReaderConfig {
@@ -27,6 +30,7 @@ impl ReaderConfig {
             backend,
             client: ClientConfig::default(),
             max_streams: 4,
+            pull_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -37,6 +41,7 @@ pub struct Reader {
     regions: RegionTable,
     ctrl: CtrlClient,
     max_streams: usize,
+    pull_timeout: Duration,
 }
 
 impl std::fmt::Debug for Reader {
@@ -60,6 +65,7 @@ impl Reader {
             regions: RegionTable::default(),
             ctrl: CtrlClient::with_config(config.client),
             max_streams: config.max_streams,
+            pull_timeout: config.pull_timeout,
         })
     }
 
@@ -100,7 +106,7 @@ impl Reader {
 
     /// Pulls hold `transfer_id` from the holder at `remote_ctrl` into `dest`
     /// (same count and lengths, in order, as the hold's blocks). Renews the
-    /// hold. Every wait is bounded: a holder that dies gives an error.
+    /// hold. Bounded by the configured `pull_timeout` as a whole.
     pub async fn pull(
         &self,
         remote_ctrl: &str,
@@ -108,33 +114,56 @@ impl Reader {
         epoch: u32,
         dest: &[BlockRef],
     ) -> Result<PullStats> {
+        self.pull_timeout(remote_ctrl, transfer_id, epoch, dest, self.pull_timeout)
+            .await
+    }
+
+    /// [`Reader::pull`] with an overall time limit: at `limit` the pull's
+    /// sockets are shut down and its writers stopped, and only then does it
+    /// fail, so once this returns (whatever it returns) nothing writes into
+    /// `dest` any more and the blocks may go back to the engine. A holder
+    /// that trickles bytes is cut at the limit too. Dropping the future
+    /// instead stops the writers as soon as they notice; the destination
+    /// stays claimed (no other pull may write it) until they have.
+    pub async fn pull_timeout(
+        &self,
+        remote_ctrl: &str,
+        transfer_id: &str,
+        epoch: u32,
+        dest: &[BlockRef],
+        limit: Duration,
+    ) -> Result<PullStats> {
         let started = Instant::now();
+        // A limit past what an Instant can hold (say, from Python) is "a year".
+        let deadline = started
+            .checked_add(limit)
+            .unwrap_or(started + Duration::from_secs(365 * 86_400));
+        let timeout = || TransferError::Timeout {
+            what: "pulling a hold",
+            after: limit,
+        };
         let spans = self.regions.claim(dest)?;
-        let descriptor = self
-            .ctrl
-            .describe(remote_ctrl, transfer_id, epoch, self.backend.kind().code())
-            .await?;
-        if descriptor.blocks.len() != spans.len() {
-            return Err(TransferError::SizeMismatch(format!(
-                "hold {transfer_id:?} has {} blocks, destination has {}",
-                descriptor.blocks.len(),
-                spans.len()
-            )));
-        }
-        if let Some((i, (remote, local))) = descriptor
-            .blocks
-            .iter()
-            .zip(&spans)
-            .enumerate()
-            .find(|(_, (r, l))| r.len != l.len as u64)
-        {
-            return Err(TransferError::SizeMismatch(format!(
-                "block {i} of hold {transfer_id:?} has {} bytes, destination block {}",
-                remote.len, local.len
-            )));
+        let window = u32::try_from(limit.as_millis()).unwrap_or(u32::MAX);
+        let descriptor = tokio::time::timeout_at(
+            deadline.into(),
+            self.ctrl.describe(
+                remote_ctrl,
+                transfer_id,
+                epoch,
+                self.backend.kind().code(),
+                window,
+            ),
+        )
+        .await
+        .map_err(|_| timeout())??;
+        if let Some(mismatch) = mismatch(&descriptor, &spans, transfer_id) {
+            self.end_one_sided(remote_ctrl, transfer_id).await;
+            return Err(TransferError::SizeMismatch(mismatch));
         }
         let bytes: u64 = descriptor.blocks.iter().map(|b| b.len).sum();
-        let streams = self
+        let fence = Arc::new(PullFence::default());
+        let cut_if_dropped = CutOnDrop(Some(fence.clone()));
+        let fetched = self
             .backend
             .fetch(Fetch {
                 ctrl: &self.ctrl,
@@ -144,12 +173,25 @@ impl Reader {
                 descriptor: &descriptor,
                 dest: spans,
                 io_timeout: self.ctrl.config().io_timeout,
+                deadline,
+                fence,
                 max_streams: self.max_streams,
             })
-            .await?;
-        self.ctrl
-            .done(remote_ctrl, transfer_id, epoch, bytes)
-            .await?;
+            .await;
+        cut_if_dropped.disarm();
+        if fetched.is_err() {
+            self.end_one_sided(remote_ctrl, transfer_id).await;
+        }
+        let streams = fetched.map_err(|err| match err {
+            TransferError::Timeout { .. } if Instant::now() >= deadline => timeout(),
+            other => other,
+        })?;
+        tokio::time::timeout_at(
+            deadline.into(),
+            self.ctrl.done(remote_ctrl, transfer_id, epoch, bytes),
+        )
+        .await
+        .map_err(|_| timeout())??;
         Ok(PullStats {
             bytes,
             blocks: descriptor.blocks.len() as u32,
@@ -158,21 +200,18 @@ impl Reader {
         })
     }
 
-    /// [`Reader::pull`] with an overall time limit.
-    pub async fn pull_timeout(
-        &self,
-        remote_ctrl: &str,
-        transfer_id: &str,
-        epoch: u32,
-        dest: &[BlockRef],
-        limit: Duration,
-    ) -> Result<PullStats> {
-        match tokio::time::timeout(limit, self.pull(remote_ctrl, transfer_id, epoch, dest)).await {
-            Ok(result) => result,
-            Err(_) => Err(TransferError::Timeout {
-                what: "pulling a hold",
-                after: limit,
-            }),
+    /// A one-sided pull that will not say `done` (it failed, and its gets
+    /// have stopped, or never started): the holder counts it as a read of
+    /// the hold until its done or its window ends, so say at once that it is
+    /// over and a released hold's blocks go back now. Best effort, briefly:
+    /// the window bounds it anyway.
+    async fn end_one_sided(&self, remote_ctrl: &str, transfer_id: &str) {
+        if self.backend.kind() == BackendKind::Tcp {
+            return;
+        }
+        let abort = self.ctrl.abort(remote_ctrl, transfer_id);
+        if let Ok(Err(err)) = tokio::time::timeout(Duration::from_secs(1), abort).await {
+            tracing::debug!(%err, "abort of a failed pull");
         }
     }
 
@@ -195,4 +234,25 @@ impl Reader {
     pub async fn stat(&self, remote_ctrl: &str, transfer_id: &str) -> Result<Option<HoldInfo>> {
         self.ctrl.stat(remote_ctrl, transfer_id).await
     }
+}
+
+/// Why the hold's blocks do not fit the destination, if they do not.
+fn mismatch(descriptor: &Descriptor, dest: &[DestSpan], transfer_id: &str) -> Option<String> {
+    if descriptor.blocks.len() != dest.len() {
+        return Some(format!(
+            "hold {transfer_id:?} has {} blocks, destination has {}",
+            descriptor.blocks.len(),
+            dest.len()
+        ));
+    }
+    let (i, (remote, local)) = descriptor
+        .blocks
+        .iter()
+        .zip(dest)
+        .enumerate()
+        .find(|(_, (r, l))| r.len != l.len as u64)?;
+    Some(format!(
+        "block {i} of hold {transfer_id:?} has {} bytes, destination block {}",
+        remote.len, local.len
+    ))
 }

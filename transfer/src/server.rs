@@ -6,17 +6,26 @@
 //! bad gets an error reply and the connection goes on; a header that cannot be
 //! trusted (bad magic, unknown version, oversized) gets an error reply and the
 //! connection is closed. Nothing a peer sends can stop the listener.
+//!
+//! With a transfer secret, a connection must complete the handshake (`auth`)
+//! within [`HANDSHAKE_TIMEOUT`] of being accepted, before any op; a failed
+//! or late one closes it. One peer address holds at most
+//! `max_connections_per_peer` connections, so no one host can take all the
+//! slots.
 
+use crate::auth::{self, Nonce};
 use crate::backend::Backend;
-use crate::config::{Faults, Secret};
+use crate::config::{BackendKind, Faults, Secret};
 use crate::conn::{self, IO_PIECE};
 use crate::error::{Result, TransferError};
 use crate::hold::HoldTable;
 use crate::proto::{Descriptor, ErrorCode, RemoteBlock, Reply, Request, MAX_KEYS};
 use crate::region::{RegionId, RegionTable, SrcSpan};
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -27,6 +36,10 @@ use tokio_util::sync::CancellationToken;
 pub(crate) const MAX_CONNECTIONS: usize = 1024;
 /// How long a connection may sit idle between frames.
 pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a connection to a holder with a secret may take to prove it.
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Largest frame payload read before the handshake is done.
+const MAX_HANDSHAKE_PAYLOAD: u32 = 256;
 
 /// What every connection of a holder shares.
 pub(crate) struct Shared {
@@ -37,19 +50,63 @@ pub(crate) struct Shared {
     pub(crate) faults: Faults,
     /// Block bytes written so far (for the stall fault).
     pub(crate) streamed: AtomicU64,
-    /// Required (op `hello`) before any other op of a connection.
+    /// Proven (ops `hello`, `proof`) before any other op of a connection.
     pub(crate) secret: Option<Secret>,
+    pub(crate) max_connections_per_peer: usize,
+}
+
+/// Open connections per peer address.
+#[derive(Default)]
+struct Peers(Mutex<HashMap<IpAddr, usize>>);
+
+impl Peers {
+    /// A slot for one more connection of `peer`, if under `max`.
+    fn take(self: &Arc<Self>, peer: IpAddr, max: usize) -> Option<PeerSlot> {
+        let mut counts = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let count = counts.entry(peer).or_insert(0);
+        if *count >= max {
+            return None;
+        }
+        *count += 1;
+        Some(PeerSlot {
+            peers: self.clone(),
+            peer,
+        })
+    }
+}
+
+/// One connection's place in its peer's count; given back on drop.
+struct PeerSlot {
+    peers: Arc<Peers>,
+    peer: IpAddr,
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut counts = self.peers.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = counts.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.peer);
+            }
+        }
+    }
 }
 
 /// Accepts connections until `shutdown`, then stops every connection task.
 pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, shutdown: CancellationToken) {
     let mut connections = JoinSet::new();
     let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let peers = Arc::new(Peers::default());
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    let Some(slot) = peers.take(peer.ip(), shared.max_connections_per_peer) else {
+                        tracing::debug!(%peer, "per-peer connection limit reached; closing");
+                        continue;
+                    };
                     let Ok(permit) = limit.clone().try_acquire_owned() else {
                         tracing::warn!(%peer, "connection limit reached; closing");
                         continue;
@@ -57,7 +114,8 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, shutdown: 
                     if let Err(err) = stream.set_nodelay(true) {
                         tracing::debug!(%err, "set_nodelay");
                     }
-                    connections.spawn(connection(stream, shared.clone(), shutdown.clone(), permit));
+                    let slots = (permit, slot);
+                    connections.spawn(connection(stream, shared.clone(), shutdown.clone(), slots));
                 }
                 Err(err) => {
                     // Out of file descriptors and the like: back off, keep serving.
@@ -75,14 +133,28 @@ async fn connection(
     mut stream: TcpStream,
     shared: Arc<Shared>,
     shutdown: CancellationToken,
-    _permit: OwnedSemaphorePermit,
+    _slots: (OwnedSemaphorePermit, PeerSlot),
 ) {
-    let io = shared.io_timeout;
-    let mut admitted = shared.secret.is_none();
+    let accepted = Instant::now();
+    let mut auth = match shared.secret {
+        None => Auth::Open,
+        Some(_) => Auth::AwaitHello,
+    };
     loop {
+        // Until the handshake is done, every wait ends at its deadline.
+        let (idle, io) = if auth.done() {
+            (IDLE_TIMEOUT, shared.io_timeout)
+        } else {
+            let left = HANDSHAKE_TIMEOUT.saturating_sub(accepted.elapsed());
+            if left.is_zero() {
+                tracing::debug!("handshake not completed in time; closing");
+                return;
+            }
+            (left, left.min(shared.io_timeout))
+        };
         let raw = tokio::select! {
             _ = shutdown.cancelled() => return,
-            raw = conn::read_header(&mut stream, IDLE_TIMEOUT, io) => raw,
+            raw = conn::read_header(&mut stream, idle, io) => raw,
         };
         let raw = match raw {
             Ok(Some(raw)) => raw,
@@ -105,6 +177,12 @@ async fn connection(
                 return;
             }
         };
+        if !auth.done() && header.len > MAX_HANDSHAKE_PAYLOAD {
+            // Nobody unproven makes this side buffer megabytes.
+            let reply = Reply::error(ErrorCode::Unauthorized, "handshake first");
+            let _ = conn::write_all(&mut stream, &reply.encode(seq), io).await;
+            return;
+        }
         let payload = match conn::read_payload(&mut stream, header.len, io).await {
             Ok(payload) => payload,
             Err(err) => {
@@ -131,12 +209,24 @@ async fn connection(
                 continue;
             }
         };
-        if let Err(refusal) = admit(&shared, &request, &mut admitted) {
-            tracing::warn!(refusal, "connection refused");
-            let reply = Reply::error(ErrorCode::Unauthorized, refusal);
-            let _ = conn::write_all(&mut stream, &reply.encode(seq), io).await;
-            return;
-        }
+        let request = match auth.admit(shared.secret.as_ref(), request) {
+            Ok(Admit::Serve(request)) => request,
+            Ok(Admit::Answer(reply)) => {
+                if conn::write_all(&mut stream, &reply.encode(seq), io)
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                continue;
+            }
+            Err(refusal) => {
+                tracing::warn!(refusal, "connection refused");
+                let reply = Reply::error(ErrorCode::Unauthorized, refusal);
+                let _ = conn::write_all(&mut stream, &reply.encode(seq), io).await;
+                return;
+            }
+        };
         let served = match request {
             Request::Read {
                 id,
@@ -168,20 +258,57 @@ async fn connection(
     }
 }
 
-/// Whether `request` may be served on a connection: with a secret, only a
-/// `hello` that carries it admits the connection, and the refusal of anything
-/// else ends it. Without one, a `hello` is welcome and changes nothing.
-fn admit(shared: &Shared, request: &Request, admitted: &mut bool) -> Result<(), &'static str> {
-    match (request, &shared.secret) {
-        (Request::Hello { secret }, Some(ours)) if !ours.matches(secret) => {
-            Err("wrong transfer secret")
+/// Where a connection stands in the handshake.
+enum Auth {
+    /// The holder has no secret: every op is served (and a `hello` answered
+    /// with a plain welcome, which a client with a secret refuses).
+    Open,
+    AwaitHello,
+    AwaitProof {
+        reader: Nonce,
+        holder: Nonce,
+    },
+    Proven,
+}
+
+/// What to do with a request.
+enum Admit {
+    Serve(Request),
+    /// A handshake step: send this and read the next frame.
+    Answer(Reply),
+}
+
+impl Auth {
+    fn done(&self) -> bool {
+        matches!(self, Self::Open | Self::Proven)
+    }
+
+    /// The handshake's rules; an error ends the connection.
+    fn admit(&mut self, secret: Option<&Secret>, request: Request) -> Result<Admit, &'static str> {
+        match (&*self, request, secret) {
+            (Self::Open, Request::Hello { .. }, _) => Ok(Admit::Answer(Reply::Welcome)),
+            (Self::Open | Self::Proven, Request::Proof { .. }, _) => Err("unexpected proof"),
+            (Self::Proven, Request::Hello { .. }, _) => Err("handshake already done"),
+            (Self::Open | Self::Proven, request, _) => Ok(Admit::Serve(request)),
+            (Self::AwaitHello, Request::Hello { nonce: reader }, Some(secret)) => {
+                let holder = auth::nonce();
+                let proof = auth::holder_proof(secret, &reader, &holder);
+                *self = Self::AwaitProof { reader, holder };
+                Ok(Admit::Answer(Reply::Challenge {
+                    nonce: holder,
+                    proof,
+                }))
+            }
+            (Self::AwaitProof { reader, holder }, Request::Proof { proof }, Some(secret)) => {
+                if auth::verify(&auth::reader_proof(secret, holder, reader), &proof) {
+                    *self = Self::Proven;
+                    Ok(Admit::Answer(Reply::Welcome))
+                } else {
+                    Err("wrong transfer secret")
+                }
+            }
+            _ => Err("this holder requires the transfer handshake first"),
         }
-        (Request::Hello { .. }, _) => {
-            *admitted = true;
-            Ok(())
-        }
-        _ if *admitted => Ok(()),
-        _ => Err("this holder requires the transfer secret first"),
     }
 }
 
@@ -191,20 +318,40 @@ fn answer(shared: &Shared, request: Request) -> Reply {
     let holds = &shared.holds;
     let result = match request {
         Request::Renew { id, epoch } => holds.renew(&id, epoch, now).map(Reply::Hold),
-        Request::Release { id } => Ok(Reply::Released(holds.release(&id))),
+        Request::Release { id } => Ok(Reply::Released(holds.release(&id, now))),
         Request::Stat { id } => Ok(Reply::Stat(holds.stat(&id, now))),
         Request::Stats => Ok(Reply::Stats(holds.stats())),
-        Request::Describe { id, epoch, backend } => describe(shared, &id, epoch, backend, now),
+        Request::Describe {
+            id,
+            epoch,
+            backend,
+            window_ms,
+        } => describe(shared, &id, epoch, (backend, window_ms), now),
         Request::Done { id, epoch, .. } => holds
             .finish_pull(&id, epoch, now)
             .map(|released| Reply::Done { released }),
-        Request::Hello { .. } => Ok(Reply::Welcome),
+        Request::Abort { id } => {
+            holds.abort_pull(&id, now);
+            Ok(Reply::Done { released: false })
+        }
+        Request::Hello { .. } | Request::Proof { .. } => Err(TransferError::Protocol(
+            "handshake ops are answered above".into(),
+        )),
         Request::Read { .. } => Err(TransferError::Protocol("read is streamed".into())),
     };
     result.unwrap_or_else(|err| error_reply(&err))
 }
 
-fn describe(shared: &Shared, id: &str, epoch: u32, backend: u8, now: Instant) -> Result<Reply> {
+/// Longest window a one-sided pull may keep a freed hold's blocks from the engine.
+const MAX_PULL_WINDOW: Duration = Duration::from_secs(600);
+
+fn describe(
+    shared: &Shared,
+    id: &str,
+    epoch: u32,
+    (backend, window_ms): (u8, u32),
+    now: Instant,
+) -> Result<Reply> {
     let ours = shared.backend.kind();
     if backend != ours.code() {
         return Ok(Reply::error(
@@ -212,7 +359,11 @@ fn describe(shared: &Shared, id: &str, epoch: u32, backend: u8, now: Instant) ->
             format!("this holder serves the {ours} backend (reader asked code {backend})"),
         ));
     }
-    let (info, spans) = shared.holds.describe(id, epoch, now)?;
+    // A one-sided pull reads the blocks without this side: count it as a
+    // read until its done or the end of the window its reader announced.
+    let window = (ours != BackendKind::Tcp)
+        .then(|| Duration::from_millis(u64::from(window_ms)).min(MAX_PULL_WINDOW));
+    let (info, spans) = shared.holds.describe(id, epoch, window, now)?;
     shared.backend.pull_started();
     let mut keys: Vec<Vec<u8>> = Vec::new();
     let mut index: HashMap<RegionId, u16> = HashMap::new();
@@ -263,6 +414,12 @@ pub(crate) fn error_reply(err: &TransferError) -> Reply {
             asked: *asked,
             message: err.to_string(),
         },
+        TransferError::EpochOutOfRange { asked, max } => Reply::Error {
+            code: ErrorCode::EpochOutOfRange as u16,
+            served: *max,
+            asked: *asked,
+            message: err.to_string(),
+        },
         TransferError::InvalidArgument(_) => Reply::error(ErrorCode::BadRange, err.to_string()),
         _ => Reply::error(ErrorCode::Internal, err.to_string()),
     }
@@ -270,7 +427,9 @@ pub(crate) fn error_reply(err: &TransferError) -> Reply {
 
 /// Answers a `Read`: a `Data` header, then the bytes straight from the held
 /// memory (no copy on this side; the kernel copies into the socket).
-/// Takes the connection and gives it back when the answer is complete.
+/// Takes the connection and gives it back when the answer is complete. The
+/// read is counted on the hold until its writer has stopped, and a release
+/// meanwhile shuts the socket down (the reader sees a cut stream).
 async fn stream_range(
     mut stream: TcpStream,
     shared: &Shared,
@@ -281,8 +440,8 @@ async fn stream_range(
     (offset, len): (u64, u64),
 ) -> Result<TcpStream> {
     let io = shared.io_timeout;
-    let spans: Vec<SrcSpan> = match shared.holds.read(id, epoch, offset, len, Instant::now()) {
-        Ok(spans) => spans,
+    let (spans, read) = match shared.holds.read(id, epoch, offset, len, Instant::now()) {
+        Ok(found) => found,
         Err(err) => {
             conn::write_all(&mut stream, &error_reply(&err).encode(seq), io).await?;
             return Ok(stream);
@@ -296,30 +455,76 @@ async fn stream_range(
             merged.push(span);
         }
     }
-    let stream = match shared.faults.stall_after_bytes {
-        None => {
-            let (stream, ()) = conn::blocking(stream, io, move |stream| {
-                let bufs: Vec<&[u8]> = merged.iter().map(SrcSpan::bytes).collect();
-                conn::write_gather(stream, &bufs)
-            })
+    let faults = &shared.faults;
+    let stream = match (faults.stall_after_bytes, faults.trickle) {
+        (None, Some(every)) => {
+            // Fault injection: one byte per interval until done or fenced.
+            let fenced = read.fenced();
+            for span in &merged {
+                for byte in span.bytes().chunks(1) {
+                    tokio::select! {
+                        _ = tokio::time::sleep(every) => {}
+                        _ = fenced.cancelled() => {
+                            return Err(TransferError::Protocol("hold freed".into()));
+                        }
+                        _ = shutdown.cancelled() => {
+                            return Err(TransferError::Protocol("holder stopping".into()));
+                        }
+                    }
+                    conn::write_all(&mut stream, byte, io).await?;
+                }
+            }
+            drop(read);
+            stream
+        }
+        (None, None) => {
+            // A reader must take at least one I/O piece per I/O timeout.
+            let pieces = u32::try_from(len / IO_PIECE as u64).unwrap_or(u32::MAX);
+            let now = Instant::now();
+            let deadline = now
+                .checked_add(io.saturating_mul(pieces.saturating_add(1)))
+                .unwrap_or(now + IDLE_TIMEOUT);
+            let fencer = read.fencer();
+            let (stream, ()) = conn::blocking(
+                stream,
+                io,
+                deadline,
+                |socket| fencer.watch(socket),
+                move |stream| {
+                    // Owned here: the read counts until this writer stops.
+                    let _read = read;
+                    let bufs: Vec<&[u8]> = merged.iter().map(SrcSpan::bytes).collect();
+                    conn::write_gather(stream, &bufs)
+                },
+            )
             .await?;
             stream
         }
-        Some(limit) => {
+        (Some(limit), _) => {
             // Fault injection: after `limit` bytes, keep the connection and
-            // send nothing more until the holder stops.
+            // send nothing more until the holder stops or the hold is freed.
+            let fenced = read.fenced();
             for span in &merged {
                 for piece in span.bytes().chunks(IO_PIECE) {
                     if shared.streamed.load(Ordering::Relaxed) >= limit {
-                        shutdown.cancelled().await;
-                        return Err(TransferError::Protocol("holder stopping".into()));
+                        tokio::select! {
+                            _ = shutdown.cancelled() => {}
+                            _ = fenced.cancelled() => {}
+                        }
+                        return Err(TransferError::Protocol("read stopped".into()));
                     }
-                    conn::write_all(&mut stream, piece, io).await?;
+                    tokio::select! {
+                        written = conn::write_all(&mut stream, piece, io) => written?,
+                        _ = fenced.cancelled() => {
+                            return Err(TransferError::Protocol("hold freed".into()));
+                        }
+                    }
                     shared
                         .streamed
                         .fetch_add(piece.len() as u64, Ordering::Relaxed);
                 }
             }
+            drop(read);
             stream
         }
     };

@@ -8,8 +8,8 @@
 #![allow(unsafe_code)]
 
 use connex_transfer::{
-    pattern, BackendKind, BlockRef, ClientConfig, Holder, HolderConfig, Reader, ReaderConfig,
-    Region, RegionId, ReleaseMode, TransferError,
+    pattern, BackendKind, BlockRef, ClientConfig, Faults, Holder, HolderConfig, Reader,
+    ReaderConfig, Region, RegionId, ReleaseMode, TransferError,
 };
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -35,11 +35,17 @@ async fn holder(
         let refs = (0..blocks)
             .map(|b| BlockRef::new(region, b * size, size))
             .collect();
-        holder.create_hold(id, refs).unwrap();
+        holder.create_hold(&tid(id), refs).unwrap();
         // The holds keep the buffer alive; nobody else needs the region.
         assert!(holder.unregister_region(region));
     }
     holder
+}
+
+/// The transfer id of test hold `name`: holders refuse ids without 128
+/// random bits' worth of hex at their end.
+fn tid(name: &str) -> String {
+    format!("{name}-5f3c9a1e7b2d4086a9c1e3f5b7d90246")
 }
 
 fn reader(kind: BackendKind) -> Reader {
@@ -131,7 +137,10 @@ pub async fn content_checksums_after_pull(kind: BackendKind) {
     let reader = reader(kind);
     for (id, seed, blocks, size) in &holds {
         let (region, refs) = scattered(&reader, *blocks, *size);
-        let stats = reader.pull(&addr(&holder), id, 0, &refs).await.unwrap();
+        let stats = reader
+            .pull(&addr(&holder), &tid(id), 0, &refs)
+            .await
+            .unwrap();
         assert_eq!((stats.bytes, stats.blocks), (blocks * size, *blocks as u32));
         assert_eq!(
             gather(&reader, region, &refs),
@@ -147,7 +156,7 @@ pub async fn content_checksums_after_pull(kind: BackendKind) {
         .unwrap();
     holder
         .create_hold(
-            "raw",
+            &tid("raw"),
             vec![
                 BlockRef::new(region, 4096, 8192),
                 BlockRef::new(region, 0, 100),
@@ -159,7 +168,10 @@ pub async fn content_checksums_after_pull(kind: BackendKind) {
         BlockRef::new(refs[0].region, 0, 8192),
         BlockRef::new(refs[0].region, 8192, 100),
     ];
-    reader.pull(&addr(&holder), "raw", 0, &one).await.unwrap();
+    reader
+        .pull(&addr(&holder), &tid("raw"), 0, &one)
+        .await
+        .unwrap();
     let got = reader.take_region(dest).unwrap();
     assert_eq!(&got[..8192], &raw[4096..4096 + 8192]);
     assert_eq!(&got[8192..8292], &raw[..100]);
@@ -177,7 +189,10 @@ pub async fn big_pulls_use_several_streams(kind: BackendKind) {
     let holder = holder(kind, HolderConfig::default(), &[("big", 5, 32, 2 << 20)]).await;
     let reader = reader(kind);
     let (region, refs) = scattered(&reader, 32, 2 << 20);
-    let stats = reader.pull(&addr(&holder), "big", 0, &refs).await.unwrap();
+    let stats = reader
+        .pull(&addr(&holder), &tid("big"), 0, &refs)
+        .await
+        .unwrap();
     assert!(stats.streams > 1, "{stats:?}");
     assert_eq!(gather(&reader, region, &refs), pattern(5, 64 << 20));
 }
@@ -194,39 +209,49 @@ pub async fn expiry(kind: BackendKind) {
         tokio::time::sleep(Duration::from_millis(300)).await;
         if round % 2 == 0 {
             let (region, refs) = scattered(&reader, 4, 1024);
-            reader.pull(&addr(&holder), "e", 0, &refs).await.unwrap();
+            reader
+                .pull(&addr(&holder), &tid("e"), 0, &refs)
+                .await
+                .unwrap();
             reader.take_region(region).unwrap();
         } else {
-            reader.renew(&addr(&holder), "e", 0).await.unwrap();
+            reader.renew(&addr(&holder), &tid("e"), 0).await.unwrap();
         }
     }
-    assert!(reader.stat(&addr(&holder), "e").await.unwrap().is_some());
+    assert!(reader
+        .stat(&addr(&holder), &tid("e"))
+        .await
+        .unwrap()
+        .is_some());
     // "idle" was never touched: gone.
-    assert_eq!(reader.stat(&addr(&holder), "idle").await.unwrap(), None);
+    assert_eq!(
+        reader.stat(&addr(&holder), &tid("idle")).await.unwrap(),
+        None
+    );
     tokio::time::sleep(Duration::from_millis(800)).await;
     let (_, refs) = scattered(&reader, 4, 1024);
     assert!(matches!(
-        reader.pull(&addr(&holder), "e", 0, &refs).await,
+        reader.pull(&addr(&holder), &tid("e"), 0, &refs).await,
         Err(TransferError::HoldNotFound { .. })
     ));
     let stats = holder.stats();
     assert_eq!((stats.holds, stats.held_bytes, stats.expiries), (0, 0, 2));
     let mut freed = holder.freed();
     freed.sort();
-    assert_eq!(freed, ["e", "idle"]);
+    assert_eq!(freed, [tid("e"), tid("idle")]);
 }
 
 pub async fn release(kind: BackendKind) {
     let holder = holder(kind, HolderConfig::default(), &[("r", 1, 2, 100)]).await;
     let reader = reader(kind);
-    assert!(reader.release(&addr(&holder), "r").await.unwrap());
-    assert!(!reader.release(&addr(&holder), "r").await.unwrap());
+    assert!(reader.release(&addr(&holder), &tid("r")).await.unwrap());
+    assert!(!reader.release(&addr(&holder), &tid("r")).await.unwrap());
     let (_, refs) = scattered(&reader, 2, 100);
     assert!(matches!(
-        reader.pull(&addr(&holder), "r", 0, &refs).await,
+        reader.pull(&addr(&holder), &tid("r"), 0, &refs).await,
         Err(TransferError::HoldNotFound { .. })
     ));
-    assert_eq!(holder.freed(), ["r"]);
+    assert_eq!(holder.freed(), [tid("r")]);
 
     // after_pull: the first complete pull frees the hold.
     let config = HolderConfig {
@@ -235,11 +260,14 @@ pub async fn release(kind: BackendKind) {
     };
     let holder = self::holder(kind, config, &[("once", 3, 2, 100)]).await;
     let (region, refs) = scattered(&reader, 2, 100);
-    reader.pull(&addr(&holder), "once", 0, &refs).await.unwrap();
+    reader
+        .pull(&addr(&holder), &tid("once"), 0, &refs)
+        .await
+        .unwrap();
     assert_eq!(gather(&reader, region, &refs), pattern(3, 200));
     let (_, refs) = scattered(&reader, 2, 100);
     assert!(matches!(
-        reader.pull(&addr(&holder), "once", 0, &refs).await,
+        reader.pull(&addr(&holder), &tid("once"), 0, &refs).await,
         Err(TransferError::HoldNotFound { .. })
     ));
     let stats = holder.stats();
@@ -261,7 +289,7 @@ pub async fn concurrent_pulls(kind: BackendKind) {
             let (reader, addr) = (reader.clone(), addr(&holder));
             tasks.spawn(async move {
                 let (region, refs) = scattered(&reader, blocks, size);
-                reader.pull(&addr, id, 0, &refs).await.unwrap();
+                reader.pull(&addr, &tid(id), 0, &refs).await.unwrap();
                 assert_eq!(
                     gather(&reader, region, &refs),
                     pattern(seed, (blocks * size) as usize),
@@ -280,44 +308,54 @@ pub async fn stale_epoch_and_mismatches(kind: BackendKind) {
     let holder = holder(kind, HolderConfig::default(), &[("s", 1, 4, 1000)]).await;
     let reader = reader(kind);
     let (region, refs) = scattered(&reader, 4, 1000);
-    reader.pull(&addr(&holder), "s", 1, &refs).await.unwrap();
+    reader
+        .pull(&addr(&holder), &tid("s"), 1, &refs)
+        .await
+        .unwrap();
     assert!(matches!(
-        reader.pull(&addr(&holder), "s", 0, &refs).await,
+        reader.pull(&addr(&holder), &tid("s"), 0, &refs).await,
         Err(TransferError::StaleEpoch {
             served: 1,
             asked: 0
         })
     ));
     assert!(matches!(
-        reader.renew(&addr(&holder), "s", 0).await,
+        reader.renew(&addr(&holder), &tid("s"), 0).await,
         Err(TransferError::StaleEpoch {
             served: 1,
             asked: 0
         })
     ));
     // A newer epoch takes over; the destination was left as the good pull wrote it.
-    assert_eq!(reader.renew(&addr(&holder), "s", 2).await.unwrap().epoch, 2);
+    assert_eq!(
+        reader
+            .renew(&addr(&holder), &tid("s"), 2)
+            .await
+            .unwrap()
+            .epoch,
+        2
+    );
     assert_eq!(holder.stats().stale_epoch_refusals, 2);
     assert_eq!(gather(&reader, region, &refs), pattern(1, 4000));
     // Wrong block count or size: refused before any byte moves.
     let (_, refs) = scattered(&reader, 3, 1000);
     assert!(matches!(
-        reader.pull(&addr(&holder), "s", 2, &refs).await,
+        reader.pull(&addr(&holder), &tid("s"), 2, &refs).await,
         Err(TransferError::SizeMismatch(_))
     ));
     let (_, refs) = scattered(&reader, 4, 999);
     assert!(matches!(
-        reader.pull(&addr(&holder), "s", 2, &refs).await,
+        reader.pull(&addr(&holder), &tid("s"), 2, &refs).await,
         Err(TransferError::SizeMismatch(_))
     ));
     // Bad destinations never reach the holder.
     let bad = [BlockRef::new(RegionId(12345), 0, 1000)];
     assert!(matches!(
-        reader.pull(&addr(&holder), "s", 2, &bad).await,
+        reader.pull(&addr(&holder), &tid("s"), 2, &bad).await,
         Err(TransferError::InvalidArgument(_))
     ));
     assert!(matches!(
-        reader.pull(&addr(&holder), "unknown", 2, &refs).await,
+        reader.pull(&addr(&holder), &tid("unknown"), 2, &refs).await,
         Err(TransferError::HoldNotFound { .. })
     ));
     assert_eq!(holder.stats().pulls, 1);
@@ -335,13 +373,18 @@ fn quick_reader(kind: BackendKind) -> Reader {
 pub async fn holder_killed_mid_pull(kind: BackendKind) {
     let mut process = HolderProcess::start(
         kind,
-        &["--hold", "k:32:2097152", "--stall-after-bytes", "4194304"],
+        &[
+            "--hold",
+            &format!("{}:32:2097152", tid("k")),
+            "--stall-after-bytes",
+            "4194304",
+        ],
     );
     let reader = std::sync::Arc::new(quick_reader(kind));
     let (region, refs) = scattered(&reader, 32, 2 << 20);
     let pull = {
         let (reader, addr) = (reader.clone(), process.addr.clone());
-        tokio::spawn(async move { reader.pull(&addr, "k", 0, &refs).await })
+        tokio::spawn(async move { reader.pull(&addr, &tid("k"), 0, &refs).await })
     };
     // The holder is alive but stalled: the pull has not finished.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -376,12 +419,20 @@ pub async fn holder_killed_mid_pull(kind: BackendKind) {
 }
 
 pub async fn stalled_holder_times_out(kind: BackendKind) {
-    let process =
-        HolderProcess::start(kind, &["--hold", "t:8:1048576", "--stall-after-bytes", "0"]);
+    let process = HolderProcess::start(
+        kind,
+        &[
+            "--hold",
+            &format!("{}:8:1048576", tid("t")),
+            "--stall-after-bytes",
+            "0",
+        ],
+    );
     let reader = quick_reader(kind);
     let (_, refs) = scattered(&reader, 8, 1 << 20);
     let started = Instant::now();
-    let mut stuck = std::pin::pin!(reader.pull(&process.addr, "t", 0, &refs));
+    let id = tid("t");
+    let mut stuck = std::pin::pin!(reader.pull(&process.addr, &id, 0, &refs));
     let outcome = tokio::time::timeout(Duration::from_millis(300), stuck.as_mut()).await;
     assert!(
         outcome.is_err(),
@@ -389,7 +440,7 @@ pub async fn stalled_holder_times_out(kind: BackendKind) {
     );
     // While it is stuck it owns its destination: a second pull into the same
     // bytes is refused at once, never interleaved.
-    let second = reader.pull(&process.addr, "t", 0, &refs).await;
+    let second = reader.pull(&process.addr, &tid("t"), 0, &refs).await;
     assert!(
         matches!(second, Err(TransferError::InvalidArgument(_))),
         "{second:?}"
@@ -402,6 +453,226 @@ pub async fn stalled_holder_times_out(kind: BackendKind) {
         started.elapsed()
     );
 }
+
+/// A reader whose waits are short: `io` per wait, `pull` per pull.
+fn reader_with(kind: BackendKind, io: Duration, pull: Duration) -> Reader {
+    let mut config = ReaderConfig::new(kind);
+    config.client = ClientConfig {
+        io_timeout: io,
+        ..Default::default()
+    };
+    config.pull_timeout = pull;
+    Reader::with_config(config).unwrap()
+}
+
+/// Caller-owned memory for a test to poke at while a transfer may run:
+/// written and read through raw pointers only (never through a reference
+/// while a transfer could write it).
+struct RawBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a pointer to a leaked buffer; the tests only touch it through
+// volatile accesses.
+unsafe impl Send for RawBuf {}
+// SAFETY: as above.
+unsafe impl Sync for RawBuf {}
+
+impl RawBuf {
+    /// Leaked on purpose: a buggy transfer may still write into it after
+    /// the test ends, and must not write into freed memory.
+    fn new(bytes: Vec<u8>) -> Self {
+        let len = bytes.len();
+        let ptr = Box::leak(bytes.into_boxed_slice()).as_mut_ptr();
+        Self { ptr, len }
+    }
+
+    fn region(&self) -> Region {
+        // SAFETY: the buffer is leaked, so valid for the rest of the process.
+        unsafe { Region::raw(self.ptr, self.len) }
+    }
+
+    fn fill(&self, byte: u8) {
+        for i in 0..self.len {
+            // SAFETY: in bounds of the leaked buffer.
+            unsafe { self.ptr.add(i).write_volatile(byte) };
+        }
+    }
+
+    fn snapshot(&self) -> Vec<u8> {
+        // SAFETY: in bounds of the leaked buffer.
+        (0..self.len)
+            .map(|i| unsafe { self.ptr.add(i).read_volatile() })
+            .collect()
+    }
+}
+
+const GUARD: u8 = 0xEE;
+
+/// A holder that serves slowly: on TCP it trickles one byte per `every`
+/// (each well inside the reader's I/O timeout); a one-sided backend's reads
+/// cannot be slowed by the holder, so it stops serving gets once the pull
+/// has started (the stall fault) and the reader's waits decide.
+fn slow(kind: BackendKind, every: Duration) -> Faults {
+    match kind {
+        BackendKind::Tcp => Faults {
+            trickle: Some(every),
+            ..Default::default()
+        },
+        _ => Faults {
+            stall_after_bytes: Some(0),
+            ..Default::default()
+        },
+    }
+}
+
+/// [`slow`] as flags of `connex-transfer-holder`.
+fn slow_args(kind: BackendKind, every: Duration) -> Vec<String> {
+    let faults = slow(kind, every);
+    match (faults.trickle, faults.stall_after_bytes) {
+        (Some(every), _) => vec!["--trickle-ms".into(), every.as_millis().to_string()],
+        (_, Some(bytes)) => vec!["--stall-after-bytes".into(), bytes.to_string()],
+        _ => Vec::new(),
+    }
+}
+
+/// A release while a read streams the hold's blocks: the blocks are reported
+/// freed only once the read has stopped, so the engine that reuses them then
+/// (here: fills them with a guard pattern) never has a byte of theirs reach
+/// the reader.
+pub async fn release_during_a_read(kind: BackendKind) {
+    let (blocks, size) = (64u64, 1024u64);
+    let source = RawBuf::new(pattern(21, (blocks * size) as usize));
+    let holder = Holder::start(HolderConfig {
+        backend: kind,
+        faults: slow(kind, Duration::from_millis(20)),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let region = holder.register_region(source.region()).unwrap();
+    let refs = (0..blocks)
+        .map(|b| BlockRef::new(region, b * size, size))
+        .collect();
+    holder.create_hold(RD_ID, refs).unwrap();
+    let reader = std::sync::Arc::new(reader_with(
+        kind,
+        Duration::from_secs(2),
+        Duration::from_secs(4),
+    ));
+    let (dest, refs) = scattered(&reader, blocks, size);
+    let pull = {
+        let (reader, addr) = (reader.clone(), addr(&holder));
+        tokio::spawn(async move { reader.pull(&addr, RD_ID, 0, &refs).await.map(|_| refs) })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!pull.is_finished(), "the trickled read is in flight");
+    assert!(holder.release(RD_ID));
+    // The engine reuses the blocks as soon as they are reported freed.
+    let released = Instant::now();
+    loop {
+        if holder.freed() == [RD_ID] {
+            // A one-sided read cannot be fenced from here: the blocks wait
+            // until the reader has given up (its gets stall; it stops them
+            // at its 2 s I/O timeout and says so).
+            assert!(
+                kind == BackendKind::Tcp || released.elapsed() > Duration::from_secs(1),
+                "freed while a one-sided pull still runs"
+            );
+            break;
+        }
+        assert!(
+            released.elapsed() < Duration::from_secs(10),
+            "a released hold is freed once its reads stopped"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    source.fill(GUARD);
+    let result = tokio::time::timeout(Duration::from_secs(10), pull)
+        .await
+        .expect("the pull ends")
+        .unwrap();
+    assert!(result.is_err(), "a pull of a released hold fails");
+    // Wait out what a writer still running could send, then look.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let got = reader.take_region(dest).unwrap();
+    assert!(
+        !got.contains(&GUARD),
+        "bytes of reused blocks reached the reader"
+    );
+    assert_eq!(holder.draining(), 0);
+    holder.stop().await;
+}
+
+/// A pull past its time limit: when `pull_timeout` returns, its writers have
+/// stopped, so blocks the caller gives back at once (and refills: the guard
+/// pattern) are never written by it again.
+pub async fn pull_past_its_timeout_never_writes_into_returned_blocks(kind: BackendKind) {
+    let hold = format!("{T_ID}:8:4096");
+    let mut args = vec!["--hold", &hold];
+    let slow = slow_args(kind, Duration::from_millis(20));
+    args.extend(slow.iter().map(String::as_str));
+    let process = HolderProcess::start(kind, &args);
+    let reader = reader_with(kind, Duration::from_secs(5), Duration::from_secs(30));
+    let dest = RawBuf::new(vec![0xAA; 8 * 4096]);
+    let region = reader.register_region(dest.region()).unwrap();
+    let refs: Vec<BlockRef> = (0..8)
+        .map(|b| BlockRef::new(region, b * 4096, 4096))
+        .collect();
+    let limit = Duration::from_millis(800);
+    let started = Instant::now();
+    let err = reader
+        .pull_timeout(&process.addr, T_ID, 0, &refs, limit)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TransferError::Timeout { .. }), "{err:?}");
+    // Well before the 5 s I/O timeout could have ended it.
+    assert!(
+        started.elapsed() < limit + Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    // The caller owns the blocks again: no pull claims them any more.
+    assert!(reader.unregister_region(region));
+    dest.fill(GUARD);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        dest.snapshot().iter().all(|&b| b == GUARD),
+        "a timed-out pull wrote into blocks it had given back"
+    );
+}
+
+/// A holder that sends one byte per 100 ms never lets a single wait reach the
+/// 5 s I/O timeout; the pull's own 1.5 s deadline cuts it.
+pub async fn trickling_holder_is_cut_at_the_deadline(kind: BackendKind) {
+    let hold = format!("{T_ID}:4:65536");
+    let mut args = vec!["--hold", &hold];
+    let slow = slow_args(kind, Duration::from_millis(100));
+    args.extend(slow.iter().map(String::as_str));
+    let process = HolderProcess::start(kind, &args);
+    let reader = reader_with(kind, Duration::from_secs(5), Duration::from_millis(1500));
+    let (region, refs) = scattered(&reader, 4, 65536);
+    let started = Instant::now();
+    let result = tokio::time::timeout(
+        Duration::from_secs(20),
+        reader.pull(&process.addr, T_ID, 0, &refs),
+    )
+    .await
+    .expect("a trickling holder is cut, not waited for byte by byte");
+    let err = result.unwrap_err();
+    assert!(matches!(err, TransferError::Timeout { .. }), "{err:?}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1400) && took < Duration::from_millis(4500),
+        "cut after {took:?}, deadline 1.5 s"
+    );
+    reader.take_region(region).unwrap();
+}
+
+/// Transfer ids of the tests above.
+const RD_ID: &str = "rd-3f0c9a6e5b2d48c1a7e4f9b0c2d5e8a1";
+const T_ID: &str = "t-5a1b2c3d4e5f60718293a4b5c6d7e8f9";
 
 macro_rules! conformance {
     ($module:ident, $kind:expr) => {
@@ -439,6 +710,18 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn stalled_holder_times_out() {
                 super::stalled_holder_times_out(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn release_during_a_read() {
+                super::release_during_a_read(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn pull_past_its_timeout_never_writes_into_returned_blocks() {
+                super::pull_past_its_timeout_never_writes_into_returned_blocks(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn trickling_holder_is_cut_at_the_deadline() {
+                super::trickling_holder_is_cut_at_the_deadline(KIND).await
             }
         }
     };

@@ -13,13 +13,16 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// The test hold's transfer id (128 random bits' worth of hex at its end).
+const H1: &str = "h1-5f3c9a1e7b2d4086a9c1e3f5b7d90246";
+
 async fn holder_with_hold() -> Holder {
     let holder = Holder::start(HolderConfig::default()).await.unwrap();
     let region = holder
         .register_region(Region::owned(vec![5; 4096]))
         .unwrap();
     holder
-        .create_hold("h1", vec![BlockRef::new(region, 0, 4096)])
+        .create_hold(H1, vec![BlockRef::new(region, 0, 4096)])
         .unwrap();
     holder
 }
@@ -60,23 +63,29 @@ async fn bad_payloads_get_an_error_and_the_connection_goes_on() {
     let mut stream = TcpStream::connect(holder.ctrl_addr()).await.unwrap();
     let cases: Vec<(Vec<u8>, proto::ErrorCode)> = vec![
         // Renew with a payload cut short.
-        (frame(1, 0x01, 7, &[2, 0, b'h']), proto::ErrorCode::BadFrame),
+        (
+            frame(proto::VERSION, 0x01, 7, &[2, 0, b'h']),
+            proto::ErrorCode::BadFrame,
+        ),
         // Release with trailing bytes.
         (
-            frame(1, 0x02, 8, &[2, 0, b'h', b'1', 0]),
+            frame(proto::VERSION, 0x02, 8, &[2, 0, b'h', b'1', 0]),
             proto::ErrorCode::BadFrame,
         ),
         // A transfer id with a space in it.
         (
-            frame(1, 0x03, 9, &[2, 0, b'h', b' ']),
+            frame(proto::VERSION, 0x03, 9, &[2, 0, b'h', b' ']),
             proto::ErrorCode::BadFrame,
         ),
         // An op nobody knows.
-        (frame(1, 0x42, 10, &[]), proto::ErrorCode::UnknownOp),
+        (
+            frame(proto::VERSION, 0x42, 10, &[]),
+            proto::ErrorCode::UnknownOp,
+        ),
         // A read far past the end of the hold.
         (
             Request::Read {
-                id: "h1".into(),
+                id: H1.into(),
                 epoch: 0,
                 offset: 4000,
                 len: 200,
@@ -86,7 +95,10 @@ async fn bad_payloads_get_an_error_and_the_connection_goes_on() {
             proto::ErrorCode::BadRange,
         ),
         // A reply op sent as a request.
-        (frame(1, 0x80, 12, &[]), proto::ErrorCode::UnknownOp),
+        (
+            frame(proto::VERSION, 0x80, 12, &[]),
+            proto::ErrorCode::UnknownOp,
+        ),
     ];
     for (bytes, want) in cases {
         stream.write_all(&bytes).await.unwrap();
@@ -99,7 +111,7 @@ async fn bad_payloads_get_an_error_and_the_connection_goes_on() {
     }
     // The same connection still answers a good request.
     stream
-        .write_all(&Request::Stat { id: "h1".into() }.encode(99))
+        .write_all(&Request::Stat { id: H1.into() }.encode(99))
         .await
         .unwrap();
     let (header, reply) = read_reply(&mut stream).await.unwrap();
@@ -115,10 +127,13 @@ async fn untrustworthy_headers_get_an_error_then_the_connection_closes() {
             b"GET / HTTP/1.1\r\n\r\n".to_vec(),
             proto::ErrorCode::BadFrame,
         ),
-        (frame(2, 0x04, 1, &[]), proto::ErrorCode::BadVersion),
+        (
+            frame(proto::VERSION + 1, 0x04, 1, &[]),
+            proto::ErrorCode::BadVersion,
+        ),
         (
             {
-                let mut f = frame(1, 0x04, 1, &[]);
+                let mut f = frame(proto::VERSION, 0x04, 1, &[]);
                 f[8..12].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
                 f
             },
@@ -136,7 +151,7 @@ async fn untrustworthy_headers_get_an_error_then_the_connection_closes() {
     // socket, and the listener goes on.
     let mut stream = TcpStream::connect(holder.ctrl_addr()).await.unwrap();
     let full = Request::Renew {
-        id: "h1".into(),
+        id: H1.into(),
         epoch: 0,
     }
     .encode(3);
@@ -170,11 +185,11 @@ async fn garbage_never_stops_the_listener() {
         let mut bytes: Vec<u8> = (0..(next() % 64)).map(|_| next() as u8).collect();
         match round % 3 {
             // A valid header around a random payload of any op.
-            0 => bytes = frame(1, (next() % 10) as u8, round, &bytes),
+            0 => bytes = frame(proto::VERSION, (next() % 10) as u8, round, &bytes),
             // A valid request with random bytes flipped.
             1 => {
                 bytes = Request::Read {
-                    id: "h1".into(),
+                    id: H1.into(),
                     epoch: 0,
                     offset: 0,
                     len: 4096,
@@ -198,7 +213,7 @@ async fn garbage_never_stops_the_listener() {
             .ok();
     }
     let ctrl = CtrlClient::new();
-    let info = ctrl.stat(&addr.to_string(), "h1").await.unwrap().unwrap();
+    let info = ctrl.stat(&addr.to_string(), H1).await.unwrap().unwrap();
     assert_eq!(info.bytes, 4096);
 }
 
@@ -208,7 +223,7 @@ async fn ctrl_client_reuses_connections_and_maps_errors() {
     let addr = holder.ctrl_addr().to_string();
     let ctrl = CtrlClient::new();
     for _ in 0..50 {
-        assert!(ctrl.stat(&addr, "h1").await.unwrap().is_some());
+        assert!(ctrl.stat(&addr, H1).await.unwrap().is_some());
     }
     assert_eq!(
         ctrl.idle_connections(&addr),
@@ -217,27 +232,27 @@ async fn ctrl_client_reuses_connections_and_maps_errors() {
     );
     let calls = (0..8).map(|_| {
         let (ctrl, addr) = (ctrl.clone(), addr.clone());
-        tokio::spawn(async move { ctrl.renew(&addr, "h1", 0).await })
+        tokio::spawn(async move { ctrl.renew(&addr, H1, 0).await })
     });
     for call in calls {
-        assert_eq!(call.await.unwrap().unwrap().transfer_id, "h1");
+        assert_eq!(call.await.unwrap().unwrap().transfer_id, H1);
     }
     assert!(ctrl.idle_connections(&addr) <= 8);
     assert!(matches!(
         ctrl.renew(&addr, "nope", 0).await,
         Err(TransferError::HoldNotFound { transfer_id }) if transfer_id == "nope"
     ));
-    ctrl.renew(&addr, "h1", 3).await.unwrap();
+    ctrl.renew(&addr, H1, 3).await.unwrap();
     assert!(matches!(
-        ctrl.renew(&addr, "h1", 2).await,
+        ctrl.renew(&addr, H1, 2).await,
         Err(TransferError::StaleEpoch {
             served: 3,
             asked: 2
         })
     ));
-    assert!(ctrl.release(&addr, "h1").await.unwrap());
-    assert!(!ctrl.release(&addr, "h1").await.unwrap());
-    assert_eq!(ctrl.stat(&addr, "h1").await.unwrap(), None);
+    assert!(ctrl.release(&addr, H1).await.unwrap());
+    assert!(!ctrl.release(&addr, H1).await.unwrap());
+    assert_eq!(ctrl.stat(&addr, H1).await.unwrap(), None);
     let stats = ctrl.stats(&addr).await.unwrap();
     assert_eq!(
         (stats.holds, stats.releases, stats.stale_epoch_refusals),
@@ -256,7 +271,18 @@ async fn ctrl_client_reuses_connections_and_maps_errors() {
     assert!(started.elapsed() < Duration::from_secs(3));
 }
 
-/// A TCP reader that sends `secret`, with a 4 KiB destination region.
+/// HMAC-SHA256 under `secret` over `label`, `first`, `second`: the proofs of
+/// the handshake as docs/transfer.md specifies them, computed independently.
+fn hmac(secret: &str, label: &[u8], first: &[u8; 32], second: &[u8; 32]) -> [u8; 32] {
+    use hmac::Mac;
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()).unwrap();
+    mac.update(label);
+    mac.update(first);
+    mac.update(second);
+    mac.finalize().into_bytes().into()
+}
+
+/// A TCP reader that proves `secret`, with a 4 KiB destination region.
 fn reader_with(secret: Option<Secret>) -> (Reader, RegionId) {
     let mut config = ReaderConfig::new(BackendKind::Tcp);
     config.client.secret = secret;
@@ -268,9 +294,10 @@ fn reader_with(secret: Option<Secret>) -> (Reader, RegionId) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_holder_with_a_secret_serves_only_peers_that_send_it() {
+async fn a_holder_with_a_secret_serves_only_peers_that_prove_it() {
     let secret = Secret::new("s3cret");
     let wrong = Secret::new("guess");
+    let (secret_text, wrong_text) = ("s3cret", "guess");
     let holder = Holder::start(HolderConfig {
         secret: secret.clone(),
         ..HolderConfig::default()
@@ -280,43 +307,63 @@ async fn a_holder_with_a_secret_serves_only_peers_that_send_it() {
     let held = connex_transfer::pattern(3, 4096);
     let region = holder.register_region(Region::owned(held.clone())).unwrap();
     holder
-        .create_hold("h1", vec![BlockRef::new(region, 0, 4096)])
+        .create_hold(H1, vec![BlockRef::new(region, 0, 4096)])
         .unwrap();
     let addr = holder.ctrl_addr().to_string();
     let unauthorized = proto::ErrorCode::Unauthorized as u16;
 
-    // On the wire: an op before the hello, or a wrong hello, is refused and
-    // the connection closed; the right hello is welcome, then ops are served.
-    let refused = [
-        Request::Stat { id: "h1".into() },
-        Request::Hello {
-            secret: wrong.clone().unwrap(),
-        },
-    ];
-    for first in refused {
-        let mut stream = TcpStream::connect(&addr).await.unwrap();
-        stream.write_all(&first.encode(1)).await.unwrap();
-        let (_, reply) = read_reply(&mut stream).await.unwrap();
-        assert_eq!(error_code(&reply), unauthorized, "{first:?}");
-        assert!(
-            read_reply(&mut stream).await.is_none(),
-            "closed after {first:?}"
-        );
-    }
+    // On the wire: an op before the handshake, or a wrong proof, is refused
+    // and the connection closed; the right proof is welcome, then ops are
+    // served.
     let mut stream = TcpStream::connect(&addr).await.unwrap();
-    let hello = Request::Hello {
-        secret: secret.clone().unwrap(),
-    };
-    stream.write_all(&hello.encode(1)).await.unwrap();
-    assert_eq!(read_reply(&mut stream).await.unwrap().1, Reply::Welcome);
     stream
-        .write_all(&Request::Stat { id: "h1".into() }.encode(2))
+        .write_all(&Request::Stat { id: H1.into() }.encode(1))
         .await
         .unwrap();
-    assert!(matches!(
-        read_reply(&mut stream).await.unwrap().1,
-        Reply::Stat(Some(_))
-    ));
+    let (_, reply) = read_reply(&mut stream).await.unwrap();
+    assert_eq!(error_code(&reply), unauthorized);
+    assert!(read_reply(&mut stream).await.is_none(), "closed");
+    for (proof_secret, welcome) in [(wrong_text, false), (secret_text, true)] {
+        let mut stream = TcpStream::connect(&addr).await.unwrap();
+        let reader_nonce = [7u8; 32];
+        stream
+            .write_all(
+                &Request::Hello {
+                    nonce: reader_nonce,
+                }
+                .encode(1),
+            )
+            .await
+            .unwrap();
+        let Some((_, Reply::Challenge { nonce, .. })) = read_reply(&mut stream).await else {
+            panic!("a holder with a secret challenges a hello");
+        };
+        let proof = hmac(
+            proof_secret,
+            b"connex-transfer v2 reader",
+            &nonce,
+            &reader_nonce,
+        );
+        stream
+            .write_all(&Request::Proof { proof }.encode(2))
+            .await
+            .unwrap();
+        let (_, reply) = read_reply(&mut stream).await.unwrap();
+        if !welcome {
+            assert_eq!(error_code(&reply), unauthorized);
+            assert!(read_reply(&mut stream).await.is_none(), "closed");
+            continue;
+        }
+        assert_eq!(reply, Reply::Welcome);
+        stream
+            .write_all(&Request::Stat { id: H1.into() }.encode(3))
+            .await
+            .unwrap();
+        assert!(matches!(
+            read_reply(&mut stream).await.unwrap().1,
+            Reply::Stat(Some(_))
+        ));
+    }
 
     // Clients and readers: without the secret or with a wrong one, a clear
     // error (never a hang); with it, everything works.
@@ -334,7 +381,7 @@ async fn a_holder_with_a_secret_serves_only_peers_that_send_it() {
         let err = reader
             .pull_timeout(
                 &addr,
-                "h1",
+                H1,
                 0,
                 &[BlockRef::new(dest, 0, 4096)],
                 Duration::from_secs(5),
@@ -346,9 +393,26 @@ async fn a_holder_with_a_secret_serves_only_peers_that_send_it() {
     assert_eq!(client(secret.clone()).stats(&addr).await.unwrap().holds, 1);
     let (reader, dest) = reader_with(secret);
     reader
-        .pull(&addr, "h1", 0, &[BlockRef::new(dest, 0, 4096)])
+        .pull(&addr, H1, 0, &[BlockRef::new(dest, 0, 4096)])
         .await
         .unwrap();
     assert_eq!(reader.take_region(dest).unwrap(), held);
     assert_eq!(holder.stats().pulls, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_limit_past_what_the_clock_holds_is_just_long() {
+    let holder = holder_with_hold().await;
+    let (reader, dest) = reader_with(None);
+    let stats = reader
+        .pull_timeout(
+            &holder.ctrl_addr().to_string(),
+            H1,
+            0,
+            &[BlockRef::new(dest, 0, 4096)],
+            Duration::MAX,
+        )
+        .await
+        .unwrap();
+    assert_eq!(stats.bytes, 4096);
 }

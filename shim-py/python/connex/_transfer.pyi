@@ -5,9 +5,13 @@ Block = tuple[int, int, int]  # (region id, offset, length)
 class TransferError(Exception): ...
 class HoldNotFound(TransferError): ...
 class StaleEpoch(TransferError): ...
+class EpochOutOfRange(StaleEpoch): ...
 class Unreachable(TransferError): ...
 class TransferTimeout(TransferError): ...
 class Unauthorized(TransferError): ...
+
+def new_transfer_id() -> str:
+    """`cx-` + 128 random bits in hex; holders refuse guessable ids."""
 
 class Holder:
     ctrl_addr: str
@@ -19,6 +23,7 @@ class Holder:
         release: str = "on_release",
         budget_bytes: int = 0,
         secret: str | None = None,  # None: CONNEX_TRANSFER_SECRET; "": none
+        max_epoch: int = 64,  # highest resume epoch a hold accepts
     ) -> None: ...
     def register_region(self, ptr: int, length: int) -> int: ...
     def unregister_region(self, region: int) -> bool: ...
@@ -40,7 +45,7 @@ class Reader:
         self,
         remote_ctrl: str,
         transfer_id: str,
-        epoch: int,
+        epoch: int,  # 0..=2**32-1, else ValueError
         blocks: list[Block],
         timeout_s: float = 30.0,
     ) -> dict: ...
@@ -48,7 +53,7 @@ class Reader:
         self,
         remote_ctrl: str,
         transfer_id: str,
-        epoch: int,
+        epoch: int,  # 0..=2**32-1, else ValueError
         blocks: list[Block],
         timeout_s: float = 30.0,
     ) -> Pull: ...

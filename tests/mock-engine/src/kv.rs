@@ -100,7 +100,7 @@ impl KvState {
     /// Prefill: holds the prompt's KV and returns the `kv_transfer_params`
     /// its response carries.
     pub fn hold(&self, prompt_ids: &[u32], engine_id: &str) -> Result<Value, TransferError> {
-        let transfer_id = format!("xfer-{}", uuid::Uuid::new_v4().simple());
+        let transfer_id = connex_transfer::new_transfer_id();
         let region = self
             .holder
             .register_region(Region::owned(kv_bytes(prompt_ids, self.bytes_per_token)))?;

@@ -19,8 +19,10 @@ use crate::error::{Result, TransferError};
 use crate::proto::Descriptor;
 use crate::region::{DestSpan, RegionEntry};
 use futures_util::future::BoxFuture;
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// One pull, as the reader hands it to its backend.
 pub(crate) struct Fetch<'a> {
@@ -32,7 +34,14 @@ pub(crate) struct Fetch<'a> {
     pub descriptor: &'a Descriptor,
     /// Claimed destination blocks, in the hold's block order (lengths checked).
     pub dest: Vec<DestSpan>,
+    /// Limit of each wait for the peer (one I/O, one get).
     pub io_timeout: Duration,
+    /// The whole pull's deadline: by then the backend has stopped every
+    /// write into `dest` and returned (a timeout).
+    pub deadline: Instant,
+    /// Cut when the pull is abandoned (its future dropped) or past its
+    /// deadline: the backend stops its writers as soon as it can.
+    pub fence: Arc<PullFence>,
     /// Most data streams / requests in flight at once.
     pub max_streams: usize,
 }
@@ -77,7 +86,12 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn endpoint(&self) -> Vec<u8>;
 
     /// Reader: fills `job.dest` with the hold's bytes. Returns the number of
-    /// streams used. Every wait is bounded by `job.io_timeout`.
+    /// streams used. Every wait is bounded by `job.io_timeout`, the whole by
+    /// `job.deadline`; and whatever the outcome, the returned future resolves
+    /// only once nothing writes into `job.dest` any more (a caller gives the
+    /// blocks back to its engine as soon as it has the error). When the
+    /// future is dropped instead, `job.fence` is cut, and the claim that the
+    /// spans hold is released only when the last writer has stopped.
     fn fetch<'a>(&'a self, job: Fetch<'a>) -> BoxFuture<'a, Result<u32>>;
 }
 
@@ -99,6 +113,74 @@ pub(crate) fn create(kind: BackendKind, role: Role<'_>) -> Result<Arc<dyn Backen
             Err(TransferError::Unsupported(
             "the mooncake backend is not built in; rebuild connex-transfer with `--features mooncake` and MOONCAKE_LIB_DIR set (see docs/transfer.md)".into(),
             ))
+        }
+    }
+}
+
+/// Stops a pull's data movement on demand: the sockets its writers block on
+/// are shut down (a blocked `readv` then returns at once) and one-sided
+/// backends poll [`PullFence::is_cut`] between gets.
+#[derive(Default)]
+pub(crate) struct PullFence {
+    cut: AtomicBool,
+    next: AtomicU64,
+    sockets: Mutex<HashMap<u64, std::net::TcpStream>>,
+}
+
+impl PullFence {
+    pub(crate) fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::Acquire)
+    }
+
+    /// Shuts every watched socket down; later ones are shut down as they come.
+    pub(crate) fn cut(&self) {
+        self.cut.store(true, Ordering::Release);
+        let sockets = std::mem::take(&mut *self.lock());
+        for socket in sockets.into_values() {
+            let _ = socket.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Watches `socket` (a handle of a stream a writer uses) until the
+    /// returned key is given to [`PullFence::unwatch`]. Refused after a cut.
+    pub(crate) fn watch(&self, socket: std::net::TcpStream) -> Result<u64> {
+        let mut sockets = self.lock();
+        if self.is_cut() {
+            let _ = socket.shutdown(std::net::Shutdown::Both);
+            return Err(TransferError::Timeout {
+                what: "pulling a hold (cut)",
+                after: Duration::ZERO,
+            });
+        }
+        let key = self.next.fetch_add(1, Ordering::Relaxed);
+        sockets.insert(key, socket);
+        Ok(key)
+    }
+
+    /// Stops watching a socket whose transfer ended (it may go back to a pool).
+    pub(crate) fn unwatch(&self, key: u64) {
+        self.lock().remove(&key);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, std::net::TcpStream>> {
+        self.sockets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Cuts a pull's fence when the pull's future is dropped before it ended.
+pub(crate) struct CutOnDrop(pub(crate) Option<Arc<PullFence>>);
+
+impl CutOnDrop {
+    /// The pull ended by itself: nothing to cut.
+    pub(crate) fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CutOnDrop {
+    fn drop(&mut self) {
+        if let Some(fence) = self.0.take() {
+            fence.cut();
         }
     }
 }

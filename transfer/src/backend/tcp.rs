@@ -6,7 +6,7 @@
 //! holder writes straight from the held memory, the reader reads straight into
 //! the destination blocks: the only copies are the kernel's.
 
-use super::{Backend, Exposure, Fetch};
+use super::{Backend, Exposure, Fetch, PullFence};
 use crate::client::CtrlClient;
 use crate::config::BackendKind;
 use crate::conn;
@@ -14,7 +14,8 @@ use crate::error::{Result, TransferError};
 use crate::proto::{Reply, Request};
 use crate::region::{DestSpan, RegionEntry};
 use futures_util::future::BoxFuture;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::task::JoinSet;
 
 /// Smallest stripe worth its own connection.
@@ -55,7 +56,8 @@ async fn fetch(job: Fetch<'_>) -> Result<u32> {
     let mut dest = job.dest.into_iter();
     let mut current: Option<DestSpan> = None;
     // The tasks own their destination spans (and so the claim): if this
-    // future is dropped, the claim is released only once they are gone.
+    // future is dropped, the fence is cut, and the claim is released only
+    // once their blocking reads have returned.
     let mut tasks = JoinSet::new();
     let mut offset = 0u64;
     while offset < total {
@@ -79,28 +81,54 @@ async fn fetch(job: Fetch<'_>) -> Result<u32> {
             }
         }
         tasks.spawn(read_stripe(
-            job.ctrl.clone(),
-            job.remote_ctrl.to_string(),
-            job.transfer_id.to_string(),
-            job.epoch,
-            offset,
-            len,
+            Stripe {
+                ctrl: job.ctrl.clone(),
+                addr: job.remote_ctrl.to_string(),
+                id: job.transfer_id.to_string(),
+                epoch: job.epoch,
+                offset,
+                len,
+                io: job.io_timeout,
+                deadline: job.deadline,
+                fence: job.fence.clone(),
+            },
             pieces,
-            job.io_timeout,
         ));
         offset += len;
     }
-    // On a failure, the other stripes are still waited for (each ends at
-    // its peer's close or its I/O timeout), so that when a pull returns,
-    // nothing writes into its destination any more.
+    // On a failure or at the deadline, the other stripes are still waited
+    // for (the fence shuts their sockets down, so they end at once), so that
+    // when a pull returns, nothing writes into its destination any more.
     let mut failed = None;
-    while let Some(joined) = tasks.join_next().await {
+    let mut past_deadline = false;
+    loop {
+        let joined = tokio::select! {
+            joined = tasks.join_next() => match joined {
+                Some(joined) => joined,
+                None => break,
+            },
+            _ = tokio::time::sleep_until(job.deadline.into()), if !past_deadline => {
+                past_deadline = true;
+                job.fence.cut();
+                continue;
+            }
+        };
         let err = match joined {
             Ok(Ok(())) => continue,
             Ok(Err(err)) => err,
             Err(err) => TransferError::Protocol(format!("stripe task failed: {err}")),
         };
-        failed.get_or_insert(err);
+        if failed.is_none() {
+            // The first failure stops the other stripes too.
+            job.fence.cut();
+            failed = Some(err);
+        }
+    }
+    if past_deadline || Instant::now() >= job.deadline {
+        return Err(TransferError::Timeout {
+            what: "pulling a hold (deadline)",
+            after: job.io_timeout,
+        });
     }
     if let Some(err) = failed {
         return Err(err);
@@ -108,17 +136,20 @@ async fn fetch(job: Fetch<'_>) -> Result<u32> {
     Ok(count as u32)
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn read_stripe(
+/// One stripe's request: bytes `offset..offset+len` of the hold.
+struct Stripe {
     ctrl: CtrlClient,
     addr: String,
     id: String,
     epoch: u32,
     offset: u64,
     len: u64,
-    pieces: Vec<DestSpan>,
     io: Duration,
-) -> Result<()> {
+    deadline: Instant,
+    fence: Arc<PullFence>,
+}
+
+async fn read_stripe(stripe: Stripe, pieces: Vec<DestSpan>) -> Result<()> {
     // Destination blocks that sit end to end in memory are read as one buffer.
     let mut merged: Vec<DestSpan> = Vec::with_capacity(pieces.len());
     for piece in pieces {
@@ -127,13 +158,28 @@ async fn read_stripe(
         }
     }
     let mut pieces = merged;
+    let Stripe {
+        ctrl,
+        addr,
+        id,
+        epoch,
+        offset,
+        len,
+        io,
+        deadline,
+        fence,
+    } = stripe;
     let request = Request::Read {
         id,
         epoch,
         offset,
         len,
     };
-    let (mut conn, reply) = ctrl.open(&addr, &request).await?;
+    let opened = tokio::time::timeout_at(deadline.into(), ctrl.open(&addr, &request)).await;
+    let (mut conn, reply) = opened.map_err(|_| TransferError::Timeout {
+        what: "asking for block bytes",
+        after: io,
+    })??;
     match reply {
         Reply::Data { len: got } if got == len => {}
         other => {
@@ -142,11 +188,29 @@ async fn read_stripe(
             )))
         }
     }
-    let (stream, ()) = conn::blocking(conn.take_stream()?, io, move |stream| {
-        let mut bufs: Vec<&mut [u8]> = pieces.iter_mut().map(DestSpan::as_mut).collect();
-        conn::read_scatter(stream, &mut bufs)
-    })
-    .await?;
+    let mut watched = None;
+    let moved = conn::blocking(
+        conn.take_stream()?,
+        io,
+        deadline,
+        |socket| {
+            watched = Some(fence.watch(socket)?);
+            Ok(())
+        },
+        move |stream| {
+            let mut bufs: Vec<&mut [u8]> = pieces.iter_mut().map(DestSpan::as_mut).collect();
+            conn::read_scatter(stream, &mut bufs)
+        },
+    )
+    .await;
+    if let Some(key) = watched {
+        fence.unwatch(key);
+    }
+    let (stream, ()) = moved?;
+    if fence.is_cut() {
+        // Shut down under us: not a connection for the pool.
+        return Err(TransferError::Protocol("pull cut".into()));
+    }
     conn.put_stream(stream);
     conn.finish();
     Ok(())

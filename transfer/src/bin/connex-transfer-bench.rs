@@ -71,6 +71,9 @@ fn gbps(bytes: u64, took: Duration) -> f64 {
 }
 
 /// A child process killed on drop.
+/// The benchmark hold's transfer id (holders want 128 random bits' worth).
+const BENCH_ID: &str = "bench-5f3c9a1e7b2d4086a9c1e3f5b7d90246";
+
 struct Kid(Child);
 
 impl Drop for Kid {
@@ -183,7 +186,7 @@ impl Target {
                 ..
             } => {
                 reader
-                    .pull(addr, "bench", 0, dest)
+                    .pull(addr, BENCH_ID, 0, dest)
                     .await
                     .map_err(|e| format!("{kind} pull: {e}"))?;
             }
@@ -228,7 +231,7 @@ fn pull_target(args: &Args, kind: BackendKind, block: u64) -> Result<Target, Str
         kind.name(),
         "--scatter",
         "--hold",
-        &format!("bench:{count}:{block}"),
+        &format!("{BENCH_ID}:{count}:{block}"),
     ]);
     let (holder, addr) = spawn(cmd, "ctrl ")?;
     let mut config = ReaderConfig::new(kind);

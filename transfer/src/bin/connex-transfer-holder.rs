@@ -3,14 +3,13 @@
 //!
 //! Each `--hold ID:BLOCKS:BLOCK_BYTES` holds `BLOCKS` blocks of `BLOCK_BYTES`
 //! filled with `connex_transfer::pattern(SEED, ..)` (one region per hold,
-//! blocks laid end to end, SEED = the hold's index). Prints `ctrl ADDR` once
+//! blocks laid end to end, SEED = the hold's index). `--stall-after-bytes N`
+//! and `--trickle-ms MS` make it misbehave (see `Faults`). Prints `ctrl ADDR` once
 //! serving, then runs until stdin closes or it is killed. With `--scatter` the
 //! blocks lie in reverse order in memory (as a KV cache's blocks are
 //! scattered), so no two neighbours can be sent as one buffer.
 
-use connex_transfer::{
-    pattern, BackendKind, BlockRef, Faults, Holder, HolderConfig, Region, ReleaseMode,
-};
+use connex_transfer::{pattern, BackendKind, BlockRef, Holder, HolderConfig, Region, ReleaseMode};
 use std::process::ExitCode;
 use std::time::Duration;
 use tokio::io::AsyncReadExt;
@@ -40,9 +39,11 @@ fn parse() -> Result<Args, String> {
                 let n = value()?
                     .parse()
                     .map_err(|e| format!("--stall-after-bytes: {e}"))?;
-                config.faults = Faults {
-                    stall_after_bytes: Some(n),
-                };
+                config.faults.stall_after_bytes = Some(n);
+            }
+            "--trickle-ms" => {
+                let ms: u64 = value()?.parse().map_err(|e| format!("--trickle-ms: {e}"))?;
+                config.faults.trickle = Some(Duration::from_millis(ms));
             }
             "--scatter" => scatter = true,
             "--hold" => {

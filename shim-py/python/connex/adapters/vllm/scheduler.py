@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,7 +149,9 @@ class ConnexScheduler:
     def _take_hold(self, request) -> HoldSpec:
         assert self._kv_cache_manager is not None
         self._hold_seq += 1
-        transfer_id = f"{self.engine_id}-{self._hold_seq}-{uuid.uuid4().hex[:8]}"
+        from connex._transfer import new_transfer_id  # 128 random bits; holders refuse fewer
+
+        transfer_id = f"{self.engine_id}-{self._hold_seq}-{new_transfer_id()}"
         block_ids = list(self._kv_cache_manager.get_block_ids(request.request_id)[0])
         needed = -(-request.num_prompt_tokens // self.layout.block_size)
         hold = HoldSpec(request.request_id, transfer_id, block_ids[:needed])

@@ -1,0 +1,380 @@
+//! Attacks on a holder's control listener and on its clients, each of which
+//! worked before the handshake (issue 12): a fake holder that sniffs what
+//! clients send, a fake reader, guessed transfer ids, an epoch pushed to
+//! lock a hold out, silent connections and one peer taking every slot.
+
+#![allow(clippy::unwrap_used)]
+
+use connex_transfer::proto::{self, Header, Reply, Request, HEADER_LEN};
+use connex_transfer::{
+    new_transfer_id, BackendKind, BlockRef, ClientConfig, CtrlClient, Holder, HolderConfig, Reader,
+    ReaderConfig, Region, Secret, TransferError,
+};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const SECRET: &str = "the-cluster-transfer-secret";
+
+fn secret() -> Option<Secret> {
+    Secret::new(SECRET)
+}
+
+fn client(secret: Option<Secret>) -> CtrlClient {
+    CtrlClient::with_config(ClientConfig {
+        secret,
+        io_timeout: Duration::from_secs(2),
+        connect_timeout: Duration::from_secs(2),
+        ..ClientConfig::default()
+    })
+}
+
+/// A holder with `config`'s secret and one 4 KiB hold; returns it and the id.
+async fn holder(config: HolderConfig) -> (Holder, String) {
+    let holder = Holder::start(config).await.unwrap();
+    let region = holder
+        .register_region(Region::owned(connex_transfer::pattern(1, 4096)))
+        .unwrap();
+    let id = new_transfer_id();
+    holder
+        .create_hold(&id, vec![BlockRef::new(region, 0, 4096)])
+        .unwrap();
+    (holder, id)
+}
+
+/// Reads one reply frame; `None` when the peer closed the connection.
+async fn read_reply(stream: &mut TcpStream) -> Option<Reply> {
+    let mut raw = [0u8; HEADER_LEN];
+    let read = tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut raw))
+        .await
+        .expect("the holder answers or closes, never hangs");
+    read.ok()?;
+    let header = Header::parse(&raw).unwrap();
+    let mut payload = vec![0; header.len as usize];
+    stream.read_exact(&mut payload).await.ok()?;
+    Some(Reply::decode(header.op, &payload).unwrap())
+}
+
+/// A fake holder: accepts one connection, answers a `hello` as `answer`
+/// says (or not at all), and records every byte the client sends for 1.5 s.
+async fn fake_holder(answer: Option<Reply>) -> (String, tokio::task::JoinHandle<Vec<u8>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let task = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut seen = Vec::new();
+        let mut answered = false;
+        let until = tokio::time::Instant::now() + Duration::from_millis(1500);
+        let mut buf = [0u8; 4096];
+        while let Ok(Ok(n)) = tokio::time::timeout_at(until, stream.read(&mut buf)).await {
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..n]);
+            if let (false, Some(reply)) = (answered, &answer) {
+                if seen.len() >= HEADER_LEN {
+                    let seq = u32::from_le_bytes(seen[4..8].try_into().unwrap());
+                    stream.write_all(&reply.encode(seq)).await.unwrap();
+                    answered = true;
+                }
+            }
+        }
+        seen
+    });
+    (addr, task)
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sniffing_holder_never_learns_the_secret_nor_the_request() {
+    let id = new_transfer_id();
+    // A fake holder that says nothing, one that claims to need no secret,
+    // and one that answers with a challenge it cannot back.
+    let answers = [
+        None,
+        Some(Reply::Welcome),
+        Some(Reply::Challenge {
+            nonce: [3; 32],
+            proof: [4; 32],
+        }),
+    ];
+    for answer in answers {
+        let (addr, seen) = fake_holder(answer.clone()).await;
+        let err = client(secret()).release(&addr, &id).await.unwrap_err();
+        let seen = seen.await.unwrap();
+        assert!(
+            !contains(&seen, SECRET.as_bytes()),
+            "the secret crossed the wire to a fake holder ({answer:?})"
+        );
+        assert!(
+            !contains(&seen, id.as_bytes()),
+            "the request reached a holder that never proved the secret ({answer:?})"
+        );
+        if answer.is_some() {
+            assert!(matches!(err, TransferError::Unauthorized(_)), "{err}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fake_reader_gets_nothing() {
+    let (holder, id) = holder(HolderConfig {
+        secret: secret(),
+        ..HolderConfig::default()
+    })
+    .await;
+    let addr = holder.ctrl_addr().to_string();
+    // A reader with another secret, or none, pulls nothing.
+    for other in [None, Secret::new("a-guess")] {
+        let mut config = ReaderConfig::new(BackendKind::Tcp);
+        config.client.secret = other;
+        let reader = Reader::with_config(config).unwrap();
+        let dest = reader
+            .register_region(Region::owned(vec![0; 4096]))
+            .unwrap();
+        let err = reader
+            .pull(&addr, &id, 0, &[BlockRef::new(dest, 0, 4096)])
+            .await
+            .unwrap_err();
+        assert!(matches!(err, TransferError::Unauthorized(_)), "{err}");
+        assert_eq!(reader.take_region(dest).unwrap(), vec![0; 4096]);
+    }
+    // Replaying the holder's own proof as a reader's proof (reflection) fails.
+    let mut stream = TcpStream::connect(&addr).await.unwrap();
+    stream
+        .write_all(&Request::Hello { nonce: [5; 32] }.encode(1))
+        .await
+        .unwrap();
+    let Some(Reply::Challenge { proof, .. }) = read_reply(&mut stream).await else {
+        panic!("challenged");
+    };
+    stream
+        .write_all(&Request::Proof { proof }.encode(2))
+        .await
+        .unwrap();
+    assert!(matches!(
+        read_reply(&mut stream).await,
+        Some(Reply::Error { code, .. }) if code == proto::ErrorCode::Unauthorized as u16
+    ));
+    assert!(read_reply(&mut stream).await.is_none(), "closed");
+    assert_eq!(holder.stats().pulls, 0);
+    assert!(holder.stat(&id).is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guessable_transfer_ids_are_refused() {
+    let holder = Holder::start(HolderConfig::default()).await.unwrap();
+    let region = holder.register_region(Region::owned(vec![1; 64])).unwrap();
+    let block = || vec![BlockRef::new(region, 0, 64)];
+    // What the vLLM connector made before (32 random bits), a counter, a
+    // UUID-less label: a peer could guess them and pull or release the KV.
+    for weak in ["engine-0-7-1a2b3c4d", "xfer-1", "req-42", &"0".repeat(32)] {
+        let err = holder.create_hold(weak, block()).unwrap_err();
+        assert!(
+            matches!(err, TransferError::InvalidArgument(_)),
+            "{weak}: {err}"
+        );
+    }
+    let id = new_transfer_id();
+    holder.create_hold(&id, block()).unwrap();
+    assert!(holder.stat(&id).is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nobody_pushes_an_epoch_to_lock_a_hold_out() {
+    // With a secret, a peer that did not prove it changes nothing.
+    let (guarded, id) = holder(HolderConfig {
+        secret: secret(),
+        max_epoch: 8,
+        ..HolderConfig::default()
+    })
+    .await;
+    let addr = guarded.ctrl_addr().to_string();
+    let mut stream = TcpStream::connect(&addr).await.unwrap();
+    let push = Request::Renew {
+        id: id.clone(),
+        epoch: u32::MAX,
+    };
+    stream.write_all(&push.encode(1)).await.unwrap();
+    assert!(matches!(
+        read_reply(&mut stream).await,
+        Some(Reply::Error { code, .. }) if code == proto::ErrorCode::Unauthorized as u16
+    ));
+    assert_eq!(guarded.stat(&id).unwrap().epoch, 0);
+    // Even a peer that proved it cannot go past the resume bound; the hold
+    // stays usable by the resumes that follow.
+    let trusted = client(secret());
+    let err = trusted.renew(&addr, &id, u32::MAX).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransferError::EpochOutOfRange {
+                asked: u32::MAX,
+                max: 8
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.is_hold_lost());
+    assert_eq!(trusted.renew(&addr, &id, 1).await.unwrap().epoch, 1);
+    assert_eq!(trusted.renew(&addr, &id, 8).await.unwrap().epoch, 8);
+
+    // Without a secret (an open holder), the bound still holds.
+    let (open, id) = holder(HolderConfig {
+        secret: None,
+        ..HolderConfig::default()
+    })
+    .await;
+    let anyone = client(None);
+    let addr = open.ctrl_addr().to_string();
+    assert!(matches!(
+        anyone.renew(&addr, &id, u32::MAX).await,
+        Err(TransferError::EpochOutOfRange { .. })
+    ));
+    assert_eq!(anyone.renew(&addr, &id, 1).await.unwrap().epoch, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_connection_is_closed_after_two_seconds() {
+    let (holder, _id) = holder(HolderConfig {
+        secret: secret(),
+        ..HolderConfig::default()
+    })
+    .await;
+    let addr = holder.ctrl_addr();
+    // One that says nothing, one that starts the handshake and stops.
+    let silent = TcpStream::connect(addr).await.unwrap();
+    let mut halfway = TcpStream::connect(addr).await.unwrap();
+    halfway
+        .write_all(&Request::Hello { nonce: [1; 32] }.encode(1))
+        .await
+        .unwrap();
+    assert!(matches!(
+        read_reply(&mut halfway).await,
+        Some(Reply::Challenge { .. })
+    ));
+    let started = Instant::now();
+    for mut stream in [silent, halfway] {
+        let mut buf = [0u8; 64];
+        let read = tokio::time::timeout(Duration::from_secs(6), stream.read(&mut buf))
+            .await
+            .expect("closed by the holder, not kept for minutes");
+        assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    }
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(4), "{took:?}");
+    // The listener serves the next peer as ever.
+    assert_eq!(
+        client(secret())
+            .stats(&addr.to_string())
+            .await
+            .unwrap()
+            .holds,
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_cannot_take_every_connection() {
+    let (holder, id) = holder(HolderConfig {
+        secret: None,
+        max_connections_per_peer: 4,
+        ..HolderConfig::default()
+    })
+    .await;
+    let addr = holder.ctrl_addr();
+    let mut hogs = Vec::new();
+    for _ in 0..4 {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        // Served: the connection is really open.
+        stream
+            .write_all(&Request::Stat { id: id.clone() }.encode(1))
+            .await
+            .unwrap();
+        assert!(matches!(
+            read_reply(&mut stream).await,
+            Some(Reply::Stat(Some(_)))
+        ));
+        hogs.push(stream);
+    }
+    // The fifth from the same address is closed at once.
+    let mut fifth = TcpStream::connect(addr).await.unwrap();
+    let _ = fifth
+        .write_all(&Request::Stat { id: id.clone() }.encode(1))
+        .await;
+    assert!(
+        read_reply(&mut fifth).await.is_none(),
+        "over the per-peer cap"
+    );
+    // One goes, one more may come.
+    drop(hogs.pop());
+    let started = Instant::now();
+    loop {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let _ = stream
+            .write_all(&Request::Stat { id: id.clone() }.encode(1))
+            .await;
+        if matches!(read_reply(&mut stream).await, Some(Reply::Stat(Some(_)))) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "slot given back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickling_reader_cannot_hold_a_writer_for_ever() {
+    // 32 MiB at no less than one 4 MiB piece per I/O timeout (1 s): the
+    // holder gives the read 9 s, however steadily the reader trickles
+    // (taking it all at this pace would take 16 s; the socket buffers hold
+    // a few MiB of it).
+    const LEN: usize = 32 << 20;
+    let holder = Holder::start(HolderConfig {
+        secret: None,
+        io_timeout: Duration::from_secs(1),
+        ..HolderConfig::default()
+    })
+    .await
+    .unwrap();
+    let region = holder.register_region(Region::owned(vec![7; LEN])).unwrap();
+    let id = new_transfer_id();
+    holder
+        .create_hold(&id, vec![BlockRef::new(region, 0, LEN as u64)])
+        .unwrap();
+    let mut stream = TcpStream::connect(holder.ctrl_addr()).await.unwrap();
+    let read = Request::Read {
+        id: id.clone(),
+        epoch: 0,
+        offset: 0,
+        len: LEN as u64,
+    };
+    stream.write_all(&read.encode(1)).await.unwrap();
+    let started = Instant::now();
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 512 << 10];
+    loop {
+        // 512 KiB per 250 ms: every single write of the holder goes through
+        // well within its I/O timeout, once the socket buffers are full.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => got += n,
+            Err(_) => panic!("the holder neither sent nor closed"),
+        }
+        if got >= LEN {
+            break; // all of it came: the holder never cut the read
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "never cut");
+    }
+    // Read to the end at this pace, it would all have come (in 16 s).
+    assert!(got < LEN, "cut before the end ({got} bytes)");
+    // The read stopped: a release is reported freed at once.
+    assert!(holder.release(&id));
+    assert_eq!(holder.freed(), [id]);
+}
