@@ -88,3 +88,17 @@ def test_a_hold_that_is_gone_is_no_longer_renewed():
     wait_until(lambda: not keeper.keeps("r1"))
     assert keeper.stats.gone == ["t1"]
     keeper.close()
+
+
+def test_a_failed_renewal_is_retried_well_inside_the_lease():
+    # A 6 s lease is renewed every 2 s; the first renewal fails. It must be
+    # retried at once (backoff from 50 ms), not a third of the lease later, when
+    # one more failure would let the hold lapse.
+    ctrl = FlakyCtrl(down=1)
+    keeper = HoldKeeper(ctrl, gone_errors=(Gone,), tick_s=0.01)
+    keeper.keep("r1", ["h:1"], "t1", epoch=0, lease_s=6)
+    wait_until(lambda: keeper.stats.renew_failures == 1, timeout_s=5)
+    failed_at = time.monotonic()
+    wait_until(lambda: keeper.stats.renewals == 1, timeout_s=5)
+    assert time.monotonic() - failed_at < 1.0, "a failed renewal waited for the next period"
+    keeper.close()

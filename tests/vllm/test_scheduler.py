@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
+from connex.adapters.vllm import scheduler as scheduler_module
 from connex.adapters.vllm.params import Layout, hold_params
 from sched_utils import (
     BLOCK,
@@ -245,3 +247,25 @@ def test_aborted_decode_keeps_the_hold_for_a_resume():
     time.sleep(0.1)
     assert sched.fake_ctrl.released == []
     assert_empty(sched)
+
+
+def test_a_freed_hold_reaches_the_connector_and_ends_idle_pacing(monkeypatch):
+    # vLLM hands the workers' finished_sending to the connector's
+    # update_connector_output; the scheduler half must see it, or its set of
+    # requests awaiting a free only grows and every idle step keeps sleeping.
+    sched = make_scheduler("kv_producer", extra={"idle_step_ms": 50})
+    connex = sched.connector.scheduler
+    request = make_request(
+        prompt_of(40), max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    sched.add_request(request)
+    step(sched)
+    assert connex._awaiting_free == {request.request_id}
+    step(sched, finished_sending={request.request_id})
+    assert connex._awaiting_free == set()
+    assert_empty(sched)
+    # Idle now: an empty step is not paced any more.
+    sleeps: list[float] = []
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(sleep=sleeps.append))
+    step(sched)
+    assert sleeps == []

@@ -28,6 +28,10 @@ class Ctrl(Protocol):
     def release(self, remote_ctrl: str, transfer_id: str) -> bool: ...
 
 
+# The first retry of a failed renewal; it doubles up to a third of the lease.
+RETRY_FIRST_S = 0.05
+
+
 @dataclass
 class _Kept:
     ctrls: list[str]
@@ -35,6 +39,7 @@ class _Kept:
     epoch: int
     renew_every_s: float
     next_renew: float
+    retry_s: float = RETRY_FIRST_S
 
 
 @dataclass
@@ -153,7 +158,7 @@ class HoldKeeper:
         with self._lock:
             due = [(rid, k) for rid, k in self._kept.items() if k.next_renew <= now]
         for req_id, kept in due:
-            kept.next_renew = now + kept.renew_every_s
+            renewed = True
             for ctrl in kept.ctrls:
                 try:
                     self._ctrl.renew(ctrl, kept.transfer_id, kept.epoch)
@@ -166,6 +171,16 @@ class HoldKeeper:
                     with self._lock:
                         self._kept.pop(req_id, None)
                     break
-                except Exception as err:  # transient: the next round tries again
+                except Exception as err:  # transient: tried again soon, not a lease later
+                    renewed = False
                     self.stats.renew_failures += 1
                     logger.debug("renewing hold %s failed: %s", kept.transfer_id, err)
+            # Only a renewal that went through moves the next one a third of the
+            # lease away; a failed one is retried with backoff, well inside the
+            # lease, so one lost call never lets a hold lapse.
+            if renewed:
+                kept.retry_s = RETRY_FIRST_S
+                kept.next_renew = time.monotonic() + kept.renew_every_s
+            else:
+                kept.next_renew = time.monotonic() + min(kept.retry_s, kept.renew_every_s)
+                kept.retry_s = min(kept.retry_s * 2, kept.renew_every_s)

@@ -21,13 +21,20 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from .config import ConnexConfig
-from .params import Layout, ParamsError, hold_params, remote_hold, wants_hold
+from .params import Layout, ParamsError, RemoteHold, hold_params, remote_hold, wants_hold
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from .keeper import HoldKeeper
 
 logger = logging.getLogger("connex.vllm.scheduler")
 
@@ -53,6 +60,13 @@ class LoadSpec:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class BadParams:
+    """kv_transfer_params that claim a hold this decoder cannot read."""
+
+    error: str
+
+
 @dataclass
 class ConnexMetadata(KVConnectorMetadata):
     """What the scheduler tells the workers for one step."""
@@ -70,7 +84,7 @@ class ConnexScheduler:
         layout: Layout,
         is_producer: bool,
         is_consumer: bool,
-        keeper=None,
+        keeper: HoldKeeper | None = None,
     ) -> None:
         self.cfg = cfg
         self.engine_id = engine_id
@@ -79,7 +93,7 @@ class ConnexScheduler:
         self.is_consumer = is_consumer
         self.keeper = keeper
         # Producer state.
-        self._producing: dict[str, Any] = {}  # req_id -> Request (wants a hold)
+        self._producing: dict[str, Request] = {}  # req_id -> Request (wants a hold)
         self._held: dict[str, HoldSpec] = {}  # req_id -> its live hold
         self._hold_seq = 0
         # Consumer state.
@@ -92,12 +106,12 @@ class ConnexScheduler:
 
     # ---- both roles --------------------------------------------------------------
 
-    def on_new_request(self, request) -> None:
+    def on_new_request(self, request: Request) -> None:
         self.inflight += 1
         if self.is_producer and wants_hold(request.kv_transfer_params):
             self._producing[request.request_id] = request
 
-    def build_connector_meta(self, scheduler_output) -> ConnexMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnexMetadata:
         if self._producing:
             self._plan_holds(scheduler_output)
         meta, self._meta = self._meta, ConnexMetadata()
@@ -113,10 +127,12 @@ class ConnexScheduler:
             time.sleep(self.cfg.idle_step_ms / 1000)
         return meta
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._awaiting_free -= set(connector_output.finished_sending or ())
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self.inflight = max(self.inflight - 1, 0)
         if self.keeper is not None and (req_id in self._consumed or self.keeper.keeps(req_id)):
@@ -132,7 +148,7 @@ class ConnexScheduler:
 
     # ---- producer ----------------------------------------------------------------
 
-    def _plan_holds(self, scheduler_output) -> None:
+    def _plan_holds(self, scheduler_output: SchedulerOutput) -> None:
         preempted = scheduler_output.preempted_req_ids or ()
         for req_id in preempted:
             # Its blocks are gone: the hold on them must go too; a new one is taken
@@ -147,7 +163,7 @@ class ConnexScheduler:
             if request.num_computed_tokens + n >= request.num_prompt_tokens:
                 self._take_hold(request)
 
-    def _take_hold(self, request) -> HoldSpec:
+    def _take_hold(self, request: Request) -> HoldSpec:
         assert self._kv_cache_manager is not None
         self._hold_seq += 1
         transfer_id = f"{self.engine_id}-{self._hold_seq}-{uuid.uuid4().hex[:8]}"
@@ -158,7 +174,9 @@ class ConnexScheduler:
         self._meta.holds.append(hold)
         return hold
 
-    def _finish_hold(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def _finish_hold(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         hold = self._held.pop(request.request_id, None)
         if request.status not in NORMAL_FINISH:
             if hold is None:
@@ -190,30 +208,52 @@ class ConnexScheduler:
 
     # ---- consumer ----------------------------------------------------------------
 
-    def _remote(self, request):
+    def _remote(self, request: Request) -> RemoteHold | BadParams | None:
+        """The hold this request pulls from, `BadParams` when its kv_transfer_params
+        claim a hold this decoder cannot read, None when there is nothing to pull."""
         if not self.is_consumer or request.request_id in self._consumed:
             return None
         try:
-            return remote_hold(request.kv_transfer_params)
+            hold = remote_hold(request.kv_transfer_params)
         except ParamsError as err:
-            logger.error("request %s: %s; computing it locally", request.request_id, err)
-            return None
+            return BadParams(f"bad kv_transfer_params: {err}")
+        if hold is not None and hold.backend != self.cfg.backend:
+            return BadParams(
+                f"hold {hold.transfer_id} is served by the {hold.backend} backend; "
+                f"this decoder uses {self.cfg.backend}"
+            )
+        return hold
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         hold = self._remote(request)
         if hold is None:
             return 0, False
-        count = min(hold.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        if isinstance(hold, BadParams):
+            # Claimed as loadable so that the load fails, and vLLM's
+            # kv_load_failure_policy (recompute or fail) decides, as for any
+            # other failed pull.
+            count = request.num_prompt_tokens - num_computed_tokens
+        else:
+            count = min(hold.num_tokens, request.num_prompt_tokens) - num_computed_tokens
         if count <= 0:
             return 0, False
         return count, True
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         hold = self._remote(request)
         if hold is None:
             return
         req_id = request.request_id
         self._consumed.add(req_id)
+        if isinstance(hold, BadParams):
+            logger.error("kv load failed: request %s: %s", req_id, hold.error)
+            if num_external_tokens > 0:
+                self._meta.loads.append(LoadSpec(req_id, "", "", 0, [], [], error=hold.error))
+            return
         if self.keeper is not None:
             self.keeper.keep(req_id, hold.all_ctrls(), hold.transfer_id, hold.epoch, hold.lease_s)
         if num_external_tokens <= 0:
@@ -246,4 +286,4 @@ class ConnexScheduler:
         self._meta.loads.append(load)
 
     # Set by the connector when vLLM binds its KV cache manager.
-    _kv_cache_manager = None
+    _kv_cache_manager: KVCacheManager | None = None

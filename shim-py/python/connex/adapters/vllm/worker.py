@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 
 from .config import ConnexConfig
+from .params import ParamsError, check_epoch, check_transfer_id, ctrl_for_rank
 from .scheduler import ConnexMetadata, LoadSpec
 
 logger = logging.getLogger("connex.vllm.worker")
@@ -162,28 +163,61 @@ class ConnexWorker:
         if meta is None or self.holder is None:
             return
         for hold in meta.holds:
-            self.holder.create_hold(hold.transfer_id, self._refs(self._holder_rids, hold.block_ids))
+            try:
+                self.holder.create_hold(
+                    hold.transfer_id, self._refs(self._holder_rids, hold.block_ids)
+                )
+            except Exception as err:
+                # No hold: a decoder's pull of it fails cleanly (not found), and
+                # the request's blocks go back to vLLM now rather than never.
+                logger.error(
+                    "could not hold KV of request %s (%s): %s", hold.req_id, hold.transfer_id, err
+                )
+                self._freed.add(hold.req_id)
+                continue
             self._hold_req[hold.transfer_id] = hold.req_id
 
     def _drop(self, transfer_id: str) -> None:
         if self.holder is not None and transfer_id in self._hold_req:
             # Reported as freed (finished_sending) like any other release.
-            self.holder.release(transfer_id)
+            try:
+                self.holder.release(transfer_id)
+            except Exception as err:  # the lease frees it at the latest
+                logger.error("could not drop hold %s: %s", transfer_id, err)
 
     def _start_pull(self, load: LoadSpec) -> None:
-        if load.error is not None or self.reader is None:
-            self._recved.add(load.req_id)
-            self._failed.add(load.req_id)
-            return
-        host, _, port = load.remote_ctrl.rpartition(":")
-        ctrl = f"{host}:{int(port) + self.tp_rank}"
-        dest = self._refs(self._reader_rids, load.local_block_ids)
-        self._pulls[load.req_id] = (
-            self.reader.pull_async(
-                ctrl, load.transfer_id, load.epoch, dest, timeout_s=self.cfg.pull_timeout_s
-            ),
-            load,
-        )
+        """Starts the pull of `load`, or fails it at once: whatever the spec holds,
+        the outcome is a finished (maybe failed) load, never an exception in the
+        worker's step."""
+        if load.error is None and self.reader is None:
+            load.error = "this engine is not a KV consumer (kv_role)"
+        if load.error is None:
+            try:
+                ctrl, dest = self._pull_args(load)
+                pull = self.reader.pull_async(  # type: ignore[union-attr]
+                    ctrl, load.transfer_id, load.epoch, dest, timeout_s=self.cfg.pull_timeout_s
+                )
+            except Exception as err:
+                load.error = str(err) or type(err).__name__
+            else:
+                self._pulls[load.req_id] = (pull, load)
+                return
+        logger.error("kv load failed: request %s: %s", load.req_id, load.error)
+        self._recved.add(load.req_id)
+        self._failed.add(load.req_id)
+
+    def _pull_args(self, load: LoadSpec) -> tuple[str, list[tuple[int, int, int]]]:
+        """This rank's control address and destination blocks for `load`, checked
+        (the scheduler checked them too; this side must not trust a pickle)."""
+        check_transfer_id(load.transfer_id)
+        check_epoch(load.epoch)
+        ctrl = ctrl_for_rank(load.remote_ctrl, self.tp_rank)
+        ids = load.local_block_ids
+        if not isinstance(ids, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < self.num_blocks for b in ids
+        ):
+            raise ParamsError(f"local block ids outside this engine's {self.num_blocks} blocks")
+        return ctrl, self._refs(self._reader_rids, ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since last call."""
