@@ -70,13 +70,16 @@ def test_release_gives_up_at_its_deadline_and_says_so():
 def test_holds_are_renewed_every_third_of_the_lease_until_finish():
     ctrl = FlakyCtrl()
     keeper = HoldKeeper(ctrl, gone_errors=(Gone,), tick_s=0.01)
+    began = time.monotonic()
     keeper.keep("r1", ["h:1"], "t1", epoch=2, lease_s=0.3)
-    time.sleep(0.55)
-    renewals = [c for c in ctrl.calls if c[0] == "renew"]
-    assert 3 <= len(renewals) <= 6
+    wait_until(lambda: len([c for c in ctrl.calls if c[0] == "renew"]) >= 3)
+    # Every 0.1 s: three renewals cannot come sooner than 0.3 s.
+    assert time.monotonic() - began >= 0.3
     keeper.finish("r1", release=False)
     seen = len(ctrl.calls)
-    time.sleep(0.3)
+    # Long enough for three more renewals had it kept renewing.
+    passes = keeper.stats.passes
+    wait_until(lambda: keeper.stats.passes >= passes + 40)
     assert len(ctrl.calls) == seen, "renewed after finish, or released without being asked"
     keeper.close()
 

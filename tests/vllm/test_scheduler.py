@@ -11,6 +11,7 @@ from connex.adapters.vllm.params import Layout, hold_params
 from sched_utils import (
     BLOCK,
     assert_empty,
+    keeper_passes,
     make_request,
     make_scheduler,
     prompt_of,
@@ -220,7 +221,7 @@ def test_failed_load_follows_kv_load_failure_policy(policy):
         step(sched)
     assert_empty(sched)
     # A failed load is not this decoder's to release: the router decides what next.
-    time.sleep(0.1)
+    keeper_passes(sched)
     assert sched.fake_ctrl.released == ([] if policy == "fail" else [("127.0.0.1:17000", "t-1")])
 
 
@@ -244,7 +245,7 @@ def test_aborted_decode_keeps_the_hold_for_a_resume():
     step(sched)
     sched.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
     step(sched)
-    time.sleep(0.1)
+    keeper_passes(sched)
     assert sched.fake_ctrl.released == []
     assert_empty(sched)
 

@@ -58,6 +58,8 @@ class KeeperStats:
     releases: int = 0
     release_failures: int = 0
     gone: list[str] = field(default_factory=list)
+    # Passes of the keeper's thread (each renews and releases whatever is due).
+    passes: int = 0
 
 
 class HoldKeeper:
@@ -124,6 +126,7 @@ class HoldKeeper:
         while not self._stop.is_set():
             self._release_due()
             self._renew_due()
+            self.stats.passes += 1
             self._wake.wait(self._tick_s)
             self._wake.clear()
 
