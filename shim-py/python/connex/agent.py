@@ -35,6 +35,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from typing import Any
 
 from .credentials import REGISTER_TOKEN_ENV, read_secret
 
@@ -58,7 +59,7 @@ class Agent:
         ctrl: str | None = None,
         instance_id: str | None = None,
         token: str | None = None,
-        load: Callable[[], dict] | None = None,
+        load: Callable[[], dict[str, Any]] | None = None,
         timeout_s: float = 5.0,
     ) -> None:
         if role not in ROLES:
@@ -204,11 +205,11 @@ class Agent:
     def engine_healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.url}/health", timeout=self.timeout_s) as r:
-                return r.status == 200
+                return bool(r.status == 200)
         except (OSError, ValueError):
             return False
 
-    def _call(self, method: str, path: str, body: dict | None) -> tuple[int, object]:
+    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, object]:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(f"{self.router}{path}", data=data, method=method)
         if data is not None:
@@ -228,7 +229,7 @@ class Agent:
             return status, raw.decode(errors="replace")
 
 
-def metrics_load(url: str, timeout_s: float = 5.0) -> dict:
+def metrics_load(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """Load stats of a vLLM engine from its Prometheus metrics."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as reply:
         text = reply.read().decode(errors="replace")

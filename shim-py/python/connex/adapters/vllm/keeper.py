@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 logger = logging.getLogger("connex.vllm.keeper")
 
@@ -23,7 +23,7 @@ logger = logging.getLogger("connex.vllm.keeper")
 class Ctrl(Protocol):
     """The control operations of `connex._transfer.Reader`."""
 
-    def renew(self, remote_ctrl: str, transfer_id: str, epoch: int) -> dict: ...
+    def renew(self, remote_ctrl: str, transfer_id: str, epoch: int) -> dict[str, Any]: ...
 
     def release(self, remote_ctrl: str, transfer_id: str) -> bool: ...
 
@@ -83,7 +83,9 @@ class HoldKeeper:
         self._thread = threading.Thread(target=self._run, name="connex-hold-keeper", daemon=True)
         self._thread.start()
 
-    def keep(self, req_id: str, ctrls: list[str], transfer_id: str, epoch: int, lease_s: float):
+    def keep(
+        self, req_id: str, ctrls: list[str], transfer_id: str, epoch: int, lease_s: float
+    ) -> None:
         """Renews the hold every third of its lease until `finish(req_id)`."""
         every = max(lease_s / 3.0, 0.1)
         with self._lock:

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from connex.agent import Agent
+
     from .keeper import HoldKeeper
 
 logger = logging.getLogger("connex.vllm")
@@ -75,7 +77,7 @@ class ConnexConnector(KVConnectorBase_V1):
         is_consumer = bool(ktc.is_kv_consumer)
         self.scheduler: ConnexScheduler | None = None
         self.worker: ConnexWorker | None = None
-        self.agent = None
+        self.agent: Agent | None = None
         if role == KVConnectorRole.SCHEDULER:
             keeper = self._make_keeper() if is_consumer else None
             self.scheduler = ConnexScheduler(
@@ -119,7 +121,7 @@ class ConnexConnector(KVConnectorBase_V1):
         model = names[0] if isinstance(names, list | tuple) else str(names)
         scheduler = self.scheduler
         assert scheduler is not None and self.cfg.url is not None and self.cfg.router
-        self.agent = Agent(
+        agent = Agent(
             self.cfg.router,
             role,
             self.cfg.url,
@@ -128,8 +130,9 @@ class ConnexConnector(KVConnectorBase_V1):
             instance_id=self.cfg.instance_id,
             token=self.cfg.register_token,
             load=lambda: {"inflight": scheduler.inflight},
-        ).start()
-        atexit.register(self.agent.stop)
+        )
+        self.agent = agent.start()
+        atexit.register(agent.stop)
 
     # ---- scheduler side ----------------------------------------------------------
 

@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .config import ConnexConfig
 from .params import ParamsError, check_epoch, check_transfer_id, ctrl_for_rank
 from .scheduler import ConnexMetadata, LoadSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from connex import _transfer
 
 logger = logging.getLogger("connex.vllm.worker")
 
@@ -39,7 +45,7 @@ class LayerRegion:
         ]
 
 
-def layer_region(tensor, num_blocks: int) -> LayerRegion:
+def layer_region(tensor: torch.Tensor, num_blocks: int) -> LayerRegion:
     """Finds the block dimension of a KV tensor and the bytes of one block.
 
     Handles vLLM's block-major layouts: (num_blocks, ...) with a block contiguous
@@ -87,8 +93,8 @@ class ConnexWorker:
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.layers: list[LayerRegion] = []
-        self.holder = None
-        self.reader = None
+        self.holder: _transfer.Holder | None = None
+        self.reader: _transfer.Reader | None = None
         self._holder_rids: list[int] = []
         self._reader_rids: list[int] = []
         # Holds: transfer id -> request id, and requests whose hold is freed.
@@ -96,14 +102,14 @@ class ConnexWorker:
         self._freed: set[str] = set()
         self._finished: set[str] = set()
         # Loads in flight: request id -> (pending pull, spec).
-        self._pulls: dict[str, tuple[object, LoadSpec]] = {}
+        self._pulls: dict[str, tuple[_transfer.Pull, LoadSpec]] = {}
         self._recved: set[str] = set()
         self._failed: set[str] = set()
         self._meta: ConnexMetadata | None = None
 
     # ---- setup -------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from connex import _transfer
 
         names = [n for n in self.layer_order if n in kv_caches] or list(kv_caches)
@@ -145,7 +151,7 @@ class ConnexWorker:
 
     # ---- per step ----------------------------------------------------------------
 
-    def bind(self, meta: ConnexMetadata) -> None:
+    def bind(self, meta: ConnexMetadata | None) -> None:
         self._meta = meta
 
     def start_load_kv(self) -> None:
@@ -191,10 +197,10 @@ class ConnexWorker:
         worker's step."""
         if load.error is None and self.reader is None:
             load.error = "this engine is not a KV consumer (kv_role)"
-        if load.error is None:
+        if load.error is None and self.reader is not None:
             try:
                 ctrl, dest = self._pull_args(load)
-                pull = self.reader.pull_async(  # type: ignore[union-attr]
+                pull = self.reader.pull_async(
                     ctrl, load.transfer_id, load.epoch, dest, timeout_s=self.cfg.pull_timeout_s
                 )
             except Exception as err:
