@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .config import ConnexConfig
+from .layout import BlockLayout, tensor_layout
 from .params import ParamsError, check_epoch, check_transfer_id, ctrl_for_rank
 from .scheduler import ConnexMetadata, LoadSpec
 
@@ -29,51 +30,29 @@ logger = logging.getLogger("connex.vllm.worker")
 
 @dataclass
 class LayerRegion:
-    """One layer's KV tensor: where a block's bytes are inside it."""
+    """One layer's KV tensor: its address and where a block's bytes are in it."""
 
     ptr: int
-    span: int
-    # Per block: [(offset of piece, length of piece)], relative to ptr.
-    block_stride: int
-    pieces: list[tuple[int, int]]
+    layout: BlockLayout
+
+    @property
+    def span(self) -> int:
+        return self.layout.span
 
     def refs(self, region_id: int, block_ids: list[int]) -> list[tuple[int, int, int]]:
+        stride = self.layout.block_stride
         return [
-            (region_id, b * self.block_stride + off, length)
+            (region_id, b * stride + off, length)
             for b in block_ids
-            for off, length in self.pieces
+            for off, length in self.layout.pieces
         ]
 
 
-def layer_region(tensor: torch.Tensor, num_blocks: int) -> LayerRegion:
-    """Finds the block dimension of a KV tensor and the bytes of one block.
-
-    Handles vLLM's block-major layouts: (num_blocks, ...) with a block contiguous
-    (CPU, e.g. (blocks, heads, block_size, 2*head_size)), and (2, num_blocks, ...)
-    with K and V apart.
-    """
-    es = tensor.element_size()
-    shape, stride = list(tensor.shape), list(tensor.stride())
-    span = (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * es
-    inner = 1
-    if shape[0] == num_blocks:
-        for n in shape[1:]:
-            inner *= n
-        if stride[0] != inner:
-            raise ValueError(f"KV block is not contiguous: shape {shape} stride {stride}")
-        return LayerRegion(tensor.data_ptr(), span, stride[0] * es, [(0, inner * es)])
-    if len(shape) > 1 and shape[0] == 2 and shape[1] == num_blocks:
-        for n in shape[2:]:
-            inner *= n
-        if stride[1] != inner:
-            raise ValueError(f"KV block is not contiguous: shape {shape} stride {stride}")
-        return LayerRegion(
-            tensor.data_ptr(),
-            span,
-            stride[1] * es,
-            [(0, inner * es), (stride[0] * es, inner * es)],
-        )
-    raise ValueError(f"unsupported KV cache layout: shape {shape} for {num_blocks} blocks")
+def layer_region(tensor: torch.Tensor, num_blocks: int, backend: str = "tcp") -> LayerRegion:
+    """A layer's KV tensor as a region: addressing from its shape and strides
+    (layout.py), after checking that `backend` can move its memory."""
+    layout = tensor_layout(tensor, num_blocks, backend)
+    return LayerRegion(tensor.data_ptr(), layout)
 
 
 class ConnexWorker:
@@ -119,7 +98,7 @@ class ConnexWorker:
             if tensor.data_ptr() in seen:
                 continue  # layers sharing one KV tensor
             seen.add(tensor.data_ptr())
-            self.layers.append(layer_region(tensor, self.num_blocks))
+            self.layers.append(layer_region(tensor, self.num_blocks, self.cfg.backend))
         if self.is_producer:
             self.holder = _transfer.Holder(
                 backend=self.cfg.backend,
