@@ -98,6 +98,9 @@ class ConnexScheduler:
         self._hold_seq = 0
         # Consumer state.
         self._consumed: set[str] = set()  # requests whose one transfer is decided
+        # Checked params of requests still waiting to be scheduled: vLLM asks
+        # get_num_new_matched_tokens every step until it schedules one.
+        self._checked: dict[str, RemoteHold | BadParams | None] = {}
         # Requests whose blocks wait for their hold to be freed (finished_sending).
         self._awaiting_free: set[str] = set()
         # This step's work for the workers.
@@ -141,6 +144,7 @@ class ConnexScheduler:
             # itself when the client is gone).
             self.keeper.finish(req_id, release=request.status in NORMAL_FINISH)
         self._consumed.discard(req_id)
+        self._checked.pop(req_id, None)
         if req_id not in self._producing:
             return False, None
         self._producing.pop(req_id)
@@ -211,8 +215,14 @@ class ConnexScheduler:
     def _remote(self, request: Request) -> RemoteHold | BadParams | None:
         """The hold this request pulls from, `BadParams` when its kv_transfer_params
         claim a hold this decoder cannot read, None when there is nothing to pull."""
-        if not self.is_consumer or request.request_id in self._consumed:
+        req_id = request.request_id
+        if not self.is_consumer or req_id in self._consumed:
             return None
+        if req_id not in self._checked:
+            self._checked[req_id] = self._check(request)
+        return self._checked[req_id]
+
+    def _check(self, request: Request) -> RemoteHold | BadParams | None:
         try:
             hold = remote_hold(request.kv_transfer_params)
         except ParamsError as err:
@@ -249,6 +259,7 @@ class ConnexScheduler:
             return
         req_id = request.request_id
         self._consumed.add(req_id)
+        self._checked.pop(req_id, None)
         if isinstance(hold, BadParams):
             logger.error("kv load failed: request %s: %s", req_id, hold.error)
             if num_external_tokens > 0:
