@@ -55,6 +55,28 @@ def layer_region(tensor: torch.Tensor, num_blocks: int, backend: str = "tcp") ->
     return LayerRegion(tensor.data_ptr(), layout)
 
 
+def request_amx_permission() -> None:
+    """Asks Linux for this process's x86 AMX permission now, before the transfer
+    runtime starts its threads.
+
+    vLLM's CPU attention uses AMX where the CPU has it and asks for the
+    permission (arch_prctl) lazily, at its first AMX call. The kernel refuses it
+    once the process has threads whose signal stacks are too small for AMX state,
+    as the transfer runtime's threads are, and the first AMX instruction then
+    kills the worker with SIGILL (seen on a Sapphire Rapids VM: the decoder died
+    at its first step after a pull). A permission granted earlier stays granted.
+    """
+    try:
+        import torch
+
+        init_amx = getattr(torch._C._cpu, "_init_amx", None)
+        if init_amx is not None and torch.cpu._is_amx_tile_supported():
+            if not init_amx():
+                logger.warning("x86 AMX is present but the kernel refused its permission")
+    except Exception as err:  # no torch build with AMX support: nothing to ask for
+        logger.debug("AMX permission not requested: %s", err)
+
+
 class ConnexWorker:
     def __init__(
         self,
@@ -90,6 +112,8 @@ class ConnexWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from connex import _transfer
+
+        request_amx_permission()
 
         names = [n for n in self.layer_order if n in kv_caches] or list(kv_caches)
         seen: set[int] = set()
