@@ -137,7 +137,7 @@ class Bench:
     def takeover_s(self) -> float:
         """Sum of the router's resume latencies: failure detected -> first token
         of the decoder that took over."""
-        return self.router.metric("connex_resume_latency_seconds_sum")
+        return self.router.metric("connex_resume_latency_seconds_sum", absent=0.0)
 
     def trial(self, ids: list[int], mode: str | None) -> tuple[list[int], float | None]:
         """One stream; with a mode, its decoder is killed at KILL_AT. Returns the
@@ -225,12 +225,12 @@ def main() -> int:
                     for _ in range(3):
                         bench.wait_two_decoders()
                         before = bench.takeover_s()
-                        resumes = bench.router.metric("connex_resumes_total")
+                        resumes = bench.router.metric("connex_resumes_total", absent=0.0)
                         got, gap = bench.trial(ids, mode)
                         takeover = bench.takeover_s() - before
                         if got != want:
                             raise RuntimeError(f"{mode} at {size} tokens changed the output")
-                        resumed = bench.router.metric("connex_resumes_total") - resumes
+                        resumed = bench.router.metric("connex_resumes_total", absent=0.0) - resumes
                         if gap is not None and resumed == 1:
                             break
                         # The client lagged: the decoder had sent its last token

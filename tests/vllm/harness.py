@@ -40,6 +40,11 @@ import tiny_model  # noqa: E402
 # engine's OMP thread to its `core`.
 BIND = os.environ.get("CONNEX_VLLM_BIND", "nobind")
 
+# The vLLM tier runs with the hold listeners' transfer secret set, as the chart
+# deploys them: every engine, router and test-side Reader started from here takes
+# it from the environment (never from a command line).
+TRANSFER_SECRET = os.environ.setdefault("CONNEX_TRANSFER_SECRET", "connex-vllm-tier-secret")
+
 # One folder for the logs of every process this session starts.
 LOG_DIR = Path(os.environ.get("CONNEX_VLLM_LOG_DIR") or tempfile.mkdtemp(prefix="connex-vllm-"))
 
@@ -172,10 +177,10 @@ class Engine:
         except subprocess.TimeoutExpired:
             pass
 
-    def metric(self, name: str) -> float:
-        """Sum of a Prometheus metric's samples on this engine."""
+    def metric(self, name: str, absent: float | None = None) -> float:
+        """Sum of a Prometheus metric's samples on this engine (see `sum_metric`)."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum_metric(text, name)
+        return sum_metric(text, name, absent)
 
 
 def wait_for(check, timeout_s: float, what: str):
@@ -189,11 +194,19 @@ def wait_for(check, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def sum_metric(text: str, name: str) -> float:
-    total = 0.0
+def sum_metric(text: str, name: str, absent: float | None = None) -> float:
+    """Sum of the samples of metric `name`. An absent metric is an error (so that
+    a misspelt name cannot pass as 0) unless the caller says what it means
+    (`absent=0.0` for a counter that appears at its first increment)."""
+    total, found = 0.0, False
     for line in text.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {"):
+        if line.startswith(name) and (line[len(name) : len(name) + 1] in (" ", "{")):
             total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        if absent is not None:
+            return absent
+        raise KeyError(f"metric {name!r} is not exported")
     return total
 
 
@@ -281,9 +294,9 @@ class Router:
         """The journal: requests in flight."""
         return self.admin("requests")
 
-    def metric(self, name: str) -> float:
-        """Sum of a Prometheus metric's samples on this router."""
-        return sum_metric(httpx.get(f"{self.internal}/metrics", timeout=10).text, name)
+    def metric(self, name: str, absent: float | None = None) -> float:
+        """Sum of a Prometheus metric's samples on this router (see `sum_metric`)."""
+        return sum_metric(httpx.get(f"{self.internal}/metrics", timeout=10).text, name, absent)
 
     def wait_instances(self, ids: set[str], timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s

@@ -5,6 +5,7 @@ answering each step with a ModelRunnerOutput of its choosing.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -174,3 +175,14 @@ def assert_empty(scheduler: Scheduler) -> None:
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
     assert all(block.ref_cnt == 0 for block in pool.blocks)
+
+
+def keeper_passes(scheduler: Scheduler, count: int = 3, timeout_s: float = 5.0) -> None:
+    """Waits until the decoder's hold keeper has made `count` more passes: any
+    renewal or release due before this call has been sent by then."""
+    keeper = scheduler.connector.scheduler.keeper
+    start = keeper.stats.passes
+    deadline = time.monotonic() + timeout_s
+    while keeper.stats.passes < start + count:
+        assert time.monotonic() < deadline, "the hold keeper stopped"
+        time.sleep(0.005)

@@ -30,11 +30,13 @@ class StubEngine:
 
     def __init__(self) -> None:
         self.healthy = True
+        self.health_checks = 0
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
                 if self.path == "/health":
+                    stub.health_checks += 1
                     self.send_response(200 if stub.healthy else 503)
                     self.end_headers()
                 elif self.path == "/metrics":
@@ -85,11 +87,13 @@ def test_cli_agent_registers_a_vllm_engine_and_deregisters_on_sigterm(router, pl
         assert instance["model"] == harness.MODEL_NAME
         models = httpx.get(f"{router.url}/v1/models", timeout=5).json()["data"]
         assert [m["id"] for m in models] == [harness.MODEL_NAME]
-        # Heartbeats keep it alive well past the 2 s TTL.
-        time.sleep(3)
-        instance = by_id(router)["d-cli"]
-        assert instance["state"] == "ready"
-        assert instance["last_heartbeat_ms_ago"] < 2000
+        # Heartbeats keep it alive well past the 2 s TTL: ready at every look.
+        until = time.monotonic() + 3
+        while time.monotonic() < until:
+            instance = by_id(router)["d-cli"]
+            assert instance["state"] == "ready"
+            assert instance["last_heartbeat_ms_ago"] < 2000
+            time.sleep(0.2)
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=15) == 0
         assert "d-cli" not in by_id(router)
@@ -126,7 +130,8 @@ def test_agent_waits_for_a_healthy_engine_and_lets_a_sick_one_die(router):
     engine.healthy = False
     agent = Agent(router.internal, "decode", engine.url, "m", instance_id="d1").start()
     try:
-        time.sleep(1.5)
+        # The agent has asked the engine three times, and was told "not healthy".
+        harness.wait_for(lambda: engine.health_checks >= 3, 10, "health checks")
         assert "d1" not in by_id(router), "registered an engine that is not healthy"
         engine.healthy = True
         harness.wait_for(lambda: by_id(router).get("d1", {}).get("state") == "ready", 10, "ready")

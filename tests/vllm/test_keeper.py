@@ -70,13 +70,16 @@ def test_release_gives_up_at_its_deadline_and_says_so():
 def test_holds_are_renewed_every_third_of_the_lease_until_finish():
     ctrl = FlakyCtrl()
     keeper = HoldKeeper(ctrl, gone_errors=(Gone,), tick_s=0.01)
+    began = time.monotonic()
     keeper.keep("r1", ["h:1"], "t1", epoch=2, lease_s=0.3)
-    time.sleep(0.55)
-    renewals = [c for c in ctrl.calls if c[0] == "renew"]
-    assert 3 <= len(renewals) <= 6
+    wait_until(lambda: len([c for c in ctrl.calls if c[0] == "renew"]) >= 3)
+    # Every 0.1 s: three renewals cannot come sooner than 0.3 s.
+    assert time.monotonic() - began >= 0.3
     keeper.finish("r1", release=False)
     seen = len(ctrl.calls)
-    time.sleep(0.3)
+    # Long enough for three more renewals had it kept renewing.
+    passes = keeper.stats.passes
+    wait_until(lambda: keeper.stats.passes >= passes + 40)
     assert len(ctrl.calls) == seen, "renewed after finish, or released without being asked"
     keeper.close()
 
@@ -87,4 +90,18 @@ def test_a_hold_that_is_gone_is_no_longer_renewed():
     keeper.keep("r1", ["h:1"], "t1", epoch=0, lease_s=0.15)
     wait_until(lambda: not keeper.keeps("r1"))
     assert keeper.stats.gone == ["t1"]
+    keeper.close()
+
+
+def test_a_failed_renewal_is_retried_well_inside_the_lease():
+    # A 6 s lease is renewed every 2 s; the first renewal fails. It must be
+    # retried at once (backoff from 50 ms), not a third of the lease later, when
+    # one more failure would let the hold lapse.
+    ctrl = FlakyCtrl(down=1)
+    keeper = HoldKeeper(ctrl, gone_errors=(Gone,), tick_s=0.01)
+    keeper.keep("r1", ["h:1"], "t1", epoch=0, lease_s=6)
+    wait_until(lambda: keeper.stats.renew_failures == 1, timeout_s=5)
+    failed_at = time.monotonic()
+    wait_until(lambda: keeper.stats.renewals == 1, timeout_s=5)
+    assert time.monotonic() - failed_at < 1.0, "a failed renewal waited for the next period"
     keeper.close()

@@ -181,6 +181,33 @@ def test_stale_resume_epoch_is_refused(cluster):
     reader.release(ctrl, params["transfer_id"])
 
 
+def test_bad_kv_transfer_params_are_a_failed_load_not_a_crash(cluster):
+    """Issue 13: params that claim a hold they do not describe (a port that is no
+    port, an epoch past u32) are a failed load; with the `recompute` policy the
+    decoder computes the prompt itself and stays up."""
+    ctrl = cluster.ctrl("prefill")
+    d2 = cluster["d2"]
+    prompt = fresh("bad-params")
+    want = harness.complete(cluster["plain"].url, prompt, 16)["choices"][0]
+    params = prefill(cluster["prefill"], prompt)
+    seen = len(d2.log_text())
+    for bad in ({"resume_epoch": 2**32}, {"remote_ctrl": ctrl.replace(":", ":x")}):
+        got = harness.complete(d2.url, prompt, 16, kv_transfer_params=params | bad)
+        assert got["choices"][0]["token_ids"] == want["token_ids"]
+    log = d2.log_text()[seen:]
+    assert "bad kv_transfer_params: resume_epoch must be in 0..4294967295" in log
+    assert "bad kv_transfer_params: remote_ctrl must be host:port" in log
+    assert d2.alive()
+    _transfer.Reader(backend="tcp").release(ctrl, params["transfer_id"])
+
+
+def test_hold_listeners_require_the_transfer_secret(cluster):
+    # The tier runs as deployed: with the secret, and a peer without it gets nothing.
+    assert stats(cluster.ctrl("prefill"))["holds"] >= 0
+    with pytest.raises(_transfer.TransferError):
+        _transfer.Reader(backend="tcp", secret="not-the-secret").stats(cluster.ctrl("prefill"))
+
+
 def test_hold_expires_after_retain_s_and_frees_the_blocks(cluster):
     ctrl = cluster.ctrl("prefill")
     before = stats(ctrl)
@@ -278,7 +305,8 @@ def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
         want = harness.complete(cluster["plain"].url, prompt, total)["choices"][0]
         prefill_requests = cluster["prefill"].metric("vllm:request_success_total")
         before = stats(ctrl)
-        resumes = cluster.router.metric("connex_resumes_total")
+        # Counted from its first resume on: absent until then.
+        resumes = cluster.router.metric("connex_resumes_total", absent=0.0)
         outcome = stream_and_kill_decoder(cluster, prompt, total, k)
         if outcome is not None:
             break

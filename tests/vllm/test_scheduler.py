@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
+from connex.adapters.vllm import scheduler as scheduler_module
 from connex.adapters.vllm.params import Layout, hold_params
 from sched_utils import (
     BLOCK,
     assert_empty,
+    keeper_passes,
     make_request,
     make_scheduler,
     prompt_of,
@@ -218,7 +221,7 @@ def test_failed_load_follows_kv_load_failure_policy(policy):
         step(sched)
     assert_empty(sched)
     # A failed load is not this decoder's to release: the router decides what next.
-    time.sleep(0.1)
+    keeper_passes(sched)
     assert sched.fake_ctrl.released == ([] if policy == "fail" else [("127.0.0.1:17000", "t-1")])
 
 
@@ -242,6 +245,28 @@ def test_aborted_decode_keeps_the_hold_for_a_resume():
     step(sched)
     sched.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
     step(sched)
-    time.sleep(0.1)
+    keeper_passes(sched)
     assert sched.fake_ctrl.released == []
     assert_empty(sched)
+
+
+def test_a_freed_hold_reaches_the_connector_and_ends_idle_pacing(monkeypatch):
+    # vLLM hands the workers' finished_sending to the connector's
+    # update_connector_output; the scheduler half must see it, or its set of
+    # requests awaiting a free only grows and every idle step keeps sleeping.
+    sched = make_scheduler("kv_producer", extra={"idle_step_ms": 50})
+    connex = sched.connector.scheduler
+    request = make_request(
+        prompt_of(40), max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    sched.add_request(request)
+    step(sched)
+    assert connex._awaiting_free == {request.request_id}
+    step(sched, finished_sending={request.request_id})
+    assert connex._awaiting_free == set()
+    assert_empty(sched)
+    # Idle now: an empty step is not paced any more.
+    sleeps: list[float] = []
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(sleep=sleeps.append))
+    step(sched)
+    assert sleeps == []

@@ -6,10 +6,18 @@ grants (`POST /v1/instances/{id}/heartbeat` with load stats), registers again wh
 the router has forgotten it (404), skips heartbeats while the engine is unhealthy
 (so that the router's TTL marks it dead) and deregisters on exit.
 
+The router answers a registration with a per-instance `credential`; the agent
+keeps it and presents it (header `x-connex-credential`) on every heartbeat,
+re-registration and deregistration of that id, so that nobody else can take the
+id over. A router that issues none gets none. No exception ends the agent: a
+failed round is logged, counted (`errors`) and retried, and heartbeats go on.
+
 Two ways to run it:
 - beside any engine: `python -m connex.agent --router URL --role decode
   --url http://host:port --model NAME [--ctrl host:port] [--id ID]`; load stats
-  are read from the engine's Prometheus `/metrics`;
+  are read from the engine's Prometheus `/metrics`; the register token comes
+  from CONNEX_REGISTER_TOKEN or `--token-file` (never the command line, which
+  `ps` shows);
 - inside vLLM: the ConnexConnector starts an `Agent` thread when
   `kv_connector_extra_config.router` is set, with load stats from its scheduler.
 
@@ -21,16 +29,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
+import math
 import signal
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from typing import Any
+
+from .credentials import REGISTER_TOKEN_ENV, read_secret
 
 logger = logging.getLogger("connex.agent")
 
 ROLES = ("prefill", "decode", "both")
+CREDENTIAL_HEADER = "x-connex-credential"
+# Router replies are small JSON objects; a larger one is not read whole.
+MAX_REPLY_BYTES = 1 << 20
 
 
 class Agent:
@@ -45,7 +59,7 @@ class Agent:
         ctrl: str | None = None,
         instance_id: str | None = None,
         token: str | None = None,
-        load: Callable[[], dict] | None = None,
+        load: Callable[[], dict[str, Any]] | None = None,
         timeout_s: float = 5.0,
     ) -> None:
         if role not in ROLES:
@@ -62,8 +76,13 @@ class Agent:
         self.load = load or (lambda: metrics_load(self.url, timeout_s))
         self.timeout_s = timeout_s
         self.instance_id: str | None = None
+        # Issued by the router at the first registration of this id.
+        self.credential: str | None = None
         self.lease_ttl_s = 10.0
         self.registrations = 0
+        self.heartbeats = 0
+        # Rounds that ended in an exception (logged, then retried).
+        self.errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -82,9 +101,17 @@ class Agent:
             self.deregister()
 
     def run(self) -> None:
-        """Registers and heartbeats until `stop()`."""
+        """Registers and heartbeats until `stop()`; no exception ends it."""
         while not self._stop.is_set():
-            self._stop.wait(self.tick())
+            try:
+                wait = self.tick()
+            except Exception:
+                # A malformed reply, a broken connection, a bug: this round is lost,
+                # the engine must not silently drop out of the pool for it.
+                self.errors += 1
+                logger.exception("agent round failed (%d so far); retrying", self.errors)
+                wait = min(1.0, self.lease_ttl_s / 3)
+            self._stop.wait(wait)
 
     def tick(self) -> float:
         """One round: register or heartbeat. Returns the seconds until the next."""
@@ -110,8 +137,16 @@ class Agent:
         if status not in (200, 201) or not isinstance(reply, dict) or "id" not in reply:
             logger.warning("router refused registration (HTTP %s): %s", status, reply)
             return 2.0
+        lease = reply.get("lease_ttl_s") or 10
+        if not isinstance(lease, int | float) or not math.isfinite(lease):
+            raise ValueError(f"router answered a bad lease_ttl_s: {lease!r}")
+        credential = reply.get("credential")
+        if credential is not None and not isinstance(credential, str):
+            raise ValueError("router answered a credential that is not a string")
         self.instance_id = str(reply["id"])
-        self.lease_ttl_s = max(float(reply.get("lease_ttl_s") or 10), 0.3)
+        self.lease_ttl_s = min(max(float(lease), 0.3), 3600.0)
+        if credential:
+            self.credential = credential
         self.registrations += 1
         logger.info(
             "registered with %s as %s (%s, lease %ss)",
@@ -137,44 +172,64 @@ class Agent:
             logger.warning("router forgot instance %s; registering again", self.instance_id)
             self.instance_id = None
             return 0.0
+        if status in (401, 403):
+            # Another registrant (or the admin API) holds this id now.
+            logger.error(
+                "router refused the heartbeat of %s (HTTP %s); registering again",
+                self.instance_id,
+                status,
+            )
+            self.instance_id = None
+            return 2.0
+        if status >= 400:
+            logger.warning("heartbeat of %s failed (HTTP %s)", self.instance_id, status)
+            return min(1.0, self.lease_ttl_s / 3)
+        self.heartbeats += 1
         return self.lease_ttl_s / 3
 
     def deregister(self) -> None:
         if self.instance_id is None:
             return
         try:
-            self._call("DELETE", f"/v1/instances/{self.instance_id}", None)
-            logger.info("deregistered %s", self.instance_id)
-        except OSError as err:
+            status, reply = self._call("DELETE", f"/v1/instances/{self.instance_id}", None)
+            if status >= 400 and status != 404:
+                logger.warning(
+                    "router refused to deregister %s (HTTP %s): %s", self.instance_id, status, reply
+                )
+            else:
+                logger.info("deregistered %s", self.instance_id)
+        except Exception as err:  # at exit: say so, never raise
             logger.warning("could not deregister %s: %s", self.instance_id, err)
         self.instance_id = None
 
     def engine_healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.url}/health", timeout=self.timeout_s) as r:
-                return r.status == 200
+                return bool(r.status == 200)
         except (OSError, ValueError):
             return False
 
-    def _call(self, method: str, path: str, body: dict | None) -> tuple[int, object]:
+    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, object]:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(f"{self.router}{path}", data=data, method=method)
         if data is not None:
             request.add_header("content-type", "application/json")
         if self.token:
             request.add_header("authorization", f"Bearer {self.token}")
+        if self.credential:
+            request.add_header(CREDENTIAL_HEADER, self.credential)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                status, raw = reply.status, reply.read()
+                status, raw = reply.status, reply.read(MAX_REPLY_BYTES)
         except urllib.error.HTTPError as err:
-            status, raw = err.code, err.read()
+            status, raw = err.code, err.read(MAX_REPLY_BYTES)
         try:
             return status, json.loads(raw) if raw else None
         except ValueError:
             return status, raw.decode(errors="replace")
 
 
-def metrics_load(url: str, timeout_s: float = 5.0) -> dict:
+def metrics_load(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """Load stats of a vLLM engine from its Prometheus metrics."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as reply:
         text = reply.read().decode(errors="replace")
@@ -201,9 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctrl", help="host:port of the engine's hold control listener")
     parser.add_argument("--id", dest="instance_id", help="instance id (default: router picks)")
     parser.add_argument(
-        "--token",
-        default=os.environ.get("CONNEX_REGISTER_TOKEN"),
-        help="registration bearer token (env CONNEX_REGISTER_TOKEN)",
+        "--token-file",
+        help=f"file holding the registration bearer token (default: env {REGISTER_TOKEN_ENV})",
     )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
@@ -217,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model,
         ctrl=args.ctrl,
         instance_id=args.instance_id,
-        token=args.token,
+        token=read_secret(file=args.token_file, env=REGISTER_TOKEN_ENV),
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent._stop.set())

@@ -6,16 +6,26 @@ control listener at, default 127.0.0.1), `ctrl_port` (that listener's port for T
 rank 0; rank r listens on ctrl_port + r; default: kv_port), `hold_budget_bytes`
 (0: no cap), `pull_timeout_s` (30), `idle_step_ms` (10: how long an engine
 step that computes nothing waits while holds keep it stepping), and for
-self-registration `router`, `url` (this engine's HTTP base URL), `instance_id`,
-`register_token`; `transfer_secret`: what the hold control listeners require of
-every connection (default: the environment's CONNEX_TRANSFER_SECRET; the same on
-every engine and the router).
+self-registration `router` (the router's registration URL: its internal
+listener where it has one), `url` (this engine's HTTP base URL), `instance_id`.
+
+Secrets stay out of `--kv-transfer-config` (which `ps` and vLLM's startup log
+show): the register token comes from the environment's CONNEX_REGISTER_TOKEN or
+the file named by `register_token_file`; the transfer secret (what the hold
+control listeners require of every peer, the same on every engine and the
+router) from CONNEX_TRANSFER_SECRET or the file named by `transfer_secret_file`.
+Inline `register_token` / `transfer_secret` values still work, with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+from connex.credentials import REGISTER_TOKEN_ENV, TRANSFER_SECRET_ENV, read_secret
+
+logger = logging.getLogger("connex.vllm.config")
 
 BACKENDS = ("tcp", "ucx", "mooncake")
 RELEASE_MODES = ("on_release", "after_pull")
@@ -39,7 +49,10 @@ class ConnexConfig:
     url: str | None = None
     instance_id: str | None = None
     register_token: str | None = None
+    register_token_file: str | None = None
+    # None: the transfer crate reads CONNEX_TRANSFER_SECRET itself.
     transfer_secret: str | None = None
+    transfer_secret_file: str | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], kv_port: int) -> ConnexConfig:
@@ -63,11 +76,31 @@ class ConnexConfig:
                 router=values.get("router"),
                 url=values.get("url"),
                 instance_id=values.get("instance_id"),
-                register_token=values.get("register_token"),
-                transfer_secret=values.get("transfer_secret"),
+                register_token=read_secret(
+                    values.get("register_token"),
+                    values.get("register_token_file"),
+                    REGISTER_TOKEN_ENV,
+                ),
+                register_token_file=values.get("register_token_file"),
+                transfer_secret=read_secret(
+                    values.get("transfer_secret"), values.get("transfer_secret_file")
+                ),
+                transfer_secret_file=values.get("transfer_secret_file"),
             )
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, OSError) as err:
             raise ConfigError(f"bad kv_connector_extra_config: {err}") from err
+        for key, env in (
+            ("register_token", REGISTER_TOKEN_ENV),
+            ("transfer_secret", TRANSFER_SECRET_ENV),
+        ):
+            if extra.get(key):
+                logger.warning(
+                    "%s in --kv-transfer-config is visible in `ps` and the engine's log; "
+                    "set %s or %s_file instead",
+                    key,
+                    env,
+                    key,
+                )
         if cfg.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, not {cfg.backend!r}")
         if cfg.release not in RELEASE_MODES:

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 logger = logging.getLogger("connex.vllm.keeper")
 
@@ -23,9 +23,13 @@ logger = logging.getLogger("connex.vllm.keeper")
 class Ctrl(Protocol):
     """The control operations of `connex._transfer.Reader`."""
 
-    def renew(self, remote_ctrl: str, transfer_id: str, epoch: int) -> dict: ...
+    def renew(self, remote_ctrl: str, transfer_id: str, epoch: int) -> dict[str, Any]: ...
 
     def release(self, remote_ctrl: str, transfer_id: str) -> bool: ...
+
+
+# The first retry of a failed renewal; it doubles up to a third of the lease.
+RETRY_FIRST_S = 0.05
 
 
 @dataclass
@@ -35,6 +39,7 @@ class _Kept:
     epoch: int
     renew_every_s: float
     next_renew: float
+    retry_s: float = RETRY_FIRST_S
 
 
 @dataclass
@@ -53,6 +58,8 @@ class KeeperStats:
     releases: int = 0
     release_failures: int = 0
     gone: list[str] = field(default_factory=list)
+    # Passes of the keeper's thread (each renews and releases whatever is due).
+    passes: int = 0
 
 
 class HoldKeeper:
@@ -76,7 +83,9 @@ class HoldKeeper:
         self._thread = threading.Thread(target=self._run, name="connex-hold-keeper", daemon=True)
         self._thread.start()
 
-    def keep(self, req_id: str, ctrls: list[str], transfer_id: str, epoch: int, lease_s: float):
+    def keep(
+        self, req_id: str, ctrls: list[str], transfer_id: str, epoch: int, lease_s: float
+    ) -> None:
         """Renews the hold every third of its lease until `finish(req_id)`."""
         every = max(lease_s / 3.0, 0.1)
         with self._lock:
@@ -119,6 +128,7 @@ class HoldKeeper:
         while not self._stop.is_set():
             self._release_due()
             self._renew_due()
+            self.stats.passes += 1
             self._wake.wait(self._tick_s)
             self._wake.clear()
 
@@ -153,7 +163,7 @@ class HoldKeeper:
         with self._lock:
             due = [(rid, k) for rid, k in self._kept.items() if k.next_renew <= now]
         for req_id, kept in due:
-            kept.next_renew = now + kept.renew_every_s
+            renewed = True
             for ctrl in kept.ctrls:
                 try:
                     self._ctrl.renew(ctrl, kept.transfer_id, kept.epoch)
@@ -166,6 +176,16 @@ class HoldKeeper:
                     with self._lock:
                         self._kept.pop(req_id, None)
                     break
-                except Exception as err:  # transient: the next round tries again
+                except Exception as err:  # transient: tried again soon, not a lease later
+                    renewed = False
                     self.stats.renew_failures += 1
                     logger.debug("renewing hold %s failed: %s", kept.transfer_id, err)
+            # Only a renewal that went through moves the next one a third of the
+            # lease away; a failed one is retried with backoff, well inside the
+            # lease, so one lost call never lets a hold lapse.
+            if renewed:
+                kept.retry_s = RETRY_FIRST_S
+                kept.next_renew = time.monotonic() + kept.renew_every_s
+            else:
+                kept.next_renew = time.monotonic() + min(kept.retry_s, kept.renew_every_s)
+                kept.retry_s = min(kept.retry_s * 2, kept.renew_every_s)

@@ -1,15 +1,38 @@
-"""kv_transfer_params of the Connex connector (DESIGN.md), built and checked.
+"""kv_transfer_params of the Connex connector (docs/architecture.md), built and checked.
 
 A prefill emits them for every hold; a decoder reads them back, verbatim except
 `resume_epoch`, which the router bumps on every resume. The layout keys
 (`tp_size`, `block_size`, `num_layers`, `page_bytes`) let a decoder refuse, with a
 clear message, a hold it cannot read block for block.
+
+They arrive in a client's request body, so every field is checked here, once,
+before anything uses it: a value of the wrong type, out of range, NaN or
+Infinity, or too large is a `ParamsError` (the scheduler turns it into a failed
+load under `kv_load_failure_policy`), never an exception inside vLLM's scheduler
+or worker.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+# The bounds of the hold control protocol (transfer/src/proto.rs).
+MAX_TRANSFER_ID_LEN = 256
+MAX_BLOCKS = 65_536
+MAX_EPOCH = 2**32 - 1
+# Generous caps that no real model reaches; they keep arithmetic on the values
+# small and their error messages short.
+MAX_TEXT_LEN = 1024
+MAX_TP_SIZE = 1024
+MAX_BLOCK_SIZE = 1 << 20
+MAX_LAYERS = 1 << 16
+MAX_PAGE_BYTES = 1 << 40
+MAX_LEASE_S = 7 * 24 * 3600.0
+MAX_TOKENS = MAX_BLOCKS * MAX_BLOCK_SIZE
+BACKENDS = ("tcp", "ucx", "mooncake")
 
 
 class ParamsError(ValueError):
@@ -43,7 +66,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class RemoteHold:
-    """A hold on a prefill instance, as a decoder sees it."""
+    """A hold on a prefill instance, as a decoder sees it (every field checked)."""
 
     transfer_id: str
     remote_ctrl: str
@@ -57,11 +80,51 @@ class RemoteHold:
 
     def ctrl_for_rank(self, tp_rank: int) -> str:
         """Each TP rank of the prefill serves its own shard at port + rank."""
-        host, _, port = self.remote_ctrl.rpartition(":")
-        return f"{host}:{int(port) + tp_rank}"
+        return ctrl_for_rank(self.remote_ctrl, tp_rank)
 
     def all_ctrls(self) -> list[str]:
         return [self.ctrl_for_rank(r) for r in range(self.layout.tp_size)]
+
+
+def split_ctrl(ctrl: object, tp_size: int = 1) -> tuple[str, int]:
+    """`host:port` of a hold control listener, checked: (host, port of rank 0).
+
+    Every rank's port (port + rank for rank < tp_size) must be a TCP port too.
+    """
+    if not isinstance(ctrl, str) or not 0 < len(ctrl) <= MAX_TEXT_LEN:
+        raise ParamsError(f"remote_ctrl must be a host:port string, not {_show(ctrl)}")
+    host, sep, port_text = ctrl.rpartition(":")
+    if not sep or not host or not port_text.isascii() or not port_text.isdigit():
+        raise ParamsError(f"remote_ctrl must be host:port, not {_show(ctrl)}")
+    if host.startswith("[") != host.endswith("]") or any(c.isspace() for c in host):
+        raise ParamsError(f"remote_ctrl has a malformed host: {_show(ctrl)}")
+    port = int(port_text[:6])  # a longer digit string is out of range anyway
+    if len(port_text) > 5 or not 0 < port or port + tp_size - 1 > 65535:
+        raise ParamsError(f"remote_ctrl port out of range (1..65535 for every TP rank): {ctrl}")
+    return host, port
+
+
+def ctrl_for_rank(ctrl: str, tp_rank: int) -> str:
+    host, port = split_ctrl(ctrl, tp_rank + 1)
+    return f"{host}:{port + tp_rank}"
+
+
+def check_transfer_id(value: object) -> str:
+    """A transfer id as the hold control protocol accepts it."""
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= MAX_TRANSFER_ID_LEN
+        or not all("!" <= c <= "~" for c in value)
+    ):
+        raise ParamsError(
+            f"transfer_id must be 1..{MAX_TRANSFER_ID_LEN} printable ASCII characters "
+            f"without spaces, not {_show(value)}"
+        )
+    return value
+
+
+def check_epoch(value: object) -> int:
+    return _int(value, "resume_epoch", 0, MAX_EPOCH)
 
 
 def hold_params(
@@ -93,35 +156,98 @@ def hold_params(
     }
 
 
-def wants_hold(params: dict[str, Any] | None) -> bool:
+def wants_hold(params: object) -> bool:
     """Whether a request asks this engine (a prefill) to hold its prompt KV."""
-    return bool(params) and bool(params.get("do_remote_decode"))
+    return isinstance(params, Mapping) and params.get("do_remote_decode") is True
 
 
-def remote_hold(params: dict[str, Any] | None) -> RemoteHold | None:
-    """The hold a decode request points at, or None when it is not a P/D request."""
-    if not params or not params.get("do_remote_prefill"):
+def points_at_hold(params: object) -> bool:
+    """Whether a request says it continues from a remote hold (checked or not)."""
+    return isinstance(params, Mapping) and bool(params.get("do_remote_prefill"))
+
+
+def remote_hold(params: object) -> RemoteHold | None:
+    """The hold a decode request points at, or None when it is not a P/D request.
+
+    Raises `ParamsError` for params that claim a hold (`do_remote_prefill`) but
+    do not describe one this connector can read.
+    """
+    if params is None:
         return None
-    try:
-        block_ids = [int(b) for b in params["remote_block_ids"]]
-        hold = RemoteHold(
-            transfer_id=str(params["transfer_id"]),
-            remote_ctrl=str(params["remote_ctrl"]),
-            engine_id=str(params.get("remote_engine_id", "")),
-            block_ids=block_ids,
-            num_tokens=int(params["remote_num_tokens"]),
-            backend=str(params.get("backend", "tcp")),
-            lease_s=float(params.get("lease_s", 60)),
-            epoch=int(params.get("resume_epoch", 0)),
-            layout=Layout(
-                tp_size=int(params["tp_size"]),
-                block_size=int(params["block_size"]),
-                num_layers=int(params["num_layers"]),
-                page_bytes=int(params["page_bytes"]),
-            ),
+    if not isinstance(params, Mapping):
+        raise ParamsError(f"kv_transfer_params must be an object, not {type(params).__name__}")
+    flag = params.get("do_remote_prefill")
+    if flag is None or flag is False:
+        return None
+    if flag is not True:
+        raise ParamsError(f"do_remote_prefill must be true or false, not {_show(flag)}")
+    for key in ("transfer_id", "remote_ctrl", "remote_block_ids", "remote_num_tokens"):
+        if key not in params:
+            raise ParamsError(f"kv_transfer_params lack {key!r}: not a Connex hold")
+    layout = Layout(
+        tp_size=_int(params.get("tp_size"), "tp_size", 1, MAX_TP_SIZE),
+        block_size=_int(params.get("block_size"), "block_size", 1, MAX_BLOCK_SIZE),
+        num_layers=_int(params.get("num_layers"), "num_layers", 1, MAX_LAYERS),
+        page_bytes=_int(params.get("page_bytes"), "page_bytes", 1, MAX_PAGE_BYTES),
+    )
+    remote_ctrl = params["remote_ctrl"]
+    split_ctrl(remote_ctrl, layout.tp_size)
+    block_ids = params["remote_block_ids"]
+    if not isinstance(block_ids, list) or len(block_ids) > MAX_BLOCKS:
+        raise ParamsError(
+            f"remote_block_ids must be a list of at most {MAX_BLOCKS} block ids, "
+            f"not {_show(block_ids)}"
         )
-    except (KeyError, TypeError, ValueError) as err:
-        raise ParamsError(f"kv_transfer_params are not a Connex hold: {err!r}") from err
-    if hold.epoch < 0 or hold.num_tokens < 0 or ":" not in hold.remote_ctrl:
-        raise ParamsError("kv_transfer_params carry a negative count or a bad remote_ctrl")
-    return hold
+    checked_ids = [_int(b, "remote_block_ids[]", 0, MAX_EPOCH) for b in block_ids]
+    # Whether the blocks cover the tokens is checked against the local layout
+    # later, so that a layout mismatch is reported as such.
+    num_tokens = _int(params["remote_num_tokens"], "remote_num_tokens", 0, MAX_TOKENS)
+    backend = params.get("backend", "tcp")
+    if backend not in BACKENDS:
+        raise ParamsError(f"backend must be one of {BACKENDS}, not {_show(backend)}")
+    engine_id = params.get("remote_engine_id", "")
+    if engine_id is None:
+        engine_id = ""
+    if not isinstance(engine_id, str) or len(engine_id) > MAX_TEXT_LEN:
+        raise ParamsError(f"remote_engine_id must be a string, not {_show(engine_id)}")
+    return RemoteHold(
+        transfer_id=check_transfer_id(params["transfer_id"]),
+        remote_ctrl=str(remote_ctrl),
+        engine_id=engine_id,
+        block_ids=checked_ids,
+        num_tokens=num_tokens,
+        backend=str(backend),
+        lease_s=_seconds(params.get("lease_s", 60.0), "lease_s"),
+        epoch=check_epoch(params.get("resume_epoch", 0)),
+        layout=layout,
+    )
+
+
+def _int(value: object, name: str, low: int, high: int) -> int:
+    # bool is an int in Python, but `true` is no block id or port.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ParamsError(f"{name} must be an integer, not {_show(value)}")
+    if not low <= value <= high:
+        raise ParamsError(f"{name} must be in {low}..{high}, not {_show(value)}")
+    return value
+
+
+def _seconds(value: object, name: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ParamsError(f"{name} must be a number of seconds, not {_show(value)}")
+    # A huge int would overflow float(); compare it as an int first.
+    if isinstance(value, int) and not 0 < value <= MAX_LEASE_S:
+        raise ParamsError(f"{name} must be in (0, {MAX_LEASE_S:.0f}] seconds, not {_show(value)}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_LEASE_S:
+        raise ParamsError(f"{name} must be in (0, {MAX_LEASE_S:.0f}] seconds, not {_show(value)}")
+    return seconds
+
+
+def _show(value: object) -> str:
+    """A value for an error message, cut short (it comes from a client)."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int past str()'s digit limit, a deep list
+        return f"<a {type(value).__name__} too large to show>"
+    return text if len(text) <= 80 else text[:77] + "..."

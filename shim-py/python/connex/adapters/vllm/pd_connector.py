@@ -29,8 +29,19 @@ from .scheduler import ConnexMetadata, ConnexScheduler
 from .worker import ConnexWorker
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from connex.agent import Agent
+
+    from .keeper import HoldKeeper
 
 logger = logging.getLogger("connex.vllm")
 
@@ -66,7 +77,7 @@ class ConnexConnector(KVConnectorBase_V1):
         is_consumer = bool(ktc.is_kv_consumer)
         self.scheduler: ConnexScheduler | None = None
         self.worker: ConnexWorker | None = None
-        self.agent = None
+        self.agent: Agent | None = None
         if role == KVConnectorRole.SCHEDULER:
             keeper = self._make_keeper() if is_consumer else None
             self.scheduler = ConnexScheduler(
@@ -92,7 +103,7 @@ class ConnexConnector(KVConnectorBase_V1):
                 is_consumer,
             )
 
-    def _make_keeper(self):
+    def _make_keeper(self) -> HoldKeeper:
         from connex import _transfer
 
         from .keeper import HoldKeeper
@@ -102,7 +113,7 @@ class ConnexConnector(KVConnectorBase_V1):
             gone_errors=(_transfer.HoldNotFound, _transfer.StaleEpoch),
         )
 
-    def _start_agent(self, vllm_config: VllmConfig, is_producer: bool, is_consumer: bool):
+    def _start_agent(self, vllm_config: VllmConfig, is_producer: bool, is_consumer: bool) -> None:
         from connex.agent import Agent
 
         role = "both" if is_producer and is_consumer else "prefill" if is_producer else "decode"
@@ -110,7 +121,7 @@ class ConnexConnector(KVConnectorBase_V1):
         model = names[0] if isinstance(names, list | tuple) else str(names)
         scheduler = self.scheduler
         assert scheduler is not None and self.cfg.url is not None and self.cfg.router
-        self.agent = Agent(
+        agent = Agent(
             self.cfg.router,
             role,
             self.cfg.url,
@@ -119,39 +130,53 @@ class ConnexConnector(KVConnectorBase_V1):
             instance_id=self.cfg.instance_id,
             token=self.cfg.register_token,
             load=lambda: {"inflight": scheduler.inflight},
-        ).start()
-        atexit.register(self.agent.stop)
+        )
+        self.agent = agent.start()
+        atexit.register(agent.stop)
 
     # ---- scheduler side ----------------------------------------------------------
 
-    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.scheduler is not None:
             self.scheduler._kv_cache_manager = kv_cache_manager
 
-    def on_new_request(self, request) -> None:
+    def on_new_request(self, request: Request) -> None:
         assert self.scheduler is not None
         self.scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # Holds the workers reported freed: their requests no longer keep the
+        # engine stepping while idle.
+        super().update_connector_output(connector_output)
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
 
     # ---- worker side -------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 
@@ -165,7 +190,7 @@ class ConnexConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.bind(None)
 
-    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
         self.worker.start_load_kv()
 
@@ -174,7 +199,13 @@ class ConnexConnector(KVConnectorBase_V1):
         # blocks have arrived.
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
         # Nothing to save: a hold serves the KV cache in place.
         return
 
@@ -189,7 +220,7 @@ class ConnexConnector(KVConnectorBase_V1):
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
-    def get_finished(self, finished_req_ids: set[str]):
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
 

@@ -20,13 +20,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from .config import ConnexConfig
-from .params import Layout, ParamsError, hold_params, remote_hold, wants_hold
+from .params import Layout, ParamsError, RemoteHold, hold_params, remote_hold, wants_hold
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from .keeper import HoldKeeper
 
 logger = logging.getLogger("connex.vllm.scheduler")
 
@@ -52,6 +59,13 @@ class LoadSpec:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class BadParams:
+    """kv_transfer_params that claim a hold this decoder cannot read."""
+
+    error: str
+
+
 @dataclass
 class ConnexMetadata(KVConnectorMetadata):
     """What the scheduler tells the workers for one step."""
@@ -69,7 +83,7 @@ class ConnexScheduler:
         layout: Layout,
         is_producer: bool,
         is_consumer: bool,
-        keeper=None,
+        keeper: HoldKeeper | None = None,
     ) -> None:
         self.cfg = cfg
         self.engine_id = engine_id
@@ -78,11 +92,14 @@ class ConnexScheduler:
         self.is_consumer = is_consumer
         self.keeper = keeper
         # Producer state.
-        self._producing: dict[str, Any] = {}  # req_id -> Request (wants a hold)
+        self._producing: dict[str, Request] = {}  # req_id -> Request (wants a hold)
         self._held: dict[str, HoldSpec] = {}  # req_id -> its live hold
         self._hold_seq = 0
         # Consumer state.
         self._consumed: set[str] = set()  # requests whose one transfer is decided
+        # Checked params of requests still waiting to be scheduled: vLLM asks
+        # get_num_new_matched_tokens every step until it schedules one.
+        self._checked: dict[str, RemoteHold | BadParams | None] = {}
         # Requests whose blocks wait for their hold to be freed (finished_sending).
         self._awaiting_free: set[str] = set()
         # This step's work for the workers.
@@ -91,12 +108,12 @@ class ConnexScheduler:
 
     # ---- both roles --------------------------------------------------------------
 
-    def on_new_request(self, request) -> None:
+    def on_new_request(self, request: Request) -> None:
         self.inflight += 1
         if self.is_producer and wants_hold(request.kv_transfer_params):
             self._producing[request.request_id] = request
 
-    def build_connector_meta(self, scheduler_output) -> ConnexMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnexMetadata:
         if self._producing:
             self._plan_holds(scheduler_output)
         meta, self._meta = self._meta, ConnexMetadata()
@@ -112,10 +129,12 @@ class ConnexScheduler:
             time.sleep(self.cfg.idle_step_ms / 1000)
         return meta
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._awaiting_free -= set(connector_output.finished_sending or ())
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self.inflight = max(self.inflight - 1, 0)
         if self.keeper is not None and (req_id in self._consumed or self.keeper.keeps(req_id)):
@@ -124,6 +143,7 @@ class ConnexScheduler:
             # itself when the client is gone).
             self.keeper.finish(req_id, release=request.status in NORMAL_FINISH)
         self._consumed.discard(req_id)
+        self._checked.pop(req_id, None)
         if req_id not in self._producing:
             return False, None
         self._producing.pop(req_id)
@@ -131,7 +151,7 @@ class ConnexScheduler:
 
     # ---- producer ----------------------------------------------------------------
 
-    def _plan_holds(self, scheduler_output) -> None:
+    def _plan_holds(self, scheduler_output: SchedulerOutput) -> None:
         preempted = scheduler_output.preempted_req_ids or ()
         for req_id in preempted:
             # Its blocks are gone: the hold on them must go too; a new one is taken
@@ -146,7 +166,7 @@ class ConnexScheduler:
             if request.num_computed_tokens + n >= request.num_prompt_tokens:
                 self._take_hold(request)
 
-    def _take_hold(self, request) -> HoldSpec:
+    def _take_hold(self, request: Request) -> HoldSpec:
         assert self._kv_cache_manager is not None
         self._hold_seq += 1
         from connex._transfer import new_transfer_id  # 128 random bits; holders refuse fewer
@@ -159,7 +179,9 @@ class ConnexScheduler:
         self._meta.holds.append(hold)
         return hold
 
-    def _finish_hold(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def _finish_hold(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         hold = self._held.pop(request.request_id, None)
         if request.status not in NORMAL_FINISH:
             if hold is None:
@@ -191,30 +213,59 @@ class ConnexScheduler:
 
     # ---- consumer ----------------------------------------------------------------
 
-    def _remote(self, request):
-        if not self.is_consumer or request.request_id in self._consumed:
+    def _remote(self, request: Request) -> RemoteHold | BadParams | None:
+        """The hold this request pulls from, `BadParams` when its kv_transfer_params
+        claim a hold this decoder cannot read, None when there is nothing to pull."""
+        req_id = request.request_id
+        if not self.is_consumer or req_id in self._consumed:
             return None
-        try:
-            return remote_hold(request.kv_transfer_params)
-        except ParamsError as err:
-            logger.error("request %s: %s; computing it locally", request.request_id, err)
-            return None
+        if req_id not in self._checked:
+            self._checked[req_id] = self._check(request)
+        return self._checked[req_id]
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def _check(self, request: Request) -> RemoteHold | BadParams | None:
+        try:
+            hold = remote_hold(request.kv_transfer_params)
+        except ParamsError as err:
+            return BadParams(f"bad kv_transfer_params: {err}")
+        if hold is not None and hold.backend != self.cfg.backend:
+            return BadParams(
+                f"hold {hold.transfer_id} is served by the {hold.backend} backend; "
+                f"this decoder uses {self.cfg.backend}"
+            )
+        return hold
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         hold = self._remote(request)
         if hold is None:
             return 0, False
-        count = min(hold.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        if isinstance(hold, BadParams):
+            # Claimed as loadable so that the load fails, and vLLM's
+            # kv_load_failure_policy (recompute or fail) decides, as for any
+            # other failed pull.
+            count = request.num_prompt_tokens - num_computed_tokens
+        else:
+            count = min(hold.num_tokens, request.num_prompt_tokens) - num_computed_tokens
         if count <= 0:
             return 0, False
         return count, True
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         hold = self._remote(request)
         if hold is None:
             return
         req_id = request.request_id
         self._consumed.add(req_id)
+        self._checked.pop(req_id, None)
+        if isinstance(hold, BadParams):
+            logger.error("kv load failed: request %s: %s", req_id, hold.error)
+            if num_external_tokens > 0:
+                self._meta.loads.append(LoadSpec(req_id, "", "", 0, [], [], error=hold.error))
+            return
         if self.keeper is not None:
             self.keeper.keep(req_id, hold.all_ctrls(), hold.transfer_id, hold.epoch, hold.lease_s)
         if num_external_tokens <= 0:
@@ -247,4 +298,4 @@ class ConnexScheduler:
         self._meta.loads.append(load)
 
     # Set by the connector when vLLM binds its KV cache manager.
-    _kv_cache_manager = None
+    _kv_cache_manager: KVCacheManager | None = None

@@ -13,60 +13,68 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .config import ConnexConfig
+from .layout import BlockLayout, tensor_layout
+from .params import ParamsError, check_epoch, check_transfer_id, ctrl_for_rank
 from .scheduler import ConnexMetadata, LoadSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from connex import _transfer
 
 logger = logging.getLogger("connex.vllm.worker")
 
 
 @dataclass
 class LayerRegion:
-    """One layer's KV tensor: where a block's bytes are inside it."""
+    """One layer's KV tensor: its address and where a block's bytes are in it."""
 
     ptr: int
-    span: int
-    # Per block: [(offset of piece, length of piece)], relative to ptr.
-    block_stride: int
-    pieces: list[tuple[int, int]]
+    layout: BlockLayout
+
+    @property
+    def span(self) -> int:
+        return self.layout.span
 
     def refs(self, region_id: int, block_ids: list[int]) -> list[tuple[int, int, int]]:
+        stride = self.layout.block_stride
         return [
-            (region_id, b * self.block_stride + off, length)
+            (region_id, b * stride + off, length)
             for b in block_ids
-            for off, length in self.pieces
+            for off, length in self.layout.pieces
         ]
 
 
-def layer_region(tensor, num_blocks: int) -> LayerRegion:
-    """Finds the block dimension of a KV tensor and the bytes of one block.
+def layer_region(tensor: torch.Tensor, num_blocks: int, backend: str = "tcp") -> LayerRegion:
+    """A layer's KV tensor as a region: addressing from its shape and strides
+    (layout.py), after checking that `backend` can move its memory."""
+    layout = tensor_layout(tensor, num_blocks, backend)
+    return LayerRegion(tensor.data_ptr(), layout)
 
-    Handles vLLM's block-major layouts: (num_blocks, ...) with a block contiguous
-    (CPU, e.g. (blocks, heads, block_size, 2*head_size)), and (2, num_blocks, ...)
-    with K and V apart.
+
+def request_amx_permission() -> None:
+    """Asks Linux for this process's x86 AMX permission now, before the transfer
+    runtime starts its threads.
+
+    vLLM's CPU attention uses AMX where the CPU has it and asks for the
+    permission (arch_prctl) lazily, at its first AMX call. The kernel refuses it
+    once the process has threads whose signal stacks are too small for AMX state,
+    as the transfer runtime's threads are, and the first AMX instruction then
+    kills the worker with SIGILL (seen on a Sapphire Rapids VM: the decoder died
+    at its first step after a pull). A permission granted earlier stays granted.
     """
-    es = tensor.element_size()
-    shape, stride = list(tensor.shape), list(tensor.stride())
-    span = (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * es
-    inner = 1
-    if shape[0] == num_blocks:
-        for n in shape[1:]:
-            inner *= n
-        if stride[0] != inner:
-            raise ValueError(f"KV block is not contiguous: shape {shape} stride {stride}")
-        return LayerRegion(tensor.data_ptr(), span, stride[0] * es, [(0, inner * es)])
-    if len(shape) > 1 and shape[0] == 2 and shape[1] == num_blocks:
-        for n in shape[2:]:
-            inner *= n
-        if stride[1] != inner:
-            raise ValueError(f"KV block is not contiguous: shape {shape} stride {stride}")
-        return LayerRegion(
-            tensor.data_ptr(),
-            span,
-            stride[1] * es,
-            [(0, inner * es), (stride[0] * es, inner * es)],
-        )
-    raise ValueError(f"unsupported KV cache layout: shape {shape} for {num_blocks} blocks")
+    try:
+        import torch
+
+        init_amx = getattr(torch._C._cpu, "_init_amx", None)
+        if init_amx is not None and torch.cpu._is_amx_tile_supported():
+            if not init_amx():
+                logger.warning("x86 AMX is present but the kernel refused its permission")
+    except Exception as err:  # no torch build with AMX support: nothing to ask for
+        logger.debug("AMX permission not requested: %s", err)
 
 
 class ConnexWorker:
@@ -86,8 +94,8 @@ class ConnexWorker:
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.layers: list[LayerRegion] = []
-        self.holder = None
-        self.reader = None
+        self.holder: _transfer.Holder | None = None
+        self.reader: _transfer.Reader | None = None
         self._holder_rids: list[int] = []
         self._reader_rids: list[int] = []
         # Holds: transfer id -> request id, and requests whose hold is freed.
@@ -95,15 +103,17 @@ class ConnexWorker:
         self._freed: set[str] = set()
         self._finished: set[str] = set()
         # Loads in flight: request id -> (pending pull, spec).
-        self._pulls: dict[str, tuple[object, LoadSpec]] = {}
+        self._pulls: dict[str, tuple[_transfer.Pull, LoadSpec]] = {}
         self._recved: set[str] = set()
         self._failed: set[str] = set()
         self._meta: ConnexMetadata | None = None
 
     # ---- setup -------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from connex import _transfer
+
+        request_amx_permission()
 
         names = [n for n in self.layer_order if n in kv_caches] or list(kv_caches)
         seen: set[int] = set()
@@ -112,7 +122,7 @@ class ConnexWorker:
             if tensor.data_ptr() in seen:
                 continue  # layers sharing one KV tensor
             seen.add(tensor.data_ptr())
-            self.layers.append(layer_region(tensor, self.num_blocks))
+            self.layers.append(layer_region(tensor, self.num_blocks, self.cfg.backend))
         if self.is_producer:
             self.holder = _transfer.Holder(
                 backend=self.cfg.backend,
@@ -144,7 +154,7 @@ class ConnexWorker:
 
     # ---- per step ----------------------------------------------------------------
 
-    def bind(self, meta: ConnexMetadata) -> None:
+    def bind(self, meta: ConnexMetadata | None) -> None:
         self._meta = meta
 
     def start_load_kv(self) -> None:
@@ -162,28 +172,61 @@ class ConnexWorker:
         if meta is None or self.holder is None:
             return
         for hold in meta.holds:
-            self.holder.create_hold(hold.transfer_id, self._refs(self._holder_rids, hold.block_ids))
+            try:
+                self.holder.create_hold(
+                    hold.transfer_id, self._refs(self._holder_rids, hold.block_ids)
+                )
+            except Exception as err:
+                # No hold: a decoder's pull of it fails cleanly (not found), and
+                # the request's blocks go back to vLLM now rather than never.
+                logger.error(
+                    "could not hold KV of request %s (%s): %s", hold.req_id, hold.transfer_id, err
+                )
+                self._freed.add(hold.req_id)
+                continue
             self._hold_req[hold.transfer_id] = hold.req_id
 
     def _drop(self, transfer_id: str) -> None:
         if self.holder is not None and transfer_id in self._hold_req:
             # Reported as freed (finished_sending) like any other release.
-            self.holder.release(transfer_id)
+            try:
+                self.holder.release(transfer_id)
+            except Exception as err:  # the lease frees it at the latest
+                logger.error("could not drop hold %s: %s", transfer_id, err)
 
     def _start_pull(self, load: LoadSpec) -> None:
-        if load.error is not None or self.reader is None:
-            self._recved.add(load.req_id)
-            self._failed.add(load.req_id)
-            return
-        host, _, port = load.remote_ctrl.rpartition(":")
-        ctrl = f"{host}:{int(port) + self.tp_rank}"
-        dest = self._refs(self._reader_rids, load.local_block_ids)
-        self._pulls[load.req_id] = (
-            self.reader.pull_async(
-                ctrl, load.transfer_id, load.epoch, dest, timeout_s=self.cfg.pull_timeout_s
-            ),
-            load,
-        )
+        """Starts the pull of `load`, or fails it at once: whatever the spec holds,
+        the outcome is a finished (maybe failed) load, never an exception in the
+        worker's step."""
+        if load.error is None and self.reader is None:
+            load.error = "this engine is not a KV consumer (kv_role)"
+        if load.error is None and self.reader is not None:
+            try:
+                ctrl, dest = self._pull_args(load)
+                pull = self.reader.pull_async(
+                    ctrl, load.transfer_id, load.epoch, dest, timeout_s=self.cfg.pull_timeout_s
+                )
+            except Exception as err:
+                load.error = str(err) or type(err).__name__
+            else:
+                self._pulls[load.req_id] = (pull, load)
+                return
+        logger.error("kv load failed: request %s: %s", load.req_id, load.error)
+        self._recved.add(load.req_id)
+        self._failed.add(load.req_id)
+
+    def _pull_args(self, load: LoadSpec) -> tuple[str, list[tuple[int, int, int]]]:
+        """This rank's control address and destination blocks for `load`, checked
+        (the scheduler checked them too; this side must not trust a pickle)."""
+        check_transfer_id(load.transfer_id)
+        check_epoch(load.epoch)
+        ctrl = ctrl_for_rank(load.remote_ctrl, self.tp_rank)
+        ids = load.local_block_ids
+        if not isinstance(ids, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < self.num_blocks for b in ids
+        ):
+            raise ParamsError(f"local block ids outside this engine's {self.num_blocks} blocks")
+        return ctrl, self._refs(self._reader_rids, ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since last call."""

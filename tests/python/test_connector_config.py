@@ -1,0 +1,59 @@
+"""The connector's settings: secrets come from the environment or files, so that
+none has to sit in --kv-transfer-config (visible in `ps` and vLLM's startup log)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from connex.adapters.vllm.config import ConfigError, ConnexConfig
+
+
+@pytest.fixture(autouse=True)
+def no_secrets_in_env(monkeypatch):
+    monkeypatch.delenv("CONNEX_REGISTER_TOKEN", raising=False)
+    monkeypatch.delenv("CONNEX_TRANSFER_SECRET", raising=False)
+
+
+def test_register_token_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("CONNEX_REGISTER_TOKEN", "env-token")
+    assert ConnexConfig.from_extra({}, 14579).register_token == "env-token"
+
+
+def test_secrets_come_from_files(tmp_path):
+    token, secret = tmp_path / "token", tmp_path / "secret"
+    token.write_text("file-token\n")
+    secret.write_text("file-secret\n")
+    cfg = ConnexConfig.from_extra(
+        {"register_token_file": str(token), "transfer_secret_file": str(secret)}, 14579
+    )
+    assert (cfg.register_token, cfg.transfer_secret) == ("file-token", "file-secret")
+
+
+def test_a_file_wins_over_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONNEX_REGISTER_TOKEN", "env-token")
+    token = tmp_path / "token"
+    token.write_text("file-token")
+    cfg = ConnexConfig.from_extra({"register_token_file": str(token)}, 14579)
+    assert cfg.register_token == "file-token"
+
+
+def test_without_a_transfer_secret_the_bindings_read_the_environment():
+    # None tells connex._transfer to take CONNEX_TRANSFER_SECRET itself.
+    assert ConnexConfig.from_extra({}, 14579).transfer_secret is None
+
+
+def test_a_missing_or_empty_secret_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="missing"):
+        ConnexConfig.from_extra({"transfer_secret_file": str(tmp_path / "missing")}, 14579)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        ConnexConfig.from_extra({"register_token_file": str(empty)}, 14579)
+
+
+def test_inline_secrets_still_work_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="connex.vllm.config"):
+        cfg = ConnexConfig.from_extra({"register_token": "t", "transfer_secret": "s"}, 14579)
+    assert (cfg.register_token, cfg.transfer_secret) == ("t", "s")
+    assert "CONNEX_REGISTER_TOKEN" in caplog.text and "CONNEX_TRANSFER_SECRET" in caplog.text
