@@ -38,6 +38,22 @@ class LayerRegion:
         ]
 
 
+def _allow_amx() -> None:
+    """Asks Linux for the AMX tile state before the first forward pass.
+
+    vLLM's CPU attention kernel uses AMX where the CPU has it but leaves the
+    permission (arch_prctl ARCH_REQ_XCOMP_PERM) to oneDNN, which asks on its first
+    bf16 GEMM. A decoder whose first forward is a decode step over pulled KV runs
+    that kernel first and dies of SIGILL; asking here, once, avoids it."""
+    try:
+        import torch
+
+        if torch.cpu._is_amx_tile_supported():
+            torch._C._cpu._init_amx()
+    except (ImportError, AttributeError, RuntimeError) as err:
+        logger.debug("AMX permission not requested: %s", err)
+
+
 def layer_region(tensor, num_blocks: int) -> LayerRegion:
     """Finds the block dimension of a KV tensor and the bytes of one block.
 
@@ -105,6 +121,7 @@ class ConnexWorker:
     def register_kv_caches(self, kv_caches: dict) -> None:
         from connex import _transfer
 
+        _allow_amx()
         names = [n for n in self.layer_order if n in kv_caches] or list(kv_caches)
         seen: set[int] = set()
         for name in names:
