@@ -4,9 +4,12 @@
 //! To make a holder that is alive but stops serving (the conformance suite
 //! kills it mid-pull, or lets a reader time out on it), the threads the
 //! engine started are parked in a signal handler when a pull starts. They are
-//! told apart as the threads that appeared while the engine was created;
-//! those wait in `accept`/`epoll_wait` when parked, holding no lock our own
-//! threads need, and the control listener (tokio) goes on answering.
+//! told apart as the threads that appeared while the engine was created.
+//! The one waiting in `accept` is the handshake listener: it is left running,
+//! so that the reader opens the segment and submits its reads, which then
+//! never end (the data threads are parked) until the holder is killed. Parked
+//! threads wait in `epoll_wait`, holding no lock our own threads need, and
+//! the control listener (tokio) goes on answering.
 
 #![allow(unsafe_code)]
 
@@ -47,7 +50,8 @@ impl EngineThreads {
         (made, Self(new))
     }
 
-    /// Parks every engine thread for good (the process is killed or exits).
+    /// Parks the engine's threads but its handshake listener, for good (the
+    /// process is killed or exits).
     pub(crate) fn park(&self) {
         let signal = libc::SIGRTMIN() + 5;
         PARKED.store(true, Ordering::Relaxed);
@@ -63,13 +67,16 @@ impl EngineThreads {
                 return;
             }
             let pid = libc::getpid();
-            for &tid in &self.0 {
+            for &tid in self.0.iter().filter(|&&tid| !in_accept(tid)) {
                 libc::syscall(libc::SYS_tgkill, pid, tid, signal);
             }
         }
-        tracing::warn!(
-            threads = self.0.len(),
-            "mooncake stall fault: engine threads parked"
-        );
+        tracing::warn!("mooncake stall fault: engine data threads parked");
     }
+}
+
+/// Whether thread `tid` is blocked in `accept` (the kernel's wait channel).
+fn in_accept(tid: libc::pid_t) -> bool {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/wchan"))
+        .is_ok_and(|wchan| wchan.contains("accept"))
 }
