@@ -49,7 +49,8 @@ pub(crate) struct MooncakeBackend {
     /// Reader: segments opened so far, by name, and names whose reads failed
     /// (opened afresh next time, in case the holder restarted).
     segments: Mutex<Segments>,
-    reaper: Reaper,
+    /// Reader: watches the reads of pulls that gave up (holders read nothing).
+    reaper: Option<Reaper>,
 }
 
 #[derive(Default)]
@@ -62,7 +63,7 @@ impl MooncakeBackend {
     pub(crate) fn new(role: Role<'_>) -> Result<Self> {
         let settings = Settings::from_env();
         let stall_on_pull =
-            matches!(role, Role::Holder { faults } if faults.stall_after_bytes.is_some());
+            matches!(role, Role::Holder { faults, .. } if faults.stall_after_bytes.is_some());
         let (engine, threads) = EngineThreads::around(|| Engine::new(&settings));
         let engine = Arc::new(engine?);
         let segment_name = engine.segment_name()?;
@@ -72,7 +73,10 @@ impl MooncakeBackend {
             segment_name,
             stall: stall_on_pull.then_some(threads),
             segments: Mutex::new(Segments::default()),
-            reaper: Reaper::start()?,
+            reaper: match role {
+                Role::Reader => Some(Reaper::start()?),
+                Role::Holder { .. } => None,
+            },
         })
     }
 
@@ -184,9 +188,13 @@ impl Backend for MooncakeBackend {
             if reads.is_empty() {
                 return Ok(0);
             }
+            let reaper = self
+                .reaper
+                .as_ref()
+                .ok_or_else(|| fail("a mooncake holder cannot pull"))?;
             let segment = self.segment(&name, job.io_timeout).await?;
             let inflight = Inflight::submit(self.engine.clone(), segment, reads)?;
-            let mut batch = Batch::new(inflight, self.reaper.sender());
+            let mut batch = Batch::new(inflight, reaper.sender());
             let outcome = wait(batch.get(), job.io_timeout).await;
             if outcome.is_err() {
                 self.forget_segment(&name);
