@@ -27,6 +27,7 @@ class MooncakeCluster:
     """connex-router + prefill + two decoders, every connector on `mooncake`."""
 
     RETAIN_S = 8.0
+    ENGINES = ("mc_prefill", "mc_d1", "mc_d2")
 
     def __init__(self, fleet: Fleet) -> None:
         self.router = harness.Router("--heartbeat-ttl-s", "3")
@@ -48,7 +49,7 @@ class MooncakeCluster:
             )
             wanted[name] = engine
         self.engines = fleet.ensure(wanted)
-        self.router.wait_instances({"mc_prefill", "mc_d1", "mc_d2"})
+        self.router.wait_instances(set(self.ENGINES))
 
     def __getitem__(self, name: str) -> harness.Engine:
         return self.engines[name]
@@ -72,6 +73,12 @@ def mooncake(fleet):
         yield cluster
     finally:
         cluster.router.stop()
+        # These engines serve this module only: free their memory for the rest
+        # of the session (the plain engine stays, it is shared).
+        for name in MooncakeCluster.ENGINES:
+            engine = fleet.engines.pop(name, None)
+            if engine is not None:
+                engine.stop()
 
 
 @pytest.mark.parametrize("prompt", test_pd.PROMPTS[:2], ids=["short", "medium"])
