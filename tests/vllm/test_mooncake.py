@@ -17,8 +17,8 @@ import test_pd
 from conftest import Fleet, connex_kv, plain_engine
 from connex import _transfer
 
-# One machine: engines publish and bind loopback (the variables are Mooncake's
-# and the backend's; see docs/transfer.md).
+# One machine: engines publish loopback as the address peers reach them at
+# (see docs/transfer.md).
 os.environ.setdefault("CONNEX_MOONCAKE_HOST", "127.0.0.1")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
