@@ -264,3 +264,35 @@ fn status_name(status: i32) -> &'static str {
         _ => "unknown",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::coalesce;
+    use crate::region::{BlockRef, Region, RegionTable};
+
+    #[test]
+    fn neighbours_contiguous_on_both_sides_become_one_read() {
+        let table = RegionTable::default();
+        let region = table.register(Region::owned(vec![0; 1000])).id;
+        let dest = [(0, 100), (100, 100), (300, 50), (350, 50), (400, 10)]
+            .map(|(at, len)| BlockRef::new(region, at, len));
+        let spans = table.claim(&dest).unwrap();
+        // Remote: the first two and the next two are contiguous, the last is not.
+        let remote = [5000u64, 5100, 9000, 9050, 9200];
+        let reads = coalesce(spans.into_iter().zip(remote));
+        let got: Vec<(usize, u64)> = reads.iter().map(|(d, r)| (d.len, *r)).collect();
+        assert_eq!(got, [(200, 5000), (100, 9000), (10, 9200)]);
+    }
+
+    #[test]
+    fn blocks_contiguous_on_one_side_only_stay_apart() {
+        let table = RegionTable::default();
+        let region = table.register(Region::owned(vec![0; 400])).id;
+        let dest =
+            [(0, 100), (100, 100), (300, 100)].map(|(at, len)| BlockRef::new(region, at, len));
+        let spans = table.claim(&dest).unwrap();
+        // Destination 0-1 contiguous but not the remote; remote 1-2 contiguous but not the destination.
+        let reads = coalesce(spans.into_iter().zip([100u64, 300, 400]));
+        assert_eq!(reads.len(), 3);
+    }
+}
