@@ -276,7 +276,7 @@ mod tests {
         let region = table.register(Region::owned(vec![0; 1000])).id;
         let dest = [(0, 100), (100, 100), (300, 50), (350, 50), (400, 10)]
             .map(|(at, len)| BlockRef::new(region, at, len));
-        let spans = table.claim(&dest).unwrap();
+        let spans = table.claim(&dest).expect("free, in bounds");
         // Remote: the first two and the next two are contiguous, the last is not.
         let remote = [5000u64, 5100, 9000, 9050, 9200];
         let reads = coalesce(spans.into_iter().zip(remote));
@@ -290,7 +290,7 @@ mod tests {
         let region = table.register(Region::owned(vec![0; 400])).id;
         let dest =
             [(0, 100), (100, 100), (300, 100)].map(|(at, len)| BlockRef::new(region, at, len));
-        let spans = table.claim(&dest).unwrap();
+        let spans = table.claim(&dest).expect("free, in bounds");
         // Destination 0-1 contiguous but not the remote; remote 1-2 contiguous but not the destination.
         let reads = coalesce(spans.into_iter().zip([100u64, 300, 400]));
         assert_eq!(reads.len(), 3);
