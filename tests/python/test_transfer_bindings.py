@@ -143,9 +143,9 @@ def test_errors_are_exceptions(holder_process):
         reader.pull(addr, HOLD, 0, [(rid, 1, BLOCKS * BLOCK)])
     with pytest.raises(ValueError):
         t.Reader(backend="carrier-pigeon")
-    # The wheel tests/run builds has no mooncake feature.
+    # The wheel tests/run builds has the mooncake feature but not the ucx one.
     with pytest.raises(t.TransferError, match="not built in"):
-        t.Reader(backend="mooncake")
+        t.Reader(backend="ucx")
     # The holder dies: the next call says so, it does not hang.
     proc.kill()
     proc.wait()

@@ -1,7 +1,9 @@
 //! `connex-transfer-bench`: pulls of a hold between two processes on loopback,
 //! beside a plain TCP socket copy of the same bytes and a memcpy, in one run
-//! (`bench/run transfer` drives it). Prints GB/s, the ratios, and last the line
-//! `tcp_backend_vs_socket_ratio=<x>` (the worst block size). Blocks are
+//! (`bench/run transfer` drives it). Prints GB/s, the ratios, with mooncake
+//! `mooncake_vs_socket_ratio=<x>` and the tcp backend against Mooncake per
+//! block size, and last the line `tcp_backend_vs_socket_ratio=<x>` (each the
+//! worst block size). Blocks are
 //! scattered on both sides (reverse order in memory), as in a KV cache, so
 //! each block is its own buffer to the transport.
 
@@ -303,25 +305,50 @@ async fn run(args: Args) -> Result<(), String> {
         args.rounds
     );
     let mut worst_tcp = f64::INFINITY;
+    // Per block size: the tcp backend's and Mooncake's rates (Mooncake's TCP
+    // transport is the anchor the tcp backend is compared with).
+    let mut by_block: std::collections::BTreeMap<u64, (f64, f64)> = Default::default();
     for (target, rate) in targets.iter().zip(&rates) {
         let label = target.label();
         match target {
-            Target::Pull { kind, .. } => {
+            Target::Pull { kind, block, .. } => {
                 println!(
-                    "  {label:<28} {rate:6.2} GB/s   {:.2}x socket   {:.2}x memcpy",
+                    "  {label:<33} {rate:6.2} GB/s   {:.2}x socket   {:.2}x memcpy",
                     rate / socket,
                     rate / mem
                 );
-                if *kind == BackendKind::Tcp {
-                    worst_tcp = worst_tcp.min(rate / socket);
+                let pair = by_block.entry(*block).or_insert((f64::NAN, f64::NAN));
+                match kind {
+                    BackendKind::Tcp => {
+                        worst_tcp = worst_tcp.min(rate / socket);
+                        pair.0 = *rate;
+                    }
+                    BackendKind::Mooncake => pair.1 = *rate,
+                    BackendKind::Ucx => {}
                 }
             }
-            _ => println!("  {label:<28} {rate:6.2} GB/s"),
+            _ => println!("  {label:<33} {rate:6.2} GB/s"),
         }
     }
     for target in targets {
         let label = target.label();
         target.verify(&want).map_err(|e| format!("{label}: {e}"))?;
+    }
+    if args.backends.contains(&BackendKind::Mooncake) {
+        let worst = by_block
+            .values()
+            .map(|p| p.1 / socket)
+            .fold(f64::INFINITY, f64::min);
+        for (block, (tcp, mooncake)) in &by_block {
+            if tcp.is_finite() {
+                println!(
+                    "  tcp backend vs mooncake, {} KiB blocks: {:.2}x",
+                    block >> 10,
+                    tcp / mooncake
+                );
+            }
+        }
+        println!("mooncake_vs_socket_ratio={worst:.3}");
     }
     if worst_tcp.is_finite() {
         println!("tcp_backend_vs_socket_ratio={worst_tcp:.3}");

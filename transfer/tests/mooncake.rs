@@ -1,0 +1,103 @@
+//! What only the mooncake backend has to prove: Mooncake's C API cannot cancel
+//! a read, so a pull that gives up while its reads are in flight must keep its
+//! destination (no one may take or reuse the bytes) until the engine reports
+//! them ended, and then hand it back. The common stories are in conformance.rs.
+#![cfg(feature = "mooncake")]
+#![allow(clippy::unwrap_used)]
+
+use connex_transfer::{
+    BackendKind, BlockRef, ClientConfig, Reader, ReaderConfig, Region, TransferError,
+};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A mooncake holder process whose engine stops serving once a pull starts
+/// (its handshake still answers, so the reads are submitted and hang).
+struct StalledHolder(Child, String);
+
+impl StalledHolder {
+    fn start() -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_connex-transfer-holder"))
+            .args(["--backend", "mooncake", "--hold", "m:8:1048576"])
+            .args(["--stall-after-bytes", "0"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line.strip_prefix("ctrl ").expect("ctrl line").trim();
+        Self(child, addr.to_string())
+    }
+
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for StalledHolder {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_that_gave_up_keeps_its_destination_until_the_reads_end() {
+    let mut holder = StalledHolder::start();
+    let mut config = ReaderConfig::new(BackendKind::Mooncake);
+    config.client = ClientConfig {
+        io_timeout: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let reader = Reader::with_config(config).unwrap();
+    let region = reader
+        .register_region(Region::owned(vec![0u8; 8 << 20]))
+        .unwrap();
+    let dest: Vec<BlockRef> = (0..8)
+        .map(|b| BlockRef::new(region, (7 - b) << 20, 1 << 20))
+        .collect();
+
+    let err = reader.pull(&holder.1, "m", 0, &dest).await.unwrap_err();
+    // The reads were submitted (the segment opened) and never ended.
+    assert!(
+        matches!(
+            err,
+            TransferError::Timeout {
+                what: "waiting for mooncake reads",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    // The engine may still write into the destination: it is not handed out.
+    let busy = reader.take_region(region).unwrap_err();
+    assert!(
+        matches!(busy, TransferError::InvalidArgument(_)),
+        "{busy:?}"
+    );
+    assert!(
+        matches!(
+            reader.pull(&holder.1, "m", 0, &dest).await,
+            Err(TransferError::InvalidArgument(_))
+        ),
+        "a second pull into bytes still being read is refused"
+    );
+
+    // Once the holder is gone its reads fail, and the destination comes back.
+    holder.kill();
+    let killed = Instant::now();
+    let bytes = loop {
+        match reader.take_region(region) {
+            Ok(bytes) => break bytes,
+            Err(_) if killed.elapsed() < Duration::from_secs(5) => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(err) => panic!("destination still claimed after the holder died: {err}"),
+        }
+    };
+    assert_eq!(bytes.len(), 8 << 20);
+}
