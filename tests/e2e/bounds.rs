@@ -281,7 +281,7 @@ async fn an_accept_backlog_burst_costs_only_the_requests_that_could_not_connect(
     let target = d0.url.trim_start_matches("http://").parse().unwrap();
     let proxy = saturating_proxy(target, FLOWING).await;
     let registered = client()
-        .post(format!("{}/v1/instances", router.url))
+        .post(format!("{}/v1/instances", router.internal))
         .json(&json!({"role":"decode","url":proxy,"model":"mock","id":"d0"}))
         .send()
         .await

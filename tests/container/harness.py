@@ -1,0 +1,286 @@
+"""A Connex cluster of real containers, each its own host on private Docker networks.
+
+Two networks, so that a fault can cut one path and leave the others:
+- ``data``: routers and engines (requests, KV pulls, registration);
+- ``ctrl``: routers and the etcd members (membership).
+The client (this process) reaches the routers only through ports published on
+127.0.0.1; it never sends traffic to a container address.
+
+Images come from ``docker/build-images.sh`` (router, mock engine) and a small
+etcd image made here from the host's Debian etcd binary: nothing is pulled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+TAG = os.environ.get("CONNEX_IMAGE_TAG", "dev")
+ROUTER_IMAGE = f"connex-router:{TAG}"
+ENGINE_IMAGE = f"connex-engine:{TAG}"
+ETCD_IMAGE = f"connex-etcd:{TAG}"
+ADMIN_TOKEN = "container-admin-token"
+REGISTER_TOKEN = "container-register-token"
+TRANSFER_SECRET = "container-transfer-secret"
+LABEL = "connex-container-tier"
+
+
+class DockerError(RuntimeError):
+    pass
+
+
+def docker(*args: str, check: bool = True, timeout: float = 120) -> str:
+    """Runs the docker CLI and returns its stdout."""
+    done = subprocess.run(
+        ["docker", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if check and done.returncode != 0:
+        raise DockerError(f"docker {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def require_docker() -> None:
+    """Fails (never skips) when no Docker daemon answers: every machine of the project has one."""
+    try:
+        docker("info", "--format", "{{.ServerVersion}}", timeout=30)
+    except (DockerError, FileNotFoundError, subprocess.TimeoutExpired) as err:
+        raise RuntimeError(
+            "the container tier needs a running Docker daemon (`docker info` failed): "
+            f"{err}. Start dockerd; this tier is part of tests/run and is never skipped."
+        ) from err
+
+
+def build_images() -> None:
+    """Router and engine images from the host's binaries, and the etcd image."""
+    subprocess.run([str(ROOT / "docker" / "build-images.sh")], check=True, cwd=ROOT)
+    if subprocess.run(["docker", "image", "inspect", ETCD_IMAGE], capture_output=True).returncode:
+        etcd = shutil.which("etcd")
+        if etcd is None:
+            raise RuntimeError(
+                "the host has no etcd binary (Debian etcd-server; tests/run installs it)"
+            )
+        with tempfile.TemporaryDirectory() as ctx:
+            shutil.copy(etcd, Path(ctx) / "etcd")
+            dockerfile = ROOT / "tests" / "container" / "etcd.Dockerfile"
+            subprocess.run(
+                ["docker", "build", "--quiet", "-f", str(dockerfile), "-t", ETCD_IMAGE, ctx],
+                check=True,
+                capture_output=True,
+                env={**os.environ, "DOCKER_BUILDKIT": "0"},
+            )
+
+
+def published_port(container: str, port: int) -> int:
+    out = docker("port", container, f"{port}/tcp")
+    # e.g. "127.0.0.1:49153"
+    return int(out.splitlines()[0].rsplit(":", 1)[1])
+
+
+def wait_for(what: str, check, timeout: float = 30.0, interval: float = 0.1):
+    """Polls `check` until it returns a truthy value; fails with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except (OSError, httpx.HTTPError, urllib.error.URLError, ValueError) as err:
+            last_error = err
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what} (last error: {last_error})")
+
+
+@dataclass
+class RouterHandle:
+    name: str
+    url: str
+    internal_url: str
+
+    def get_json(self, path: str, internal: bool = False, timeout: float = 5) -> tuple[int, dict]:
+        base = self.internal_url if internal else self.url
+        request = urllib.request.Request(
+            base + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                return reply.status, json.load(reply)
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+
+    def refresh(self) -> None:
+        """Re-reads the published ports (a restarted container may get new ones)."""
+        self.url = f"http://127.0.0.1:{published_port(self.name, 8000)}"
+        self.internal_url = f"http://127.0.0.1:{published_port(self.name, 8001)}"
+
+    def instance_ids(self, state: str = "ready") -> set[str]:
+        _, body = self.get_json("/admin/instances", internal=True)
+        return {i["id"] for i in body.get("data", []) if i.get("state") == state}
+
+
+@dataclass
+class Cluster:
+    """Names every container and network it made, and removes them all on close."""
+
+    prefix: str = field(default_factory=lambda: f"cx{secrets.token_hex(3)}")
+    containers: list[str] = field(default_factory=list)
+    networks: list[str] = field(default_factory=list)
+    routers: list[RouterHandle] = field(default_factory=list)
+    etcd_members: list[str] = field(default_factory=list)
+
+    # -- networks and containers ------------------------------------------------
+    def network(self, role: str) -> str:
+        name = f"{self.prefix}-{role}"
+        docker("network", "create", "--label", LABEL, name)
+        self.networks.append(name)
+        return name
+
+    def run(
+        self, name: str, image: str, networks: list[str], *args: str, publish=(), aliases=()
+    ) -> str:
+        full = f"{self.prefix}-{name}"
+        cmd = ["run", "-d", "--name", full, "--hostname", name, "--label", LABEL]
+        cmd += ["--network", networks[0], "--network-alias", name]
+        for alias in aliases:
+            cmd += ["--network-alias", alias]
+        for port in publish:
+            cmd += ["-p", f"127.0.0.1::{port}"]
+        cmd += [image, *args]
+        docker(*cmd)
+        self.containers.append(full)
+        for extra in networks[1:]:
+            docker("network", "connect", "--alias", name, extra, full)
+        return full
+
+    def close(self) -> None:
+        for name in reversed(self.containers):
+            docker("rm", "-f", "-v", name, check=False)
+        for name in self.networks:
+            docker("network", "rm", name, check=False)
+
+    def logs(self) -> str:
+        out = []
+        for name in self.containers:
+            done = subprocess.run(
+                ["docker", "logs", "--tail", "40", name], capture_output=True, text=True
+            )
+            out.append(f"--- {name}\n{done.stdout}{done.stderr}")
+        return "\n".join(out)
+
+    # -- the parts ----------------------------------------------------------------
+    def start_etcd(self, ctrl: str, members: int = 3) -> list[str]:
+        names = [f"etcd{i}" for i in range(1, members + 1)]
+        initial = ",".join(f"{n}=http://{n}:2380" for n in names)
+        for name in names:
+            self.run(
+                name,
+                ETCD_IMAGE,
+                [ctrl],
+                "--name", name,
+                "--data-dir", "/tmp/etcd",
+                "--listen-client-urls", "http://0.0.0.0:2379",
+                "--advertise-client-urls", f"http://{name}:2379",
+                "--listen-peer-urls", "http://0.0.0.0:2380",
+                "--initial-advertise-peer-urls", f"http://{name}:2380",
+                "--initial-cluster", initial,
+                "--initial-cluster-state", "new",
+                "--initial-cluster-token", self.prefix,
+            )  # fmt: skip
+        self.etcd_members = [f"{self.prefix}-{n}" for n in names]
+        return names
+
+    def start_router(
+        self, name: str, data: str, ctrl: str, etcd: list[str], *extra: str
+    ) -> RouterHandle:
+        endpoints = ",".join(f"http://{n}:2379" for n in etcd)
+        full = self.run(
+            name,
+            ROUTER_IMAGE,
+            [data, ctrl],
+            "serve",
+            "--listen", "0.0.0.0:8000",
+            "--internal-listen", "0.0.0.0:8001",
+            "--admin-token", ADMIN_TOKEN,
+            "--register-token", REGISTER_TOKEN,
+            "--transfer-secret", TRANSFER_SECRET,
+            "--expose-instance-headers",
+            "--etcd", endpoints,
+            "--heartbeat-ttl-s", "5",
+            "--stall-timeout-ms", "1500",
+            *extra,
+            publish=(8000, 8001),
+            # Engines register through "routers", as through the chart's
+            # internal Service: any live replica answers.
+            aliases=("routers",),
+        )  # fmt: skip
+        handle = RouterHandle(
+            name=full,
+            url=f"http://127.0.0.1:{published_port(full, 8000)}",
+            internal_url=f"http://127.0.0.1:{published_port(full, 8001)}",
+        )
+        self.routers.append(handle)
+        wait_for(f"{full} health", lambda: handle.get_json("/health")[0] == 200)
+        return handle
+
+    def start_engine(self, name: str, role: str, data: str, *faults: str) -> str:
+        # The engine binds its container address (not 0.0.0.0), so that the
+        # URL and the hold address it announces are the ones its peers reach.
+        script = (
+            'exec connex-mock-engine --listen "$(hostname -i | cut -d" " -f1):8100" '
+            f"--id {name} --role {role} --model mock --router http://routers:8001 "
+            f"--register-token {REGISTER_TOKEN} --transfer-secret {TRANSFER_SECRET} "
+            "--decode-us-per-token 25000 " + " ".join(faults)
+        )
+        full = f"{self.prefix}-{name}"
+        docker(
+            "run", "-d", "--name", full, "--hostname", name, "--label", LABEL,
+            "--network", data, "--network-alias", name,
+            "--entrypoint", "/bin/sh", ENGINE_IMAGE, "-c", script,
+        )  # fmt: skip
+        self.containers.append(full)
+        return full
+
+    def pid(self, container: str) -> int:
+        return int(docker("inspect", "--format", "{{.State.Pid}}", container))
+
+    def address(self, container: str, network: str) -> str:
+        fmt = '{{(index .NetworkSettings.Networks "' + network + '").IPAddress}}'
+        return docker("inspect", "--format", fmt, container)
+
+
+def stream_completion(
+    router: RouterHandle, prompt: str, max_tokens: int, on_token=None, timeout=60.0
+):
+    """Streams a completion; returns (text, finish_reason, headers, error events)."""
+    body = {"model": "mock", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    text, finish, errors = [], None, []
+    with httpx.Client(timeout=timeout) as client:
+        with client.stream("POST", f"{router.url}/v1/completions", json=body) as reply:
+            headers = dict(reply.headers)
+            if reply.status_code != 200:
+                raise AssertionError(f"HTTP {reply.status_code}: {reply.read()!r}")
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event["error"])
+                    continue
+                for choice in event.get("choices", []):
+                    text.append(choice.get("text", ""))
+                    finish = choice.get("finish_reason") or finish
+                if on_token is not None:
+                    on_token(len(text), headers)
+    return "".join(text), finish, headers, errors
