@@ -21,7 +21,7 @@ mod batch;
 mod engine;
 mod stall;
 
-use super::{Backend, Exposure, Fetch, Role};
+use super::{Backend, Exposure, Fetch, PullFence, Role};
 use crate::config::BackendKind;
 use crate::error::{Result, TransferError};
 use crate::region::{DestSpan, RegionEntry};
@@ -195,7 +195,7 @@ impl Backend for MooncakeBackend {
             let segment = self.segment(&name, job.io_timeout).await?;
             let inflight = Inflight::submit(self.engine.clone(), segment, reads)?;
             let mut batch = Batch::new(inflight, reaper.sender());
-            let outcome = wait(batch.get(), job.io_timeout).await;
+            let outcome = wait(batch.get(), job.io_timeout, job.deadline, &job.fence).await;
             if outcome.is_err() {
                 self.forget_segment(&name);
             }
@@ -223,9 +223,18 @@ enum Wait {
     Stuck(Duration),
 }
 
-/// Polls `batch` until every request ended, or none ended for `io`. Busy at
-/// first (small pulls end in microseconds), then in 1 ms naps.
-async fn wait(batch: &mut Inflight, io: Duration) -> Result<u32, Wait> {
+/// Polls `batch` until every request ended, none ended for `io`, the pull's
+/// `deadline` passed or its `fence` was cut. Busy at first (small pulls end in
+/// microseconds), then in 1 ms naps. Mooncake cannot cancel a read: on a
+/// timeout the batch's unfinished requests (and their destinations) go to the
+/// reaper, which releases them only once the engine reports them ended.
+async fn wait(
+    batch: &mut Inflight,
+    io: Duration,
+    deadline: Instant,
+    fence: &PullFence,
+) -> Result<u32, Wait> {
+    let started = Instant::now();
     let mut last_progress = Instant::now();
     let mut idle_polls = 0u32;
     loop {
@@ -244,6 +253,9 @@ async fn wait(batch: &mut Inflight, io: Duration) -> Result<u32, Wait> {
                 Some((task, status)) => Wait::Failed(task, status, batch.requests()),
                 None => Wait::Stuck(io),
             });
+        }
+        if fence.is_cut() || Instant::now() >= deadline {
+            return Err(Wait::Stuck(started.elapsed()));
         }
         idle_polls += 1;
         if idle_polls < 64 {
