@@ -174,11 +174,7 @@ async fn churn_loses_no_stream_while_a_live_decoder_exists() {
                     .text()
                     .await
                     .unwrap();
-                let chunks: Vec<Value> = connex_router::sse::SseParser::default()
-                    .push(text.as_bytes())
-                    .iter()
-                    .map(|d| serde_json::from_slice(d).unwrap_or(json!("[DONE]")))
-                    .collect();
+                let chunks = sse_events(&text);
                 (prompt, chunks)
             })
         })
@@ -303,11 +299,7 @@ async fn an_accept_backlog_burst_costs_only_the_requests_that_could_not_connect(
                 .text()
                 .await
                 .unwrap();
-            let chunks: Vec<Value> = connex_router::sse::SseParser::default()
-                .push(text.as_bytes())
-                .iter()
-                .map(|d| serde_json::from_slice(d).unwrap_or(json!("[DONE]")))
-                .collect();
+            let chunks = sse_events(&text);
             (prompt, chunks)
         })
     };

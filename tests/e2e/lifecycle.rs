@@ -11,19 +11,6 @@ use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-/// Parses an SSE body into its `data:` payloads.
-fn events(text: &str) -> Vec<Value> {
-    let mut parser = connex_router::sse::SseParser::default();
-    parser
-        .push(text.as_bytes())
-        .iter()
-        .map(|data| {
-            serde_json::from_slice(data)
-                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(data).into()))
-        })
-        .collect()
-}
-
 /// Starts a stream and returns once its response headers are in.
 async fn open_stream(router: &Proc, max_tokens: u32) -> reqwest::Response {
     let response = client()
@@ -92,7 +79,7 @@ async fn sigterm_lets_50_streams_finish_and_takes_no_new_connections() {
     })
     .await;
     for task in tasks {
-        let chunks = events(&task.await.unwrap());
+        let chunks = sse_events(&task.await.unwrap());
         assert_eq!(chunks.last().unwrap(), "[DONE]");
         assert!(
             chunks.iter().all(|c| c.get("error").is_none()),
@@ -127,7 +114,7 @@ async fn streams_past_the_grace_end_with_an_error_event() {
         let reply = probe.get(format!("{url}/ready")).send().await;
         let _ = ready_tx.send(reply.map(|r| r.status().as_u16()).ok());
     });
-    let chunks = events(&response.text().await.unwrap());
+    let chunks = sse_events(&response.text().await.unwrap());
     let took = started.elapsed();
     assert!(took < Duration::from_secs(8), "cut after {took:?}");
     assert_eq!(chunks.last().unwrap(), "[DONE]");

@@ -970,11 +970,7 @@ async fn chaos_every_stream_completes_while_decoders_die_and_return() {
                     .await
                     .unwrap();
                 let text = response.text().await.unwrap();
-                let chunks: Vec<Value> = connex_router::sse::SseParser::default()
-                    .push(text.as_bytes())
-                    .iter()
-                    .map(|d| serde_json::from_slice(d).unwrap_or(json!("[DONE]")))
-                    .collect();
+                let chunks = sse_events(&text);
                 (prompt, chunks)
             })
         })

@@ -197,8 +197,13 @@ pub async fn stream(router: &Proc, path: &str, body: &Value) -> Vec<Value> {
         .expect("post");
     assert_eq!(response.status().as_u16(), 200, "stream status");
     let text = response.text().await.expect("stream body");
-    let mut parser = connex_router::sse::SseParser::default();
-    parser
+    sse_events(&text)
+}
+
+/// Every `data:` payload of an SSE body, parsed (one that is not JSON, such as
+/// the final `[DONE]`, as its text).
+pub fn sse_events(text: &str) -> Vec<Value> {
+    connex_router::sse::SseParser::default()
         .push(text.as_bytes())
         .iter()
         .map(|data| {
