@@ -132,15 +132,25 @@ async fn a_1_gib_error_body_reaches_the_client_as_a_bounded_openai_error() {
 }
 
 /// The churn: 48 greedy streams while a decoder is SIGKILLed and
-/// replaced (by a new one, registered first) every half second, 4 live
+/// replaced (by a new one, registered first) every half second or so, 4 live
 /// decoders at any time. Killed decoders stay listed until their connection is
 /// refused, a probe or the TTL catches up; connects that fail on them are not
 /// resumes, so no stream runs out of `--max-resumes`.
+///
+/// The cadence follows the streams' progress, not the wall clock: a kill waits
+/// until every live stream has received `TOKENS / 3` more tokens since the
+/// last one, so no stream lives through more than 3 kills (each a real resume)
+/// however slow the machine is. A wall-clock cadence let a stream slowed by a
+/// loaded CI machine be hit by 4 kills, which `--max-resumes 3` rightly fails.
+/// Streams start staggered so that kills go on for the whole run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn churn_loses_no_stream_while_a_live_decoder_exists() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
     const STREAMS: usize = 48;
     const TOKENS: usize = 48;
-    let router = router(&["--heartbeat-ttl-s", "3"]);
+    const TOKENS_BETWEEN_KILLS: usize = TOKENS / 3 + 1;
+    let router = router(&["--heartbeat-ttl-s", "3", "--max-resumes", "3"]);
     let prefill = engine(Some(&router), "prefill", &[]);
     let flags = |id: &str| {
         vec![
@@ -157,12 +167,23 @@ async fn churn_loses_no_stream_while_a_live_decoder_exists() {
     };
     let mut decoders: Vec<Proc> = (0..4).map(|i| start(format!("d{i}"))).collect();
     wait_ready(&router, 5).await;
+    // Tokens each stream's client has received so far (whole SSE events
+    // only), or NOT_STARTED before its request is sent.
+    const NOT_STARTED: usize = usize::MAX;
+    let progress: Arc<Vec<AtomicUsize>> = Arc::new(
+        (0..STREAMS)
+            .map(|_| AtomicUsize::new(NOT_STARTED))
+            .collect(),
+    );
     let streams: Vec<_> = (0..STREAMS)
         .map(|i| {
             let url = router.url.clone();
+            let progress = progress.clone();
             tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100 * i as u64)).await;
                 let prompt = format!("churn stream {i}");
-                let text = reqwest::Client::builder()
+                progress[i].store(0, Ordering::SeqCst);
+                let mut response = reqwest::Client::builder()
                     .timeout(Duration::from_secs(90))
                     .build()
                     .unwrap()
@@ -170,19 +191,49 @@ async fn churn_loses_no_stream_while_a_live_decoder_exists() {
                     .json(&body(&prompt, TOKENS))
                     .send()
                     .await
-                    .unwrap()
-                    .text()
-                    .await
                     .unwrap();
-                let chunks = sse_events(&text);
-                (prompt, chunks)
+                let mut text = String::new();
+                while let Some(bytes) = response.chunk().await.unwrap() {
+                    text.push_str(&String::from_utf8_lossy(&bytes));
+                    progress[i].store(
+                        streamed_token_ids(&sse_events(&text)).len(),
+                        Ordering::SeqCst,
+                    );
+                }
+                (prompt, sse_events(&text))
             })
         })
         .collect();
+    // Per stream, the tokens it had when it was live (started, unfinished).
+    let live_progress = |streams: &[tokio::task::JoinHandle<_>]| -> Vec<Option<usize>> {
+        streams
+            .iter()
+            .zip(progress.iter())
+            .map(|(s, p)| {
+                let tokens = p.load(Ordering::SeqCst);
+                (tokens != NOT_STARTED && !s.is_finished()).then_some(tokens)
+            })
+            .collect()
+    };
     let mut rng_state: u64 = 20261203;
     let mut next = 4;
     let mut kills = 0;
+    let mut at_last_kill = live_progress(&streams);
     while streams.iter().any(|s| !s.is_finished()) && kills < 30 {
+        // Every stream live at the last kill has moved on by
+        // TOKENS_BETWEEN_KILLS tokens since, or ended.
+        let now = live_progress(&streams);
+        let moved_on = at_last_kill
+            .iter()
+            .zip(&now)
+            .all(|(then, now)| match (then, now) {
+                (Some(then), Some(now)) => *now >= then + TOKENS_BETWEEN_KILLS,
+                _ => true,
+            });
+        if !moved_on {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
         // The replacement first: 4 live decoders at any time.
         let replacement = start(format!("d{next}"));
         next += 1;
@@ -202,17 +253,17 @@ async fn churn_loses_no_stream_while_a_live_decoder_exists() {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         let victim = (rng_state >> 33) as usize % decoders.len();
+        at_last_kill = live_progress(&streams);
         decoders[victim].kill();
         decoders[victim] = replacement;
         kills += 1;
-        tokio::time::sleep(Duration::from_millis(500)).await;
     }
     assert!(kills >= 3, "the streams ended before the churn began");
     for stream in streams {
         let (prompt, chunks) = stream.await.unwrap();
         assert!(
             chunks.iter().all(|c| c.get("error").is_none()),
-            "{prompt}: {chunks:?}"
+            "{prompt} after {kills} kills: {chunks:?}"
         );
         assert_eq!(
             streamed_token_ids(&chunks),
