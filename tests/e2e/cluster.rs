@@ -129,6 +129,20 @@ async fn an_instance_registered_on_a_is_routable_through_b_within_a_second() {
     assert_eq!(engine_requests(&decode).await.len(), 1);
 }
 
+/// Registrations of one new id racing through both replicas: etcd's
+/// transaction lets exactly one win.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_first_registrations_through_two_replicas_have_one_winner() {
+    let etcd = Etcd::start();
+    let a = replica(&etcd.url, "/race", 10);
+    let b = replica(&etcd.url, "/race", 10);
+    wait_connected(&a).await;
+    wait_connected(&b).await;
+    for round in 0..3 {
+        race_first_registrations(&[&a, &b], &format!("contested-{round}"), 16).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_on_b_stops_new_traffic_on_a_and_migrate_reaches_a() {
     let etcd = Etcd::start();

@@ -110,9 +110,18 @@ async fn streams_past_the_grace_end_with_an_error_event() {
     assert_eq!(status, 200);
     let started = Instant::now();
     router.signal("TERM");
+    // The signal is delivered asynchronously: probe on the kept-alive
+    // connection until the answer is not 200, and note when.
     tokio::spawn(async move {
-        let reply = probe.get(format!("{url}/ready")).send().await;
-        let _ = ready_tx.send(reply.map(|r| r.status().as_u16()).ok());
+        loop {
+            let reply = probe.get(format!("{url}/ready")).send().await;
+            let status = reply.map(|r| r.status().as_u16()).ok();
+            if status != Some(200) || started.elapsed() > Duration::from_secs(5) {
+                let _ = ready_tx.send((status, started.elapsed()));
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     });
     let chunks = sse_events(&response.text().await.unwrap());
     let took = started.elapsed();
@@ -124,8 +133,14 @@ async fn streams_past_the_grace_end_with_an_error_event() {
         .expect("an error event at the cut");
     assert!(error["message"].as_str().unwrap().contains("shutting down"));
     assert!(streamed_token_ids(&chunks).len() < 400);
-    // The kept-alive probe connection was told 503 (or closed): not 200.
-    assert_ne!(ready_rx.await.unwrap(), Some(200));
+    // The kept-alive probe connection was told 503 (or closed), while the
+    // stream still flowed: at once, not at the end of the grace.
+    let (status, when) = ready_rx.await.unwrap();
+    assert_ne!(status, Some(200));
+    assert!(
+        when < took,
+        "/ready still 200 after {when:?}; stream cut at {took:?}"
+    );
     wait_exit(&mut router, Duration::from_secs(10)).await;
     // The cut stream's hold was released, not left to its lease.
     eventually(

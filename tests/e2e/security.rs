@@ -137,6 +137,17 @@ async fn a_live_instance_cannot_be_hijacked_by_re_registration() {
         .is_some_and(|c| c.len() >= 32));
 }
 
+/// Two registrants racing for one new id: a check followed by a write let
+/// both win, the later silently replacing the earlier (whose engine then got
+/// 403 on every heartbeat while the other took its traffic).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_first_registrations_of_one_id_have_one_winner() {
+    let router = router(&[]);
+    for round in 0..5 {
+        race_first_registrations(&[&router], &format!("contested-{round}"), 16).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_credential_lets_its_holder_back_in_and_an_expired_id_is_free() {
     let router = router(&[

@@ -4,7 +4,7 @@
 
 use super::status::{Connectivity, StoreStatus};
 use super::view::View;
-use super::{Instance, Lifecycle, Registration, RegistryError, Store};
+use super::{Instance, Lifecycle, Registration, RegistryError, Replace, Store};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use std::sync::Arc;
@@ -18,6 +18,8 @@ pub struct MemoryStore {
     /// How long an expired instance stays listed.
     grace: Duration,
     connectivity: Connectivity,
+    /// Serializes registrations (see [`Replace`]).
+    registering: std::sync::Mutex<()>,
 }
 
 impl MemoryStore {
@@ -27,16 +29,33 @@ impl MemoryStore {
             ttl,
             grace,
             connectivity: Connectivity::new("memory", true),
+            registering: std::sync::Mutex::new(()),
         }
     }
 }
 
 impl Store for MemoryStore {
-    fn register(&self, reg: Registration) -> BoxFuture<'_, Result<Arc<Instance>, RegistryError>> {
+    fn register(
+        &self,
+        mut reg: Registration,
+        replace: Replace,
+    ) -> BoxFuture<'_, Result<Arc<Instance>, RegistryError>> {
         let id = reg.id_or_new();
-        let revision = self.view.next_revision();
-        let instance = self.view.put(id, reg, Lifecycle::Ready, 0, revision);
-        async move { Ok(instance) }.boxed()
+        // Check and write as one step: registrations are rare, a lock is cheap.
+        let result = {
+            let _one_at_a_time = self.registering.lock().unwrap_or_else(|p| p.into_inner());
+            let held = self.view.get(&id).filter(|i| self.view.is_live(i));
+            let fresh = reg.credential.clone().unwrap_or_default();
+            match replace.resolve(held.as_deref().map(Instance::credential), &fresh) {
+                Some(credential) => {
+                    reg.credential = Some(credential);
+                    let revision = self.view.next_revision();
+                    Ok(self.view.put(id, reg, Lifecycle::Ready, 0, revision))
+                }
+                None => Err(RegistryError::Taken(id)),
+            }
+        };
+        async move { result }.boxed()
     }
 
     fn heartbeat<'a>(

@@ -315,8 +315,15 @@ pub enum RegistryError {
 
 /// Where membership writes go; reads always come from the local view.
 pub trait Store: Send + Sync {
-    /// Adds (or re-registers) an instance; it is `Ready` afterwards.
-    fn register(&self, reg: Registration) -> BoxFuture<'_, Result<Arc<Instance>, RegistryError>>;
+    /// Adds (or re-registers) an instance; it is `Ready` afterwards. What it
+    /// may replace is checked in the same step as the write ([`Replace`]), so
+    /// that two registrations of one id cannot both win; `reg.credential` is
+    /// the fresh credential a vacant id gets.
+    fn register(
+        &self,
+        reg: Registration,
+        replace: Replace,
+    ) -> BoxFuture<'_, Result<Arc<Instance>, RegistryError>>;
     /// Refreshes an instance's liveness. `false` when it is unknown (or its lease
     /// has expired): the instance should register again.
     /// The caller checked `credential` against the local view; a backend that
@@ -389,6 +396,35 @@ pub enum Claim<'a> {
     Admin,
     /// A registrant, with the credential it was given, if any.
     Registrant(Option<&'a str>),
+}
+
+/// What a registration may replace under its id. The store decides in the
+/// same step as its write (a lock for memory, an etcd transaction), because a
+/// check followed by a write lets two first registrations of one id both
+/// succeed, the later silently replacing the earlier.
+#[derive(Debug, Clone)]
+pub enum Replace {
+    /// A vacant or expired id only (a registrant without a credential).
+    Vacant,
+    /// A vacant or expired id, or a live one holding this credential.
+    Holder(String),
+    /// Anything (the admin API); the instance gets a new credential.
+    Anything,
+}
+
+impl Replace {
+    /// The credential the registration writes, given the credential of the
+    /// live record under its id (`None`: vacant or expired): the holder keeps
+    /// its own, a vacant id gets `fresh`. `None` when it may not replace.
+    pub(crate) fn resolve(&self, held: Option<&str>, fresh: &str) -> Option<String> {
+        match (self, held) {
+            (Replace::Anything, _) | (_, None) => Some(fresh.to_string()),
+            (Replace::Holder(given), Some(held)) if credential_matches(held, Some(given)) => {
+                Some(held.to_string())
+            }
+            _ => None,
+        }
+    }
 }
 
 /// The membership of one router: the local view plus the store behind it.
@@ -476,20 +512,6 @@ impl Registry {
         mut reg: Registration,
         claim: Claim<'_>,
     ) -> Result<(Arc<Instance>, String), RegistryError> {
-        let current = reg
-            .id
-            .as_deref()
-            .and_then(|id| self.view.get(id))
-            .filter(|i| self.view.is_live(i));
-        let credential = match (&current, claim) {
-            (Some(current), Claim::Registrant(given)) => {
-                if !current.credential_matches(given) {
-                    return Err(RegistryError::Taken(current.id.clone()));
-                }
-                current.credential().to_string()
-            }
-            _ => new_credential(),
-        };
         let known = reg
             .id
             .as_deref()
@@ -497,8 +519,14 @@ impl Registry {
         if !known && self.view.len() >= self.max_instances {
             return Err(RegistryError::Full(self.max_instances));
         }
-        reg.credential = Some(credential.clone());
-        let instance = self.store.register(reg).await?;
+        let replace = match claim {
+            Claim::Admin => Replace::Anything,
+            Claim::Registrant(Some(given)) => Replace::Holder(given.to_string()),
+            Claim::Registrant(None) => Replace::Vacant,
+        };
+        reg.credential = Some(new_credential());
+        let instance = self.store.register(reg, replace).await?;
+        let credential = instance.credential().to_string();
         Ok((instance, credential))
     }
 

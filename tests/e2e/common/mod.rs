@@ -574,3 +574,56 @@ pub async fn post_internal(
     let status = response.status().as_u16();
     (status, response.json().await.unwrap_or(Value::Null))
 }
+
+/// Sends `n` registrations of the one new id `id` at once, each for its own
+/// URL, spread over `routers` (replicas): exactly one may win. Checks that one
+/// did, that the others got 409, and that the id points at the winner's URL
+/// with the winner's credential. Returns the winner's URL.
+pub async fn race_first_registrations(routers: &[&Proc], id: &str, n: usize) -> String {
+    let attempts = (0..n).map(|i| {
+        let router = routers[i % routers.len()];
+        let url = format!("http://127.0.0.1:{}", 20000 + i);
+        async move {
+            let body = serde_json::json!({"id": id, "role": "decode", "url": url, "model": "mock"});
+            let (status, reply) = post_internal(router, "/v1/instances", &body, None).await;
+            (url, status, reply)
+        }
+    });
+    let results = futures_util::future::join_all(attempts).await;
+    let winners: Vec<_> = results.iter().filter(|(_, s, _)| *s < 300).collect();
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one first registration wins: {results:?}"
+    );
+    assert!(
+        results.iter().all(|(_, s, _)| *s < 300 || *s == 409),
+        "the others are told the id is taken: {results:?}"
+    );
+    let (url, _, reply) = winners[0];
+    let credential = reply["credential"]
+        .as_str()
+        .expect("the winner's credential");
+    for router in routers {
+        eventually(
+            Duration::from_secs(5),
+            "the id points at the winner",
+            || async {
+                instances(router)
+                    .await
+                    .iter()
+                    .any(|i| i["id"] == id && i["url"] == url.as_str())
+            },
+        )
+        .await;
+        let (status, _) = post_internal(
+            router,
+            &format!("/v1/instances/{id}/heartbeat"),
+            &serde_json::json!({}),
+            Some(credential),
+        )
+        .await;
+        assert_eq!(status, 200, "the winner's credential keeps its id alive");
+    }
+    url.clone()
+}

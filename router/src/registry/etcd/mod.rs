@@ -13,7 +13,7 @@ pub mod watch;
 
 use super::status::{Connectivity, StoreStatus};
 use super::view::View;
-use super::{EtcdConfig, Instance, Lifecycle, Registration, RegistryError, Store};
+use super::{EtcdConfig, Instance, Lifecycle, Registration, RegistryError, Replace, Store};
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, KeyValue, PutOptions, Txn, TxnOp};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
@@ -152,33 +152,66 @@ impl EtcdStore {
         )))
     }
 
-    async fn do_register(&self, reg: Registration) -> Result<Arc<Instance>, RegistryError> {
+    async fn do_register(
+        &self,
+        mut reg: Registration,
+        replace: Replace,
+    ) -> Result<Arc<Instance>, RegistryError> {
         let id = reg.id_or_new();
-        let record = Record::new(id.clone(), &reg, State::Ready);
+        let key = self.key(&id);
+        let fresh = reg.credential.clone().unwrap_or_default();
         let ttl = i64::try_from(self.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         let mut client = self.client.clone();
         let lease = self
             .call("lease grant", client.lease_grant(ttl, None))
             .await?
             .id();
-        let options = PutOptions::new().with_lease(lease).with_prev_key();
-        let reply = self
-            .call(
-                "put",
-                client.put(self.key(&id), record.to_json(), Some(options)),
-            )
-            .await?;
-        let revision = reply.header().map_or(0, |h| h.revision());
-        // A re-registration leaves the previous lease with no key: let it go now
-        // rather than at its expiry.
-        if let Some(old) = reply.prev_key().map(|kv| kv.lease()) {
-            if old != 0 && old != lease {
-                let _ = self.call("lease revoke", client.lease_revoke(old)).await;
+        for _ in 0..CAS_ATTEMPTS {
+            // What is under the id now decides what may be written; the write
+            // happens only if it is still what was read (any replica may be
+            // registering the same id at the same moment).
+            let reply = self.call("get", client.get(key.clone(), None)).await?;
+            let current = reply.kvs().first().cloned();
+            let held = current
+                .as_ref()
+                .and_then(|kv| serde_json::from_slice::<Record>(kv.value()).ok())
+                .filter(|record| record.state != State::Removed)
+                .map(|record| record.credential.unwrap_or_default());
+            let Some(credential) = replace.resolve(held.as_deref(), &fresh) else {
+                let _ = self.call("lease revoke", client.lease_revoke(lease)).await;
+                return Err(RegistryError::Taken(id));
+            };
+            reg.credential = Some(credential);
+            let record = Record::new(id.clone(), &reg, State::Ready);
+            let unchanged = match &current {
+                Some(kv) => Compare::mod_revision(key.clone(), CompareOp::Equal, kv.mod_revision()),
+                None => Compare::version(key.clone(), CompareOp::Equal, 0),
+            };
+            let txn = Txn::new().when([unchanged]).and_then([TxnOp::put(
+                key.clone(),
+                record.to_json(),
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+            let reply = self.call("txn", client.txn(txn)).await?;
+            if !reply.succeeded() {
+                continue;
             }
+            let revision = reply.header().map_or(0, |h| h.revision());
+            // A re-registration leaves the previous lease with no key: let it
+            // go now rather than at its expiry.
+            if let Some(old) = current.map(|kv| kv.lease()) {
+                if old != 0 && old != lease {
+                    let _ = self.call("lease revoke", client.lease_revoke(old)).await;
+                }
+            }
+            return Ok(self
+                .view
+                .put(id, record.registration(), Lifecycle::Ready, lease, revision));
         }
-        Ok(self
-            .view
-            .put(id, record.registration(), Lifecycle::Ready, lease, revision))
+        let _ = self.call("lease revoke", client.lease_revoke(lease)).await;
+        Err(RegistryError::Unavailable(format!(
+            "instance `{id}` kept changing; try again"
+        )))
     }
 
     /// Refreshes a lease; `false` when it has expired (its key is gone).
@@ -293,8 +326,12 @@ fn secure(
 }
 
 impl Store for EtcdStore {
-    fn register(&self, reg: Registration) -> BoxFuture<'_, Result<Arc<Instance>, RegistryError>> {
-        self.do_register(reg).boxed()
+    fn register(
+        &self,
+        reg: Registration,
+        replace: Replace,
+    ) -> BoxFuture<'_, Result<Arc<Instance>, RegistryError>> {
+        self.do_register(reg, replace).boxed()
     }
 
     fn heartbeat<'a>(
