@@ -53,6 +53,14 @@ pub(crate) struct MooncakeBackend {
     reaper: Option<Reaper>,
 }
 
+impl Drop for MooncakeBackend {
+    fn drop(&mut self) {
+        // Parked engine threads wake before the engine (dropped with the
+        // fields, after this) joins them.
+        drop(self.stall.take());
+    }
+}
+
 #[derive(Default)]
 struct Segments {
     open: HashMap<String, sys::segment_id_t>,

@@ -14,17 +14,27 @@
 #![allow(unsafe_code)]
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 
-static PARKED: AtomicBool = AtomicBool::new(false);
+/// Threads told to stay parked, by thread id (0: a free slot). Per thread,
+/// not one flag: holders of several tests share a process, and one holder
+/// stopping must not wake another's parked threads.
+static PARKED: [AtomicI32; 256] = [const { AtomicI32::new(0) }; 256];
+
+fn is_parked(tid: libc::pid_t) -> bool {
+    PARKED
+        .iter()
+        .any(|slot| slot.load(Ordering::Relaxed) == tid)
+}
 
 extern "C" fn park(_signal: libc::c_int) {
     let nap = libc::timespec {
         tv_sec: 0,
         tv_nsec: 10_000_000,
     };
-    while PARKED.load(Ordering::Relaxed) {
-        // SAFETY: nanosleep is async-signal-safe; the pointer is to a local.
+    // SAFETY: gettid and nanosleep are async-signal-safe; the pointer is to a local.
+    let tid = unsafe { libc::gettid() };
+    while is_parked(tid) {
         unsafe { libc::nanosleep(&nap, std::ptr::null_mut()) };
     }
 }
@@ -54,7 +64,22 @@ impl EngineThreads {
     /// process is killed or exits).
     pub(crate) fn park(&self) {
         let signal = libc::SIGRTMIN() + 5;
-        PARKED.store(true, Ordering::Relaxed);
+        let data_threads: Vec<libc::pid_t> = self
+            .0
+            .iter()
+            .copied()
+            .filter(|&tid| !in_accept(tid))
+            .collect();
+        for &tid in &data_threads {
+            let free = PARKED.iter().find(|slot| {
+                slot.compare_exchange(0, tid, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+            });
+            if free.is_none() {
+                tracing::error!("mooncake stall fault: too many parked threads");
+                return;
+            }
+        }
         // SAFETY: a handler that only sleeps, for a real-time signal nothing
         // else here uses; tgkill addresses threads of this process only.
         unsafe {
@@ -67,11 +92,24 @@ impl EngineThreads {
                 return;
             }
             let pid = libc::getpid();
-            for &tid in self.0.iter().filter(|&&tid| !in_accept(tid)) {
+            for &tid in &data_threads {
                 libc::syscall(libc::SYS_tgkill, pid, tid, signal);
             }
         }
         tracing::warn!("mooncake stall fault: engine data threads parked");
+    }
+}
+
+impl Drop for EngineThreads {
+    /// The engine is going away (a holder stopped in the test's own process):
+    /// its destructor joins these threads, so they must run again.
+    fn drop(&mut self) {
+        for slot in &PARKED {
+            let tid = slot.load(Ordering::Relaxed);
+            if tid != 0 && self.0.contains(&tid) {
+                slot.store(0, Ordering::Relaxed);
+            }
+        }
     }
 }
 
