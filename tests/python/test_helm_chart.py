@@ -243,3 +243,28 @@ def test_the_rendered_router_config_is_accepted_by_connex_router(tmp_path: Path)
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_engine_ports_admit_routers_on_vllm_port_and_engines_on_every_port():
+    docs = manifests(*POOLS)
+    for pool in ("prefill", "decode"):
+        policy = find(docs, "NetworkPolicy", f"rel-connex-{pool}")
+        selected = policy["spec"]["podSelector"]["matchLabels"]
+        assert selected["app.kubernetes.io/component"] == pool
+        serving, transfer = policy["spec"]["ingress"]
+        assert serving["ports"] == [{"port": 8000, "protocol": "TCP"}]
+        assert [
+            p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in serving["from"]
+        ] == ["router"]
+        # No port list: every port, but only from engine pods of the release.
+        assert "ports" not in transfer
+        assert [
+            p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in transfer["from"]
+        ] == [
+            "prefill",
+            "decode",
+        ]
+    off = manifests(*POOLS, "vllm.networkPolicy.enabled=false")
+    assert not [
+        d for d in off if d["kind"] == "NetworkPolicy" and "router" not in d["metadata"]["name"]
+    ]
