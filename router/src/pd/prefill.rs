@@ -159,29 +159,56 @@ async fn call_owning_the_hold(
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (upstream, holds) = (state.upstream.clone(), state.holds.clone());
     let (url, request_id) = (url.to_string(), info.request_id.clone());
-    tokio::spawn(async move {
-        let call = Call {
-            url: &url,
-            path: route.path(),
-            request_id: &request_id,
-            body: payload,
-        };
-        let reply = upstream.prefill(call).await;
-        if let Err(Ok(abandoned)) = tx.send(reply) {
-            let hold = serde_json::from_slice::<Value>(&abandoned.body)
-                .ok()
-                .and_then(|answer| Hold::from_params(answer.get("kv_transfer_params")?));
-            if let Some(hold) = hold {
-                // A lease dropped at once: the keeper releases the hold.
-                drop(holds.lease(hold, 0));
+    tokio::spawn({
+        let holds = holds.clone();
+        async move {
+            let call = Call {
+                url: &url,
+                path: route.path(),
+                request_id: &request_id,
+                body: payload,
+            };
+            let reply = upstream.prefill(call).await;
+            // The request went away before the answer came.
+            if let Err(Ok(abandoned)) = tx.send(reply) {
+                release_abandoned(&holds, &abandoned);
             }
         }
     });
-    rx.await.unwrap_or_else(|_| {
+    // The request may also go away after the answer was sent but before it
+    // was read: the answer then still sits in the channel.
+    let mut pending = PendingAnswer { rx, holds };
+    (&mut pending.rx).await.unwrap_or_else(|_| {
         Err(CallError::Transport(
             "the prefill call was cancelled".into(),
         ))
     })
+}
+
+/// The receiving end of a prefill call; an answer left unread when it drops is
+/// abandoned (see [`release_abandoned`]).
+struct PendingAnswer {
+    rx: tokio::sync::oneshot::Receiver<Result<Reply, CallError>>,
+    holds: crate::holds::Holds,
+}
+
+impl Drop for PendingAnswer {
+    fn drop(&mut self) {
+        if let Ok(Ok(abandoned)) = self.rx.try_recv() {
+            release_abandoned(&self.holds, &abandoned);
+        }
+    }
+}
+
+/// Releases the hold of a prefill answer nobody will use: a lease dropped at
+/// once, so the keeper releases it.
+fn release_abandoned(holds: &crate::holds::Holds, abandoned: &Reply) {
+    let hold = serde_json::from_slice::<Value>(&abandoned.body)
+        .ok()
+        .and_then(|answer| Hold::from_params(answer.get("kv_transfer_params")?));
+    if let Some(hold) = hold {
+        drop(holds.lease(hold, 0));
+    }
 }
 
 /// The part of a prefill answer the router reads.
