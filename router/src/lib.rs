@@ -9,6 +9,7 @@ pub mod error;
 pub mod health;
 pub mod holds;
 pub mod journal;
+pub mod logs;
 pub mod metrics;
 pub mod pd;
 pub mod policy;

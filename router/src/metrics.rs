@@ -4,7 +4,7 @@ use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub const REQUESTS: &str = "connex_requests_total";
 pub const REQUEST_DURATION: &str = "connex_request_duration_seconds";
@@ -71,40 +71,14 @@ pub fn install() -> Option<PrometheusHandle> {
 /// (nginx's "client closed request").
 pub const CLIENT_CLOSED: u16 = 499;
 
-/// Records one request's metrics when it ends, however it ends: finished,
-/// failed, or dropped because its client disconnected (recorded as
-/// [`CLIENT_CLOSED`]). Created when the request arrives; the flow says how it
-/// ended with [`RequestGuard::finish`].
-#[derive(Debug)]
-pub struct RequestGuard {
-    route: &'static str,
-    started: Instant,
-    status: Option<u16>,
-}
-
-impl RequestGuard {
-    pub fn new(route: &'static str) -> Self {
-        Self {
-            route,
-            started: Instant::now(),
-            status: None,
-        }
-    }
-
-    /// How the request ended (the first call wins).
-    pub fn finish(&mut self, status: u16) {
-        self.status.get_or_insert(status);
-    }
-}
-
-impl Drop for RequestGuard {
-    fn drop(&mut self) {
-        let status = self.status.unwrap_or(CLIENT_CLOSED);
-        counter!(REQUESTS, "route" => self.route, "status" => status.to_string()).increment(1);
-        histogram!(REQUEST_DURATION, "route" => self.route)
-            .record(self.started.elapsed().as_secs_f64());
-        upkeep_now_and_then();
-    }
+/// One request ended with `status` after `duration` (`model` empty when the
+/// request was refused before its model was known).
+pub fn request_ended(route: &'static str, model: &str, status: u16, duration: Duration) {
+    counter!(REQUESTS, "route" => route, "model" => model.to_string(), "status" => status.to_string())
+        .increment(1);
+    histogram!(REQUEST_DURATION, "route" => route, "model" => model.to_string())
+        .record(duration.as_secs_f64());
+    upkeep_now_and_then();
 }
 
 /// Requests ended, for [`upkeep_now_and_then`].

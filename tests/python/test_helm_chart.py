@@ -243,3 +243,13 @@ def test_the_rendered_router_config_is_accepted_by_connex_router(tmp_path: Path)
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_router_log_format_reaches_the_router():
+    docs = manifests("router.logFormat=json", "router.log=debug")
+    env = {
+        e["name"]: e.get("value")
+        for e in container(find(docs, "Deployment", "rel-connex-router"))["env"]
+    }
+    assert env["CONNEX_LOG_FORMAT"] == "json"
+    assert env["CONNEX_LOG"] == "debug"

@@ -12,6 +12,7 @@ use crate::registry::{Instance, Phase};
 use crate::state::AppState;
 use bytes::Bytes;
 use serde_json::{json, Value};
+use tracing::Instrument;
 
 /// What a successful prefill hands to decode.
 #[derive(Debug, Clone)]
@@ -94,7 +95,7 @@ pub async fn run(
         };
         if attempt > 0 {
             crate::metrics::prefill_retry();
-            tracing::warn!(request_id = %info.request_id, instance = %instance.id, "retrying prefill on another instance");
+            tracing::warn!(instance = %instance.id, "retrying prefill on another instance");
         }
         tried.push(instance.id.clone());
         let _load = crate::registry::LoadGuard::new(instance.clone());
@@ -133,7 +134,7 @@ pub async fn run(
             Ok(prefilled) => return Ok(prefilled),
             Err(invalid) => {
                 crate::metrics::upstream_error(&instance.id, "prefill", invalid.kind());
-                tracing::warn!(request_id = %info.request_id, instance = %instance.id, %invalid, "prefill answer refused");
+                tracing::warn!(instance = %instance.id, %invalid, "prefill answer refused");
                 last_error = Some(bad_gateway(invalid.to_string()));
             }
         }
@@ -159,24 +160,28 @@ async fn call_owning_the_hold(
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (upstream, holds) = (state.upstream.clone(), state.holds.clone());
     let (url, request_id) = (url.to_string(), info.request_id.clone());
-    tokio::spawn(async move {
-        let call = Call {
-            url: &url,
-            path: route.path(),
-            request_id: &request_id,
-            body: payload,
-        };
-        let reply = upstream.prefill(call).await;
-        if let Err(Ok(abandoned)) = tx.send(reply) {
-            let hold = serde_json::from_slice::<Value>(&abandoned.body)
-                .ok()
-                .and_then(|answer| Hold::from_params(answer.get("kv_transfer_params")?));
-            if let Some(hold) = hold {
-                // A lease dropped at once: the keeper releases the hold.
-                drop(holds.lease(hold, 0));
+    let span = tracing::Span::current();
+    tokio::spawn(
+        async move {
+            let call = Call {
+                url: &url,
+                path: route.path(),
+                request_id: &request_id,
+                body: payload,
+            };
+            let reply = upstream.prefill(call).await;
+            if let Err(Ok(abandoned)) = tx.send(reply) {
+                let hold = serde_json::from_slice::<Value>(&abandoned.body)
+                    .ok()
+                    .and_then(|answer| Hold::from_params(answer.get("kv_transfer_params")?));
+                if let Some(hold) = hold {
+                    // A lease dropped at once: the keeper releases the hold.
+                    drop(holds.lease(hold, 0));
+                }
             }
         }
-    });
+        .instrument(span),
+    );
     rx.await.unwrap_or_else(|_| {
         Err(CallError::Transport(
             "the prefill call was cancelled".into(),

@@ -82,6 +82,7 @@ impl Relay {
         may_withhold: bool,
         max_tokens: u64,
     ) -> Self {
+        let started = journal.read(|e| e.started).unwrap_or_else(Instant::now);
         Self {
             output: Output::new(info),
             journal,
@@ -93,7 +94,9 @@ impl Relay {
             max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
             timing: Timing {
                 route: info.route.path(),
-                started: Instant::now(),
+                // TTFT counts from the request's arrival (the journal's
+                // start), prefill included.
+                started,
                 last_token: None,
                 failure_detected: None,
                 inter_token: None,
@@ -274,7 +277,9 @@ impl Relay {
         let now = Instant::now();
         match self.timing.last_token {
             None => {
-                crate::metrics::first_token(self.timing.route, decoder, now - self.timing.started)
+                let ttft = now - self.timing.started;
+                self.journal.update(|e| e.ttft = Some(ttft));
+                crate::metrics::first_token(self.timing.route, decoder, ttft)
             }
             Some(last) => {
                 if let Some(histogram) = &self.timing.inter_token {
