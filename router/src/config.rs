@@ -248,6 +248,11 @@ pub struct RouterConfig {
     /// Most open client connections (further ones wait in the accept backlog).
     #[arg(long, env = "CONNEX_MAX_CONNECTIONS", default_value_t = 16_384)]
     pub max_connections: usize,
+    /// A counter or histogram series not updated for this many seconds is
+    /// dropped from /metrics (those of removed and evicted instances; 0:
+    /// never). The per-instance gauges follow the membership at once.
+    #[arg(long, env = "CONNEX_METRICS_IDLE_TIMEOUT_S", default_value_t = 600)]
+    pub metrics_idle_timeout_s: u64,
     /// Most OpenAI requests in flight; past it, 429 with Retry-After.
     #[arg(long, env = "CONNEX_MAX_CONCURRENT_REQUESTS", default_value_t = 10_000)]
     pub max_concurrent_requests: usize,

@@ -221,3 +221,183 @@ async fn host_and_port_flags_set_the_client_listener() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--listen") && err.contains("--port"), "{err}");
 }
+
+/// The families of a Prometheus text: name -> (type, help).
+fn families(text: &str) -> std::collections::BTreeMap<String, (String, String)> {
+    let mut out = std::collections::BTreeMap::<String, (String, String)>::new();
+    for line in text.lines() {
+        let mut words = line.splitn(4, ' ');
+        match (words.next(), words.next(), words.next(), words.next()) {
+            (Some("#"), Some("TYPE"), Some(name), Some(kind)) => {
+                out.entry(name.into()).or_default().0 = kind.into();
+            }
+            (Some("#"), Some("HELP"), Some(name), help) => {
+                let help = help.unwrap_or_default().to_string();
+                out.entry(name.into()).or_default().1 = help;
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The family a sample line belongs to (a histogram's `_bucket`, `_sum` and
+/// `_count` are its family's).
+fn family_of<'a>(
+    sample: &'a str,
+    known: &std::collections::BTreeMap<String, (String, String)>,
+) -> &'a str {
+    let name = sample.split(['{', ' ']).next().unwrap_or_default();
+    for suffix in ["_bucket", "_sum", "_count"] {
+        if let Some(base) = name.strip_suffix(suffix) {
+            if known.get(base).is_some_and(|(kind, _)| kind == "histogram") {
+                return base;
+            }
+        }
+    }
+    name
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_name_the_model_time_each_instance_and_all_have_help() {
+    let router = router(&["--decode-policy", "round_robin"]);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let _d0 = engine(
+        Some(&router),
+        "decode",
+        &[
+            "--id",
+            "d0",
+            "--crash-after-tokens",
+            "4",
+            "--decode-us-per-token",
+            "1000",
+        ],
+    );
+    let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 3).await;
+    let prefill_id = instance_id(&router, &prefill).await;
+    let body = json!({"model": "mock", "prompt": "count me", "max_tokens": 12, "stream": true});
+    stream(&router, "/v1/completions", &body).await;
+    let text = metrics_text(&router).await;
+
+    // Every family says what it is.
+    let known = families(&text);
+    for sample in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let family = family_of(sample, &known);
+        let (kind, help) = known.get(family).cloned().unwrap_or_default();
+        assert!(!kind.is_empty(), "no # TYPE for {family}:\n{text}");
+        assert!(help.trim().len() > 10, "no # HELP for {family}:\n{text}");
+    }
+
+    let model = "model=\"mock\"";
+    let one = |name: &str, labels: &[&str]| {
+        assert_eq!(
+            metric(&text, name, labels),
+            1.0,
+            "{name} {labels:?}:\n{text}"
+        );
+    };
+    one("connex_requests_total", &[model, "status=\"200\""]);
+    one("connex_request_duration_seconds_count", &[model]);
+    one("connex_resumes_total", &[model, "cause=\"reset\""]);
+    // The first token came from d0 (before its crash); d1 finished the request.
+    one("connex_ttft_seconds_count", &[model, "instance=\"d0\""]);
+    one(
+        "connex_instance_request_duration_seconds_count",
+        &[model, "instance=\"d1\""],
+    );
+    one(
+        "connex_prefill_duration_seconds_count",
+        &[model, &format!("instance=\"{prefill_id}\"")],
+    );
+    one(
+        "connex_upstream_requests_total",
+        &[model, "instance=\"d1\"", "phase=\"decode\""],
+    );
+    assert_eq!(
+        metric(&text, "connex_requests_failed_after_resume_total", &[model]),
+        0.0
+    );
+    for (role, ready) in [("prefill", 1.0), ("decode", 2.0)] {
+        let labels = [model, &format!("role=\"{role}\"")];
+        assert!(
+            metric(&text, "connex_instances", &labels) >= ready,
+            "{text}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn instance_gauges_follow_the_membership_and_removed_instances_leave_metrics() {
+    let router = router(&[
+        "--decode-policy",
+        "round_robin",
+        "--metrics-idle-timeout-s",
+        "1",
+    ]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let mut d0 = engine(Some(&router), "decode", &["--id", "d0"]);
+    let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 3).await;
+    let body = json!({"model": "mock", "prompt": "hi", "max_tokens": 4});
+    assert_eq!(post(&router, "/v1/completions", &body).await.0, 200);
+    let state = |text: &str, role: &str, state: &str| {
+        let labels = [
+            "model=\"mock\"".to_string(),
+            format!("role=\"{role}\""),
+            format!("state=\"{state}\""),
+        ];
+        let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+        metric(text, "connex_instances", &labels)
+    };
+    let text = metrics_text(&router).await;
+    assert_eq!(state(&text, "decode", "ready"), 2.0, "{text}");
+    assert_eq!(state(&text, "decode", "draining"), 0.0, "{text}");
+    assert_eq!(state(&text, "prefill", "ready"), 1.0, "{text}");
+    assert!(
+        text.contains("instance=\"d0\""),
+        "d0 served the request:\n{text}"
+    );
+
+    let (status, _) = admin(
+        &router,
+        reqwest::Method::POST,
+        "/admin/instances/d1/drain",
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let text = metrics_text(&router).await;
+    assert_eq!(state(&text, "decode", "ready"), 1.0, "{text}");
+    assert_eq!(state(&text, "decode", "draining"), 1.0, "{text}");
+
+    // d0 goes away for good: its gauges at once, its counters and histograms
+    // after the idle timeout; d1 (still a member) keeps its gauge.
+    d0.kill();
+    let (status, _) = admin(
+        &router,
+        reqwest::Method::DELETE,
+        "/admin/instances/d0",
+        None,
+    )
+    .await;
+    assert_eq!(status, 204);
+    let text = metrics_text(&router).await;
+    assert_eq!(state(&text, "decode", "ready"), 0.0, "{text}");
+    assert!(
+        !text.contains("connex_instance_inflight{instance=\"d0\""),
+        "{text}"
+    );
+    assert!(
+        text.contains("connex_instance_inflight{instance=\"d1\""),
+        "{text}"
+    );
+    eventually(Duration::from_secs(10), "d0's series dropped", || async {
+        !metrics_text(&router).await.contains("instance=\"d0\"")
+    })
+    .await;
+}

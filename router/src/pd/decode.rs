@@ -64,7 +64,7 @@ pub async fn open(
     source: Source,
 ) -> Result<Attempt, OpenError> {
     let guard = LoadGuard::new(decoder.clone());
-    crate::metrics::upstream_request(&decoder.id, "decode");
+    crate::metrics::upstream_request(&decoder.id, &decoder.model, "decode");
     let failed =
         |cause, message: String| OpenError::Failed(Failure::new(&decoder.id, cause, message));
     let call = Call {
@@ -88,7 +88,7 @@ pub async fn open(
         // A redirect is not followed (it could send the request anywhere): like
         // a 5xx, the decoder failed and another may serve the request.
         Ok(Opened::Status(reply)) if reply.status >= 500 || reply.status < 400 => {
-            crate::metrics::upstream_error(&decoder.id, "decode", "5xx");
+            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "5xx");
             let error = ApiError::upstream(reply.status, &reply.body);
             Err(failed(
                 Cause::ServerError,
@@ -96,14 +96,14 @@ pub async fn open(
             ))
         }
         Ok(Opened::Status(reply)) => {
-            crate::metrics::upstream_error(&decoder.id, "decode", "4xx");
+            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "4xx");
             Err(OpenError::Rejected(ApiError::upstream(
                 reply.status,
                 &reply.body,
             )))
         }
         Err(CallError::Connect { refused, message }) => {
-            crate::metrics::upstream_error(&decoder.id, "decode", "connect");
+            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "connect");
             // The decoder never saw the request: new requests avoid it for a
             // while. A connect timeout says it is busy (its accept backlog is
             // full), not gone: its streams in flight are left alone. A refused
@@ -123,14 +123,14 @@ pub async fn open(
             ))
         }
         Err(err @ CallError::NoHeaders(_)) => {
-            crate::metrics::upstream_error(&decoder.id, "decode", "no_headers");
+            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "no_headers");
             Err(failed(
                 Cause::NoHeaders,
                 format!("decoder {}: {err}", decoder.id),
             ))
         }
         Err(err) => {
-            crate::metrics::upstream_error(&decoder.id, "decode", "transport");
+            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "transport");
             Err(failed(
                 Cause::Reset,
                 format!("decoder {}: {err}", decoder.id),

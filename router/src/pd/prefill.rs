@@ -99,11 +99,12 @@ pub async fn run(
         }
         tried.push(instance.id.clone());
         let _load = crate::registry::LoadGuard::new(instance.clone());
-        crate::metrics::upstream_request(&instance.id, "prefill");
+        crate::metrics::upstream_request(&instance.id, &instance.model, "prefill");
         let bad_gateway = |message: String| ApiError::BadGateway {
             instance: instance.id.clone(),
             message,
         };
+        let called = std::time::Instant::now();
         let reply =
             match call_owning_the_hold(state, &instance.url, route, info, payload.clone()).await {
                 Ok(reply) => reply,
@@ -114,26 +115,34 @@ pub async fn run(
                         CallError::TooLarge(_) => "too_large",
                         CallError::Transport(_) => "body",
                     };
-                    crate::metrics::upstream_error(&instance.id, "prefill", kind);
+                    crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", kind);
                     last_error = Some(bad_gateway(err.to_string()));
                     continue;
                 }
             };
         // A redirect is not followed: like a 5xx, this prefill failed.
         if reply.status >= 500 || reply.status < 200 || (300..400).contains(&reply.status) {
-            crate::metrics::upstream_error(&instance.id, "prefill", "5xx");
+            crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", "5xx");
             let error = ApiError::upstream(reply.status, &reply.body);
             last_error = Some(bad_gateway(format!("HTTP {}: {error}", reply.status)));
             continue;
         }
         if !(200..300).contains(&reply.status) {
-            crate::metrics::upstream_error(&instance.id, "prefill", "4xx");
+            crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", "4xx");
             return Err(ApiError::upstream(reply.status, &reply.body));
         }
         match parse_answer(route, &instance, &reply.body) {
-            Ok(prefilled) => return Ok(prefilled),
+            Ok(prefilled) => {
+                crate::metrics::prefill_duration(&instance.id, &instance.model, called.elapsed());
+                return Ok(prefilled);
+            }
             Err(invalid) => {
-                crate::metrics::upstream_error(&instance.id, "prefill", invalid.kind());
+                crate::metrics::upstream_error(
+                    &instance.id,
+                    &instance.model,
+                    "prefill",
+                    invalid.kind(),
+                );
                 tracing::warn!(instance = %instance.id, %invalid, "prefill answer refused");
                 last_error = Some(bad_gateway(invalid.to_string()));
             }

@@ -95,6 +95,13 @@ impl Drop for RequestRecord {
         let duration = self.started.elapsed();
         let model = self.model.as_deref().unwrap_or("");
         crate::metrics::request_ended(self.route, model, status, duration);
+        if let Some(decoder) = self
+            .entry
+            .as_ref()
+            .and_then(|entry| entry.read(|e| e.decoders.last().cloned()))
+        {
+            crate::metrics::instance_request_ended(&decoder, model, duration);
+        }
         let served = self
             .entry
             .as_ref()

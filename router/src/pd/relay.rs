@@ -68,6 +68,7 @@ pub struct Relay {
 /// Latency bookkeeping.
 struct Timing {
     route: &'static str,
+    model: String,
     started: Instant,
     last_token: Option<Instant>,
     /// When the last decoder failure was detected, until the next token.
@@ -94,6 +95,7 @@ impl Relay {
             max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
             timing: Timing {
                 route: info.route.path(),
+                model: info.model.clone(),
                 // TTFT counts from the request's arrival (the journal's
                 // start), prefill included.
                 started,
@@ -279,7 +281,7 @@ impl Relay {
             None => {
                 let ttft = now - self.timing.started;
                 self.journal.update(|e| e.ttft = Some(ttft));
-                crate::metrics::first_token(self.timing.route, decoder, ttft)
+                crate::metrics::first_token(self.timing.route, decoder, &self.timing.model, ttft)
             }
             Some(last) => {
                 if let Some(histogram) = &self.timing.inter_token {

@@ -202,7 +202,7 @@ impl Session {
                     lease.set_epoch(self.epoch);
                 }
                 let cause = failure.cause.as_str();
-                crate::metrics::resume(cause);
+                crate::metrics::resume(cause, &self.info.model);
                 let resumes = self.progress.resumes;
                 self.relay.journal().update(|e| {
                     e.resumes = resumes;
@@ -351,7 +351,7 @@ impl Session {
         };
         if let Err(error) = result {
             if self.progress.resumes > 0 {
-                crate::metrics::failed_after_resume();
+                crate::metrics::failed_after_resume(&self.info.model);
             }
             self.end_with_error(error);
         }
