@@ -66,6 +66,11 @@ pub struct RouterConfig {
     /// (`info,connex::access=off`). Unset: CONNEX_LOG, else `info`.
     #[arg(long, env = "CONNEX_LOG_LEVEL")]
     pub log_level: Option<String>,
+    /// OTLP/HTTP collector (protobuf) the request spans are exported to, e.g.
+    /// http://otel-collector:4318 (`/v1/traces` is added to a URL without a
+    /// path). Unset: no export; trace context still reaches the engines.
+    #[arg(long, env = "CONNEX_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
     /// Bearer token for /admin routes. Without it the admin API refuses every call.
     #[arg(long, env = "CONNEX_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,

@@ -18,6 +18,7 @@ pub mod secrets;
 pub mod server;
 pub mod sse;
 pub mod state;
+pub mod traces;
 pub mod upstreams;
 
 use api::access::Access;

@@ -27,6 +27,22 @@ pub enum LogError {
     },
     #[error("cannot install the log subscriber: {0}")]
     Install(#[from] tracing_subscriber::util::TryInitError),
+    #[error(transparent)]
+    Traces(#[from] crate::traces::TraceError),
+}
+
+/// The installed logs and traces; dropping it flushes the spans not yet
+/// exported.
+pub struct Telemetry {
+    provider: opentelemetry_sdk::trace::SdkTracerProvider,
+}
+
+impl Drop for Telemetry {
+    fn drop(&mut self) {
+        if let Err(err) = self.provider.shutdown() {
+            eprintln!("connex-router: flushing the last spans failed: {err}");
+        }
+    }
 }
 
 /// The filter: `level` when given, else `CONNEX_LOG`, else `default`.
@@ -64,10 +80,22 @@ where
     }
 }
 
-/// Installs the process-wide subscriber.
-pub fn init(format: LogFormat, level: Option<&str>, default: &str) -> Result<(), LogError> {
+/// Installs the process-wide subscriber: the log lines (filtered by the log
+/// level) and the trace spans of the request path (whatever the log level;
+/// exported to `otlp_endpoint` when given).
+pub fn init(
+    format: LogFormat,
+    level: Option<&str>,
+    default: &str,
+    otlp_endpoint: Option<&str>,
+) -> Result<Telemetry, LogError> {
+    let provider = crate::traces::provider(otlp_endpoint)?;
+    let spans = tracing_subscriber::filter::filter_fn(|meta| {
+        meta.is_span() && meta.target().starts_with("connex")
+    });
     tracing_subscriber::registry()
         .with(format_layer(format).with_filter(filter(level, default)?))
+        .with(crate::traces::layer(&provider).with_filter(spans))
         .try_init()?;
-    Ok(())
+    Ok(Telemetry { provider })
 }

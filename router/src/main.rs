@@ -20,14 +20,23 @@ async fn main() -> ExitCode {
         }
     };
     // The demo prints its own report; its logs are for warnings only.
-    let (format, level, default) = match &cli.command {
-        Command::Serve(config) => (config.log_format, config.log_level.clone(), "info"),
-        Command::Demo(_) => (LogFormat::Text, None, "warn"),
+    let (format, level, default, otlp) = match &cli.command {
+        Command::Serve(config) => (
+            config.log_format,
+            config.log_level.clone(),
+            "info",
+            config.otlp_endpoint.clone(),
+        ),
+        Command::Demo(_) => (LogFormat::Text, None, "warn", None),
     };
-    if let Err(err) = logs::init(format, level.as_deref(), default) {
-        eprintln!("connex-router: {err}");
-        return ExitCode::from(2);
-    }
+    // Held to the end: its drop exports the last spans.
+    let _telemetry = match logs::init(format, level.as_deref(), default, otlp.as_deref()) {
+        Ok(telemetry) => telemetry,
+        Err(err) => {
+            eprintln!("connex-router: {err}");
+            return ExitCode::from(2);
+        }
+    };
     match cli.command {
         Command::Serve(config) => serve(config).await,
         #[cfg(feature = "demo")]

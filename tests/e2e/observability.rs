@@ -401,3 +401,225 @@ async fn instance_gauges_follow_the_membership_and_removed_instances_leave_metri
     })
     .await;
 }
+
+/// One span as an OTLP receiver got it (ids in hex).
+#[derive(Debug, Clone)]
+struct ReceivedSpan {
+    name: String,
+    trace_id: String,
+    span_id: String,
+    parent_span_id: String,
+    trace_state: String,
+    attributes: Vec<(String, String)>,
+}
+
+impl ReceivedSpan {
+    fn attribute(&self, key: &str) -> Option<&str> {
+        self.attributes
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A small OTLP/HTTP (protobuf) traces receiver on loopback: its URL and the
+/// spans it got.
+async fn otlp_receiver() -> (String, std::sync::Arc<std::sync::Mutex<Vec<ReceivedSpan>>>) {
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+    use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
+    use prost::Message;
+    let spans = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let got = spans.clone();
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |body: bytes::Bytes| {
+            let got = got.clone();
+            async move {
+                let request = ExportTraceServiceRequest::decode(body).expect("OTLP protobuf");
+                let mut got = got.lock().unwrap();
+                for span in request
+                    .resource_spans
+                    .iter()
+                    .flat_map(|r| &r.scope_spans)
+                    .flat_map(|s| &s.spans)
+                {
+                    let attributes = span
+                        .attributes
+                        .iter()
+                        .map(|kv| {
+                            let value = match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
+                                Some(Any::StringValue(s)) => s.clone(),
+                                Some(Any::IntValue(i)) => i.to_string(),
+                                Some(Any::BoolValue(b)) => b.to_string(),
+                                other => format!("{other:?}"),
+                            };
+                            (kv.key.clone(), value)
+                        })
+                        .collect();
+                    got.push(ReceivedSpan {
+                        name: span.name.clone(),
+                        trace_id: hex(&span.trace_id),
+                        span_id: hex(&span.span_id),
+                        parent_span_id: hex(&span.parent_span_id),
+                        trace_state: span.trace_state.clone(),
+                        attributes,
+                    });
+                }
+                (
+                    [("content-type", "application/x-protobuf")],
+                    ExportTraceServiceResponse::default().encode_to_vec(),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, spans)
+}
+
+/// (trace id, parent span id) of a W3C `traceparent`.
+fn trace_parent(header: &str) -> (String, String) {
+    let parts: Vec<&str> = header.split('-').collect();
+    assert_eq!(parts.len(), 4, "traceparent {header}");
+    assert_eq!(parts[0], "00", "traceparent {header}");
+    (parts[1].to_string(), parts[2].to_string())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn traces_continue_the_clients_trace_to_every_engine_call_and_are_exported() {
+    let (collector, spans) = otlp_receiver().await;
+    let router = router(&[
+        "--decode-policy",
+        "round_robin",
+        "--otlp-endpoint",
+        &collector,
+    ]);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let d0 = engine(
+        Some(&router),
+        "decode",
+        &[
+            "--id",
+            "d0",
+            "--crash-after-tokens",
+            "4",
+            "--decode-us-per-token",
+            "1000",
+        ],
+    );
+    let d1 = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 3).await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let response = client()
+        .post(format!("{}/v1/completions", router.url))
+        .header("traceparent", format!("00-{trace_id}-{client_span}-01"))
+        .header("tracestate", "vendor=opaque")
+        .json(&json!({"model": "mock", "prompt": "trace me", "max_tokens": 12, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.text().await.unwrap();
+    // d0's records (it crashed) are gone with it: what it got is checked
+    // through the spans' ids below.
+    let prefill_calls = engine_requests(&prefill).await;
+    let d1_calls = engine_requests(&d1).await;
+    drop(d0);
+
+    // A request without trace context starts a trace of its own, carried to
+    // the prefill and the decoder alike.
+    let (status, _) = post(
+        &router,
+        "/v1/completions",
+        &json!({"model": "mock", "prompt": "new", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let started = engine_requests(&prefill).await[1]["traceparent"]
+        .as_str()
+        .map(trace_parent);
+    let (new_trace, _) = started.expect("the prefill got a traceparent");
+    assert_ne!(new_trace, trace_id);
+    let decoded = engine_requests(&d1).await;
+    let (d1_trace, _) = trace_parent(decoded.last().unwrap()["traceparent"].as_str().unwrap());
+    assert_eq!(d1_trace, new_trace);
+
+    // SIGTERM: the router stops and exports the spans it still has.
+    router.signal("TERM");
+    eventually(
+        Duration::from_secs(15),
+        "the request's spans exported",
+        || async {
+            let spans = spans.lock().unwrap();
+            spans
+                .iter()
+                .any(|s| s.trace_id == trace_id && s.name == "request")
+                && spans
+                    .iter()
+                    .filter(|s| s.trace_id == trace_id && s.name == "decode")
+                    .count()
+                    == 2
+        },
+    )
+    .await;
+    let spans: Vec<ReceivedSpan> = spans
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.trace_id == trace_id)
+        .cloned()
+        .collect();
+    let named =
+        |name: &str| -> Vec<&ReceivedSpan> { spans.iter().filter(|s| s.name == name).collect() };
+    let request = named("request");
+    assert_eq!(request.len(), 1, "{spans:#?}");
+    let request = request[0];
+    assert_eq!(
+        request.parent_span_id, client_span,
+        "the request continues the client's span"
+    );
+    assert_eq!(request.trace_state, "vendor=opaque");
+    let prefill_spans = named("prefill");
+    assert_eq!(prefill_spans.len(), 1, "{spans:#?}");
+    assert_eq!(prefill_spans[0].parent_span_id, request.span_id);
+    let resume = named("resume");
+    assert_eq!(resume.len(), 1, "{spans:#?}");
+    assert_eq!(resume[0].attribute("cause"), Some("reset"));
+    assert_eq!(resume[0].attribute("from"), Some("d0"));
+    let decode = named("decode");
+    let first = decode
+        .iter()
+        .find(|s| s.attribute("decoder") == Some("d0"))
+        .expect("d0's attempt");
+    let second = decode
+        .iter()
+        .find(|s| s.attribute("decoder") == Some("d1"))
+        .expect("d1's attempt");
+    assert_eq!(first.parent_span_id, request.span_id);
+    assert_eq!(second.parent_span_id, resume[0].span_id);
+
+    // Each engine call carried the client's trace, from its own span.
+    let (prefill_trace, prefill_parent) = trace_parent(
+        prefill_calls[0]["traceparent"]
+            .as_str()
+            .expect("prefill traceparent"),
+    );
+    assert_eq!(prefill_trace, trace_id);
+    assert_eq!(prefill_parent, prefill_spans[0].span_id);
+    assert_eq!(prefill_calls[0]["tracestate"], "vendor=opaque");
+    let (d1_trace, d1_parent) = trace_parent(
+        d1_calls[0]["traceparent"]
+            .as_str()
+            .expect("decoder traceparent"),
+    );
+    assert_eq!(d1_trace, trace_id);
+    assert_eq!(d1_parent, second.span_id);
+}

@@ -49,6 +49,7 @@ async fn generate(
     // Records the request (span, metrics, access line) when it ends, however
     // it ends (a client that disconnects included).
     let mut record = RequestRecord::new(route.path(), request_id(&headers));
+    crate::traces::continue_trace(record.span(), &headers);
     let span = record.span().clone();
     async move {
         let checked = async {

@@ -13,6 +13,7 @@ use crate::state::AppState;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;
+use tracing::Instrument;
 
 /// The body sent to a decode instance for the client's own route.
 pub fn decode_body(body: &Value, kv_transfer_params: &Value) -> Bytes {
@@ -65,25 +66,25 @@ pub async fn open(
 ) -> Result<Attempt, OpenError> {
     let guard = LoadGuard::new(decoder.clone());
     crate::metrics::upstream_request(&decoder.id, &decoder.model, "decode");
+    // One span per attempt, from the call to the end of its stream; the
+    // decoder continues the trace from it.
+    let span =
+        tracing::info_span!("decode", decoder = %decoder.id, resumed = source == Source::Resumed);
+    let trace = crate::traces::headers(&span);
     let failed =
         |cause, message: String| OpenError::Failed(Failure::new(&decoder.id, cause, message));
     let call = Call {
         url: &decoder.url,
         path,
         request_id,
+        trace,
         body: payload,
     };
-    match state.upstream.decode(call).await {
+    match state.upstream.decode(call).instrument(span.clone()).await {
         Ok(Opened::Stream(stream)) => {
             state.outliers.clear(&decoder.id);
             let clock = state.outliers.clock(&decoder.id);
-            Ok(Attempt::new(
-                stream,
-                guard,
-                source,
-                state.limits.stream,
-                clock,
-            ))
+            Ok(Attempt::new(stream, guard, source, state.limits.stream, clock).in_span(span))
         }
         // A redirect is not followed (it could send the request anywhere): like
         // a 5xx, the decoder failed and another may serve the request.

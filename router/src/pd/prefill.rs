@@ -105,21 +105,23 @@ pub async fn run(
             message,
         };
         let called = std::time::Instant::now();
-        let reply =
-            match call_owning_the_hold(state, &instance.url, route, info, payload.clone()).await {
-                Ok(reply) => reply,
-                Err(err) => {
-                    let kind = match err {
-                        CallError::Connect { .. } => "connect",
-                        CallError::NoHeaders(_) => "timeout",
-                        CallError::TooLarge(_) => "too_large",
-                        CallError::Transport(_) => "body",
-                    };
-                    crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", kind);
-                    last_error = Some(bad_gateway(err.to_string()));
-                    continue;
-                }
-            };
+        // The prefill continues the request's trace from this span.
+        let span = tracing::info_span!("prefill", instance = %instance.id);
+        let call = call_owning_the_hold(state, &instance.url, route, info, payload.clone());
+        let reply = match call.instrument(span).await {
+            Ok(reply) => reply,
+            Err(err) => {
+                let kind = match err {
+                    CallError::Connect { .. } => "connect",
+                    CallError::NoHeaders(_) => "timeout",
+                    CallError::TooLarge(_) => "too_large",
+                    CallError::Transport(_) => "body",
+                };
+                crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", kind);
+                last_error = Some(bad_gateway(err.to_string()));
+                continue;
+            }
+        };
         // A redirect is not followed: like a 5xx, this prefill failed.
         if reply.status >= 500 || reply.status < 200 || (300..400).contains(&reply.status) {
             crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", "5xx");
@@ -170,12 +172,14 @@ async fn call_owning_the_hold(
     let (upstream, holds) = (state.upstream.clone(), state.holds.clone());
     let (url, request_id) = (url.to_string(), info.request_id.clone());
     let span = tracing::Span::current();
+    let trace = crate::traces::headers(&span);
     tokio::spawn(
         async move {
             let call = Call {
                 url: &url,
                 path: route.path(),
                 request_id: &request_id,
+                trace,
                 body: payload,
             };
             let reply = upstream.prefill(call).await;

@@ -335,6 +335,16 @@ impl Session {
     /// Moves the request to another decoder after `failure`, or ends it with an
     /// error when it cannot be moved.
     async fn recover(&mut self, failure: Failure) {
+        let span = tracing::info_span!(
+            "resume",
+            cause = failure.cause.as_str(),
+            from = %failure.decoder
+        );
+        self.recover_in(failure).instrument(span).await;
+    }
+
+    /// [`Session::recover`], inside its `resume` span.
+    async fn recover_in(&mut self, failure: Failure) {
         // Dropping the attempt closes its connection: the engine aborts its copy.
         let decoder = self.attempt.take().map(|a| a.decoder().clone());
         if let (Cause::Reset, Some(decoder)) = (failure.cause, decoder) {
