@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -114,7 +115,7 @@ class ConnexConnector(KVConnectorBase_V1):
         )
 
     def _start_agent(self, vllm_config: VllmConfig, is_producer: bool, is_consumer: bool) -> None:
-        from connex.agent import Agent
+        from connex.agent import DEREGISTER_FILE_ENV, Agent
 
         role = "both" if is_producer and is_consumer else "prefill" if is_producer else "decode"
         names = vllm_config.model_config.served_model_name
@@ -130,6 +131,7 @@ class ConnexConnector(KVConnectorBase_V1):
             instance_id=self.cfg.instance_id,
             token=self.cfg.register_token,
             load=lambda: {"inflight": scheduler.inflight},
+            deregister_file=os.environ.get(DEREGISTER_FILE_ENV),
         )
         self.agent = agent.start()
         atexit.register(agent.stop)
