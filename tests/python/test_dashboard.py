@@ -1,7 +1,9 @@
-"""The Grafana dashboard (helm/connex/dashboards/) queries only metrics that a
-real connex-router exports: every name in every PromQL expression is a family
-of a live router's /metrics after traffic, or (for the few that need a fault
-to appear) a family the router declares."""
+"""The Grafana dashboard (helm/connex/dashboards/) queries only metrics that
+Connex exports: every name in every PromQL expression is a family of a live
+router's /metrics after traffic, or (for the few that need a fault to appear)
+a family the router declares, or one of the ConnexConnector's `connex_kv_*`
+families that vLLM serves on the engines' /metrics (declared in stats.py;
+tests/vllm/test_pd.py reads them from real engines)."""
 
 from __future__ import annotations
 
@@ -57,6 +59,18 @@ def declared_families() -> set[str]:
     return names
 
 
+def connector_families() -> dict[str, str]:
+    """family -> type of the ConnexConnector's metrics (prometheus_client adds
+    `_total` to a counter's name)."""
+    source = (ROOT / "shim-py" / "python" / "connex" / "adapters" / "vllm" / "stats.py").read_text()
+    out = {}
+    for kind, name in re.findall(
+        r'(counter|gauge|histogram)\(\s*name="(connex_kv_[a-z_]+)"', source
+    ):
+        out[name + "_total" if kind == "counter" else name] = kind
+    return out
+
+
 def family(name: str, types: dict[str, str], declared: set[str]) -> str:
     """A histogram's `_bucket`/`_sum`/`_count` series named by their family."""
     for suffix in ("_bucket", "_sum", "_count"):
@@ -79,7 +93,10 @@ def test_every_dashboard_query_names_a_metric_the_router_exports(cluster_urls):
         with urllib.request.urlopen(request, timeout=10) as reply:
             reply.read()
     types = scraped_families(internal)
-    declared = declared_families()
+    connector = connector_families()
+    assert len(connector) == 7, connector
+    declared = declared_families() | set(connector)
+    types |= {name: kind for name, kind in connector.items() if kind == "histogram"}
     assert DASHBOARDS, "no dashboard"
     used = set()
     for title, expr in queries():
@@ -88,7 +105,7 @@ def test_every_dashboard_query_names_a_metric_the_router_exports(cluster_urls):
         for name in names:
             base = family(name, types, declared)
             used.add(base)
-            if base in types:
+            if base in types or base in connector:
                 continue
             assert base in FAULT_ONLY and base in declared, (
                 f"{title!r}: {name} is not exported by the router ({sorted(types)})"
@@ -102,5 +119,7 @@ def test_every_dashboard_query_names_a_metric_the_router_exports(cluster_urls):
         "connex_instances",
         "connex_resumes_total",
         "connex_registry_connected",
+        "connex_kv_pulled_bytes_total",
+        "connex_kv_holds",
     ):
         assert needed in used, f"the dashboard does not show {needed}"
