@@ -52,11 +52,13 @@ pub struct RouterConfig {
     pub listen: SocketAddr,
     /// Host (IP address) of the client listener, as vLLM and vllm-router users
     /// type it; the port is --port's or --listen's default. Not with --listen.
-    #[arg(long, env = "CONNEX_HOST", conflicts_with = "listen")]
+    // No env var for --host and --port: Kubernetes sets CONNEX_PORT
+    // (tcp://...) in every pod of a namespace with a Service named `connex`.
+    #[arg(long, conflicts_with = "listen")]
     pub host: Option<IpAddr>,
     /// Port of the client listener (with --host, or on --listen's default
     /// host). Not with --listen.
-    #[arg(long, env = "CONNEX_PORT", conflicts_with = "listen")]
+    #[arg(long, conflicts_with = "listen")]
     pub port: Option<u16>,
     /// Log line format: `text` for people, `json` (one object a line) for log
     /// pipelines.
