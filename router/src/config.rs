@@ -9,7 +9,7 @@
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::ffi::OsString;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -50,6 +50,29 @@ pub struct RouterConfig {
     /// Address to listen on (port 0 picks a free port; the bound address is printed).
     #[arg(long, env = "CONNEX_LISTEN", default_value = "127.0.0.1:8000")]
     pub listen: SocketAddr,
+    /// Host (IP address) of the client listener, as vLLM and vllm-router users
+    /// type it; the port is --port's or --listen's default. Not with --listen.
+    // No env var for --host and --port: Kubernetes sets CONNEX_PORT
+    // (tcp://...) in every pod of a namespace with a Service named `connex`.
+    #[arg(long, conflicts_with = "listen")]
+    pub host: Option<IpAddr>,
+    /// Port of the client listener (with --host, or on --listen's default
+    /// host). Not with --listen.
+    #[arg(long, conflicts_with = "listen")]
+    pub port: Option<u16>,
+    /// Log line format: `text` for people, `json` (one object a line) for log
+    /// pipelines.
+    #[arg(long, env = "CONNEX_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// What is logged: a level (`info`, `debug`...) or a tracing filter
+    /// (`info,connex::access=off`). Unset: CONNEX_LOG, else `info`.
+    #[arg(long, env = "CONNEX_LOG_LEVEL")]
+    pub log_level: Option<String>,
+    /// OTLP/HTTP collector (protobuf) the request spans are exported to, e.g.
+    /// http://otel-collector:4318 (`/v1/traces` is added to a URL without a
+    /// path). Unset: no export; trace context still reaches the engines.
+    #[arg(long, env = "CONNEX_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
     /// Bearer token for /admin routes. Without it the admin API refuses every call.
     #[arg(long, env = "CONNEX_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
@@ -232,6 +255,11 @@ pub struct RouterConfig {
     /// Most open client connections (further ones wait in the accept backlog).
     #[arg(long, env = "CONNEX_MAX_CONNECTIONS", default_value_t = 16_384)]
     pub max_connections: usize,
+    /// A counter or histogram series not updated for this many seconds is
+    /// dropped from /metrics (those of removed and evicted instances; 0:
+    /// never). The per-instance gauges follow the membership at once.
+    #[arg(long, env = "CONNEX_METRICS_IDLE_TIMEOUT_S", default_value_t = 600)]
+    pub metrics_idle_timeout_s: u64,
     /// Most OpenAI requests in flight; past it, 429 with Retry-After.
     #[arg(long, env = "CONNEX_MAX_CONCURRENT_REQUESTS", default_value_t = 10_000)]
     pub max_concurrent_requests: usize,
@@ -254,6 +282,14 @@ pub enum PolicyKind {
     LeastLoaded,
     /// The less loaded of two random candidates.
     PowerOfTwo,
+}
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 /// `--on-hold-lost`.
@@ -294,7 +330,7 @@ pub fn load(argv: Vec<OsString>) -> Result<Cli, ConfigError> {
         return Ok(cli);
     };
     let Some(path) = config.config.clone() else {
-        return Ok(cli);
+        return Ok(with_host_and_port(cli));
     };
     let file_args = file_arguments(&path, serve)?;
     // The file's settings go right after `serve`, so that any flag given on the
@@ -306,7 +342,20 @@ pub fn load(argv: Vec<OsString>) -> Result<Cli, ConfigError> {
     let mut merged = argv;
     merged.splice(at..at, file_args.into_iter().map(OsString::from));
     let matches = command.try_get_matches_from(&merged)?;
-    Ok(Cli::from_arg_matches(&matches)?)
+    Ok(with_host_and_port(Cli::from_arg_matches(&matches)?))
+}
+
+/// Folds `--host`/`--port` into `listen`, the one address the router binds.
+fn with_host_and_port(mut cli: Cli) -> Cli {
+    if let Command::Serve(config) = &mut cli.command {
+        if let Some(host) = config.host {
+            config.listen.set_ip(host);
+        }
+        if let Some(port) = config.port {
+            config.listen.set_port(port);
+        }
+    }
+    cli
 }
 
 /// `--key=value` arguments for each key of the TOML file that the command line
@@ -375,6 +424,61 @@ mod tests {
         assert_eq!(config.heartbeat_ttl_s, 3);
         assert_eq!(config.decode_policy, PolicyKind::PowerOfTwo);
         assert_eq!(config.admin_token.as_deref(), Some("cli"));
+    }
+
+    #[test]
+    fn host_and_port_set_the_client_listener() {
+        let config = serve(&[
+            "connex-router",
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9100",
+        ])
+        .expect("parse");
+        assert_eq!(config.listen, "0.0.0.0:9100".parse().expect("addr"));
+        let config = serve(&["connex-router", "serve", "--port", "9101"]).expect("parse");
+        assert_eq!(config.listen, "127.0.0.1:9101".parse().expect("addr"));
+        let config = serve(&["connex-router", "serve", "--host", "::1"]).expect("parse");
+        assert_eq!(config.listen, "[::1]:8000".parse().expect("addr"));
+    }
+
+    #[test]
+    fn host_or_port_with_listen_is_refused_by_name() {
+        for flag in ["--host=0.0.0.0", "--port=9000"] {
+            let err = serve(&["connex-router", "serve", "--listen", "127.0.0.1:1", flag])
+                .expect_err("conflict");
+            let ConfigError::Cli(err) = err else {
+                panic!("not a command-line error: {err}");
+            };
+            assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
+            let text = err.to_string();
+            assert!(text.contains("--listen"), "{text}");
+            assert!(
+                text.contains(flag.split('=').next().unwrap_or(flag)),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn log_format_and_level_parse() {
+        let config = serve(&["connex-router", "serve"]).expect("parse");
+        assert_eq!(config.log_format, LogFormat::Text);
+        assert_eq!(config.log_level, None);
+        let config = serve(&[
+            "connex-router",
+            "serve",
+            "--log-format",
+            "json",
+            "--log-level",
+            "debug",
+        ])
+        .expect("parse");
+        assert_eq!(config.log_format, LogFormat::Json);
+        assert_eq!(config.log_level.as_deref(), Some("debug"));
+        assert!(serve(&["connex-router", "serve", "--log-format", "xml"]).is_err());
     }
 
     #[test]

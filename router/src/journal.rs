@@ -14,7 +14,7 @@ use serde::Serialize;
 use serde_json::Value;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Where a request is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -50,6 +50,8 @@ pub struct Entry {
     pub phase: Phase,
     pub prefill: Option<String>,
     pub decoder: Option<String>,
+    /// Every decoder that served the request, in order.
+    pub decoders: Vec<String>,
     pub attempt: u32,
     /// Resumes so far, and the cause of each.
     pub resumes: u32,
@@ -63,6 +65,9 @@ pub struct Entry {
     pub choices: Vec<ChoiceProgress>,
     #[serde(skip)]
     pub started: Option<Instant>,
+    /// Arrival (of the request at the router) to its first token.
+    #[serde(skip)]
+    pub ttft: Option<Duration>,
 }
 
 impl Entry {
@@ -96,6 +101,19 @@ impl Journal {
         stream: bool,
         choices: usize,
     ) -> JournalHandle {
+        self.open_at(request_id, route, model, stream, choices, Instant::now())
+    }
+
+    /// [`Journal::open`] for a request that arrived at `started`.
+    pub fn open_at(
+        self: &Arc<Self>,
+        request_id: &str,
+        route: &'static str,
+        model: &str,
+        stream: bool,
+        choices: usize,
+        started: Instant,
+    ) -> JournalHandle {
         let entry = Arc::new(Mutex::new(Entry {
             request_id: request_id.to_string(),
             route,
@@ -104,6 +122,7 @@ impl Journal {
             phase: Phase::Prefill,
             prefill: None,
             decoder: None,
+            decoders: Vec::new(),
             attempt: 0,
             resumes: 0,
             causes: Vec::new(),
@@ -111,7 +130,8 @@ impl Journal {
             epoch: 0,
             prompt_token_ids: Vec::new(),
             choices: vec![ChoiceProgress::default(); choices.max(1)],
-            started: Some(Instant::now()),
+            started: Some(started),
+            ttft: None,
         }));
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         self.entries.insert(key, entry.clone());
@@ -195,6 +215,22 @@ impl JournalHandle {
 
     pub fn set_phase(&self, phase: Phase) {
         self.update(|e| e.phase = phase);
+    }
+
+    /// A reader of the entry that outlives the handle (and the entry's place
+    /// in the journal): what the request's record reads at its very end.
+    pub fn reader(&self) -> EntryReader {
+        EntryReader(self.entry.clone())
+    }
+}
+
+/// Reads one entry, after its request left the journal too.
+#[derive(Debug, Clone)]
+pub struct EntryReader(Arc<Mutex<Entry>>);
+
+impl EntryReader {
+    pub fn read<R>(&self, read: impl FnOnce(&Entry) -> R) -> R {
+        read(&self.0.lock().unwrap_or_else(|p| p.into_inner()))
     }
 }
 

@@ -9,6 +9,7 @@ pub mod error;
 pub mod health;
 pub mod holds;
 pub mod journal;
+pub mod logs;
 pub mod metrics;
 pub mod pd;
 pub mod policy;
@@ -17,6 +18,7 @@ pub mod secrets;
 pub mod server;
 pub mod sse;
 pub mod state;
+pub mod traces;
 pub mod upstreams;
 
 use api::access::Access;
@@ -132,6 +134,10 @@ impl Router {
         let (internal_listener, internal_addr) = bind(config.internal_listen).await?;
         let upstreams = upstreams::UpstreamPolicy::parse(config.allowed_upstreams.as_deref())?
             .with_own_listeners(&[addr, internal_addr]);
+        // The recorder first: the membership sets its gauges as it opens.
+        let idle = (config.metrics_idle_timeout_s > 0)
+            .then(|| Duration::from_secs(config.metrics_idle_timeout_s));
+        metrics::install(idle);
         let registry = registry::Registry::open(&registry_config(&config)).await?;
         let shutdown = Shutdown::default();
         let edge = Edge {

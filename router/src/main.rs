@@ -1,6 +1,7 @@
 //! `connex-router`: `serve` the router, or run the in-process `demo`.
 
-use connex_router::config::{self, Command};
+use connex_router::config::{self, Command, LogFormat};
+use connex_router::logs;
 use std::process::ExitCode;
 
 // Every token's chunk is a few small allocations; mimalloc serves them from
@@ -19,17 +20,23 @@ async fn main() -> ExitCode {
         }
     };
     // The demo prints its own report; its logs are for warnings only.
-    let default_filter = match cli.command {
-        Command::Serve(_) => "info",
-        Command::Demo(_) => "warn",
+    let (format, level, default, otlp) = match &cli.command {
+        Command::Serve(config) => (
+            config.log_format,
+            config.log_level.clone(),
+            "info",
+            config.otlp_endpoint.clone(),
+        ),
+        Command::Demo(_) => (LogFormat::Text, None, "warn", None),
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CONNEX_LOG")
-                .unwrap_or_else(|_| default_filter.into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // Held to the end: its drop exports the last spans.
+    let _telemetry = match logs::init(format, level.as_deref(), default, otlp.as_deref()) {
+        Ok(telemetry) => telemetry,
+        Err(err) => {
+            eprintln!("connex-router: {err}");
+            return ExitCode::from(2);
+        }
+    };
     match cli.command {
         Command::Serve(config) => serve(config).await,
         #[cfg(feature = "demo")]

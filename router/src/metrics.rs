@@ -1,18 +1,22 @@
 //! Prometheus metrics: every name the router emits is declared here, once.
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_util::MetricKindMask;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub const REQUESTS: &str = "connex_requests_total";
 pub const REQUEST_DURATION: &str = "connex_request_duration_seconds";
+pub const INSTANCE_REQUEST_DURATION: &str = "connex_instance_request_duration_seconds";
+pub const PREFILL_DURATION: &str = "connex_prefill_duration_seconds";
 pub const TTFT: &str = "connex_ttft_seconds";
 pub const INTER_TOKEN: &str = "connex_inter_token_latency_seconds";
 pub const UPSTREAM_REQUESTS: &str = "connex_upstream_requests_total";
 pub const UPSTREAM_ERRORS: &str = "connex_upstream_errors_total";
 pub const INSTANCE_INFLIGHT: &str = "connex_instance_inflight";
+pub const INSTANCES: &str = "connex_instances";
 pub const PREFILL_RETRIES: &str = "connex_prefill_retries_total";
 pub const RESUMES: &str = "connex_resumes_total";
 pub const RESUME_LATENCY: &str = "connex_resume_latency_seconds";
@@ -23,30 +27,127 @@ pub const HOLDS_RENEWED: &str = "connex_holds_renewed_total";
 pub const HEALTH_CHECK_FAILURES: &str = "connex_health_check_failures_total";
 pub const EJECTIONS_REFUSED: &str = "connex_ejections_refused_total";
 
-/// Every metric name, for the test that checks they are all emitted.
-pub const ALL: &[&str] = &[
-    REQUESTS,
-    REQUEST_DURATION,
-    TTFT,
-    INTER_TOKEN,
-    UPSTREAM_REQUESTS,
-    UPSTREAM_ERRORS,
-    INSTANCE_INFLIGHT,
-    PREFILL_RETRIES,
-    RESUMES,
-    RESUME_LATENCY,
-    FAILED_AFTER_RESUME,
-    REPREFILLS,
-    HOLDS_RELEASED,
-    HOLDS_RENEWED,
-    HEALTH_CHECK_FAILURES,
-    EJECTIONS_REFUSED,
+/// The kind of a metric family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Every family the recorder holds: name, kind and `# HELP` text.
+pub const FAMILIES: &[(&str, Kind, &str)] = &[
+    (
+        REQUESTS,
+        Kind::Counter,
+        "OpenAI requests ended, by route, model and HTTP status (499: the client went away).",
+    ),
+    (
+        REQUEST_DURATION,
+        Kind::Histogram,
+        "Arrival to end of OpenAI requests, by route and model.",
+    ),
+    (
+        INSTANCE_REQUEST_DURATION,
+        Kind::Histogram,
+        "Arrival to end of requests, by the decoder that finished them and model.",
+    ),
+    (
+        PREFILL_DURATION,
+        Kind::Histogram,
+        "Prefill calls that answered, by prefill instance and model.",
+    ),
+    (
+        TTFT,
+        Kind::Histogram,
+        "Arrival to first token (prefill included), by route, decoder instance and model.",
+    ),
+    (
+        INTER_TOKEN,
+        Kind::Histogram,
+        "Time between tokens of a stream, by decoder instance.",
+    ),
+    (
+        UPSTREAM_REQUESTS,
+        Kind::Counter,
+        "Calls to engines, by instance, model and phase (prefill, decode).",
+    ),
+    (
+        UPSTREAM_ERRORS,
+        Kind::Counter,
+        "Failed calls to engines, by instance, model, phase and kind.",
+    ),
+    (
+        PREFILL_RETRIES,
+        Kind::Counter,
+        "Prefills retried on another instance.",
+    ),
+    (
+        RESUMES,
+        Kind::Counter,
+        "Requests moved to another decoder, by cause and model.",
+    ),
+    (
+        RESUME_LATENCY,
+        Kind::Histogram,
+        "Decoder failure detected to first token of the next decoder.",
+    ),
+    (
+        FAILED_AFTER_RESUME,
+        Kind::Counter,
+        "Requests that failed although resumes were tried, by model.",
+    ),
+    (
+        REPREFILLS,
+        Kind::Counter,
+        "Resumes that found their hold gone and prefilled prompt and generated tokens again.",
+    ),
+    (
+        HOLDS_RELEASED,
+        Kind::Counter,
+        "The router's releases of KV holds, by outcome (released, gone, failed).",
+    ),
+    (
+        HOLDS_RENEWED,
+        Kind::Counter,
+        "Renewals of the KV holds of long requests, by outcome.",
+    ),
+    (
+        HEALTH_CHECK_FAILURES,
+        Kind::Counter,
+        "Failed /health probes, by instance.",
+    ),
+    (
+        EJECTIONS_REFUSED,
+        Kind::Counter,
+        "Instances kept in rotation that the probes would have ejected, by instance and why.",
+    ),
 ];
+
+/// The families rendered at scrape time from the membership (never stale:
+/// an instance removed from it is gone from the next scrape).
+pub const SCRAPE_TIME_FAMILIES: &[(&str, Kind, &str)] = &[
+    (INSTANCE_INFLIGHT, Kind::Gauge, "Requests this router has in flight on an instance, by instance, role and model."),
+    (INSTANCES, Kind::Gauge, "Instances known to this router, by role, model and state (ready, draining, migrating, dead, unhealthy)."),
+];
+
+/// Every metric name, for the test that checks they are all emitted.
+pub fn all() -> impl Iterator<Item = &'static str> {
+    FAMILIES
+        .iter()
+        .chain(SCRAPE_TIME_FAMILIES)
+        .map(|(name, _, _)| *name)
+}
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// Installs the process-wide recorder once and returns its render handle.
-pub fn install() -> Option<PrometheusHandle> {
+///
+/// The exporter cannot remove a series on demand; with `idle` set, a counter
+/// or histogram series not updated for that long is dropped at the next
+/// scrape (an evicted instance's series among them). Gauges are left alone:
+/// the per-instance ones are rendered from the membership at scrape time.
+pub fn install(idle: Option<Duration>) -> Option<PrometheusHandle> {
     if let Some(handle) = HANDLE.get() {
         return Some(handle.clone());
     }
@@ -56,55 +157,126 @@ pub fn install() -> Option<PrometheusHandle> {
             60.0,
         ])
         .ok()?
+        .idle_timeout(MetricKindMask::COUNTER | MetricKindMask::HISTOGRAM, idle)
         .install_recorder()
         .ok()?;
     let _ = HANDLE.set(handle.clone());
-    // Counters without labels exist from the start, at zero: "none happened"
-    // is then a sample a dashboard (and a test) reads, not an absent series.
-    for name in [PREFILL_RETRIES, FAILED_AFTER_RESUME, REPREFILLS] {
+    for (name, kind, help) in FAMILIES {
+        match kind {
+            Kind::Counter => describe_counter!(*name, *help),
+            Kind::Gauge => describe_gauge!(*name, *help),
+            Kind::Histogram => describe_histogram!(*name, *help),
+        }
+    }
+    declare_zero_series([]);
+    Some(handle)
+}
+
+/// The resume causes that count as resumes (set once by the state).
+static RESUME_CAUSES: OnceLock<Vec<&'static str>> = OnceLock::new();
+
+pub fn set_resume_causes(causes: Vec<&'static str>) {
+    let _ = RESUME_CAUSES.set(causes);
+}
+
+/// Counters exist at zero before anything happened: "none happened" is then
+/// a sample a dashboard (and a test) reads, not an absent series. Called
+/// before each scrape with the models served now, so that the idle timeout
+/// drops only those of models gone.
+pub fn declare_zero_series<'a>(models: impl IntoIterator<Item = &'a str>) {
+    for name in [PREFILL_RETRIES, REPREFILLS] {
         counter!(name).increment(0);
     }
-    Some(handle)
+    let causes = RESUME_CAUSES.get().map(Vec::as_slice).unwrap_or_default();
+    for model in models {
+        for cause in causes {
+            counter!(RESUMES, "cause" => *cause, "model" => model.to_string()).increment(0);
+        }
+        counter!(FAILED_AFTER_RESUME, "model" => model.to_string()).increment(0);
+    }
+}
+
+/// One instance as the scrape-time gauges see it.
+#[derive(Debug, Clone)]
+pub struct InstanceSample<'a> {
+    pub id: &'a str,
+    pub role: &'static str,
+    pub model: &'a str,
+    /// `ready`, `draining`, `migrating`, `dead`, or `unhealthy` (the probes'
+    /// verdict, whatever the lifecycle).
+    pub state: &'static str,
+    pub inflight: usize,
+}
+
+/// Every state of [`INSTANCES`]: each (role, model) has a sample of each, so
+/// that "no draining instance" reads 0.
+pub const INSTANCE_STATES: [&str; 5] = ["ready", "draining", "migrating", "dead", "unhealthy"];
+
+/// The scrape-time families, in Prometheus text format.
+pub fn render_instances(instances: &[InstanceSample<'_>]) -> String {
+    use std::collections::BTreeMap;
+    use std::fmt::Write;
+    let mut out = String::new();
+    let header = |out: &mut String, (name, _, help): &(&str, Kind, &str)| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+    };
+    header(&mut out, &SCRAPE_TIME_FAMILIES[0]);
+    for i in instances {
+        let _ = writeln!(
+            out,
+            "{INSTANCE_INFLIGHT}{{instance=\"{}\",role=\"{}\",model=\"{}\"}} {}",
+            escape(i.id),
+            i.role,
+            escape(i.model),
+            i.inflight
+        );
+    }
+    header(&mut out, &SCRAPE_TIME_FAMILIES[1]);
+    let mut counts: BTreeMap<(&str, &str), [usize; 5]> = BTreeMap::new();
+    for i in instances {
+        let slot = counts.entry((i.role, i.model)).or_default();
+        if let Some(at) = INSTANCE_STATES.iter().position(|s| *s == i.state) {
+            slot[at] += 1;
+        }
+    }
+    for ((role, model), count) in counts {
+        for (state, n) in INSTANCE_STATES.iter().zip(count) {
+            let _ = writeln!(
+                out,
+                "{INSTANCES}{{role=\"{role}\",model=\"{}\",state=\"{state}\"}} {n}",
+                escape(model)
+            );
+        }
+    }
+    out
+}
+
+/// A label value as the text format writes it.
+fn escape(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// The status recorded for a request whose client went away before its end
 /// (nginx's "client closed request").
 pub const CLIENT_CLOSED: u16 = 499;
 
-/// Records one request's metrics when it ends, however it ends: finished,
-/// failed, or dropped because its client disconnected (recorded as
-/// [`CLIENT_CLOSED`]). Created when the request arrives; the flow says how it
-/// ended with [`RequestGuard::finish`].
-#[derive(Debug)]
-pub struct RequestGuard {
-    route: &'static str,
-    started: Instant,
-    status: Option<u16>,
+/// One request ended with `status` after `duration` (`model` empty when the
+/// request was refused before its model was known).
+pub fn request_ended(route: &'static str, model: &str, status: u16, duration: Duration) {
+    counter!(REQUESTS, "route" => route, "model" => model.to_string(), "status" => status.to_string())
+        .increment(1);
+    histogram!(REQUEST_DURATION, "route" => route, "model" => model.to_string())
+        .record(duration.as_secs_f64());
+    upkeep_now_and_then();
 }
 
-impl RequestGuard {
-    pub fn new(route: &'static str) -> Self {
-        Self {
-            route,
-            started: Instant::now(),
-            status: None,
-        }
-    }
-
-    /// How the request ended (the first call wins).
-    pub fn finish(&mut self, status: u16) {
-        self.status.get_or_insert(status);
-    }
-}
-
-impl Drop for RequestGuard {
-    fn drop(&mut self) {
-        let status = self.status.unwrap_or(CLIENT_CLOSED);
-        counter!(REQUESTS, "route" => self.route, "status" => status.to_string()).increment(1);
-        histogram!(REQUEST_DURATION, "route" => self.route)
-            .record(self.started.elapsed().as_secs_f64());
-        upkeep_now_and_then();
-    }
+/// A request finished by `decoder` (the last that served it) ended.
+pub fn instance_request_ended(decoder: &str, model: &str, duration: Duration) {
+    histogram!(INSTANCE_REQUEST_DURATION, "instance" => decoder.to_string(), "model" => model.to_string())
+        .record(duration.as_secs_f64());
 }
 
 /// Requests ended, for [`upkeep_now_and_then`].
@@ -123,9 +295,15 @@ fn upkeep_now_and_then() {
     }
 }
 
-pub fn first_token(route: &'static str, instance: &str, ttft: Duration) {
-    histogram!(TTFT, "route" => route, "instance" => instance.to_string())
+pub fn first_token(route: &'static str, instance: &str, model: &str, ttft: Duration) {
+    histogram!(TTFT, "route" => route, "instance" => instance.to_string(), "model" => model.to_string())
         .record(ttft.as_secs_f64());
+}
+
+/// A prefill call that answered after `latency`.
+pub fn prefill_duration(instance: &str, model: &str, latency: Duration) {
+    histogram!(PREFILL_DURATION, "instance" => instance.to_string(), "model" => model.to_string())
+        .record(latency.as_secs_f64());
 }
 
 /// The inter-token histogram of one instance. A relay resolves it once and
@@ -135,12 +313,13 @@ pub fn inter_token(instance: &str) -> metrics::Histogram {
     histogram!(INTER_TOKEN, "instance" => instance.to_string())
 }
 
-pub fn upstream_request(instance: &str, phase: &'static str) {
-    counter!(UPSTREAM_REQUESTS, "instance" => instance.to_string(), "phase" => phase).increment(1);
+pub fn upstream_request(instance: &str, model: &str, phase: &'static str) {
+    counter!(UPSTREAM_REQUESTS, "instance" => instance.to_string(), "model" => model.to_string(), "phase" => phase)
+        .increment(1);
 }
 
-pub fn upstream_error(instance: &str, phase: &'static str, kind: &'static str) {
-    counter!(UPSTREAM_ERRORS, "instance" => instance.to_string(), "phase" => phase, "kind" => kind)
+pub fn upstream_error(instance: &str, model: &str, phase: &'static str, kind: &'static str) {
+    counter!(UPSTREAM_ERRORS, "instance" => instance.to_string(), "model" => model.to_string(), "phase" => phase, "kind" => kind)
         .increment(1);
 }
 
@@ -148,18 +327,9 @@ pub fn prefill_retry() {
     counter!(PREFILL_RETRIES).increment(1);
 }
 
-pub fn instance_inflight(instance: &str, inflight: usize) {
-    gauge!(INSTANCE_INFLIGHT, "instance" => instance.to_string()).set(inflight as f64);
-}
-
-/// A request moved to another decoder after a failure of `cause`.
-pub fn resume(cause: &'static str) {
-    counter!(RESUMES, "cause" => cause).increment(1);
-}
-
-/// Makes the resume series of `cause` exist (at zero).
-pub fn declare_resume_cause(cause: &'static str) {
-    counter!(RESUMES, "cause" => cause).increment(0);
+/// A request for `model` moved to another decoder after a failure of `cause`.
+pub fn resume(cause: &'static str, model: &str) {
+    counter!(RESUMES, "cause" => cause, "model" => model.to_string()).increment(1);
 }
 
 /// Failure detected -> first token from the next decoder.
@@ -168,8 +338,8 @@ pub fn resume_latency(latency: Duration) {
 }
 
 /// A request that failed although resumes were tried.
-pub fn failed_after_resume() {
-    counter!(FAILED_AFTER_RESUME).increment(1);
+pub fn failed_after_resume(model: &str) {
+    counter!(FAILED_AFTER_RESUME, "model" => model.to_string()).increment(1);
 }
 
 /// A resume found its hold gone and prefilled prompt + generated again.

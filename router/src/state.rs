@@ -81,14 +81,17 @@ impl AppState {
             .clone()
             .and_then(connex_transfer::Secret::new);
         let (holds, releases) = Holds::new(Duration::from_millis(config.ctrl_timeout_ms), secret);
-        let metrics = crate::metrics::install();
-        // Every resume cause is a series from the start, at zero.
-        for cause in crate::pd::attempt::Cause::ALL
-            .into_iter()
-            .filter(|c| c.reached_decoder())
-        {
-            crate::metrics::declare_resume_cause(cause.as_str());
-        }
+        let idle = (config.metrics_idle_timeout_s > 0)
+            .then(|| Duration::from_secs(config.metrics_idle_timeout_s));
+        let metrics = crate::metrics::install(idle);
+        crate::registry::status::describe_metrics();
+        crate::metrics::set_resume_causes(
+            crate::pd::attempt::Cause::ALL
+                .into_iter()
+                .filter(|c| c.reached_decoder())
+                .map(|c| c.as_str())
+                .collect(),
+        );
         let state = Self {
             registry: Arc::new(registry),
             holds,

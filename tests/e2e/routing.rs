@@ -514,6 +514,18 @@ async fn bad_input_gets_an_openai_error_with_the_right_status() {
             400,
         ),
         (
+            "empty prompt",
+            "/v1/completions",
+            json!({"model":"mock","prompt":""}),
+            400,
+        ),
+        (
+            "empty prompt in a list",
+            "/v1/completions",
+            json!({"model":"mock","prompt":[""]}),
+            400,
+        ),
+        (
             "prompt token ids not integers",
             "/v1/completions",
             json!({"model":"mock","prompt":[1, 2.5, -3]}),

@@ -39,9 +39,15 @@ def ready_instances(router: str) -> int:
 
 
 @pytest.fixture
-def cluster():
+def cluster(cluster_urls):
     """A router with one prefill and one decode mock engine, all registered
     through the router's internal listener; yields the client URL."""
+    yield cluster_urls[0]
+
+
+@pytest.fixture
+def cluster_urls():
+    """The `cluster`, as (client URL, internal URL: admin, metrics)."""
     procs = []
     try:
         router_proc, router, internal = start(
@@ -70,7 +76,7 @@ def cluster():
         while ready_instances(internal) < 2:
             assert time.monotonic() < deadline, "mock engines did not register"
             time.sleep(0.05)
-        yield router
+        yield router, internal
     finally:
         for proc in procs:
             proc.kill()

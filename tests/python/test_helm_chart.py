@@ -53,8 +53,14 @@ def test_helm_lint_passes():
 
 @pytest.mark.parametrize(
     "sets",
-    [(), POOLS, ("etcd.enabled=false", "router.replicas=1"), ("etcd.replicas=3", *POOLS)],
-    ids=["defaults", "pools", "no-etcd", "etcd-quorum"],
+    [
+        (),
+        POOLS,
+        ("etcd.enabled=false", "router.replicas=1"),
+        ("etcd.replicas=3", *POOLS),
+        ("router.autoscaling.enabled=true", "metrics.dashboards.enabled=true", *POOLS),
+    ],
+    ids=["defaults", "pools", "no-etcd", "etcd-quorum", "autoscaling-dashboards"],
 )
 def test_every_manifest_is_valid_kubernetes(sets):
     docs = manifests(*sets)
@@ -268,3 +274,173 @@ def test_engine_ports_admit_routers_on_vllm_port_and_engines_on_every_port():
     assert not [
         d for d in off if d["kind"] == "NetworkPolicy" and "router" not in d["metadata"]["name"]
     ]
+
+
+def test_the_router_log_format_reaches_the_router():
+    docs = manifests("router.logFormat=json", "router.log=debug")
+    env = {
+        e["name"]: e.get("value")
+        for e in container(find(docs, "Deployment", "rel-connex-router"))["env"]
+    }
+    assert env["CONNEX_LOG_FORMAT"] == "json"
+    assert env["CONNEX_LOG"] == "debug"
+
+
+def test_router_autoscaling_replaces_the_replica_count():
+    docs = manifests("router.autoscaling.enabled=true", "router.autoscaling.maxReplicas=6")
+    hpa = find(docs, "HorizontalPodAutoscaler", "rel-connex-router")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "rel-connex-router"
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    assert "replicas" not in find(docs, "Deployment", "rel-connex-router")["spec"]
+    assert not [d for d in manifests() if d["kind"] == "HorizontalPodAutoscaler"]
+    refused = render("router.autoscaling.enabled=true", "etcd.enabled=false", check=False)
+    assert refused.returncode != 0 and "needs shared membership" in refused.stderr
+
+
+def test_a_service_monitor_scrapes_the_internal_listener():
+    docs = manifests(
+        "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=kps"
+    )
+    monitor = find(docs, "ServiceMonitor", "rel-connex-router")
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "internal", "path": "/metrics", "interval": "30s"}
+    ]
+    # It selects the internal Service only.
+    selected = [
+        d["metadata"]["name"]
+        for d in docs
+        if d["kind"] == "Service"
+        and monitor["spec"]["selector"]["matchLabels"].items() <= d["metadata"]["labels"].items()
+    ]
+    assert selected == ["rel-connex-router-internal"]
+    assert not [d for d in manifests() if d["kind"] == "ServiceMonitor"]
+
+
+def test_the_dashboards_ship_in_a_configmap_for_grafana():
+    docs = manifests("metrics.dashboards.enabled=true")
+    config = find(docs, "ConfigMap", "rel-connex-dashboards")
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config["data"]["connex-router.json"])
+    assert dashboard["uid"] == "connex-router" and dashboard["panels"]
+
+
+def spread(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"].get("affinity", {}).get("podAntiAffinity", {})
+
+
+def test_pods_spread_over_nodes_by_default_and_on_demand():
+    docs = manifests(*POOLS)
+    for name in ("rel-connex-router", "rel-connex-prefill", "rel-connex-decode"):
+        term = spread(find(docs, "Deployment", name))[
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ][0]
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        component = name.removeprefix("rel-connex-")
+        assert (
+            term["podAffinityTerm"]["labelSelector"]["matchLabels"]["app.kubernetes.io/component"]
+            == component
+        )
+    docs = manifests(*POOLS, "router.podAntiAffinity=hard", "vllm.podAntiAffinity=none")
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in spread(
+        find(docs, "Deployment", "rel-connex-router")
+    )
+    assert spread(find(docs, "Deployment", "rel-connex-decode")) == {}
+    bad = render("router.podAntiAffinity=sometimes", check=False)
+    assert bad.returncode != 0 and "soft, hard or none" in bad.stderr
+
+
+def test_extra_env_and_volumes_reach_the_router_and_the_pools(tmp_path: Path):
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "router": {
+                    "extraEnv": [{"name": "RUST_BACKTRACE", "value": "1"}],
+                    "extraVolumes": [{"name": "tmp", "emptyDir": {}}],
+                    "extraVolumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+                },
+                "vllm": {
+                    "extraEnv": [
+                        {
+                            "name": "HF_TOKEN",
+                            "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}},
+                        }
+                    ],
+                    "extraVolumes": [
+                        {"name": "models", "persistentVolumeClaim": {"claimName": "cache"}}
+                    ],
+                    "extraVolumeMounts": [
+                        {"name": "models", "mountPath": "/root/.cache/huggingface"}
+                    ],
+                    "decode": {"extraEnv": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]},
+                },
+            }
+        )
+    )
+    docs = values_manifests(values, *POOLS)
+    router = find(docs, "Deployment", "rel-connex-router")
+    assert {"name": "RUST_BACKTRACE", "value": "1"} in container(router)["env"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in container(router)["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {}} in router["spec"]["template"]["spec"]["volumes"]
+    for pool in ("prefill", "decode"):
+        workload = find(docs, "Deployment", f"rel-connex-{pool}")
+        env = {e["name"] for e in container(workload)["env"]}
+        assert "HF_TOKEN" in env
+        assert ("VLLM_LOGGING_LEVEL" in env) == (pool == "decode")
+        mounts = container(workload)["volumeMounts"]
+        assert {"name": "models", "mountPath": "/root/.cache/huggingface"} in mounts
+        volumes = workload["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "models", "persistentVolumeClaim": {"claimName": "cache"}} in volumes
+    for version in KUBE_VERSIONS:
+        for doc in docs:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def values_manifests(values: Path, *sets: str) -> list[dict]:
+    args = [HELM, "template", "rel", str(CHART), "--namespace", "llm", "--values", str(values)]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_vllm_pools_probe_model_load_and_deregister_before_stopping():
+    docs = manifests(
+        *POOLS,
+        "vllm.probes.startup.failureThreshold=180",
+        "vllm.preStop.drainS=45",
+        "vllm.decode.resources.requests.memory=64Gi",
+    )
+    for pool in ("prefill", "decode"):
+        workload = find(docs, "Deployment", f"rel-connex-{pool}")
+        c = container(workload)
+        assert c["startupProbe"]["httpGet"]["path"] == "/health"
+        assert c["startupProbe"]["failureThreshold"] == 180
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+        command = c["lifecycle"]["preStop"]["exec"]["command"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        # preStop creates the file the agent watches, then waits the drain.
+        assert f"touch {env['CONNEX_DEREGISTER_FILE']}" in command[-1]
+        assert "sleep 45" in command[-1]
+        assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 45
+    decode = container(find(docs, "Deployment", "rel-connex-decode"))
+    assert decode["resources"]["requests"]["memory"] == "64Gi"
+    off = container(
+        find(manifests(*POOLS, "vllm.preStop.enabled=false"), "Deployment", "rel-connex-decode")
+    )
+    assert "lifecycle" not in off
+    assert "CONNEX_DEREGISTER_FILE" not in {e["name"] for e in off["env"]}
+
+
+def test_the_otlp_endpoint_reaches_the_router():
+    docs = manifests("router.otlpEndpoint=http://otel:4318")
+    env = {
+        e["name"]: e.get("value")
+        for e in container(find(docs, "Deployment", "rel-connex-router"))["env"]
+    }
+    assert env["CONNEX_OTLP_ENDPOINT"] == "http://otel:4318"
+    env = {
+        e["name"] for e in container(find(manifests(), "Deployment", "rel-connex-router"))["env"]
+    }
+    assert "CONNEX_OTLP_ENDPOINT" not in env

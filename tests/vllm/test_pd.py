@@ -138,6 +138,32 @@ def test_decoder_releases_the_hold_when_its_request_finishes(cluster):
     harness.wait_for(lambda: kv_usage(cluster["prefill"]) == 0, 10, "prefill blocks freed")
 
 
+def test_kv_transfer_metrics_are_on_the_engines_own_metrics(cluster):
+    """The connector's counters reach vLLM's /metrics through KVConnectorStats:
+    the prefill's live holds, the decoder's pull, its bytes and its time."""
+    ctrl = cluster.ctrl("prefill")
+    d2 = cluster["d2"]
+    prompt = fresh("metrics")
+    pulls = d2.metric("connex_kv_pulls_total", absent=0.0)
+    pulled = d2.metric("connex_kv_pulled_bytes_total", absent=0.0)
+    timed = d2.metric("connex_kv_pull_seconds_count", absent=0.0)
+    failed = d2.metric("connex_kv_pull_failures_total", absent=0.0)
+    served = stats(ctrl)["bytes_served"]
+    params = prefill(cluster["prefill"], prompt)
+    harness.wait_for(
+        lambda: cluster["prefill"].metric("connex_kv_holds") >= 1, 20, "the hold on /metrics"
+    )
+    harness.complete(d2.url, prompt, 8, kv_transfer_params=params)
+    harness.wait_for(
+        lambda: d2.metric("connex_kv_pulls_total") >= pulls + 1, 20, "the pull on /metrics"
+    )
+    assert (
+        d2.metric("connex_kv_pulled_bytes_total") - pulled == stats(ctrl)["bytes_served"] - served
+    )
+    assert d2.metric("connex_kv_pull_seconds_count") == timed + 1
+    assert d2.metric("connex_kv_pull_failures_total") == failed
+
+
 def test_full_local_prefix_hit_pulls_nothing_and_releases(cluster):
     """Seed breakage 1: a resume landing on a decoder that has the whole context
     cached must not pull (nor crash), and must still release the hold."""

@@ -76,3 +76,36 @@ app.kubernetes.io/component: {{ index . 1 }}
       name: {{ include "connex.registerSecret" . }}
       key: {{ .Values.router.registerToken.secretKey }}
 {{- end -}}
+
+{{/* Pod affinity of a component: the values' own `affinity` when set, else a
+spread of its pods over nodes: call with (list $ "router" "soft"|"hard"|"none" affinity). */}}
+{{- define "connex.affinity" -}}
+{{- $root := index . 0 -}}
+{{- $component := index . 1 -}}
+{{- $mode := index . 2 -}}
+{{- $own := index . 3 -}}
+{{- if $own }}
+affinity:
+  {{- toYaml $own | nindent 2 }}
+{{- else if eq $mode "hard" }}
+affinity:
+  podAntiAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      - topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- include "connex.selector" (list $root $component) | nindent 12 }}
+{{- else if eq $mode "soft" }}
+affinity:
+  podAntiAffinity:
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels:
+              {{- include "connex.selector" (list $root $component) | nindent 14 }}
+{{- else if ne $mode "none" }}
+{{- fail (printf "podAntiAffinity must be soft, hard or none, not %q" $mode) }}
+{{- end }}
+{{- end -}}

@@ -2,7 +2,7 @@
 
 use super::body::read_json;
 use crate::error::ApiError;
-use crate::metrics::RequestGuard;
+use crate::pd::record::RequestRecord;
 use crate::pd::request::{validate, Route};
 use crate::state::AppState;
 use axum::body::Body;
@@ -12,6 +12,7 @@ use axum::response::Response;
 use axum::Json;
 use serde_json::{json, Value};
 use std::sync::Arc;
+use tracing::Instrument;
 
 pub async fn completions(
     State(state): State<Arc<AppState>>,
@@ -45,27 +46,36 @@ async fn generate(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    // Records the request's metrics when it ends, however it ends (a client
-    // that disconnects included).
-    let mut metrics = RequestGuard::new(route.path());
-    let checked = async {
-        let value = read_json(&headers, body, state.config.max_body_bytes).await?;
-        let info = validate(
-            route,
-            &value,
-            request_id(&headers),
-            state.config.max_tokens_limit,
-        )?;
-        Ok::<_, ApiError>((info, value))
-    }
-    .await;
-    match checked {
-        Ok((info, value)) => crate::pd::run(state, info, value, metrics).await,
-        Err(error) => {
-            metrics.finish(error.status().as_u16());
-            Err(error)
+    // Records the request (span, metrics, access line) when it ends, however
+    // it ends (a client that disconnects included).
+    let mut record = RequestRecord::new(route.path(), request_id(&headers));
+    crate::traces::continue_trace(record.span(), &headers);
+    let span = record.span().clone();
+    async move {
+        let checked = async {
+            let value = read_json(&headers, body, state.config.max_body_bytes).await?;
+            let info = validate(
+                route,
+                &value,
+                record.request_id().to_string(),
+                state.config.max_tokens_limit,
+            )?;
+            Ok::<_, ApiError>((info, value))
+        }
+        .await;
+        match checked {
+            Ok((info, value)) => {
+                record.set_model(&info.model);
+                crate::pd::run(state, info, value, record).await
+            }
+            Err(error) => {
+                record.finish(error.status().as_u16());
+                Err(error)
+            }
         }
     }
+    .instrument(span)
+    .await
 }
 
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {

@@ -1,6 +1,7 @@
 //! Probes and metrics: `/health`, `/ready`, `/metrics`, and the 404 fallback.
 
 use crate::error::ApiError;
+use crate::metrics::InstanceSample;
 use crate::server::Shutdown;
 use crate::state::AppState;
 use axum::extract::State;
@@ -41,11 +42,31 @@ pub async fn ready(
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let text = state
+    let models = state.registry.models();
+    crate::metrics::declare_zero_series(models.iter().map(String::as_str));
+    let mut text = state
         .metrics
         .as_ref()
         .map(|h| h.render())
         .unwrap_or_default();
+    // The per-instance gauges, from the membership as it is now: a removed
+    // instance has no series left.
+    let instances = state.registry.list();
+    let samples: Vec<InstanceSample<'_>> = instances
+        .iter()
+        .map(|i| InstanceSample {
+            id: &i.id,
+            role: i.role.as_str(),
+            model: &i.model,
+            state: if i.is_unhealthy() {
+                "unhealthy"
+            } else {
+                i.lifecycle().as_str()
+            },
+            inflight: i.inflight(),
+        })
+        .collect();
+    text.push_str(&crate::metrics::render_instances(&samples));
     ([("content-type", "text/plain; version=0.0.4")], text)
 }
 

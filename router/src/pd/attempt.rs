@@ -140,6 +140,8 @@ pub struct Attempt {
     deadline: Instant,
     delivering: bool,
     clock: DeliveryClock,
+    /// The attempt's `decode` trace span: it ends when the attempt does.
+    span: tracing::Span,
 }
 
 impl Attempt {
@@ -162,7 +164,18 @@ impl Attempt {
             limits,
             delivering: false,
             clock,
+            span: tracing::Span::none(),
         }
+    }
+
+    /// The attempt's trace span, kept as long as the attempt lives.
+    pub fn in_span(mut self, span: tracing::Span) -> Self {
+        self.span = span;
+        self
+    }
+
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
     }
 
     pub fn decoder(&self) -> &Arc<Instance> {

@@ -13,6 +13,7 @@ use crate::state::AppState;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;
+use tracing::Instrument;
 
 /// The body sent to a decode instance for the client's own route.
 pub fn decode_body(body: &Value, kv_transfer_params: &Value) -> Bytes {
@@ -64,31 +65,31 @@ pub async fn open(
     source: Source,
 ) -> Result<Attempt, OpenError> {
     let guard = LoadGuard::new(decoder.clone());
-    crate::metrics::upstream_request(&decoder.id, "decode");
+    crate::metrics::upstream_request(&decoder.id, &decoder.model, "decode");
+    // One span per attempt, from the call to the end of its stream; the
+    // decoder continues the trace from it.
+    let span =
+        tracing::info_span!("decode", decoder = %decoder.id, resumed = source == Source::Resumed);
+    let trace = crate::traces::headers(&span);
     let failed =
         |cause, message: String| OpenError::Failed(Failure::new(&decoder.id, cause, message));
     let call = Call {
         url: &decoder.url,
         path,
         request_id,
+        trace,
         body: payload,
     };
-    match state.upstream.decode(call).await {
+    match state.upstream.decode(call).instrument(span.clone()).await {
         Ok(Opened::Stream(stream)) => {
             state.outliers.clear(&decoder.id);
             let clock = state.outliers.clock(&decoder.id);
-            Ok(Attempt::new(
-                stream,
-                guard,
-                source,
-                state.limits.stream,
-                clock,
-            ))
+            Ok(Attempt::new(stream, guard, source, state.limits.stream, clock).in_span(span))
         }
         // A redirect is not followed (it could send the request anywhere): like
         // a 5xx, the decoder failed and another may serve the request.
         Ok(Opened::Status(reply)) if reply.status >= 500 || reply.status < 400 => {
-            crate::metrics::upstream_error(&decoder.id, "decode", "5xx");
+            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "5xx");
             let error = ApiError::upstream(reply.status, &reply.body);
             Err(failed(
                 Cause::ServerError,
@@ -96,14 +97,14 @@ pub async fn open(
             ))
         }
         Ok(Opened::Status(reply)) => {
-            crate::metrics::upstream_error(&decoder.id, "decode", "4xx");
+            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "4xx");
             Err(OpenError::Rejected(ApiError::upstream(
                 reply.status,
                 &reply.body,
             )))
         }
         Err(CallError::Connect { refused, message }) => {
-            crate::metrics::upstream_error(&decoder.id, "decode", "connect");
+            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "connect");
             // The decoder never saw the request: new requests avoid it for a
             // while. A connect timeout says it is busy (its accept backlog is
             // full), not gone: its streams in flight are left alone. A refused
@@ -123,14 +124,14 @@ pub async fn open(
             ))
         }
         Err(err @ CallError::NoHeaders(_)) => {
-            crate::metrics::upstream_error(&decoder.id, "decode", "no_headers");
+            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "no_headers");
             Err(failed(
                 Cause::NoHeaders,
                 format!("decoder {}: {err}", decoder.id),
             ))
         }
         Err(err) => {
-            crate::metrics::upstream_error(&decoder.id, "decode", "transport");
+            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "transport");
             Err(failed(
                 Cause::Reset,
                 format!("decoder {}: {err}", decoder.id),

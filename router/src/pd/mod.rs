@@ -16,6 +16,7 @@ pub mod decode;
 pub mod output;
 pub mod patch;
 pub mod prefill;
+pub mod record;
 pub mod relay;
 pub mod reprefill;
 pub mod request;
@@ -24,32 +25,32 @@ pub mod session;
 pub mod upstream;
 
 use crate::error::ApiError;
-use crate::metrics::RequestGuard;
 use crate::state::AppState;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
+use record::RequestRecord;
 use request::RequestInfo;
 use serde_json::Value;
 use session::Session;
 use std::sync::Arc;
 
 /// Runs one validated request through P/D and returns the client's response.
-/// `metrics` records how the request ended, however it ends.
+/// `record` records how the request ended, however it ends.
 pub async fn run(
     state: Arc<AppState>,
     info: RequestInfo,
     body: Value,
-    mut metrics: RequestGuard,
+    mut record: RequestRecord,
 ) -> Result<Response, ApiError> {
-    let session = match start(state, info, body).await {
+    let session = match start(state, info, body, &mut record).await {
         Ok(session) => session,
         Err(error) => {
-            metrics.finish(error.status().as_u16());
+            record.finish(error.status().as_u16());
             return Err(error);
         }
     };
     let mut session = session;
-    session.set_metrics(metrics);
+    session.set_record(record);
     let served = Served {
         request_id: session.info().request_id.clone(),
         prefill: session.prefill_instance(),
@@ -58,7 +59,7 @@ pub async fn run(
     let (mut response, resumes) = if session.info().stream {
         (session.into_sse_response(), None)
     } else {
-        // The session records its own end (status) in `metrics`.
+        // The session records its own end (status) in its record.
         let (response, resumes) = session.collect().await?;
         (axum::Json(response).into_response(), Some(resumes))
     };
@@ -67,17 +68,24 @@ pub async fn run(
 }
 
 /// Prefill, then the first decoder.
-async fn start(state: Arc<AppState>, info: RequestInfo, body: Value) -> Result<Session, ApiError> {
+async fn start(
+    state: Arc<AppState>,
+    info: RequestInfo,
+    body: Value,
+    record: &mut RequestRecord,
+) -> Result<Session, ApiError> {
     if !state.registry.knows_model(&info.model) {
         return Err(ApiError::ModelNotFound(info.model.clone()));
     }
-    let journal = state.journal.open(
+    let journal = state.journal.open_at(
         &info.request_id,
         info.route.path(),
         &info.model,
         info.stream,
         usize::try_from(info.n).unwrap_or(1),
+        record.started(),
     );
+    record.set_entry(journal.reader());
     let payload = prefill::prefill_body(info.route, &body);
     let prefilled = prefill::run(&state, &info, info.route, payload).await?;
     Session::start(state, info, body, prefilled, journal).await

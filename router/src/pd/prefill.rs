@@ -12,6 +12,7 @@ use crate::registry::{Instance, Phase};
 use crate::state::AppState;
 use bytes::Bytes;
 use serde_json::{json, Value};
+use tracing::Instrument;
 
 /// What a successful prefill hands to decode.
 #[derive(Debug, Clone)]
@@ -94,46 +95,57 @@ pub async fn run(
         };
         if attempt > 0 {
             crate::metrics::prefill_retry();
-            tracing::warn!(request_id = %info.request_id, instance = %instance.id, "retrying prefill on another instance");
+            tracing::warn!(instance = %instance.id, "retrying prefill on another instance");
         }
         tried.push(instance.id.clone());
         let _load = crate::registry::LoadGuard::new(instance.clone());
-        crate::metrics::upstream_request(&instance.id, "prefill");
+        crate::metrics::upstream_request(&instance.id, &instance.model, "prefill");
         let bad_gateway = |message: String| ApiError::BadGateway {
             instance: instance.id.clone(),
             message,
         };
-        let reply =
-            match call_owning_the_hold(state, &instance.url, route, info, payload.clone()).await {
-                Ok(reply) => reply,
-                Err(err) => {
-                    let kind = match err {
-                        CallError::Connect { .. } => "connect",
-                        CallError::NoHeaders(_) => "timeout",
-                        CallError::TooLarge(_) => "too_large",
-                        CallError::Transport(_) => "body",
-                    };
-                    crate::metrics::upstream_error(&instance.id, "prefill", kind);
-                    last_error = Some(bad_gateway(err.to_string()));
-                    continue;
-                }
-            };
+        let called = std::time::Instant::now();
+        // The prefill continues the request's trace from this span.
+        let span = tracing::info_span!("prefill", instance = %instance.id);
+        let call = call_owning_the_hold(state, &instance.url, route, info, payload.clone());
+        let reply = match call.instrument(span).await {
+            Ok(reply) => reply,
+            Err(err) => {
+                let kind = match err {
+                    CallError::Connect { .. } => "connect",
+                    CallError::NoHeaders(_) => "timeout",
+                    CallError::TooLarge(_) => "too_large",
+                    CallError::Transport(_) => "body",
+                };
+                crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", kind);
+                last_error = Some(bad_gateway(err.to_string()));
+                continue;
+            }
+        };
         // A redirect is not followed: like a 5xx, this prefill failed.
         if reply.status >= 500 || reply.status < 200 || (300..400).contains(&reply.status) {
-            crate::metrics::upstream_error(&instance.id, "prefill", "5xx");
+            crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", "5xx");
             let error = ApiError::upstream(reply.status, &reply.body);
             last_error = Some(bad_gateway(format!("HTTP {}: {error}", reply.status)));
             continue;
         }
         if !(200..300).contains(&reply.status) {
-            crate::metrics::upstream_error(&instance.id, "prefill", "4xx");
+            crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", "4xx");
             return Err(ApiError::upstream(reply.status, &reply.body));
         }
         match parse_answer(route, &instance, &reply.body) {
-            Ok(prefilled) => return Ok(prefilled),
+            Ok(prefilled) => {
+                crate::metrics::prefill_duration(&instance.id, &instance.model, called.elapsed());
+                return Ok(prefilled);
+            }
             Err(invalid) => {
-                crate::metrics::upstream_error(&instance.id, "prefill", invalid.kind());
-                tracing::warn!(request_id = %info.request_id, instance = %instance.id, %invalid, "prefill answer refused");
+                crate::metrics::upstream_error(
+                    &instance.id,
+                    &instance.model,
+                    "prefill",
+                    invalid.kind(),
+                );
+                tracing::warn!(instance = %instance.id, %invalid, "prefill answer refused");
                 last_error = Some(bad_gateway(invalid.to_string()));
             }
         }
@@ -159,13 +171,20 @@ async fn call_owning_the_hold(
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (upstream, holds) = (state.upstream.clone(), state.holds.clone());
     let (url, request_id) = (url.to_string(), info.request_id.clone());
+<<<<<<< HEAD
     tokio::spawn({
         let holds = holds.clone();
+=======
+    let span = tracing::Span::current();
+    let trace = crate::traces::headers(&span);
+    tokio::spawn(
+>>>>>>> ops
         async move {
             let call = Call {
                 url: &url,
                 path: route.path(),
                 request_id: &request_id,
+<<<<<<< HEAD
                 body: payload,
             };
             let reply = upstream.prefill(call).await;
@@ -179,6 +198,25 @@ async fn call_owning_the_hold(
     // was read: the answer then still sits in the channel.
     let mut pending = PendingAnswer { rx, holds };
     (&mut pending.rx).await.unwrap_or_else(|_| {
+=======
+                trace,
+                body: payload,
+            };
+            let reply = upstream.prefill(call).await;
+            if let Err(Ok(abandoned)) = tx.send(reply) {
+                let hold = serde_json::from_slice::<Value>(&abandoned.body)
+                    .ok()
+                    .and_then(|answer| Hold::from_params(answer.get("kv_transfer_params")?));
+                if let Some(hold) = hold {
+                    // A lease dropped at once: the keeper releases the hold.
+                    drop(holds.lease(hold, 0));
+                }
+            }
+        }
+        .instrument(span),
+    );
+    rx.await.unwrap_or_else(|_| {
+>>>>>>> ops
         Err(CallError::Transport(
             "the prefill call was cancelled".into(),
         ))

@@ -68,6 +68,7 @@ pub struct Relay {
 /// Latency bookkeeping.
 struct Timing {
     route: &'static str,
+    model: String,
     started: Instant,
     last_token: Option<Instant>,
     /// When the last decoder failure was detected, until the next token.
@@ -82,6 +83,7 @@ impl Relay {
         may_withhold: bool,
         max_tokens: u64,
     ) -> Self {
+        let started = journal.read(|e| e.started).unwrap_or_else(Instant::now);
         Self {
             output: Output::new(info),
             journal,
@@ -93,7 +95,10 @@ impl Relay {
             max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
             timing: Timing {
                 route: info.route.path(),
-                started: Instant::now(),
+                model: info.model.clone(),
+                // TTFT counts from the request's arrival (the journal's
+                // start), prefill included.
+                started,
                 last_token: None,
                 failure_detected: None,
                 inter_token: None,
@@ -274,7 +279,9 @@ impl Relay {
         let now = Instant::now();
         match self.timing.last_token {
             None => {
-                crate::metrics::first_token(self.timing.route, decoder, now - self.timing.started)
+                let ttft = now - self.timing.started;
+                self.journal.update(|e| e.ttft = Some(ttft));
+                crate::metrics::first_token(self.timing.route, decoder, &self.timing.model, ttft)
             }
             Some(last) => {
                 if let Some(histogram) = &self.timing.inter_token {

@@ -27,7 +27,7 @@ pub async fn ensure_hold(
     let HoldState::Lost(reason) = state.holds.check(hold).await else {
         return Ok(None);
     };
-    tracing::warn!(request_id = %info.request_id, %reason, "hold lost");
+    tracing::warn!(%reason, "hold lost");
     if state.config.on_hold_lost == OnHoldLost::Fail {
         return Err(ApiError::Unavailable(format!(
             "{reason}; not prefilling again (--on-hold-lost fail)"

@@ -122,11 +122,14 @@ fn check_prompt(prompt: Option<&Value>) -> Result<(), ApiError> {
             Some("prompt"),
         )
     };
+    // An empty prompt has nothing to prefill (vLLM refuses it too).
+    let empty = || ApiError::bad_request("`prompt` must not be empty", Some("prompt"));
     match prompt {
         None => Err(ApiError::bad_request(
             "`prompt` is required",
             Some("prompt"),
         )),
+        Some(Value::String(text)) if text.is_empty() => Err(empty()),
         Some(Value::String(_)) => Ok(()),
         Some(Value::Array(items)) if items.is_empty() => Err(invalid()),
         Some(Value::Array(items))
@@ -137,6 +140,7 @@ fn check_prompt(prompt: Option<&Value>) -> Result<(), ApiError> {
             Ok(())
         }
         Some(Value::Array(items)) if items.len() == 1 => match &items[0] {
+            Value::String(text) if text.is_empty() => Err(empty()),
             Value::String(_) => Ok(()),
             inner @ Value::Array(_) => check_prompt(Some(inner)),
             _ => Err(invalid()),

@@ -12,6 +12,7 @@ use super::attempt::{Attempt, Cause, Failure};
 use super::decode::{self, OpenError};
 use super::output::Source;
 use super::prefill::Prefilled;
+use super::record::RequestRecord;
 use super::relay::{Batch, Relay, Stop};
 use super::reprefill;
 use super::request::{RequestInfo, Route};
@@ -19,7 +20,6 @@ use super::resume::{self, Next, Progress, ResumePolicy};
 use crate::error::ApiError;
 use crate::holds::{Hold, HoldLease};
 use crate::journal::{JournalHandle, Phase};
-use crate::metrics::RequestGuard;
 use crate::registry::Instance;
 use crate::state::AppState;
 use axum::body::Body;
@@ -28,6 +28,7 @@ use bytes::Bytes;
 use serde_json::Value;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 /// Failed connects one request may go through (they are not resumes: the
 /// decoders never had the request) before it fails.
@@ -55,7 +56,7 @@ pub struct Session {
     /// Why the relay stopped, handled by the next call (after a batch went out).
     deferred: Option<Stop>,
     error: Option<ApiError>,
-    metrics: Option<RequestGuard>,
+    record: Option<RequestRecord>,
 }
 
 impl Session {
@@ -103,7 +104,7 @@ impl Session {
             first_decoder: None,
             deferred: None,
             error: None,
-            metrics: None,
+            record: None,
         };
         session.connect().await?;
         Ok(session)
@@ -126,9 +127,9 @@ impl Session {
             .unwrap_or_default()
     }
 
-    /// The request's metrics guard: the session records how the request ended.
-    pub fn set_metrics(&mut self, guard: RequestGuard) {
-        self.metrics = Some(guard);
+    /// The request's record: the session says how the request ended.
+    pub fn set_record(&mut self, record: RequestRecord) {
+        self.record = Some(record);
     }
 
     /// Opens a stream on a decoder; after a failed connect, on the next one.
@@ -166,6 +167,7 @@ impl Session {
                     self.relay.journal().update(|e| {
                         e.phase = Phase::Decode;
                         e.decoder = Some(decoder.id.clone());
+                        e.decoders.push(decoder.id.clone());
                         e.attempt += 1;
                     });
                     self.attempt = Some(attempt);
@@ -180,8 +182,8 @@ impl Session {
     /// Decides what follows `failure` and prepares it (counts the resume,
     /// re-prefills a lost hold); an error when the request cannot go on.
     async fn after_failure(&mut self, failure: Failure) -> Result<(), ApiError> {
-        tracing::warn!(request_id = %self.info.request_id, decoder = %failure.decoder,
-            cause = failure.cause.as_str(), message = %failure.message, resumes = self.progress.resumes, "decoder failed");
+        tracing::warn!(decoder = %failure.decoder,
+            cause = failure.cause.as_str(), error = %failure.message, resumes = self.progress.resumes, "decoder failed");
         self.relay.on_failure();
         self.progress.generated = self.relay.journal().read(|e| e.generated());
         if !self.failed.contains(&failure.decoder) {
@@ -200,7 +202,7 @@ impl Session {
                     lease.set_epoch(self.epoch);
                 }
                 let cause = failure.cause.as_str();
-                crate::metrics::resume(cause);
+                crate::metrics::resume(cause, &self.info.model);
                 let resumes = self.progress.resumes;
                 self.relay.journal().update(|e| {
                     e.resumes = resumes;
@@ -333,6 +335,16 @@ impl Session {
     /// Moves the request to another decoder after `failure`, or ends it with an
     /// error when it cannot be moved.
     async fn recover(&mut self, failure: Failure) {
+        let span = tracing::info_span!(
+            "resume",
+            cause = failure.cause.as_str(),
+            from = %failure.decoder
+        );
+        self.recover_in(failure).instrument(span).await;
+    }
+
+    /// [`Session::recover`], inside its `resume` span.
+    async fn recover_in(&mut self, failure: Failure) {
         // Dropping the attempt closes its connection: the engine aborts its copy.
         let decoder = self.attempt.take().map(|a| a.decoder().clone());
         if let (Cause::Reset, Some(decoder)) = (failure.cause, decoder) {
@@ -349,7 +361,7 @@ impl Session {
         };
         if let Err(error) = result {
             if self.progress.resumes > 0 {
-                crate::metrics::failed_after_resume();
+                crate::metrics::failed_after_resume(&self.info.model);
             }
             self.end_with_error(error);
         }
@@ -359,29 +371,35 @@ impl Session {
         self.attempt = None;
         self.relay.finish();
         self.relay.journal().set_phase(Phase::Finished);
-        if let Some(guard) = &mut self.metrics {
-            guard.finish(200);
+        if let Some(record) = &mut self.record {
+            record.finish(200);
         }
     }
 
     fn end_with_error(&mut self, error: ApiError) {
         self.attempt = None;
-        tracing::warn!(request_id = %self.info.request_id, %error, "request failed");
+        tracing::warn!(%error, "request failed");
         self.relay.fail(&error);
         self.relay.journal().set_phase(Phase::Failed);
-        if let Some(guard) = &mut self.metrics {
-            guard.finish(error.status().as_u16());
+        if let Some(record) = &mut self.record {
+            record.finish(error.status().as_u16());
         }
         self.error = Some(error);
     }
 
     /// A streaming response that relays batch by batch.
     pub fn into_sse_response(self) -> Response {
-        let body = futures_util::stream::unfold(self, |mut session| async move {
-            session
-                .next_batch()
-                .await
-                .map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), session))
+        // The body is polled by the connection's task, outside the handler:
+        // each step enters the request's span itself.
+        let span = tracing::Span::current();
+        let body = futures_util::stream::unfold(self, move |mut session| {
+            async move {
+                session
+                    .next_batch()
+                    .await
+                    .map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), session))
+            }
+            .instrument(span.clone())
         });
         (
             [

@@ -4,7 +4,7 @@
 
 use crate::config::{self, Command, RouterConfig};
 use crate::error::ApiError;
-use crate::metrics::RequestGuard;
+use crate::pd::record::RequestRecord;
 use crate::pd::request::{validate, Route};
 use crate::pd::upstream::{ByteStream, Call, CallError, Opened, Reply, Upstream};
 use crate::registry::{Lifecycle, Registration, Registry, Role};
@@ -200,7 +200,7 @@ async fn complete(state: &Arc<AppState>) -> Result<(String, u32), ApiError> {
         state.clone(),
         info,
         body,
-        RequestGuard::new("/v1/completions"),
+        RequestRecord::new("/v1/completions", "r".into()),
     )
     .await?;
     let resumes = response

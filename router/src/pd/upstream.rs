@@ -74,6 +74,8 @@ pub struct Call<'a> {
     pub url: &'a str,
     pub path: &'static str,
     pub request_id: &'a str,
+    /// W3C trace context headers (`traceparent`, `tracestate`).
+    pub trace: Vec<(&'static str, String)>,
     pub body: Bytes,
 }
 
@@ -107,11 +109,15 @@ impl HttpUpstream {
     }
 
     fn post(&self, call: &Call<'_>) -> reqwest::RequestBuilder {
-        self.client
+        let mut request = self
+            .client
             .post(format!("{}{}", call.url, call.path))
             .header("content-type", "application/json")
-            .header("x-request-id", call.request_id)
-            .body(call.body.clone())
+            .header("x-request-id", call.request_id);
+        for (name, value) in &call.trace {
+            request = request.header(*name, value);
+        }
+        request.body(call.body.clone())
     }
 }
 
@@ -241,6 +247,7 @@ mod tests {
             url,
             path: "/v1/completions",
             request_id: "r",
+            trace: Vec::new(),
             body: Bytes::from_static(b"{}"),
         }
     }

@@ -59,6 +59,16 @@ pub enum Phase {
     Decode,
 }
 
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "both",
+        }
+    }
+}
+
 impl Phase {
     pub fn as_str(self) -> &'static str {
         match self {
@@ -80,6 +90,17 @@ pub enum Lifecycle {
     Migrating,
     /// Heartbeats stopped for longer than the TTL.
     Dead,
+}
+
+impl Lifecycle {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lifecycle::Ready => "ready",
+            Lifecycle::Draining => "draining",
+            Lifecycle::Migrating => "migrating",
+            Lifecycle::Dead => "dead",
+        }
+    }
 }
 
 /// What an instance sends to register.
@@ -274,7 +295,6 @@ impl LoadGuard {
     pub fn new(instance: Arc<Instance>) -> Self {
         instance.inflight.fetch_add(1, Ordering::Relaxed);
         instance.served.fetch_add(1, Ordering::Relaxed);
-        crate::metrics::instance_inflight(&instance.id, instance.inflight());
         Self(instance)
     }
 
@@ -286,7 +306,6 @@ impl LoadGuard {
 impl Drop for LoadGuard {
     fn drop(&mut self) {
         self.0.inflight.fetch_sub(1, Ordering::Relaxed);
-        crate::metrics::instance_inflight(&self.0.id, self.0.inflight());
     }
 }
 

@@ -20,6 +20,28 @@ pub const RECONNECTS: &str = "connex_registry_reconnects_total";
 /// Counter: membership records ignored because their id disagrees with their key.
 pub const MISMATCHED: &str = "connex_registry_mismatched_records_total";
 
+/// The `# HELP` text of the membership's families (after the recorder is
+/// installed).
+pub fn describe_metrics() {
+    metrics::describe_gauge!(
+        CONNECTED,
+        "1 while the membership store is reachable (always 1 for memory)."
+    );
+    metrics::describe_counter!(
+        RELISTS,
+        "Full re-lists of the membership (start, watch compacted away)."
+    );
+    metrics::describe_counter!(EVENTS, "Membership changes applied from the watch.");
+    metrics::describe_counter!(
+        RECONNECTS,
+        "Reconnections of the membership watch after it broke."
+    );
+    metrics::describe_counter!(
+        MISMATCHED,
+        "Membership records ignored because their id disagrees with their key."
+    );
+}
+
 /// What `/ready` reports about membership.
 #[derive(Debug, Clone, Serialize)]
 pub struct StoreStatus {

@@ -12,6 +12,11 @@ re-registration and deregistration of that id, so that nobody else can take the
 id over. A router that issues none gets none. No exception ends the agent: a
 failed round is logged, counted (`errors`) and retried, and heartbeats go on.
 
+With a deregister file (CONNEX_DEREGISTER_FILE, as the chart sets it), the agent
+deregisters and stops as soon as that file exists: a pod's preStop hook creates
+it, so that the routers send the engine no new request while its streams
+finish, before the engine gets SIGTERM.
+
 Two ways to run it:
 - beside any engine: `python -m connex.agent --router URL --role decode
   --url http://host:port --model NAME [--ctrl host:port] [--id ID]`; load stats
@@ -30,8 +35,10 @@ import argparse
 import json
 import logging
 import math
+import os
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -43,6 +50,10 @@ logger = logging.getLogger("connex.agent")
 
 ROLES = ("prefill", "decode", "both")
 CREDENTIAL_HEADER = "x-connex-credential"
+# The file whose existence tells the agent to deregister and stop (preStop).
+DEREGISTER_FILE_ENV = "CONNEX_DEREGISTER_FILE"
+# How often the agent looks for the deregister file between rounds.
+DEREGISTER_POLL_S = 0.5
 # Router replies are small JSON objects; a larger one is not read whole.
 MAX_REPLY_BYTES = 1 << 20
 
@@ -61,6 +72,7 @@ class Agent:
         token: str | None = None,
         load: Callable[[], dict[str, Any]] | None = None,
         timeout_s: float = 5.0,
+        deregister_file: str | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
@@ -75,6 +87,9 @@ class Agent:
         self.token = token
         self.load = load or (lambda: metrics_load(self.url, timeout_s))
         self.timeout_s = timeout_s
+        self.deregister_file = deregister_file or None
+        # Deregistered for good (the deregister file appeared).
+        self.retired = False
         self.instance_id: str | None = None
         # Issued by the router at the first registration of this id.
         self.credential: str | None = None
@@ -101,8 +116,12 @@ class Agent:
             self.deregister()
 
     def run(self) -> None:
-        """Registers and heartbeats until `stop()`; no exception ends it."""
+        """Registers and heartbeats until `stop()` or the deregister file; no
+        exception ends it."""
         while not self._stop.is_set():
+            if self.retire_requested():
+                self.retire()
+                return
             try:
                 wait = self.tick()
             except Exception:
@@ -111,7 +130,29 @@ class Agent:
                 self.errors += 1
                 logger.exception("agent round failed (%d so far); retrying", self.errors)
                 wait = min(1.0, self.lease_ttl_s / 3)
-            self._stop.wait(wait)
+            self._wait(wait)
+
+    def _wait(self, seconds: float) -> None:
+        """Waits until the next round, `stop()` or the deregister file."""
+        if self.deregister_file is None:
+            self._stop.wait(seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set() and not self.retire_requested():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._stop.wait(min(left, DEREGISTER_POLL_S))
+
+    def retire_requested(self) -> bool:
+        return self.deregister_file is not None and os.path.exists(self.deregister_file)
+
+    def retire(self) -> None:
+        """Deregisters for good: no more registration or heartbeat."""
+        logger.info("%s exists: deregistering for good", self.deregister_file)
+        self.deregister()
+        self.retired = True
+        self._stop.set()
 
     def tick(self) -> float:
         """One round: register or heartbeat. Returns the seconds until the next."""
@@ -272,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         ctrl=args.ctrl,
         instance_id=args.instance_id,
         token=read_secret(file=args.token_file, env=REGISTER_TOKEN_ENV),
+        deregister_file=os.environ.get(DEREGISTER_FILE_ENV),
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent._stop.set())

@@ -19,15 +19,47 @@ pub struct Proc {
     pub internal: String,
 }
 
+/// The lines a process wrote to its stderr so far (see [`Proc::start_logged`]).
+#[derive(Clone, Default)]
+pub struct LogLines(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl LogLines {
+    pub fn lines(&self) -> Vec<String> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
 impl Proc {
     /// Starts `bin` with `args` and waits for its "listening on URL" line.
     pub fn start(bin: &str, args: &[String]) -> Proc {
+        Self::spawn(bin, args, None)
+    }
+
+    /// [`Proc::start`], keeping every line of the process's stderr (its logs).
+    pub fn start_logged(bin: &str, args: &[String]) -> (Proc, LogLines) {
+        let logs = LogLines::default();
+        (Self::spawn(bin, args, Some(logs.clone())), logs)
+    }
+
+    fn spawn(bin: &str, args: &[String], logs: Option<LogLines>) -> Proc {
+        let stderr = if logs.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::inherit()
+        };
         let mut child = Command::new(bin)
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("spawn process");
+        if let (Some(logs), Some(stderr)) = (logs, child.stderr.take()) {
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    logs.0.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+                }
+            });
+        }
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -92,6 +124,15 @@ fn args(list: &[&str]) -> Vec<String> {
 /// Starts a router with the admin token and `extra` flags, both listeners on
 /// free loopback ports; clients see the instance headers (tests check them).
 pub fn router(extra: &[&str]) -> Proc {
+    Proc::start(env!("CARGO_BIN_EXE_connex-router"), &router_args(extra))
+}
+
+/// [`router`], keeping its logs (stderr) for the test to read.
+pub fn router_logged(extra: &[&str]) -> (Proc, LogLines) {
+    Proc::start_logged(env!("CARGO_BIN_EXE_connex-router"), &router_args(extra))
+}
+
+fn router_args(extra: &[&str]) -> Vec<String> {
     let mut all = args(&[
         "serve",
         "--listen",
@@ -105,7 +146,7 @@ pub fn router(extra: &[&str]) -> Proc {
         all.push("--expose-instance-headers".into());
     }
     all.extend(args(extra));
-    Proc::start(env!("CARGO_BIN_EXE_connex-router"), &all)
+    all
 }
 
 /// Starts a mock engine of `role` registering with `router` (if given).

@@ -184,6 +184,14 @@ struct Plan {
     pulled: Option<crate::kv::Pulled>,
 }
 
+/// A header's value, when it is text.
+fn header(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
 async fn generate(
     state: Arc<EngineState>,
     kind: Kind,
@@ -204,6 +212,8 @@ async fn generate(
                 Kind::Chat => "/v1/chat/completions".into(),
             },
             request_id: request_id.clone(),
+            traceparent: header(headers, "traceparent"),
+            tracestate: header(headers, "tracestate"),
             body: request.clone(),
             outcome: Outcome::Running,
             tokens_emitted: 0,

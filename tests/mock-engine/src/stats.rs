@@ -20,6 +20,9 @@ pub enum Outcome {
 pub struct RequestRecord {
     pub path: String,
     pub request_id: Option<String>,
+    /// The W3C `traceparent` (and `tracestate`) the call carried.
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
     pub body: Value,
     pub outcome: Outcome,
     pub tokens_emitted: u32,

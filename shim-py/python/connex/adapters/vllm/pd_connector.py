@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -26,11 +27,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .config import ConnexConfig
 from .params import Layout
 from .scheduler import ConnexMetadata, ConnexScheduler
+from .stats import ConnexKVStats, ConnexPromMetrics
 from .worker import ConnexWorker
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -114,7 +122,7 @@ class ConnexConnector(KVConnectorBase_V1):
         )
 
     def _start_agent(self, vllm_config: VllmConfig, is_producer: bool, is_consumer: bool) -> None:
-        from connex.agent import Agent
+        from connex.agent import DEREGISTER_FILE_ENV, Agent
 
         role = "both" if is_producer and is_consumer else "prefill" if is_producer else "decode"
         names = vllm_config.model_config.served_model_name
@@ -130,6 +138,7 @@ class ConnexConnector(KVConnectorBase_V1):
             instance_id=self.cfg.instance_id,
             token=self.cfg.register_token,
             load=lambda: {"inflight": scheduler.inflight},
+            deregister_file=os.environ.get(DEREGISTER_FILE_ENV),
         )
         self.agent = agent.start()
         atexit.register(agent.stop)
@@ -223,6 +232,30 @@ class ConnexConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
+
+    # ---- KV transfer metrics (stats.py) --------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker is None:
+            return None
+        data = self.worker.take_stats()
+        return None if data is None else ConnexKVStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return ConnexKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return ConnexPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -12,8 +12,9 @@ order.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from .config import ConnexConfig
 from .layout import BlockLayout, tensor_layout
@@ -26,6 +27,32 @@ if TYPE_CHECKING:
     from connex import _transfer
 
 logger = logging.getLogger("connex.vllm.worker")
+
+# Seconds between two reads of the holder's counters (a call into the
+# transfer runtime), for the holds gauges.
+HOLDER_SAMPLE_S = 0.2
+# Pull latencies kept between two reports (the counts stay exact).
+MAX_LATENCIES = 1024
+
+
+@dataclass
+class TransferCounters:
+    """What this worker pulled and holds since its last report (stats.py)."""
+
+    pulls: int = 0
+    pull_failures: int = 0
+    pulled_bytes: int = 0
+    evictions: int = 0
+    pull_seconds: list[float] = field(default_factory=list)
+    # The holder's gauges, when they changed since the last report.
+    holds: int | None = None
+    held_bytes: int | None = None
+
+    def pulled(self, result: dict[str, Any]) -> None:
+        self.pulls += 1
+        self.pulled_bytes += int(result.get("bytes", 0))
+        if len(self.pull_seconds) < MAX_LATENCIES:
+            self.pull_seconds.append(float(result.get("elapsed_s", 0.0)))
 
 
 @dataclass
@@ -107,6 +134,9 @@ class ConnexWorker:
         self._recved: set[str] = set()
         self._failed: set[str] = set()
         self._meta: ConnexMetadata | None = None
+        self.counters = TransferCounters()
+        self._holder_sampled = 0.0
+        self._holder_seen: dict[str, int] = {}
 
     # ---- setup -------------------------------------------------------------------
 
@@ -212,6 +242,7 @@ class ConnexWorker:
                 self._pulls[load.req_id] = (pull, load)
                 return
         logger.error("kv load failed: request %s: %s", load.req_id, load.error)
+        self.counters.pull_failures += 1
         self._recved.add(load.req_id)
         self._failed.add(load.req_id)
 
@@ -248,8 +279,9 @@ class ConnexWorker:
             del self._pulls[req_id]
             self._recved.add(req_id)
             try:
-                pull.result()
+                self.counters.pulled(pull.result())
             except Exception as err:
+                self.counters.pull_failures += 1
                 logger.error(
                     "kv load failed: request %s, hold %s at %s epoch %s: %s",
                     req_id,
@@ -262,6 +294,42 @@ class ConnexWorker:
         recving, failed = self._recved, self._failed
         self._recved, self._failed = set(), set()
         return sending, recving, failed
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """What changed since the last call, as ConnexKVStats data; None when
+        nothing did."""
+        self._sample_holder()
+        c, self.counters = self.counters, TransferCounters()
+        data: dict[str, Any] = {
+            "pulls": c.pulls,
+            "pull_failures": c.pull_failures,
+            "pulled_bytes": c.pulled_bytes,
+            "evictions": c.evictions,
+            "pull_seconds": c.pull_seconds,
+            "holds": {} if c.holds is None else {str(self.tp_rank): c.holds},
+            "held_bytes": {} if c.held_bytes is None else {str(self.tp_rank): c.held_bytes},
+        }
+        changed = c.pulls or c.pull_failures or c.evictions or data["holds"] or data["held_bytes"]
+        return data if changed else None
+
+    def _sample_holder(self) -> None:
+        """Reads the holder's counters, at most every HOLDER_SAMPLE_S."""
+        now = time.monotonic()
+        if self.holder is None or now - self._holder_sampled < HOLDER_SAMPLE_S:
+            return
+        self._holder_sampled = now
+        try:
+            stats = self.holder.stats()
+        except Exception as err:  # metrics are best effort
+            logger.debug("holder stats unavailable: %s", err)
+            return
+        seen = self._holder_seen
+        self.counters.evictions += max(0, int(stats["evictions"]) - seen.get("evictions", 0))
+        if int(stats["holds"]) != seen.get("holds"):
+            self.counters.holds = int(stats["holds"])
+        if int(stats["held_bytes"]) != seen.get("held_bytes"):
+            self.counters.held_bytes = int(stats["held_bytes"])
+        self._holder_seen = {k: int(stats[k]) for k in ("evictions", "holds", "held_bytes")}
 
     def shutdown(self) -> None:
         if self.holder is not None:

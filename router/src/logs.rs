@@ -1,0 +1,101 @@
+//! The process's log output: text or JSON lines on stderr, filtered by
+//! `--log-level` (else `CONNEX_LOG`, else the command's default).
+//!
+//! Every line logged on a request's path runs inside its `request` span
+//! (`pd::record`), so that a line names its request: text lines show the span
+//! as `request{request_id=..}:`, JSON lines carry it as `span` (and `spans`).
+
+use crate::config::LogFormat;
+use std::io::IsTerminal;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
+
+/// The env var read when no `--log-level` is given.
+pub const LOG_ENV: &str = "CONNEX_LOG";
+
+/// The tracing target of the access log: one line per request at its end.
+pub const ACCESS_TARGET: &str = "connex::access";
+
+/// Why the logs could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    #[error("invalid log filter `{filter}`: {source}")]
+    Filter {
+        filter: String,
+        source: tracing_subscriber::filter::ParseError,
+    },
+    #[error("cannot install the log subscriber: {0}")]
+    Install(#[from] tracing_subscriber::util::TryInitError),
+    #[error(transparent)]
+    Traces(#[from] crate::traces::TraceError),
+}
+
+/// The installed logs and traces; dropping it flushes the spans not yet
+/// exported.
+pub struct Telemetry {
+    provider: opentelemetry_sdk::trace::SdkTracerProvider,
+}
+
+impl Drop for Telemetry {
+    fn drop(&mut self) {
+        if let Err(err) = self.provider.shutdown() {
+            eprintln!("connex-router: flushing the last spans failed: {err}");
+        }
+    }
+}
+
+/// The filter: `level` when given, else `CONNEX_LOG`, else `default`.
+pub fn filter(level: Option<&str>, default: &str) -> Result<EnvFilter, LogError> {
+    let directive = match level {
+        Some(level) => level.to_string(),
+        None => std::env::var(LOG_ENV)
+            .ok()
+            .filter(|v| !v.trim().is_empty())
+            .unwrap_or_else(|| default.to_string()),
+    };
+    EnvFilter::try_new(&directive).map_err(|source| LogError::Filter {
+        filter: directive,
+        source,
+    })
+}
+
+/// The formatting layer of `format`, writing to stderr.
+pub fn format_layer<S>(format: LogFormat) -> Box<dyn Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    // Colours only for a person at a terminal, never in a file or a pipe.
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    match format {
+        LogFormat::Text => layer.boxed(),
+        LogFormat::Json => layer
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(true)
+            .boxed(),
+    }
+}
+
+/// Installs the process-wide subscriber: the log lines (filtered by the log
+/// level) and the trace spans of the request path (whatever the log level;
+/// exported to `otlp_endpoint` when given).
+pub fn init(
+    format: LogFormat,
+    level: Option<&str>,
+    default: &str,
+    otlp_endpoint: Option<&str>,
+) -> Result<Telemetry, LogError> {
+    let provider = crate::traces::provider(otlp_endpoint)?;
+    let spans = tracing_subscriber::filter::filter_fn(|meta| {
+        meta.is_span() && meta.target().starts_with("connex")
+    });
+    tracing_subscriber::registry()
+        .with(format_layer(format).with_filter(filter(level, default)?))
+        .with(crate::traces::layer(&provider).with_filter(spans))
+        .try_init()?;
+    Ok(Telemetry { provider })
+}

@@ -1,0 +1,135 @@
+//! One request's record from its arrival to its end, however it ends:
+//! its `request` tracing span (every log line on its path names it), its
+//! metrics, and its access-log line (target `connex::access`, at INFO).
+//!
+//! A client that goes away before the end is recorded as
+//! [`CLIENT_CLOSED`](crate::metrics::CLIENT_CLOSED).
+
+use crate::journal::EntryReader;
+use crate::logs::ACCESS_TARGET;
+use std::time::{Duration, Instant};
+use tracing::field::Empty;
+use tracing::Span;
+
+/// Created when the request arrives; the flow says how it ended with
+/// [`RequestRecord::finish`], and the drop writes it all down.
+#[derive(Debug)]
+pub struct RequestRecord {
+    span: Span,
+    request_id: String,
+    route: &'static str,
+    model: Option<String>,
+    started: Instant,
+    status: Option<u16>,
+    /// The request's journal entry, once it has one (after validation).
+    entry: Option<EntryReader>,
+}
+
+impl RequestRecord {
+    pub fn new(route: &'static str, request_id: String) -> Self {
+        // At ERROR level so that no filter that lets a request's warning
+        // through leaves its span (and so its request id) out.
+        let span = tracing::error_span!("request", request_id = %request_id, route, model = Empty);
+        Self {
+            span,
+            request_id,
+            route,
+            model: None,
+            started: Instant::now(),
+            status: None,
+            entry: None,
+        }
+    }
+
+    /// The span that every step of the request runs in.
+    pub fn span(&self) -> &Span {
+        &self.span
+    }
+
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+
+    /// The arrival of the request, for its latencies.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// The model the request names (known once its body is validated).
+    pub fn set_model(&mut self, model: &str) {
+        self.span.record("model", model);
+        self.model = Some(model.to_string());
+    }
+
+    /// The journal entry the access line reads its instances and counts from.
+    pub fn set_entry(&mut self, entry: EntryReader) {
+        self.entry = Some(entry);
+    }
+
+    /// How the request ended (the first call wins).
+    pub fn finish(&mut self, status: u16) {
+        self.status.get_or_insert(status);
+    }
+}
+
+/// What the journal knows of the request at its end.
+#[derive(Debug, Default)]
+struct Served {
+    prefill: String,
+    decoders: String,
+    resumes: u32,
+    ttft: Option<Duration>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+/// Milliseconds, to the hundredth: what a reader of a log line wants.
+fn millis(duration: Duration) -> f64 {
+    (duration.as_secs_f64() * 100_000.0).round() / 100.0
+}
+
+impl Drop for RequestRecord {
+    fn drop(&mut self) {
+        let _entered = self.span.enter();
+        let status = self.status.unwrap_or(crate::metrics::CLIENT_CLOSED);
+        let duration = self.started.elapsed();
+        let model = self.model.as_deref().unwrap_or("");
+        crate::metrics::request_ended(self.route, model, status, duration);
+        if let Some(decoder) = self
+            .entry
+            .as_ref()
+            .and_then(|entry| entry.read(|e| e.decoders.last().cloned()))
+        {
+            crate::metrics::instance_request_ended(&decoder, model, duration);
+        }
+        let served = self
+            .entry
+            .as_ref()
+            .map(|entry| {
+                entry.read(|e| Served {
+                    prefill: e.prefill.clone().unwrap_or_default(),
+                    decoders: e.decoders.join(","),
+                    resumes: e.resumes,
+                    ttft: e.ttft,
+                    prompt_tokens: e.prompt_token_ids.len(),
+                    completion_tokens: e.generated(),
+                })
+            })
+            .unwrap_or_default();
+        tracing::info!(
+            target: ACCESS_TARGET,
+            request_id = %self.request_id,
+            model,
+            route = self.route,
+            status,
+            prefill = %served.prefill,
+            decoders = %served.decoders,
+            resumes = served.resumes,
+            ttft_ms = served.ttft.map(millis),
+            duration_ms = millis(duration),
+            prompt_tokens = served.prompt_tokens,
+            completion_tokens = served.completion_tokens,
+            "request"
+        );
+    }
+}
