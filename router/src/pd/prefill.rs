@@ -171,20 +171,16 @@ async fn call_owning_the_hold(
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (upstream, holds) = (state.upstream.clone(), state.holds.clone());
     let (url, request_id) = (url.to_string(), info.request_id.clone());
-<<<<<<< HEAD
-    tokio::spawn({
-        let holds = holds.clone();
-=======
     let span = tracing::Span::current();
     let trace = crate::traces::headers(&span);
-    tokio::spawn(
->>>>>>> ops
+    tokio::spawn({
+        let holds = holds.clone();
         async move {
             let call = Call {
                 url: &url,
                 path: route.path(),
                 request_id: &request_id,
-<<<<<<< HEAD
+                trace,
                 body: payload,
             };
             let reply = upstream.prefill(call).await;
@@ -193,30 +189,12 @@ async fn call_owning_the_hold(
                 release_abandoned(&holds, &abandoned);
             }
         }
+        .instrument(span)
     });
     // The request may also go away after the answer was sent but before it
     // was read: the answer then still sits in the channel.
     let mut pending = PendingAnswer { rx, holds };
     (&mut pending.rx).await.unwrap_or_else(|_| {
-=======
-                trace,
-                body: payload,
-            };
-            let reply = upstream.prefill(call).await;
-            if let Err(Ok(abandoned)) = tx.send(reply) {
-                let hold = serde_json::from_slice::<Value>(&abandoned.body)
-                    .ok()
-                    .and_then(|answer| Hold::from_params(answer.get("kv_transfer_params")?));
-                if let Some(hold) = hold {
-                    // A lease dropped at once: the keeper releases the hold.
-                    drop(holds.lease(hold, 0));
-                }
-            }
-        }
-        .instrument(span),
-    );
-    rx.await.unwrap_or_else(|_| {
->>>>>>> ops
         Err(CallError::Transport(
             "the prefill call was cancelled".into(),
         ))
