@@ -14,12 +14,14 @@ use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-/// The body sent to a decode instance for the client's own route.
+/// The body sent to a decode instance for the client's own route. The engine's
+/// usage is asked for: the router counts tokens itself, but keeps the usage
+/// details only the engine knows (cached prompt tokens).
 pub fn decode_body(body: &Value, kv_transfer_params: &Value) -> Bytes {
     Patch::new(body, &[])
         .value("stream", Value::Bool(true))
         .value("return_token_ids", Value::Bool(true))
-        .value("stream_options", json!({"include_usage": false}))
+        .value("stream_options", json!({"include_usage": true}))
         .value("kv_transfer_params", kv_transfer_params.clone())
         .to_bytes()
 }

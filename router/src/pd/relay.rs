@@ -315,6 +315,7 @@ fn text_withheld(parsed: &chunk::Chunk<'_>) -> bool {
         [choice] => {
             choice.token_ids.as_ref().is_some_and(|ids| !ids.is_empty())
                 && choice.text().is_empty()
+                && !choice.has_other_output()
                 && choice.finish_reason.is_none()
         }
         _ => false,

@@ -113,7 +113,7 @@ pub fn resume_body(
     patch
         .value("stream", Value::Bool(true))
         .value("return_token_ids", Value::Bool(true))
-        .value("stream_options", json!({"include_usage": false}))
+        .value("stream_options", json!({"include_usage": true}))
         .value("n", json!(1))
         .value("echo", Value::Bool(false))
         .value("kv_transfer_params", kv_transfer_params.clone())

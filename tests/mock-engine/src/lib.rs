@@ -11,6 +11,7 @@ pub mod config;
 pub mod kv;
 pub mod model;
 pub mod register;
+pub mod shape;
 pub mod stats;
 
 pub use config::{CrashAction, MockConfig, Role};
