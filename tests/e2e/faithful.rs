@@ -128,3 +128,180 @@ async fn streamed_tool_calls_and_logprobs_reach_the_client_and_assemble_to_the_a
     );
     assert_eq!(logprobs, 6, "one logprobs entry per token");
 }
+
+/// One request of every passed-through route.
+fn passthrough_cases() -> Vec<(&'static str, Value)> {
+    vec![
+        (
+            "/v1/embeddings",
+            json!({"model":"mock","input":["The quick brown fox","jumps"]}),
+        ),
+        ("/tokenize", json!({"model":"mock","prompt":"hello"})),
+        (
+            "/tokenize",
+            json!({"model":"mock","messages":[{"role":"user","content":"hi"}]}),
+        ),
+        ("/detokenize", json!({"model":"mock","tokens":[104, 105]})),
+        ("/pooling", json!({"model":"mock","input":"hello"})),
+        (
+            "/score",
+            json!({"model":"mock","text_1":"fox","text_2":["a quick fox","a lazy dog"]}),
+        ),
+        (
+            "/v1/score",
+            json!({"model":"mock","text_1":["a","b"],"text_2":["c","d"]}),
+        ),
+        (
+            "/rerank",
+            json!({"model":"mock","query":"fox","documents":["a","b","c"],"top_n":2}),
+        ),
+        (
+            "/v1/rerank",
+            json!({"model":"mock","query":"fox","documents":["a quick fox","a lazy dog"]}),
+        ),
+    ]
+}
+
+/// POSTs `body` to `base` + `path`: status and raw answer.
+async fn post_raw(base: &str, path: &str, body: &Value) -> (u16, Vec<u8>) {
+    let response = client()
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.bytes().await.unwrap().to_vec())
+}
+
+/// The records of `path` requests on `engines`.
+async fn served(engines: &[&Proc], path: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    for engine in engines {
+        out.extend(
+            engine_requests(engine)
+                .await
+                .into_iter()
+                .filter(|r| r["path"] == path),
+        );
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rest_of_the_openai_surface_passes_through_untouched() {
+    let (router, prefill, decode, reference) = cluster().await;
+    for (at, (path, body)) in passthrough_cases().into_iter().enumerate() {
+        let (status, through_router) = post_raw(&router.url, path, &body).await;
+        assert_eq!(
+            status,
+            200,
+            "{path}: {}",
+            String::from_utf8_lossy(&through_router)
+        );
+        let (_, alone) = post_raw(&reference.url, path, &body).await;
+        assert_eq!(through_router, alone, "{path}: the engine's bytes");
+        // One instance of the model got the client's body as it was.
+        let records = served(&[&prefill, &decode], path).await;
+        let last = records
+            .last()
+            .unwrap_or_else(|| panic!("{path}: no engine record"));
+        assert_eq!(last["body"], body, "{path} (case {at})");
+    }
+    // No model named: the router's one model is meant (as vLLM's default).
+    let (status, answer) = post_raw(&router.url, "/tokenize", &json!({"prompt":"hi"})).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+
+    // OpenAI-style errors: unknown model, bad JSON, an engine's own refusal.
+    let (status, reply) = post(
+        &router,
+        "/v1/embeddings",
+        &json!({"model":"nope","input":"x"}),
+    )
+    .await;
+    assert_eq!(status, 404, "{reply}");
+    assert!(reply["error"]["message"].as_str().unwrap().contains("nope"));
+    let response = client()
+        .post(format!("{}/rerank", router.url))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    let reply: Value = response.json().await.unwrap();
+    assert_eq!(reply["error"]["type"], "invalid_request_error", "{reply}");
+    let (status, reply) = post(
+        &router,
+        "/detokenize",
+        &json!({"model":"mock","tokens":"x"}),
+    )
+    .await;
+    assert_eq!(status, 400, "{reply}");
+    assert!(reply["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("tokens"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passthrough_goes_to_the_least_loaded_instance_of_any_role() {
+    let router = router(&[]);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    // A slow decoder: a stream keeps it busy for seconds.
+    let decode = engine(Some(&router), "decode", &["--decode-us-per-token", "20000"]);
+    wait_ready(&router, 2).await;
+    // A model served by one decode-role instance only.
+    let solo = engine(Some(&router), "decode", &["--model", "solo"]);
+    wait_ready(&router, 3).await;
+    let (status, _) = post_raw(
+        &router.url,
+        "/tokenize",
+        &json!({"model":"solo","prompt":"x"}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        served(&[&solo], "/tokenize").await.len(),
+        1,
+        "any role serves"
+    );
+
+    // While the decoder streams, every passthrough goes to the idle prefill.
+    let busy = client()
+        .post(format!("{}/v1/completions", router.url))
+        .json(&json!({"model":"mock","prompt":"busy","max_tokens":200,"stream":true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(busy.status(), 200);
+    for _ in 0..4 {
+        let (status, _) = post_raw(
+            &router.url,
+            "/v1/embeddings",
+            &json!({"model":"mock","input":"x"}),
+        )
+        .await;
+        assert_eq!(status, 200);
+    }
+    assert_eq!(served(&[&prefill], "/v1/embeddings").await.len(), 4);
+    assert!(served(&[&decode], "/v1/embeddings").await.is_empty());
+    drop(busy);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_list_what_the_engines_report() {
+    let (router, _prefill, _decode, _reference) = cluster().await;
+    let models: Value = client()
+        .get(format!("{}/v1/models", router.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let entry = &models["data"][0];
+    assert_eq!(entry["id"], "mock");
+    assert_eq!(entry["owned_by"], "connex-mock");
+    assert_eq!(entry["max_model_len"], 4096);
+}

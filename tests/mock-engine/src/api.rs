@@ -71,13 +71,13 @@ impl EngineState {
 
 /// Every route of the engine.
 pub fn routes(state: Arc<EngineState>) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
-        .route("/mock/stats", get(stats))
-        .with_state(state)
+        .route("/mock/stats", get(stats));
+    crate::pooling::routes(router).with_state(state)
 }
 
 async fn health(State(state): State<Arc<EngineState>>) -> Response {
@@ -89,7 +89,9 @@ async fn health(State(state): State<Arc<EngineState>>) -> Response {
 
 async fn models(State(state): State<Arc<EngineState>>) -> Json<Value> {
     Json(
-        json!({"object":"list","data":[{"id":state.config.model,"object":"model","owned_by":"connex-mock"}]}),
+        json!({"object":"list","data":[{"id":state.config.model,"object":"model","created":0,
+            "owned_by":"connex-mock","root":state.config.model,"parent":null,
+            "max_model_len":crate::pooling::MAX_MODEL_LEN}]}),
     )
 }
 
@@ -313,6 +315,10 @@ fn plan(
                 .ok_or("messages must be a list of {role, content}")?,
         ),
     };
+    if prompt_ids.is_empty() {
+        // As vLLM refuses it.
+        return Err("Either prompt or prompt_embeds must be provided and non-empty.");
+    }
     let max_tokens = ["max_completion_tokens", "max_tokens"]
         .iter()
         .find_map(|key| request.get(*key).and_then(Value::as_u64))
