@@ -17,6 +17,7 @@ pub mod secrets;
 pub mod server;
 pub mod sse;
 pub mod state;
+pub mod statics;
 pub mod upstreams;
 
 use api::access::Access;
@@ -54,6 +55,8 @@ pub enum StartError {
          --allow-open-registration"
     )]
     OpenRegistration(SocketAddr),
+    #[error(transparent)]
+    Static(#[from] statics::StaticError),
 }
 
 /// A running router: its addresses, its state and the tasks it owns.
@@ -132,7 +135,12 @@ impl Router {
         let (internal_listener, internal_addr) = bind(config.internal_listen).await?;
         let upstreams = upstreams::UpstreamPolicy::parse(config.allowed_upstreams.as_deref())?
             .with_own_listeners(&[addr, internal_addr]);
+        let statics = statics::registrations(&config, &upstreams).await?;
         let registry = registry::Registry::open(&registry_config(&config)).await?;
+        for reg in statics {
+            let (instance, _) = registry.register(reg, registry::Claim::Admin).await?;
+            tracing::info!(id = %instance.id, url = %instance.url, "static instance added");
+        }
         let shutdown = Shutdown::default();
         let edge = Edge {
             access: Arc::new(Access {

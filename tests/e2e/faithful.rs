@@ -13,6 +13,7 @@ mod common;
 
 use common::*;
 use serde_json::{json, Value};
+use std::time::Duration;
 
 /// A router with one prefill and one decode engine, and a lone engine of the
 /// same model as the reference.
@@ -304,4 +305,118 @@ async fn models_list_what_the_engines_report() {
     assert_eq!(entry["id"], "mock");
     assert_eq!(entry["owned_by"], "connex-mock");
     assert_eq!(entry["max_model_len"], 4096);
+}
+
+/// The admin list entry of the instance at `url`.
+async fn listed(router: &Proc, url: &str) -> Option<Value> {
+    instances(router)
+        .await
+        .into_iter()
+        .find(|i| i["url"] == url)
+}
+
+async fn state_of(router: &Proc, url: &str) -> String {
+    listed(router, url)
+        .await
+        .and_then(|i| i["state"].as_str().map(str::to_string))
+        .unwrap_or_else(|| "absent".into())
+}
+
+async fn completion_status(router: &Proc) -> u16 {
+    let body = json!({"model":"mock","prompt":"static","max_tokens":4});
+    post(router, "/v1/completions", &body).await.0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_instances_serve_without_heartbeats_and_sit_out_failed_probes() {
+    // Engines without the agent: they never register nor heartbeat.
+    let prefill = engine(None, "prefill", &[]);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut decode = engine(None, "decode", &["--listen", &listen]);
+    let ctrl = engine_stats(&prefill).await["ctrl"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let prefill_flag = format!("{},{ctrl}", prefill.url);
+    let router = router(&[
+        "--heartbeat-ttl-s",
+        "1",
+        "--health-check-interval-ms",
+        "100",
+        "--health-check-failures",
+        "1",
+        "--prefill",
+        &prefill_flag,
+        "--decode",
+        &decode.url,
+        "--static-model",
+        "mock",
+    ]);
+    wait_ready(&router, 2).await;
+    // Several heartbeat TTLs without a heartbeat: still in rotation.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    for url in [&prefill.url, &decode.url] {
+        let entry = listed(&router, url).await.unwrap();
+        assert_eq!(entry["state"], "ready", "{entry}");
+        assert_eq!(entry["persistent"], true, "{entry}");
+    }
+    assert_eq!(completion_status(&router).await, 200);
+
+    // The decoder goes away: out of rotation, still listed.
+    decode.kill();
+    eventually(
+        Duration::from_secs(5),
+        "the dead static decoder leaves rotation",
+        || async { state_of(&router, &decode.url).await == "dead" },
+    )
+    .await;
+    assert_eq!(completion_status(&router).await, 503);
+    // Back on its address: its probes pass and it serves again.
+    let decode = engine(None, "decode", &["--listen", &listen]);
+    eventually(
+        Duration::from_secs(5),
+        "the static decoder is back",
+        || async { state_of(&router, &decode.url).await == "ready" },
+    )
+    .await;
+    assert_eq!(completion_status(&router).await, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_persistent_registrations_never_expire_and_are_kept_until_removed() {
+    let router = router(&["--heartbeat-ttl-s", "1"]);
+    let lasting = engine(None, "decode", &[]);
+    let passing = engine(None, "decode", &[]);
+    for (engine, persistent) in [(&lasting, true), (&passing, false)] {
+        let body = json!({"role":"decode","url":engine.url,"model":"mock","persistent":persistent});
+        let (status, reply) = admin(
+            &router,
+            reqwest::Method::POST,
+            "/admin/instances",
+            Some(&body),
+        )
+        .await;
+        assert_eq!(status, 201, "{reply}");
+    }
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(state_of(&router, &lasting.url).await, "ready");
+    assert_eq!(state_of(&router, &passing.url).await, "dead");
+    // Removed on request.
+    let id = listed(&router, &lasting.url).await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (status, _) = admin(
+        &router,
+        reqwest::Method::DELETE,
+        &format!("/admin/instances/{id}"),
+        None,
+    )
+    .await;
+    assert!(status < 300, "{status}");
+    assert_eq!(state_of(&router, &lasting.url).await, "absent");
+    // Only operators add persistent instances.
+    let body = json!({"role":"decode","url":lasting.url,"model":"mock","persistent":true});
+    let (status, reply) = post_internal(&router, "/v1/instances", &body, None).await;
+    assert_eq!(status, 400, "{reply}");
 }

@@ -157,11 +157,19 @@ impl EtcdStore {
         let record = Record::new(id.clone(), &reg, State::Ready);
         let ttl = i64::try_from(self.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         let mut client = self.client.clone();
-        let lease = self
-            .call("lease grant", client.lease_grant(ttl, None))
-            .await?
-            .id();
-        let options = PutOptions::new().with_lease(lease).with_prev_key();
+        // A static instance sends no heartbeats: its key has no lease.
+        let lease = if reg.persistent {
+            0
+        } else {
+            self.call("lease grant", client.lease_grant(ttl, None))
+                .await?
+                .id()
+        };
+        let options = if reg.persistent {
+            PutOptions::new().with_prev_key()
+        } else {
+            PutOptions::new().with_lease(lease).with_prev_key()
+        };
         let reply = self
             .call(
                 "put",
