@@ -420,3 +420,96 @@ async fn admin_persistent_registrations_never_expire_and_are_kept_until_removed(
     let (status, reply) = post_internal(&router, "/v1/instances", &body, None).await;
     assert_eq!(status, 400, "{reply}");
 }
+
+/// A router whose first decoder (`d0`) crashes after `k` tokens, a healthy
+/// `d1` to resume on, and a lone engine as the reference.
+async fn crashing_cluster(k: u32) -> (Proc, Vec<Proc>, Proc) {
+    let router = router(&["--decode-policy", "round_robin"]);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let crash = k.to_string();
+    let d0 = engine(
+        Some(&router),
+        "decode",
+        // Paced, so that each token is on the wire before the process dies.
+        &[
+            "--id",
+            "d0",
+            "--crash-after-tokens",
+            &crash,
+            "--decode-us-per-token",
+            "20000",
+        ],
+    );
+    let d1 = engine(Some(&router), "decode", &["--id", "d1"]);
+    wait_ready(&router, 3).await;
+    let reference = engine(None, "both", &[]);
+    (router, vec![prefill, d0, d1], reference)
+}
+
+/// Every field of the chunks' logprobs for choice 0, joined.
+fn streamed_logprobs(chunks: &[Value]) -> Value {
+    let mut joined = json!({});
+    for chunk in chunks {
+        let Some(lp) = chunk
+            .pointer("/choices/0/logprobs")
+            .filter(|l| !l.is_null())
+        else {
+            continue;
+        };
+        for (key, value) in lp.as_object().unwrap() {
+            let into = joined
+                .as_object_mut()
+                .unwrap()
+                .entry(key.clone())
+                .or_insert(json!([]));
+            into.as_array_mut()
+                .unwrap()
+                .extend(value.as_array().unwrap().iter().cloned());
+        }
+    }
+    joined
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_requests_resume_mid_stream_with_the_uninterrupted_logprobs() {
+    let completion =
+        json!({"model":"mock","prompt":"Resume with logprobs","max_tokens":12,"logprobs":2});
+    let chat = json!({"model":"mock","messages":[{"role":"user","content":"Resume"}],
+        "max_completion_tokens":12,"logprobs":true,"top_logprobs":2});
+    for (path, body, logprobs_at) in [
+        ("/v1/completions", completion, "/choices/0/logprobs"),
+        ("/v1/chat/completions", chat, "/choices/0/logprobs"),
+    ] {
+        // Streamed: the decoder crashes after 5 tokens; the client gets every
+        // token's logprobs once, as an uninterrupted run gives them.
+        let (router, engines, reference) = crashing_cluster(5).await;
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let chunks = stream(&router, path, &streamed).await;
+        assert!(
+            chunks.iter().all(|c| c.get("error").is_none()),
+            "{path}: {chunks:?}"
+        );
+        let (status, alone) = post(&reference, path, &body).await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            streamed_logprobs(&chunks),
+            alone.pointer(logprobs_at).unwrap().clone(),
+            "{path}: streamed logprobs after a resume"
+        );
+        // The resume happened: d1 continued after d0's tokens.
+        let resumed = engine_requests(&engines[2]).await;
+        assert_eq!(resumed.len(), 1, "{path}: {resumed:?}");
+        assert_eq!(resumed[0]["path"], "/v1/completions", "{resumed:?}");
+
+        // Not streamed: the whole answer equals the uninterrupted one.
+        let (router, _engines, _reference) = crashing_cluster(5).await;
+        let (status, through_router) = post(&router, path, &body).await;
+        assert_eq!(status, 200, "{through_router}");
+        assert_eq!(
+            comparable(through_router),
+            comparable(alone),
+            "{path}: non-stream answer after a resume"
+        );
+    }
+}

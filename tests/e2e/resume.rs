@@ -656,10 +656,10 @@ async fn no_decoder_left_ends_with_an_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uncarried_state_fails_over_only_before_the_first_token() {
-    // logprobs cannot be carried by a resumed request: a crash after the first
+    // echo cannot be carried by a resumed request: a crash after the first
     // token is an error...
     let cluster_mid = cluster(Fault::Crash, 3, &[]).await;
-    let outcome = request(&cluster_mid.router, SHAPES[0], json!({"logprobs": 1})).await;
+    let outcome = request(&cluster_mid.router, SHAPES[0], json!({"echo": true})).await;
     let error = outcome.error.expect("error");
     assert!(
         error["error"]["message"]

@@ -43,6 +43,9 @@ pub struct Choice<'a> {
     pub finish_reason: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     pub stop_reason: Option<&'a RawValue>,
+    /// The logprobs of this chunk's tokens, when asked for.
+    #[serde(default, borrow)]
+    pub logprobs: Option<&'a RawValue>,
 }
 
 /// The part of a chat delta the journal keeps, and whether it carries output
@@ -60,6 +63,11 @@ pub struct Delta<'a> {
 }
 
 impl Choice<'_> {
+    /// Whether the chunk carries logprobs.
+    pub fn has_logprobs(&self) -> bool {
+        self.logprobs.is_some_and(|l| l.get() != "null")
+    }
+
     /// Whether the chunk brings chat output besides text (reasoning, tool
     /// calls): such a chunk has its output, even without text.
     pub fn has_other_output(&self) -> bool {

@@ -47,6 +47,11 @@ pub struct Output {
     /// The engine's last usage object: its details (cached prompt tokens...)
     /// go to the client with the router's counts.
     engine_usage: Option<Value>,
+    /// Characters of text the client had when the current decoder started:
+    /// a resumed decoder's completions `text_offset`s count from there.
+    text_base: usize,
+    /// Chat logprobs asked for: alternatives per token.
+    chat_top_logprobs: Option<usize>,
 }
 
 impl Output {
@@ -66,7 +71,14 @@ impl Output {
             assembly: (!info.stream)
                 .then(|| Assembly::new(info.route, usize::try_from(info.n).unwrap_or(1))),
             engine_usage: None,
+            text_base: 0,
+            chat_top_logprobs: info.chat_top_logprobs,
         }
+    }
+
+    /// Where the next decoder's text starts, in characters of the choice's text.
+    pub fn set_text_base(&mut self, chars: usize) {
+        self.text_base = chars;
     }
 
     pub fn is_stream(&self) -> bool {
@@ -105,10 +117,17 @@ impl Output {
                 } else {
                     &[Field::TokenIds, Field::PromptTokenIds]
                 };
-                chunk::rewrite_event(raw, &self.id, strip)
+                match self.rebased(parsed, raw) {
+                    Some(chunk) => chunk::rewrite_event(
+                        &serde_json::to_vec(&chunk).unwrap_or_default(),
+                        &self.id,
+                        strip,
+                    ),
+                    None => chunk::rewrite_event(raw, &self.id, strip),
+                }
             }
             (Source::Resumed, Route::Chat) => {
-                let chunk = self.chat_chunk(parsed);
+                let chunk = self.chat_chunk(parsed, raw);
                 sse::event(&serde_json::to_vec(&chunk).unwrap_or_default()).to_vec()
             }
         };
@@ -118,8 +137,12 @@ impl Output {
     /// Adds a chunk to a non-stream client's answer.
     fn assemble(&mut self, parsed: &Chunk<'_>, raw: &[u8], source: Source) {
         let chunk = match (source, self.route) {
-            (Source::Resumed, Route::Chat) => self.chat_chunk(parsed),
-            _ => match serde_json::from_slice(raw) {
+            (Source::Resumed, Route::Chat) => self.chat_chunk(parsed, raw),
+            (Source::Resumed, Route::Completions) => match self.rebased(parsed, raw) {
+                Some(chunk) => chunk,
+                None => return,
+            },
+            (Source::Native, _) => match serde_json::from_slice(raw) {
                 Ok(chunk) => chunk,
                 Err(_) => return,
             },
@@ -129,8 +152,32 @@ impl Output {
         }
     }
 
-    /// A completions chunk of a resumed chat request, as a chat chunk.
-    fn chat_chunk(&mut self, parsed: &Chunk<'_>) -> Value {
+    /// A resumed completions chunk with its logprobs' `text_offset`s counted
+    /// from the start of the client's text; `None` when it has no logprobs
+    /// (and is not JSON, for a non-stream client).
+    fn rebased(&self, parsed: &Chunk<'_>, raw: &[u8]) -> Option<Value> {
+        let mut chunk: Value = serde_json::from_slice(raw).ok()?;
+        if !parsed.choices.iter().any(|c| c.has_logprobs()) {
+            return (!self.stream).then_some(chunk);
+        }
+        let base = self.text_base;
+        let choices = chunk.get_mut("choices").and_then(Value::as_array_mut);
+        for choice in choices.into_iter().flatten() {
+            let offsets = choice
+                .pointer_mut("/logprobs/text_offset")
+                .and_then(Value::as_array_mut);
+            for offset in offsets.into_iter().flatten() {
+                if let Some(at) = offset.as_u64() {
+                    *offset = json!(at + base as u64);
+                }
+            }
+        }
+        Some(chunk)
+    }
+
+    /// A completions chunk of a resumed chat request, as a chat chunk (with
+    /// the chunk's other top-level fields, such as `system_fingerprint`).
+    fn chat_chunk(&mut self, parsed: &Chunk<'_>, raw: &[u8]) -> Value {
         let choices: Vec<Value> = parsed
             .choices
             .iter()
@@ -139,7 +186,11 @@ impl Output {
                 if !self.role_sent {
                     delta["role"] = json!("assistant");
                 }
-                let mut choice = json!({"index": c.index, "delta": delta, "logprobs": null,
+                let logprobs = match (self.chat_top_logprobs, c.logprobs) {
+                    (Some(top), Some(raw)) => chat_logprobs(raw.get(), top),
+                    _ => Value::Null,
+                };
+                let mut choice = json!({"index": c.index, "delta": delta, "logprobs": logprobs,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason});
                 if self.return_token_ids {
                     choice["token_ids"] = json!(c.token_ids);
@@ -148,8 +199,20 @@ impl Output {
             })
             .collect();
         self.role_sent = true;
-        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.model, "choices": choices})
+        let mut chunk = json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model, "choices": choices});
+        if let (Ok(Value::Object(original)), Some(out)) =
+            (serde_json::from_slice(raw), chunk.as_object_mut())
+        {
+            for (key, value) in original {
+                let completions_only =
+                    ["prompt_token_ids", "kv_transfer_params", "object", "usage"];
+                if !out.contains_key(&key) && !completions_only.contains(&key.as_str()) {
+                    out.insert(key, value);
+                }
+            }
+        }
+        chunk
     }
 
     /// The router's counts (a resumed decoder counts the generated tokens as
@@ -238,4 +301,41 @@ impl Output {
         }
         Value::Object(response)
     }
+}
+
+/// Completions logprobs (`tokens`, `token_logprobs`, `top_logprobs` maps) as
+/// chat logprobs (`content`: each token with its bytes and its `top` best
+/// alternatives, best first), as vLLM gives them on the chat route.
+fn chat_logprobs(completions: &str, top: usize) -> Value {
+    let Ok(lp) = serde_json::from_str::<Value>(completions) else {
+        return Value::Null;
+    };
+    let entry = |token: &str, logprob: &Value| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+    let tokens = lp["tokens"].as_array().cloned().unwrap_or_default();
+    let content: Vec<Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, token)| {
+            let token = token.as_str().unwrap_or_default();
+            let mut out = entry(token, &lp["token_logprobs"][i]);
+            let mut alternatives: Vec<(&String, &Value)> = lp["top_logprobs"][i]
+                .as_object()
+                .map(|m| m.iter().collect())
+                .unwrap_or_default();
+            alternatives.sort_by(|a, b| {
+                let (a, b) = (
+                    a.1.as_f64().unwrap_or(f64::MIN),
+                    b.1.as_f64().unwrap_or(f64::MIN),
+                );
+                b.total_cmp(&a)
+            });
+            out["top_logprobs"] = alternatives
+                .into_iter()
+                .take(top)
+                .map(|(t, l)| entry(t, l))
+                .collect();
+            out
+        })
+        .collect();
+    json!({"content": content})
 }

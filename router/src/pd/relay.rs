@@ -108,6 +108,12 @@ impl Relay {
     /// A new decoder's stream starts.
     pub fn on_attempt(&mut self, decoder: &str) {
         self.timing.inter_token = Some(crate::metrics::inter_token(decoder));
+        // A resumed decoder counts text offsets from the end of what the
+        // client has.
+        let had = self
+            .journal
+            .read(|e| e.choices.first().map_or(0, |c| c.text.chars().count()));
+        self.output.set_text_base(had);
     }
 
     /// A decoder failed: chunks withheld from it are dropped (the next decoder
@@ -372,6 +378,7 @@ mod tests {
             include_usage: false,
             return_token_ids: false,
             n,
+            chat_top_logprobs: None,
         }
     }
 

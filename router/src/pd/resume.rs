@@ -5,8 +5,11 @@
 //! prompt KV from the hold and computes only the generated suffix.
 //!
 //! Some requests carry state that a resumed completions request cannot: `n > 1`,
-//! guided or structured output, logprobs, tool calls, echo. Those fail over only
-//! before their first token (when nothing has reached the client yet).
+//! guided or structured output, prompt logprobs, tool calls, echo. Those fail
+//! over only before their first token (when nothing has reached the client
+//! yet). Logprobs of generated tokens do resume: a chat request's `logprobs` +
+//! `top_logprobs` become the completions `logprobs`, and the output re-bases
+//! and re-shapes what the resumed decoder gives.
 
 use super::attempt::Failure;
 use super::patch::{Patch, Set};
@@ -60,8 +63,10 @@ pub fn mid_stream_blocker(route: Route, body: &Value) -> Option<&'static str> {
     {
         return Some("guided or structured output");
     }
-    if set("logprobs") || set("prompt_logprobs") || set("top_logprobs") {
-        return Some("logprobs");
+    // Logprobs of generated tokens continue (the resumed decoder gives those of
+    // the new tokens); the prompt's are computed once, by the first decoder.
+    if set("prompt_logprobs") {
+        return Some("prompt_logprobs");
     }
     if route == Route::Chat && (set("tools") || set("functions")) {
         return Some("tool calls");
@@ -105,6 +110,16 @@ pub fn resume_body(
     let mut patch = Patch::new(body, remove)
         .set("prompt", Set::Ids(prompt_token_ids, generated))
         .value("max_tokens", max_tokens);
+    if route == Route::Chat {
+        // Chat asks `logprobs: true` and `top_logprobs: k`; completions asks
+        // `logprobs: k`.
+        let top = (body.get("logprobs") == Some(&Value::Bool(true))).then(|| {
+            body.get("top_logprobs")
+                .and_then(Value::as_u64)
+                .unwrap_or(0)
+        });
+        patch = patch.value("logprobs", top.map_or(Value::Null, |k| json!(k)));
+    }
     for key in ["min_tokens", "min_completion_tokens"] {
         if let Some(min) = body.get(key).and_then(Value::as_u64) {
             patch = patch.value(key, json!(min.saturating_sub(done)));
@@ -209,13 +224,24 @@ mod tests {
         assert_eq!(out["kv_transfer_params"]["resume_epoch"], 1);
         assert!(out.get("messages").is_none());
         assert!(out.get("max_completion_tokens").is_none());
+        assert_eq!(out["logprobs"], Value::Null);
+        let with_logprobs = json!({"model":"m","messages":[],"logprobs":true,"top_logprobs":3});
+        let out: Value =
+            serde_json::from_slice(&resume_body(Route::Chat, &with_logprobs, &[1], &[2], &kv))
+                .expect("JSON");
+        assert_eq!(out["logprobs"], 3);
+        assert!(out.get("top_logprobs").is_none());
     }
 
     #[test]
     fn requests_with_uncarried_state_are_not_resumable_mid_stream() {
         let blocked = |body: Value| mid_stream_blocker(Route::Completions, &body);
         assert_eq!(blocked(json!({"n": 2})), Some("n > 1"));
-        assert_eq!(blocked(json!({"logprobs": 2})), Some("logprobs"));
+        assert_eq!(blocked(json!({"logprobs": 2})), None);
+        assert_eq!(
+            blocked(json!({"prompt_logprobs": 1})),
+            Some("prompt_logprobs")
+        );
         assert_eq!(
             blocked(json!({"guided_json": {"type":"object"}})),
             Some("guided or structured output")

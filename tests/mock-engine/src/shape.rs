@@ -202,13 +202,13 @@ impl Shape {
     /// `tokens`.
     pub fn whole_choice(&self, tokens: &[u32]) -> Value {
         let generated = tokens.len();
-        let mut offset = self.echo.as_ref().map_or(0, |(p, _)| p.len());
+        let mut offset = self.echo.as_ref().map_or(0, |(p, _)| p.chars().count());
         let lps: Option<Vec<TokenLogprob>> = self.logprobs.map(|k| {
             tokens
                 .iter()
                 .map(|&t| {
                     let lp = self.token_logprobs(t, k, offset);
-                    offset += model::token_text(t).len();
+                    offset += model::token_text(t).chars().count();
                     lp
                 })
                 .collect()
@@ -255,9 +255,11 @@ impl Shape {
         json!({"message": message, "logprobs": logprobs})
     }
 
-    /// Text offset after generated tokens `..i` (the start of token `i`).
+    /// Text offset (in characters, as vLLM counts) after `tokens`: where
+    /// the next token starts.
     pub fn offset_of(&self, tokens: &[u32]) -> usize {
-        self.echo.as_ref().map_or(0, |(p, _)| p.len()) + model::detokenize(tokens).len()
+        self.echo.as_ref().map_or(0, |(p, _)| p.chars().count())
+            + model::detokenize(tokens).chars().count()
     }
 
     /// Token `token`'s logprobs with `k` alternatives (the token itself
@@ -324,7 +326,7 @@ fn echo_logprobs(ids: &[u32]) -> Value {
                 text: text.clone(),
                 offset,
             };
-            offset += text.len();
+            offset += text.chars().count();
             lp
         })
         .collect();
