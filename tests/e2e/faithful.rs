@@ -513,3 +513,122 @@ async fn logprobs_requests_resume_mid_stream_with_the_uninterrupted_logprobs() {
         );
     }
 }
+
+/// The last finish of choice 0 in a stream: (finish_reason, stop_reason).
+fn streamed_finish(chunks: &[Value]) -> (Value, Value) {
+    chunks
+        .iter()
+        .filter_map(|c| c.pointer("/choices/0"))
+        .filter(|c| !c["finish_reason"].is_null())
+        .map(|c| (c["finish_reason"].clone(), c["stop_reason"].clone()))
+        .next_back()
+        .unwrap_or((Value::Null, Value::Null))
+}
+
+/// A stop string spanning the boundary between generated tokens `at - 1` and
+/// `at` of `body`'s answer on `reference`, found first there.
+async fn stop_across(reference: &Proc, path: &str, body: &Value, at: usize) -> String {
+    let mut plain = body.clone();
+    plain["return_token_ids"] = json!(true);
+    let (_, answer) = post(reference, path, &plain).await;
+    let ids = ids(&answer["choices"][0]["token_ids"]);
+    let before = connex_mock_engine::model::token_text(ids[at - 1]);
+    let after = connex_mock_engine::model::token_text(ids[at]);
+    let stop = format!("{}{}", &before[before.len() - 3..], &after[..3]);
+    let text = connex_mock_engine::model::detokenize(&ids);
+    let boundary = connex_mock_engine::model::detokenize(&ids[..at]).len();
+    assert_eq!(
+        text.find(&stop),
+        Some(boundary - 3),
+        "{stop} first at the boundary"
+    );
+    stop
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_are_matched_by_the_router_as_the_engine_would() {
+    let router = router(&[]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    // Paced, so that it is still generating when the stop is found.
+    let decode = engine(Some(&router), "decode", &["--decode-us-per-token", "5000"]);
+    wait_ready(&router, 2).await;
+    let reference = engine(None, "both", &[]);
+    let completion = json!({"model":"mock","prompt":"Stop strings","max_tokens":30});
+    let chat = json!({"model":"mock","messages":[{"role":"user","content":"Stop"}],"max_completion_tokens":30});
+    for (path, body) in [
+        ("/v1/completions", completion),
+        ("/v1/chat/completions", chat),
+    ] {
+        let stop = stop_across(&reference, path, &body, 6).await;
+        for include in [false, true] {
+            let mut body = body.clone();
+            body["stop"] = json!(["never appears", stop]);
+            body["include_stop_str_in_output"] = json!(include);
+            let (status, alone) = post(&reference, path, &body).await;
+            assert_eq!(status, 200, "{alone}");
+            assert_eq!(alone["choices"][0]["finish_reason"], "stop");
+            // The same answer, but for the `system_fingerprint` an engine
+            // sends in its last chunk, which a decoder cut off at the stop
+            // never sends (docs/resume.md).
+            let (status, through_router) = post(&router, path, &body).await;
+            assert_eq!(status, 200, "{through_router}");
+            let without_fingerprint = |answer: &Value| {
+                let mut answer = comparable(answer.clone());
+                answer.as_object_mut().unwrap().remove("system_fingerprint");
+                answer
+            };
+            assert_eq!(
+                without_fingerprint(&through_router),
+                without_fingerprint(&alone),
+                "{body}"
+            );
+            let mut streamed = body.clone();
+            streamed["stream"] = json!(true);
+            let chunks = stream(&router, path, &streamed).await;
+            let text = alone["choices"][0]
+                .get("text")
+                .or_else(|| alone.pointer("/choices/0/message/content"))
+                .unwrap();
+            assert_eq!(streamed_text(&chunks), text.as_str().unwrap(), "{path}");
+            assert_eq!(streamed_finish(&chunks), (json!("stop"), json!(stop)));
+        }
+    }
+    // The decoders never saw `stop`, and were cut off at the stop (asked for
+    // 30 tokens, they stopped generating well before).
+    let records = engine_requests(&decode).await;
+    assert!(records.iter().all(|r| r["body"].get("stop").is_none()));
+    eventually(
+        Duration::from_secs(5),
+        "decoders aborted at the stop",
+        || async {
+            engine_requests(&decode)
+                .await
+                .iter()
+                .all(|r| r["outcome"] == "aborted" && r["tokens_emitted"].as_u64() < Some(30))
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_dying_while_a_stop_string_is_held_back_loses_no_character() {
+    let (router, _engines, reference) = crashing_cluster(5).await;
+    let mut body = json!({"model":"mock","prompt":"Held back","max_tokens":12});
+    // The stop starts in the last token d0 sends before it dies and ends in
+    // the first one its successor sends.
+    let stop = stop_across(&reference, "/v1/completions", &body, 5).await;
+    body["stop"] = json!(stop);
+    let (_, alone) = post(&reference, "/v1/completions", &body).await;
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = stream(&router, "/v1/completions", &streamed).await;
+    assert!(
+        chunks.iter().all(|c| c.get("error").is_none()),
+        "{chunks:?}"
+    );
+    assert_eq!(
+        streamed_text(&chunks),
+        alone["choices"][0]["text"].as_str().unwrap()
+    );
+    assert_eq!(streamed_finish(&chunks), (json!("stop"), json!(stop)));
+}

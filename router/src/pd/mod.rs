@@ -22,6 +22,7 @@ pub mod reprefill;
 pub mod request;
 pub mod resume;
 pub mod session;
+pub mod stops;
 pub mod upstream;
 
 use crate::error::ApiError;

@@ -222,7 +222,9 @@ impl Output {
         let completion = entry.generated();
         let mut usage = match &self.engine_usage {
             Some(Value::Object(usage)) => usage.clone(),
-            _ => Map::new(),
+            // No engine usage (the router cut the decoder off at a stop
+            // string): vLLM's default details.
+            _ => Map::from_iter([("prompt_tokens_details".to_string(), Value::Null)]),
         };
         usage.insert("prompt_tokens".into(), json!(prompt));
         usage.insert("completion_tokens".into(), json!(completion));

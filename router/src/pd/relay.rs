@@ -12,6 +12,7 @@ use super::attempt::{Attempt, Cause, Event, Failure};
 use super::chunk::{self, ErrorEvent};
 use super::output::{Output, Source};
 use super::request::RequestInfo;
+use super::stops::Matcher;
 use crate::error::ApiError;
 use crate::journal::{Entry, JournalHandle};
 use bytes::{Bytes, BytesMut};
@@ -57,6 +58,8 @@ pub struct Relay {
     /// in its prompt and would never emit the held bytes.
     withheld: Vec<Bytes>,
     withheld_tokens: usize,
+    /// The request's stop strings, matched here (see [`super::stops`]).
+    stops: Option<Matcher>,
     /// Whether chunks may be withheld (single-choice requests that can resume).
     may_withhold: bool,
     choices: usize,
@@ -90,6 +93,10 @@ impl Relay {
             withheld_tokens: 0,
             may_withhold,
             choices: usize::try_from(info.n).unwrap_or(1).max(1),
+            stops: info
+                .stop
+                .clone()
+                .map(|s| Matcher::new(s, usize::try_from(info.n).unwrap_or(1))),
             max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
             timing: Timing {
                 route: info.route.path(),
@@ -178,12 +185,17 @@ impl Relay {
             Event::Failed(failure) => return Some(Stop::Ended(Some(failure))),
         };
         let decoder = attempt.decoder().id.clone();
-        match self.on_data(&data, attempt.source, &decoder) {
-            Ok(0) => None,
-            Ok(_) => {
-                attempt.saw_tokens();
-                None
+        let result = self.on_data(&data, attempt.source, &decoder);
+        if result.as_ref().is_ok_and(|tokens| *tokens > 0) {
+            attempt.saw_tokens();
+        }
+        match result {
+            // Every choice ended (a stop string, here): the decoder, which
+            // does not know the stop strings, is cut off.
+            Ok(_) if self.stops.is_some() && self.journal.read(|e| e.all_finished()) => {
+                Some(Stop::Ended(None))
             }
+            Ok(_) => None,
             Err(stop) => Some(stop),
         }
     }
@@ -270,6 +282,15 @@ impl Relay {
 
     /// Journals one (checked) chunk and queues what a streaming client gets of it.
     fn relay(&mut self, parsed: &chunk::Chunk<'_>, data: &[u8], source: Source) {
+        if let Some(edited) = self.stops.as_mut().and_then(|m| m.edit(data)) {
+            if let Some(parsed) = chunk::parse(&edited) {
+                self.journal.update(|e| record(e, &parsed));
+                if let Some(bytes) = self.output.event(&parsed, &edited, source) {
+                    self.out.push_back(bytes);
+                }
+            }
+            return;
+        }
         self.journal.update(|e| record(e, parsed));
         if let Some(bytes) = self.output.event(parsed, data, source) {
             self.out.push_back(bytes);
@@ -379,6 +400,7 @@ mod tests {
             return_token_ids: false,
             n,
             chat_top_logprobs: None,
+            stop: None,
         }
     }
 

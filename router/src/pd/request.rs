@@ -44,6 +44,8 @@ pub struct RequestInfo {
     /// Chat: the alternatives per token of the logprobs asked for
     /// (`logprobs: true`, `top_logprobs`), when asked for.
     pub chat_top_logprobs: Option<usize>,
+    /// The stop strings the router matches (never sent to decoders).
+    pub stop: Option<super::stops::StopStrings>,
 }
 
 /// Checks the body of a generation request; returns what the flow needs.
@@ -110,6 +112,7 @@ pub fn validate(
                 .unwrap_or(0);
             usize::try_from(top).unwrap_or(usize::MAX)
         }),
+        stop: super::stops::StopStrings::of(body),
     })
 }
 

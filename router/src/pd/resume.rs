@@ -101,13 +101,21 @@ pub fn resume_body(
     generated: &[u32],
     kv_transfer_params: &Value,
 ) -> Bytes {
-    let remove: &[&str] = if route == Route::Chat { CHAT_ONLY } else { &[] };
+    let mut remove: Vec<&str> = if route == Route::Chat {
+        CHAT_ONLY.to_vec()
+    } else {
+        Vec::new()
+    };
+    // Stop strings are the router's (`stops.rs`).
+    if super::stops::StopStrings::of(body).is_some() {
+        remove.push("stop");
+    }
     let done = generated.len() as u64;
     // Without a limit the engine generates to the end of the context: `null` asks
     // vLLM for exactly that on the completions route (whose default is 16).
     let max_tokens =
         requested_max_tokens(body).map_or(Value::Null, |m| json!(m.saturating_sub(done).max(1)));
-    let mut patch = Patch::new(body, remove)
+    let mut patch = Patch::new(body, &remove)
         .set("prompt", Set::Ids(prompt_token_ids, generated))
         .value("max_tokens", max_tokens);
     if route == Route::Chat {

@@ -641,11 +641,22 @@ impl Run {
 
     /// The whole non-streaming response body.
     async fn whole(mut self) -> Result<Bytes, Crashed> {
-        while self.next_token().await?.is_some() {}
+        let mut stopped = None;
+        while self.next_token().await?.is_some() {
+            stopped = self.plan.shape.stop_in(&self.emitted);
+            if stopped.is_some() {
+                break;
+            }
+        }
         self.finish();
         let mut choice = self.plan.shape.whole_choice(&self.emitted);
         choice["finish_reason"] = json!(self.plan.shape.finish_reason(self.emitted.len()));
         choice["stop_reason"] = Value::Null;
+        if let Some((stop, end)) = stopped {
+            self.plan.shape.cut(&mut choice, end);
+            choice["finish_reason"] = json!("stop");
+            choice["stop_reason"] = json!(stop);
+        }
         choice["token_ids"] = Value::Null;
         // What vLLM's non-stream answer carries, null when not asked for.
         let mut response = json!({"id":self.plan.id,"object":self.object(false),"created":self.plan.created,

@@ -35,6 +35,10 @@ pub struct Shape {
     tools: Vec<String>,
     reasoning_tokens: usize,
     max_tokens: usize,
+    /// Stop strings (non-stream answers only: a router owns them for streams)
+    /// and `include_stop_str_in_output`.
+    stops: Vec<String>,
+    include_stop: bool,
 }
 
 impl Shape {
@@ -89,6 +93,55 @@ impl Shape {
             tools,
             reasoning_tokens: if reasoning { max_tokens / 2 } else { 0 },
             max_tokens,
+            stops: match request.get("stop") {
+                Some(Value::String(stop)) => vec![stop.clone()],
+                Some(Value::Array(items)) => items
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_string)
+                    .collect(),
+                _ => Vec::new(),
+            }
+            .into_iter()
+            .filter(|s| !s.is_empty())
+            .collect(),
+            include_stop: request
+                .get("include_stop_str_in_output")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+        }
+    }
+
+    /// The stop string the content of `tokens` contains (the first listed
+    /// that occurs, as vLLM checks) and where the content ends for it.
+    pub fn stop_in(&self, tokens: &[u32]) -> Option<(String, usize)> {
+        let content: Vec<u32> = (0..tokens.len())
+            .filter(|&i| self.part(i) == Part::Content)
+            .map(|i| tokens[i])
+            .collect();
+        let text = model::detokenize(&content);
+        self.stops.iter().find_map(|stop| {
+            text.find(stop.as_str()).map(|at| {
+                let end = if self.include_stop {
+                    at + stop.len()
+                } else {
+                    at
+                };
+                (stop.clone(), end)
+            })
+        })
+    }
+
+    /// `choice` (a whole one) with its content cut at `end` bytes.
+    pub fn cut(&self, choice: &mut Value, end: usize) {
+        let prefix = self.echo.as_ref().map_or(0, |(p, _)| p.len());
+        let field = if self.chat {
+            choice.pointer_mut("/message/content")
+        } else {
+            choice.get_mut("text")
+        };
+        if let Some(Value::String(text)) = field {
+            text.truncate(prefix + end);
         }
     }
 
