@@ -120,7 +120,8 @@ impl Relay {
         let had = self
             .journal
             .read(|e| e.choices.first().map_or(0, |c| c.text.chars().count()));
-        self.output.set_text_base(had);
+        let held = self.stops.as_ref().map_or(0, |m| m.held_chars(0));
+        self.output.set_text_base(had + held);
     }
 
     /// A decoder failed: chunks withheld from it are dropped (the next decoder

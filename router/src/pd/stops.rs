@@ -100,6 +100,13 @@ impl Matcher {
         }
     }
 
+    /// Characters of choice `index`'s text held back now.
+    pub fn held_chars(&self, index: usize) -> usize {
+        self.choices
+            .get(index)
+            .map_or(0, |c| c.held.chars().count())
+    }
+
     /// Whether every choice stopped on a stop string.
     pub fn all_stopped(&self) -> bool {
         self.choices.iter().all(|c| c.stopped)
