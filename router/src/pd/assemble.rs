@@ -37,12 +37,20 @@ const ROUTER_FIELDS: &[&str] = &[
 /// Fields whose value names a thing: replaced by a later chunk, never joined.
 const NAMES: &[&str] = &["index", "type", "id", "role"];
 
-/// vLLM's non-stream fields that its stream does not carry: null unless a chunk
-/// gave them.
-const TOP_DEFAULTS: &[&str] = &["service_tier", "system_fingerprint"];
-const CHAT_TOP_DEFAULTS: &[&str] = &["prompt_logprobs"];
-const CHOICE_DEFAULTS: &[&str] = &["logprobs", "finish_reason", "stop_reason"];
+/// vLLM's (0.32) non-stream fields that its stream does not carry: null unless
+/// a chunk gave them. (`kv_transfer_params`, `token_ids` and
+/// `prompt_token_ids` are the output's.)
+const TOP_DEFAULTS: &[&str] = &[
+    "service_tier",
+    "system_fingerprint",
+    "ec_transfer_params",
+    "metrics",
+];
+const CHAT_TOP_DEFAULTS: &[&str] = &["prompt_logprobs", "prompt_text"];
+const CHOICE_DEFAULTS: &[&str] = &["logprobs", "finish_reason", "stop_reason", "routed_experts"];
 const COMPLETION_CHOICE_DEFAULTS: &[&str] = &["prompt_logprobs"];
+/// vLLM's usage fields that its stream leaves out when null.
+pub const USAGE_DEFAULTS: &[&str] = &["prompt_tokens_details", "completion_tokens_details"];
 const MESSAGE_DEFAULTS: &[&str] = &[
     "content",
     "refusal",

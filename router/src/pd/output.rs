@@ -91,12 +91,14 @@ impl Output {
         if let Some(usage) = parsed.usage.filter(|u| u.get() != "null") {
             self.engine_usage = serde_json::from_str(usage.get()).ok();
         }
-        if parsed.choices.is_empty() {
-            // Engine usage chunks are dropped: the router sends its own count.
+        if !self.stream {
+            // Usage chunks too: they carry the last top-level fields
+            // (`system_fingerprint`).
+            self.assemble(parsed, raw, source);
             return None;
         }
-        if !self.stream {
-            self.assemble(parsed, raw, source);
+        if parsed.choices.is_empty() {
+            // Engine usage chunks are dropped: the router sends its own count.
             return None;
         }
         let event = match (source, self.route) {
@@ -222,13 +224,18 @@ impl Output {
         let completion = entry.generated();
         let mut usage = match &self.engine_usage {
             Some(Value::Object(usage)) => usage.clone(),
-            // No engine usage (the router cut the decoder off at a stop
-            // string): vLLM's default details.
-            _ => Map::from_iter([("prompt_tokens_details".to_string(), Value::Null)]),
+            _ => Map::new(),
         };
         usage.insert("prompt_tokens".into(), json!(prompt));
         usage.insert("completion_tokens".into(), json!(completion));
         usage.insert("total_tokens".into(), json!(prompt + completion));
+        if !self.stream {
+            // A non-stream answer lists the details vLLM's stream leaves out
+            // when null.
+            for key in super::assemble::USAGE_DEFAULTS {
+                usage.entry(*key).or_insert(Value::Null);
+            }
+        }
         Value::Object(usage)
     }
 

@@ -512,8 +512,7 @@ impl Run {
     fn usage(&self) -> Value {
         let prompt = self.plan.prompt_ids.len();
         let completion = self.emitted.len() * self.plan.n;
-        json!({"prompt_tokens":prompt,"completion_tokens":completion,"total_tokens":prompt+completion,
-            "prompt_tokens_details":null})
+        json!({"prompt_tokens":prompt,"completion_tokens":completion,"total_tokens":prompt+completion})
     }
 
     fn object(&self, stream: bool) -> &'static str {
@@ -659,14 +658,22 @@ impl Run {
         }
         choice["token_ids"] = Value::Null;
         // What vLLM's non-stream answer carries, null when not asked for.
+        choice["routed_experts"] = Value::Null;
+        // A non-stream answer lists its null details; the stream's usage
+        // leaves them out (vLLM serializes it without nulls).
+        let mut usage = self.usage();
+        usage["prompt_tokens_details"] = Value::Null;
+        usage["completion_tokens_details"] = Value::Null;
         let mut response = json!({"id":self.plan.id,"object":self.object(false),"created":self.plan.created,
             "model":self.plan.model,"service_tier":null,"system_fingerprint":SYSTEM_FINGERPRINT,
-            "usage":self.usage(),"kv_transfer_params":self.plan.kv_out});
+            "usage":usage,"kv_transfer_params":self.plan.kv_out,"ec_transfer_params":null,
+            "metrics":null});
         match self.plan.kind {
             Kind::Completion => choice["prompt_token_ids"] = Value::Null,
             Kind::Chat => {
                 response["prompt_logprobs"] = Value::Null;
                 response["prompt_token_ids"] = Value::Null;
+                response["prompt_text"] = Value::Null;
             }
         }
         if self.plan.return_token_ids {
