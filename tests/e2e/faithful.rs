@@ -632,3 +632,36 @@ async fn a_decoder_dying_while_a_stop_string_is_held_back_loses_no_character() {
     );
     assert_eq!(streamed_finish(&chunks), (json!("stop"), json!(stop)));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_aborts_the_decoder_within_one_event() {
+    let router = router(&[]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    // One token every 50 ms: an event the decoder sends after the router let go
+    // of it would show.
+    let decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
+    wait_ready(&router, 2).await;
+    let mut response = client()
+        .post(format!("{}/v1/completions", router.url))
+        .json(&json!({"model":"mock","prompt":"disconnect","max_tokens":400,"stream":true}))
+        .send()
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        assert!(response.chunk().await.unwrap().is_some());
+    }
+    let emitted = |records: Vec<Value>| records[0]["tokens_emitted"].as_u64().unwrap();
+    let at_disconnect = emitted(engine_requests(&decode).await);
+    let started = std::time::Instant::now();
+    drop(response);
+    eventually(Duration::from_secs(5), "the decoder aborted", || async {
+        engine_requests(&decode).await[0]["outcome"] == "aborted"
+    })
+    .await;
+    let after = emitted(engine_requests(&decode).await) - at_disconnect;
+    eprintln!(
+        "disconnect: decoder aborted {:?} after the client left, {after} token(s) later",
+        started.elapsed()
+    );
+    assert!(after <= 1, "the decoder went on for {after} tokens");
+}
