@@ -263,6 +263,20 @@ pub struct RouterConfig {
     /// Most OpenAI requests in flight; past it, 429 with Retry-After.
     #[arg(long, env = "CONNEX_MAX_CONCURRENT_REQUESTS", default_value_t = 10_000)]
     pub max_concurrent_requests: usize,
+
+    // --- Static instances (engines without the agent) ---
+    /// A static prefill instance, `URL[,CTRL]` (CTRL: its KV holder's control
+    /// address, as the agent would register it). Repeatable. Static instances
+    /// send no heartbeats: they are kept until removed and out of rotation
+    /// while their health probes fail.
+    #[arg(long, value_name = "URL[,CTRL]")]
+    pub prefill: Vec<String>,
+    /// A static decode instance, `URL`. Repeatable.
+    #[arg(long, value_name = "URL")]
+    pub decode: Vec<String>,
+    /// The model the static instances serve (`--prefill`, `--decode`).
+    #[arg(long, env = "CONNEX_STATIC_MODEL")]
+    pub static_model: Option<String>,
 }
 
 impl RouterConfig {
@@ -381,11 +395,18 @@ fn file_arguments(path: &PathBuf, serve: &ArgMatches) -> Result<Vec<String>, Con
         ) {
             continue;
         }
-        let value = match value {
-            toml::Value::String(s) => s.clone(),
-            other => other.to_string(),
+        // A list is a repeatable flag: one argument per item.
+        let values = match value {
+            toml::Value::Array(items) => items.iter().collect(),
+            one => vec![one],
         };
-        args.push(format!("--{}={value}", id.replace('_', "-")));
+        for value in values {
+            let value = match value {
+                toml::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            args.push(format!("--{}={value}", id.replace('_', "-")));
+        }
     }
     Ok(args)
 }
@@ -479,6 +500,36 @@ mod tests {
         assert_eq!(config.log_format, LogFormat::Json);
         assert_eq!(config.log_level.as_deref(), Some("debug"));
         assert!(serve(&["connex-router", "serve", "--log-format", "xml"]).is_err());
+    }
+
+    #[test]
+    fn static_instances_come_from_flags_or_a_file_list() {
+        let dir = std::env::temp_dir().join(format!("connex-config-static-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("router.toml");
+        std::fs::write(
+            &path,
+            "prefill = [\"http://10.0.0.1:8100,10.0.0.1:7000\"]\ndecode = [\"http://10.0.0.2:8200\", \"http://10.0.0.3:8200\"]\nstatic_model = \"m\"\n",
+        )
+        .expect("write config");
+        let path = path.to_string_lossy().to_string();
+        let config = serve(&["connex-router", "serve", "--config", &path]).expect("parse");
+        assert_eq!(config.prefill, ["http://10.0.0.1:8100,10.0.0.1:7000"]);
+        assert_eq!(
+            config.decode,
+            ["http://10.0.0.2:8200", "http://10.0.0.3:8200"]
+        );
+        assert_eq!(config.static_model.as_deref(), Some("m"));
+        let config = serve(&[
+            "connex-router",
+            "serve",
+            "--decode",
+            "http://a:1",
+            "--decode",
+            "http://b:2",
+        ])
+        .expect("parse");
+        assert_eq!(config.decode, ["http://a:1", "http://b:2"]);
     }
 
     #[test]

@@ -78,7 +78,7 @@ impl HealthChecks {
         let probed: Vec<Arc<Instance>> = registry
             .list()
             .into_iter()
-            .filter(|i| i.lifecycle() == Lifecycle::Ready || i.is_unhealthy())
+            .filter(|i| i.lifecycle() == Lifecycle::Ready || i.awaits_probe())
             .collect();
         let outcomes = join_all(probed.iter().map(|i| self.probe(client, i))).await;
         // Forget instances that are no longer probed (dead, drained, removed),
@@ -86,7 +86,7 @@ impl HealthChecks {
         failed.retain(|id, _| probed.iter().any(|i| &i.id == id));
         outliers.retain(|id| registry.get(id).is_some());
         for (instance, outcome) in probed.iter().zip(outcomes) {
-            if instance.is_unhealthy() {
+            if instance.awaits_probe() {
                 // Out of rotation until it answers again.
                 if outcome.is_ok() {
                     registry.mark_healthy(&instance.id);
@@ -111,7 +111,9 @@ impl HealthChecks {
             let kind: Vec<&Arc<Instance>> =
                 probed.iter().filter(|i| same_kind(i, instance)).collect();
             let ejected = kind.iter().filter(|i| i.is_unhealthy()).count();
-            if !ejection_allowed(kind.len(), ejected + 1) {
+            // A static instance has no heartbeats to vouch for it: its probes
+            // are the only evidence, so the ejection bound does not hold it in.
+            if !instance.persistent && !ejection_allowed(kind.len(), ejected + 1) {
                 metrics::ejection_refused(&instance.id, "bound");
                 tracing::warn!(id = %instance.id, "not declared dead: too few instances of its kind would remain");
                 continue;
@@ -161,6 +163,7 @@ mod tests {
                         model: "m".into(),
                         ctrl: None,
                         id: Some(id.into()),
+                        persistent: false,
                         credential: None,
                     },
                     crate::registry::Claim::Admin,

@@ -18,6 +18,7 @@ pub mod secrets;
 pub mod server;
 pub mod sse;
 pub mod state;
+pub mod statics;
 pub mod traces;
 pub mod upstreams;
 
@@ -56,6 +57,8 @@ pub enum StartError {
          --allow-open-registration"
     )]
     OpenRegistration(SocketAddr),
+    #[error(transparent)]
+    Static(#[from] statics::StaticError),
 }
 
 /// A running router: its addresses, its state and the tasks it owns.
@@ -138,7 +141,12 @@ impl Router {
         let idle = (config.metrics_idle_timeout_s > 0)
             .then(|| Duration::from_secs(config.metrics_idle_timeout_s));
         metrics::install(idle);
+        let statics = statics::registrations(&config, &upstreams).await?;
         let registry = registry::Registry::open(&registry_config(&config)).await?;
+        for reg in statics {
+            let (instance, _) = registry.register(reg, registry::Claim::Admin).await?;
+            tracing::info!(id = %instance.id, url = %instance.url, "static instance added");
+        }
         let shutdown = Shutdown::default();
         let edge = Edge {
             access: Arc::new(Access {

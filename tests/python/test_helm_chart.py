@@ -220,8 +220,20 @@ def test_bad_values_are_refused():
     assert shared.returncode != 0 and "needs shared membership" in shared.stderr
 
 
-def test_the_rendered_router_config_is_accepted_by_connex_router(tmp_path: Path):
-    docs = manifests("router.config.heartbeat_ttl_s=7", "router.config.max_tokens_limit=4096")
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ("router.config.heartbeat_ttl_s=7", "router.config.max_tokens_limit=4096"),
+        # Static instances (engines without the agent): lists become TOML arrays.
+        (
+            "router.config.decode={http://10.0.0.2:8200,http://10.0.0.3:8200}",
+            "router.config.static_model=m",
+        ),
+    ],
+    ids=["settings", "static_instances"],
+)
+def test_the_rendered_router_config_is_accepted_by_connex_router(tmp_path: Path, sets):
+    docs = manifests(*sets)
     config = tmp_path / "router.toml"
     config.write_text(find(docs, "ConfigMap", "rel-connex-router")["data"]["router.toml"])
     proc = subprocess.Popen(

@@ -35,7 +35,10 @@ CHECKS = ",".join(
 )
 MUTATING = r"^/(v1/instances|admin/instances)"
 # The routes of each listener (the client one serves OpenAI and the probes).
-CLIENT = r"^/(v1/(completions|chat/completions|models)|health|ready)$"
+CLIENT = (
+    r"^/(v1/(completions|chat/completions|models|embeddings|score|rerank)"
+    r"|health|ready|tokenize|detokenize|pooling|score|rerank)$"
+)
 INTERNAL_READS = r"^/(metrics|admin/requests)$"
 
 

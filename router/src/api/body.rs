@@ -7,6 +7,17 @@ use serde_json::Value;
 
 /// Reads at most `limit` bytes of `body` and parses them as JSON.
 pub async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<Value, ApiError> {
+    let bytes = read_bytes(headers, body, limit).await?;
+    serde_json::from_slice(&bytes)
+        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))
+}
+
+/// Reads at most `limit` bytes of `body` (413 past it).
+pub async fn read_bytes(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<axum::body::Bytes, ApiError> {
     let declared = headers
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -14,7 +25,7 @@ pub async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<
     if declared.is_some_and(|len| len > limit) {
         return Err(ApiError::PayloadTooLarge(limit));
     }
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|err| {
+    axum::body::to_bytes(body, limit).await.map_err(|err| {
         let too_large = std::error::Error::source(&err)
             .is_some_and(|source| source.is::<http_body_util::LengthLimitError>());
         if too_large {
@@ -22,9 +33,7 @@ pub async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<
         } else {
             ApiError::bad_request(format!("cannot read request body: {err}"), None)
         }
-    })?;
-    serde_json::from_slice(&bytes)
-        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))
+    })
 }
 
 /// Parses an optional JSON body: empty means `null`.

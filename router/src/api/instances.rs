@@ -69,6 +69,13 @@ pub async fn register(
     body: Body,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let reg = registration(&access, &headers, body).await?;
+    if reg.persistent {
+        // A persistent instance never expires: only an operator adds one.
+        return Err(ApiError::bad_request(
+            "`persistent` instances are added by the admin API (POST /admin/instances) or the router's --prefill/--decode flags",
+            Some("persistent"),
+        ));
+    }
     let claim = Claim::Registrant(credential(&headers));
     let (instance, credential) = state.registry.register(reg, claim).await?;
     Ok((

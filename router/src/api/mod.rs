@@ -11,12 +11,16 @@ pub mod admin;
 pub mod body;
 pub mod instances;
 pub mod openai;
+pub mod passthrough;
 pub mod probes;
 
 use crate::server::{self, Gate, Shutdown};
 use crate::state::AppState;
 use access::Access;
+use axum::body::Body;
+use axum::extract::State;
 use axum::handler::Handler;
+use axum::http::HeaderMap;
 use axum::http::Method;
 use axum::middleware::from_fn_with_state;
 use axum::routing::{on, MethodFilter, MethodRouter};
@@ -93,11 +97,19 @@ where
     }
 }
 
+/// A route of [`passthrough::PATHS`].
+fn passthrough(path: &'static str) -> Endpoint {
+    let handler = move |State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body| {
+        passthrough::forward(state, path, headers, body)
+    };
+    at(Verb::Post, path, Guard::Gated, handler)
+}
+
 /// Every route of the router.
 pub fn endpoints() -> Vec<Endpoint> {
     use Guard::{Admin, Gated, Open, Registrar};
     use Verb::{Delete, Get, Post};
-    vec![
+    let mut endpoints = vec![
         at(Post, "/v1/completions", Gated, openai::completions),
         at(
             Post,
@@ -138,7 +150,9 @@ pub fn endpoints() -> Vec<Endpoint> {
         ),
         at(Get, "/admin/requests", Admin, admin::requests),
         at(Get, "/metrics", Open, probes::metrics),
-    ]
+    ];
+    endpoints.extend(passthrough::PATHS.iter().map(|path| passthrough(path)));
+    endpoints
 }
 
 /// (method, path) of every route.

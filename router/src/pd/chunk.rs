@@ -8,6 +8,7 @@
 //! takes the slow path through `serde_json::Value`, which is always right.
 
 use memchr::memmem;
+use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -20,6 +21,9 @@ pub struct Chunk<'a> {
     pub choices: Vec<Choice<'a>>,
     #[serde(default, borrow)]
     pub error: Option<&'a RawValue>,
+    /// The engine's usage (a chunk of its own, at the end).
+    #[serde(default, borrow)]
+    pub usage: Option<&'a RawValue>,
 }
 
 /// What the router reads of one choice of a chunk.
@@ -39,16 +43,41 @@ pub struct Choice<'a> {
     pub finish_reason: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     pub stop_reason: Option<&'a RawValue>,
+    /// The logprobs of this chunk's tokens, when asked for.
+    #[serde(default, borrow)]
+    pub logprobs: Option<&'a RawValue>,
 }
 
-/// The part of a chat delta the journal keeps.
+/// The part of a chat delta the journal keeps, and whether it carries output
+/// other than text.
 #[derive(Debug, Deserialize)]
 pub struct Delta<'a> {
     #[serde(default, borrow)]
     pub content: Option<Cow<'a, str>>,
+    #[serde(default)]
+    reasoning: Option<IgnoredAny>,
+    #[serde(default)]
+    reasoning_content: Option<IgnoredAny>,
+    #[serde(default)]
+    tool_calls: Option<Vec<IgnoredAny>>,
 }
 
 impl Choice<'_> {
+    /// Whether the chunk carries logprobs.
+    pub fn has_logprobs(&self) -> bool {
+        self.logprobs.is_some_and(|l| l.get() != "null")
+    }
+
+    /// Whether the chunk brings chat output besides text (reasoning, tool
+    /// calls): such a chunk has its output, even without text.
+    pub fn has_other_output(&self) -> bool {
+        self.delta.as_ref().is_some_and(|d| {
+            d.reasoning.is_some()
+                || d.reasoning_content.is_some()
+                || d.tool_calls.as_ref().is_some_and(|c| !c.is_empty())
+        })
+    }
+
     /// The text this chunk adds, for either route.
     pub fn text(&self) -> &str {
         self.text

@@ -6,6 +6,7 @@
 use super::attempt::{Attempt, Cause, Failure};
 use super::output::Source;
 use super::patch::Patch;
+use super::stops::StopStrings;
 use super::upstream::{Call, CallError, Opened};
 use crate::error::ApiError;
 use crate::registry::{Instance, LoadGuard, Phase};
@@ -15,12 +16,20 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 use tracing::Instrument;
 
-/// The body sent to a decode instance for the client's own route.
+/// The body sent to a decode instance for the client's own route. The engine's
+/// usage is asked for: the router counts tokens itself, but keeps the usage
+/// details only the engine knows (cached prompt tokens).
 pub fn decode_body(body: &Value, kv_transfer_params: &Value) -> Bytes {
-    Patch::new(body, &[])
+    // Stop strings are the router's (`stops.rs`).
+    let remove: &[&str] = if StopStrings::of(body).is_some() {
+        &["stop"]
+    } else {
+        &[]
+    };
+    Patch::new(body, remove)
         .value("stream", Value::Bool(true))
         .value("return_token_ids", Value::Bool(true))
-        .value("stream_options", json!({"include_usage": false}))
+        .value("stream_options", json!({"include_usage": true}))
         .value("kv_transfer_params", kv_transfer_params.clone())
         .to_bytes()
 }

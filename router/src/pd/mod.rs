@@ -10,6 +10,7 @@
 //! Engines are reached through the [`upstream::Upstream`] seam, so that every
 //! phase is tested against scripted engines as well as real processes.
 
+pub mod assemble;
 pub mod attempt;
 pub mod chunk;
 pub mod decode;
@@ -22,6 +23,7 @@ pub mod reprefill;
 pub mod request;
 pub mod resume;
 pub mod session;
+pub mod stops;
 pub mod upstream;
 
 use crate::error::ApiError;

@@ -5,15 +5,18 @@
 //! A streaming client gets each decoder chunk edited (the router's id, token-id
 //! fields it did not ask for removed) or, when a chat request was resumed through
 //! the completions route, re-wrapped as a chat chunk. A non-stream client gets one
-//! response built from what was collected.
+//! response assembled from the chunks ([`Assembly`]) as the engine would have
+//! answered it. Usage is the router's count with whatever else the engine's
+//! usage gave (its details).
 
+use super::assemble::Assembly;
 use super::chunk::{self, Chunk, Field};
 use super::request::{RequestInfo, Route};
 use crate::error::ApiError;
 use crate::journal::Entry;
 use crate::sse;
 use bytes::Bytes;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Which kind of stream a decoder chunk came from.
@@ -39,6 +42,16 @@ pub struct Output {
     model: String,
     /// Whether a chat client got the `role` delta yet.
     role_sent: bool,
+    /// A non-stream client's answer so far.
+    assembly: Option<Assembly>,
+    /// The engine's last usage object: its details (cached prompt tokens...)
+    /// go to the client with the router's counts.
+    engine_usage: Option<Value>,
+    /// Characters of text the client had when the current decoder started:
+    /// a resumed decoder's completions `text_offset`s count from there.
+    text_base: usize,
+    /// Chat logprobs asked for: alternatives per token.
+    chat_top_logprobs: Option<usize>,
 }
 
 impl Output {
@@ -55,7 +68,17 @@ impl Output {
             return_token_ids: info.return_token_ids,
             model: info.model.clone(),
             role_sent: false,
+            assembly: (!info.stream)
+                .then(|| Assembly::new(info.route, usize::try_from(info.n).unwrap_or(1))),
+            engine_usage: None,
+            text_base: 0,
+            chat_top_logprobs: info.chat_top_logprobs,
         }
+    }
+
+    /// Where the next decoder's text starts, in characters of the choice's text.
+    pub fn set_text_base(&mut self, chars: usize) {
+        self.text_base = chars;
     }
 
     pub fn is_stream(&self) -> bool {
@@ -65,7 +88,16 @@ impl Output {
     /// The bytes a streaming client gets of one decoder chunk (none for a
     /// non-stream client).
     pub fn event(&mut self, parsed: &Chunk<'_>, raw: &[u8], source: Source) -> Option<Bytes> {
-        if !self.stream || parsed.choices.is_empty() {
+        if let Some(usage) = parsed.usage.filter(|u| u.get() != "null") {
+            self.engine_usage = serde_json::from_str(usage.get()).ok();
+        }
+        if !self.stream {
+            // Usage chunks too: they carry the last top-level fields
+            // (`system_fingerprint`).
+            self.assemble(parsed, raw, source);
+            return None;
+        }
+        if parsed.choices.is_empty() {
             // Engine usage chunks are dropped: the router sends its own count.
             return None;
         }
@@ -87,15 +119,67 @@ impl Output {
                 } else {
                     &[Field::TokenIds, Field::PromptTokenIds]
                 };
-                chunk::rewrite_event(raw, &self.id, strip)
+                match self.rebased(parsed, raw) {
+                    Some(chunk) => chunk::rewrite_event(
+                        &serde_json::to_vec(&chunk).unwrap_or_default(),
+                        &self.id,
+                        strip,
+                    ),
+                    None => chunk::rewrite_event(raw, &self.id, strip),
+                }
             }
-            (Source::Resumed, Route::Chat) => sse::event(&self.chat_chunk(parsed)).to_vec(),
+            (Source::Resumed, Route::Chat) => {
+                let chunk = self.chat_chunk(parsed, raw);
+                sse::event(&serde_json::to_vec(&chunk).unwrap_or_default()).to_vec()
+            }
         };
         Some(Bytes::from(event))
     }
 
-    /// A completions chunk of a resumed chat request, as a chat chunk.
-    fn chat_chunk(&mut self, parsed: &Chunk<'_>) -> Vec<u8> {
+    /// Adds a chunk to a non-stream client's answer.
+    fn assemble(&mut self, parsed: &Chunk<'_>, raw: &[u8], source: Source) {
+        let chunk = match (source, self.route) {
+            (Source::Resumed, Route::Chat) => self.chat_chunk(parsed, raw),
+            (Source::Resumed, Route::Completions) => match self.rebased(parsed, raw) {
+                Some(chunk) => chunk,
+                None => return,
+            },
+            (Source::Native, _) => match serde_json::from_slice(raw) {
+                Ok(chunk) => chunk,
+                Err(_) => return,
+            },
+        };
+        if let Some(assembly) = &mut self.assembly {
+            assembly.add(&chunk);
+        }
+    }
+
+    /// A resumed completions chunk with its logprobs' `text_offset`s counted
+    /// from the start of the client's text; `None` when it has no logprobs
+    /// (and is not JSON, for a non-stream client).
+    fn rebased(&self, parsed: &Chunk<'_>, raw: &[u8]) -> Option<Value> {
+        let mut chunk: Value = serde_json::from_slice(raw).ok()?;
+        if !parsed.choices.iter().any(|c| c.has_logprobs()) {
+            return (!self.stream).then_some(chunk);
+        }
+        let base = self.text_base;
+        let choices = chunk.get_mut("choices").and_then(Value::as_array_mut);
+        for choice in choices.into_iter().flatten() {
+            let offsets = choice
+                .pointer_mut("/logprobs/text_offset")
+                .and_then(Value::as_array_mut);
+            for offset in offsets.into_iter().flatten() {
+                if let Some(at) = offset.as_u64() {
+                    *offset = json!(at + base as u64);
+                }
+            }
+        }
+        Some(chunk)
+    }
+
+    /// A completions chunk of a resumed chat request, as a chat chunk (with
+    /// the chunk's other top-level fields, such as `system_fingerprint`).
+    fn chat_chunk(&mut self, parsed: &Chunk<'_>, raw: &[u8]) -> Value {
         let choices: Vec<Value> = parsed
             .choices
             .iter()
@@ -104,7 +188,11 @@ impl Output {
                 if !self.role_sent {
                     delta["role"] = json!("assistant");
                 }
-                let mut choice = json!({"index": c.index, "delta": delta, "logprobs": null,
+                let logprobs = match (self.chat_top_logprobs, c.logprobs) {
+                    (Some(top), Some(raw)) => chat_logprobs(raw.get(), top),
+                    _ => Value::Null,
+                };
+                let mut choice = json!({"index": c.index, "delta": delta, "logprobs": logprobs,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason});
                 if self.return_token_ids {
                     choice["token_ids"] = json!(c.token_ids);
@@ -113,15 +201,42 @@ impl Output {
             })
             .collect();
         self.role_sent = true;
-        let chunk = json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+        let mut chunk = json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
             "model": self.model, "choices": choices});
-        serde_json::to_vec(&chunk).unwrap_or_default()
+        if let (Ok(Value::Object(original)), Some(out)) =
+            (serde_json::from_slice(raw), chunk.as_object_mut())
+        {
+            for (key, value) in original {
+                let completions_only =
+                    ["prompt_token_ids", "kv_transfer_params", "object", "usage"];
+                if !out.contains_key(&key) && !completions_only.contains(&key.as_str()) {
+                    out.insert(key, value);
+                }
+            }
+        }
+        chunk
     }
 
-    fn usage(entry: &Entry) -> Value {
+    /// The router's counts (a resumed decoder counts the generated tokens as
+    /// prompt), with the rest of the engine's usage.
+    fn usage(&self, entry: &Entry) -> Value {
         let prompt = entry.prompt_token_ids.len();
         let completion = entry.generated();
-        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+        let mut usage = match &self.engine_usage {
+            Some(Value::Object(usage)) => usage.clone(),
+            _ => Map::new(),
+        };
+        usage.insert("prompt_tokens".into(), json!(prompt));
+        usage.insert("completion_tokens".into(), json!(completion));
+        usage.insert("total_tokens".into(), json!(prompt + completion));
+        if !self.stream {
+            // A non-stream answer lists the details vLLM's stream leaves out
+            // when null.
+            for key in super::assemble::USAGE_DEFAULTS {
+                usage.entry(*key).or_insert(Value::Null);
+            }
+        }
+        Value::Object(usage)
     }
 
     fn object(&self) -> &'static str {
@@ -137,7 +252,7 @@ impl Output {
         let mut events = Vec::with_capacity(2);
         if self.include_usage {
             let chunk = json!({"id": self.id, "object": self.object(), "created": self.created,
-                "model": self.model, "choices": [], "usage": Self::usage(entry)});
+                "model": self.model, "choices": [], "usage": self.usage(entry)});
             events.push(sse::event(chunk.to_string().as_bytes()));
         }
         events.push(sse::event(sse::DONE));
@@ -153,33 +268,83 @@ impl Output {
         ]
     }
 
-    /// The one response of a non-stream client.
+    /// The one response of a non-stream client: the assembled chunks, with the
+    /// router's id, usage and (when the client asked for them) token ids.
     pub fn response(&self, entry: &Entry) -> Value {
+        let empty;
+        let assembly = match &self.assembly {
+            Some(assembly) => assembly,
+            None => {
+                empty = Assembly::new(self.route, entry.choices.len());
+                &empty
+            }
+        };
         let choices: Vec<Value> = entry
             .choices
             .iter()
             .enumerate()
             .map(|(index, c)| {
-                let mut choice = match self.route {
-                    Route::Completions => json!({"index": index, "text": c.text, "logprobs": null}),
-                    Route::Chat => json!({"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": null}),
-                };
-                choice["finish_reason"] = json!(c.finish_reason);
-                choice["stop_reason"] = c.stop_reason.clone().unwrap_or(Value::Null);
-                if self.return_token_ids {
-                    choice["token_ids"] = json!(c.token_ids);
-                    if self.route == Route::Completions {
-                        choice["prompt_token_ids"] = json!(entry.prompt_token_ids);
-                    }
+                let mut choice = assembly.choice(index);
+                let token_ids = self.return_token_ids.then(|| json!(c.token_ids));
+                choice.insert("token_ids".into(), token_ids.unwrap_or(Value::Null));
+                if self.route == Route::Completions {
+                    let prompt = self.return_token_ids.then(|| json!(entry.prompt_token_ids));
+                    choice.insert("prompt_token_ids".into(), prompt.unwrap_or(Value::Null));
                 }
-                choice
+                Value::Object(choice)
             })
             .collect();
-        let mut response = json!({"id": self.id, "object": self.object(), "created": self.created,
-            "model": self.model, "choices": choices, "usage": Self::usage(entry)});
-        if self.return_token_ids && self.route == Route::Chat {
-            response["prompt_token_ids"] = json!(entry.prompt_token_ids);
+        let mut response = Map::new();
+        response.insert("id".into(), json!(self.id));
+        response.insert("object".into(), json!(self.object()));
+        response.insert("created".into(), json!(self.created));
+        response.insert("model".into(), json!(self.model));
+        response.insert("choices".into(), Value::Array(choices));
+        response.extend(assembly.top());
+        response.insert("usage".into(), self.usage(entry));
+        // The decoder's own transfer parameters are the router's business.
+        response.insert("kv_transfer_params".into(), Value::Null);
+        if self.route == Route::Chat {
+            let prompt = self.return_token_ids.then(|| json!(entry.prompt_token_ids));
+            response.insert("prompt_token_ids".into(), prompt.unwrap_or(Value::Null));
         }
-        response
+        Value::Object(response)
     }
+}
+
+/// Completions logprobs (`tokens`, `token_logprobs`, `top_logprobs` maps) as
+/// chat logprobs (`content`: each token with its bytes and its `top` best
+/// alternatives, best first), as vLLM gives them on the chat route.
+fn chat_logprobs(completions: &str, top: usize) -> Value {
+    let Ok(lp) = serde_json::from_str::<Value>(completions) else {
+        return Value::Null;
+    };
+    let entry = |token: &str, logprob: &Value| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+    let tokens = lp["tokens"].as_array().cloned().unwrap_or_default();
+    let content: Vec<Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, token)| {
+            let token = token.as_str().unwrap_or_default();
+            let mut out = entry(token, &lp["token_logprobs"][i]);
+            let mut alternatives: Vec<(&String, &Value)> = lp["top_logprobs"][i]
+                .as_object()
+                .map(|m| m.iter().collect())
+                .unwrap_or_default();
+            alternatives.sort_by(|a, b| {
+                let (a, b) = (
+                    a.1.as_f64().unwrap_or(f64::MIN),
+                    b.1.as_f64().unwrap_or(f64::MIN),
+                );
+                b.total_cmp(&a)
+            });
+            out["top_logprobs"] = alternatives
+                .into_iter()
+                .take(top)
+                .map(|(t, l)| entry(t, l))
+                .collect();
+            out
+        })
+        .collect();
+    json!({"content": content})
 }

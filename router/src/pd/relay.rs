@@ -12,6 +12,7 @@ use super::attempt::{Attempt, Cause, Event, Failure};
 use super::chunk::{self, ErrorEvent};
 use super::output::{Output, Source};
 use super::request::RequestInfo;
+use super::stops::Matcher;
 use crate::error::ApiError;
 use crate::journal::{Entry, JournalHandle};
 use bytes::{Bytes, BytesMut};
@@ -57,6 +58,8 @@ pub struct Relay {
     /// in its prompt and would never emit the held bytes.
     withheld: Vec<Bytes>,
     withheld_tokens: usize,
+    /// The request's stop strings, matched here (see [`super::stops`]).
+    stops: Option<Matcher>,
     /// Whether chunks may be withheld (single-choice requests that can resume).
     may_withhold: bool,
     choices: usize,
@@ -92,6 +95,10 @@ impl Relay {
             withheld_tokens: 0,
             may_withhold,
             choices: usize::try_from(info.n).unwrap_or(1).max(1),
+            stops: info
+                .stop
+                .clone()
+                .map(|s| Matcher::new(s, usize::try_from(info.n).unwrap_or(1))),
             max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
             timing: Timing {
                 route: info.route.path(),
@@ -113,6 +120,13 @@ impl Relay {
     /// A new decoder's stream starts.
     pub fn on_attempt(&mut self, decoder: &str) {
         self.timing.inter_token = Some(crate::metrics::inter_token(decoder));
+        // A resumed decoder counts text offsets from the end of what the
+        // client has.
+        let had = self
+            .journal
+            .read(|e| e.choices.first().map_or(0, |c| c.text.chars().count()));
+        let held = self.stops.as_ref().map_or(0, |m| m.held_chars(0));
+        self.output.set_text_base(had + held);
     }
 
     /// A decoder failed: chunks withheld from it are dropped (the next decoder
@@ -177,12 +191,17 @@ impl Relay {
             Event::Failed(failure) => return Some(Stop::Ended(Some(failure))),
         };
         let decoder = attempt.decoder().id.clone();
-        match self.on_data(&data, attempt.source, &decoder) {
-            Ok(0) => None,
-            Ok(_) => {
-                attempt.saw_tokens();
-                None
+        let result = self.on_data(&data, attempt.source, &decoder);
+        if result.as_ref().is_ok_and(|tokens| *tokens > 0) {
+            attempt.saw_tokens();
+        }
+        match result {
+            // Every choice ended (a stop string, here): the decoder, which
+            // does not know the stop strings, is cut off.
+            Ok(_) if self.stops.is_some() && self.journal.read(|e| e.all_finished()) => {
+                Some(Stop::Ended(None))
             }
+            Ok(_) => None,
             Err(stop) => Some(stop),
         }
     }
@@ -269,6 +288,15 @@ impl Relay {
 
     /// Journals one (checked) chunk and queues what a streaming client gets of it.
     fn relay(&mut self, parsed: &chunk::Chunk<'_>, data: &[u8], source: Source) {
+        if let Some(edited) = self.stops.as_mut().and_then(|m| m.edit(data)) {
+            if let Some(parsed) = chunk::parse(&edited) {
+                self.journal.update(|e| record(e, &parsed));
+                if let Some(bytes) = self.output.event(&parsed, &edited, source) {
+                    self.out.push_back(bytes);
+                }
+            }
+            return;
+        }
         self.journal.update(|e| record(e, parsed));
         if let Some(bytes) = self.output.event(parsed, data, source) {
             self.out.push_back(bytes);
@@ -322,6 +350,7 @@ fn text_withheld(parsed: &chunk::Chunk<'_>) -> bool {
         [choice] => {
             choice.token_ids.as_ref().is_some_and(|ids| !ids.is_empty())
                 && choice.text().is_empty()
+                && !choice.has_other_output()
                 && choice.finish_reason.is_none()
         }
         _ => false,
@@ -378,6 +407,8 @@ mod tests {
             include_usage: false,
             return_token_ids: false,
             n,
+            chat_top_logprobs: None,
+            stop: None,
         }
     }
 

@@ -41,6 +41,11 @@ pub struct RequestInfo {
     /// The client asked for `token_ids` / `prompt_token_ids` itself.
     pub return_token_ids: bool,
     pub n: u64,
+    /// Chat: the alternatives per token of the logprobs asked for
+    /// (`logprobs: true`, `top_logprobs`), when asked for.
+    pub chat_top_logprobs: Option<usize>,
+    /// The stop strings the router matches (never sent to decoders).
+    pub stop: Option<super::stops::StopStrings>,
 }
 
 /// Checks the body of a generation request; returns what the flow needs.
@@ -98,6 +103,16 @@ pub fn validate(
         include_usage,
         return_token_ids: optional_bool(object, "return_token_ids")?.unwrap_or(false),
         n,
+        chat_top_logprobs: (route == Route::Chat
+            && object.get("logprobs") == Some(&Value::Bool(true)))
+        .then(|| {
+            let top = object
+                .get("top_logprobs")
+                .and_then(Value::as_u64)
+                .unwrap_or(0);
+            usize::try_from(top).unwrap_or(usize::MAX)
+        }),
+        stop: super::stops::StopStrings::of(body),
     })
 }
 

@@ -5,8 +5,11 @@
 //! prompt KV from the hold and computes only the generated suffix.
 //!
 //! Some requests carry state that a resumed completions request cannot: `n > 1`,
-//! guided or structured output, logprobs, tool calls, echo. Those fail over only
-//! before their first token (when nothing has reached the client yet).
+//! guided or structured output, prompt logprobs, tool calls, echo. Those fail
+//! over only before their first token (when nothing has reached the client
+//! yet). Logprobs of generated tokens do resume: a chat request's `logprobs` +
+//! `top_logprobs` become the completions `logprobs`, and the output re-bases
+//! and re-shapes what the resumed decoder gives.
 
 use super::attempt::Failure;
 use super::patch::{Patch, Set};
@@ -60,8 +63,10 @@ pub fn mid_stream_blocker(route: Route, body: &Value) -> Option<&'static str> {
     {
         return Some("guided or structured output");
     }
-    if set("logprobs") || set("prompt_logprobs") || set("top_logprobs") {
-        return Some("logprobs");
+    // Logprobs of generated tokens continue (the resumed decoder gives those of
+    // the new tokens); the prompt's are computed once, by the first decoder.
+    if set("prompt_logprobs") {
+        return Some("prompt_logprobs");
     }
     if route == Route::Chat && (set("tools") || set("functions")) {
         return Some("tool calls");
@@ -96,15 +101,33 @@ pub fn resume_body(
     generated: &[u32],
     kv_transfer_params: &Value,
 ) -> Bytes {
-    let remove: &[&str] = if route == Route::Chat { CHAT_ONLY } else { &[] };
+    let mut remove: Vec<&str> = if route == Route::Chat {
+        CHAT_ONLY.to_vec()
+    } else {
+        Vec::new()
+    };
+    // Stop strings are the router's (`stops.rs`).
+    if super::stops::StopStrings::of(body).is_some() {
+        remove.push("stop");
+    }
     let done = generated.len() as u64;
     // Without a limit the engine generates to the end of the context: `null` asks
     // vLLM for exactly that on the completions route (whose default is 16).
     let max_tokens =
         requested_max_tokens(body).map_or(Value::Null, |m| json!(m.saturating_sub(done).max(1)));
-    let mut patch = Patch::new(body, remove)
+    let mut patch = Patch::new(body, &remove)
         .set("prompt", Set::Ids(prompt_token_ids, generated))
         .value("max_tokens", max_tokens);
+    if route == Route::Chat {
+        // Chat asks `logprobs: true` and `top_logprobs: k`; completions asks
+        // `logprobs: k`.
+        let top = (body.get("logprobs") == Some(&Value::Bool(true))).then(|| {
+            body.get("top_logprobs")
+                .and_then(Value::as_u64)
+                .unwrap_or(0)
+        });
+        patch = patch.value("logprobs", top.map_or(Value::Null, |k| json!(k)));
+    }
     for key in ["min_tokens", "min_completion_tokens"] {
         if let Some(min) = body.get(key).and_then(Value::as_u64) {
             patch = patch.value(key, json!(min.saturating_sub(done)));
@@ -113,7 +136,7 @@ pub fn resume_body(
     patch
         .value("stream", Value::Bool(true))
         .value("return_token_ids", Value::Bool(true))
-        .value("stream_options", json!({"include_usage": false}))
+        .value("stream_options", json!({"include_usage": true}))
         .value("n", json!(1))
         .value("echo", Value::Bool(false))
         .value("kv_transfer_params", kv_transfer_params.clone())
@@ -209,13 +232,24 @@ mod tests {
         assert_eq!(out["kv_transfer_params"]["resume_epoch"], 1);
         assert!(out.get("messages").is_none());
         assert!(out.get("max_completion_tokens").is_none());
+        assert_eq!(out["logprobs"], Value::Null);
+        let with_logprobs = json!({"model":"m","messages":[],"logprobs":true,"top_logprobs":3});
+        let out: Value =
+            serde_json::from_slice(&resume_body(Route::Chat, &with_logprobs, &[1], &[2], &kv))
+                .expect("JSON");
+        assert_eq!(out["logprobs"], 3);
+        assert!(out.get("top_logprobs").is_none());
     }
 
     #[test]
     fn requests_with_uncarried_state_are_not_resumable_mid_stream() {
         let blocked = |body: Value| mid_stream_blocker(Route::Completions, &body);
         assert_eq!(blocked(json!({"n": 2})), Some("n > 1"));
-        assert_eq!(blocked(json!({"logprobs": 2})), Some("logprobs"));
+        assert_eq!(blocked(json!({"logprobs": 2})), None);
+        assert_eq!(
+            blocked(json!({"prompt_logprobs": 1})),
+            Some("prompt_logprobs")
+        );
         assert_eq!(
             blocked(json!({"guided_json": {"type":"object"}})),
             Some("guided or structured output")

@@ -179,6 +179,7 @@ async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Ar
                     model: "m".into(),
                     ctrl: None,
                     id: Some(id),
+                    persistent: false,
                     credential: None,
                 },
                 crate::registry::Claim::Admin,

@@ -170,7 +170,7 @@ impl Upstream for HttpUpstream {
 
 /// Reads at most `cap` bytes of a body; past it, an error when `strict` (the
 /// body is needed whole), else what was read (an error message's start).
-async fn read_capped(
+pub async fn read_capped(
     mut response: reqwest::Response,
     cap: usize,
     strict: bool,

@@ -93,7 +93,10 @@ impl Machine {
             }
             (V::None, Event::Unhealthy) if self.stored == Lifecycle::Ready => V::Unhealthy,
             (V::None, Event::Expired) => V::Expired,
-            (V::Unhealthy, Event::Healthy) => V::None,
+            // A probe that succeeds ends a dead verdict it can contradict; the
+            // health checker probes an unreachable instance only when nothing
+            // else would revive it (a static one, which sends no heartbeats).
+            (V::Unhealthy | V::Unreachable(_), Event::Healthy) => V::None,
             (V::Unreachable(_) | V::Expired, Event::Heartbeat) => V::None,
             (V::Unreachable(at), Event::Revive { now, after })
                 if now.saturating_duration_since(at) > after =>

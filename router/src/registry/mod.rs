@@ -114,6 +114,11 @@ pub struct Registration {
     pub ctrl: Option<String>,
     #[serde(default)]
     pub id: Option<String>,
+    /// A static instance (an engine without the agent, `--prefill`/`--decode`
+    /// or the admin API): it sends no heartbeats, so it never expires; it is
+    /// kept until removed, out of rotation while its health probes fail.
+    #[serde(default)]
+    pub persistent: bool,
     /// The instance's credential: issued by the registry, never read from a
     /// registrant's body.
     #[serde(skip)]
@@ -137,6 +142,8 @@ pub struct Instance {
     pub url: String,
     pub model: String,
     pub ctrl: Option<String>,
+    /// Kept until removed, whatever its heartbeats (see [`Registration`]).
+    pub persistent: bool,
     /// What its registrant must present to heartbeat, re-register or
     /// deregister under this id (`x-connex-credential`).
     credential: String,
@@ -167,6 +174,7 @@ impl Instance {
             url: reg.url.trim_end_matches('/').to_string(),
             model: reg.model,
             ctrl: reg.ctrl,
+            persistent: reg.persistent,
             credential: reg.credential.unwrap_or_default(),
             machine: Mutex::new(Machine::new(Lifecycle::Ready)),
             lifecycle: watch::Sender::new(Lifecycle::Ready),
@@ -220,6 +228,17 @@ impl Instance {
         self.verdict() == Verdict::Unhealthy
     }
 
+    /// Whether only a successful probe can bring the instance back: it fails
+    /// its probes, or it is static (no heartbeat will ever revive it) and a
+    /// connect found nothing listening.
+    pub fn awaits_probe(&self) -> bool {
+        match self.verdict() {
+            Verdict::Unhealthy => true,
+            Verdict::Unreachable(_) => self.persistent,
+            _ => false,
+        }
+    }
+
     fn touch(&self) {
         *self
             .last_heartbeat
@@ -258,9 +277,10 @@ impl Instance {
         self.inflight.load(Ordering::Relaxed)
     }
 
-    /// Whether new requests may go here now, given a local heartbeat TTL.
+    /// Whether new requests may go here now, given a local heartbeat TTL
+    /// (which a static instance is not held to).
     pub fn is_eligible(&self, ttl: Duration) -> bool {
-        self.lifecycle() == Lifecycle::Ready && self.heartbeat_age() <= ttl
+        self.lifecycle() == Lifecycle::Ready && (self.persistent || self.heartbeat_age() <= ttl)
     }
 
     /// Same role, URL, model and control address: the same incarnation, whose
@@ -270,6 +290,7 @@ impl Instance {
             && self.url == other.url
             && self.model == other.model
             && self.ctrl == other.ctrl
+            && self.persistent == other.persistent
             && self.credential == other.credential
     }
 
@@ -279,7 +300,8 @@ impl Instance {
     pub fn view(&self) -> serde_json::Value {
         serde_json::json!({
             "id": self.id, "role": self.role, "url": self.url, "model": self.model,
-            "ctrl": self.ctrl, "state": self.lifecycle(), "unhealthy": self.is_unhealthy(),
+            "ctrl": self.ctrl, "persistent": self.persistent,
+            "state": self.lifecycle(), "unhealthy": self.is_unhealthy(),
             "inflight": self.inflight(),
             "served": self.served.load(Ordering::Relaxed),
             "last_heartbeat_ms_ago": self.heartbeat_age().as_millis() as u64,

@@ -323,8 +323,10 @@ impl View {
     /// are within the TTL (local TTL), or its key exists (the store decides,
     /// and the view holds only what the store has).
     pub fn is_live(&self, instance: &Instance) -> bool {
-        self.expiry
-            .is_none_or(|ttl| instance.heartbeat_age() <= ttl)
+        instance.persistent
+            || self
+                .expiry
+                .is_none_or(|ttl| instance.heartbeat_age() <= ttl)
     }
 
     /// Marks instances whose heartbeats stopped for the TTL as dead, and evicts
@@ -335,7 +337,7 @@ impl View {
             return;
         };
         let mut evicted = Vec::new();
-        for entry in self.instances.iter() {
+        for entry in self.instances.iter().filter(|e| !e.persistent) {
             let age = entry.heartbeat_age();
             if age > ttl && entry.apply(Event::Expired).0 != Lifecycle::Dead {
                 tracing::warn!(id = %entry.id, "instance missed heartbeats for its TTL; marked dead");
@@ -347,7 +349,7 @@ impl View {
         for id in evicted {
             let removed = self
                 .instances
-                .remove_if(&id, |_, i| i.heartbeat_age() > ttl + grace);
+                .remove_if(&id, |_, i| !i.persistent && i.heartbeat_age() > ttl + grace);
             if removed.is_some() {
                 tracing::info!(%id, "dead instance evicted");
                 self.changed();
@@ -376,6 +378,7 @@ mod tests {
             model: "m".into(),
             ctrl: None,
             id: None,
+            persistent: false,
             credential: None,
         }
     }

@@ -2,6 +2,7 @@
 
 use crate::config::{CrashAction, MockConfig, Role};
 use crate::model::{self, ContextHash};
+use crate::shape::Shape;
 use crate::stats::{Outcome, RequestLog, RequestRecord};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -15,6 +16,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_util::sync::CancellationToken;
+
+/// The `system_fingerprint` of the last chunk of a stream and of a whole answer.
+const SYSTEM_FINGERPRINT: &str = "fp_connex_mock";
 
 /// Shared state of one engine.
 pub struct EngineState {
@@ -67,13 +71,13 @@ impl EngineState {
 
 /// Every route of the engine.
 pub fn routes(state: Arc<EngineState>) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
-        .route("/mock/stats", get(stats))
-        .with_state(state)
+        .route("/mock/stats", get(stats));
+    crate::pooling::routes(router).with_state(state)
 }
 
 async fn health(State(state): State<Arc<EngineState>>) -> Response {
@@ -85,7 +89,9 @@ async fn health(State(state): State<Arc<EngineState>>) -> Response {
 
 async fn models(State(state): State<Arc<EngineState>>) -> Json<Value> {
     Json(
-        json!({"object":"list","data":[{"id":state.config.model,"object":"model","owned_by":"connex-mock"}]}),
+        json!({"object":"list","data":[{"id":state.config.model,"object":"model","created":0,
+            "owned_by":"connex-mock","root":state.config.model,"parent":null,
+            "max_model_len":crate::pooling::MAX_MODEL_LEN}]}),
     )
 }
 
@@ -174,6 +180,8 @@ struct Plan {
     n: usize,
     include_usage: bool,
     return_token_ids: bool,
+    /// What the tokens become besides text (logprobs, tool calls, ...).
+    shape: Shape,
     /// Set for a prefill request: the params its response carries.
     kv_out: Option<Value>,
     /// Prompt tokens to "compute" (the rest came from a hold).
@@ -185,7 +193,7 @@ struct Plan {
 }
 
 /// A header's value, when it is text.
-fn header(headers: &HeaderMap, name: &str) -> Option<String> {
+pub(crate) fn header(headers: &HeaderMap, name: &str) -> Option<String> {
     headers
         .get(name)
         .and_then(|v| v.to_str().ok())
@@ -317,6 +325,10 @@ fn plan(
                 .ok_or("messages must be a list of {role, content}")?,
         ),
     };
+    if prompt_ids.is_empty() {
+        // As vLLM refuses it.
+        return Err("Either prompt or prompt_embeds must be provided and non-empty.");
+    }
     let max_tokens = ["max_completion_tokens", "max_tokens"]
         .iter()
         .find_map(|key| request.get(*key).and_then(Value::as_u64))
@@ -367,6 +379,12 @@ fn plan(
             .map(|d| d.as_secs())
             .unwrap_or(0),
         model: state.config.model.clone(),
+        shape: Shape::new(
+            kind == Kind::Chat,
+            request,
+            &prompt_ids,
+            if kv_out.is_some() { 1 } else { max_tokens },
+        ),
         max_tokens: if kv_out.is_some() { 1 } else { max_tokens },
         n: request
             .get("n")
@@ -585,26 +603,26 @@ impl Run {
             Err(crashed) => return Some(Err(crashed)),
         };
         let last = self.emitted.len() as u32 >= self.plan.max_tokens;
-        let finish_reason = if last { json!("length") } else { Value::Null };
+        let generated = self.emitted.len();
+        let finish_reason = if last {
+            json!(self.plan.shape.finish_reason(generated))
+        } else {
+            Value::Null
+        };
         // A split token's text goes out with the next token's, as vLLM's
         // detokenizer holds back an incomplete character.
         let mut text = std::mem::take(&mut self.held_text) + &model::token_text(token);
-        if model::is_split(token) && !last {
+        if model::is_split(token) && !last && self.plan.shape.is_plain() {
             self.held_text = std::mem::take(&mut text);
         }
-        let mut choice = match self.plan.kind {
-            Kind::Completion => {
-                json!({"index":0,"text":text,"logprobs":null,"finish_reason":finish_reason,"stop_reason":null})
-            }
-            Kind::Chat => {
-                let delta = if first {
-                    json!({"role":"assistant","content":text})
-                } else {
-                    json!({"content":text})
-                };
-                json!({"index":0,"delta":delta,"logprobs":null,"finish_reason":finish_reason,"stop_reason":null})
-            }
-        };
+        let offset = self.plan.shape.offset_of(&self.emitted[..generated - 1]);
+        let mut choice = self
+            .plan
+            .shape
+            .stream_choice(generated - 1, token, text, offset);
+        choice["index"] = json!(0);
+        choice["finish_reason"] = finish_reason;
+        choice["stop_reason"] = Value::Null;
         let mut chunk = json!({"id":self.plan.id,"object":self.object(true),"created":self.plan.created,"model":self.plan.model});
         if self.plan.return_token_ids {
             choice["token_ids"] = json!([token]);
@@ -614,6 +632,9 @@ impl Run {
                     Kind::Chat => chunk["prompt_token_ids"] = json!(self.plan.prompt_ids),
                 }
             }
+        }
+        if last {
+            chunk["system_fingerprint"] = json!(SYSTEM_FINGERPRINT);
         }
         chunk["choices"] = self.choices(choice);
         let mut out = format!("data: {chunk}\n\n");
@@ -629,18 +650,42 @@ impl Run {
 
     /// The whole non-streaming response body.
     async fn whole(mut self) -> Result<Bytes, Crashed> {
-        while self.next_token().await?.is_some() {}
+        let mut stopped = None;
+        while self.next_token().await?.is_some() {
+            stopped = self.plan.shape.stop_in(&self.emitted);
+            if stopped.is_some() {
+                break;
+            }
+        }
         self.finish();
-        let text = model::detokenize(&self.emitted);
-        let mut choice = match self.plan.kind {
-            Kind::Completion => {
-                json!({"index":0,"text":text,"logprobs":null,"finish_reason":"length","stop_reason":null})
-            }
+        let mut choice = self.plan.shape.whole_choice(&self.emitted);
+        choice["finish_reason"] = json!(self.plan.shape.finish_reason(self.emitted.len()));
+        choice["stop_reason"] = Value::Null;
+        if let Some((stop, end)) = stopped {
+            self.plan.shape.cut(&mut choice, end);
+            choice["finish_reason"] = json!("stop");
+            choice["stop_reason"] = json!(stop);
+        }
+        choice["token_ids"] = Value::Null;
+        // What vLLM's non-stream answer carries, null when not asked for.
+        choice["routed_experts"] = Value::Null;
+        // A non-stream answer lists its null details; the stream's usage
+        // leaves them out (vLLM serializes it without nulls).
+        let mut usage = self.usage();
+        usage["prompt_tokens_details"] = Value::Null;
+        usage["completion_tokens_details"] = Value::Null;
+        let mut response = json!({"id":self.plan.id,"object":self.object(false),"created":self.plan.created,
+            "model":self.plan.model,"service_tier":null,"system_fingerprint":SYSTEM_FINGERPRINT,
+            "usage":usage,"kv_transfer_params":self.plan.kv_out,"ec_transfer_params":null,
+            "metrics":null});
+        match self.plan.kind {
+            Kind::Completion => choice["prompt_token_ids"] = Value::Null,
             Kind::Chat => {
-                json!({"index":0,"message":{"role":"assistant","content":text},"logprobs":null,"finish_reason":"length","stop_reason":null})
+                response["prompt_logprobs"] = Value::Null;
+                response["prompt_token_ids"] = Value::Null;
+                response["prompt_text"] = Value::Null;
             }
-        };
-        let mut response = json!({"id":self.plan.id,"object":self.object(false),"created":self.plan.created,"model":self.plan.model,"usage":self.usage(),"kv_transfer_params":self.plan.kv_out});
+        }
         if self.plan.return_token_ids {
             choice["token_ids"] = json!(self.emitted);
             match self.plan.kind {

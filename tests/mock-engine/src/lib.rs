@@ -10,7 +10,9 @@ pub mod api;
 pub mod config;
 pub mod kv;
 pub mod model;
+pub mod pooling;
 pub mod register;
+pub mod shape;
 pub mod stats;
 
 pub use config::{CrashAction, MockConfig, Role};

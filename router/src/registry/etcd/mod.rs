@@ -162,10 +162,14 @@ impl EtcdStore {
         let fresh = reg.credential.clone().unwrap_or_default();
         let ttl = i64::try_from(self.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         let mut client = self.client.clone();
-        let lease = self
-            .call("lease grant", client.lease_grant(ttl, None))
-            .await?
-            .id();
+        // A static instance sends no heartbeats: its key has no lease.
+        let lease = if reg.persistent {
+            0
+        } else {
+            self.call("lease grant", client.lease_grant(ttl, None))
+                .await?
+                .id()
+        };
         for _ in 0..CAS_ATTEMPTS {
             // What is under the id now decides what may be written; the write
             // happens only if it is still what was read (any replica may be
@@ -178,7 +182,7 @@ impl EtcdStore {
                 .filter(|record| record.state != State::Removed)
                 .map(|record| record.credential.unwrap_or_default());
             let Some(credential) = replace.resolve(held.as_deref(), &fresh) else {
-                let _ = self.call("lease revoke", client.lease_revoke(lease)).await;
+                self.revoke_unused(lease).await;
                 return Err(RegistryError::Taken(id));
             };
             reg.credential = Some(credential);
@@ -190,7 +194,11 @@ impl EtcdStore {
             let txn = Txn::new().when([unchanged]).and_then([TxnOp::put(
                 key.clone(),
                 record.to_json(),
-                Some(PutOptions::new().with_lease(lease)),
+                Some(if lease == 0 {
+                    PutOptions::new()
+                } else {
+                    PutOptions::new().with_lease(lease)
+                }),
             )]);
             let reply = self.call("txn", client.txn(txn)).await?;
             if !reply.succeeded() {
@@ -208,10 +216,18 @@ impl EtcdStore {
                 .view
                 .put(id, record.registration(), Lifecycle::Ready, lease, revision));
         }
-        let _ = self.call("lease revoke", client.lease_revoke(lease)).await;
+        self.revoke_unused(lease).await;
         Err(RegistryError::Unavailable(format!(
             "instance `{id}` kept changing; try again"
         )))
+    }
+
+    /// Lets go of a lease granted for a registration that did not happen.
+    async fn revoke_unused(&self, lease: i64) {
+        if lease != 0 {
+            let mut client = self.client.clone();
+            let _ = self.call("lease revoke", client.lease_revoke(lease)).await;
+        }
     }
 
     /// Refreshes a lease; `false` when it has expired (its key is gone).

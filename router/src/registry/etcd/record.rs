@@ -49,6 +49,9 @@ pub struct Record {
     #[serde(default)]
     pub credential: Option<String>,
     pub state: State,
+    /// A static instance: its key has no lease (it never expires).
+    #[serde(default)]
+    pub persistent: bool,
 }
 
 impl Record {
@@ -61,6 +64,7 @@ impl Record {
             ctrl: reg.ctrl.clone(),
             credential: reg.credential.clone(),
             state,
+            persistent: reg.persistent,
         }
     }
 
@@ -73,6 +77,7 @@ impl Record {
             ctrl: instance.ctrl.clone(),
             credential: Some(instance.credential().to_string()),
             state,
+            persistent: instance.persistent,
         }
     }
 
@@ -83,6 +88,7 @@ impl Record {
             model: self.model.clone(),
             ctrl: self.ctrl.clone(),
             id: Some(self.id.clone()),
+            persistent: self.persistent,
             credential: self.credential.clone(),
         }
     }

@@ -1,0 +1,151 @@
+//! The rest of vLLM's OpenAI surface, passed through: embeddings, tokenize and
+//! detokenize, pooling, score and rerank (with vLLM's `/v1/` aliases) need no
+//! prefill/decode split, so each goes whole to one healthy instance of the
+//! request's model, whatever its role, the least loaded one. The body goes as
+//! the client sent it and a successful answer comes back as the engine gave it;
+//! an engine's error answer comes back as its status and message (as on the
+//! generation routes).
+
+use super::body::read_bytes;
+use crate::error::ApiError;
+use crate::pd::record::RequestRecord;
+use crate::pd::upstream::{Call, CallError};
+use crate::registry::{Instance, LoadGuard, Phase};
+use crate::state::AppState;
+use axum::body::Body;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use std::sync::Arc;
+use tracing::Instrument;
+
+/// The routes passed through, as vLLM serves them.
+pub const PATHS: &[&str] = &[
+    "/v1/embeddings",
+    "/tokenize",
+    "/detokenize",
+    "/pooling",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+];
+
+/// Instances tried for one request: a second one when the first could not be
+/// reached (it never saw the request).
+const MAX_TRIES: usize = 2;
+
+/// Passes one request of `path` through.
+pub async fn forward(
+    state: Arc<AppState>,
+    path: &'static str,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let mut record = RequestRecord::new(path, super::openai::request_id(&headers));
+    let span = record.span().clone();
+    let result = run(&state, path, &headers, body, &mut record)
+        .instrument(span)
+        .await;
+    record.finish(match &result {
+        Ok(response) => response.status().as_u16(),
+        Err(error) => error.status().as_u16(),
+    });
+    result
+}
+
+async fn run(
+    state: &AppState,
+    path: &'static str,
+    headers: &HeaderMap,
+    body: Body,
+    record: &mut RequestRecord,
+) -> Result<Response, ApiError> {
+    let bytes = read_bytes(headers, body, state.config.max_body_bytes).await?;
+    let request: Value = serde_json::from_slice(&bytes)
+        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))?;
+    let model = model_of(state, &request)?;
+    record.set_model(&model);
+    let request_id = record.request_id().to_string();
+    let mut tried: Vec<String> = Vec::new();
+    loop {
+        let Some(instance) = choose(state, &model, &tried) else {
+            return Err(ApiError::Unavailable(format!(
+                "no instance is ready for model `{model}`"
+            )));
+        };
+        let _load = LoadGuard::new(instance.clone());
+        let call = Call {
+            url: &instance.url,
+            path,
+            request_id: &request_id,
+            trace: crate::traces::headers(record.span()),
+            body: bytes.clone(),
+        };
+        match state.upstream.prefill(call).await {
+            Ok(reply) if (200..300).contains(&reply.status) => {
+                let status = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::OK);
+                return Ok((
+                    status,
+                    [("content-type", "application/json")],
+                    Body::from(reply.body),
+                )
+                    .into_response());
+            }
+            Ok(reply) => return Err(ApiError::upstream(reply.status, &reply.body)),
+            Err(CallError::Connect { message, .. }) if tried.len() + 1 < MAX_TRIES => {
+                tracing::warn!(instance = %instance.id, %message, path, "unreachable, trying another");
+                tried.push(instance.id.clone());
+            }
+            Err(error) => {
+                return Err(ApiError::BadGateway {
+                    instance: instance.id.clone(),
+                    message: error.to_string(),
+                })
+            }
+        }
+    }
+}
+
+/// The request's model: its `model`, or the one model served when it names
+/// none (vLLM's default for these routes).
+fn model_of(state: &AppState, request: &Value) -> Result<String, ApiError> {
+    let object = request
+        .as_object()
+        .ok_or_else(|| ApiError::bad_request("request body must be a JSON object", None))?;
+    match object.get("model") {
+        Some(Value::String(model)) if !model.is_empty() => {
+            if state.registry.knows_model(model) {
+                Ok(model.clone())
+            } else {
+                Err(ApiError::ModelNotFound(model.clone()))
+            }
+        }
+        None | Some(Value::Null) => match state.registry.models().as_slice() {
+            [only] => Ok(only.clone()),
+            _ => Err(ApiError::bad_request(
+                "`model` is required when the router serves more than one model",
+                Some("model"),
+            )),
+        },
+        Some(_) => Err(ApiError::bad_request(
+            "`model` must be a non-empty string",
+            Some("model"),
+        )),
+    }
+}
+
+/// The least loaded instance of `model` that may take a request, any role,
+/// not one of `tried`.
+pub(crate) fn choose(state: &AppState, model: &str, tried: &[String]) -> Option<Arc<Instance>> {
+    let mut candidates = state.registry.eligible(model, Phase::Prefill);
+    for decoder in state.registry.eligible(model, Phase::Decode) {
+        if !candidates.iter().any(|c| c.id == decoder.id) {
+            candidates.push(decoder);
+        }
+    }
+    candidates
+        .into_iter()
+        .filter(|c| !tried.contains(&c.id))
+        .min_by_key(|c| c.inflight())
+}
