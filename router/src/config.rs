@@ -254,6 +254,9 @@ pub enum PolicyKind {
     LeastLoaded,
     /// The less loaded of two random candidates.
     PowerOfTwo,
+    /// Least loaded by the engines' own reports (running, waiting, KV usage;
+    /// sent with heartbeats) and this router's in-flight count together.
+    LoadAware,
 }
 
 /// `--on-hold-lost`.

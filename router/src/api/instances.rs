@@ -5,6 +5,7 @@
 use super::access::{credential, require_json, Access};
 use super::body::{read_json, read_optional_json};
 use crate::error::ApiError;
+use crate::registry::load::EngineLoad;
 use crate::registry::{Claim, Registration};
 use crate::state::AppState;
 use axum::body::Body;
@@ -91,7 +92,13 @@ pub async fn heartbeat(
     if !stats.is_null() {
         require_json(&headers)?;
     }
-    if state.registry.heartbeat(&id, credential(&headers)).await? {
+    let load = EngineLoad::from_heartbeat(&stats)
+        .map_err(|bad| ApiError::bad_request(bad.to_string(), Some(bad.field)))?;
+    if state
+        .registry
+        .heartbeat(&id, credential(&headers), load)
+        .await?
+    {
         Ok(Json(
             json!({"id": id, "lease_ttl_s": state.registry.ttl().as_secs()}),
         ))

@@ -16,12 +16,14 @@
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
+pub mod load;
 pub mod machine;
 pub mod memory;
 pub mod status;
 pub mod view;
 
 use futures_util::future::BoxFuture;
+use load::{EngineLoad, Reported};
 use machine::{Event, Machine, Verdict};
 use serde::{Deserialize, Serialize};
 use status::StoreStatus;
@@ -126,6 +128,8 @@ pub struct Instance {
     /// instance learn at once that it died or is being migrated away from.
     lifecycle: watch::Sender<Lifecycle>,
     last_heartbeat: Mutex<Instant>,
+    /// The load its last heartbeat to this replica reported.
+    reported: Mutex<Option<Reported>>,
     inflight: AtomicUsize,
     served: AtomicU64,
     /// The etcd lease the instance's key is bound to (0: none, memory backend).
@@ -150,6 +154,7 @@ impl Instance {
             machine: Mutex::new(Machine::new(Lifecycle::Ready)),
             lifecycle: watch::Sender::new(Lifecycle::Ready),
             last_heartbeat: Mutex::new(Instant::now()),
+            reported: Mutex::new(None),
             inflight: AtomicUsize::new(0),
             served: AtomicU64::new(0),
             lease: AtomicI64::new(0),
@@ -237,6 +242,22 @@ impl Instance {
         self.inflight.load(Ordering::Relaxed)
     }
 
+    /// The load the engine last reported to this replica, unless older than
+    /// `max_age`.
+    pub fn reported_load(&self, max_age: Duration) -> Option<EngineLoad> {
+        self.reported
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .and_then(|r| r.fresh(max_age))
+    }
+
+    fn report_load(&self, load: EngineLoad) {
+        *self.reported.lock().unwrap_or_else(|e| e.into_inner()) = Some(Reported {
+            load,
+            at: Instant::now(),
+        });
+    }
+
     /// Whether new requests may go here now, given a local heartbeat TTL.
     pub fn is_eligible(&self, ttl: Duration) -> bool {
         self.lifecycle() == Lifecycle::Ready && self.heartbeat_age() <= ttl
@@ -260,6 +281,10 @@ impl Instance {
             "id": self.id, "role": self.role, "url": self.url, "model": self.model,
             "ctrl": self.ctrl, "state": self.lifecycle(), "unhealthy": self.is_unhealthy(),
             "inflight": self.inflight(),
+            "load": self.reported.lock().unwrap_or_else(|e| e.into_inner()).map(|r| serde_json::json!({
+                "running": r.load.running, "waiting": r.load.waiting, "kv_usage": r.load.kv_usage,
+                "reported_ms_ago": r.at.elapsed().as_millis() as u64,
+            })),
             "served": self.served.load(Ordering::Relaxed),
             "last_heartbeat_ms_ago": self.heartbeat_age().as_millis() as u64,
         })
@@ -502,22 +527,31 @@ impl Registry {
         Ok((instance, credential))
     }
 
-    /// Refreshes an instance's heartbeat. A dead instance that heartbeats again is
-    /// ready again (memory backend); a draining one stays draining. `false` when
-    /// unknown (the registrant should register again).
+    /// Refreshes an instance's heartbeat, and keeps the `load` it reported (in
+    /// this replica's view: with etcd, the replica its agent talks to). A dead
+    /// instance that heartbeats again is ready again (memory backend); a
+    /// draining one stays draining. `false` when unknown (the registrant should
+    /// register again).
     pub async fn heartbeat(
         &self,
         id: &str,
         credential: Option<&str>,
+        load: Option<EngineLoad>,
     ) -> Result<bool, RegistryError> {
-        if let Some(instance) = self.view.get(id) {
+        let instance = self.view.get(id);
+        if let Some(instance) = &instance {
             if !instance.credential_matches(credential) {
                 return Err(RegistryError::WrongCredential(id.to_string()));
             }
         }
-        self.store
+        let known = self
+            .store
             .heartbeat(id, credential.unwrap_or_default())
-            .await
+            .await?;
+        if let (true, Some(instance), Some(load)) = (known, instance, load) {
+            instance.report_load(load);
+        }
+        Ok(known)
     }
 
     /// Removes an instance on behalf of `claim`. `false` when unknown.

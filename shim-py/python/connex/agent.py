@@ -230,18 +230,46 @@ class Agent:
 
 
 def metrics_load(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Load stats of a vLLM engine from its Prometheus metrics."""
+    """Load stats of a vLLM engine from its Prometheus metrics: requests running
+    and waiting, and the fraction of its KV cache in use (`kv_usage`, 0 to 1),
+    as the router's `load_aware` and `cache_aware` policies read them."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as reply:
         text = reply.read().decode(errors="replace")
-    wanted = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
-    stats = {v: 0 for v in wanted.values()}
+    counts = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+    # vLLM V1 names it kv_cache_usage_perc (a fraction despite the name); older
+    # releases gpu_cache_usage_perc.
+    usage = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    stats: dict[str, Any] = {v: 0 for v in counts.values()}
+    kv_usage: list[float] = []
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            try:
-                stats[wanted[name]] += int(float(line.rsplit(" ", 1)[1]))
-            except ValueError:
-                continue
+        if name not in counts and name not in usage:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if not math.isfinite(value):
+            continue
+        if name in counts:
+            stats[counts[name]] += int(value)
+        else:
+            kv_usage.append(value)
+    if kv_usage:
+        # One series per engine core (data parallel): the fullest one decides.
+        stats["kv_usage"] = min(max(max(kv_usage), 0.0), 1.0)
+    return stats
+
+
+def engine_load(url: str, inflight: int, timeout_s: float = 2.0) -> dict[str, Any]:
+    """Load stats of the engine the connector runs in: its metrics when its API
+    server answers them, else the connector's own count of requests in flight."""
+    try:
+        stats = metrics_load(url, timeout_s)
+    except (OSError, ValueError) as err:
+        logger.debug("engine metrics unavailable (%s); reporting in-flight only", err)
+        return {"running": inflight}
+    stats["running"] = max(int(stats.get("running", 0)), inflight)
     return stats
 
 

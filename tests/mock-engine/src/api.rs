@@ -56,6 +56,17 @@ impl EngineState {
         }
     }
 
+    /// Fraction of its KV memory in use, as a vLLM engine reports it: the
+    /// held prompt KV against `--hold-budget-bytes` (0 without a budget).
+    pub fn kv_usage(&self) -> f64 {
+        match self.config.hold_budget_bytes {
+            Some(budget) if budget > 0 => {
+                (self.kv.stats().held_bytes as f64 / budget as f64).clamp(0.0, 1.0)
+            }
+            _ => 0.0,
+        }
+    }
+
     /// The URL announced to the router.
     pub fn url(&self) -> String {
         self.config

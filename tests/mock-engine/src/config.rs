@@ -105,6 +105,11 @@ pub struct MockConfig {
     /// own: a lying or compromised prefill.
     #[arg(long)]
     pub answer_remote_ctrl: Option<String>,
+    /// Requests added to the `waiting` count this engine reports with its
+    /// heartbeats: load from elsewhere (other routers' requests), so that a
+    /// test can show a router steering around a busy engine.
+    #[arg(long, default_value_t = 0)]
+    pub report_waiting: u32,
     /// Simulated prefill cost per prompt token computed, in microseconds.
     #[arg(long, default_value_t = 0)]
     pub prefill_us_per_token: u64,

@@ -81,7 +81,12 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
                 }
             }
             Some((id, ttl)) => {
-                let body = json!({"inflight": state.inflight.load(Ordering::Relaxed)});
+                // The load stats a vLLM agent reports (running, waiting, KV usage).
+                let body = json!({
+                    "running": state.inflight.load(Ordering::Relaxed),
+                    "waiting": state.config.report_waiting,
+                    "kv_usage": state.kv_usage(),
+                });
                 let url = format!("{router}/v1/instances/{id}/heartbeat");
                 let wait = Duration::from_millis(*ttl * 1000 / 3);
                 match auth(client.post(url).json(&body), &credential).send().await {

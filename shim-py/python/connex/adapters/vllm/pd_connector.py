@@ -114,13 +114,14 @@ class ConnexConnector(KVConnectorBase_V1):
         )
 
     def _start_agent(self, vllm_config: VllmConfig, is_producer: bool, is_consumer: bool) -> None:
-        from connex.agent import Agent
+        from connex.agent import Agent, engine_load
 
         role = "both" if is_producer and is_consumer else "prefill" if is_producer else "decode"
         names = vllm_config.model_config.served_model_name
         model = names[0] if isinstance(names, list | tuple) else str(names)
         scheduler = self.scheduler
         assert scheduler is not None and self.cfg.url is not None and self.cfg.router
+        url = self.cfg.url
         agent = Agent(
             self.cfg.router,
             role,
@@ -129,7 +130,7 @@ class ConnexConnector(KVConnectorBase_V1):
             ctrl=self.cfg.ctrl_addr(0) if is_producer else None,
             instance_id=self.cfg.instance_id,
             token=self.cfg.register_token,
-            load=lambda: {"inflight": scheduler.inflight},
+            load=lambda: engine_load(url, scheduler.inflight),
         )
         self.agent = agent.start()
         atexit.register(agent.stop)
