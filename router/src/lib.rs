@@ -12,6 +12,7 @@ pub mod journal;
 pub mod metrics;
 pub mod pd;
 pub mod policy;
+pub mod prefix;
 pub mod registry;
 pub mod secrets;
 pub mod server;

@@ -22,6 +22,12 @@ pub const HOLDS_RELEASED: &str = "connex_holds_released_total";
 pub const HOLDS_RENEWED: &str = "connex_holds_renewed_total";
 pub const HEALTH_CHECK_FAILURES: &str = "connex_health_check_failures_total";
 pub const EJECTIONS_REFUSED: &str = "connex_ejections_refused_total";
+/// Counter: `cache_aware` choices, by phase and reason (cache, load, fallback).
+pub const ROUTING_DECISIONS: &str = "connex_routing_decisions_total";
+/// Histogram: prompt tokens cached on the instance `cache_aware` chose.
+pub const PREFIX_HIT_TOKENS: &str = "connex_routing_prefix_hit_tokens";
+/// Histogram: `/tokenize` calls for `cache_aware` prefill choice, by outcome.
+pub const TOKENIZE_DURATION: &str = "connex_tokenize_duration_seconds";
 
 /// Every metric name, for the test that checks they are all emitted.
 pub const ALL: &[&str] = &[
@@ -41,6 +47,9 @@ pub const ALL: &[&str] = &[
     HOLDS_RENEWED,
     HEALTH_CHECK_FAILURES,
     EJECTIONS_REFUSED,
+    ROUTING_DECISIONS,
+    PREFIX_HIT_TOKENS,
+    TOKENIZE_DURATION,
 ];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -55,6 +64,12 @@ pub fn install() -> Option<PrometheusHandle> {
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
             60.0,
         ])
+        .ok()?
+        // Tokens, not seconds.
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full(PREFIX_HIT_TOKENS.into()),
+            &[0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0],
+        )
         .ok()?
         .install_recorder()
         .ok()?;
@@ -142,6 +157,18 @@ pub fn upstream_request(instance: &str, phase: &'static str) {
 pub fn upstream_error(instance: &str, phase: &'static str, kind: &'static str) {
     counter!(UPSTREAM_ERRORS, "instance" => instance.to_string(), "phase" => phase, "kind" => kind)
         .increment(1);
+}
+
+/// One `cache_aware` choice for `phase`.
+pub fn routing_decision(phase: &'static str, reason: &'static str, hit_tokens: usize) {
+    counter!(ROUTING_DECISIONS, "phase" => phase, "reason" => reason).increment(1);
+    histogram!(PREFIX_HIT_TOKENS, "phase" => phase).record(hit_tokens as f64);
+}
+
+/// One `/tokenize` call of the router.
+pub fn tokenize(took: Duration, ok: bool) {
+    let outcome = if ok { "ok" } else { "failed" };
+    histogram!(TOKENIZE_DURATION, "outcome" => outcome).record(took.as_secs_f64());
 }
 
 pub fn prefill_retry() {

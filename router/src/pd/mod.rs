@@ -21,6 +21,7 @@ pub mod reprefill;
 pub mod request;
 pub mod resume;
 pub mod session;
+pub mod tokens;
 pub mod upstream;
 
 use crate::error::ApiError;
@@ -79,7 +80,15 @@ async fn start(state: Arc<AppState>, info: RequestInfo, body: Value) -> Result<S
         usize::try_from(info.n).unwrap_or(1),
     );
     let payload = prefill::prefill_body(info.route, &body);
-    let prefilled = prefill::run(&state, &info, info.route, payload).await?;
+    let prompt = if state.prefill.wants_prompt() {
+        let engines = state
+            .registry
+            .eligible(&info.model, crate::registry::Phase::Prefill);
+        tokens::prompt_ids(&state, info.route, &body, &engines).await
+    } else {
+        None
+    };
+    let prefilled = prefill::run(&state, &info, info.route, payload, prompt.as_deref()).await?;
     Session::start(state, info, body, prefilled, journal).await
 }
 

@@ -22,6 +22,7 @@ pub mod memory;
 pub mod status;
 pub mod view;
 
+use crate::prefix::{BlockIndex, KvEventBatch};
 use futures_util::future::BoxFuture;
 use load::{EngineLoad, Reported};
 use machine::{Event, Machine, Verdict};
@@ -130,6 +131,9 @@ pub struct Instance {
     last_heartbeat: Mutex<Instant>,
     /// The load its last heartbeat to this replica reported.
     reported: Mutex<Option<Reported>>,
+    /// The prompt blocks its KV cache holds, from the KV events its agent
+    /// forwarded to this replica.
+    blocks: Mutex<BlockIndex>,
     inflight: AtomicUsize,
     served: AtomicU64,
     /// The etcd lease the instance's key is bound to (0: none, memory backend).
@@ -155,6 +159,7 @@ impl Instance {
             lifecycle: watch::Sender::new(Lifecycle::Ready),
             last_heartbeat: Mutex::new(Instant::now()),
             reported: Mutex::new(None),
+            blocks: Mutex::new(BlockIndex::default()),
             inflight: AtomicUsize::new(0),
             served: AtomicU64::new(0),
             lease: AtomicI64::new(0),
@@ -258,6 +263,18 @@ impl Instance {
         });
     }
 
+    /// Runs `read` on the instance's prefix index.
+    pub fn with_blocks<T>(&self, read: impl FnOnce(&BlockIndex) -> T) -> T {
+        read(&self.blocks.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn apply_kv_events(&self, batch: &KvEventBatch, cap: usize) {
+        let mut blocks = self.blocks.lock().unwrap_or_else(|e| e.into_inner());
+        for event in &batch.events {
+            blocks.apply(event, cap);
+        }
+    }
+
     /// Whether new requests may go here now, given a local heartbeat TTL.
     pub fn is_eligible(&self, ttl: Duration) -> bool {
         self.lifecycle() == Lifecycle::Ready && self.heartbeat_age() <= ttl
@@ -286,6 +303,7 @@ impl Instance {
                 "reported_ms_ago": r.at.elapsed().as_millis() as u64,
             })),
             "served": self.served.load(Ordering::Relaxed),
+            "prefix_index_blocks": self.with_blocks(BlockIndex::len),
             "last_heartbeat_ms_ago": self.heartbeat_age().as_millis() as u64,
         })
     }
@@ -524,6 +542,12 @@ impl Registry {
         }
         reg.credential = Some(credential.clone());
         let instance = self.store.register(reg).await?;
+        // A registration is a (re)started engine: whatever it cached is gone.
+        instance
+            .blocks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         Ok((instance, credential))
     }
 
@@ -552,6 +576,25 @@ impl Registry {
             instance.report_load(load);
         }
         Ok(known)
+    }
+
+    /// Applies the KV events an instance's agent forwarded to its prefix index
+    /// (at most `cap` blocks kept). `false` when unknown.
+    pub fn kv_events(
+        &self,
+        id: &str,
+        credential: Option<&str>,
+        batch: &KvEventBatch,
+        cap: usize,
+    ) -> Result<bool, RegistryError> {
+        let Some(instance) = self.view.get(id) else {
+            return Ok(false);
+        };
+        if !instance.credential_matches(credential) {
+            return Err(RegistryError::WrongCredential(id.to_string()));
+        }
+        instance.apply_kv_events(batch, cap);
+        Ok(true)
     }
 
     /// Removes an instance on behalf of `claim`. `false` when unknown.

@@ -110,6 +110,15 @@ pub struct MockConfig {
     /// test can show a router steering around a busy engine.
     #[arg(long, default_value_t = 0)]
     pub report_waiting: u32,
+    /// Prefix cache of this many full prompt blocks (0: none): a prefill
+    /// computes (and pays --prefill-us-per-token for) only the tokens past
+    /// the cached prefix, and the engine reports the blocks it stores and
+    /// evicts to the router as KV events, as vLLM's agent forwards them.
+    #[arg(long, default_value_t = 0)]
+    pub prefix_cache_blocks: usize,
+    /// Tokens per KV block (vLLM's default is 16).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
     /// Simulated prefill cost per prompt token computed, in microseconds.
     #[arg(long, default_value_t = 0)]
     pub prefill_us_per_token: u64,

@@ -10,6 +10,7 @@ pub mod api;
 pub mod config;
 pub mod kv;
 pub mod model;
+pub mod prefix;
 pub mod register;
 pub mod stats;
 
