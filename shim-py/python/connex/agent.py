@@ -61,6 +61,7 @@ class Agent:
         token: str | None = None,
         load: Callable[[], dict[str, Any]] | None = None,
         timeout_s: float = 5.0,
+        kv_events: str | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
@@ -85,15 +86,29 @@ class Agent:
         self.errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The engine's ZMQ KV event endpoint: its events are forwarded to the
+        # router (connex.kv_events) while the agent runs.
+        self.kv_events_endpoint = kv_events
+        self.kv_events: Any = None
 
     # ---- lifecycle -------------------------------------------------------------
 
     def start(self) -> Agent:
         self._thread = threading.Thread(target=self.run, name="connex-agent", daemon=True)
         self._thread.start()
+        self.start_kv_events()
         return self
 
+    def start_kv_events(self) -> None:
+        if self.kv_events_endpoint is None:
+            return
+        from .kv_events import KvEventForwarder
+
+        self.kv_events = KvEventForwarder(self.kv_events_endpoint, self.forward_kv_events).start()
+
     def stop(self, deregister: bool = True) -> None:
+        if self.kv_events is not None:
+            self.kv_events.stop()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.timeout_s * 2)
@@ -186,6 +201,25 @@ class Agent:
             return min(1.0, self.lease_ttl_s / 3)
         self.heartbeats += 1
         return self.lease_ttl_s / 3
+
+    def forward_kv_events(self, events: list[dict[str, Any]]) -> bool:
+        """Posts KV events to the router; False to keep them for later (not
+        registered yet, router unreachable)."""
+        if self.instance_id is None:
+            return False
+        try:
+            status, reply = self._call(
+                "POST", f"/v1/instances/{self.instance_id}/kv-events", {"events": events}
+            )
+        except OSError as err:
+            logger.debug("KV events not forwarded: %s", err)
+            return False
+        if status == 404:
+            return False
+        if status >= 400:
+            # Refused for good (a bad batch): dropping it beats retrying forever.
+            logger.warning("router refused KV events (HTTP %s): %s", status, reply)
+        return True
 
     def deregister(self) -> None:
         if self.instance_id is None:
@@ -287,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         "--token-file",
         help=f"file holding the registration bearer token (default: env {REGISTER_TOKEN_ENV})",
     )
+    parser.add_argument(
+        "--kv-events",
+        help="the engine's ZMQ KV event endpoint (vLLM --kv-events-config), forwarded to "
+        "the router",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -300,10 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         ctrl=args.ctrl,
         instance_id=args.instance_id,
         token=read_secret(file=args.token_file, env=REGISTER_TOKEN_ENV),
+        kv_events=args.kv_events,
     )
+    agent.start_kv_events()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent._stop.set())
     agent.run()
+    if agent.kv_events is not None:
+        agent.kv_events.stop()
     agent.deregister()
     return 0
 

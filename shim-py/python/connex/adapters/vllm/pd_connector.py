@@ -62,6 +62,18 @@ def local_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Lay
     )
 
 
+def kv_events_endpoint(vllm_config: VllmConfig) -> str | None:
+    """The ZMQ endpoint of the engine's KV events, when `--kv-events-config`
+    publishes them (the agent forwards them to the router for cache_aware)."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    if config is None or not getattr(config, "enable_kv_cache_events", False):
+        return None
+    if getattr(config, "publisher", None) != "zmq":
+        return None
+    endpoint = getattr(config, "endpoint", None)
+    return endpoint if isinstance(endpoint, str) else None
+
+
 class ConnexConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -131,6 +143,7 @@ class ConnexConnector(KVConnectorBase_V1):
             instance_id=self.cfg.instance_id,
             token=self.cfg.register_token,
             load=lambda: engine_load(url, scheduler.inflight),
+            kv_events=kv_events_endpoint(vllm_config),
         )
         self.agent = agent.start()
         atexit.register(agent.stop)
