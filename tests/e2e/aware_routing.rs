@@ -296,3 +296,31 @@ async fn kv_events_need_the_instance_credential_and_a_valid_batch() {
     post_internal(&router, &path, &cleared, credential).await;
     assert_eq!(instances(&router).await[0]["prefix_index_blocks"], 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_goes_to_the_decoder_that_cached_it() {
+    let router = router(&["--decode-policy", "cache_aware"]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let a = engine(Some(&router), "decode", PREFIX_CACHE);
+    let b = engine(Some(&router), "decode", PREFIX_CACHE);
+    wait_ready(&router, 3).await;
+    let (status, _) = post(&router, "/v1/chat/completions", &chat("first")).await;
+    assert_eq!(status, 200);
+    let (first, other) = if engine_requests(&a).await.len() == 1 {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    eventually(
+        Duration::from_secs(5),
+        "the decoder's KV events are indexed",
+        || async { indexed_blocks(&router, first).await >= 32 },
+    )
+    .await;
+    for i in 0..4 {
+        let (status, _) = post(&router, "/v1/chat/completions", &chat(&format!("u{i}"))).await;
+        assert_eq!(status, 200);
+    }
+    assert_eq!(engine_requests(first).await.len(), 5);
+    assert!(engine_requests(other).await.is_empty());
+}

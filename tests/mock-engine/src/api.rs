@@ -395,6 +395,9 @@ fn plan(
             .and_then(Value::as_u64)
             .ok_or("kv_transfer_params.remote_num_tokens missing")?;
         let remote = usize::try_from(remote).map_err(|_| "remote_num_tokens too large")?;
+        // The pulled prompt's blocks land in this decoder's prefix cache (and
+        // are reported), as vLLM caches a loaded prompt's full blocks.
+        state.tokens_to_compute(&prompt_ids);
         (None, prompt_ids.len().saturating_sub(remote))
     } else {
         (None, state.tokens_to_compute(&prompt_ids))
