@@ -92,6 +92,11 @@ pub struct RouterConfig {
     /// forgotten past it).
     #[arg(long, env = "CONNEX_PREFIX_INDEX_BLOCKS", default_value_t = 16_384)]
     pub prefix_index_blocks: usize,
+    /// `cache_aware` with engines that send no KV events: the block size of
+    /// the router's own record of the prompts it sent each one (an
+    /// approximate index; an engine's first event replaces it).
+    #[arg(long, env = "CONNEX_KV_BLOCK_SIZE", default_value_t = 16)]
+    pub kv_block_size: usize,
     /// Time limit of the `/tokenize` call that gets a text prompt's token ids
     /// for `cache_aware` prefill choice, in milliseconds (past it, the choice
     /// is by load alone).

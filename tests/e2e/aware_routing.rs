@@ -324,3 +324,30 @@ async fn a_repeated_prompt_goes_to_the_decoder_that_cached_it() {
     assert_eq!(engine_requests(first).await.len(), 5);
     assert!(engine_requests(other).await.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_kv_events_the_prompts_sent_stand_in_for_the_cache() {
+    // Engines without a prefix cache send no KV events: the router indexes
+    // the prompts it sent each one.
+    let router = router(&["--prefill-policy", "cache_aware"]);
+    let a = engine(Some(&router), "prefill", &[]);
+    let b = engine(Some(&router), "prefill", &[]);
+    let _decode = engine(Some(&router), "decode", &[]);
+    wait_ready(&router, 3).await;
+    for i in 0..5 {
+        let (status, _) = post(&router, "/v1/chat/completions", &chat(&format!("u{i}"))).await;
+        assert_eq!(status, 200);
+    }
+    let counts = (
+        engine_requests(&a).await.len(),
+        engine_requests(&b).await.len(),
+    );
+    assert!(counts == (5, 0) || counts == (0, 5), "{counts:?}");
+    let sources: Vec<Value> = instances(&router)
+        .await
+        .iter()
+        .filter(|i| i["role"] == "prefill")
+        .map(|i| i["prefix_index_source"].clone())
+        .collect();
+    assert!(sources.contains(&json!("sent_prompts")), "{sources:?}");
+}

@@ -53,6 +53,14 @@ pub fn choose(
         if let Some(reason) = decision.reason {
             crate::metrics::routing_decision("decode", reason.as_str(), decision.hit_tokens);
         }
+        if let Some(prompt) = prompt {
+            // The decoder is about to load (pull) this prompt.
+            decision.instance.remember_prompt(
+                prompt,
+                state.config.kv_block_size,
+                state.config.prefix_index_blocks,
+            );
+        }
         Some(decision.instance)
     };
     if !avoid.is_empty() {

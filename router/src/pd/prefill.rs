@@ -137,7 +137,16 @@ pub async fn run(
             return Err(ApiError::upstream(reply.status, &reply.body));
         }
         match parse_answer(route, &instance, &reply.body) {
-            Ok(prefilled) => return Ok(prefilled),
+            Ok(prefilled) => {
+                if state.prefill.wants_prompt() {
+                    instance.remember_prompt(
+                        &prefilled.prompt_token_ids,
+                        state.config.kv_block_size,
+                        state.config.prefix_index_blocks,
+                    );
+                }
+                return Ok(prefilled);
+            }
             Err(invalid) => {
                 crate::metrics::upstream_error(&instance.id, "prefill", invalid.kind());
                 tracing::warn!(request_id = %info.request_id, instance = %instance.id, %invalid, "prefill answer refused");

@@ -24,6 +24,10 @@ pub struct BlockIndex {
     /// Insertion order, oldest first, for the cap.
     order: BTreeMap<u64, u64>,
     next_stamp: u64,
+    /// The engine reports KV events: the index is exact, and the router's
+    /// own record of the prompts it sent there ([`BlockIndex::remember`]) is
+    /// not wanted.
+    reported: bool,
 }
 
 impl BlockIndex {
@@ -41,9 +45,31 @@ impl BlockIndex {
         self.block_size
     }
 
-    /// Forgets everything (AllBlocksCleared, a new registration).
+    /// Forgets everything, events or not (a new registration).
     pub fn clear(&mut self) {
         *self = Self::default();
+    }
+
+    /// Whether the index comes from the engine's KV events (else from the
+    /// prompts the router sent there, or nothing).
+    pub fn is_reported(&self) -> bool {
+        self.reported
+    }
+
+    /// The approximate index of an engine that sends no KV events: the full
+    /// blocks of a prompt the router sent there, assumed cached until the cap
+    /// pushes them out (the oldest first, as an engine's LRU would).
+    pub fn remember(&mut self, ids: &[u32], block_size: usize, cap: usize) {
+        if self.reported || block_size == 0 {
+            return;
+        }
+        if self.block_size != Some(block_size) {
+            self.clear();
+            self.block_size = Some(block_size);
+        }
+        for chain in hash::chain(ids, block_size) {
+            self.insert(chain, EngineHash(chain), cap);
+        }
     }
 
     /// How many leading blocks of `chain` (a prompt's [`hash::chain`] at
@@ -57,8 +83,16 @@ impl BlockIndex {
 
     /// Applies one event, keeping at most `cap` blocks.
     pub fn apply(&mut self, event: &KvEvent, cap: usize) {
+        if !self.reported {
+            // The first event: what the router guessed goes.
+            self.clear();
+            self.reported = true;
+        }
         match event {
-            KvEvent::AllBlocksCleared {} => self.clear(),
+            KvEvent::AllBlocksCleared {} => {
+                self.clear();
+                self.reported = true;
+            }
             KvEvent::BlockRemoved { block_hashes, .. } => {
                 for engine in block_hashes {
                     if let Some(chain) = self.by_engine.remove(engine) {
@@ -80,6 +114,7 @@ impl BlockIndex {
                 }
                 if self.block_size != Some(*block_size) {
                     self.clear();
+                    self.reported = true;
                     self.block_size = Some(*block_size);
                 }
                 let parent = match parent_block_hash {
@@ -164,6 +199,20 @@ mod tests {
         assert_eq!(index.matched_blocks(&prompt), 1, "a hole ends the prefix");
         index.apply(&KvEvent::AllBlocksCleared {}, 64);
         assert!(index.is_empty());
+    }
+
+    #[test]
+    fn sent_prompts_stand_in_for_events_until_the_first_event() {
+        let mut index = BlockIndex::default();
+        let ids: Vec<u32> = (0..10).collect();
+        index.remember(&ids, 4, 64);
+        assert_eq!(index.matched_blocks(&hash::chain(&ids, 4)), 2);
+        assert!(!index.is_reported());
+        index.apply(&stored(&[1], None, &[9, 9, 9, 9], 4), 64);
+        assert!(index.is_reported());
+        assert_eq!(index.matched_blocks(&hash::chain(&ids, 4)), 0);
+        index.remember(&ids, 4, 64);
+        assert_eq!(index.len(), 1, "an engine that reports is not guessed");
     }
 
     #[test]

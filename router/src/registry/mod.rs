@@ -268,6 +268,15 @@ impl Instance {
         read(&self.blocks.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
+    /// Records a prompt the router sent here, for an engine that reports no
+    /// KV events (see [`BlockIndex::remember`]).
+    pub fn remember_prompt(&self, ids: &[u32], block_size: usize, cap: usize) {
+        self.blocks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remember(ids, block_size, cap);
+    }
+
     fn apply_kv_events(&self, batch: &KvEventBatch, cap: usize) {
         let mut blocks = self.blocks.lock().unwrap_or_else(|e| e.into_inner());
         for event in &batch.events {
@@ -304,6 +313,9 @@ impl Instance {
             })),
             "served": self.served.load(Ordering::Relaxed),
             "prefix_index_blocks": self.with_blocks(BlockIndex::len),
+            "prefix_index_source": self.with_blocks(|b| {
+                if b.is_reported() { "kv_events" } else if b.is_empty() { "none" } else { "sent_prompts" }
+            }),
             "last_heartbeat_ms_ago": self.heartbeat_age().as_millis() as u64,
         })
     }
