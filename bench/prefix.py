@@ -2,14 +2,15 @@
 
 SYSTEMS system prompts of PROMPT_TOKENS tokens (the mock tokenizes bytes), each
 followed by USERS distinct user turns, arriving interleaved (every system
-prompt's first user, then every second user, ...) from CONCURRENCY closed-loop
+prompt's first user in a shuffled order, then every second user, ...) from CONCURRENCY closed-loop
 clients, as streamed completions with text prompts (so the router tokenizes
 through an engine's /tokenize). Four mock prefills with prefix caches
 (`--prefix-cache-blocks`, 100 us per uncached token, block size 16) sized to
 hold a third of the system prompts each, two mock decoders; each policy gets a
 fresh cluster (cold caches) and the policies take turns for ROUNDS rounds:
-Connex `--prefill-policy round_robin` vs `cache_aware` (fed by the mocks' KV
-events). Reported per policy (median over rounds): TTFT p50 / p99, prompt
+Connex `--prefill-policy round_robin` vs `cache_aware` fed by the mocks' KV
+events vs `cache_aware` with events off (`--kv-events false`: the router
+indexes the prompts it sent). Reported per policy (median over rounds): TTFT p50 / p99, prompt
 tokens the prefills computed, and the router's mean /tokenize time.
 
 The last line is `prefix_ttft_p50_ratio_vs_round_robin=<x>`.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -81,9 +83,11 @@ def sample(text: str, name: str) -> float:
     )
 
 
-def cluster(procs: Procs, policy: str, cache_blocks: int) -> tuple[str, str, list[str]]:
+def cluster(
+    procs: Procs, policy: str, cache_blocks: int, events: bool
+) -> tuple[str, str, list[str]]:
     url, internal = procs.start(
-        f"router-{policy}",
+        f"router-{policy}-{events}",
         str(procs.bin / "connex-router"),
         "serve",
         "--listen",
@@ -100,7 +104,7 @@ def cluster(procs: Procs, policy: str, cache_blocks: int) -> tuple[str, str, lis
     prefills = []
     for i in range(PREFILLS):
         engine, _ = procs.start(
-            f"prefill{i}-{policy}",
+            f"prefill{i}-{policy}-{events}",
             str(procs.bin / "connex-mock-engine"),
             "--role",
             "prefill",
@@ -114,11 +118,13 @@ def cluster(procs: Procs, policy: str, cache_blocks: int) -> tuple[str, str, lis
             str(BLOCK),
             "--prefill-us-per-token",
             "100",
+            "--kv-events",
+            str(events).lower(),
         )
         prefills.append(engine)
     for i in range(2):
         procs.start(
-            f"decode{i}-{policy}",
+            f"decode{i}-{policy}-{events}",
             str(procs.bin / "connex-mock-engine"),
             "--role",
             "decode",
@@ -160,15 +166,23 @@ def workload(systems: int, users: int, prompt_tokens: int) -> list[str]:
     for s in range(systems):
         unit = f"[system {s:02d}] You are assistant number {s:02d}; follow rule set {s:02d}. "
         heads.append((unit * (prompt_tokens // len(unit) + 1))[:prompt_tokens])
-    return [
-        f"{heads[s]}\nUser {u}: question {u} for {s}?" for u in range(users) for s in range(systems)
-    ]
+    # Every system prompt's u-th user arrives before any (u+1)-th, in a
+    # shuffled order (fixed seed): a fixed cycle would line up with round
+    # robin's and hand it affinity by accident.
+    shuffle = random.Random(0).shuffle
+    order = []
+    for u in range(users):
+        turn = list(range(systems))
+        shuffle(turn)
+        order.extend((s, u) for s in turn)
+    return [f"{heads[s]}\nUser {u}: question {u} for {s}?" for s, u in order]
 
 
-def run(bin_dir: Path, policy: str, prompts: list[str], concurrency: int, blocks: int) -> dict:
+def run(bin_dir: Path, target: str, prompts: list[str], concurrency: int, blocks: int) -> dict:
     procs = Procs(bin_dir)
+    policy, _, events = target.partition(" ")
     try:
-        url, internal, prefills = cluster(procs, policy, blocks)
+        url, internal, prefills = cluster(procs, policy, blocks, events != "(events off)")
         results: list[float] = []
         lock = threading.Lock()
         queue = list(reversed(prompts))
@@ -219,7 +233,7 @@ def main() -> None:
         f" x {users} users, {concurrency} clients; {PREFILLS} prefills with"
         f" {blocks}-block caches, 100 us/uncached token"
     )
-    policies = ["round_robin", "cache_aware"]
+    policies = ["round_robin", "cache_aware", "cache_aware (events off)"]
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     for _ in range(rounds):
         for policy in policies:
@@ -229,11 +243,14 @@ def main() -> None:
         med = {k: statistics.median(r[k] for r in runs[policy]) for k in runs[policy][0]}
         summary[policy] = med
         print(
-            f"{policy:12} ttft_p50_ms={med['p50_ms']:.1f} ttft_p99_ms={med['p99_ms']:.1f}"
+            f"{policy:24} ttft_p50_ms={med['p50_ms']:.1f} ttft_p99_ms={med['p99_ms']:.1f}"
             f" prefill_tokens_computed={med['computed_tokens']:.0f}"
             f" tokenize_ms={med['tokenize_ms']:.2f}"
         )
-    ratio = summary["cache_aware"]["p50_ms"] / summary["round_robin"]["p50_ms"]
+    base = summary["round_robin"]["p50_ms"]
+    off = summary["cache_aware (events off)"]["p50_ms"] / base
+    print(f"prefix_ttft_p50_ratio_events_off_vs_round_robin={off:.3f}")
+    ratio = summary["cache_aware"]["p50_ms"] / base
     print(f"prefix_ttft_p50_ratio_vs_round_robin={ratio:.3f}")
 
 

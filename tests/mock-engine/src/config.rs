@@ -116,6 +116,11 @@ pub struct MockConfig {
     /// evicts to the router as KV events, as vLLM's agent forwards them.
     #[arg(long, default_value_t = 0)]
     pub prefix_cache_blocks: usize,
+    /// Report the prefix cache's KV events to the router (`--kv-events
+    /// false`: a cache the router must guess, as with an engine whose events
+    /// are off).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub kv_events: bool,
     /// Tokens per KV block (vLLM's default is 16).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,

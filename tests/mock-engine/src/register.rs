@@ -113,7 +113,7 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
             }
         };
         let events = async {
-            if registered.is_some() && state.prefix.is_some() {
+            if registered.is_some() && state.prefix.is_some() && state.config.kv_events {
                 state.events_ready.notified().await
             } else {
                 std::future::pending().await
@@ -148,6 +148,11 @@ async fn forward_events(
     let Some(prefix) = &state.prefix else {
         return true;
     };
+    if !state.config.kv_events {
+        // Kept bounded, never sent.
+        prefix.lock().unwrap_or_else(|e| e.into_inner()).take_events();
+        return true;
+    }
     let events = prefix
         .lock()
         .unwrap_or_else(|e| e.into_inner())
