@@ -365,6 +365,11 @@ fn plan(
                 .ok_or("messages must be a list of {role, content}")?,
         ),
     };
+    if prompt_ids.is_empty() {
+        // vLLM's answer for a prompt that tokenizes to nothing (a tokenizer
+        // without a BOS token, like the mock's).
+        return Err("The decoder prompt cannot be empty");
+    }
     let max_tokens = ["max_completion_tokens", "max_tokens"]
         .iter()
         .find_map(|key| request.get(*key).and_then(Value::as_u64))
