@@ -10,8 +10,11 @@ hold a third of the system prompts each, two mock decoders; each policy gets a
 fresh cluster (cold caches) and the policies take turns for ROUNDS rounds:
 Connex `--prefill-policy round_robin` vs `cache_aware` fed by the mocks' KV
 events vs `cache_aware` with events off (`--kv-events false`: the router
-indexes the prompts it sent). Reported per policy (median over rounds): TTFT p50 / p99, prompt
-tokens the prefills computed, and the router's mean /tokenize time.
+indexes the prompts it sent) vs vllm-router's approximate `cache_aware`
+(`--vllm-pd-disaggregation --prefill-policy cache_aware`, its defaults) on the
+same mocks, when .venv has vllm-router. Reported per policy (median over
+rounds): TTFT p50 / p99, prompt tokens the prefills computed, and the router's
+mean /tokenize time.
 
 The last line is `prefix_ttft_p50_ratio_vs_round_robin=<x>`.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 TOKEN = "bench"
+VLLM_ROUTER = ROOT / ".venv" / "bin" / "vllm-router"
 BLOCK = 16
 PREFILLS = 4
 
@@ -178,11 +183,66 @@ def workload(systems: int, users: int, prompt_tokens: int) -> list[str]:
     return [f"{heads[s]}\nUser {u}: question {u} for {s}?" for s, u in order]
 
 
+def vllm_router_cluster(procs: Procs, policy: str, cache_blocks: int) -> tuple[str, list[str]]:
+    """The same mocks (not registering) behind vllm-router in P/D mode."""
+    engines = {}
+    for role, count in (("prefill", PREFILLS), ("decode", 2)):
+        engines[role] = [
+            procs.start(
+                f"{role}{i}-vllm-router-{policy}",
+                str(procs.bin / "connex-mock-engine"),
+                "--role",
+                role,
+                "--model",
+                "mock",
+                "--prefix-cache-blocks",
+                str(cache_blocks),
+                "--block-size",
+                str(BLOCK),
+                "--prefill-us-per-token",
+                "100",
+            )[0]
+            for i in range(count)
+        ]
+    port = free_port()
+    args = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port)]
+    args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    args += ["--vllm-pd-disaggregation", "--log-level", "warning"]
+    for url in engines["prefill"]:
+        args += ["--prefill", url]
+    for url in engines["decode"]:
+        args += ["--decode", url]
+    args += ["--prefill-policy", policy, "--decode-policy", "round_robin"]
+    log = open(OUT / f"prefix-vllm-router-{policy}.log", "w")  # noqa: SIM115
+    procs.procs.append(subprocess.Popen(args, stdout=log, stderr=log, text=True))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as reply:
+                if reply.status == 200:
+                    return url, engines["prefill"]
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("vllm-router did not start; see bench/out/prefix-vllm-router-*.log")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run(bin_dir: Path, target: str, prompts: list[str], concurrency: int, blocks: int) -> dict:
     procs = Procs(bin_dir)
     policy, _, events = target.partition(" ")
     try:
-        url, internal, prefills = cluster(procs, policy, blocks, events != "(events off)")
+        if policy.startswith("vllm_router:"):
+            url, prefills = vllm_router_cluster(procs, policy.split(":", 1)[1], blocks)
+            internal = ""
+        else:
+            url, internal, prefills = cluster(procs, policy, blocks, events != "(events off)")
         results: list[float] = []
         lock = threading.Lock()
         queue = list(reversed(prompts))
@@ -207,7 +267,7 @@ def run(bin_dir: Path, target: str, prompts: list[str], concurrency: int, blocks
             for p in prefills
             for r in get(f"{p}/mock/stats")["requests"]
         )
-        text = metrics(internal)
+        text = metrics(internal) if internal else ""
         count = sample(text, "connex_tokenize_duration_seconds_count")
         tokenize_ms = 1000 * sample(text, "connex_tokenize_duration_seconds_sum") / max(count, 1)
         results.sort()
@@ -234,6 +294,8 @@ def main() -> None:
         f" {blocks}-block caches, 100 us/uncached token"
     )
     policies = ["round_robin", "cache_aware", "cache_aware (events off)"]
+    if VLLM_ROUTER.exists():
+        policies.append("vllm_router:cache_aware")
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     for _ in range(rounds):
         for policy in policies:
@@ -248,6 +310,9 @@ def main() -> None:
             f" tokenize_ms={med['tokenize_ms']:.2f}"
         )
     base = summary["round_robin"]["p50_ms"]
+    if "vllm_router:cache_aware" in summary:
+        peer = summary["cache_aware"]["p50_ms"] / summary["vllm_router:cache_aware"]["p50_ms"]
+        print(f"prefix_ttft_p50_ratio_vs_vllm_router_cache_aware={peer:.3f}")
     off = summary["cache_aware (events off)"]["p50_ms"] / base
     print(f"prefix_ttft_p50_ratio_events_off_vs_round_robin={off:.3f}")
     ratio = summary["cache_aware"]["p50_ms"] / base
