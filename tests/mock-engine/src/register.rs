@@ -150,7 +150,10 @@ async fn forward_events(
     };
     if !state.config.kv_events {
         // Kept bounded, never sent.
-        prefix.lock().unwrap_or_else(|e| e.into_inner()).take_events();
+        prefix
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take_events();
         return true;
     }
     let events = prefix
