@@ -100,6 +100,31 @@ pub struct RouterConfig {
         default_value = "least_loaded"
     )]
     pub decode_policy: PolicyKind,
+    /// `cache_aware`: the prompt's cached fraction on the best instance past
+    /// which that instance is chosen (below it, the least loaded is).
+    #[arg(long, env = "CONNEX_CACHE_THRESHOLD", default_value_t = 0.3)]
+    pub cache_threshold: f64,
+    /// `cache_aware`: load balancing overrides the cache when the most and
+    /// least loaded candidates differ by more than this many requests...
+    #[arg(long, env = "CONNEX_BALANCE_ABS_THRESHOLD", default_value_t = 64.0)]
+    pub balance_abs_threshold: f64,
+    /// ...and the most loaded has more than this many times the least's load.
+    #[arg(long, env = "CONNEX_BALANCE_REL_THRESHOLD", default_value_t = 1.5)]
+    pub balance_rel_threshold: f64,
+    /// Most KV blocks indexed per instance from its KV events (the oldest are
+    /// forgotten past it).
+    #[arg(long, env = "CONNEX_PREFIX_INDEX_BLOCKS", default_value_t = 16_384)]
+    pub prefix_index_blocks: usize,
+    /// `cache_aware` with engines that send no KV events: the block size of
+    /// the router's own record of the prompts it sent each one (an
+    /// approximate index; an engine's first event replaces it).
+    #[arg(long, env = "CONNEX_KV_BLOCK_SIZE", default_value_t = 16)]
+    pub kv_block_size: usize,
+    /// Time limit of the `/tokenize` call that gets a text prompt's token ids
+    /// for `cache_aware` prefill choice, in milliseconds (past it, the choice
+    /// is by load alone).
+    #[arg(long, env = "CONNEX_TOKENIZE_TIMEOUT_MS", default_value_t = 2000)]
+    pub tokenize_timeout_ms: u64,
     /// Seconds without a heartbeat after which an instance gets no traffic.
     #[arg(long, env = "CONNEX_HEARTBEAT_TTL_S", default_value_t = 10)]
     pub heartbeat_ttl_s: u64,
@@ -296,6 +321,13 @@ pub enum PolicyKind {
     LeastLoaded,
     /// The less loaded of two random candidates.
     PowerOfTwo,
+    /// Least loaded by the engines' own reports (running, waiting, KV usage;
+    /// sent with heartbeats) and this router's in-flight count together.
+    LoadAware,
+    /// The instance whose KV cache holds the longest prefix of the prompt (from
+    /// its KV events), unless load is imbalanced past the balance thresholds
+    /// or the hit is under --cache-threshold: then `load_aware`.
+    CacheAware,
 }
 
 /// `--log-format`.

@@ -13,6 +13,7 @@ pub mod logs;
 pub mod metrics;
 pub mod pd;
 pub mod policy;
+pub mod prefix;
 pub mod registry;
 pub mod secrets;
 pub mod server;

@@ -26,6 +26,12 @@ pub const HOLDS_RELEASED: &str = "connex_holds_released_total";
 pub const HOLDS_RENEWED: &str = "connex_holds_renewed_total";
 pub const HEALTH_CHECK_FAILURES: &str = "connex_health_check_failures_total";
 pub const EJECTIONS_REFUSED: &str = "connex_ejections_refused_total";
+/// Counter: `cache_aware` choices, by phase and reason (cache, load, fallback).
+pub const ROUTING_DECISIONS: &str = "connex_routing_decisions_total";
+/// Histogram: prompt tokens cached on the instance `cache_aware` chose.
+pub const PREFIX_HIT_TOKENS: &str = "connex_routing_prefix_hit_tokens";
+/// Histogram: `/tokenize` calls for `cache_aware` prefill choice, by outcome.
+pub const TOKENIZE_DURATION: &str = "connex_tokenize_duration_seconds";
 
 /// The kind of a metric family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,6 +128,21 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         Kind::Counter,
         "Instances kept in rotation that the probes would have ejected, by instance and why.",
     ),
+    (
+        ROUTING_DECISIONS,
+        Kind::Counter,
+        "Instance choices of the cache_aware policy, by phase and reason (cache, load, fallback).",
+    ),
+    (
+        PREFIX_HIT_TOKENS,
+        Kind::Histogram,
+        "Prompt tokens the chosen instance already held (cache_aware), by phase.",
+    ),
+    (
+        TOKENIZE_DURATION,
+        Kind::Histogram,
+        "Tokenizing a text prompt through an engine's /tokenize before choosing a prefill, by outcome.",
+    ),
 ];
 
 /// The families rendered at scrape time from the membership (never stale:
@@ -158,6 +179,12 @@ pub fn install(idle: Option<Duration>) -> Option<PrometheusHandle> {
         ])
         .ok()?
         .idle_timeout(MetricKindMask::COUNTER | MetricKindMask::HISTOGRAM, idle)
+        // Tokens, not seconds.
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full(PREFIX_HIT_TOKENS.into()),
+            &[0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0],
+        )
+        .ok()?
         .install_recorder()
         .ok()?;
     let _ = HANDLE.set(handle.clone());
@@ -321,6 +348,18 @@ pub fn upstream_request(instance: &str, model: &str, phase: &'static str) {
 pub fn upstream_error(instance: &str, model: &str, phase: &'static str, kind: &'static str) {
     counter!(UPSTREAM_ERRORS, "instance" => instance.to_string(), "model" => model.to_string(), "phase" => phase, "kind" => kind)
         .increment(1);
+}
+
+/// One `cache_aware` choice for `phase`.
+pub fn routing_decision(phase: &'static str, reason: &'static str, hit_tokens: usize) {
+    counter!(ROUTING_DECISIONS, "phase" => phase, "reason" => reason).increment(1);
+    histogram!(PREFIX_HIT_TOKENS, "phase" => phase).record(hit_tokens as f64);
+}
+
+/// One `/tokenize` call of the router.
+pub fn tokenize(took: Duration, ok: bool) {
+    let outcome = if ok { "ok" } else { "failed" };
+    histogram!(TOKENIZE_DURATION, "outcome" => outcome).record(took.as_secs_f64());
 }
 
 pub fn prefill_retry() {

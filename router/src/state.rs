@@ -92,12 +92,19 @@ impl AppState {
                 .map(|c| c.as_str())
                 .collect(),
         );
+        let thresholds = crate::policy::cache::Thresholds {
+            cache: config.cache_threshold,
+            balance_abs: config.balance_abs_threshold,
+            balance_rel: config.balance_rel_threshold,
+        };
         let state = Self {
             registry: Arc::new(registry),
             holds,
             journal: Arc::new(Journal::default()),
-            prefill: Selector::new(config.prefill_policy),
-            decode: Selector::new(config.decode_policy),
+            prefill: Selector::new(config.prefill_policy, config.heartbeat_ttl())
+                .with_thresholds(thresholds),
+            decode: Selector::new(config.decode_policy, config.heartbeat_ttl())
+                .with_thresholds(thresholds),
             client,
             upstream,
             outliers: Arc::new(Outliers::new(Duration::from_millis(config.suspect_ms))),

@@ -5,6 +5,8 @@
 use super::access::{credential, require_json, Access};
 use super::body::{read_json, read_optional_json};
 use crate::error::ApiError;
+use crate::prefix::KvEventBatch;
+use crate::registry::load::EngineLoad;
 use crate::registry::{Claim, Registration};
 use crate::state::AppState;
 use axum::body::Body;
@@ -98,10 +100,48 @@ pub async fn heartbeat(
     if !stats.is_null() {
         require_json(&headers)?;
     }
-    if state.registry.heartbeat(&id, credential(&headers)).await? {
+    let load = EngineLoad::from_heartbeat(&stats)
+        .map_err(|bad| ApiError::bad_request(bad.to_string(), Some(bad.field)))?;
+    if state
+        .registry
+        .heartbeat(&id, credential(&headers), load)
+        .await?
+    {
         Ok(Json(
             json!({"id": id, "lease_ttl_s": state.registry.ttl().as_secs()}),
         ))
+    } else {
+        Err(ApiError::NotFound(format!(
+            "instance `{id}` is not registered"
+        )))
+    }
+}
+
+/// Largest KV event batch.
+const EVENTS_BODY_LIMIT: usize = 4 * 1024 * 1024;
+
+/// KV cache events of an instance (forwarded by its agent), into its prefix
+/// index: same caller and credential as its heartbeats.
+pub async fn kv_events(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<StatusCode, ApiError> {
+    require_json(&headers)?;
+    let value = read_json(&headers, body, EVENTS_BODY_LIMIT).await?;
+    let batch: KvEventBatch = serde_json::from_value(value).map_err(|err| {
+        ApiError::bad_request(format!("invalid KV events: {err}"), Some("events"))
+    })?;
+    batch
+        .check()
+        .map_err(|bad| ApiError::bad_request(bad.to_string(), Some("events")))?;
+    let cap = state.config.prefix_index_blocks;
+    if state
+        .registry
+        .kv_events(&id, credential(&headers), &batch, cap)?
+    {
+        Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(
             "instance `{id}` is not registered"

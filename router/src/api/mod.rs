@@ -133,6 +133,12 @@ pub fn endpoints() -> Vec<Endpoint> {
             Registrar,
             instances::heartbeat,
         ),
+        at(
+            Post,
+            "/v1/instances/{id}/kv-events",
+            Registrar,
+            instances::kv_events,
+        ),
         at(Get, "/admin/instances", Admin, admin::list_instances),
         at(Post, "/admin/instances", Admin, admin::add_instance),
         at(

@@ -46,22 +46,40 @@ pub enum OpenError {
 
 /// Chooses a decoder for `model`: one that has not failed this request and is
 /// not suspect when there is one, else one not failed, else any eligible one (a
-/// decoder that failed may have come back).
-pub fn choose(state: &AppState, model: &str, failed: &[String]) -> Option<Arc<Instance>> {
+/// decoder that failed may have come back). `prompt`: the prompt's token ids,
+/// for `cache_aware` (a decoder holding its prefix pulls less).
+pub fn choose(
+    state: &AppState,
+    model: &str,
+    failed: &[String],
+    prompt: Option<&[u32]>,
+) -> Option<Arc<Instance>> {
     let candidates = state.registry.eligible(model, Phase::Decode);
     let mut avoid = state
         .outliers
         .avoid(candidates.iter().map(|c| c.id.as_str()));
+    let select = |exclude: &[String]| {
+        let decision = state.decode.select_for(&candidates, exclude, prompt)?;
+        if let Some(reason) = decision.reason {
+            crate::metrics::routing_decision("decode", reason.as_str(), decision.hit_tokens);
+        }
+        if let Some(prompt) = prompt {
+            // The decoder is about to load (pull) this prompt.
+            decision.instance.remember_prompt(
+                prompt,
+                state.config.kv_block_size,
+                state.config.prefix_index_blocks,
+            );
+        }
+        Some(decision.instance)
+    };
     if !avoid.is_empty() {
         avoid.extend(failed.iter().cloned());
-        if let Some(chosen) = state.decode.select(&candidates, &avoid) {
+        if let Some(chosen) = select(&avoid) {
             return Some(chosen);
         }
     }
-    state
-        .decode
-        .select(&candidates, failed)
-        .or_else(|| state.decode.select(&candidates, &[]))
+    select(failed).or_else(|| select(&[]))
 }
 
 /// Sends `payload` to `decoder` and returns its open stream.

@@ -24,6 +24,7 @@ pub mod request;
 pub mod resume;
 pub mod session;
 pub mod stops;
+pub mod tokens;
 pub mod upstream;
 
 use crate::error::ApiError;
@@ -89,7 +90,15 @@ async fn start(
     );
     record.set_entry(journal.reader());
     let payload = prefill::prefill_body(info.route, &body);
-    let prefilled = prefill::run(&state, &info, info.route, payload).await?;
+    let prompt = if state.prefill.wants_prompt() {
+        let engines = state
+            .registry
+            .eligible(&info.model, crate::registry::Phase::Prefill);
+        tokens::prompt_ids(&state, info.route, &body, &engines).await
+    } else {
+        None
+    };
+    let prefilled = prefill::run(&state, &info, info.route, payload, prompt.as_deref()).await?;
     Session::start(state, info, body, prefilled, journal).await
 }
 

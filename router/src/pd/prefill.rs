@@ -80,19 +80,26 @@ pub fn continuation_body(
 /// Runs prefill (the client's `route` on `body`), retrying once on another
 /// instance after a failure of the instance (connect error, 5xx, an invalid
 /// answer, a `remote_ctrl` that is not its registered control address).
+///
+/// `prompt`: the prompt's token ids when the policy reads them (`cache_aware`).
 pub async fn run(
     state: &AppState,
     info: &RequestInfo,
     route: Route,
     payload: Bytes,
+    prompt: Option<&[u32]>,
 ) -> Result<Prefilled, ApiError> {
     let mut tried: Vec<String> = Vec::new();
     let mut last_error = None;
     for attempt in 0..2 {
         let candidates = state.registry.eligible(&info.model, Phase::Prefill);
-        let Some(instance) = state.prefill.select(&candidates, &tried) else {
+        let Some(decision) = state.prefill.select_for(&candidates, &tried, prompt) else {
             break;
         };
+        if let Some(reason) = decision.reason {
+            crate::metrics::routing_decision("prefill", reason.as_str(), decision.hit_tokens);
+        }
+        let instance = decision.instance;
         if attempt > 0 {
             crate::metrics::prefill_retry();
             tracing::warn!(instance = %instance.id, "retrying prefill on another instance");
@@ -136,6 +143,13 @@ pub async fn run(
         match parse_answer(route, &instance, &reply.body) {
             Ok(prefilled) => {
                 crate::metrics::prefill_duration(&instance.id, &instance.model, called.elapsed());
+                if state.prefill.wants_prompt() {
+                    instance.remember_prompt(
+                        &prefilled.prompt_token_ids,
+                        state.config.kv_block_size,
+                        state.config.prefix_index_blocks,
+                    );
+                }
                 return Ok(prefilled);
             }
             Err(invalid) => {

@@ -36,15 +36,22 @@ pub async fn ensure_hold(
     crate::metrics::reprefill();
     journal.set_phase(Phase::Reprefill);
     // The whole context so far becomes the new hold's prompt.
-    let (route, payload) = journal.read(|e| {
-        prefill::continuation_body(
+    let (route, payload, context) = journal.read(|e| {
+        let (route, payload) = prefill::continuation_body(
             info.route,
             body,
             &e.prompt_token_ids,
             &e.choices[0].token_ids,
-        )
+        );
+        // What the new prefill computes: prompt and generated tokens.
+        let context = state.prefill.wants_prompt().then(|| {
+            let mut ids = e.prompt_token_ids.clone();
+            ids.extend_from_slice(&e.choices[0].token_ids);
+            ids
+        });
+        (route, payload, context)
     });
-    let prefilled = prefill::run(state, info, route, payload).await?;
+    let prefilled = prefill::run(state, info, route, payload, context.as_deref()).await?;
     journal.update(|e| {
         e.prefill = Some(prefilled.instance.clone());
         e.kv_transfer_params = Some(prefilled.kv_transfer_params.clone());

@@ -140,8 +140,19 @@ impl Session {
             } else {
                 Duration::from_millis(self.state.config.resume_wait_ms)
             };
-            let Some(decoder) =
-                wait_for_decoder(&self.state, &self.info.model, &self.failed, wait).await
+            let prompt = self
+                .state
+                .decode
+                .wants_prompt()
+                .then(|| self.relay.journal().read(|e| e.prompt_token_ids.clone()));
+            let Some(decoder) = wait_for_decoder(
+                &self.state,
+                &self.info.model,
+                &self.failed,
+                prompt.as_deref(),
+                wait,
+            )
+            .await
             else {
                 return Err(ApiError::Unavailable(format!(
                     "no decode instance is ready for model `{}`",
@@ -428,11 +439,12 @@ async fn wait_for_decoder(
     state: &AppState,
     model: &str,
     failed: &[String],
+    prompt: Option<&[u32]>,
     wait: Duration,
 ) -> Option<Arc<Instance>> {
     let deadline = Instant::now() + wait;
     loop {
-        if let Some(decoder) = decode::choose(state, model, failed) {
+        if let Some(decoder) = decode::choose(state, model, failed, prompt) {
             return Some(decoder);
         }
         if Instant::now() >= deadline {

@@ -1,11 +1,14 @@
 //! Choosing an instance: one `select` call over the eligible candidates, and
 //! the outliers ([`outlier`]) that new requests avoid.
 
+pub mod cache;
+pub mod load;
 pub mod outlier;
 
 use crate::registry::Instance;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Defined with the flags that name it (config is a leaf).
 pub use crate::config::PolicyKind;
@@ -15,14 +18,110 @@ pub use crate::config::PolicyKind;
 pub struct Selector {
     kind: PolicyKind,
     cursor: AtomicUsize,
+    /// Engine-reported load older than this is ignored (the heartbeat TTL).
+    report_max_age: Duration,
+    thresholds: cache::Thresholds,
+}
+
+/// What [`Selector::select_for`] chose, and why.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    pub instance: Arc<Instance>,
+    /// `cache_aware` only: why this one.
+    pub reason: Option<cache::Reason>,
+    /// Prompt tokens its cache holds (`cache_aware` only; else 0).
+    pub hit_tokens: usize,
 }
 
 impl Selector {
-    pub fn new(kind: PolicyKind) -> Self {
+    pub fn new(kind: PolicyKind, report_max_age: Duration) -> Self {
         Self {
             kind,
             cursor: AtomicUsize::new(0),
+            report_max_age,
+            thresholds: cache::Thresholds::default(),
         }
+    }
+
+    /// `cache_aware`'s thresholds.
+    pub fn with_thresholds(mut self, thresholds: cache::Thresholds) -> Self {
+        self.thresholds = thresholds;
+        self
+    }
+
+    /// Whether the policy reads the prompt's token ids (the caller then gets
+    /// them before choosing).
+    pub fn wants_prompt(&self) -> bool {
+        self.kind == PolicyKind::CacheAware
+    }
+
+    /// Like [`Selector::select`], with the prompt's token ids for `cache_aware`.
+    pub fn select_for(
+        &self,
+        candidates: &[Arc<Instance>],
+        exclude: &[String],
+        prompt: Option<&[u32]>,
+    ) -> Option<Decision> {
+        if self.kind != PolicyKind::CacheAware {
+            return self.select(candidates, exclude).map(|instance| Decision {
+                instance,
+                reason: None,
+                hit_tokens: 0,
+            });
+        }
+        let pool: Vec<&Arc<Instance>> = candidates
+            .iter()
+            .filter(|c| !exclude.contains(&c.id))
+            .collect();
+        if pool.is_empty() {
+            return None;
+        }
+        // Round-robin order, so that ties spread.
+        let start = self.cursor.fetch_add(1, Ordering::Relaxed);
+        let pool: Vec<&Arc<Instance>> = (0..pool.len())
+            .map(|i| pool[(start + i) % pool.len()])
+            .collect();
+        let hits = match prompt {
+            Some(prompt) => cache::hits(&pool, prompt),
+            None => vec![0; pool.len()],
+        };
+        let scored: Vec<cache::Scored> = pool
+            .iter()
+            .zip(hits)
+            .map(|(instance, hit_tokens)| cache::Scored {
+                instance,
+                load: self.load(instance),
+                hit_tokens,
+            })
+            .collect();
+        let prompt_len = prompt.map_or(0, <[u32]>::len);
+        let (at, reason) = cache::choose(&scored, prompt_len, self.thresholds);
+        Some(Decision {
+            instance: scored[at].instance.clone(),
+            reason: Some(reason),
+            hit_tokens: scored[at].hit_tokens,
+        })
+    }
+
+    pub fn kind(&self) -> PolicyKind {
+        self.kind
+    }
+
+    /// The load score of `instance` (see [`load::score`]).
+    pub fn load(&self, instance: &Instance) -> f64 {
+        load::score(instance, self.report_max_age)
+    }
+
+    /// The least loaded of `pool` by [`Selector::load`], ties broken round
+    /// robin so that equal loads still spread.
+    fn least_load<'a>(&self, pool: &[&'a Arc<Instance>]) -> Option<&'a Arc<Instance>> {
+        let start = self.cursor.fetch_add(1, Ordering::Relaxed);
+        let n = pool.len();
+        (0..n)
+            .map(|i| pool[(start + i) % n])
+            .map(|c| (c, self.load(c)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(c, _)| c)
     }
 
     /// Picks one of `candidates` whose id is not in `exclude`.
@@ -50,6 +149,7 @@ impl Selector {
                     .map(|i| pool[(start + i) % n])
                     .min_by_key(|c| c.inflight())?
             }
+            PolicyKind::LoadAware | PolicyKind::CacheAware => self.least_load(&pool)?,
             PolicyKind::PowerOfTwo => {
                 let a = pool[rand::random_range(0..pool.len())];
                 let b = pool[rand::random_range(0..pool.len())];
@@ -61,5 +161,165 @@ impl Selector {
             }
         };
         Some(chosen.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::registry::load::EngineLoad;
+    use crate::registry::{Claim, Phase, Registration, Registry, RegistryConfig, Role};
+
+    async fn decoders(n: usize) -> (Registry, Vec<String>) {
+        let registry = Registry::new(&RegistryConfig::memory(Duration::from_secs(10)));
+        let mut credentials = Vec::new();
+        for i in 0..n {
+            let reg = Registration {
+                persistent: false,
+                role: Role::Decode,
+                url: format!("http://10.0.0.{i}:8000"),
+                model: "m".into(),
+                ctrl: None,
+                id: Some(format!("d{i}")),
+                credential: None,
+            };
+            let (_, credential) = registry
+                .register(reg, Claim::Registrant(None))
+                .await
+                .unwrap();
+            credentials.push(credential);
+        }
+        (registry, credentials)
+    }
+
+    #[tokio::test]
+    async fn load_aware_steers_by_reported_load_and_local_inflight() {
+        let (registry, credentials) = decoders(2).await;
+        let busy = EngineLoad {
+            running: 4,
+            waiting: 6,
+            kv_usage: 0.0,
+        };
+        registry
+            .heartbeat("d0", Some(&credentials[0]), Some(busy))
+            .await
+            .unwrap();
+        let selector = Selector::new(PolicyKind::LoadAware, Duration::from_secs(10));
+        let candidates = registry.eligible("m", Phase::Decode);
+        for _ in 0..4 {
+            assert_eq!(selector.select(&candidates, &[]).unwrap().id, "d1");
+        }
+        // This replica's own requests count too: eleven in flight on d1 weigh
+        // more than d0's reported ten.
+        let _held: Vec<_> = (0..11)
+            .map(|_| crate::registry::LoadGuard::new(candidates[1].clone()))
+            .collect();
+        assert_eq!(selector.select(&candidates, &[]).unwrap().id, "d0");
+        // A stale report is ignored.
+        let stale = Selector::new(PolicyKind::LoadAware, Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(stale.select(&candidates, &[]).unwrap().id, "d0");
+    }
+}
+
+#[cfg(test)]
+mod cache_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::prefix::KvEventBatch;
+    use crate::registry::{Claim, Phase, Registration, Registry, RegistryConfig, Role};
+
+    /// Two prefills, `p0` holding the first 4 blocks (of 4 tokens) of 0..32.
+    async fn prefills() -> (Registry, Vec<String>) {
+        let registry = Registry::new(&RegistryConfig::memory(Duration::from_secs(10)));
+        let mut credentials = Vec::new();
+        for i in 0..2 {
+            let reg = Registration {
+                persistent: false,
+                role: Role::Prefill,
+                url: format!("http://10.0.0.{i}:8000"),
+                model: "m".into(),
+                ctrl: None,
+                id: Some(format!("p{i}")),
+                credential: None,
+            };
+            let (_, c) = registry
+                .register(reg, Claim::Registrant(None))
+                .await
+                .unwrap();
+            credentials.push(c);
+        }
+        let batch: KvEventBatch = serde_json::from_value(serde_json::json!({"events": [
+            {"type": "BlockStored", "block_hashes": ["a", "b", "c", "d"], "parent_block_hash": null,
+             "token_ids": (0..16).collect::<Vec<u32>>(), "block_size": 4}
+        ]}))
+        .unwrap();
+        registry
+            .kv_events("p0", Some(&credentials[0]), &batch, 100)
+            .unwrap();
+        (registry, credentials)
+    }
+
+    fn choose(selector: &Selector, registry: &Registry, prompt: &[u32]) -> (String, cache::Reason) {
+        let candidates = registry.eligible("m", Phase::Prefill);
+        let d = selector.select_for(&candidates, &[], Some(prompt)).unwrap();
+        (d.instance.id.clone(), d.reason.unwrap())
+    }
+
+    #[tokio::test]
+    async fn the_longest_prefix_wins_until_load_or_a_small_hit_says_otherwise() {
+        let (registry, _) = prefills().await;
+        let selector = Selector::new(PolicyKind::CacheAware, Duration::from_secs(10));
+        let prompt: Vec<u32> = (0..32).collect();
+        for _ in 0..3 {
+            assert_eq!(
+                choose(&selector, &registry, &prompt),
+                ("p0".into(), cache::Reason::Cache)
+            );
+        }
+        // 16 of 80 tokens cached is under the 0.3 threshold: least loaded.
+        let long: Vec<u32> = (0..80).collect();
+        let p0 = registry.get("p0").unwrap();
+        let _busy = crate::registry::LoadGuard::new(p0.clone());
+        assert_eq!(
+            choose(&selector, &registry, &long),
+            ("p1".into(), cache::Reason::Fallback)
+        );
+        // Imbalance past both thresholds overrides the prefix.
+        let strict = Selector::new(PolicyKind::CacheAware, Duration::from_secs(10))
+            .with_thresholds(cache::Thresholds {
+                cache: 0.3,
+                balance_abs: 0.5,
+                balance_rel: 1.5,
+            });
+        assert_eq!(
+            choose(&strict, &registry, &prompt),
+            ("p1".into(), cache::Reason::Load)
+        );
+        // Without prompt ids: by load.
+        let candidates = registry.eligible("m", Phase::Prefill);
+        let d = selector.select_for(&candidates, &[], None).unwrap();
+        assert_eq!(d.instance.id, "p1");
+    }
+
+    #[tokio::test]
+    async fn a_re_registration_clears_the_index() {
+        let (registry, credentials) = prefills().await;
+        assert_eq!(registry.get("p0").unwrap().with_blocks(|b| b.len()), 4);
+        let reg = Registration {
+            persistent: false,
+            role: Role::Prefill,
+            url: "http://10.0.0.0:8000".into(),
+            model: "m".into(),
+            ctrl: None,
+            id: Some("p0".into()),
+            credential: None,
+        };
+        registry
+            .register(reg, Claim::Registrant(Some(&credentials[0])))
+            .await
+            .unwrap();
+        assert_eq!(registry.get("p0").unwrap().with_blocks(|b| b.len()), 0);
     }
 }

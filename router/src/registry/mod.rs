@@ -16,12 +16,15 @@
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
+pub mod load;
 pub mod machine;
 pub mod memory;
 pub mod status;
 pub mod view;
 
+use crate::prefix::{BlockIndex, KvEventBatch};
 use futures_util::future::BoxFuture;
+use load::{EngineLoad, Reported};
 use machine::{Event, Machine, Verdict};
 use serde::{Deserialize, Serialize};
 use status::StoreStatus;
@@ -154,6 +157,11 @@ pub struct Instance {
     /// instance learn at once that it died or is being migrated away from.
     lifecycle: watch::Sender<Lifecycle>,
     last_heartbeat: Mutex<Instant>,
+    /// The load its last heartbeat to this replica reported.
+    reported: Mutex<Option<Reported>>,
+    /// The prompt blocks its KV cache holds, from the KV events its agent
+    /// forwarded to this replica.
+    blocks: Mutex<BlockIndex>,
     inflight: AtomicUsize,
     served: AtomicU64,
     /// The etcd lease the instance's key is bound to (0: none, memory backend).
@@ -179,6 +187,8 @@ impl Instance {
             machine: Mutex::new(Machine::new(Lifecycle::Ready)),
             lifecycle: watch::Sender::new(Lifecycle::Ready),
             last_heartbeat: Mutex::new(Instant::now()),
+            reported: Mutex::new(None),
+            blocks: Mutex::new(BlockIndex::default()),
             inflight: AtomicUsize::new(0),
             served: AtomicU64::new(0),
             lease: AtomicI64::new(0),
@@ -277,6 +287,43 @@ impl Instance {
         self.inflight.load(Ordering::Relaxed)
     }
 
+    /// The load the engine last reported to this replica, unless older than
+    /// `max_age`.
+    pub fn reported_load(&self, max_age: Duration) -> Option<EngineLoad> {
+        self.reported
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .and_then(|r| r.fresh(max_age))
+    }
+
+    fn report_load(&self, load: EngineLoad) {
+        *self.reported.lock().unwrap_or_else(|e| e.into_inner()) = Some(Reported {
+            load,
+            at: Instant::now(),
+        });
+    }
+
+    /// Runs `read` on the instance's prefix index.
+    pub fn with_blocks<T>(&self, read: impl FnOnce(&BlockIndex) -> T) -> T {
+        read(&self.blocks.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Records a prompt the router sent here, for an engine that reports no
+    /// KV events (see [`BlockIndex::remember`]).
+    pub fn remember_prompt(&self, ids: &[u32], block_size: usize, cap: usize) {
+        self.blocks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remember(ids, block_size, cap);
+    }
+
+    fn apply_kv_events(&self, batch: &KvEventBatch, cap: usize) {
+        let mut blocks = self.blocks.lock().unwrap_or_else(|e| e.into_inner());
+        for event in &batch.events {
+            blocks.apply(event, cap);
+        }
+    }
+
     /// Whether new requests may go here now, given a local heartbeat TTL
     /// (which a static instance is not held to).
     pub fn is_eligible(&self, ttl: Duration) -> bool {
@@ -303,7 +350,15 @@ impl Instance {
             "ctrl": self.ctrl, "persistent": self.persistent,
             "state": self.lifecycle(), "unhealthy": self.is_unhealthy(),
             "inflight": self.inflight(),
+            "load": self.reported.lock().unwrap_or_else(|e| e.into_inner()).map(|r| serde_json::json!({
+                "running": r.load.running, "waiting": r.load.waiting, "kv_usage": r.load.kv_usage,
+                "reported_ms_ago": r.at.elapsed().as_millis() as u64,
+            })),
             "served": self.served.load(Ordering::Relaxed),
+            "prefix_index_blocks": self.with_blocks(BlockIndex::len),
+            "prefix_index_source": self.with_blocks(|b| {
+                if b.is_reported() { "kv_events" } else if b.is_empty() { "none" } else { "sent_prompts" }
+            }),
             "last_heartbeat_ms_ago": self.heartbeat_age().as_millis() as u64,
         })
     }
@@ -568,25 +623,59 @@ impl Registry {
         reg.credential = Some(new_credential());
         let instance = self.store.register(reg, replace).await?;
         let credential = instance.credential().to_string();
+        // A registration is a (re)started engine: whatever it cached is gone.
+        instance
+            .blocks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         Ok((instance, credential))
     }
 
-    /// Refreshes an instance's heartbeat. A dead instance that heartbeats again is
-    /// ready again (memory backend); a draining one stays draining. `false` when
-    /// unknown (the registrant should register again).
+    /// Refreshes an instance's heartbeat, and keeps the `load` it reported (in
+    /// this replica's view: with etcd, the replica its agent talks to). A dead
+    /// instance that heartbeats again is ready again (memory backend); a
+    /// draining one stays draining. `false` when unknown (the registrant should
+    /// register again).
     pub async fn heartbeat(
         &self,
         id: &str,
         credential: Option<&str>,
+        load: Option<EngineLoad>,
     ) -> Result<bool, RegistryError> {
-        if let Some(instance) = self.view.get(id) {
+        let instance = self.view.get(id);
+        if let Some(instance) = &instance {
             if !instance.credential_matches(credential) {
                 return Err(RegistryError::WrongCredential(id.to_string()));
             }
         }
-        self.store
+        let known = self
+            .store
             .heartbeat(id, credential.unwrap_or_default())
-            .await
+            .await?;
+        if let (true, Some(instance), Some(load)) = (known, instance, load) {
+            instance.report_load(load);
+        }
+        Ok(known)
+    }
+
+    /// Applies the KV events an instance's agent forwarded to its prefix index
+    /// (at most `cap` blocks kept). `false` when unknown.
+    pub fn kv_events(
+        &self,
+        id: &str,
+        credential: Option<&str>,
+        batch: &KvEventBatch,
+        cap: usize,
+    ) -> Result<bool, RegistryError> {
+        let Some(instance) = self.view.get(id) else {
+            return Ok(false);
+        };
+        if !instance.credential_matches(credential) {
+            return Err(RegistryError::WrongCredential(id.to_string()));
+        }
+        instance.apply_kv_events(batch, cap);
+        Ok(true)
     }
 
     /// Removes an instance on behalf of `claim`. `false` when unknown.

@@ -73,6 +73,7 @@ class Agent:
         load: Callable[[], dict[str, Any]] | None = None,
         timeout_s: float = 5.0,
         deregister_file: str | None = None,
+        kv_events: str | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
@@ -100,15 +101,29 @@ class Agent:
         self.errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The engine's ZMQ KV event endpoint: its events are forwarded to the
+        # router (connex.kv_events) while the agent runs.
+        self.kv_events_endpoint = kv_events
+        self.kv_events: Any = None
 
     # ---- lifecycle -------------------------------------------------------------
 
     def start(self) -> Agent:
         self._thread = threading.Thread(target=self.run, name="connex-agent", daemon=True)
         self._thread.start()
+        self.start_kv_events()
         return self
 
+    def start_kv_events(self) -> None:
+        if self.kv_events_endpoint is None:
+            return
+        from .kv_events import KvEventForwarder
+
+        self.kv_events = KvEventForwarder(self.kv_events_endpoint, self.forward_kv_events).start()
+
     def stop(self, deregister: bool = True) -> None:
+        if self.kv_events is not None:
+            self.kv_events.stop()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.timeout_s * 2)
@@ -228,6 +243,25 @@ class Agent:
         self.heartbeats += 1
         return self.lease_ttl_s / 3
 
+    def forward_kv_events(self, events: list[dict[str, Any]]) -> bool:
+        """Posts KV events to the router; False to keep them for later (not
+        registered yet, router unreachable)."""
+        if self.instance_id is None:
+            return False
+        try:
+            status, reply = self._call(
+                "POST", f"/v1/instances/{self.instance_id}/kv-events", {"events": events}
+            )
+        except OSError as err:
+            logger.debug("KV events not forwarded: %s", err)
+            return False
+        if status == 404:
+            return False
+        if status >= 400:
+            # Refused for good (a bad batch): dropping it beats retrying forever.
+            logger.warning("router refused KV events (HTTP %s): %s", status, reply)
+        return True
+
     def deregister(self) -> None:
         if self.instance_id is None:
             return
@@ -271,18 +305,46 @@ class Agent:
 
 
 def metrics_load(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Load stats of a vLLM engine from its Prometheus metrics."""
+    """Load stats of a vLLM engine from its Prometheus metrics: requests running
+    and waiting, and the fraction of its KV cache in use (`kv_usage`, 0 to 1),
+    as the router's `load_aware` and `cache_aware` policies read them."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as reply:
         text = reply.read().decode(errors="replace")
-    wanted = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
-    stats = {v: 0 for v in wanted.values()}
+    counts = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+    # vLLM V1 names it kv_cache_usage_perc (a fraction despite the name); older
+    # releases gpu_cache_usage_perc.
+    usage = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    stats: dict[str, Any] = {v: 0 for v in counts.values()}
+    kv_usage: list[float] = []
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            try:
-                stats[wanted[name]] += int(float(line.rsplit(" ", 1)[1]))
-            except ValueError:
-                continue
+        if name not in counts and name not in usage:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if not math.isfinite(value):
+            continue
+        if name in counts:
+            stats[counts[name]] += int(value)
+        else:
+            kv_usage.append(value)
+    if kv_usage:
+        # One series per engine core (data parallel): the fullest one decides.
+        stats["kv_usage"] = min(max(max(kv_usage), 0.0), 1.0)
+    return stats
+
+
+def engine_load(url: str, inflight: int, timeout_s: float = 2.0) -> dict[str, Any]:
+    """Load stats of the engine the connector runs in: its metrics when its API
+    server answers them, else the connector's own count of requests in flight."""
+    try:
+        stats = metrics_load(url, timeout_s)
+    except (OSError, ValueError) as err:
+        logger.debug("engine metrics unavailable (%s); reporting in-flight only", err)
+        return {"running": inflight}
+    stats["running"] = max(int(stats.get("running", 0)), inflight)
     return stats
 
 
@@ -300,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         "--token-file",
         help=f"file holding the registration bearer token (default: env {REGISTER_TOKEN_ENV})",
     )
+    parser.add_argument(
+        "--kv-events",
+        help="the engine's ZMQ KV event endpoint (vLLM --kv-events-config), forwarded to "
+        "the router",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -314,10 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         instance_id=args.instance_id,
         token=read_secret(file=args.token_file, env=REGISTER_TOKEN_ENV),
         deregister_file=os.environ.get(DEREGISTER_FILE_ENV),
+        kv_events=args.kv_events,
     )
+    agent.start_kv_events()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent._stop.set())
     agent.run()
+    if agent.kv_events is not None:
+        agent.kv_events.stop()
     agent.deregister()
     return 0
 

@@ -32,6 +32,10 @@ pub struct EngineState {
     /// Set by [`crate::MockEngine::crash_now`]: the next token of every decode
     /// stream crashes the engine, as a kill would.
     pub crash_now: std::sync::atomic::AtomicBool,
+    /// `--prefix-cache-blocks`: the prompt blocks this engine has computed.
+    pub prefix: Option<std::sync::Mutex<crate::prefix::PrefixCache>>,
+    /// Woken when the prefix cache has events to forward.
+    pub events_ready: tokio::sync::Notify,
     /// Set by `--engine-dead-after-tokens`: the engine core is gone.
     engine_dead: std::sync::atomic::AtomicBool,
     crash: CrashAction,
@@ -46,17 +50,51 @@ impl EngineState {
         shutdown: CancellationToken,
         kv: crate::kv::KvState,
     ) -> Self {
+        let prefix = (config.prefix_cache_blocks > 0).then(|| {
+            std::sync::Mutex::new(crate::prefix::PrefixCache::new(
+                config.block_size,
+                config.prefix_cache_blocks,
+            ))
+        });
         Self {
             engine_id: format!("mock-{}", uuid::Uuid::new_v4().simple()),
             config,
             addr,
             log: RequestLog::default(),
             inflight: AtomicU64::new(0),
+            prefix,
+            events_ready: tokio::sync::Notify::new(),
             kv,
             crash_now: std::sync::atomic::AtomicBool::new(false),
             engine_dead: std::sync::atomic::AtomicBool::new(false),
             crash,
             shutdown,
+        }
+    }
+
+    /// Runs a local prefill of `ids` through the prefix cache: the tokens
+    /// to compute (all without a cache; at least one, as vLLM recomputes the
+    /// last token of a fully cached prompt).
+    pub fn tokens_to_compute(&self, ids: &[u32]) -> usize {
+        let Some(prefix) = &self.prefix else {
+            return ids.len();
+        };
+        let cached = prefix
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .prefill(ids);
+        self.events_ready.notify_one();
+        ids.len().saturating_sub(cached).max(ids.len().min(1))
+    }
+
+    /// Fraction of its KV memory in use, as a vLLM engine reports it: the
+    /// held prompt KV against `--hold-budget-bytes` (0 without a budget).
+    pub fn kv_usage(&self) -> f64 {
+        match self.config.hold_budget_bytes {
+            Some(budget) if budget > 0 => {
+                (self.kv.stats().held_bytes as f64 / budget as f64).clamp(0.0, 1.0)
+            }
+            _ => 0.0,
         }
     }
 
@@ -77,6 +115,7 @@ pub fn routes(state: Arc<EngineState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/mock/stats", get(stats));
+    // /tokenize is served with the other non-generation routes (pooling.rs).
     crate::pooling::routes(router).with_state(state)
 }
 
@@ -101,6 +140,10 @@ async fn stats(State(state): State<Arc<EngineState>>) -> Json<Value> {
         "role": state.config.role,
         "ctrl": state.kv.ctrl_addr(),
         "holds": state.kv.stats(),
+        "prefix_cache": state.prefix.as_ref().map(|p| {
+            let p = p.lock().unwrap_or_else(|e| e.into_inner());
+            json!({"blocks": p.len(), "hit_tokens": p.hit_tokens})
+        }),
         "requests": state.log.snapshot(),
     }))
 }
@@ -352,16 +395,19 @@ fn plan(
                 tracing::warn!(%err, "could not hold the prompt KV");
                 "could not hold the prompt KV"
             })?;
-        (Some(params), prompt_ids.len())
+        (Some(params), state.tokens_to_compute(&prompt_ids))
     } else if flag("do_remote_prefill") {
         let remote = kv_in
             .and_then(|kv| kv.get("remote_num_tokens"))
             .and_then(Value::as_u64)
             .ok_or("kv_transfer_params.remote_num_tokens missing")?;
         let remote = usize::try_from(remote).map_err(|_| "remote_num_tokens too large")?;
+        // The pulled prompt's blocks land in this decoder's prefix cache (and
+        // are reported), as vLLM caches a loaded prompt's full blocks.
+        state.tokens_to_compute(&prompt_ids);
         (None, prompt_ids.len().saturating_sub(remote))
     } else {
-        (None, prompt_ids.len())
+        (None, state.tokens_to_compute(&prompt_ids))
     };
     let kv_pull = (flag("do_remote_prefill") && !flag("do_remote_decode"))
         .then(|| kv_in.cloned())

@@ -105,6 +105,25 @@ pub struct MockConfig {
     /// own: a lying or compromised prefill.
     #[arg(long)]
     pub answer_remote_ctrl: Option<String>,
+    /// Requests added to the `waiting` count this engine reports with its
+    /// heartbeats: load from elsewhere (other routers' requests), so that a
+    /// test can show a router steering around a busy engine.
+    #[arg(long, default_value_t = 0)]
+    pub report_waiting: u32,
+    /// Prefix cache of this many full prompt blocks (0: none): a prefill
+    /// computes (and pays --prefill-us-per-token for) only the tokens past
+    /// the cached prefix, and the engine reports the blocks it stores and
+    /// evicts to the router as KV events, as vLLM's agent forwards them.
+    #[arg(long, default_value_t = 0)]
+    pub prefix_cache_blocks: usize,
+    /// Report the prefix cache's KV events to the router (`--kv-events
+    /// false`: a cache the router must guess, as with an engine whose events
+    /// are off).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub kv_events: bool,
+    /// Tokens per KV block (vLLM's default is 16).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
     /// Simulated prefill cost per prompt token computed, in microseconds.
     #[arg(long, default_value_t = 0)]
     pub prefill_us_per_token: u64,

@@ -11,6 +11,7 @@ pub mod config;
 pub mod kv;
 pub mod model;
 pub mod pooling;
+pub mod prefix;
 pub mod register;
 pub mod shape;
 pub mod stats;

@@ -4,7 +4,7 @@ use crate::api::EngineState;
 use serde_json::{json, Value};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 /// Header carrying the credential the router issued for our id.
@@ -35,6 +35,7 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
         }
     };
     let mut registered: Option<(String, u64)> = None;
+    let mut next_heartbeat = Instant::now();
     loop {
         let wait = match &registered {
             None => {
@@ -67,7 +68,12 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
                             }
                         }
                         tracing::info!(%id, ttl, "registered with router");
+                        // The router starts this id's prefix index afresh.
+                        if let Some(prefix) = &state.prefix {
+                            prefix.lock().unwrap_or_else(|e| e.into_inner()).clear();
+                        }
                         registered = Some((id, ttl));
+                        next_heartbeat = Instant::now() + Duration::from_millis(ttl * 1000 / 3);
                         Duration::from_millis(ttl * 1000 / 3)
                     }
                     Ok(resp) => {
@@ -81,22 +87,42 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
                 }
             }
             Some((id, ttl)) => {
-                let body = json!({"inflight": state.inflight.load(Ordering::Relaxed)});
-                let url = format!("{router}/v1/instances/{id}/heartbeat");
-                let wait = Duration::from_millis(*ttl * 1000 / 3);
-                match auth(client.post(url).json(&body), &credential).send().await {
-                    Ok(resp) if resp.status() == reqwest::StatusCode::NOT_FOUND => {
-                        registered = None
-                    }
-                    Ok(_) => {}
-                    Err(err) => tracing::debug!(%err, "heartbeat failed"),
+                let (id, ttl) = (id.clone(), *ttl);
+                if !forward_events(&client, &router, &id, &state, |r| auth(r, &credential)).await {
+                    registered = None;
+                    continue;
                 }
-                wait
+                if Instant::now() >= next_heartbeat {
+                    // The load stats a vLLM agent reports (running, waiting, KV usage).
+                    let body = json!({
+                        "running": state.inflight.load(Ordering::Relaxed),
+                        "waiting": state.config.report_waiting,
+                        "kv_usage": state.kv_usage(),
+                    });
+                    let url = format!("{router}/v1/instances/{id}/heartbeat");
+                    next_heartbeat = Instant::now() + Duration::from_millis(ttl * 1000 / 3);
+                    match auth(client.post(url).json(&body), &credential).send().await {
+                        Ok(resp) if resp.status() == reqwest::StatusCode::NOT_FOUND => {
+                            registered = None
+                        }
+                        Ok(_) => {}
+                        Err(err) => tracing::debug!(%err, "heartbeat failed"),
+                    }
+                }
+                next_heartbeat.saturating_duration_since(Instant::now())
+            }
+        };
+        let events = async {
+            if registered.is_some() && state.prefix.is_some() && state.config.kv_events {
+                state.events_ready.notified().await
+            } else {
+                std::future::pending().await
             }
         };
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = tokio::time::sleep(wait) => {}
+            _ = events => {}
         }
     }
     if let Some((id, _)) = registered {
@@ -106,5 +132,55 @@ pub async fn run(router: String, state: Arc<EngineState>, shutdown: Cancellation
         )
         .send()
         .await;
+    }
+}
+
+/// Forwards the prefix cache's pending KV events to the router, as vLLM's
+/// agent does. `false` when the router forgot the instance (register again);
+/// events that could not be sent are kept for the next round.
+async fn forward_events(
+    client: &reqwest::Client,
+    router: &str,
+    id: &str,
+    state: &EngineState,
+    auth: impl Fn(reqwest::RequestBuilder) -> reqwest::RequestBuilder,
+) -> bool {
+    let Some(prefix) = &state.prefix else {
+        return true;
+    };
+    if !state.config.kv_events {
+        // Kept bounded, never sent.
+        prefix
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take_events();
+        return true;
+    }
+    let events = prefix
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take_events();
+    if events.is_empty() {
+        return true;
+    }
+    let url = format!("{router}/v1/instances/{id}/kv-events");
+    let mut body = json!({ "events": events });
+    match auth(client.post(url).json(&body)).send().await {
+        Ok(resp) if resp.status() == reqwest::StatusCode::NOT_FOUND => false,
+        Ok(resp) if resp.status().is_success() => true,
+        Ok(resp) => {
+            tracing::warn!(status = %resp.status(), "KV events refused");
+            true
+        }
+        Err(err) => {
+            tracing::debug!(%err, "KV events not forwarded; kept");
+            if let Value::Array(events) = body["events"].take() {
+                prefix
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .put_back(events);
+            }
+            true
+        }
     }
 }

@@ -70,6 +70,18 @@ def local_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Lay
     )
 
 
+def kv_events_endpoint(vllm_config: VllmConfig) -> str | None:
+    """The ZMQ endpoint of the engine's KV events, when `--kv-events-config`
+    publishes them (the agent forwards them to the router for cache_aware)."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    if config is None or not getattr(config, "enable_kv_cache_events", False):
+        return None
+    if getattr(config, "publisher", None) != "zmq":
+        return None
+    endpoint = getattr(config, "endpoint", None)
+    return endpoint if isinstance(endpoint, str) else None
+
+
 class ConnexConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -122,13 +134,14 @@ class ConnexConnector(KVConnectorBase_V1):
         )
 
     def _start_agent(self, vllm_config: VllmConfig, is_producer: bool, is_consumer: bool) -> None:
-        from connex.agent import DEREGISTER_FILE_ENV, Agent
+        from connex.agent import DEREGISTER_FILE_ENV, Agent, engine_load
 
         role = "both" if is_producer and is_consumer else "prefill" if is_producer else "decode"
         names = vllm_config.model_config.served_model_name
         model = names[0] if isinstance(names, list | tuple) else str(names)
         scheduler = self.scheduler
         assert scheduler is not None and self.cfg.url is not None and self.cfg.router
+        url = self.cfg.url
         agent = Agent(
             self.cfg.router,
             role,
@@ -137,8 +150,9 @@ class ConnexConnector(KVConnectorBase_V1):
             ctrl=self.cfg.ctrl_addr(0) if is_producer else None,
             instance_id=self.cfg.instance_id,
             token=self.cfg.register_token,
-            load=lambda: {"inflight": scheduler.inflight},
+            load=lambda: engine_load(url, scheduler.inflight),
             deregister_file=os.environ.get(DEREGISTER_FILE_ENV),
+            kv_events=kv_events_endpoint(vllm_config),
         )
         self.agent = agent.start()
         atexit.register(agent.stop)
