@@ -46,8 +46,8 @@ async fn a_decoder_reporting_heavy_load_gets_no_new_requests() {
         .await;
         assert_eq!(status, 200);
     }
-    assert_eq!(engine_requests(&idle).await.len(), 8);
-    assert!(engine_requests(&busy).await.is_empty());
+    assert_eq!(engine_generations(&idle).await.len(), 8);
+    assert!(engine_generations(&busy).await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -139,7 +139,7 @@ async fn a_shared_prefix_and_a_growing_chat_go_to_the_prefill_that_holds_them() 
     let (router, a, b, _decode) = cache_cluster(&[], &[]).await;
     let (status, _) = post(&router, "/v1/chat/completions", &chat("first")).await;
     assert_eq!(status, 200);
-    let (first, other) = if engine_requests(&a).await.len() == 1 {
+    let (first, other) = if engine_generations(&a).await.len() == 1 {
         (&a, &b)
     } else {
         (&b, &a)
@@ -163,9 +163,9 @@ async fn a_shared_prefix_and_a_growing_chat_go_to_the_prefill_that_holds_them() 
         );
         messages.push(json!({"role": "user", "content": format!("turn {}", i + 1)}));
     }
-    let served = engine_requests(first).await;
+    let served = engine_generations(first).await;
     assert_eq!(served.len(), 13, "every request went where its prefix is");
-    assert!(engine_requests(other).await.is_empty());
+    assert!(engine_generations(other).await.is_empty());
     // And the engine computed only what was not cached: the system prompt once.
     for request in &served[1..] {
         let computed = request["computed_prompt_tokens"].as_u64().unwrap();
@@ -201,8 +201,8 @@ async fn the_prefix_wins_over_load_under_the_balance_threshold() {
         let (status, _) = post(&router, "/v1/chat/completions", &chat(&format!("u{i}"))).await;
         assert_eq!(status, 200);
     }
-    assert_eq!(engine_requests(&a).await.len(), 1 + 4);
-    assert!(engine_requests(&b).await.is_empty());
+    assert_eq!(engine_generations(&a).await.len(), 1 + 4);
+    assert!(engine_generations(&b).await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -226,8 +226,8 @@ async fn load_past_the_balance_threshold_overrides_the_prefix() {
         let (status, _) = post(&router, "/v1/chat/completions", &chat(&format!("u{i}"))).await;
         assert_eq!(status, 200);
     }
-    assert_eq!(engine_requests(&a).await.len(), 1, "only the warm-up");
-    assert_eq!(engine_requests(&b).await.len(), 4);
+    assert_eq!(engine_generations(&a).await.len(), 1, "only the warm-up");
+    assert_eq!(engine_generations(&b).await.len(), 4);
     let metrics = metrics_text(&router).await;
     assert_eq!(
         metric(
@@ -306,7 +306,7 @@ async fn a_repeated_prompt_goes_to_the_decoder_that_cached_it() {
     wait_ready(&router, 3).await;
     let (status, _) = post(&router, "/v1/chat/completions", &chat("first")).await;
     assert_eq!(status, 200);
-    let (first, other) = if engine_requests(&a).await.len() == 1 {
+    let (first, other) = if engine_generations(&a).await.len() == 1 {
         (&a, &b)
     } else {
         (&b, &a)
@@ -321,8 +321,8 @@ async fn a_repeated_prompt_goes_to_the_decoder_that_cached_it() {
         let (status, _) = post(&router, "/v1/chat/completions", &chat(&format!("u{i}"))).await;
         assert_eq!(status, 200);
     }
-    assert_eq!(engine_requests(first).await.len(), 5);
-    assert!(engine_requests(other).await.is_empty());
+    assert_eq!(engine_generations(first).await.len(), 5);
+    assert!(engine_generations(other).await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -339,8 +339,8 @@ async fn without_kv_events_the_prompts_sent_stand_in_for_the_cache() {
         assert_eq!(status, 200);
     }
     let counts = (
-        engine_requests(&a).await.len(),
-        engine_requests(&b).await.len(),
+        engine_generations(&a).await.len(),
+        engine_generations(&b).await.len(),
     );
     assert!(counts == (5, 0) || counts == (0, 5), "{counts:?}");
     let sources: Vec<Value> = instances(&router)

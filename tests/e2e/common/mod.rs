@@ -272,6 +272,17 @@ pub async fn engine_requests(engine: &Proc) -> Vec<Value> {
         .unwrap_or_default()
 }
 
+/// The generation requests (completions, chat) a mock engine served, leaving
+/// out the others it records (`/tokenize`, which a `cache_aware` router calls
+/// before choosing, embeddings, ...).
+pub async fn engine_generations(engine: &Proc) -> Vec<Value> {
+    engine_requests(engine)
+        .await
+        .into_iter()
+        .filter(|r| r["path"].as_str().is_some_and(|p| p.ends_with("completions")))
+        .collect()
+}
+
 /// A mock engine's `/mock/stats`: its id, request records and hold counters.
 pub async fn engine_stats(engine: &Proc) -> Value {
     client()
