@@ -12,6 +12,9 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The hold's transfer id (128 random bits, as the holder requires).
+const ID: &str = "m-7c1e4a9b2d5f60838a4b1c2d3e4f5a6b";
+
 /// A mooncake holder process whose engine stops serving once a pull starts
 /// (its handshake still answers, so the reads are submitted and hang).
 struct StalledHolder(Child, String);
@@ -19,7 +22,7 @@ struct StalledHolder(Child, String);
 impl StalledHolder {
     fn start() -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_connex-transfer-holder"))
-            .args(["--backend", "mooncake", "--hold", "m:8:1048576"])
+            .args(["--backend", "mooncake", "--hold", &format!("{ID}:8:1048576")])
             .args(["--stall-after-bytes", "0"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -61,7 +64,7 @@ async fn a_pull_that_gave_up_keeps_its_destination_until_the_reads_end() {
         .map(|b| BlockRef::new(region, (7 - b) << 20, 1 << 20))
         .collect();
 
-    let err = reader.pull(&holder.1, "m", 0, &dest).await.unwrap_err();
+    let err = reader.pull(&holder.1, ID, 0, &dest).await.unwrap_err();
     // The reads were submitted (the segment opened) and never ended.
     assert!(
         matches!(
@@ -81,7 +84,7 @@ async fn a_pull_that_gave_up_keeps_its_destination_until_the_reads_end() {
     );
     assert!(
         matches!(
-            reader.pull(&holder.1, "m", 0, &dest).await,
+            reader.pull(&holder.1, ID, 0, &dest).await,
             Err(TransferError::InvalidArgument(_))
         ),
         "a second pull into bytes still being read is refused"
