@@ -145,8 +145,22 @@ impl Router {
         let statics = statics::registrations(&config, &upstreams).await?;
         let registry = registry::Registry::open(&registry_config(&config)).await?;
         for reg in statics {
-            let (instance, _) = registry.register(reg, registry::Claim::Admin).await?;
-            tracing::info!(id = %instance.id, url = %instance.url, "static instance added");
+            // Only where the id is vacant: with etcd another replica (or this
+            // one before a restart) registered it already, and replacing it
+            // would make every replica see a new incarnation and cut the
+            // streams on it.
+            match registry
+                .register(reg, registry::Claim::Registrant(None))
+                .await
+            {
+                Ok((instance, _)) => {
+                    tracing::info!(id = %instance.id, url = %instance.url, "static instance added");
+                }
+                Err(registry::RegistryError::Taken(id)) => {
+                    tracing::info!(%id, "static instance already registered");
+                }
+                Err(err) => return Err(err.into()),
+            }
         }
         let shutdown = Shutdown::default();
         let edge = Edge {

@@ -717,3 +717,66 @@ async fn a_record_whose_id_disagrees_with_its_key_is_ignored_and_counted() {
         "{text}"
     );
 }
+
+/// Static instances (`--prefill`/`--decode`) are registered by every replica
+/// at start. A replica starting later (a rolling restart, a scale-up) must
+/// find them registered and leave them be: replacing them made every replica
+/// see a new incarnation and cut the streams on them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_starting_with_the_same_static_instances_cuts_no_stream() {
+    let etcd = Etcd::start();
+    let prefill = engine(None, "prefill", &[]);
+    let decode = engine(None, "decode", &["--decode-us-per-token", "20000"]);
+    let ctrl = engine_stats(&prefill).await["ctrl"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let prefill_flag = format!("{},{ctrl}", prefill.url);
+    let statics = [
+        "--prefill",
+        prefill_flag.as_str(),
+        "--decode",
+        decode.url.as_str(),
+        "--static-model",
+        "mock",
+    ];
+    let a = replica_with(&etcd.url, "/statics", 10, &statics);
+    wait_connected(&a).await;
+    wait_ready(&a, 2).await;
+    let stream = tokio::spawn({
+        let url = a.url.clone();
+        async move {
+            let body = json!({"model":"mock","prompt":PROMPT,"max_tokens":100,"stream":true,"return_token_ids":true});
+            let text = client()
+                .post(format!("{url}/v1/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            sse_events(&text)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let b = replica_with(&etcd.url, "/statics", 10, &statics);
+    wait_connected(&b).await;
+    let chunks = stream.await.unwrap();
+    assert!(
+        chunks.iter().all(|c| c.get("error").is_none()),
+        "{chunks:?}"
+    );
+    assert_eq!(streamed_token_ids(&chunks).len(), 100);
+    let text = metrics_text(&a).await;
+    let resumes: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("connex_resumes_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(resumes, 0.0, "the stream was moved: {text}");
+    assert_eq!(
+        states(&b).await.values().filter(|s| *s == "ready").count(),
+        2
+    );
+}

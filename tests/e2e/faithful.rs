@@ -665,3 +665,23 @@ async fn a_client_that_disconnects_aborts_the_decoder_within_one_event() {
     );
     assert!(after <= 1, "the decoder went on for {after} tokens");
 }
+
+/// The router matches stop strings on every chunk it relays: their number and
+/// length are bounded, and a request past the bound is a clear 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_many_or_too_long_stop_strings_are_a_400() {
+    let router = router(&[]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let _decoder = engine(Some(&router), "decode", &[]);
+    wait_ready(&router, 2).await;
+    let many: Vec<String> = (0..65).map(|i| format!("stop{i}")).collect();
+    let long = "x".repeat(1025);
+    for stop in [json!(many), json!([long])] {
+        let body = json!({"model":"mock","prompt":"hi","max_tokens":4,"stop":stop});
+        let (status, answer) = post(&router, "/v1/completions", &body).await;
+        assert_eq!(status, 400, "{answer}");
+        assert_eq!(answer["error"]["param"], "stop", "{answer}");
+    }
+    let body = json!({"model":"mock","prompt":"hi","max_tokens":4,"stop":["a", "b"]});
+    assert_eq!(post(&router, "/v1/completions", &body).await.0, 200);
+}

@@ -623,3 +623,23 @@ async fn traces_continue_the_clients_trace_to_every_engine_call_and_are_exported
     assert_eq!(d1_trace, trace_id);
     assert_eq!(d1_parent, second.span_id);
 }
+
+/// Model names no engine serves are refused before they become a label: a
+/// client sending made-up names must not grow the metric series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn made_up_model_names_do_not_become_metric_series() {
+    let router = router(&[]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let _decoder = engine(Some(&router), "decode", &[]);
+    wait_ready(&router, 2).await;
+    for i in 0..20 {
+        let body = json!({"model": format!("made-up-{i}"), "prompt": "x", "max_tokens": 2});
+        let (status, _) = post(&router, "/v1/completions", &body).await;
+        assert_eq!(status, 404);
+    }
+    let body = json!({"model": "mock", "prompt": "x", "max_tokens": 2});
+    assert_eq!(post(&router, "/v1/completions", &body).await.0, 200);
+    let text = metrics_text(&router).await;
+    assert!(text.contains("model=\"mock\""), "{text}");
+    assert!(!text.contains("made-up-"), "{text}");
+}

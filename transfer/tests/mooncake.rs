@@ -22,7 +22,12 @@ struct StalledHolder(Child, String);
 impl StalledHolder {
     fn start() -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_connex-transfer-holder"))
-            .args(["--backend", "mooncake", "--hold", &format!("{ID}:8:1048576")])
+            .args([
+                "--backend",
+                "mooncake",
+                "--hold",
+                &format!("{ID}:8:1048576"),
+            ])
             .args(["--stall-after-bytes", "0"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

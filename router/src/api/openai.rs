@@ -67,10 +67,9 @@ async fn generate(
         }
         .await;
         match checked {
-            Ok((info, value)) => {
-                record.set_model(&info.model);
-                crate::pd::run(state, info, value, record).await
-            }
+            // The model label is set once the model is known to be served
+            // (pd::start): a client's made-up names must not become series.
+            Ok((info, value)) => crate::pd::run(state, info, value, record).await,
             Err(error) => {
                 record.finish(error.status().as_u16());
                 Err(error)

@@ -43,6 +43,7 @@ pub async fn forward(
     body: Body,
 ) -> Result<Response, ApiError> {
     let mut record = RequestRecord::new(path, super::openai::request_id(&headers));
+    crate::traces::continue_trace(record.span(), &headers);
     let span = record.span().clone();
     let result = run(&state, path, &headers, body, &mut record)
         .instrument(span)

@@ -80,6 +80,7 @@ async fn start(
     if !state.registry.knows_model(&info.model) {
         return Err(ApiError::ModelNotFound(info.model.clone()));
     }
+    record.set_model(&info.model);
     let journal = state.journal.open_at(
         &info.request_id,
         info.route.path(),

@@ -112,8 +112,31 @@ pub fn validate(
                 .unwrap_or(0);
             usize::try_from(top).unwrap_or(usize::MAX)
         }),
-        stop: super::stops::StopStrings::of(body),
+        stop: checked_stops(body)?,
     })
+}
+
+/// Most stop strings a request may have, and longest: the router matches
+/// them on every chunk it relays, so their cost is bounded here.
+const MAX_STOPS: usize = 64;
+const MAX_STOP_CHARS: usize = 1024;
+
+fn checked_stops(body: &Value) -> Result<Option<super::stops::StopStrings>, ApiError> {
+    let stops = super::stops::StopStrings::of(body);
+    if let Some(given) = &stops {
+        if given.stops.len() > MAX_STOPS
+            || given
+                .stops
+                .iter()
+                .any(|s| s.chars().count() > MAX_STOP_CHARS)
+        {
+            return Err(ApiError::bad_request(
+                format!("`stop` takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters"),
+                Some("stop"),
+            ));
+        }
+    }
+    Ok(stops)
 }
 
 fn optional_bool(

@@ -19,6 +19,9 @@ pub struct StopStrings {
     pub stops: Vec<String>,
     /// `include_stop_str_in_output`.
     pub include: bool,
+    /// Characters of text that could be the start of a stop string (the
+    /// longest stop minus one), computed once.
+    reach: usize,
 }
 
 impl StopStrings {
@@ -41,17 +44,17 @@ impl StopStrings {
             .get("include_stop_str_in_output")
             .and_then(Value::as_bool)
             .unwrap_or(false);
-        Some(Self { stops, include })
+        let reach = stops.iter().map(|s| s.chars().count()).max().unwrap_or(1) - 1;
+        Some(Self {
+            stops,
+            include,
+            reach,
+        })
     }
 
     /// Characters of text that could be the start of a stop string.
     fn reach(&self) -> usize {
-        self.stops
-            .iter()
-            .map(|s| s.chars().count())
-            .max()
-            .unwrap_or(1)
-            - 1
+        self.reach
     }
 
     /// Characters held back: what could be the start of a stop string, unless
@@ -230,10 +233,11 @@ mod tests {
     use super::*;
 
     fn matcher(stops: &[&str], include: bool) -> Matcher {
-        let strings = StopStrings {
-            stops: stops.iter().map(|s| s.to_string()).collect(),
-            include,
-        };
+        let strings = StopStrings::of(&json!({
+            "stop": stops,
+            "include_stop_str_in_output": include,
+        }))
+        .expect("stops");
         Matcher::new(strings, 1)
     }
 
@@ -303,7 +307,8 @@ mod tests {
             StopStrings::of(&json!({"stop": ["a", "bc"], "include_stop_str_in_output": true})),
             Some(StopStrings {
                 stops: vec!["a".into(), "bc".into()],
-                include: true
+                include: true,
+                reach: 1,
             })
         );
     }

@@ -279,7 +279,11 @@ pub async fn engine_generations(engine: &Proc) -> Vec<Value> {
     engine_requests(engine)
         .await
         .into_iter()
-        .filter(|r| r["path"].as_str().is_some_and(|p| p.ends_with("completions")))
+        .filter(|r| {
+            r["path"]
+                .as_str()
+                .is_some_and(|p| p.ends_with("completions"))
+        })
         .collect()
 }
 
