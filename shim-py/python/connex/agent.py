@@ -255,11 +255,15 @@ class Agent:
         except OSError as err:
             logger.debug("KV events not forwarded: %s", err)
             return False
-        if status == 404:
-            return False
+        if status == 404 or status >= 500:
+            return False  # not registered there yet, or the router is failing: later
         if status >= 400:
-            # Refused for good (a bad batch): dropping it beats retrying forever.
+            # Refused for good (a bad or too large batch): dropped, and the
+            # router's index of this engine is cleared next, since a lost
+            # removal would leave it claiming blocks the engine evicted.
             logger.warning("router refused KV events (HTTP %s): %s", status, reply)
+            if self.kv_events is not None:
+                self.kv_events.reset()
         return True
 
     def deregister(self) -> None:
