@@ -57,3 +57,16 @@ def test_inline_secrets_still_work_with_a_warning(caplog):
         cfg = ConnexConfig.from_extra({"register_token": "t", "transfer_secret": "s"}, 14579)
     assert (cfg.register_token, cfg.transfer_secret) == ("t", "s")
     assert "CONNEX_REGISTER_TOKEN" in caplog.text and "CONNEX_TRANSFER_SECRET" in caplog.text
+
+
+def test_the_hold_mode_defaults_to_staged_on_a_gpu_and_in_place_on_the_cpu():
+    cfg = ConnexConfig.from_extra({}, 14579)
+    assert (cfg.hold_mode("cuda"), cfg.hold_mode("cpu")) == ("staged", "in_place")
+    for mode in ("staged", "in_place"):
+        cfg = ConnexConfig.from_extra({"hold": mode}, 14579)
+        assert (cfg.hold_mode("cuda"), cfg.hold_mode("cpu")) == (mode, mode)
+
+
+def test_an_unknown_hold_mode_is_a_config_error():
+    with pytest.raises(ConfigError, match="hold must be one of"):
+        ConnexConfig.from_extra({"hold": "pinned"}, 14579)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -106,6 +107,9 @@ class Engine:
         ]
         if self.kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        # Every engine's extra flags from the environment (tests/gpu/run: each
+        # engine's share of one GPU).
+        args += shlex.split(os.environ.get("CONNEX_VLLM_EXTRA_ARGS", ""))
         args += self.extra_args
         env = dict(os.environ)
         env.update(

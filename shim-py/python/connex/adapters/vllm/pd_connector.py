@@ -62,6 +62,16 @@ def local_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Lay
     )
 
 
+def kv_device_type(vllm_config: VllmConfig) -> str:
+    """Where this engine's KV cache lives: "cpu", "cuda", ..."""
+    device_type = getattr(vllm_config.device_config, "device_type", None)
+    if not device_type:
+        from vllm.platforms import current_platform
+
+        device_type = current_platform.device_type
+    return str(device_type)
+
+
 class ConnexConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -75,6 +85,8 @@ class ConnexConnector(KVConnectorBase_V1):
         self.engine_id = str(ktc.engine_id)
         is_producer = bool(ktc.is_kv_producer)
         is_consumer = bool(ktc.is_kv_consumer)
+        # Staged or in place: the same answer in the scheduler and the workers.
+        self.hold_mode = self.cfg.hold_mode(kv_device_type(vllm_config))
         self.scheduler: ConnexScheduler | None = None
         self.worker: ConnexWorker | None = None
         self.agent: Agent | None = None
@@ -87,6 +99,7 @@ class ConnexConnector(KVConnectorBase_V1):
                 is_producer,
                 is_consumer,
                 keeper,
+                hold_mode=self.hold_mode,
             )
             if self.cfg.router:
                 self._start_agent(vllm_config, is_producer, is_consumer)
@@ -101,6 +114,7 @@ class ConnexConnector(KVConnectorBase_V1):
                 list(groups[0].layer_names) if groups else [],
                 is_producer,
                 is_consumer,
+                hold_mode=self.hold_mode,
             )
 
     def _make_keeper(self) -> HoldKeeper:
@@ -206,7 +220,8 @@ class ConnexConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        # Nothing to save: a hold serves the KV cache in place.
+        # Nothing to save per layer: holds are taken (in place or staged) once
+        # the whole forward has run, in wait_for_save.
         return
 
     def wait_for_save(self) -> None:
