@@ -25,7 +25,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
-PYTHON = str(ROOT / ".venv" / "bin" / "python")
+# The engines' interpreter: the repo's venv, or another with its own vLLM build
+# (tests/gpu/run: the CUDA one).
+PYTHON = os.environ.get("CONNEX_VLLM_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
 BIN_DIR = Path(os.environ.get("CONNEX_BIN_DIR", ROOT / "target" / "debug"))
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
