@@ -274,3 +274,22 @@ def test_the_worker_stages_a_hold_in_its_step_and_never_reports_it_as_a_send():
         assert not worker.staged.owns(transfer_id)
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "word"),
+    [
+        ((NB, 4, 64), torch.bfloat16, 8),
+        ((NB, 3, 10), torch.bfloat16, 4),
+        ((NB, 3, 5), torch.bfloat16, 2),
+        ((NB, 3, 5), torch.uint8, 1),
+    ],
+)
+def test_copies_move_the_widest_words_the_layout_allows_and_stay_exact(shape, dtype, word):
+    src = random_like(torch.zeros(shape, dtype=dtype, device=DEVICE), 60)
+    dst = torch.zeros_like(src)
+    assert kv_layer(src).word == word
+    buf = host_buffer(hold_bytes([kv_layer(src)], 2), src.device)
+    gather_blocks([kv_layer(src)], [5, 2], buf)
+    scatter_blocks([kv_layer(dst)], [0, 1], buf)
+    assert block(dst, 0, 0) == block(src, 0, 5) and block(dst, 0, 1) == block(src, 0, 2)

@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     import torch
 
 
+def _word_dtypes() -> dict[int, Any]:
+    import torch
+
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
 @dataclass(frozen=True)
 class KVLayer:
     """One layer's KV tensor and where its blocks' bytes are in it."""
@@ -41,17 +47,36 @@ class KVLayer:
             raise LayoutError(f"pieces of unequal lengths {sorted(lengths)} cannot be staged")
         return lengths.pop()
 
+    @property
+    def word(self) -> int:
+        """The widest element size (8, 4, 2 or 1 bytes) that every offset and
+        length of this layer's pieces is a multiple of: copies move words, not
+        bytes (torch's indexed copies go element by element)."""
+        start = self.tensor.storage_offset() * self.tensor.element_size()
+        sizes = [start, self.layout.block_stride]
+        sizes += [n for piece in self.layout.pieces for n in piece]
+        for word in (8, 4, 2):
+            if all(n % word == 0 for n in sizes):
+                return word
+        return 1
+
     def piece_views(self) -> list[torch.Tensor]:
-        """Per piece, a byte view `[num_blocks, piece_len]` of the tensor's
-        storage whose row b is that piece of block b (writes go through)."""
+        """Per piece, a view `[num_blocks, piece_len / word]` of the tensor's
+        storage, in words of `word` bytes, whose row b is that piece of block b
+        (writes go through)."""
         import torch
 
+        word = self.word
         storage = self.tensor.untyped_storage()
-        raw = torch.empty(0, dtype=torch.uint8, device=self.tensor.device)
-        raw.set_(storage, 0, (storage.nbytes(),), (1,))
+        raw = torch.empty(0, dtype=_word_dtypes()[word], device=self.tensor.device)
+        raw.set_(storage, 0, (storage.nbytes() // word,), (1,))
         start = self.tensor.storage_offset() * self.tensor.element_size()
         return [
-            raw.as_strided((self.num_blocks, length), (self.layout.block_stride, 1), start + off)
+            raw.as_strided(
+                (self.num_blocks, length // word),
+                (self.layout.block_stride // word, 1),
+                (start + off) // word,
+            )
             for off, length in self.layout.pieces
         ]
 
@@ -142,16 +167,17 @@ def gather_blocks(layers: list[KVLayer], block_ids: list[int], out: torch.Tensor
         raise ValueError(f"buffer of {out.numel()} bytes for a hold of {hold_bytes(layers, n)}")
     at = 0
     for layer in layers:
-        pieces, length = len(layer.layout.pieces), layer.piece_len
+        pieces, length, word = len(layer.layout.pieces), layer.piece_len, layer.word
         size = n * pieces * length
-        dst = out[at : at + size].view(n, pieces, length)
+        words = out[at : at + size].view(_word_dtypes()[word])
+        dst = words.view(n, pieces, length // word)
         ids = _ids(block_ids, layer.tensor.device)
         views = layer.piece_views()
         if layer.tensor.device == out.device and pieces == 1:
             torch.index_select(views[0], 0, ids, out=dst[:, 0, :])
         else:
             # Gathered on the cache's device, then one contiguous copy to host.
-            staged = torch.empty((n, pieces, length), dtype=torch.uint8, device=ids.device)
+            staged = torch.empty((n, pieces, length // word), dtype=words.dtype, device=ids.device)
             for p, view in enumerate(views):
                 staged[:, p, :] = view.index_select(0, ids)
             dst.copy_(staged, non_blocking=True)
@@ -167,11 +193,11 @@ def scatter_blocks(layers: list[KVLayer], block_ids: list[int], src: torch.Tenso
         raise ValueError(f"buffer of {src.numel()} bytes for a hold of {hold_bytes(layers, n)}")
     at = 0
     for layer in layers:
-        pieces, length = len(layer.layout.pieces), layer.piece_len
+        pieces, length, word = len(layer.layout.pieces), layer.piece_len, layer.word
         size = n * pieces * length
         device = layer.tensor.device
         ids = _ids(block_ids, device)
-        host = src[at : at + size].view(n, pieces, length)
+        host = src[at : at + size].view(_word_dtypes()[word]).view(n, pieces, length // word)
         # One contiguous copy to the device (a no-op on the CPU), then per piece
         # an indexed write into the blocks.
         staged = host.to(device, non_blocking=True)
