@@ -62,6 +62,22 @@ def local_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Lay
     )
 
 
+def log_like_vllm() -> None:
+    """Sends the connector's log records (INFO and up) where vLLM's go: the
+    engine's log then says how KV moves (staged or in place, through host
+    memory or straight to the device). Without it, Python's default shows
+    warnings only."""
+    ours = logging.getLogger("connex")
+    if ours.handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.handlers:
+        ours.setLevel(theirs.level or logging.INFO)
+        ours.propagate = False
+
+
 def kv_device_type(vllm_config: VllmConfig) -> str:
     """Where this engine's KV cache lives: "cpu", "cuda", ..."""
     device_type = getattr(vllm_config.device_config, "device_type", None)
@@ -80,6 +96,7 @@ class ConnexConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_like_vllm()
         ktc = self._kv_transfer_config
         self.cfg = ConnexConfig.from_extra(dict(ktc.kv_connector_extra_config), ktc.kv_port)
         self.engine_id = str(ktc.engine_id)
@@ -87,6 +104,7 @@ class ConnexConnector(KVConnectorBase_V1):
         is_consumer = bool(ktc.is_kv_consumer)
         # Staged or in place: the same answer in the scheduler and the workers.
         self.hold_mode = self.cfg.hold_mode(kv_device_type(vllm_config))
+        logger.info("ConnexConnector (%s): %s holds", role.name.lower(), self.hold_mode)
         self.scheduler: ConnexScheduler | None = None
         self.worker: ConnexWorker | None = None
         self.agent: Agent | None = None
