@@ -123,7 +123,6 @@ class ConnexWorker:
     # ---- setup -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-
         request_amx_permission()
 
         names = [n for n in self.layer_order if n in kv_caches] or list(kv_caches)
