@@ -35,7 +35,9 @@ def engines(fleet) -> dict[str, harness.Engine]:
     prefill.kv_config = connex_kv("kv_producer", prefill, hold="staged", retain_s=120)
     decoder = harness.Engine("staged_decoder", core=1)
     decoder.kv_config = connex_kv("kv_consumer", decoder)
-    return fleet.ensure({"plain": plain_engine(), "prefill": prefill, "decoder": decoder})
+    # The fleet names engines by Engine.name.
+    engines = fleet.ensure({"plain": plain_engine(), prefill.name: prefill, decoder.name: decoder})
+    return {"plain": engines["plain"], "prefill": prefill, "decoder": decoder}
 
 
 def ctrl(engine: harness.Engine) -> str:
