@@ -127,8 +127,8 @@ class ConnexConfig:
         """The hold mode of an engine whose KV cache is on `device_type`: the
         setting, else staged on a GPU (in place, a hold would pin device blocks
         through the whole decode, and the tcp backend cannot read them) and in
-        place on the CPU (staging there has not been measured to pay off, see
-        docs/bench.md)."""
+        place on the CPU (it measured better there with many live holds:
+        docs/bench.md, "stage")."""
         if self.hold is not None:
             return self.hold
         return "in_place" if device_type == "cpu" else "staged"
