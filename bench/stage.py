@@ -12,6 +12,10 @@ cache (`--num-gpu-blocks-override BLOCKS`). For each engine, in alternation:
 - `live`: HOLDS holds created first and left alive (as decoders still running),
   then the same prefills: requests/s while they live.
 
+The engine not being measured is stopped (SIGSTOP) meanwhile: an in-place
+prefill with live holds steps all the time, which on a small machine would slow
+the other engine down.
+
 Last line: staged_vs_in_place_prefill_throughput_ratio=<staged / in_place req/s, HOLDS alive>
 
     python bench/stage.py [--rounds 1] [--holds 200] [--blocks 430]
@@ -20,7 +24,9 @@ Last line: staged_vs_in_place_prefill_throughput_ratio=<staged / in_place req/s,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
+import signal
 import statistics
 import sys
 import time
@@ -102,6 +108,21 @@ def alone_ms(e: harness.Engine, prompts: Prompts, reader: _transfer.Reader) -> f
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def alone(engines: dict[str, harness.Engine], measured: str):
+    """Stops the other engine while one is measured: an engine whose finished
+    requests keep their blocks (in place, holds alive) steps all the time, and on
+    a small machine that would slow its neighbour down, not itself."""
+    others = [e for m, e in engines.items() if m != measured]
+    for e in others:
+        e.kill(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for e in others:
+            e.kill(signal.SIGCONT)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=1)
@@ -121,8 +142,9 @@ def main() -> None:
             throughput(e, prompts, reader)
         for _ in range(args.rounds):
             for mode, e in engines.items():
-                results[mode]["alone_ms"].append(alone_ms(e, prompts, reader))
-                results[mode]["none"].append(throughput(e, prompts, reader))
+                with alone(engines, mode):
+                    results[mode]["alone_ms"].append(alone_ms(e, prompts, reader))
+                    results[mode]["none"].append(throughput(e, prompts, reader))
         live: dict[str, list[str]] = {}
         for mode, e in engines.items():
             # Left alive: in place they take 2 * HOLDS of the cache's blocks.
@@ -131,7 +153,8 @@ def main() -> None:
             print(f"{mode}: {alive} holds alive", file=sys.stderr)
         for _ in range(args.rounds):
             for mode, e in engines.items():
-                results[mode]["live"].append(throughput(e, prompts, reader))
+                with alone(engines, mode):
+                    results[mode]["live"].append(throughput(e, prompts, reader))
     finally:
         for e in engines.values():
             e.stop()
