@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+from collections.abc import Iterator
 
 import harness
 import pytest
@@ -26,7 +27,7 @@ CAPACITY_PROMPT = 12 * harness.BLOCK_SIZE - 4
 
 
 @pytest.fixture(scope="module")
-def engines(fleet) -> dict[str, harness.Engine]:
+def engines(fleet) -> Iterator[dict[str, harness.Engine]]:
     prefill = harness.Engine(
         "staged_prefill",
         core=0,
@@ -37,7 +38,15 @@ def engines(fleet) -> dict[str, harness.Engine]:
     decoder.kv_config = connex_kv("kv_consumer", decoder)
     # The fleet names engines by Engine.name.
     engines = fleet.ensure({"plain": plain_engine(), prefill.name: prefill, decoder.name: decoder})
-    return {"plain": engines["plain"], "prefill": prefill, "decoder": decoder}
+    try:
+        yield {"plain": engines["plain"], "prefill": prefill, "decoder": decoder}
+    finally:
+        # These engines serve this module only: free their memory for the rest
+        # of the session (the plain engine stays, it is shared).
+        for name in (prefill.name, decoder.name):
+            engine = fleet.engines.pop(name, None)
+            if engine is not None:
+                engine.stop()
 
 
 def ctrl(engine: harness.Engine) -> str:
