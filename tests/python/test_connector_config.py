@@ -59,12 +59,10 @@ def test_inline_secrets_still_work_with_a_warning(caplog):
     assert "CONNEX_REGISTER_TOKEN" in caplog.text and "CONNEX_TRANSFER_SECRET" in caplog.text
 
 
-def test_the_hold_mode_defaults_to_staged_on_a_gpu_and_in_place_on_the_cpu():
-    cfg = ConnexConfig.from_extra({}, 14579)
-    assert (cfg.hold_mode("cuda"), cfg.hold_mode("cpu")) == ("staged", "in_place")
+def test_holds_are_staged_unless_in_place_is_asked_for():
+    assert ConnexConfig.from_extra({}, 14579).hold == "staged"
     for mode in ("staged", "in_place"):
-        cfg = ConnexConfig.from_extra({"hold": mode}, 14579)
-        assert (cfg.hold_mode("cuda"), cfg.hold_mode("cpu")) == (mode, mode)
+        assert ConnexConfig.from_extra({"hold": mode}, 14579).hold == mode
 
 
 def test_an_unknown_hold_mode_is_a_config_error():

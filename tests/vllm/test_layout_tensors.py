@@ -90,8 +90,8 @@ def test_a_device_kv_cache_is_staged_through_host_memory_with_the_tcp_backend():
         worker.shutdown()
 
 
-def test_a_host_kv_cache_is_held_in_place_by_default():
-    cfg = ConnexConfig(ctrl_port=free_port())
+def test_a_host_kv_cache_held_in_place_is_registered_as_it_is():
+    cfg = ConnexConfig(ctrl_port=free_port(), hold="in_place")
     worker = ConnexWorker(cfg, 0, NB, ["l0"], is_producer=True, is_consumer=True)
     try:
         worker.register_kv_caches({"l0": torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)})

@@ -5,10 +5,11 @@ Keys: `backend` (tcp|ucx|mooncake, default tcp), `retain_s` (60), `release`
 control listener at, default 127.0.0.1), `ctrl_port` (that listener's port for TP
 rank 0; rank r listens on ctrl_port + r; default: kv_port), `hold_budget_bytes`
 (0: no cap; with staged holds, the host memory they may take), `hold`
-(staged|in_place: whether a hold serves host copies of the prompt blocks, which
-vLLM gets back right after the prompt step, or the blocks themselves, kept until
-the hold ends; default staged when the KV cache is on a GPU, in_place on the
-CPU), `pull_timeout_s` (30), `idle_step_ms` (10: how long an engine
+(staged|in_place, default staged: whether a hold serves host copies of the
+prompt blocks, which vLLM gets back right after the prompt step, or the blocks
+themselves, kept until the hold ends; in place needs a backend that moves the
+KV cache's memory, and measured slower on the CPU with many live holds,
+docs/bench.md "stage"), `pull_timeout_s` (30), `idle_step_ms` (10: how long an engine
 step that computes nothing waits while holds keep it stepping), and for
 self-registration `router` (the router's registration URL: its internal
 listener where it has one), `url` (this engine's HTTP base URL), `instance_id`.
@@ -48,8 +49,7 @@ class ConnexConfig:
     host: str = "127.0.0.1"
     ctrl_port: int = 14579
     hold_budget_bytes: int = 0
-    # None: decided by the KV cache's device (`hold_mode`).
-    hold: str | None = None
+    hold: str = "staged"
     pull_timeout_s: float = 30.0
     idle_step_ms: float = 10.0
     router: str | None = None
@@ -78,7 +78,7 @@ class ConnexConfig:
                 host=str(values.get("host", "127.0.0.1")),
                 ctrl_port=int(values["ctrl_port"]),
                 hold_budget_bytes=int(values.get("hold_budget_bytes", 0)),
-                hold=None if values.get("hold") is None else str(values["hold"]),
+                hold=str(values.get("hold", "staged")),
                 pull_timeout_s=float(values.get("pull_timeout_s", 30.0)),
                 idle_step_ms=float(values.get("idle_step_ms", 10.0)),
                 router=values.get("router"),
@@ -113,7 +113,7 @@ class ConnexConfig:
             raise ConfigError(f"backend must be one of {BACKENDS}, not {cfg.backend!r}")
         if cfg.release not in RELEASE_MODES:
             raise ConfigError(f"release must be one of {RELEASE_MODES}, not {cfg.release!r}")
-        if cfg.hold is not None and cfg.hold not in HOLD_MODES:
+        if cfg.hold not in HOLD_MODES:
             raise ConfigError(f"hold must be one of {HOLD_MODES}, not {cfg.hold!r}")
         if cfg.retain_s <= 0 or cfg.pull_timeout_s <= 0 or cfg.idle_step_ms < 0:
             raise ConfigError("retain_s, pull_timeout_s and idle_step_ms must be positive")
@@ -122,16 +122,6 @@ class ConnexConfig:
         if cfg.router and not cfg.url:
             raise ConfigError("`router` needs `url` (this engine's HTTP base URL) to register")
         return cfg
-
-    def hold_mode(self, device_type: str) -> str:
-        """The hold mode of an engine whose KV cache is on `device_type`: the
-        setting, else staged on a GPU (in place, a hold would pin device blocks
-        through the whole decode, and the tcp backend cannot read them) and in
-        place on the CPU (it measured better there with many live holds:
-        docs/bench.md, "stage")."""
-        if self.hold is not None:
-            return self.hold
-        return "in_place" if device_type == "cpu" else "staged"
 
     def ctrl_addr(self, tp_rank: int = 0) -> str:
         return f"{self.host}:{self.ctrl_port + tp_rank}"

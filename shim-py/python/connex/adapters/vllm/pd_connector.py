@@ -78,16 +78,6 @@ def log_like_vllm() -> None:
         ours.propagate = False
 
 
-def kv_device_type(vllm_config: VllmConfig) -> str:
-    """Where this engine's KV cache lives: "cpu", "cuda", ..."""
-    device_type = getattr(vllm_config.device_config, "device_type", None)
-    if not device_type:
-        from vllm.platforms import current_platform
-
-        device_type = current_platform.device_type
-    return str(device_type)
-
-
 class ConnexConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -103,7 +93,7 @@ class ConnexConnector(KVConnectorBase_V1):
         is_producer = bool(ktc.is_kv_producer)
         is_consumer = bool(ktc.is_kv_consumer)
         # Staged or in place: the same answer in the scheduler and the workers.
-        self.hold_mode = self.cfg.hold_mode(kv_device_type(vllm_config))
+        self.hold_mode = self.cfg.hold
         logger.info("ConnexConnector (%s): %s holds", role.name.lower(), self.hold_mode)
         self.scheduler: ConnexScheduler | None = None
         self.worker: ConnexWorker | None = None

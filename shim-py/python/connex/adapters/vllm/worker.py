@@ -96,8 +96,7 @@ class ConnexWorker:
         hold_mode: str | None = None,
     ) -> None:
         self.cfg = cfg
-        # None: decided from the KV cache's device when it is registered.
-        self.hold_mode = hold_mode
+        self.hold_mode = hold_mode or cfg.hold
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
         self.layer_order = layer_order
@@ -134,12 +133,9 @@ class ConnexWorker:
                 continue  # layers sharing one KV tensor
             seen.add(tensor.data_ptr())
             tensors.append(tensor)
-        device = tensors[0].device if tensors else None
         kv_layers = [
             KVLayer(t, block_layout_of(t, self.num_blocks), self.num_blocks) for t in tensors
         ]
-        if self.hold_mode is None:
-            self.hold_mode = self.cfg.hold_mode(device.type if device is not None else "cpu")
         if self.is_producer:
             self._start_holder(tensors, kv_layers)
         if self.is_consumer:
