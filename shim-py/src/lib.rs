@@ -168,8 +168,10 @@ impl Holder {
 
 #[pymethods]
 impl Holder {
+    /// `stall_after_bytes` is a fault for tests: the holder stops serving
+    /// block bytes after that many (the read stays in flight until fenced).
     #[new]
-    #[pyo3(signature = (backend="tcp", listen="127.0.0.1:0", retain_s=60.0, release="on_release", budget_bytes=0, secret=None, max_epoch=ct::DEFAULT_MAX_EPOCH))]
+    #[pyo3(signature = (backend="tcp", listen="127.0.0.1:0", retain_s=60.0, release="on_release", budget_bytes=0, secret=None, max_epoch=ct::DEFAULT_MAX_EPOCH, stall_after_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -180,6 +182,7 @@ impl Holder {
         budget_bytes: u64,
         secret: Option<String>,
         max_epoch: u32,
+        stall_after_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let retain = Duration::try_from_secs_f64(retain_s)
             .map_err(|_| PyValueError::new_err("retain_s must be a positive number of seconds"))?;
@@ -193,6 +196,10 @@ impl Holder {
             budget_bytes: (budget_bytes > 0).then_some(budget_bytes),
             secret: self::secret(secret),
             max_epoch,
+            faults: ct::Faults {
+                stall_after_bytes,
+                ..ct::Faults::default()
+            },
             ..ct::HolderConfig::default()
         };
         let rt = runtime()?;
@@ -208,6 +215,19 @@ impl Holder {
     #[getter]
     fn ctrl_addr(&self) -> PyResult<String> {
         Ok(self.get()?.ctrl_addr().to_string())
+    }
+
+    /// Whether the backend serves GPU memory directly (UCX built with CUDA);
+    /// false: register host memory only.
+    #[getter]
+    fn moves_device_memory(&self) -> PyResult<bool> {
+        Ok(self.get()?.device_memory())
+    }
+
+    /// Draining holds: freed, but not reported by `freed()` yet because a
+    /// read of them has not stopped.
+    fn draining(&self) -> PyResult<usize> {
+        Ok(self.get()?.draining())
     }
 
     /// Registers caller-owned memory (e.g. `tensor.data_ptr()`); it must stay
@@ -324,6 +344,13 @@ impl Reader {
         Ok(Self {
             inner: Arc::new(ct::Reader::with_config(config).map_err(to_py)?),
         })
+    }
+
+    /// Whether the backend writes GPU memory directly (UCX built with CUDA);
+    /// false: pull into host memory, then copy to the device.
+    #[getter]
+    fn moves_device_memory(&self) -> bool {
+        self.inner.device_memory()
     }
 
     /// Registers caller-owned destination memory; it must stay valid while

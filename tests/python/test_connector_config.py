@@ -57,3 +57,14 @@ def test_inline_secrets_still_work_with_a_warning(caplog):
         cfg = ConnexConfig.from_extra({"register_token": "t", "transfer_secret": "s"}, 14579)
     assert (cfg.register_token, cfg.transfer_secret) == ("t", "s")
     assert "CONNEX_REGISTER_TOKEN" in caplog.text and "CONNEX_TRANSFER_SECRET" in caplog.text
+
+
+def test_holds_are_staged_unless_in_place_is_asked_for():
+    assert ConnexConfig.from_extra({}, 14579).hold == "staged"
+    for mode in ("staged", "in_place"):
+        assert ConnexConfig.from_extra({"hold": mode}, 14579).hold == mode
+
+
+def test_an_unknown_hold_mode_is_a_config_error():
+    with pytest.raises(ConfigError, match="hold must be one of"):
+        ConnexConfig.from_extra({"hold": "pinned"}, 14579)

@@ -129,6 +129,9 @@ def test_vllm_pools_use_the_connex_connector_and_register_with_the_routers():
         # The token stays out of argv (ps, vLLM's startup log): the agent
         # reads it from its environment.
         assert "register_token" not in extra
+        # GPU pods with the tcp backend: KV moves through host memory.
+        assert (extra["backend"], extra["hold"]) == ("tcp", "staged")
+        assert extra["hold_budget_bytes"] == 8 << 30
         assert "reg" not in json.dumps(ktc).replace("register", "")
         env = {e["name"] for e in c["env"]}
         assert {"POD_IP", "POD_NAME", "CONNEX_REGISTER_TOKEN"} <= env

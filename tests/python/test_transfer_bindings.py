@@ -292,3 +292,14 @@ def test_bad_epochs_and_timeouts_are_value_errors():
     reader.pull(holder.ctrl_addr, hold, 0, blocks)
     assert bytes(dest) == bytes(BLOCK)
     holder.close()
+
+
+def test_the_tcp_backend_reports_it_cannot_move_device_memory():
+    """The connector stages a GPU KV cache through host memory for a backend
+    that says so; tcp must always say so (it reads raw host addresses)."""
+    holder = t.Holder(backend="tcp", listen="127.0.0.1:0")
+    try:
+        assert holder.moves_device_memory is False
+    finally:
+        holder.close()
+    assert t.Reader(backend="tcp").moves_device_memory is False

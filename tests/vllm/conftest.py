@@ -68,8 +68,12 @@ def plain(fleet, request) -> harness.Engine:
 
 
 def connex_kv(role: str, engine: harness.Engine, **extra) -> dict:
-    """A --kv-transfer-config for ConnexConnector; `policy` sets the load failure policy."""
+    """A --kv-transfer-config for ConnexConnector; `policy` sets the load failure
+    policy. Holds are in place unless `hold="staged"` is given: the tier's
+    tests of holds (leases, expiry, release, resume) watch the prefill's own
+    blocks; tests/vllm/test_staged_pd.py covers staged holds."""
     policy = extra.pop("policy", "recompute")
+    extra.setdefault("hold", "in_place")
     return {
         "kv_connector": "ConnexConnector",
         "kv_connector_module_path": "connex.adapters.vllm.pd_connector",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -24,7 +25,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
-PYTHON = str(ROOT / ".venv" / "bin" / "python")
+# The engines' interpreter: the repo's venv, or another with its own vLLM build
+# (tests/gpu/run: the CUDA one).
+PYTHON = os.environ.get("CONNEX_VLLM_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
 BIN_DIR = Path(os.environ.get("CONNEX_BIN_DIR", ROOT / "target" / "debug"))
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
@@ -106,6 +109,9 @@ class Engine:
         ]
         if self.kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        # Every engine's extra flags from the environment (tests/gpu/run: each
+        # engine's share of one GPU).
+        args += shlex.split(os.environ.get("CONNEX_VLLM_EXTRA_ARGS", ""))
         args += self.extra_args
         env = dict(os.environ)
         env.update(

@@ -75,7 +75,13 @@ def make_scheduler(
             kv_connector_module_path="connex.adapters.vllm.pd_connector",
             kv_role=kv_role,
             engine_id=f"engine-{kv_role}",
-            kv_connector_extra_config={"ctrl_port": 17000, "retain_s": 30, **(extra or {})},
+            # Holds in place unless a test asks for staged ones.
+            kv_connector_extra_config={
+                "ctrl_port": 17000,
+                "retain_s": 30,
+                "hold": "in_place",
+                **(extra or {}),
+            },
             kv_load_failure_policy=policy,
         ),
         device_config=DeviceConfig("cpu"),

@@ -7,6 +7,7 @@ connector would move for block b."""
 from __future__ import annotations
 
 import ctypes
+import socket
 
 import pytest
 import torch
@@ -64,7 +65,44 @@ def test_the_tcp_backend_refuses_a_kv_cache_that_is_not_in_host_memory():
     device_cache = torch.empty(NB, H, BS, 2 * D, dtype=torch.bfloat16, device="meta")
     with pytest.raises(LayoutError, match="tcp transfer backend moves host memory only"):
         layer_region(device_cache, NB, "tcp")
-    worker = ConnexWorker(ConnexConfig(), 0, NB, ["l0"], is_producer=True, is_consumer=False)
+    worker = ConnexWorker(
+        ConnexConfig(), 0, NB, ["l0"], is_producer=True, is_consumer=False, hold_mode="in_place"
+    )
     with pytest.raises(LayoutError, match="on meta"):
         worker.register_kv_caches({"l0": device_cache})
     assert worker.holder is None  # refused before anything listens or is registered
+
+
+def test_a_device_kv_cache_is_staged_through_host_memory_with_the_tcp_backend():
+    """By default a device cache is held staged (host copies) and pulled into
+    host memory first: no device address ever reaches the tcp backend."""
+    device_cache = torch.empty(NB, H, BS, 2 * D, dtype=torch.bfloat16, device="meta")
+    cfg = ConnexConfig(ctrl_port=free_port())
+    worker = ConnexWorker(cfg, 0, NB, ["l0"], is_producer=True, is_consumer=True)
+    try:
+        worker.register_kv_caches({"l0": device_cache})
+        assert worker.hold_mode == "staged"
+        assert worker.staged is not None and worker.staged_reads is not None
+        assert worker._holder_rids == [] and worker._reader_rids == []
+        assert worker.reader is not None and not worker.reader.moves_device_memory
+        assert worker.holder is not None and not worker.holder.moves_device_memory
+    finally:
+        worker.shutdown()
+
+
+def test_a_host_kv_cache_held_in_place_is_registered_as_it_is():
+    cfg = ConnexConfig(ctrl_port=free_port(), hold="in_place")
+    worker = ConnexWorker(cfg, 0, NB, ["l0"], is_producer=True, is_consumer=True)
+    try:
+        worker.register_kv_caches({"l0": torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)})
+        assert worker.hold_mode == "in_place"
+        assert worker.staged is None and worker.staged_reads is None
+        assert len(worker._holder_rids) == 1 and len(worker._reader_rids) == 1
+    finally:
+        worker.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

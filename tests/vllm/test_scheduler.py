@@ -103,6 +103,41 @@ def test_prefill_aborted_after_prompt_drops_its_hold_before_freeing():
     assert_empty(sched)
 
 
+def test_a_staged_prefill_gives_its_blocks_back_right_after_the_prompt_step():
+    sched = make_scheduler("kv_producer", extra={"hold": "staged"})
+    free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    request = make_request(
+        prompt_of(70), max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    sched.add_request(request)
+    out, outputs = step(sched)
+    # The worker copies the blocks in this step ...
+    (hold,) = out.kv_connector_metadata.holds
+    assert len(hold.block_ids) == 3
+    # ... so when the request finishes its params point at the hold, and its
+    # blocks are vLLM's again without any finished_sending.
+    (done,) = outputs
+    assert done.kv_transfer_params["transfer_id"] == hold.transfer_id
+    assert done.kv_transfer_params["remote_block_ids"] == hold.block_ids
+    assert_empty(sched)
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+
+
+def test_a_staged_hold_of_an_aborted_request_is_dropped_and_its_blocks_freed_at_once():
+    sched = make_scheduler("kv_producer", extra={"hold": "staged"})
+    request = make_request(
+        prompt_of(40), max_tokens=4, kv_transfer_params={"do_remote_decode": True}
+    )
+    sched.add_request(request)
+    out, _ = step(sched)
+    (hold,) = out.kv_connector_metadata.holds
+    sched.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    assert request.request_id not in sched.requests  # a copy is held, not the blocks
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.drops == [hold.transfer_id]
+    assert_empty(sched)
+
+
 def test_plain_requests_on_a_prefill_are_untouched():
     sched = make_scheduler("kv_producer")
     request = make_request(prompt_of(40), max_tokens=2)

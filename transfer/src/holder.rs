@@ -84,6 +84,12 @@ impl Holder {
         self.shared.backend.kind()
     }
 
+    /// Whether the backend can serve GPU memory directly (else the engine
+    /// holds host copies of its device KV).
+    pub fn device_memory(&self) -> bool {
+        self.shared.backend.device_memory()
+    }
+
     /// Registers memory that holds may then reference.
     pub fn register_region(&self, region: Region) -> Result<RegionId> {
         let entry = self.shared.regions.register(region);

@@ -73,6 +73,12 @@ impl Reader {
         self.backend.kind()
     }
 
+    /// Whether the backend can write GPU memory directly (else a decoder
+    /// whose KV cache is on a GPU pulls into host memory and copies).
+    pub fn device_memory(&self) -> bool {
+        self.backend.device_memory()
+    }
+
     /// The control client this reader uses (release, renew, stat).
     pub fn ctrl(&self) -> &CtrlClient {
         &self.ctrl

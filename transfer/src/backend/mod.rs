@@ -69,6 +69,14 @@ pub(crate) enum Role<'a> {
 pub(crate) trait Backend: Send + Sync + 'static {
     fn kind(&self) -> BackendKind;
 
+    /// Whether this transport can read and write GPU memory itself (a
+    /// registered region may then be a device address). Decided at run time
+    /// from the library actually loaded; false means host memory only, and
+    /// the engine stages device KV through host buffers.
+    fn device_memory(&self) -> bool {
+        false
+    }
+
     /// Holder: makes a region readable by remote readers.
     fn expose(&self, region: &RegionEntry) -> Result<Exposure>;
 

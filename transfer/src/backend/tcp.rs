@@ -227,4 +227,11 @@ mod tests {
         assert_eq!(stripes(256 << 20, 4), 4);
         assert_eq!(stripes(256 << 20, 0), 1);
     }
+
+    #[test]
+    fn tcp_never_claims_device_memory() {
+        // It reads and writes raw host addresses: a device pointer must be
+        // staged through host memory by the engine, never handed to it.
+        assert!(!TcpBackend.device_memory());
+    }
 }

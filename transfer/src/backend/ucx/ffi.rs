@@ -8,7 +8,7 @@
 use crate::error::{Result, TransferError};
 use connex_ucx_sys as sys;
 use std::ffi::CStr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 fn status_text(status: sys::ucs_status_t) -> String {
@@ -173,6 +173,29 @@ impl Ucx {
             Ok(Endpoint(ep))
         }
     }
+}
+
+/// Whether the UCX library loaded here moves CUDA memory (it was built with
+/// CUDA and found the CUDA driver): asked once of a context of our own, as
+/// its supported memory types. Without it, UCX treats every address as host
+/// memory, so a device pointer must never reach it.
+pub(super) fn cuda_memory_supported() -> bool {
+    static SUPPORTED: OnceLock<bool> = OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        let Ok(ucx) = Ucx::new() else {
+            return false;
+        };
+        // SAFETY: the context is live; attr is a zeroed C struct with only
+        // the masked field asked for.
+        unsafe {
+            let mut attr: sys::ucp_context_attr_t = std::mem::zeroed();
+            attr.field_mask = sys::UCP_ATTR_FIELD_MEMORY_TYPES as u64;
+            if sys::ucp_context_query(ucx.context, &mut attr) != sys::UCS_OK {
+                return false;
+            }
+            attr.memory_types & (1u64 << sys::UCS_MEMORY_TYPE_CUDA) != 0
+        }
+    })
 }
 
 impl Drop for Ucx {

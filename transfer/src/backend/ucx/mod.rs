@@ -57,6 +57,10 @@ impl Backend for UcxBackend {
         BackendKind::Ucx
     }
 
+    fn device_memory(&self) -> bool {
+        ffi::cuda_memory_supported()
+    }
+
     fn expose(&self, region: &RegionEntry) -> Result<Exposure> {
         match self {
             Self::Holder(holder) => holder.expose(region),

@@ -4,7 +4,12 @@ Keys: `backend` (tcp|ucx|mooncake, default tcp), `retain_s` (60), `release`
 (on_release|after_pull), `host` (the address decoders reach this engine's hold
 control listener at, default 127.0.0.1), `ctrl_port` (that listener's port for TP
 rank 0; rank r listens on ctrl_port + r; default: kv_port), `hold_budget_bytes`
-(0: no cap), `pull_timeout_s` (30), `idle_step_ms` (10: how long an engine
+(0: no cap; with staged holds, the host memory they may take), `hold`
+(staged|in_place, default staged: whether a hold serves host copies of the
+prompt blocks, which vLLM gets back right after the prompt step, or the blocks
+themselves, kept until the hold ends; in place needs a backend that moves the
+KV cache's memory, and measured slower on the CPU with many live holds,
+docs/bench.md "stage"), `pull_timeout_s` (30), `idle_step_ms` (10: how long an engine
 step that computes nothing waits while holds keep it stepping), and for
 self-registration `router` (the router's registration URL: its internal
 listener where it has one), `url` (this engine's HTTP base URL), `instance_id`.
@@ -29,6 +34,7 @@ logger = logging.getLogger("connex.vllm.config")
 
 BACKENDS = ("tcp", "ucx", "mooncake")
 RELEASE_MODES = ("on_release", "after_pull")
+HOLD_MODES = ("staged", "in_place")
 
 
 class ConfigError(ValueError):
@@ -43,6 +49,7 @@ class ConnexConfig:
     host: str = "127.0.0.1"
     ctrl_port: int = 14579
     hold_budget_bytes: int = 0
+    hold: str = "staged"
     pull_timeout_s: float = 30.0
     idle_step_ms: float = 10.0
     router: str | None = None
@@ -71,6 +78,7 @@ class ConnexConfig:
                 host=str(values.get("host", "127.0.0.1")),
                 ctrl_port=int(values["ctrl_port"]),
                 hold_budget_bytes=int(values.get("hold_budget_bytes", 0)),
+                hold=str(values.get("hold", "staged")),
                 pull_timeout_s=float(values.get("pull_timeout_s", 30.0)),
                 idle_step_ms=float(values.get("idle_step_ms", 10.0)),
                 router=values.get("router"),
@@ -105,6 +113,8 @@ class ConnexConfig:
             raise ConfigError(f"backend must be one of {BACKENDS}, not {cfg.backend!r}")
         if cfg.release not in RELEASE_MODES:
             raise ConfigError(f"release must be one of {RELEASE_MODES}, not {cfg.release!r}")
+        if cfg.hold not in HOLD_MODES:
+            raise ConfigError(f"hold must be one of {HOLD_MODES}, not {cfg.hold!r}")
         if cfg.retain_s <= 0 or cfg.pull_timeout_s <= 0 or cfg.idle_step_ms < 0:
             raise ConfigError("retain_s, pull_timeout_s and idle_step_ms must be positive")
         if not 0 < cfg.ctrl_port < 65536:

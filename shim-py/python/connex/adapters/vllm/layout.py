@@ -16,9 +16,10 @@ remaining (outer) dimensions is another piece. Layouts that would scatter a
 block over more than `MAX_PIECES` pieces are refused rather than moved slowly,
 and so is a tensor whose block dimension cannot be told apart.
 
-Only the transfer backends that move device memory may be given a device
-tensor: the tcp backend reads and writes host addresses, so a CUDA KV cache is
-refused with a clear error before any of its addresses is used.
+Only a transfer backend that moves device memory may be given a device tensor
+(UCX that reports CUDA support at run time): the tcp backend reads and writes
+host addresses, so a CUDA KV cache is refused with a clear error before any of
+its addresses is used, and moved through host copies instead (`staging.py`).
 """
 
 from __future__ import annotations
@@ -117,20 +118,37 @@ def block_layout(
     return BlockLayout(strides[block_dim] * element_size, pieces, span)
 
 
-def check_host_memory(tensor: torch.Tensor, backend: str) -> None:
-    """Refuses a tensor a host-only backend would read and write as host memory."""
+def check_host_memory(
+    tensor: torch.Tensor, backend: str, moves_device_memory: bool = False
+) -> None:
+    """Refuses to hand a backend memory it would read and write as host memory:
+    a tensor off the CPU, unless the backend reported that it moves device
+    memory (`moves_device_memory`, detected at run time; never for tcp)."""
     device = tensor.device
-    if backend in HOST_ONLY_BACKENDS and device.type != "cpu":
-        raise LayoutError(
-            f"the {backend} transfer backend moves host memory only, and this KV cache "
-            f"is on {device}; use a backend that moves device memory (ucx, mooncake) "
-            "or run the engine's KV cache on the CPU"
-        )
+    if device.type == "cpu" or (moves_device_memory and backend not in HOST_ONLY_BACKENDS):
+        return
+    what = (
+        f"the {backend} transfer backend moves host memory only"
+        if backend in HOST_ONLY_BACKENDS
+        else f"the {backend} transfer backend loaded here cannot move device memory"
+    )
+    raise LayoutError(
+        f"{what}, and this KV cache is on {device}; use staged holds (`hold: staged`), "
+        "a backend built with device memory support (ucx with CUDA), or a KV cache on the CPU"
+    )
 
 
-def tensor_layout(tensor: torch.Tensor, num_blocks: int, backend: str) -> BlockLayout:
-    """The block addressing of a layer's KV tensor, after the device check."""
-    check_host_memory(tensor, backend)
+def tensor_layout(
+    tensor: torch.Tensor, num_blocks: int, backend: str, moves_device_memory: bool = False
+) -> BlockLayout:
+    """The block addressing of a layer's KV tensor that `backend` moves in
+    place, after the device check."""
+    check_host_memory(tensor, backend, moves_device_memory)
+    return block_layout_of(tensor, num_blocks)
+
+
+def block_layout_of(tensor: torch.Tensor, num_blocks: int) -> BlockLayout:
+    """The block addressing of a layer's KV tensor, wherever it lives."""
     return block_layout(
         tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(), num_blocks
     )

@@ -82,6 +82,22 @@ def kv_events_endpoint(vllm_config: VllmConfig) -> str | None:
     return endpoint if isinstance(endpoint, str) else None
 
 
+def log_like_vllm() -> None:
+    """Sends the connector's log records (INFO and up) where vLLM's go: the
+    engine's log then says how KV moves (staged or in place, through host
+    memory or straight to the device). Without it, Python's default shows
+    warnings only."""
+    ours = logging.getLogger("connex")
+    if ours.handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.handlers:
+        ours.setLevel(theirs.level or logging.INFO)
+        ours.propagate = False
+
+
 class ConnexConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -90,11 +106,15 @@ class ConnexConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_like_vllm()
         ktc = self._kv_transfer_config
         self.cfg = ConnexConfig.from_extra(dict(ktc.kv_connector_extra_config), ktc.kv_port)
         self.engine_id = str(ktc.engine_id)
         is_producer = bool(ktc.is_kv_producer)
         is_consumer = bool(ktc.is_kv_consumer)
+        # Staged or in place: the same answer in the scheduler and the workers.
+        self.hold_mode = self.cfg.hold
+        logger.info("ConnexConnector (%s): %s holds", role.name.lower(), self.hold_mode)
         self.scheduler: ConnexScheduler | None = None
         self.worker: ConnexWorker | None = None
         self.agent: Agent | None = None
@@ -107,6 +127,7 @@ class ConnexConnector(KVConnectorBase_V1):
                 is_producer,
                 is_consumer,
                 keeper,
+                hold_mode=self.hold_mode,
             )
             if self.cfg.router:
                 self._start_agent(vllm_config, is_producer, is_consumer)
@@ -121,6 +142,7 @@ class ConnexConnector(KVConnectorBase_V1):
                 list(groups[0].layer_names) if groups else [],
                 is_producer,
                 is_consumer,
+                hold_mode=self.hold_mode,
             )
 
     def _make_keeper(self) -> HoldKeeper:
@@ -229,7 +251,8 @@ class ConnexConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        # Nothing to save: a hold serves the KV cache in place.
+        # Nothing to save per layer: holds are taken (in place or staged) once
+        # the whole forward has run, in wait_for_save.
         return
 
     def wait_for_save(self) -> None:

@@ -3,9 +3,10 @@
 Producer (prefill): a request sent with `do_remote_decode` gets a hold on its
 prompt blocks in the very step its prompt is computed (the worker creates it right
 after that forward), so the hold exists before anyone can learn its
-`transfer_id`. `request_finished` then keeps the blocks (delay free) and returns
-the hold's kv_transfer_params; the blocks are freed when the worker reports the
-hold released, expired or evicted (finished_sending).
+`transfer_id`. `request_finished` returns the hold's kv_transfer_params. A hold
+in place keeps the blocks (delay free) until the worker reports it released,
+expired or evicted (finished_sending); a staged hold is a host copy made in that
+step, so the blocks go back to vLLM at once.
 
 Consumer (decode): a request carrying a hold reports the prompt tokens it lacks
 locally as loadable asynchronously; the worker pulls exactly those blocks. A full
@@ -84,8 +85,10 @@ class ConnexScheduler:
         is_producer: bool,
         is_consumer: bool,
         keeper: HoldKeeper | None = None,
+        hold_mode: str = "in_place",
     ) -> None:
         self.cfg = cfg
+        self.staged = hold_mode == "staged"
         self.engine_id = engine_id
         self.layout = layout
         self.is_producer = is_producer
@@ -153,9 +156,10 @@ class ConnexScheduler:
 
     def _plan_holds(self, scheduler_output: SchedulerOutput) -> None:
         preempted = scheduler_output.preempted_req_ids or ()
-        for req_id in preempted:
+        for req_id in preempted if not self.staged else ():
             # Its blocks are gone: the hold on them must go too; a new one is taken
-            # when its prompt has been computed again.
+            # when its prompt has been computed again. (A staged hold is a copy:
+            # it stays.)
             hold = self._held.pop(req_id, None)
             if hold is not None:
                 self._meta.drops.append(hold.transfer_id)
@@ -187,19 +191,30 @@ class ConnexScheduler:
             if hold is None:
                 return False, None
             # Nobody will ever learn this hold's id; keep the blocks until the
-            # worker has dropped it, since it may be reading them right now.
+            # worker has dropped it, since it may be reading them right now (a
+            # staged hold reads its own copy: the blocks go now).
             self._meta.drops.append(hold.transfer_id)
+            if self.staged:
+                return False, None
             self._awaiting_free.add(request.request_id)
             return True, None
         if hold is None:
             # The prompt finished in a step we did not see (should not happen);
-            # hold what was computed, from the next step on.
-            if not block_ids:
+            # hold what was computed, from the next step on (in place only: a
+            # staged copy would be taken after vLLM reused the blocks).
+            if not block_ids or self.staged:
                 return False, None
             hold = self._take_hold(request)
+        if self.staged:
+            # Copied to host memory in the step that computed the prompt, which
+            # has ended: the blocks are vLLM's again.
+            return False, self._params(request, hold)
         self._awaiting_free.add(request.request_id)
+        return True, self._params(request, hold)
+
+    def _params(self, request: Request, hold: HoldSpec) -> dict[str, Any]:
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-        params = hold_params(
+        return hold_params(
             transfer_id=hold.transfer_id,
             remote_ctrl=self.cfg.ctrl_addr(0),
             engine_id=self.engine_id,
@@ -209,7 +224,6 @@ class ConnexScheduler:
             lease_s=self.cfg.retain_s,
             layout=self.layout,
         )
-        return True, params
 
     # ---- consumer ----------------------------------------------------------------
 

@@ -2,11 +2,13 @@
 
 Owns this rank's KV memory as seen by the transfer crate: on a prefill, a
 `Holder` (its control listener on ctrl_port + TP rank) that serves holds on
-blocks of the KV cache in place; on a decoder, a `Reader` that pulls a hold's
-blocks straight into the blocks the scheduler allocated. Every layer's block is
-one region piece per block (two, K and V, when the layout splits them), listed
-layer by layer, block by block, so both sides name the same bytes in the same
-order.
+blocks of the KV cache in place (`hold: in_place`) or on host copies of them
+(`hold: staged`, `staged_holds.py`); on a decoder, a `Reader` that pulls a
+hold's blocks straight into the blocks the scheduler allocated, or, for a KV
+cache on a GPU the backend cannot write, into host memory and then onto the
+device (`staged_reads.py`). Every layer's block is one region piece per block
+(two, K and V, when the layout splits them), listed layer by layer, block by
+block, so both sides name the same bytes in the same order.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .config import ConnexConfig
-from .layout import BlockLayout, tensor_layout
+from .layout import BlockLayout, block_layout_of, tensor_layout
 from .params import ParamsError, check_epoch, check_transfer_id, ctrl_for_rank
 from .scheduler import ConnexMetadata, LoadSpec
+from .staged_holds import StagedHolds
+from .staged_reads import StagedPull, StagedReads
+from .staging import KVLayer
 
 if TYPE_CHECKING:
     import torch
@@ -75,10 +80,12 @@ class LayerRegion:
         ]
 
 
-def layer_region(tensor: torch.Tensor, num_blocks: int, backend: str = "tcp") -> LayerRegion:
+def layer_region(
+    tensor: torch.Tensor, num_blocks: int, backend: str = "tcp", moves_device_memory: bool = False
+) -> LayerRegion:
     """A layer's KV tensor as a region: addressing from its shape and strides
     (layout.py), after checking that `backend` can move its memory."""
-    layout = tensor_layout(tensor, num_blocks, backend)
+    layout = tensor_layout(tensor, num_blocks, backend, moves_device_memory)
     return LayerRegion(tensor.data_ptr(), layout)
 
 
@@ -113,8 +120,10 @@ class ConnexWorker:
         layer_order: list[str],
         is_producer: bool,
         is_consumer: bool,
+        hold_mode: str | None = None,
     ) -> None:
         self.cfg = cfg
+        self.hold_mode = hold_mode or cfg.hold
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
         self.layer_order = layer_order
@@ -122,6 +131,8 @@ class ConnexWorker:
         self.is_consumer = is_consumer
         self.layers: list[LayerRegion] = []
         self.holder: _transfer.Holder | None = None
+        self.staged: StagedHolds | None = None
+        self.staged_reads: StagedReads | None = None
         self.reader: _transfer.Reader | None = None
         self._holder_rids: list[int] = []
         self._reader_rids: list[int] = []
@@ -130,7 +141,7 @@ class ConnexWorker:
         self._freed: set[str] = set()
         self._finished: set[str] = set()
         # Loads in flight: request id -> (pending pull, spec).
-        self._pulls: dict[str, tuple[_transfer.Pull, LoadSpec]] = {}
+        self._pulls: dict[str, tuple[_transfer.Pull | StagedPull, LoadSpec]] = {}
         self._recved: set[str] = set()
         self._failed: set[str] = set()
         self._meta: ConnexMetadata | None = None
@@ -141,40 +152,92 @@ class ConnexWorker:
     # ---- setup -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from connex import _transfer
-
         request_amx_permission()
 
         names = [n for n in self.layer_order if n in kv_caches] or list(kv_caches)
         seen: set[int] = set()
+        tensors = []
         for name in names:
             tensor = kv_caches[name]
             if tensor.data_ptr() in seen:
                 continue  # layers sharing one KV tensor
             seen.add(tensor.data_ptr())
-            self.layers.append(layer_region(tensor, self.num_blocks, self.cfg.backend))
+            tensors.append(tensor)
+        kv_layers = [
+            KVLayer(t, block_layout_of(t, self.num_blocks), self.num_blocks) for t in tensors
+        ]
         if self.is_producer:
-            self.holder = _transfer.Holder(
-                backend=self.cfg.backend,
-                listen=self.cfg.ctrl_addr(self.tp_rank),
-                retain_s=self.cfg.retain_s,
-                release=self.cfg.release,
-                budget_bytes=self.cfg.hold_budget_bytes,
-                secret=self.cfg.transfer_secret,
-            )
-            self._holder_rids = [self.holder.register_region(x.ptr, x.span) for x in self.layers]
-            logger.info(
-                "holding KV for remote decode on %s (%s, retain %ss, %s)",
-                self.holder.ctrl_addr,
-                self.cfg.backend,
-                self.cfg.retain_s,
-                self.cfg.release,
-            )
+            self._start_holder(tensors, kv_layers)
         if self.is_consumer:
-            self.reader = _transfer.Reader(
-                backend=self.cfg.backend, secret=self.cfg.transfer_secret
+            self._start_reader(tensors, kv_layers)
+
+    def _start_holder(self, tensors: list[torch.Tensor], kv_layers: list[KVLayer]) -> None:
+        from connex import _transfer
+
+        staged = self.hold_mode == "staged"
+        if not staged:
+            # Refused before anything listens: in place, the holder reads the
+            # KV cache's own addresses. (A backend that moves device memory
+            # reports so only once started; the tcp check needs no start.)
+            for tensor in tensors:
+                tensor_layout(tensor, self.num_blocks, self.cfg.backend, moves_device_memory=True)
+        holder = _transfer.Holder(
+            backend=self.cfg.backend,
+            listen=self.cfg.ctrl_addr(self.tp_rank),
+            retain_s=self.cfg.retain_s,
+            release=self.cfg.release,
+            budget_bytes=self.cfg.hold_budget_bytes,
+            secret=self.cfg.transfer_secret,
+        )
+        try:
+            if staged:
+                self.staged = StagedHolds(holder, kv_layers)
+            else:
+                self.layers = [
+                    layer_region(t, self.num_blocks, self.cfg.backend, holder.moves_device_memory)
+                    for t in tensors
+                ]
+                self._holder_rids = [holder.register_region(x.ptr, x.span) for x in self.layers]
+        except Exception:
+            holder.close()
+            raise
+        self.holder = holder
+        logger.info(
+            "holding KV for remote decode on %s (%s, %s holds, retain %ss, %s)",
+            holder.ctrl_addr,
+            self.cfg.backend,
+            self.hold_mode,
+            self.cfg.retain_s,
+            self.cfg.release,
+        )
+
+    def _start_reader(self, tensors: list[torch.Tensor], kv_layers: list[KVLayer]) -> None:
+        from connex import _transfer
+
+        reader = _transfer.Reader(backend=self.cfg.backend, secret=self.cfg.transfer_secret)
+        device = tensors[0].device if tensors else None
+        if device is not None and device.type != "cpu" and not reader.moves_device_memory:
+            self.staged_reads = StagedReads(reader, kv_layers)
+            logger.info(
+                "KV cache on %s, %s backend without device memory support: pulls land in "
+                "pinned host memory and are copied to the device",
+                device,
+                self.cfg.backend,
             )
-            self._reader_rids = [self.reader.register_region(x.ptr, x.span) for x in self.layers]
+        else:
+            if device is not None and device.type != "cpu":
+                logger.info(
+                    "KV cache on %s: the %s backend writes device memory directly",
+                    device,
+                    self.cfg.backend,
+                )
+            if not self.layers:
+                self.layers = [
+                    layer_region(t, self.num_blocks, self.cfg.backend, reader.moves_device_memory)
+                    for t in tensors
+                ]
+            self._reader_rids = [reader.register_region(x.ptr, x.span) for x in self.layers]
+        self.reader = reader
 
     def _refs(self, rids: list[int], block_ids: list[int]) -> list[tuple[int, int, int]]:
         refs: list[tuple[int, int, int]] = []
@@ -202,6 +265,9 @@ class ConnexWorker:
         if meta is None or self.holder is None:
             return
         for hold in meta.holds:
+            if self.staged is not None:
+                self._stage(hold.req_id, hold.transfer_id, hold.block_ids)
+                continue
             try:
                 self.holder.create_hold(
                     hold.transfer_id, self._refs(self._holder_rids, hold.block_ids)
@@ -216,13 +282,38 @@ class ConnexWorker:
                 continue
             self._hold_req[hold.transfer_id] = hold.req_id
 
+    def _stage(self, req_id: str, transfer_id: str, block_ids: list[int]) -> None:
+        """A staged hold: copied now, so vLLM may reuse the blocks as soon as
+        this step ends (the scheduler does not keep them)."""
+        assert self.staged is not None
+        self._collect_freed()  # buffers of holds that ended go first
+        try:
+            self.staged.create(transfer_id, block_ids)
+        except Exception as err:
+            # No hold: a decoder's pull of it fails cleanly (not found).
+            logger.error("could not stage KV of request %s (%s): %s", req_id, transfer_id, err)
+
     def _drop(self, transfer_id: str) -> None:
-        if self.holder is not None and transfer_id in self._hold_req:
+        staged = self.staged is not None and self.staged.owns(transfer_id)
+        if self.holder is not None and (staged or transfer_id in self._hold_req):
             # Reported as freed (finished_sending) like any other release.
             try:
                 self.holder.release(transfer_id)
             except Exception as err:  # the lease frees it at the latest
                 logger.error("could not drop hold %s: %s", transfer_id, err)
+
+    def _collect_freed(self) -> None:
+        """Takes the holds the holder freed (their last read has stopped): a
+        staged hold's buffer is freed now; a hold in place gives its request's
+        blocks back to vLLM (finished_sending, once vLLM said it finished)."""
+        if self.holder is None:
+            return
+        for transfer_id in self.holder.freed():
+            if self.staged is not None and self.staged.free(transfer_id):
+                continue
+            req_id = self._hold_req.pop(transfer_id, None)
+            if req_id is not None:
+                self._freed.add(req_id)
 
     def _start_pull(self, load: LoadSpec) -> None:
         """Starts the pull of `load`, or fails it at once: whatever the spec holds,
@@ -232,10 +323,7 @@ class ConnexWorker:
             load.error = "this engine is not a KV consumer (kv_role)"
         if load.error is None and self.reader is not None:
             try:
-                ctrl, dest = self._pull_args(load)
-                pull = self.reader.pull_async(
-                    ctrl, load.transfer_id, load.epoch, dest, timeout_s=self.cfg.pull_timeout_s
-                )
+                pull = self._pull(load)
             except Exception as err:
                 load.error = str(err) or type(err).__name__
             else:
@@ -246,9 +334,11 @@ class ConnexWorker:
         self._recved.add(load.req_id)
         self._failed.add(load.req_id)
 
-    def _pull_args(self, load: LoadSpec) -> tuple[str, list[tuple[int, int, int]]]:
-        """This rank's control address and destination blocks for `load`, checked
-        (the scheduler checked them too; this side must not trust a pickle)."""
+    def _pull(self, load: LoadSpec) -> _transfer.Pull | StagedPull:
+        """Starts the pull of `load` into its local blocks, directly or through
+        host memory, after checking its arguments (the scheduler checked them
+        too; this side must not trust a pickle)."""
+        assert self.reader is not None
         check_transfer_id(load.transfer_id)
         check_epoch(load.epoch)
         ctrl = ctrl_for_rank(load.remote_ctrl, self.tp_rank)
@@ -257,7 +347,13 @@ class ConnexWorker:
             isinstance(b, int) and not isinstance(b, bool) and 0 <= b < self.num_blocks for b in ids
         ):
             raise ParamsError(f"local block ids outside this engine's {self.num_blocks} blocks")
-        return ctrl, self._refs(self._reader_rids, ids)
+        timeout_s = self.cfg.pull_timeout_s
+        if self.staged_reads is not None:
+            return self.staged_reads.pull_async(
+                ctrl, load.transfer_id, load.epoch, ids, timeout_s=timeout_s
+            )
+        dest = self._refs(self._reader_rids, ids)
+        return self.reader.pull_async(ctrl, load.transfer_id, load.epoch, dest, timeout_s=timeout_s)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since last call."""
@@ -265,10 +361,7 @@ class ConnexWorker:
         if self.holder is not None:
             held = set(self._hold_req.values()) | self._freed
             self._finished |= finished_req_ids & held
-            for transfer_id in self.holder.freed():
-                req_id = self._hold_req.pop(transfer_id, None)
-                if req_id is not None:
-                    self._freed.add(req_id)
+            self._collect_freed()
             # vLLM accepts a finished send only for a request it said finished.
             sending = self._freed & self._finished
             self._freed -= sending

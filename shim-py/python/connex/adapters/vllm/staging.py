@@ -1,0 +1,206 @@
+"""Copies between a KV cache's blocks and host buffers laid out as a hold sends
+them, for KV caches the transfer backend cannot move itself (a GPU cache with
+the tcp backend) or should not pin (staged holds).
+
+A hold's bytes are, in order: for each layer, for each of the request's blocks,
+for each piece of the block (`layout.py`: K then V where they are apart), the
+piece's bytes. A host buffer in that order is the hold itself (one region,
+consecutive block refs), and both sides of a transfer name the same bytes
+whether the prefill holds in place or staged.
+
+The copies are written once for every device: torch indexing over a byte view
+of each layer's storage. On a CUDA cache they run on a side stream that first
+waits for the compute stream (the forward that wrote the blocks), into or out
+of pinned host memory, and are fenced with an event; on the CPU the same calls
+run synchronously and the fence is already passed. So CPU tests run this code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .layout import BlockLayout, LayoutError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _word_dtypes() -> dict[int, Any]:
+    import torch
+
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """One layer's KV tensor and where its blocks' bytes are in it."""
+
+    tensor: torch.Tensor
+    layout: BlockLayout
+    num_blocks: int
+
+    @property
+    def piece_len(self) -> int:
+        lengths = {length for _, length in self.layout.pieces}
+        if len(lengths) != 1:
+            raise LayoutError(f"pieces of unequal lengths {sorted(lengths)} cannot be staged")
+        return lengths.pop()
+
+    @property
+    def word(self) -> int:
+        """The widest element size (8, 4, 2 or 1 bytes) that every offset and
+        length of this layer's pieces is a multiple of: copies move words, not
+        bytes (torch's indexed copies go element by element)."""
+        start = self.tensor.storage_offset() * self.tensor.element_size()
+        sizes = [start, self.layout.block_stride]
+        sizes += [n for piece in self.layout.pieces for n in piece]
+        for word in (8, 4, 2):
+            if all(n % word == 0 for n in sizes):
+                return word
+        return 1
+
+    def piece_views(self) -> list[torch.Tensor]:
+        """Per piece, a view `[num_blocks, piece_len / word]` of the tensor's
+        storage, in words of `word` bytes, whose row b is that piece of block b
+        (writes go through)."""
+        import torch
+
+        word = self.word
+        storage = self.tensor.untyped_storage()
+        raw = torch.empty(0, dtype=_word_dtypes()[word], device=self.tensor.device)
+        raw.set_(storage, 0, (storage.nbytes() // word,), (1,))
+        start = self.tensor.storage_offset() * self.tensor.element_size()
+        return [
+            raw.as_strided(
+                (self.num_blocks, length // word),
+                (self.layout.block_stride // word, 1),
+                (start + off) // word,
+            )
+            for off, length in self.layout.pieces
+        ]
+
+
+def hold_bytes(layers: list[KVLayer], num_blocks: int) -> int:
+    """Bytes of a hold of `num_blocks` blocks of every layer."""
+    return sum(layer.layout.block_bytes for layer in layers) * num_blocks
+
+
+def hold_refs(region_id: int, layers: list[KVLayer], num_blocks: int) -> list[tuple[int, int, int]]:
+    """The block refs of a host buffer laid out as a hold (see the module doc):
+    the same count and lengths as the refs of the blocks in place."""
+    refs: list[tuple[int, int, int]] = []
+    at = 0
+    for layer in layers:
+        for _ in range(num_blocks):
+            for _, length in layer.layout.pieces:
+                refs.append((region_id, at, length))
+                at += length
+    return refs
+
+
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A host byte buffer, pinned when it is copied to or from a GPU (so the
+    copies are asynchronous DMA and the transfer backends may register it)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+class Fence:
+    """The end of copies issued on a side stream: a CUDA event, or nothing for
+    copies that ran synchronously (CPU)."""
+
+    def __init__(self, event: Any = None) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
+class CopyStream:
+    """Where the staging copies of one device run."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch
+
+        self.device = device
+        self._stream: Any = (
+            torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            if device.type == "cuda"
+            else None
+        )
+
+    def run(self, copy: Any) -> Fence:
+        """Runs `copy()` after everything the compute stream has queued so far
+        (on a GPU: on the side stream, asynchronously); returns its fence."""
+        if self._stream is None:
+            copy()
+            return Fence()
+        import torch
+
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            copy()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self._stream)
+        return Fence(event)
+
+
+def _ids(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    import torch
+
+    return torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=True)
+
+
+def gather_blocks(layers: list[KVLayer], block_ids: list[int], out: torch.Tensor) -> None:
+    """Copies blocks `block_ids` of every layer into the host buffer `out`, laid
+    out as a hold. Issue it through `CopyStream.run` on a GPU."""
+    import torch
+
+    n = len(block_ids)
+    if out.numel() != hold_bytes(layers, n):
+        raise ValueError(f"buffer of {out.numel()} bytes for a hold of {hold_bytes(layers, n)}")
+    at = 0
+    for layer in layers:
+        pieces, length, word = len(layer.layout.pieces), layer.piece_len, layer.word
+        size = n * pieces * length
+        words = out[at : at + size].view(_word_dtypes()[word])
+        dst = words.view(n, pieces, length // word)
+        ids = _ids(block_ids, layer.tensor.device)
+        views = layer.piece_views()
+        if layer.tensor.device == out.device and pieces == 1:
+            torch.index_select(views[0], 0, ids, out=dst[:, 0, :])
+        else:
+            # Gathered on the cache's device, then one contiguous copy to host.
+            staged = torch.empty((n, pieces, length // word), dtype=words.dtype, device=ids.device)
+            for p, view in enumerate(views):
+                staged[:, p, :] = view.index_select(0, ids)
+            dst.copy_(staged, non_blocking=True)
+        at += size
+
+
+def scatter_blocks(layers: list[KVLayer], block_ids: list[int], src: torch.Tensor) -> None:
+    """Copies a host buffer laid out as a hold into blocks `block_ids` of every
+    layer (the inverse of `gather_blocks`). Issue it through `CopyStream.run`
+    on a GPU; the blocks are written once its fence has passed."""
+    n = len(block_ids)
+    if src.numel() != hold_bytes(layers, n):
+        raise ValueError(f"buffer of {src.numel()} bytes for a hold of {hold_bytes(layers, n)}")
+    at = 0
+    for layer in layers:
+        pieces, length, word = len(layer.layout.pieces), layer.piece_len, layer.word
+        size = n * pieces * length
+        device = layer.tensor.device
+        ids = _ids(block_ids, device)
+        host = src[at : at + size].view(_word_dtypes()[word]).view(n, pieces, length // word)
+        # One contiguous copy to the device (a no-op on the CPU), then per piece
+        # an indexed write into the blocks.
+        staged = host.to(device, non_blocking=True)
+        for p, view in enumerate(layer.piece_views()):
+            view.index_copy_(0, ids, staged[:, p, :])
+        at += size

@@ -1,0 +1,295 @@
+"""Staged holds and staged reads on torch CPU tensors: the copy math of every KV
+layout vLLM uses, byte-exact round trips through real holds (`connex._transfer`
+over loopback), and the life of a staged hold's host buffer.
+
+The staging code runs the same torch calls on a GPU (on a side stream, into
+pinned memory, fenced by an event); by default the KV tensors here are on the
+CPU and the fence is passed at once. tests/gpu/run runs this file with
+CONNEX_TEST_KV_DEVICE=cuda: the same tests, the KV tensors on the GPU."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import weakref
+
+import pytest
+import torch
+from connex import _transfer
+from connex.adapters.vllm.layout import block_layout_of
+from connex.adapters.vllm.staged_holds import StagedHolds
+from connex.adapters.vllm.staged_reads import StagedReads
+from connex.adapters.vllm.staging import (
+    KVLayer,
+    gather_blocks,
+    hold_bytes,
+    hold_refs,
+    host_buffer,
+    scatter_blocks,
+)
+from connex.adapters.vllm.worker import layer_region
+from test_layout_tensors import CASES, NB
+
+SECRET = "staging-test-secret"
+DEVICE = torch.device(os.environ.get("CONNEX_TEST_KV_DEVICE", "cpu"))
+
+
+def make(name: str) -> tuple[torch.Tensor, int]:
+    """A KV tensor of layout `name` (zeros) on DEVICE, strides kept."""
+    tensor, block_dim = CASES[name]()
+    return tensor.to(DEVICE), block_dim
+
+
+def kv_layer(tensor: torch.Tensor) -> KVLayer:
+    return KVLayer(tensor, block_layout_of(tensor, NB), NB)
+
+
+def random_like(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    """`tensor` (same shape and strides) filled with random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (tensor.untyped_storage().nbytes(),), generator=gen)
+    tensor.untyped_storage().copy_(raw.to(torch.uint8).untyped_storage())
+    return tensor
+
+
+def block(tensor: torch.Tensor, block_dim: int, b: int) -> bytes:
+    """Block b's bytes in logical order (through torch's own indexing)."""
+    return tensor.select(block_dim, b).contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gathered_blocks_scatter_back_into_exactly_the_target_blocks(name):
+    src, block_dim = make(name)
+    dst, _ = make(name)
+    assert dst.stride() == CASES[name]()[0].stride()
+    random_like(src, 1)
+    layers_src = [kv_layer(src)]
+    from_ids, to_ids = [4, 1, 3], [0, 5, 2]
+    buf = host_buffer(hold_bytes(layers_src, 3), src.device)
+    gather_blocks(layers_src, from_ids, buf)
+    scatter_blocks([kv_layer(dst)], to_ids, buf)
+    for f, t in zip(from_ids, to_ids, strict=True):
+        assert block(dst, block_dim, t) == block(src, block_dim, f)
+    zero = bytes(len(block(dst, block_dim, 0)))
+    for b in set(range(NB)) - set(to_ids):
+        assert block(dst, block_dim, b) == zero, f"block {b} was written"
+
+
+def test_the_host_buffer_is_laid_out_layer_block_piece_like_the_blocks_in_place():
+    """A staged hold and a hold in place send the same bytes in the same order:
+    the buffer equals the blocks' bytes read through the in-place refs."""
+    import ctypes
+
+    layers = [random_like(CASES["flash_attn_hnd"]()[0], s) for s in (2, 3)]
+    ids = [5, 0, 2]
+    buf = host_buffer(hold_bytes([kv_layer(t) for t in layers], len(ids)), layers[0].device)
+    gather_blocks([kv_layer(t) for t in layers], ids, buf)
+    in_place = b"".join(
+        ctypes.string_at(region.ptr + off, length)
+        for region in (layer_region(t, NB, "tcp") for t in layers)
+        for _, off, length in region.refs(0, ids)
+    )
+    assert buf.numpy().tobytes() == in_place
+    refs = hold_refs(7, [kv_layer(t) for t in layers], len(ids))
+    assert [length for _, _, length in refs] == [
+        length for t in layers for _, _, length in layer_region(t, NB, "tcp").refs(0, ids)
+    ]
+
+
+@pytest.fixture
+def holder():
+    h = _transfer.Holder(backend="tcp", listen="127.0.0.1:0", retain_s=30, secret=SECRET)
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def reader():
+    return _transfer.Reader(backend="tcp", secret=SECRET)
+
+
+def tid(name: str) -> str:
+    return f"{name}-{_transfer.new_transfer_id()}"
+
+
+@pytest.mark.parametrize("name", ["flash_attn_hnd", "flashinfer_nhd", "cpu", "mla"])
+def test_a_staged_hold_pulled_through_a_staged_read_is_byte_exact(name, holder, reader):
+    srcs = [random_like(make(name)[0], s) for s in (10, 11)]
+    block_dim = CASES[name]()[1]
+    dsts = [make(name)[0] for _ in srcs]
+    staged = StagedHolds(holder, [kv_layer(t) for t in srcs])
+    transfer_id = tid("staged")
+    staged.create(transfer_id, [3, 1])
+    # The prefill's blocks are vLLM's again: overwriting them changes nothing held.
+    for t in srcs:
+        saved = [block(t, block_dim, b) for b in (3, 1)]
+        t.zero_()
+    pull = StagedReads(reader, [kv_layer(t) for t in dsts]).pull_async(
+        holder.ctrl_addr, transfer_id, 0, [4, 0], timeout_s=10
+    )
+    stats = pull.result()
+    assert pull.done()
+    assert stats["bytes"] == hold_bytes([kv_layer(t) for t in srcs], 2)
+    for t, src_seed in zip(dsts, (10, 11), strict=True):
+        original = random_like(make(name)[0], src_seed)
+        assert block(t, block_dim, 4) == block(original, block_dim, 3)
+        assert block(t, block_dim, 0) == block(original, block_dim, 1)
+    del saved
+
+
+def test_a_staged_hold_reads_like_one_in_place_for_a_direct_reader(holder, reader):
+    """A decoder pulling straight into its (host) KV cache cannot tell a staged
+    hold from one in place: same block count, lengths and bytes."""
+    src = random_like(make("flash_attn_nhd")[0], 20)
+    dst = CASES["flash_attn_nhd"]()[0]
+    staged = StagedHolds(holder, [kv_layer(src)])  # owns the buffer: kept while held
+    staged.create(transfer_id := tid("direct"), [2, 5])
+    region = layer_region(dst, NB, "tcp")
+    rid = reader.register_region(region.ptr, region.span)
+    reader.pull(holder.ctrl_addr, transfer_id, 0, region.refs(rid, [1, 3]))
+    assert block(dst, 1, 1) == block(src, 1, 2)
+    assert block(dst, 1, 3) == block(src, 1, 5)
+
+
+def test_a_staged_read_of_a_missing_hold_fails_and_writes_nothing(holder, reader):
+    dst = make("cpu")[0]
+    pull = StagedReads(reader, [kv_layer(dst)]).pull_async(
+        holder.ctrl_addr, tid("missing"), 0, [1], timeout_s=5
+    )
+    with pytest.raises(_transfer.HoldNotFound):
+        pull.result()
+    assert pull.done()
+    assert not dst.any()
+
+
+def freed_until(holder, staged: StagedHolds, transfer_id: str, timeout_s: float = 10) -> None:
+    """Frees buffers as the worker does (only what `freed()` reports) until
+    `transfer_id` is freed; meanwhile its buffer must stay."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for gone in holder.freed():
+            staged.free(gone)
+        if not staged.owns(transfer_id):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"hold {transfer_id} never reported freed")
+
+
+def test_a_staged_buffer_lives_until_its_last_read_has_stopped(reader):
+    # The holder stops serving after its first I/O piece (4 MiB) of this 12 MiB
+    # hold: the read stays in flight.
+    holder = _transfer.Holder(
+        backend="tcp", listen="127.0.0.1:0", retain_s=30, secret=SECRET, stall_after_bytes=1
+    )
+    try:
+        big = torch.zeros(NB, 16, 256, 256, dtype=torch.bfloat16, device=DEVICE)
+        src = random_like(big, 30)
+        staged = StagedHolds(holder, [kv_layer(src)])
+        transfer_id = tid("inflight")
+        staged.create(transfer_id, list(range(NB)))
+        buffer = weakref.ref(staged._staged[transfer_id].buffer)
+        dst = torch.zeros_like(big)
+        pull = StagedReads(reader, [kv_layer(dst)]).pull_async(
+            holder.ctrl_addr, transfer_id, 0, list(range(NB)), timeout_s=20
+        )
+        time.sleep(0.5)  # the read is streaming (stalled after its first piece)
+        assert not pull.done()  # (within the reader's 10 s I/O timeout)
+        assert holder.freed() == [] and staged.owns(transfer_id)
+        # Released with the read in flight: the holder fences it, and reports
+        # the hold freed only once the read has stopped; only then does the
+        # buffer go.
+        assert holder.release(transfer_id)
+        freed_until(holder, staged, transfer_id)
+        assert holder.draining() == 0
+        gc.collect()
+        assert buffer() is None, "the buffer outlived its hold"
+        with pytest.raises(_transfer.TransferError):
+            pull.result()
+        assert len(staged) == 0 and staged.held_bytes == 0
+    finally:
+        holder.close()
+
+
+def test_staged_holds_live_under_the_byte_budget_and_eviction_frees_their_buffers():
+    src = random_like(make("cpu")[0], 40)
+    per_hold = hold_bytes([kv_layer(src)], 2)
+    holder = _transfer.Holder(
+        backend="tcp", listen="127.0.0.1:0", retain_s=30, secret=SECRET, budget_bytes=2 * per_hold
+    )
+    try:
+        staged = StagedHolds(holder, [kv_layer(src)])
+        ids = [tid(f"budget{i}") for i in range(3)]
+        for transfer_id in ids:
+            staged.create(transfer_id, [0, 1])
+        assert holder.stats()["evictions"] == 1
+        freed_until(holder, staged, ids[0])
+        assert staged.owns(ids[1]) and staged.owns(ids[2])
+        assert staged.held_bytes == 2 * per_hold
+        with pytest.raises(_transfer.TransferError):  # over the whole budget: nothing held
+            staged.create(tid("huge"), list(range(NB)) * 2)
+        assert len(staged) == 2
+    finally:
+        holder.close()
+
+
+def test_the_worker_stages_a_hold_in_its_step_and_never_reports_it_as_a_send():
+    """Through the connector's worker half: a staged hold is taken in the step
+    that computed the prompt, its blocks are free for vLLM at once (never
+    reported as finished sending), and dropping it frees its buffer."""
+    from connex.adapters.vllm.config import ConnexConfig
+    from connex.adapters.vllm.scheduler import ConnexMetadata, HoldSpec
+    from connex.adapters.vllm.worker import ConnexWorker
+    from test_layout_tensors import free_port
+
+    cache = random_like(make("cpu")[0], 50)
+    cfg = ConnexConfig(ctrl_port=free_port(), transfer_secret=SECRET)
+    worker = ConnexWorker(cfg, 0, NB, ["l0"], True, False, hold_mode="staged")
+    try:
+        worker.register_kv_caches({"l0": cache})
+        assert worker.staged is not None and worker.holder is not None
+        transfer_id = tid("worker")
+        worker.bind(ConnexMetadata(holds=[HoldSpec("req-1", transfer_id, [2, 4])]))
+        worker.start_load_kv()
+        worker.wait_for_save()
+        worker.bind(None)
+        assert worker.staged.owns(transfer_id)
+        expected = block(cache, 0, 2) + block(cache, 0, 4)
+        cache.zero_()  # vLLM reuses the blocks
+        assert worker.get_finished({"req-1"}) == (set(), set(), set())
+        pulled = torch.zeros(len(expected), dtype=torch.uint8)
+        reader = _transfer.Reader(backend="tcp", secret=SECRET)
+        rid = reader.register_region(pulled.data_ptr(), pulled.numel())
+        refs = hold_refs(rid, [kv_layer(cache)], 2)
+        reader.pull(worker.holder.ctrl_addr, transfer_id, 0, refs)
+        assert pulled.numpy().tobytes() == expected
+        # The scheduler drops it (an aborted request): released, then freed.
+        worker.bind(ConnexMetadata(drops=[transfer_id]))
+        worker.start_load_kv()
+        worker.bind(None)
+        deadline = time.monotonic() + 10
+        while worker.staged.owns(transfer_id) and time.monotonic() < deadline:
+            assert worker.get_finished(set()) == (set(), set(), set())
+            time.sleep(0.01)
+        assert not worker.staged.owns(transfer_id)
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "word"),
+    [
+        ((NB, 4, 64), torch.bfloat16, 8),
+        ((NB, 3, 10), torch.bfloat16, 4),
+        ((NB, 3, 5), torch.bfloat16, 2),
+        ((NB, 3, 5), torch.uint8, 1),
+    ],
+)
+def test_copies_move_the_widest_words_the_layout_allows_and_stay_exact(shape, dtype, word):
+    src = random_like(torch.zeros(shape, dtype=dtype, device=DEVICE), 60)
+    dst = torch.zeros_like(src)
+    assert kv_layer(src).word == word
+    buf = host_buffer(hold_bytes([kv_layer(src)], 2), src.device)
+    gather_blocks([kv_layer(src)], [5, 2], buf)
+    scatter_blocks([kv_layer(dst)], [0, 1], buf)
+    assert block(dst, 0, 0) == block(src, 0, 5) and block(dst, 0, 1) == block(src, 0, 2)
