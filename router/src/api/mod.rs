@@ -117,8 +117,7 @@ pub fn endpoints() -> Vec<Endpoint> {
             Gated,
             openai::chat_completions,
         ),
-        // Gated: listing asks the engines for their model cards.
-        at(Get, "/v1/models", Gated, openai::models),
+        at(Get, "/v1/models", Open, openai::models),
         at(Get, "/health", Open, probes::health),
         at(Get, "/ready", Open, probes::ready),
         at(Post, "/v1/instances", Registrar, instances::register),
