@@ -43,7 +43,15 @@ class Pull:
 
 
 def worker(rank: int) -> ConnexWorker:
-    w = ConnexWorker(None, rank, 16, [], is_producer=True, is_consumer=True)  # type: ignore[arg-type]
+    w = ConnexWorker(
+        None,  # type: ignore[arg-type]
+        rank,
+        16,
+        [],
+        is_producer=True,
+        is_consumer=True,
+        hold_mode="in_place",
+    )
     w.holder = Holder()  # type: ignore[assignment]
     w._holder_sampled = -1e9
     return w

@@ -29,8 +29,8 @@ class MooncakeCluster:
     RETAIN_S = 8.0
     ENGINES = ("mc_prefill", "mc_d1", "mc_d2")
 
-    def __init__(self, fleet: Fleet) -> None:
-        self.router = harness.Router("--heartbeat-ttl-s", "3")
+    def __init__(self, fleet: Fleet, router: harness.Router) -> None:
+        self.router = router
         wanted = {"plain": plain_engine()}
         for name, role, core in (
             ("mc_prefill", "kv_producer", 0),
@@ -43,7 +43,7 @@ class MooncakeCluster:
                 engine,
                 backend="mooncake",
                 retain_s=self.RETAIN_S,
-                router=self.router.url,
+                router=self.router.internal,
                 url=engine.url,
                 instance_id=name,
             )
@@ -68,13 +68,14 @@ def mooncake(fleet):
             "connex._transfer has no mooncake backend: build the wheel with "
             f"`maturin build --features mooncake` and MOONCAKE_LIB_DIR set ({err})"
         )
-    cluster = MooncakeCluster(fleet)
+    router = harness.Router("--heartbeat-ttl-s", "3")
     try:
-        yield cluster
+        yield MooncakeCluster(fleet, router)
     finally:
-        cluster.router.stop()
+        router.stop()
         # These engines serve this module only: free their memory for the rest
-        # of the session (the plain engine stays, it is shared).
+        # of the session (the plain engine stays, it is shared), also when the
+        # cluster failed to come up.
         for name in MooncakeCluster.ENGINES:
             engine = fleet.engines.pop(name, None)
             if engine is not None:
