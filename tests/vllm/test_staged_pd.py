@@ -17,6 +17,7 @@ import harness
 import pytest
 from conftest import connex_kv, plain_engine
 from connex import _transfer
+from test_pd import prefill
 
 # The staged prefill's whole KV cache, in blocks (of harness.BLOCK_SIZE tokens):
 # enough for one request of the longest prompt vLLM accepts here, not for the
@@ -56,18 +57,6 @@ def ctrl(engine: harness.Engine) -> str:
 
 def kv_usage(engine: harness.Engine) -> float:
     return engine.metric("vllm:kv_cache_usage_perc")
-
-
-def prefill(engine: harness.Engine, prompt) -> dict:
-    answer = harness.complete(
-        engine.url,
-        prompt,
-        max_tokens=1,
-        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
-    )
-    params = answer["kv_transfer_params"]
-    assert params and params["do_remote_prefill"] is True
-    return params
 
 
 def token_prompt(seed: int, length: int) -> list[int]:

@@ -171,17 +171,18 @@ mod tests {
     use crate::registry::load::EngineLoad;
     use crate::registry::{Claim, Phase, Registration, Registry, RegistryConfig, Role};
 
-    async fn decoders(n: usize) -> (Registry, Vec<String>) {
+    /// `n` instances of `role` named `{prefix}0..`, with their credentials.
+    pub(super) async fn registered(role: Role, prefix: &str, n: usize) -> (Registry, Vec<String>) {
         let registry = Registry::new(&RegistryConfig::memory(Duration::from_secs(10)));
         let mut credentials = Vec::new();
         for i in 0..n {
             let reg = Registration {
                 persistent: false,
-                role: Role::Decode,
+                role,
                 url: format!("http://10.0.0.{i}:8000"),
                 model: "m".into(),
                 ctrl: None,
-                id: Some(format!("d{i}")),
+                id: Some(format!("{prefix}{i}")),
                 credential: None,
             };
             let (_, credential) = registry
@@ -191,6 +192,10 @@ mod tests {
             credentials.push(credential);
         }
         (registry, credentials)
+    }
+
+    async fn decoders(n: usize) -> (Registry, Vec<String>) {
+        registered(Role::Decode, "d", n).await
     }
 
     #[tokio::test]
@@ -228,28 +233,11 @@ mod cache_tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::prefix::KvEventBatch;
-    use crate::registry::{Claim, Phase, Registration, Registry, RegistryConfig, Role};
+    use crate::registry::{Claim, Phase, Registration, Registry, Role};
 
     /// Two prefills, `p0` holding the first 4 blocks (of 4 tokens) of 0..32.
     async fn prefills() -> (Registry, Vec<String>) {
-        let registry = Registry::new(&RegistryConfig::memory(Duration::from_secs(10)));
-        let mut credentials = Vec::new();
-        for i in 0..2 {
-            let reg = Registration {
-                persistent: false,
-                role: Role::Prefill,
-                url: format!("http://10.0.0.{i}:8000"),
-                model: "m".into(),
-                ctrl: None,
-                id: Some(format!("p{i}")),
-                credential: None,
-            };
-            let (_, c) = registry
-                .register(reg, Claim::Registrant(None))
-                .await
-                .unwrap();
-            credentials.push(c);
-        }
+        let (registry, credentials) = super::tests::registered(Role::Prefill, "p", 2).await;
         let batch: KvEventBatch = serde_json::from_value(serde_json::json!({"events": [
             {"type": "BlockStored", "block_hashes": ["a", "b", "c", "d"], "parent_block_hash": null,
              "token_ids": (0..16).collect::<Vec<u32>>(), "block_size": 4}
