@@ -155,6 +155,18 @@ impl UpstreamPolicy {
     }
 }
 
+/// The client for engines: registered URLs are fetched as they are, so it
+/// follows no redirect (a registered engine must not send the router, its
+/// requests or its probes elsewhere).
+pub fn client(config: &crate::config::RouterConfig) -> Result<reqwest::Client, reqwest::Error> {
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
+        .redirect(reqwest::redirect::Policy::none())
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(1024)
+        .build()
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

@@ -145,8 +145,6 @@ async fn a_1_gib_error_body_reaches_the_client_as_a_bounded_openai_error() {
 /// Streams start staggered so that kills go on for the whole run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn churn_loses_no_stream_while_a_live_decoder_exists() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
     const STREAMS: usize = 48;
     const TOKENS: usize = 48;
     const TOKENS_BETWEEN_KILLS: usize = TOKENS / 3 + 1;
@@ -167,72 +165,27 @@ async fn churn_loses_no_stream_while_a_live_decoder_exists() {
     };
     let mut decoders: Vec<Proc> = (0..4).map(|i| start(format!("d{i}"))).collect();
     wait_ready(&router, 5).await;
-    // Tokens each stream's client has received so far (whole SSE events
-    // only), or NOT_STARTED before its request is sent.
-    const NOT_STARTED: usize = usize::MAX;
-    let progress: Arc<Vec<AtomicUsize>> = Arc::new(
+    let streams = TrackedStreams::start(
+        &router,
         (0..STREAMS)
-            .map(|_| AtomicUsize::new(NOT_STARTED))
-            .collect(),
-    );
-    let streams: Vec<_> = (0..STREAMS)
-        .map(|i| {
-            let url = router.url.clone();
-            let progress = progress.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(100 * i as u64)).await;
+            .map(|i| {
                 let prompt = format!("churn stream {i}");
-                progress[i].store(0, Ordering::SeqCst);
-                let mut response = reqwest::Client::builder()
-                    .timeout(Duration::from_secs(90))
-                    .build()
-                    .unwrap()
-                    .post(format!("{url}/v1/completions"))
-                    .json(&body(&prompt, TOKENS))
-                    .send()
-                    .await
-                    .unwrap();
-                let mut text = String::new();
-                while let Some(bytes) = response.chunk().await.unwrap() {
-                    text.push_str(&String::from_utf8_lossy(&bytes));
-                    progress[i].store(
-                        streamed_token_ids(&sse_events(&text)).len(),
-                        Ordering::SeqCst,
-                    );
-                }
-                (prompt, sse_events(&text))
+                let request = body(&prompt, TOKENS);
+                (prompt, request)
             })
-        })
-        .collect();
-    // Per stream, the tokens it had when it was live (started, unfinished).
-    let live_progress = |streams: &[tokio::task::JoinHandle<_>]| -> Vec<Option<usize>> {
-        streams
-            .iter()
-            .zip(progress.iter())
-            .map(|(s, p)| {
-                let tokens = p.load(Ordering::SeqCst);
-                (tokens != NOT_STARTED && !s.is_finished()).then_some(tokens)
-            })
-            .collect()
-    };
+            .collect(),
+        Duration::from_millis(100),
+    );
     let mut rng_state: u64 = 20261203;
     let mut next = 4;
     let mut kills = 0;
-    let mut at_last_kill = live_progress(&streams);
-    while streams.iter().any(|s| !s.is_finished()) && kills < 30 {
+    let mut at_last_kill = streams.live();
+    while !streams.all_finished() && kills < 30 {
         // Every stream live at the last kill has moved on by
         // TOKENS_BETWEEN_KILLS tokens since, or ended.
-        let now = live_progress(&streams);
-        let moved_on = at_last_kill
-            .iter()
-            .zip(&now)
-            .all(|(then, now)| match (then, now) {
-                (Some(then), Some(now)) => *now >= then + TOKENS_BETWEEN_KILLS,
-                _ => true,
-            });
-        if !moved_on {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            continue;
+        streams.moved_on(&at_last_kill, TOKENS_BETWEEN_KILLS).await;
+        if streams.all_finished() {
+            break;
         }
         // The replacement first: 4 live decoders at any time.
         let replacement = start(format!("d{next}"));
@@ -253,14 +206,13 @@ async fn churn_loses_no_stream_while_a_live_decoder_exists() {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         let victim = (rng_state >> 33) as usize % decoders.len();
-        at_last_kill = live_progress(&streams);
+        at_last_kill = streams.live();
         decoders[victim].kill();
         decoders[victim] = replacement;
         kills += 1;
     }
     assert!(kills >= 3, "the streams ended before the churn began");
-    for stream in streams {
-        let (prompt, chunks) = stream.await.unwrap();
+    for (prompt, chunks) in streams.results().await {
         assert!(
             chunks.iter().all(|c| c.get("error").is_none()),
             "{prompt} after {kills} kills: {chunks:?}"

@@ -958,44 +958,37 @@ async fn chaos_every_stream_completes_while_decoders_die_and_return() {
         .collect();
     wait_ready(&router, 4).await;
 
-    let streams: Vec<_> = (0..STREAMS)
-        .map(|i| {
-            let url = router.url.clone();
-            tokio::spawn(async move {
+    let streams = TrackedStreams::start(
+        &router,
+        (0..STREAMS)
+            .map(|i| {
                 let prompt = format!("chaos stream {i}");
                 let body = json!({"model":"mock","prompt":prompt,"max_tokens":TOKENS,
                     "stream":true,"return_token_ids":true});
-                let response = reqwest::Client::builder()
-                    .timeout(Duration::from_secs(90))
-                    .build()
-                    .unwrap()
-                    .post(format!("{url}/v1/completions"))
-                    .json(&body)
-                    .send()
-                    .await
-                    .unwrap();
-                let text = response.text().await.unwrap();
-                let chunks = sse_events(&text);
-                (prompt, chunks)
+                (prompt, body)
             })
-        })
-        .collect();
+            .collect(),
+        Duration::ZERO,
+    );
 
-    // Kill a random decoder every 250 ms and restart it 150 ms later, until the
-    // streams are done (bounded: at most 40 kills).
+    // Kill a random decoder and restart it 150 ms later, each time after every
+    // live stream has received TOKENS / 9 more tokens (so no stream lives
+    // through more than 9 kills, within `--max-resumes 10`, however slow the
+    // machine), until the streams are done (bounded: at most 40 kills).
     let mut rng = rand::rngs::StdRng::seed_from_u64(20261203);
     let mut kills = 0;
-    while streams.iter().any(|s| !s.is_finished()) && kills < 40 {
-        tokio::time::sleep(Duration::from_millis(250)).await;
+    let mut at_last_kill = streams.live();
+    while !streams.all_finished() && kills < 40 {
+        streams.moved_on(&at_last_kill, TOKENS / 9).await;
         let victim = rng.random_range(0..decoders.len());
+        at_last_kill = streams.live();
         decoders[victim].kill();
         kills += 1;
         tokio::time::sleep(Duration::from_millis(150)).await;
         decoders[victim] = engine(Some(&router), "decode", &decoder_flags(ids[victim]));
     }
     assert!(kills >= 3, "the streams ended before the chaos began");
-    for stream in streams {
-        let (prompt, chunks) = stream.await.unwrap();
+    for (prompt, chunks) in streams.results().await {
         assert!(
             chunks.iter().all(|c| c.get("error").is_none()),
             "{prompt}: {chunks:?}"

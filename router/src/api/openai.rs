@@ -69,7 +69,7 @@ async fn generate(
         match checked {
             // The model label is set once the model is known to be served
             // (pd::start): a client's made-up names must not become series.
-            Ok((info, value)) => crate::pd::run(state, info, value, record).await,
+            Ok((info, value)) => crate::pd::run(state.flow.clone(), info, value, record).await,
             Err(error) => {
                 record.finish(error.status().as_u16());
                 Err(error)

@@ -4,13 +4,13 @@
 //! every token as it comes.
 
 use super::attempt::{Attempt, Cause, Failure};
+use super::flow::Flow;
 use super::output::Source;
 use super::patch::Patch;
 use super::stops::StopStrings;
 use super::upstream::{Call, CallError, Opened};
 use crate::error::ApiError;
 use crate::registry::{Instance, LoadGuard, Phase};
-use crate::state::AppState;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -49,7 +49,7 @@ pub enum OpenError {
 /// decoder that failed may have come back). `prompt`: the prompt's token ids,
 /// for `cache_aware` (a decoder holding its prefix pulls less).
 pub fn choose(
-    state: &AppState,
+    state: &Flow,
     model: &str,
     failed: &[String],
     prompt: Option<&[u32]>,
@@ -67,8 +67,8 @@ pub fn choose(
             // The decoder is about to load (pull) this prompt.
             decision.instance.remember_prompt(
                 prompt,
-                state.config.kv_block_size,
-                state.config.prefix_index_blocks,
+                state.settings.kv_block_size,
+                state.settings.prefix_index_blocks,
             );
         }
         Some(decision.instance)
@@ -84,7 +84,7 @@ pub fn choose(
 
 /// Sends `payload` to `decoder` and returns its open stream.
 pub async fn open(
-    state: &AppState,
+    state: &Flow,
     decoder: Arc<Instance>,
     path: &'static str,
     request_id: &str,

@@ -14,6 +14,7 @@ pub mod assemble;
 pub mod attempt;
 pub mod chunk;
 pub mod decode;
+pub mod flow;
 pub mod output;
 pub mod patch;
 pub mod prefill;
@@ -28,9 +29,9 @@ pub mod tokens;
 pub mod upstream;
 
 use crate::error::ApiError;
-use crate::state::AppState;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
+use flow::Flow;
 use record::RequestRecord;
 use request::RequestInfo;
 use serde_json::Value;
@@ -40,7 +41,7 @@ use std::sync::Arc;
 /// Runs one validated request through P/D and returns the client's response.
 /// `record` records how the request ended, however it ends.
 pub async fn run(
-    state: Arc<AppState>,
+    state: Arc<Flow>,
     info: RequestInfo,
     body: Value,
     mut record: RequestRecord,
@@ -72,7 +73,7 @@ pub async fn run(
 
 /// Prefill, then the first decoder.
 async fn start(
-    state: Arc<AppState>,
+    state: Arc<Flow>,
     info: RequestInfo,
     body: Value,
     record: &mut RequestRecord,

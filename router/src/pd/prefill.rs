@@ -3,13 +3,13 @@
 //! the prompt token ids. A connect error, 5xx or unusable answer is retried once
 //! elsewhere.
 
+use super::flow::Flow;
 use super::patch::{Patch, Set};
 use super::request::{RequestInfo, Route};
 use super::upstream::{Call, CallError, Reply};
 use crate::error::ApiError;
 use crate::holds::Hold;
 use crate::registry::{Instance, Phase};
-use crate::state::AppState;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use tracing::Instrument;
@@ -83,7 +83,7 @@ pub fn continuation_body(
 ///
 /// `prompt`: the prompt's token ids when the policy reads them (`cache_aware`).
 pub async fn run(
-    state: &AppState,
+    state: &Flow,
     info: &RequestInfo,
     route: Route,
     payload: Bytes,
@@ -146,8 +146,8 @@ pub async fn run(
                 if state.prefill.wants_prompt() {
                     instance.remember_prompt(
                         &prefilled.prompt_token_ids,
-                        state.config.kv_block_size,
-                        state.config.prefix_index_blocks,
+                        state.settings.kv_block_size,
+                        state.settings.prefix_index_blocks,
                     );
                 }
                 return Ok(prefilled);
@@ -176,7 +176,7 @@ pub async fn run(
 /// request is dropped meanwhile (its client went away): the hold the prefill
 /// made is then released at once instead of waiting for its lease to lapse.
 async fn call_owning_the_hold(
-    state: &AppState,
+    state: &Flow,
     url: &str,
     route: Route,
     info: &RequestInfo,

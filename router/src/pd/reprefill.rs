@@ -3,19 +3,19 @@
 //! its holder gone) it prefills prompt + generated again on a healthy prefill
 //! instance (`--on-hold-lost reprefill`), or fails the request (`fail`).
 
+use super::flow::Flow;
 use super::prefill::{self, Prefilled};
 use super::request::RequestInfo;
 use crate::config::OnHoldLost;
 use crate::error::ApiError;
 use crate::holds::{Hold, HoldState};
 use crate::journal::{JournalHandle, Phase};
-use crate::state::AppState;
 use serde_json::Value;
 
 /// A new hold from a re-prefill, or `None` when the current one still holds
 /// (or the connector has no holds to check).
 pub async fn ensure_hold(
-    state: &AppState,
+    state: &Flow,
     info: &RequestInfo,
     body: &Value,
     hold: Option<&Hold>,
@@ -28,7 +28,7 @@ pub async fn ensure_hold(
         return Ok(None);
     };
     tracing::warn!(%reason, "hold lost");
-    if state.config.on_hold_lost == OnHoldLost::Fail {
+    if state.settings.on_hold_lost == OnHoldLost::Fail {
         return Err(ApiError::Unavailable(format!(
             "{reason}; not prefilling again (--on-hold-lost fail)"
         )));

@@ -10,6 +10,7 @@
 
 use super::attempt::{Attempt, Cause, Failure};
 use super::decode::{self, OpenError};
+use super::flow::Flow;
 use super::output::Source;
 use super::prefill::Prefilled;
 use super::record::RequestRecord;
@@ -21,7 +22,6 @@ use crate::error::ApiError;
 use crate::holds::{Hold, HoldLease};
 use crate::journal::{JournalHandle, Phase};
 use crate::registry::Instance;
-use crate::state::AppState;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -36,7 +36,7 @@ pub const MAX_CONNECT_FAILURES: u32 = 8;
 
 /// One request's decode, from the first decoder to the last token.
 pub struct Session {
-    state: Arc<AppState>,
+    state: Arc<Flow>,
     info: RequestInfo,
     body: Value,
     /// The prefill's `kv_transfer_params` the next attempt pulls with
@@ -62,7 +62,7 @@ pub struct Session {
 impl Session {
     /// Opens the first decoder stream; an error here is the client's HTTP error.
     pub async fn start(
-        state: Arc<AppState>,
+        state: Arc<Flow>,
         info: RequestInfo,
         body: Value,
         prefilled: Prefilled,
@@ -70,7 +70,7 @@ impl Session {
     ) -> Result<Self, ApiError> {
         let blocker = resume::mid_stream_blocker(info.route, &body);
         let max_tokens = resume::requested_max_tokens(&body)
-            .unwrap_or(state.config.max_tokens_limit)
+            .unwrap_or(state.settings.max_tokens_limit)
             .max(1);
         let epoch = prefilled
             .kv_transfer_params
@@ -88,7 +88,7 @@ impl Session {
         let mut session = Self {
             relay: Relay::new(&info, journal, blocker.is_none(), max_tokens),
             policy: ResumePolicy {
-                max_resumes: state.config.max_resumes,
+                max_resumes: state.settings.max_resumes,
                 max_connect_failures: MAX_CONNECT_FAILURES,
                 blocker,
             },
@@ -138,7 +138,7 @@ impl Session {
             let wait = if self.progress.resumes == 0 && self.progress.connect_failures == 0 {
                 Duration::ZERO
             } else {
-                Duration::from_millis(self.state.config.resume_wait_ms)
+                self.state.settings.resume_wait
             };
             let prompt = self
                 .state
@@ -436,7 +436,7 @@ impl Session {
 /// A decoder for the next attempt, waiting up to `wait` when none is eligible
 /// right now (a restarted decoder re-registers within a heartbeat).
 async fn wait_for_decoder(
-    state: &AppState,
+    state: &Flow,
     model: &str,
     failed: &[String],
     prompt: Option<&[u32]>,

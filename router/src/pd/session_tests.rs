@@ -4,11 +4,11 @@
 
 use crate::config::{self, Command, RouterConfig};
 use crate::error::ApiError;
+use crate::pd::flow::Flow;
 use crate::pd::record::RequestRecord;
 use crate::pd::request::{validate, Route};
 use crate::pd::upstream::{ByteStream, Call, CallError, Opened, Reply, Upstream};
 use crate::registry::{Lifecycle, Registration, Registry, Role};
-use crate::state::AppState;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
@@ -119,6 +119,15 @@ impl Upstream for Scripted {
         })
     }
 
+    fn tokenize<'a>(&'a self, _call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+        Box::pin(async {
+            Err(CallError::Connect {
+                refused: true,
+                message: "no tokenizer in these tests".into(),
+            })
+        })
+    }
+
     fn decode<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Opened, CallError>> {
         let body: Value = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
         self.calls
@@ -164,7 +173,7 @@ fn config(extra: &[&str]) -> RouterConfig {
 }
 
 /// A router state with one prefill and `decoders` decoders, on `upstream`.
-async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Arc<AppState> {
+async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Arc<Flow> {
     let registry = Registry::new(&crate::registry::RegistryConfig::memory(
         Duration::from_secs(60),
     ));
@@ -187,14 +196,13 @@ async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Ar
             .await
             .expect("register");
     }
-    let (state, _releases) =
-        AppState::with_upstream(config(extra), registry, reqwest::Client::new(), upstream);
-    Arc::new(state)
+    let (flow, _releases) = Flow::new(&config(extra), registry, upstream);
+    Arc::new(flow)
 }
 
 /// Runs a non-stream completions request for 6 tokens; the response's text and
 /// resumes, or the error.
-async fn complete(state: &Arc<AppState>) -> Result<(String, u32), ApiError> {
+async fn complete(state: &Arc<Flow>) -> Result<(String, u32), ApiError> {
     let body = json!({"model": "m", "prompt": "hi", "max_tokens": 6});
     let info = validate(Route::Completions, &body, "r".into(), 1 << 20)?;
     let response = crate::pd::run(

@@ -5,17 +5,18 @@
 //! an engine per request, bounded in time and size; on any failure the
 //! choice falls back to load alone.
 
+use super::flow::Flow;
 use super::request::Route;
+use super::upstream::Call;
 use crate::registry::Instance;
-use crate::state::AppState;
+use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// The token ids of the prompt of `body`, or `None` when they cannot be had
 /// within the time limit.
 pub async fn prompt_ids(
-    state: &AppState,
+    state: &Flow,
     route: Route,
     body: &Value,
     engines: &[Arc<Instance>],
@@ -26,7 +27,7 @@ pub async fn prompt_ids(
     // Any engine of the model tokenizes alike; spread the calls by prompt.
     let engine = engines.get(rand::random_range(0..engines.len().max(1)))?;
     let request = tokenize_request(route, body)?;
-    let limit = Duration::from_millis(state.config.tokenize_timeout_ms);
+    let limit = state.settings.tokenize_timeout;
     let started = std::time::Instant::now();
     let ids = tokio::time::timeout(limit, tokenize(state, &engine.url, &request))
         .await
@@ -83,32 +84,23 @@ fn tokenize_request(route: Route, body: &Value) -> Option<Value> {
     }
 }
 
-/// Largest /tokenize answer read.
-const MAX_ANSWER: usize = 16 * 1024 * 1024;
-
-async fn tokenize(state: &AppState, url: &str, request: &Value) -> Option<Vec<u32>> {
+async fn tokenize(state: &Flow, url: &str, request: &Value) -> Option<Vec<u32>> {
     #[derive(serde::Deserialize)]
     struct Answer {
         tokens: Vec<u32>,
     }
-    let mut response = state
-        .client
-        .post(format!("{url}/tokenize"))
-        .json(request)
-        .send()
-        .await
-        .ok()?;
-    if !response.status().is_success() {
+    let call = Call {
+        url,
+        path: "/tokenize",
+        request_id: "",
+        trace: Vec::new(),
+        body: Bytes::from(serde_json::to_vec(request).ok()?),
+    };
+    let reply = state.upstream.tokenize(call).await.ok()?;
+    if !(200..300).contains(&reply.status) {
         return None;
     }
-    let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await.ok()? {
-        if body.len() + chunk.len() > MAX_ANSWER {
-            return None;
-        }
-        body.extend_from_slice(&chunk);
-    }
-    serde_json::from_slice::<Answer>(&body)
+    serde_json::from_slice::<Answer>(&reply.body)
         .ok()
         .map(|a| a.tokens)
 }

@@ -79,13 +79,19 @@ pub struct Call<'a> {
     pub body: Bytes,
 }
 
-/// Opening prefills and decode streams.
+/// Opening prefills and decode streams, and asking an engine to tokenize.
 pub trait Upstream: Send + Sync + 'static {
     /// Runs a prefill call to its whole answer.
     fn prefill<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>>;
     /// Opens a decode stream (the answer's headers).
     fn decode<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Opened, CallError>>;
+    /// Runs a `/tokenize` call to its whole answer, up to [`MAX_TOKENIZE_ANSWER`]
+    /// bytes (the caller bounds the time).
+    fn tokenize<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>>;
 }
+
+/// Largest `/tokenize` answer read (a long prompt's ids as JSON).
+pub const MAX_TOKENIZE_ANSWER: usize = 16 * 1024 * 1024;
 
 /// Time and size limits of [`HttpUpstream`].
 #[derive(Debug, Clone, Copy)]
@@ -166,6 +172,15 @@ impl Upstream for HttpUpstream {
             Ok(Opened::Status(Reply { status, body }))
         })
     }
+
+    fn tokenize<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+        Box::pin(async move {
+            let response = self.post(&call).send().await.map_err(call_error)?;
+            let status = response.status().as_u16();
+            let body = read_capped(response, MAX_TOKENIZE_ANSWER, status < 300).await?;
+            Ok(Reply { status, body })
+        })
+    }
 }
 
 /// Reads at most `cap` bytes of a body; past it, an error when `strict` (the
@@ -224,7 +239,7 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
 
-    /// The router's own client (`state::upstream_client`), with small limits.
+    /// The router's own client (`upstreams::client`), with small limits.
     fn upstream() -> HttpUpstream {
         let config = match crate::config::load(vec!["connex-router".into(), "serve".into()])
             .map(|c| c.command)
@@ -233,7 +248,7 @@ mod tests {
             _ => panic!("default config"),
         };
         HttpUpstream::new(
-            crate::state::upstream_client(&config).expect("client"),
+            crate::upstreams::client(&config).expect("client"),
             Limits {
                 prefill_timeout: Duration::from_secs(5),
                 decode_open_timeout: Duration::from_millis(300),

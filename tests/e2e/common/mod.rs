@@ -683,3 +683,102 @@ pub async fn race_first_registrations(routers: &[&Proc], id: &str, n: usize) -> 
     }
     url.clone()
 }
+
+/// Streamed completions whose clients count the tokens received so far, so
+/// that a fault injector paces itself by the streams' progress, not by the
+/// clock: on a loaded machine a wall-clock cadence hits a slowed stream more
+/// often than its `--max-resumes` allows, and the test fails for the machine.
+pub struct TrackedStreams {
+    /// Tokens each client has received (whole SSE events), or `NOT_STARTED`.
+    progress: std::sync::Arc<Vec<std::sync::atomic::AtomicUsize>>,
+    handles: Vec<tokio::task::JoinHandle<(String, Vec<Value>)>>,
+}
+
+const NOT_STARTED: usize = usize::MAX;
+
+impl TrackedStreams {
+    /// Sends each `(prompt, body)` to the router's `/v1/completions`, the
+    /// i-th after `stagger * i`.
+    pub fn start(router: &Proc, requests: Vec<(String, Value)>, stagger: Duration) -> Self {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let progress: std::sync::Arc<Vec<AtomicUsize>> = std::sync::Arc::new(
+            requests
+                .iter()
+                .map(|_| AtomicUsize::new(NOT_STARTED))
+                .collect(),
+        );
+        let handles = requests
+            .into_iter()
+            .enumerate()
+            .map(|(i, (prompt, body))| {
+                let url = router.url.clone();
+                let progress = progress.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(stagger * i as u32).await;
+                    progress[i].store(0, Ordering::SeqCst);
+                    let mut response = reqwest::Client::builder()
+                        .timeout(Duration::from_secs(90))
+                        .build()
+                        .unwrap()
+                        .post(format!("{url}/v1/completions"))
+                        .json(&body)
+                        .send()
+                        .await
+                        .unwrap();
+                    let mut text = String::new();
+                    while let Some(bytes) = response.chunk().await.unwrap() {
+                        text.push_str(&String::from_utf8_lossy(&bytes));
+                        progress[i].store(
+                            streamed_token_ids(&sse_events(&text)).len(),
+                            Ordering::SeqCst,
+                        );
+                    }
+                    (prompt, sse_events(&text))
+                })
+            })
+            .collect();
+        TrackedStreams { progress, handles }
+    }
+
+    pub fn all_finished(&self) -> bool {
+        self.handles.iter().all(|h| h.is_finished())
+    }
+
+    /// Per stream, the tokens it had received if it is live (started and not
+    /// finished).
+    pub fn live(&self) -> Vec<Option<usize>> {
+        self.handles
+            .iter()
+            .zip(self.progress.iter())
+            .map(|(h, p)| {
+                let tokens = p.load(std::sync::atomic::Ordering::SeqCst);
+                (tokens != NOT_STARTED && !h.is_finished()).then_some(tokens)
+            })
+            .collect()
+    }
+
+    /// Waits until every stream live at `since` (a `live()`) has received
+    /// `tokens` more tokens or ended.
+    pub async fn moved_on(&self, since: &[Option<usize>], tokens: usize) {
+        loop {
+            let now = self.live();
+            let moved = since.iter().zip(&now).all(|(then, now)| match (then, now) {
+                (Some(then), Some(now)) => *now >= then + tokens,
+                _ => true,
+            });
+            if moved {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Each stream's prompt and SSE events, once all have ended.
+    pub async fn results(self) -> Vec<(String, Vec<Value>)> {
+        let mut results = Vec::new();
+        for handle in self.handles {
+            results.push(handle.await.unwrap());
+        }
+        results
+    }
+}
