@@ -34,7 +34,8 @@ RUN apt-get update -q && apt-get install -y -q --no-install-recommends protobuf-
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked -p connex-router --features etcd --bin connex-router
+# The production binary: etcd in, the demo and its mock engine out.
+RUN cargo build --release --locked -p connex-router --no-default-features --features etcd --bin connex-router
 
 FROM runtime-base AS runtime
 COPY --from=build --chown=0:0 /src/target/release/connex-router /usr/local/bin/connex-router
