@@ -28,14 +28,20 @@ impl SseParser {
     }
 }
 
+/// The event separators, each searcher built once.
+static LF_END: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\n\n"));
+static CRLF_END: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\r\n\r\n"));
+
 /// Position and length of the first event separator (blank line).
 fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let lf = memchr::memmem::find(buf, b"\n\n").map(|p| (p, 2));
+    let lf = LF_END.find(buf).map(|p| (p, 2));
     // Engines end lines with LF; look for CRLF separators only when a CR is there.
     if memchr::memchr(b'\r', buf).is_none() {
         return lf;
     }
-    let crlf = memchr::memmem::find(buf, b"\r\n\r\n").map(|p| (p, 4));
+    let crlf = CRLF_END.find(buf).map(|p| (p, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),

@@ -13,6 +13,16 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
 use std::borrow::Cow;
+use std::sync::LazyLock;
+
+/// The byte patterns searched in every chunk, each built once (a `Finder`
+/// built per search costs more than the search in a chunk this short).
+static KV_PARAMS_KEY: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"kv_transfer_params\":"));
+static TOKEN_IDS_KEY: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(Field::TokenIds.pattern()));
+static PROMPT_TOKEN_IDS_KEY: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(Field::PromptTokenIds.pattern()));
 
 /// What the router reads of one chunk.
 #[derive(Debug, Deserialize)]
@@ -148,6 +158,13 @@ impl Field {
             Field::PromptTokenIds => b"\"prompt_token_ids\":",
         }
     }
+
+    fn finder(self) -> &'static memmem::Finder<'static> {
+        match self {
+            Field::TokenIds => &TOKEN_IDS_KEY,
+            Field::PromptTokenIds => &PROMPT_TOKEN_IDS_KEY,
+        }
+    }
 }
 
 /// The client's copy of a chunk, as one SSE event: `id` replaced, the listed
@@ -161,24 +178,24 @@ pub fn rewrite_event(data: &[u8], id: &str, strip: &[Field]) -> Vec<u8> {
     })
 }
 
-/// The fast path: byte edits on the compact JSON engines emit. `None` when the
-/// chunk does not have the expected shape.
+/// The fast path: byte edits on the compact JSON engines emit, whatever the
+/// order of its keys (vLLM puts `id` first, other servers elsewhere). `None`
+/// when the chunk does not have the expected shape.
 ///
 /// A key pattern such as `"token_ids":` preceded by `{` or `,` can only be a real
 /// key: inside a JSON string every `"` is escaped, so `,"` never occurs there.
 fn splice(data: &[u8], id: &str, strip: &[Field]) -> Option<Vec<u8>> {
-    const ID_KEY: &[u8] = b"{\"id\":\"";
-    if !data.starts_with(ID_KEY) || memmem::find(data, b"\"kv_transfer_params\":").is_some() {
+    if KV_PARAMS_KEY.find(data).is_some() {
         return None;
     }
-    let id_end = ID_KEY.len() + string_end(&data[ID_KEY.len()..])?;
+    let old_id = top_level_id(data)?;
     let mut out = Vec::with_capacity(data.len() + id.len() + 8);
     out.extend_from_slice(b"data: ");
-    out.extend_from_slice(ID_KEY);
+    out.extend_from_slice(&data[..old_id.start]);
     out.extend_from_slice(id.as_bytes());
-    out.extend_from_slice(&data[id_end..]);
+    out.extend_from_slice(&data[old_id.end..]);
     for field in strip {
-        while let Some(range) = field_range(&out, field.pattern())? {
+        while let Some(range) = field_range(&out, *field)? {
             out.drain(range);
         }
     }
@@ -186,13 +203,49 @@ fn splice(data: &[u8], id: &str, strip: &[Field]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// The byte range of the string value of the object's own `"id"` key (not
+/// one nested deeper, such as a tool call's), in compact JSON; `None` when
+/// there is none or the JSON is cut short.
+fn top_level_id(data: &[u8]) -> Option<std::ops::Range<usize>> {
+    let mut depth = 0usize;
+    let mut i = 0;
+    while i < data.len() {
+        match data[i] {
+            b'"' => {
+                let end = i + 1 + string_end(&data[i + 1..])?;
+                // A string followed by `:` is a key (a value is followed by
+                // `,`, `}` or `]`).
+                if depth == 1 && &data[i + 1..end] == b"id" && data.get(end + 1) == Some(&b':') {
+                    if data.get(end + 2) != Some(&b'"') {
+                        return None;
+                    }
+                    let start = end + 3;
+                    return Some(start..start + string_end(&data[start..])?);
+                }
+                i = end + 1;
+            }
+            b'{' | b'[' => {
+                depth += 1;
+                i += 1;
+            }
+            b'}' | b']' => {
+                depth = depth.checked_sub(1)?;
+                i += 1;
+            }
+            _ => i += 1,
+        }
+    }
+    None
+}
+
 /// The byte range of the first field `key` whose value is an array of numbers or
 /// null, with one separating comma. `Some(None)` when there is no such key; `None`
 /// when it holds another kind of value.
-fn field_range(data: &[u8], pattern: &[u8]) -> Option<Option<std::ops::Range<usize>>> {
+fn field_range(data: &[u8], field: Field) -> Option<Option<std::ops::Range<usize>>> {
+    let pattern = field.pattern();
     let mut from = 0;
     let start = loop {
-        let Some(at) = memmem::find(&data[from..], pattern) else {
+        let Some(at) = field.finder().find(&data[from..]) else {
             return Some(None);
         };
         let at = from + at;
@@ -307,6 +360,22 @@ mod tests {
         // The fast path made it: the bytes are the original ones, edited.
         assert!(out.starts_with(br#"{"id":"cmpl-router","object""#));
         assert!(out.ends_with(br#""stop_reason":null}]}"#));
+    }
+
+    #[test]
+    fn keys_in_any_order_take_the_fast_path_and_nested_ids_are_kept() {
+        // Keys sorted (as serde_json writes a map), `id` last, and a tool
+        // call's own `id` before it.
+        let data = br#"{"choices":[{"delta":{"tool_calls":[{"id":"call_1","index":0}]},"index":0,"token_ids":[5]}],"created":1,"id":"engine-id","model":"m"}"#;
+        let out = rewrite(data, "cmpl-router", &[Field::TokenIds]);
+        assert_eq!(
+            out,
+            br#"{"choices":[{"delta":{"tool_calls":[{"id":"call_1","index":0}]},"index":0}],"created":1,"id":"cmpl-router","model":"m"}"#
+        );
+        assert_eq!(top_level_id(br#"{"a":{"id":"x"}}"#), None);
+        assert_eq!(top_level_id(br#"{"a":"id","id":"y"}"#), Some(16..17));
+        assert_eq!(top_level_id(br#"{"id":7}"#), None);
+        assert_eq!(top_level_id(br#"{"id":"unterminated"#), None);
     }
 
     #[test]
