@@ -347,7 +347,12 @@ async fn an_etcd_outage_fails_no_request_and_membership_converges() {
             failures
         }));
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    eventually(
+        Duration::from_secs(10),
+        "requests completing through both replicas",
+        || async { done.load(Ordering::Relaxed) >= 10 },
+    )
+    .await;
 
     etcd.kill();
     eventually(
@@ -373,6 +378,7 @@ async fn an_etcd_outage_fails_no_request_and_membership_converges() {
     assert_eq!(status, 503, "{reply}");
     // An engine that comes up during the outage registers once etcd is back.
     let late = engine(Some(&b), "decode", &[]);
+    // The outage lasts 1.5 s: the late engine's first registrations fail.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let during = done.load(Ordering::Relaxed) - before;
     assert!(during > 0, "no request completed while etcd was down");

@@ -240,3 +240,39 @@ def test_the_deregister_file_takes_the_engine_out_of_a_real_router(tmp_path):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_refused_kv_events_are_dropped_and_the_routers_index_cleared_next(stub):
+    """A batch the router refuses for good (4xx) is dropped, and the next
+    batch starts with AllBlocksCleared: a lost BlockRemoved would otherwise
+    leave the router's index claiming blocks the engine evicted. A failing
+    router (5xx) keeps the batch for later."""
+    from connex.kv_events import CLEARED, KvEventForwarder
+
+    stub.script[("POST", "/v1/instances/e1/kv-events")] = [
+        (413, b'{"error": {"message": "too large"}}', None),
+        (503, b"{}", None),
+        ok({}),
+    ]
+    stub.script[("POST", "/v1/instances")] = [ok({"id": "e1", "lease_ttl_s": 30})]
+    agent = Agent(stub.url, "prefill", stub.url, "m", instance_id="e1")
+    # The forwarder is driven by hand here (no ZMQ publisher): what matters is
+    # what the agent does with the router's answers.
+    forwarder = KvEventForwarder("tcp://127.0.0.1:1", agent.forward_kv_events, decode=lambda _: [])
+    agent.kv_events = forwarder
+    agent.start()
+    try:
+        wait_until(lambda: agent.registrations >= 1)
+        stored = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None}
+        forwarder.pending = [stored]
+        forwarder.flush()  # 413: dropped, index to be cleared
+        assert forwarder.pending == [CLEARED]
+        forwarder.flush()  # 503: kept
+        assert forwarder.pending == [CLEARED]
+        forwarder.flush()  # 200: forwarded
+        assert forwarder.pending == []
+        sent = [body["events"] for _, _, _, body in stub.calls_to("POST", "/kv-events")]
+        assert sent == [[stored], [CLEARED], [CLEARED]]
+        assert forwarder.resets == 1
+    finally:
+        agent.stop()
