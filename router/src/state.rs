@@ -27,6 +27,8 @@ pub struct AppState {
     pub limits: RequestLimits,
     pub holds: Holds,
     pub metrics: Option<PrometheusHandle>,
+    /// `/v1/models`: each model's entry as its engines last described it.
+    pub models: crate::api::models::ModelCache,
 }
 
 /// The request path's limits, from the configuration.
@@ -110,6 +112,7 @@ impl AppState {
             outliers: Arc::new(Outliers::new(Duration::from_millis(config.suspect_ms))),
             limits: RequestLimits::new(&config),
             metrics,
+            models: crate::api::models::ModelCache::default(),
             config,
         };
         (state, releases)
