@@ -69,6 +69,14 @@ async fn non_stream_completions_equal_the_engines_own_answer() {
             .extend(variant.as_object().unwrap().clone());
         assert_same_answer(&router, &reference, "/v1/completions", body).await;
     }
+    // A streaming client of `echo` gets the prompt's text first, as from the
+    // engine (which echoes it only when not asked for token ids, as vLLM).
+    let body = json!({"model":"mock","prompt":"The quick brown fox","max_tokens":4,
+        "echo":true,"stream":true});
+    let through_router = streamed_text(&stream(&router, "/v1/completions", &body).await);
+    assert!(through_router.starts_with("The quick brown fox"), "{through_router}");
+    let alone = streamed_text(&stream(&reference, "/v1/completions", &body).await);
+    assert_eq!(through_router, alone);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
