@@ -82,7 +82,8 @@ mod tests {
 
     #[test]
     fn keeps_the_entries_with_an_id_in_order() {
-        let body = br#"{"object":"list","data":[{"id":"a","max_model_len":8},{"x":1},"s",{"id":"b"}]}"#;
+        let body =
+            br#"{"object":"list","data":[{"id":"a","max_model_len":8},{"x":1},"s",{"id":"b"}]}"#;
         let ids: Vec<_> = parse(body)
             .unwrap()
             .into_iter()

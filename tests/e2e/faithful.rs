@@ -74,7 +74,10 @@ async fn non_stream_completions_equal_the_engines_own_answer() {
     let body = json!({"model":"mock","prompt":"The quick brown fox","max_tokens":4,
         "echo":true,"stream":true});
     let through_router = streamed_text(&stream(&router, "/v1/completions", &body).await);
-    assert!(through_router.starts_with("The quick brown fox"), "{through_router}");
+    assert!(
+        through_router.starts_with("The quick brown fox"),
+        "{through_router}"
+    );
     let alone = streamed_text(&stream(&reference, "/v1/completions", &body).await);
     assert_eq!(through_router, alone);
 }
@@ -350,7 +353,10 @@ async fn a_client_polling_the_model_list_does_not_reach_the_engines_each_time() 
     // The entry is refreshed once it is stale (5 s).
     tokio::time::sleep(Duration::from_millis(5200)).await;
     for _ in 0..5 {
-        assert_eq!(models_of(&router).await["data"][0]["owned_by"], "connex-mock");
+        assert_eq!(
+            models_of(&router).await["data"][0]["owned_by"],
+            "connex-mock"
+        );
     }
     assert_eq!(calls().await, 2);
 }
@@ -477,7 +483,10 @@ async fn static_instances_without_a_model_flag_are_registered_under_the_model_th
         || async { state_of(&router, &decode_url).await == "ready" },
     )
     .await;
-    assert_eq!(listed(&router, &decode_url).await.unwrap()["model"], "found");
+    assert_eq!(
+        listed(&router, &decode_url).await.unwrap()["model"],
+        "found"
+    );
     let body = json!({"model":"found","prompt":"static","max_tokens":4});
     let (status, answer) = post(&router, "/v1/completions", &body).await;
     assert_eq!(status, 200, "{answer}");

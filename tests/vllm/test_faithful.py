@@ -171,16 +171,17 @@ def test_non_stream_chat_equals_the_engines_answer(cluster, extra):
 # ---- stop strings -------------------------------------------------------------------
 
 
-def stream_text(url: str, path: str, body: dict) -> tuple[str, dict, dict]:
-    """A stream's text, its last choice (finish) and its usage."""
-    text, last, usage = "", {}, {}
+def stream_text(url: str, path: str, body: dict) -> tuple[str, list[int], dict, dict]:
+    """A stream's text, token ids, last choice (finish) and usage."""
+    text, ids, last, usage = "", [], {}, {}
     for event in harness.stream_events(url, path, body):
         for choice in event.get("choices", []):
             text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            ids += choice.get("token_ids") or []
             if choice.get("finish_reason"):
                 last = choice
         usage = event.get("usage") or usage
-    return text, last, usage
+    return text, ids, last, usage
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
@@ -197,13 +198,18 @@ def test_stop_strings_through_the_router_equal_the_engines(cluster, route, inclu
     text = full["message"]["content"] if chat else full["text"]
     assert len(text) > 20, text
     stop = text[9:13]
-    body = base | {"stop": [stop, "never-there"], "include_stop_str_in_output": include}
+    body = base | {
+        "stop": [stop, "never-there"],
+        "include_stop_str_in_output": include,
+        "return_token_ids": True,
+    }
     want = same_answer(cluster, route, body)
     choice = want["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
     for url in (cluster.router.url, cluster["plain"].url):
-        got_text, last, usage = stream_text(url, route, streamed)
+        got_text, ids, last, usage = stream_text(url, route, streamed)
         assert got_text == (choice["message"]["content"] if chat else choice["text"]), url
         assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop), url
+        assert ids == choice["token_ids"], url
         assert usage["completion_tokens"] == want["usage"]["completion_tokens"], url
