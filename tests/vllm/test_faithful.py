@@ -153,7 +153,7 @@ CHAT = {
 
 @pytest.mark.parametrize("extra", CHAT.values(), ids=CHAT.keys())
 def test_non_stream_chat_equals_the_engines_answer(cluster, extra):
-    body = {"model": harness.MODEL_NAME, "messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    body = {"model": harness.MODEL_NAME, "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
     want = same_answer(cluster, "/v1/chat/completions", body | extra)
     choice = want["choices"][0]
     if "top_logprobs" in extra:
