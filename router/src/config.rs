@@ -300,6 +300,8 @@ pub struct RouterConfig {
     #[arg(long, value_name = "URL")]
     pub decode: Vec<String>,
     /// The model the static instances serve (`--prefill`, `--decode`).
+    /// Without it, each is registered under the models its `/v1/models`
+    /// lists, once it answers.
     #[arg(long, env = "CONNEX_STATIC_MODEL")]
     pub static_model: Option<String>,
 }

@@ -11,6 +11,7 @@ pub mod holds;
 pub mod journal;
 pub mod logs;
 pub mod metrics;
+pub mod model_list;
 pub mod pd;
 pub mod policy;
 pub mod prefix;
@@ -142,25 +143,15 @@ impl Router {
         let idle = (config.metrics_idle_timeout_s > 0)
             .then(|| Duration::from_secs(config.metrics_idle_timeout_s));
         metrics::install(idle);
-        let statics = statics::registrations(&config, &upstreams).await?;
+        let statics = statics::instances(&config, &upstreams).await?;
         let registry = registry::Registry::open(&registry_config(&config)).await?;
-        for reg in statics {
-            // Only where the id is vacant: with etcd another replica (or this
-            // one before a restart) registered it already, and replacing it
-            // would make every replica see a new incarnation and cut the
-            // streams on it.
-            match registry
-                .register(reg, registry::Claim::Registrant(None))
-                .await
-            {
-                Ok((instance, _)) => {
-                    tracing::info!(id = %instance.id, url = %instance.url, "static instance added");
-                }
-                Err(registry::RegistryError::Taken(id)) => {
-                    tracing::info!(%id, "static instance already registered");
-                }
-                Err(err) => return Err(err.into()),
-            }
+        // With --static-model they serve from the start; otherwise each is
+        // registered once it says which models it serves (below).
+        let (named, unnamed): (Vec<_>, Vec<_>) =
+            statics.into_iter().partition(|s| s.model.is_some());
+        for instance in named {
+            let model = instance.model.clone().unwrap_or_default();
+            statics::register(&registry, instance.registration(&model, true)).await?;
         }
         let shutdown = Shutdown::default();
         let edge = Edge {
@@ -204,6 +195,12 @@ impl Router {
         state
             .holds
             .spawn_keeper(releases, &mut tasks, background.clone());
+        for instance in unnamed {
+            let (state, stop) = (state.clone(), background.clone());
+            tasks.spawn(async move {
+                statics::discover(&state.registry, &state.client, instance, stop).await;
+            });
+        }
         tracing::info!(%addr, %internal_addr, "connex-router listening");
         Ok(Self {
             addr,

@@ -18,6 +18,8 @@ pub struct AppState {
     /// (the flow's engine calls go through its `upstream`).
     pub client: reqwest::Client,
     pub metrics: Option<PrometheusHandle>,
+    /// `/v1/models`: each model's entry as its engines last described it.
+    pub models: crate::api::models::ModelCache,
 }
 
 /// The state is the flow plus what only the app has (its configuration, the
@@ -59,6 +61,7 @@ impl AppState {
             flow: Arc::new(flow),
             client,
             metrics,
+            models: crate::api::models::ModelCache::default(),
             config,
         };
         Ok((state, releases))

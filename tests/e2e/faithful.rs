@@ -69,6 +69,17 @@ async fn non_stream_completions_equal_the_engines_own_answer() {
             .extend(variant.as_object().unwrap().clone());
         assert_same_answer(&router, &reference, "/v1/completions", body).await;
     }
+    // A streaming client of `echo` gets the prompt's text first, as from the
+    // engine (which echoes it only when not asked for token ids, as vLLM).
+    let body = json!({"model":"mock","prompt":"The quick brown fox","max_tokens":4,
+        "echo":true,"stream":true});
+    let through_router = streamed_text(&stream(&router, "/v1/completions", &body).await);
+    assert!(
+        through_router.starts_with("The quick brown fox"),
+        "{through_router}"
+    );
+    let alone = streamed_text(&stream(&reference, "/v1/completions", &body).await);
+    assert_eq!(through_router, alone);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -307,6 +318,49 @@ async fn models_list_what_the_engines_report() {
     assert_eq!(entry["max_model_len"], 4096);
 }
 
+/// How many times `engine` answered `GET /v1/models`.
+async fn model_list_calls(engine: &Proc) -> u64 {
+    engine_stats(engine).await["model_list_calls"]
+        .as_u64()
+        .unwrap()
+}
+
+async fn models_of(router: &Proc) -> Value {
+    client()
+        .get(format!("{}/v1/models", router.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_polling_the_model_list_does_not_reach_the_engines_each_time() {
+    let (router, prefill, decode, _reference) = cluster().await;
+    let calls = || async { model_list_calls(&prefill).await + model_list_calls(&decode).await };
+    assert_eq!(calls().await, 0);
+    // Polled, and by several clients at once: one engine read per model.
+    for _ in 0..10 {
+        let lists = futures_util::future::join_all((0..5).map(|_| models_of(&router))).await;
+        for list in lists {
+            assert_eq!(list["data"][0]["owned_by"], "connex-mock", "{list}");
+            assert_eq!(list["data"][0]["max_model_len"], 4096, "{list}");
+        }
+    }
+    assert_eq!(calls().await, 1);
+    // The entry is refreshed once it is stale (5 s).
+    tokio::time::sleep(Duration::from_millis(5200)).await;
+    for _ in 0..5 {
+        assert_eq!(
+            models_of(&router).await["data"][0]["owned_by"],
+            "connex-mock"
+        );
+    }
+    assert_eq!(calls().await, 2);
+}
+
 /// The admin list entry of the instance at `url`.
 async fn listed(router: &Proc, url: &str) -> Option<Value> {
     instances(router)
@@ -380,6 +434,62 @@ async fn static_instances_serve_without_heartbeats_and_sit_out_failed_probes() {
     )
     .await;
     assert_eq!(completion_status(&router).await, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_instances_without_a_model_flag_are_registered_under_the_model_they_serve() {
+    // Engines without the agent, serving a model the router is not told of;
+    // the decoder is not up yet when the router starts.
+    let prefill = engine(None, "prefill", &["--model", "found"]);
+    let ctrl = engine_stats(&prefill).await["ctrl"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let prefill_flag = format!("{},{ctrl}", prefill.url);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let decode_url = format!("http://{listen}");
+    let (router, logs) = router_logged(&[
+        "--health-check-interval-ms",
+        "100",
+        "--prefill",
+        &prefill_flag,
+        "--decode",
+        &decode_url,
+    ]);
+    eventually(
+        Duration::from_secs(5),
+        "the static prefill is registered under its model",
+        || async { listed(&router, &prefill.url).await.is_some() },
+    )
+    .await;
+    let entry = listed(&router, &prefill.url).await.unwrap();
+    assert_eq!(entry["model"], "found", "{entry}");
+    assert_eq!(entry["persistent"], true, "{entry}");
+    assert_eq!(entry["ctrl"], ctrl.as_str(), "{entry}");
+    // The decoder is asked again until it answers (and the log says why it waits).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(listed(&router, &decode_url).await.is_none());
+    assert!(
+        logs.lines()
+            .iter()
+            .any(|l| l.contains("waiting for its model list") && l.contains(&decode_url)),
+        "{:?}",
+        logs.lines()
+    );
+    let _decode = engine(None, "decode", &["--listen", &listen, "--model", "found"]);
+    eventually(
+        Duration::from_secs(10),
+        "the static decoder is registered once it is up",
+        || async { state_of(&router, &decode_url).await == "ready" },
+    )
+    .await;
+    assert_eq!(
+        listed(&router, &decode_url).await.unwrap()["model"],
+        "found"
+    );
+    let body = json!({"model":"found","prompt":"static","max_tokens":4});
+    let (status, answer) = post(&router, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{answer}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -45,9 +45,15 @@ def fleet():
         fleet.stop()
 
 
+# Engines that answer chat with tools: a tool parser must be set for vLLM to
+# take `tools` with a named or required `tool_choice` (answered through
+# structured output); `pythonic` needs no special tokens in the vocabulary.
+TOOL_ARGS = ["--tool-call-parser", "pythonic", "--enable-auto-tool-choice"]
+
+
 def plain_engine() -> harness.Engine:
     """A single engine without P/D: the reference every P/D answer must equal."""
-    return harness.Engine("plain", core=1)
+    return harness.Engine("plain", core=1, extra_args=list(TOOL_ARGS))
 
 
 # Whether this session runs tests on the P/D cluster: then the first test that
@@ -98,7 +104,7 @@ class Cluster:
             ("d1", "kv_consumer", 1),
             ("d2", "kv_consumer", 0),
         ):
-            engine = harness.Engine(name, core=core)
+            engine = harness.Engine(name, core=core, extra_args=list(TOOL_ARGS))
             engine.kv_config = connex_kv(
                 role,
                 engine,

@@ -8,6 +8,7 @@ is last: it leaves one decoder dead.
 from __future__ import annotations
 
 import ctypes
+import math
 import signal
 import time
 
@@ -15,6 +16,11 @@ import harness
 import httpx
 import pytest
 from connex import _transfer
+
+# The kill test's logprobs: alternatives per token, and the float tolerance
+# (nats) of a resumed decoder's values against an uninterrupted run's.
+LOGPROBS = 2
+LOGPROB_TOL = 1e-2
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -282,15 +288,17 @@ def stream_and_kill_decoder(cluster, prompt: str, total: int, k: int):
     The decoder is first frozen (SIGSTOP) and the router's journal consulted: on a
     heavily loaded machine the client can lag so far behind that the decoder has
     already finished; then the kill would prove nothing, and the caller tries
-    again. Returns (ids, text, killed engine) or None for such a late kill."""
+    again. Returns (ids, text, logprobs, killed engine) or None for such a late
+    kill. The request asks for logprobs: they resume too."""
     request_id = f"kill-{time.time_ns()}"
     ids: list[int] = []
     text = ""
+    logprobs: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
     killed = None
     with httpx.stream(
         "POST",
         f"{cluster.router.url}/v1/completions",
-        json=body(prompt, total, stream=True),
+        json=body(prompt, total, stream=True, logprobs=LOGPROBS),
         headers={"X-Request-Id": request_id},
         timeout=300,
     ) as reply:
@@ -304,6 +312,8 @@ def stream_and_kill_decoder(cluster, prompt: str, total: int, k: int):
             for choice in event["choices"]:
                 ids += choice.get("token_ids") or []
                 text += choice.get("text") or ""
+                for key, values in logprobs.items():
+                    values += (choice.get("logprobs") or {}).get(key) or []
             if killed is None and len(ids) >= k:
                 engine = cluster[decoder]
                 engine.kill(signal.SIGSTOP)
@@ -317,18 +327,20 @@ def stream_and_kill_decoder(cluster, prompt: str, total: int, k: int):
                 assert entry["decoder"] == decoder, entry
                 engine.kill()
                 killed = engine
-    return ids, text, killed
+    return ids, text, logprobs, killed
 
 
 def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
     """SIGKILL the decoder serving a stream at token k: the stream completes on the
-    other decoder with the tokens of an uninterrupted run, without a second
-    prefill; the hold is pulled twice and released once at the end."""
+    other decoder with the tokens (and logprobs, within float tolerance) of an
+    uninterrupted run, without a second prefill; the hold is pulled twice and
+    released once at the end."""
     ctrl = cluster.ctrl("prefill")
     total, k = 300, 40
     for _ in range(3):
         prompt = fresh("resume", 30)
-        want = harness.complete(cluster["plain"].url, prompt, total)["choices"][0]
+        want = harness.complete(cluster["plain"].url, prompt, total, logprobs=LOGPROBS)
+        want = want["choices"][0]
         prefill_requests = cluster["prefill"].metric("vllm:request_success_total")
         before = stats(ctrl)
         # Counted from its first resume on: absent until then.
@@ -338,11 +350,23 @@ def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
             break
     else:
         pytest.fail("the decoder finished before the client saw token k, three times")
-    ids, text, killed = outcome
+    ids, text, logprobs, killed = outcome
     assert killed is not None
     harness.wait_for(lambda: not killed.alive(), 10, "the killed decoder to exit")
     assert ids == want["token_ids"]
     assert text == want["text"]
+    # The resumed decoder computed the logprobs of the tokens after k with the
+    # generated ones as its prompt: the same values, up to float noise.
+    assert logprobs["tokens"] == want["logprobs"]["tokens"]
+    for got, expected in zip(
+        logprobs["token_logprobs"], want["logprobs"]["token_logprobs"], strict=True
+    ):
+        assert math.isclose(got, expected, abs_tol=LOGPROB_TOL), (got, expected)
+    for got, expected in zip(
+        logprobs["top_logprobs"], want["logprobs"]["top_logprobs"], strict=True
+    ):
+        assert got.keys() == expected.keys()
+        assert all(math.isclose(got[t], expected[t], abs_tol=LOGPROB_TOL) for t in got)
     # The router resumed it, once.
     assert cluster.router.metric("connex_resumes_total") - resumes == 1
     # One prefill only.

@@ -10,6 +10,7 @@ pub mod access;
 pub mod admin;
 pub mod body;
 pub mod instances;
+pub mod models;
 pub mod openai;
 pub mod passthrough;
 pub mod probes;
@@ -117,7 +118,7 @@ pub fn endpoints() -> Vec<Endpoint> {
             Gated,
             openai::chat_completions,
         ),
-        at(Get, "/v1/models", Open, openai::models),
+        at(Get, "/v1/models", Open, models::models),
         at(Get, "/health", Open, probes::health),
         at(Get, "/ready", Open, probes::ready),
         at(Post, "/v1/instances", Registrar, instances::register),

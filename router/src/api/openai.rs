@@ -1,20 +1,16 @@
-//! OpenAI routes: completions, chat completions and the model list.
+//! OpenAI routes: completions and chat completions (the model list is
+//! `models.rs`).
 
 use super::body::read_json;
 use crate::error::ApiError;
 use crate::pd::record::RequestRecord;
 use crate::pd::request::{validate, Route};
-use crate::pd::upstream::read_capped;
 use crate::state::AppState;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
-use axum::Json;
-use futures_util::future::join_all;
-use serde_json::{json, Value};
 use std::sync::Arc;
-use std::time::Duration;
 use tracing::Instrument;
 
 pub async fn completions(
@@ -78,45 +74,4 @@ async fn generate(
     }
     .instrument(span)
     .await
-}
-
-/// How long `/v1/models` waits for an engine's own entry of a model.
-const MODEL_INFO_TIMEOUT: Duration = Duration::from_secs(2);
-/// Largest engine model list read.
-const MAX_MODEL_LIST: usize = 256 * 1024;
-
-/// Models served by at least one live instance, each as an instance of it
-/// describes it (`max_model_len`, `owned_by`...), or a plain entry when none
-/// answers in time.
-pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
-    let entries = state
-        .registry
-        .models()
-        .into_iter()
-        .map(|id| model_entry(&state, id));
-    let data: Vec<Value> = join_all(entries).await;
-    Json(json!({"object": "list", "data": data}))
-}
-
-async fn model_entry(state: &AppState, id: String) -> Value {
-    let fetch = async {
-        let instance = super::passthrough::choose(state, &id, &[])?;
-        let url = format!("{}/v1/models", instance.url);
-        let response = state.client.get(url).send().await.ok()?;
-        if !response.status().is_success() {
-            return None;
-        }
-        let body = read_capped(response, MAX_MODEL_LIST, true).await.ok()?;
-        let list: Value = serde_json::from_slice(&body).ok()?;
-        list.get("data")?
-            .as_array()?
-            .iter()
-            .find(|m| m.is_object() && m["id"] == id.as_str())
-            .cloned()
-    };
-    tokio::time::timeout(MODEL_INFO_TIMEOUT, fetch)
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or_else(|| json!({"id": id, "object": "model", "created": 0, "owned_by": "connex"}))
 }

@@ -20,13 +20,17 @@ use tracing::Instrument;
 /// usage is asked for: the router counts tokens itself, but keeps the usage
 /// details only the engine knows (cached prompt tokens).
 pub fn decode_body(body: &Value, kv_transfer_params: &Value) -> Bytes {
+    let mut remove: Vec<&str> = Vec::new();
     // Stop strings are the router's (`stops.rs`).
-    let remove: &[&str] = if StopStrings::of(body).is_some() {
-        &["stop"]
-    } else {
-        &[]
-    };
-    Patch::new(body, remove)
+    if StopStrings::of(body).is_some() {
+        remove.push("stop");
+    }
+    // A stream cannot carry the prompt's logprobs (vLLM refuses them with
+    // `stream`): a non-stream client gets the prefill's (`Prefilled`).
+    if body.get("stream") != Some(&Value::Bool(true)) {
+        remove.push("prompt_logprobs");
+    }
+    Patch::new(body, &remove)
         .value("stream", Value::Bool(true))
         .value("return_token_ids", Value::Bool(true))
         .value("stream_options", json!({"include_usage": true}))

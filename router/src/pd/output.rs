@@ -52,6 +52,11 @@ pub struct Output {
     text_base: usize,
     /// Chat logprobs asked for: alternatives per token.
     chat_top_logprobs: Option<usize>,
+    /// Completions `echo`: the prompt text, and which choices have it yet.
+    echo: Option<(String, Vec<bool>)>,
+    /// The prompt's logprobs as the prefill computed them (a stream cannot
+    /// carry them): a non-stream answer's `prompt_logprobs`.
+    prompt_logprobs: Option<Value>,
 }
 
 impl Output {
@@ -73,7 +78,44 @@ impl Output {
             engine_usage: None,
             text_base: 0,
             chat_top_logprobs: info.chat_top_logprobs,
+            echo: info.echo_text.clone().map(|text| {
+                let n = usize::try_from(info.n).unwrap_or(1).max(1);
+                (text, vec![false; n])
+            }),
+            prompt_logprobs: None,
         }
+    }
+
+    /// The prompt logprobs of a non-stream answer (from the prefill's answer).
+    pub fn set_prompt_logprobs(&mut self, logprobs: Option<Value>) {
+        self.prompt_logprobs = logprobs.filter(|l| !l.is_null());
+    }
+
+    /// `raw` with the echoed prompt text before the first text of each choice
+    /// that has not had it; `None` when nothing changes.
+    fn echoed(&mut self, raw: &[u8]) -> Option<Vec<u8>> {
+        let (text, done) = self.echo.as_mut()?;
+        if done.iter().all(|d| *d) {
+            return None;
+        }
+        let mut chunk: Value = serde_json::from_slice(raw).ok()?;
+        let mut changed = false;
+        let choices = chunk.get_mut("choices").and_then(Value::as_array_mut);
+        for choice in choices.into_iter().flatten() {
+            let index = choice.get("index").and_then(Value::as_u64);
+            let Some(slot) = index.and_then(|i| done.get_mut(usize::try_from(i).ok()?)) else {
+                continue;
+            };
+            if *slot {
+                continue;
+            }
+            if let Some(Value::String(piece)) = choice.get_mut("text") {
+                piece.insert_str(0, text);
+                *slot = true;
+                changed = true;
+            }
+        }
+        changed.then(|| serde_json::to_vec(&chunk).unwrap_or_else(|_| raw.to_vec()))
     }
 
     /// Where the next decoder's text starts, in characters of the choice's text.
@@ -91,6 +133,9 @@ impl Output {
         if let Some(usage) = parsed.usage.filter(|u| u.get() != "null") {
             self.engine_usage = serde_json::from_str(usage.get()).ok();
         }
+        // Echo requests never resume: their chunks are all the client's route.
+        let echoed = self.echoed(raw);
+        let raw = echoed.as_deref().unwrap_or(raw);
         if !self.stream {
             // Usage chunks too: they carry the last top-level fields
             // (`system_fingerprint`).
@@ -290,6 +335,9 @@ impl Output {
                 if self.route == Route::Completions {
                     let prompt = self.return_token_ids.then(|| json!(entry.prompt_token_ids));
                     choice.insert("prompt_token_ids".into(), prompt.unwrap_or(Value::Null));
+                    if let Some(logprobs) = &self.prompt_logprobs {
+                        choice.insert("prompt_logprobs".into(), logprobs.clone());
+                    }
                 }
                 Value::Object(choice)
             })
@@ -307,6 +355,9 @@ impl Output {
         if self.route == Route::Chat {
             let prompt = self.return_token_ids.then(|| json!(entry.prompt_token_ids));
             response.insert("prompt_token_ids".into(), prompt.unwrap_or(Value::Null));
+            if let Some(logprobs) = &self.prompt_logprobs {
+                response.insert("prompt_logprobs".into(), logprobs.clone());
+            }
         }
         Value::Object(response)
     }

@@ -20,6 +20,10 @@ pub struct Prefilled {
     pub instance: String,
     pub kv_transfer_params: Value,
     pub prompt_token_ids: Vec<u32>,
+    /// The prompt's logprobs, when the request asked for them (`prompt_logprobs`,
+    /// or completions `echo` with `logprobs`): vLLM computes them on the prefill
+    /// as it would alone, and cannot stream them from the decoder.
+    pub prompt_logprobs: Option<Value>,
 }
 
 /// The body sent to a prefill instance.
@@ -246,9 +250,11 @@ fn release_abandoned(holds: &crate::holds::Holds, abandoned: &Reply) {
 struct Answer<'a> {
     #[serde(borrow, default)]
     kv_transfer_params: Option<&'a serde_json::value::RawValue>,
-    /// Chat puts the prompt ids at the top level...
+    /// Chat puts the prompt ids (and logprobs) at the top level...
     #[serde(default)]
     prompt_token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    prompt_logprobs: Option<Value>,
     /// ...completions in the choice.
     #[serde(default)]
     choices: Vec<AnswerChoice>,
@@ -258,6 +264,8 @@ struct Answer<'a> {
 struct AnswerChoice {
     #[serde(default)]
     prompt_token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    prompt_logprobs: Option<Value>,
 }
 
 /// Why a prefill answer cannot be used.
@@ -304,20 +312,22 @@ pub fn parse_answer(
         .filter(Value::is_object)
         .ok_or(InvalidAnswer::NoParams)?;
     check_params(&kv_transfer_params, instance)?;
-    let prompt_token_ids = match route {
+    let (prompt_token_ids, prompt_logprobs) = match route {
         Route::Completions => answer
             .choices
             .into_iter()
             .next()
-            .and_then(|c| c.prompt_token_ids),
-        Route::Chat => answer.prompt_token_ids,
-    }
-    .filter(|ids| !ids.is_empty())
-    .ok_or(InvalidAnswer::NoPromptIds)?;
+            .map_or((None, None), |c| (c.prompt_token_ids, c.prompt_logprobs)),
+        Route::Chat => (answer.prompt_token_ids, answer.prompt_logprobs),
+    };
+    let prompt_token_ids = prompt_token_ids
+        .filter(|ids| !ids.is_empty())
+        .ok_or(InvalidAnswer::NoPromptIds)?;
     Ok(Prefilled {
         instance: instance.id.clone(),
         kv_transfer_params,
         prompt_token_ids,
+        prompt_logprobs: prompt_logprobs.filter(|l| !l.is_null()),
     })
 }
 

@@ -113,6 +113,11 @@ impl Relay {
         }
     }
 
+    /// The prompt logprobs the prefill computed, for a non-stream answer.
+    pub fn set_prompt_logprobs(&mut self, logprobs: Option<serde_json::Value>) {
+        self.output.set_prompt_logprobs(logprobs);
+    }
+
     pub fn journal(&self) -> &JournalHandle {
         &self.journal
     }
@@ -409,6 +414,7 @@ mod tests {
             n,
             chat_top_logprobs: None,
             stop: None,
+            echo_text: None,
         }
     }
 

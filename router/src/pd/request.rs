@@ -46,6 +46,10 @@ pub struct RequestInfo {
     pub chat_top_logprobs: Option<usize>,
     /// The stop strings the router matches (never sent to decoders).
     pub stop: Option<super::stops::StopStrings>,
+    /// Completions `echo` of a text prompt: the text each choice starts with.
+    /// The router asks decoders for token ids, and vLLM then echoes no prompt
+    /// text (only the ids), so the router puts the text back itself.
+    pub echo_text: Option<String>,
 }
 
 /// Checks the body of a generation request; returns what the flow needs.
@@ -113,6 +117,29 @@ pub fn validate(
             usize::try_from(top).unwrap_or(usize::MAX)
         }),
         stop: checked_stops(body)?,
+        echo_text: echo_text(route, object)?,
+    })
+}
+
+/// The prompt text a completions client with `echo` (and without
+/// `return_token_ids`, with which vLLM echoes no text either) gets back.
+fn echo_text(
+    route: Route,
+    object: &serde_json::Map<String, Value>,
+) -> Result<Option<String>, ApiError> {
+    if route != Route::Completions
+        || optional_bool(object, "echo")? != Some(true)
+        || optional_bool(object, "return_token_ids")? == Some(true)
+    {
+        return Ok(None);
+    }
+    Ok(match object.get("prompt") {
+        Some(Value::String(text)) => Some(text.clone()),
+        Some(Value::Array(one)) => match one.as_slice() {
+            [Value::String(text)] => Some(text.clone()),
+            _ => None,
+        },
+        _ => None,
     })
 }
 

@@ -85,8 +85,10 @@ impl Session {
             e.kv_transfer_params = Some(prefilled.kv_transfer_params.clone());
             e.prompt_token_ids = prefilled.prompt_token_ids;
         });
+        let mut relay = Relay::new(&info, journal, blocker.is_none(), max_tokens);
+        relay.set_prompt_logprobs(prefilled.prompt_logprobs);
         let mut session = Self {
-            relay: Relay::new(&info, journal, blocker.is_none(), max_tokens),
+            relay,
             policy: ResumePolicy {
                 max_resumes: state.settings.max_resumes,
                 max_connect_failures: MAX_CONNECT_FAILURES,

@@ -27,6 +27,8 @@ pub struct EngineState {
     pub engine_id: String,
     pub log: RequestLog,
     pub inflight: AtomicU64,
+    /// `GET /v1/models` calls answered (the router's model list reads them).
+    pub model_list_calls: AtomicU64,
     /// Prompt KV: held as a prefill, pulled as a decoder (see [`crate::kv`]).
     pub kv: crate::kv::KvState,
     /// Set by [`crate::MockEngine::crash_now`]: the next token of every decode
@@ -62,6 +64,7 @@ impl EngineState {
             addr,
             log: RequestLog::default(),
             inflight: AtomicU64::new(0),
+            model_list_calls: AtomicU64::new(0),
             prefix,
             events_ready: tokio::sync::Notify::new(),
             kv,
@@ -127,6 +130,7 @@ async fn health(State(state): State<Arc<EngineState>>) -> Response {
 }
 
 async fn models(State(state): State<Arc<EngineState>>) -> Json<Value> {
+    state.model_list_calls.fetch_add(1, Ordering::Relaxed);
     Json(
         json!({"object":"list","data":[{"id":state.config.model,"object":"model","created":0,
             "owned_by":"connex-mock","root":state.config.model,"parent":null,
@@ -145,6 +149,7 @@ async fn stats(State(state): State<Arc<EngineState>>) -> Json<Value> {
             json!({"blocks": p.len(), "hit_tokens": p.hit_tokens})
         }),
         "requests": state.log.snapshot(),
+        "model_list_calls": state.model_list_calls.load(Ordering::Relaxed),
     }))
 }
 

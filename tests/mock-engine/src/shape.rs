@@ -31,6 +31,8 @@ pub struct Shape {
     logprobs: Option<usize>,
     /// Completions `echo`: the prompt's text and ids.
     echo: Option<(String, Vec<u32>)>,
+    /// Whether the echo includes the prompt's text (see [`Shape::new`]).
+    echo_text: bool,
     /// The function names called, in call order.
     tools: Vec<String>,
     reasoning_tokens: usize,
@@ -65,6 +67,10 @@ impl Shape {
                 };
                 (text, prompt_ids.to_vec())
             });
+        // vLLM (0.32) echoes no prompt text, only its ids and logprobs, to a
+        // request that asks for token ids.
+        let echo_text = echo.is_some()
+            && request.get("return_token_ids").and_then(Value::as_bool) != Some(true);
         let tool_choice_none = request.get("tool_choice").and_then(Value::as_str) == Some("none");
         let tools = if chat && !tool_choice_none {
             request
@@ -90,6 +96,7 @@ impl Shape {
             chat,
             logprobs,
             echo,
+            echo_text,
             tools,
             reasoning_tokens: if reasoning { max_tokens / 2 } else { 0 },
             max_tokens,
@@ -214,7 +221,9 @@ impl Shape {
             let mut logprobs = lp.map(|lp| completion_logprobs(&[lp]));
             if i == 0 {
                 if let Some((prompt, ids)) = &self.echo {
-                    text = format!("{prompt}{text}");
+                    if self.echo_text {
+                        text = format!("{prompt}{text}");
+                    }
                     if let Some(logprobs) = logprobs.as_mut() {
                         let mut all = echo_logprobs(ids);
                         merge_arrays(&mut all, logprobs);
@@ -270,7 +279,9 @@ impl Shape {
             let mut text = model::detokenize(tokens);
             let mut logprobs = lps.as_deref().map(completion_logprobs);
             if let Some((prompt, ids)) = &self.echo {
-                text = format!("{prompt}{text}");
+                if self.echo_text {
+                    text = format!("{prompt}{text}");
+                }
                 if let Some(logprobs) = logprobs.as_mut() {
                     let mut all = echo_logprobs(ids);
                     merge_arrays(&mut all, logprobs);
