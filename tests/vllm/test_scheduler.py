@@ -230,6 +230,8 @@ def test_partial_local_hit_pulls_only_the_missing_blocks():
     out, _ = step(sched)
     (load,) = out.kv_connector_metadata.loads
     assert load.remote_block_ids == [502, 503]
+    # The worker pulls blocks 2 and 3 of the hold's 4 (not the whole hold).
+    assert (load.first_block, load.hold_blocks) == (2, 4)
     blocks = sched.kv_cache_manager.get_block_ids(request.request_id)[0]
     assert load.local_block_ids == blocks[2:4]
 

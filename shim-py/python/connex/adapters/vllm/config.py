@@ -25,6 +25,8 @@ Inline `register_token` / `transfer_secret` values still work, with a warning.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,11 @@ from connex.credentials import REGISTER_TOKEN_ENV, TRANSFER_SECRET_ENV, read_sec
 logger = logging.getLogger("connex.vllm.config")
 
 BACKENDS = ("tcp", "ucx", "mooncake")
+# What the Mooncake backend (in the transfer crate) reads when it starts its
+# engine: the address peers reach this engine at, and Mooncake's own bind address.
+MOONCAKE_HOST_ENV = "CONNEX_MOONCAKE_HOST"
+MOONCAKE_BIND_ENV = "MC_TCP_BIND_ADDRESS"
+WILDCARDS = ("", "0.0.0.0", "::")
 RELEASE_MODES = ("on_release", "after_pull")
 HOLD_MODES = ("staged", "in_place")
 
@@ -125,3 +132,23 @@ class ConnexConfig:
 
     def ctrl_addr(self, tp_rank: int = 0) -> str:
         return f"{self.host}:{self.ctrl_port + tp_rank}"
+
+    def publish_mooncake_host(self, environ: MutableMapping[str, str] = os.environ) -> str | None:
+        """Gives the Mooncake engine this engine's configured `host` (the address
+        decoders reach it at) as the host of its segment name, unless the
+        environment names one (CONNEX_MOONCAKE_HOST, else Mooncake's
+        MC_TCP_BIND_ADDRESS): the transfer crate starts that engine with the
+        Holder or Reader and reads only the environment, which without this
+        would make it publish loopback. Returns the host it set, if any.
+        (Where registered memory lives, Mooncake finds per buffer: host
+        buffers and each GPU's KV cache alike; CONNEX_MOONCAKE_LOCATION pins it.)"""
+        if self.backend != "mooncake":
+            return None
+        if environ.get(MOONCAKE_HOST_ENV, "").strip():
+            return None
+        if environ.get(MOONCAKE_BIND_ENV, "").strip() not in WILDCARDS:
+            return None
+        if self.host.strip() in WILDCARDS:
+            return None
+        environ[MOONCAKE_HOST_ENV] = self.host.strip()
+        return self.host.strip()
