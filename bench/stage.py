@@ -2,8 +2,12 @@
 
 Two prefill engines of the tiny test Llama, alike but for `hold`: `staged` (the
 prompt blocks are copied to host memory in their step and go back to vLLM) and
-`in_place` (a hold keeps the blocks until it ends). Both have the same small KV
-cache (`--num-gpu-blocks-override BLOCKS`). For each engine, in alternation:
+`in_place` (a hold keeps the blocks until it ends). Both have the same KV cache
+(`--num-gpu-blocks-override BLOCKS`), sized from the holds: by default the
+HOLDS live holds take all of it in place but FREE blocks (BLOCKS = HOLDS *
+blocks per prompt + FREE), as on a busy GPU whose long decodes keep their
+prefill's holds; FREE = 16 leaves room for 8 of the 16 concurrent 2-block
+prompts. For each engine, in alternation:
 
 - `none`: PREFILLS P/D prefills (kv_transfer_params do_remote_decode, as the
   router sends them), CONCURRENCY at a time, each hold released right after its
@@ -18,13 +22,14 @@ the other engine down.
 
 Last line: staged_vs_in_place_prefill_throughput_ratio=<staged / in_place req/s, HOLDS alive>
 
-    python bench/stage.py [--rounds 1] [--holds 200] [--blocks 430]
+    python bench/stage.py [--rounds 1] [--holds 200] [--free 16] [--blocks N]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import signal
 import statistics
@@ -40,6 +45,8 @@ import harness  # noqa: E402
 from connex import _transfer  # noqa: E402
 
 PROMPT_TOKENS = 60  # two blocks of 32
+# Blocks one prefill takes (the prompt and its one generated token).
+PROMPT_BLOCKS = -(-(PROMPT_TOKENS + 1) // harness.BLOCK_SIZE)
 PREFILLS = 96
 CONCURRENCY = 16
 
@@ -123,15 +130,31 @@ def alone(engines: dict[str, harness.Engine], measured: str):
             e.kill(signal.SIGCONT)
 
 
+def load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--holds", type=int, default=200)
-    ap.add_argument("--blocks", type=int, default=430)
+    ap.add_argument(
+        "--free",
+        type=int,
+        default=16,
+        help="blocks the in-place engine has left for new prompts while HOLDS holds live",
+    )
+    ap.add_argument("--blocks", type=int, help="KV cache size (default: from --holds, --free)")
     args = ap.parse_args()
+    if args.blocks is None:
+        args.blocks = args.holds * PROMPT_BLOCKS + args.free
+    held = args.holds * PROMPT_BLOCKS
+    if held >= args.blocks:
+        ap.error(f"{args.holds} holds in place take {held} blocks: the cache needs more")
     harness.model_dir()
     engines = {m: engine(m, args.blocks, core) for core, m in enumerate(("staged", "in_place"))}
     reader = _transfer.Reader(backend="tcp")
+    print(f"load average at start: {load_average()}", file=sys.stderr)
     results: dict[str, dict[str, list[float]]] = {
         m: {"none": [], "alone_ms": [], "live": []} for m in engines
     }
@@ -147,7 +170,7 @@ def main() -> None:
                     results[mode]["none"].append(throughput(e, prompts, reader))
         live: dict[str, list[str]] = {}
         for mode, e in engines.items():
-            # Left alive: in place they take 2 * HOLDS of the cache's blocks.
+            # Left alive: in place they take PROMPT_BLOCKS * HOLDS of the cache's blocks.
             live[mode] = [prefill(e, prompts.next()) for _ in range(args.holds)]
             alive = reader.stats(ctrl(e))["holds"]
             print(f"{mode}: {alive} holds alive", file=sys.stderr)
@@ -160,9 +183,11 @@ def main() -> None:
             e.stop()
     med = {m: {k: statistics.median(v) for k, v in r.items()} for m, r in results.items()}
     print(
-        f"prefill engines: KV cache {args.blocks} blocks of {harness.BLOCK_SIZE} tokens, "
-        f"prompts {PROMPT_TOKENS} tokens, {PREFILLS} prefills {CONCURRENCY} at a time, "
-        f"{args.rounds} round(s), medians"
+        f"prefill engines: KV cache {args.blocks} blocks of {harness.BLOCK_SIZE} tokens "
+        f"(in place, {args.holds} live holds take {held} = {100 * held / args.blocks:.0f}%, "
+        f"{args.blocks - held} left), prompts {PROMPT_TOKENS} tokens, {PREFILLS} prefills "
+        f"{CONCURRENCY} at a time, {args.rounds} round(s), medians; load average "
+        f"{load_average()}"
     )
     print(
         "| hold | prefill alone (ms) | prefills/s, no holds | prefills/s, "
