@@ -2,7 +2,8 @@
 
 Keys: `backend` (tcp|ucx|mooncake, default tcp), `retain_s` (60), `release`
 (on_release|after_pull), `host` (the address decoders reach this engine's hold
-control listener at, default 127.0.0.1), `ctrl_port` (that listener's port for TP
+control listener at, default 127.0.0.1; with mooncake also the address its
+engine publishes, see `publish_mooncake_host`), `ctrl_port` (that listener's port for TP
 rank 0; rank r listens on ctrl_port + r; default: kv_port), `hold_budget_bytes`
 (0: no cap; with staged holds, the host memory they may take), `hold`
 (staged|in_place, default staged: whether a hold serves host copies of the
