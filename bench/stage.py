@@ -91,18 +91,37 @@ def prefill(e: harness.Engine, prompt: list[int]) -> str:
     return str(answer["kv_transfer_params"]["transfer_id"])
 
 
-def throughput(e: harness.Engine, prompts: Prompts, reader: _transfer.Reader) -> float:
+def cpu_seconds(e: harness.Engine) -> float:
+    """CPU seconds used so far by the engine's processes (its process group:
+    API server, EngineCore, worker), from /proc."""
+    assert e.proc is not None
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # After the command: state ppid pgrp ... utime (12th) stime (13th).
+        if int(fields[2]) == e.proc.pid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(
+    e: harness.Engine, prompts: Prompts, reader: _transfer.Reader
+) -> tuple[float, float]:
     """Prefills/s for PREFILLS prefills, CONCURRENCY at a time, each hold
-    released once answered."""
+    released once answered; and prefills per CPU second of the engine (what a
+    busy machine's other load does not inflate, unlike wall-clock time)."""
     batch = [prompts.next() for _ in range(PREFILLS)]
 
     def one(prompt: list[int]) -> None:
         reader.release(ctrl(e), prefill(e, prompt))
 
-    began = time.monotonic()
+    began, cpu = time.monotonic(), cpu_seconds(e)
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         list(pool.map(one, batch))
-    return PREFILLS / (time.monotonic() - began)
+    return PREFILLS / (time.monotonic() - began), PREFILLS / max(cpu_seconds(e) - cpu, 1e-3)
 
 
 def alone_ms(e: harness.Engine, prompts: Prompts, reader: _transfer.Reader) -> float:
@@ -156,7 +175,7 @@ def main() -> None:
     reader = _transfer.Reader(backend="tcp")
     print(f"load average at start: {load_average()}", file=sys.stderr)
     results: dict[str, dict[str, list[float]]] = {
-        m: {"none": [], "alone_ms": [], "live": []} for m in engines
+        m: {k: [] for k in ("none", "alone_ms", "live", "none_cpu", "live_cpu")} for m in engines
     }
     try:
         harness.start_all(list(engines.values()))
@@ -167,7 +186,9 @@ def main() -> None:
             for mode, e in engines.items():
                 with alone(engines, mode):
                     results[mode]["alone_ms"].append(alone_ms(e, prompts, reader))
-                    results[mode]["none"].append(throughput(e, prompts, reader))
+                    rate, per_cpu = throughput(e, prompts, reader)
+                    results[mode]["none"].append(rate)
+                    results[mode]["none_cpu"].append(per_cpu)
         live: dict[str, list[str]] = {}
         for mode, e in engines.items():
             # Left alive: in place they take PROMPT_BLOCKS * HOLDS of the cache's blocks.
@@ -177,7 +198,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for mode, e in engines.items():
                 with alone(engines, mode):
-                    results[mode]["live"].append(throughput(e, prompts, reader))
+                    rate, per_cpu = throughput(e, prompts, reader)
+                    results[mode]["live"].append(rate)
+                    results[mode]["live_cpu"].append(per_cpu)
     finally:
         for e in engines.values():
             e.stop()
@@ -191,11 +214,20 @@ def main() -> None:
     )
     print(
         "| hold | prefill alone (ms) | prefills/s, no holds | prefills/s, "
+        f"{args.holds} holds alive | prefills per CPU s, no holds | prefills per CPU s, "
         f"{args.holds} holds alive |"
     )
-    print("| --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for mode, r in med.items():
-        print(f"| {mode} | {r['alone_ms']:.1f} | {r['none']:.1f} | {r['live']:.1f} |")
+        print(
+            f"| {mode} | {r['alone_ms']:.1f} | {r['none']:.1f} | {r['live']:.1f} "
+            f"| {r['none_cpu']:.1f} | {r['live_cpu']:.1f} |"
+        )
+    print(
+        "staged_vs_in_place_prefills_per_cpu_second_ratios="
+        f"{med['staged']['none_cpu'] / med['in_place']['none_cpu']:.2f} (no holds), "
+        f"{med['staged']['live_cpu'] / med['in_place']['live_cpu']:.2f} ({args.holds} alive)"
+    )
     print(
         "staged_vs_in_place_prefill_throughput_no_holds_ratio="
         f"{med['staged']['none'] / med['in_place']['none']:.2f}"
