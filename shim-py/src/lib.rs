@@ -365,10 +365,12 @@ impl Reader {
     }
 
     /// Pulls hold `transfer_id` into `blocks` = [(region, offset, length), ...]
-    /// (same count and lengths as the hold's). Releases the GIL while it runs.
-    /// `timeout_s` bounds the whole pull; when it raises (a timeout or any
-    /// other error), nothing writes into `blocks` any more.
-    #[pyo3(signature = (remote_ctrl, transfer_id, epoch, blocks, timeout_s=30.0))]
+    /// (same count and lengths as the hold's, or as its blocks `select`:
+    /// increasing indices into the hold's blocks, when given). Releases the
+    /// GIL while it runs. `timeout_s` bounds the whole pull; when it raises
+    /// (a timeout or any other error), nothing writes into `blocks` any more.
+    #[pyo3(signature = (remote_ctrl, transfer_id, epoch, blocks, timeout_s=30.0, select=None))]
+    #[allow(clippy::too_many_arguments)]
     fn pull<'py>(
         &self,
         py: Python<'py>,
@@ -377,19 +379,27 @@ impl Reader {
         epoch: &Bound<'_, PyAny>,
         blocks: Vec<(u64, u64, u64)>,
         timeout_s: f64,
+        select: Option<Vec<u32>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let (limit, epoch) = (timeout(timeout_s)?, self::epoch(epoch)?);
         let (rt, reader, dest) = (runtime()?, self.inner.clone(), self::blocks(blocks));
         let stats = py
             .detach(|| {
-                rt.block_on(reader.pull_timeout(remote_ctrl, transfer_id, epoch, &dest, limit))
+                rt.block_on(reader.pull_blocks(
+                    remote_ctrl,
+                    transfer_id,
+                    epoch,
+                    select.as_deref(),
+                    &dest,
+                    limit,
+                ))
             })
             .map_err(to_py)?;
         pull_dict(py, &stats)
     }
 
-    /// Starts a pull in the background; returns a `Pull`.
-    #[pyo3(signature = (remote_ctrl, transfer_id, epoch, blocks, timeout_s=30.0))]
+    /// Starts a pull in the background (arguments as `pull`'s); returns a `Pull`.
+    #[pyo3(signature = (remote_ctrl, transfer_id, epoch, blocks, timeout_s=30.0, select=None))]
     fn pull_async(
         &self,
         remote_ctrl: String,
@@ -397,6 +407,7 @@ impl Reader {
         epoch: &Bound<'_, PyAny>,
         blocks: Vec<(u64, u64, u64)>,
         timeout_s: f64,
+        select: Option<Vec<u32>>,
     ) -> PyResult<Pull> {
         let (limit, epoch) = (timeout(timeout_s)?, self::epoch(epoch)?);
         let (reader, dest) = (self.inner.clone(), self::blocks(blocks));
@@ -404,7 +415,14 @@ impl Reader {
         // timeout bounds it even if nobody asks.
         let handle = runtime()?.spawn(async move {
             reader
-                .pull_timeout(&remote_ctrl, &transfer_id, epoch, &dest, limit)
+                .pull_blocks(
+                    &remote_ctrl,
+                    &transfer_id,
+                    epoch,
+                    select.as_deref(),
+                    &dest,
+                    limit,
+                )
                 .await
         });
         Ok(Pull {

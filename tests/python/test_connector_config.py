@@ -68,3 +68,25 @@ def test_holds_are_staged_unless_in_place_is_asked_for():
 def test_an_unknown_hold_mode_is_a_config_error():
     with pytest.raises(ConfigError, match="hold must be one of"):
         ConnexConfig.from_extra({"hold": "pinned"}, 14579)
+
+
+@pytest.mark.parametrize(
+    ("backend", "env", "published"),
+    [
+        # No address in the environment: the connector's host, not loopback.
+        ("mooncake", {}, "10.1.2.3"),
+        # A wildcard bind address says where to listen, not where to be reached.
+        ("mooncake", {"MC_TCP_BIND_ADDRESS": "0.0.0.0"}, "10.1.2.3"),
+        # What the environment says wins (the transfer crate reads it).
+        ("mooncake", {"CONNEX_MOONCAKE_HOST": "10.9.9.9"}, None),
+        ("mooncake", {"MC_TCP_BIND_ADDRESS": "10.8.8.8"}, None),
+        # Other backends have no segment names.
+        ("tcp", {}, None),
+    ],
+)
+def test_mooncake_publishes_the_connectors_host(backend, env, published):
+    cfg = ConnexConfig.from_extra({"backend": backend, "host": "10.1.2.3"}, 14579)
+    environ = dict(env)
+    assert cfg.publish_mooncake_host(environ) == published
+    want = env.get("CONNEX_MOONCAKE_HOST", published)
+    assert environ.get("CONNEX_MOONCAKE_HOST") == want

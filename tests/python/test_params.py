@@ -4,6 +4,7 @@ client writes these params; an exception here would crash the engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -163,3 +164,18 @@ def test_a_valid_hold_with_one_field_replaced_never_raises_anything_else(replace
     rank = data.draw(st.integers(min_value=0, max_value=hold.layout.tp_size - 1))
     host, _, port = hold.ctrl_for_rank(rank).rpartition(":")
     assert host and 0 < int(port) < 65536
+
+
+def test_a_kv_dtype_mismatch_is_named_and_an_unknown_one_is_not_compared():
+    """float16 and bfloat16 caches have the same page bytes: only the dtype
+    tells them apart (a prefill of an older Connex sends none)."""
+    bf16 = dataclasses.replace(LAYOUT, dtype="bfloat16")
+    hold = remote_hold(valid(kv_dtype="float16"))
+    assert hold is not None and hold.layout.dtype == "float16"
+    error = bf16.mismatch(hold.layout)
+    assert error is not None and "dtype prefill=float16 decode=bfloat16" in error
+    old = remote_hold({k: v for k, v in valid().items() if k != "kv_dtype"})
+    assert old is not None and bf16.mismatch(old.layout) is None
+    assert bf16.mismatch(dataclasses.replace(LAYOUT, dtype="bfloat16")) is None
+    with pytest.raises(ParamsError, match="kv_dtype"):
+        remote_hold(valid(kv_dtype=16))

@@ -70,6 +70,9 @@ class Engine:
     kv_config: dict | None = None
     core: int = 0
     extra_args: list[str] = field(default_factory=list)
+    # VLLM_CPU_OMP_THREADS_BIND for this engine, when not the tier's (a TP=2
+    # engine binds one rank per core: "0|1").
+    threads_bind: str | None = None
     port: int = field(default_factory=free_port)
     log_dir: Path = LOG_DIR
     proc: subprocess.Popen | None = None
@@ -118,9 +121,8 @@ class Engine:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND=(
-                str(self.core % (os.cpu_count() or 1)) if BIND == "pin" else BIND
-            ),
+            VLLM_CPU_OMP_THREADS_BIND=self.threads_bind
+            or (str(self.core % (os.cpu_count() or 1)) if BIND == "pin" else BIND),
             VLLM_NO_USAGE_STATS="1",
             PYTHONUNBUFFERED="1",
         )

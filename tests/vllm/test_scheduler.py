@@ -230,6 +230,8 @@ def test_partial_local_hit_pulls_only_the_missing_blocks():
     out, _ = step(sched)
     (load,) = out.kv_connector_metadata.loads
     assert load.remote_block_ids == [502, 503]
+    # The worker pulls blocks 2 and 3 of the hold's 4 (not the whole hold).
+    assert (load.first_block, load.hold_blocks) == (2, 4)
     blocks = sched.kv_cache_manager.get_block_ids(request.request_id)[0]
     assert load.local_block_ids == blocks[2:4]
 
@@ -262,13 +264,17 @@ def test_failed_load_follows_kv_load_failure_policy(policy):
 
 def test_layout_mismatch_fails_the_load_with_a_clear_error():
     sched = make_scheduler("kv_consumer")
-    other = Layout(tp_size=2, block_size=16, num_layers=2, page_bytes=LAYOUT.page_bytes)
+    other = Layout(
+        tp_size=2, block_size=16, num_layers=2, page_bytes=LAYOUT.page_bytes, dtype="float16"
+    )
     request = make_request(prompt_of(70), max_tokens=2, kv_transfer_params=remote(70, 0, other))
     sched.add_request(request)
     out, _ = step(sched)
     (load,) = out.kv_connector_metadata.loads
     assert "tp_size prefill=2 decode=1" in load.error
     assert "block_size prefill=16 decode=32" in load.error
+    # Same page bytes, other element type: named too (never copied into garbage).
+    assert "dtype prefill=float16 decode=bfloat16" in load.error
 
 
 def test_aborted_decode_keeps_the_hold_for_a_resume():

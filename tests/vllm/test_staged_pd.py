@@ -138,3 +138,38 @@ def test_a_prefill_keeps_more_holds_alive_than_its_kv_cache_has_blocks(engines):
         got = harness.complete(d.url, x, 12, kv_transfer_params=params)
         assert got["choices"][0]["token_ids"] == want
     assert "kv load failed" not in d.log_text()
+
+
+def test_a_decoder_with_the_prompts_start_cached_pulls_only_the_blocks_it_lacks(engines):
+    """A partial local prefix hit: the decoder has the prompt's first 5 blocks
+    in its prefix cache, so it pulls only the hold's later blocks (every layer
+    of them), not the whole hold, and its answer is still exact."""
+    p, d = engines["prefill"], engines["decoder"]
+    bs = harness.BLOCK_SIZE
+    prompt = token_prompt(7, 300)
+    want = harness.complete(engines["plain"].url, prompt, 16)["choices"][0]["token_ids"]
+    # The decoder computes (and caches) the prompt's first 5 full blocks once.
+    cached = 5
+    harness.complete(d.url, prompt[: cached * bs + 3], 1)
+    params = prefill(p, prompt)
+    hold_blocks = len(params["remote_block_ids"])
+    assert hold_blocks == -(-len(prompt) // bs) > cached
+    hits = d.metric("vllm:prefix_cache_hits_total")
+    pulls = d.metric("connex_kv_pulls_total", absent=0.0)
+    pulled = d.metric("connex_kv_pulled_bytes_total", absent=0.0)
+    failures = d.metric("connex_kv_pull_failures_total", absent=0.0)
+    served = _transfer.Reader(backend="tcp").stats(ctrl(p))["bytes_served"]
+    seen = len(d.log_text())
+    got = harness.complete(d.url, prompt, 16, kv_transfer_params=params)
+    assert got["choices"][0]["token_ids"] == want
+    # The decoder did use its cache for the first blocks ...
+    assert d.metric("vllm:prefix_cache_hits_total") - hits == cached * bs
+    # ... and pulled exactly the rest: one pull, of the missing blocks of every layer.
+    harness.wait_for(
+        lambda: d.metric("connex_kv_pulls_total", absent=0.0) == pulls + 1, 10, "the pull counted"
+    )
+    missing = (hold_blocks - cached) * params["num_layers"] * params["page_bytes"]
+    assert d.metric("connex_kv_pulled_bytes_total") - pulled == missing
+    assert _transfer.Reader(backend="tcp").stats(ctrl(p))["bytes_served"] - served == missing
+    assert d.metric("connex_kv_pull_failures_total", absent=0.0) == failures
+    assert "kv load failed" not in d.log_text()[seen:]

@@ -25,6 +25,7 @@ from connex.adapters.vllm.staging import (
     gather_blocks,
     hold_bytes,
     hold_refs,
+    hold_select,
     host_buffer,
     scatter_blocks,
 )
@@ -136,6 +137,48 @@ def test_a_staged_hold_pulled_through_a_staged_read_is_byte_exact(name, holder, 
         assert block(t, block_dim, 4) == block(original, block_dim, 3)
         assert block(t, block_dim, 0) == block(original, block_dim, 1)
     del saved
+
+
+@pytest.mark.parametrize("name", ["flash_attn_hnd", "cpu"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_decoder_with_the_first_blocks_cached_pulls_only_the_rest(name, direct, holder, reader):
+    """A partial local prefix hit: of a 4-block hold (two layers), the decoder
+    has blocks 0 and 1 and pulls only 2 and 3, through a staged read or
+    straight into its cache; the bytes moved are those two blocks' only."""
+    srcs = [random_like(make(name)[0], s) for s in (40, 41)]
+    block_dim = CASES[name]()[1]
+    dsts = [make(name)[0] for _ in srcs]
+    layers = [kv_layer(t) for t in srcs]
+    staged = StagedHolds(holder, layers)  # owns the buffer: kept while held
+    staged.create(transfer_id := tid("partial"), [5, 0, 3, 1])
+    select = hold_select(layers, 4, 2, 2)
+    if direct:
+        regions = [layer_region(t, NB, "tcp") for t in dsts]
+        refs = [
+            ref
+            for region in regions
+            for ref in region.refs(reader.register_region(region.ptr, region.span), [4, 2])
+        ]
+        stats = reader.pull(holder.ctrl_addr, transfer_id, 0, refs, select=select)
+    else:
+        pull = StagedReads(reader, [kv_layer(t) for t in dsts]).pull_async(
+            holder.ctrl_addr, transfer_id, 0, [4, 2], timeout_s=10, select=select
+        )
+        stats = pull.result()
+    assert stats["bytes"] == hold_bytes(layers, 2)
+    zero = bytes(len(block(dsts[0], block_dim, 0)))
+    for dst, src in zip(dsts, srcs, strict=True):
+        assert block(dst, block_dim, 4) == block(src, block_dim, 3)
+        assert block(dst, block_dim, 2) == block(src, block_dim, 1)
+        for b in set(range(NB)) - {4, 2}:
+            assert block(dst, block_dim, b) == zero, f"block {b} was written"
+
+
+def test_a_block_range_outside_the_hold_is_refused():
+    layers = [kv_layer(make("cpu")[0])]
+    for first, count in ((3, 2), (-1, 1), (0, 0)):
+        with pytest.raises(ValueError):
+            hold_select(layers, 4, first, count)
 
 
 def test_a_staged_hold_reads_like_one_in_place_for_a_direct_reader(holder, reader):

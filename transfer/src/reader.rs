@@ -139,6 +139,23 @@ impl Reader {
         dest: &[BlockRef],
         limit: Duration,
     ) -> Result<PullStats> {
+        self.pull_blocks(remote_ctrl, transfer_id, epoch, None, dest, limit)
+            .await
+    }
+
+    /// [`Reader::pull_timeout`] of only the hold's blocks `select` (indices
+    /// into its blocks, increasing) when given: `dest` then matches those
+    /// blocks. A decoder that has the start of a prompt cached pulls only
+    /// the blocks it lacks; the bytes moved and `PullStats` count only them.
+    pub async fn pull_blocks(
+        &self,
+        remote_ctrl: &str,
+        transfer_id: &str,
+        epoch: u32,
+        select: Option<&[u32]>,
+        dest: &[BlockRef],
+        limit: Duration,
+    ) -> Result<PullStats> {
         let started = Instant::now();
         // A limit past what an Instant can hold (say, from Python) is "a year".
         let deadline = started
@@ -162,6 +179,19 @@ impl Reader {
         )
         .await
         .map_err(|_| timeout())??;
+        let (descriptor, ranges) = match select {
+            None => {
+                let total = descriptor.blocks.iter().map(|b| b.len).sum();
+                (descriptor, vec![(0, total)])
+            }
+            Some(select) => match selected(descriptor, select, transfer_id) {
+                Ok(part) => part,
+                Err(err) => {
+                    self.end_one_sided(remote_ctrl, transfer_id).await;
+                    return Err(err);
+                }
+            },
+        };
         if let Some(mismatch) = mismatch(&descriptor, &spans, transfer_id) {
             self.end_one_sided(remote_ctrl, transfer_id).await;
             return Err(TransferError::SizeMismatch(mismatch));
@@ -178,6 +208,7 @@ impl Reader {
                 epoch,
                 descriptor: &descriptor,
                 dest: spans,
+                ranges,
                 io_timeout: self.ctrl.config().io_timeout,
                 deadline,
                 fence,
@@ -240,6 +271,42 @@ impl Reader {
     pub async fn stat(&self, remote_ctrl: &str, transfer_id: &str) -> Result<Option<HoldInfo>> {
         self.ctrl.stat(remote_ctrl, transfer_id).await
     }
+}
+
+/// The descriptor cut down to blocks `select` of the hold, and the runs of
+/// hold bytes they cover (consecutive blocks make one run).
+fn selected(
+    mut descriptor: Descriptor,
+    select: &[u32],
+    transfer_id: &str,
+) -> Result<(Descriptor, Vec<(u64, u64)>)> {
+    let all = std::mem::take(&mut descriptor.blocks);
+    let mut starts = Vec::with_capacity(all.len());
+    let mut at = 0u64;
+    for block in &all {
+        starts.push(at);
+        at += block.len;
+    }
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    let mut previous: Option<u32> = None;
+    for &index in select {
+        let i = index as usize;
+        if i >= all.len() || previous.is_some_and(|p| p >= index) {
+            return Err(TransferError::InvalidArgument(format!(
+                "block selection of hold {transfer_id:?} ({} blocks) must be increasing \
+                 indices below its block count; got {index} after {previous:?}",
+                all.len()
+            )));
+        }
+        previous = Some(index);
+        let (start, len) = (starts[i], all[i].len);
+        descriptor.blocks.push(all[i]);
+        match ranges.last_mut() {
+            Some(run) if run.0 + run.1 == start => run.1 += len,
+            _ => ranges.push((start, len)),
+        }
+    }
+    Ok((descriptor, ranges))
 }
 
 /// Why the hold's blocks do not fit the destination, if they do not.

@@ -197,6 +197,66 @@ pub async fn big_pulls_use_several_streams(kind: BackendKind) {
     assert_eq!(gather(&reader, region, &refs), pattern(5, 64 << 20));
 }
 
+/// A decoder with the start of a prompt cached pulls only the blocks it
+/// lacks: per "layer" (a run of the hold's blocks) the last ones. Only those
+/// bytes move and are counted, and a bad selection is refused.
+pub async fn partial_pulls_move_only_the_selected_blocks(kind: BackendKind) {
+    // Two "layers" of 6 blocks each; the decoder lacks blocks 2..6 of each.
+    let (blocks, size) = (12u64, 4096u64);
+    let holder = holder(kind, HolderConfig::default(), &[("part", 7, blocks, size)]).await;
+    let reader = reader(kind);
+    let select: Vec<u32> = (2..6).chain(8..12).collect();
+    let (region, refs) = scattered(&reader, select.len() as u64, size);
+    let stats = reader
+        .pull_blocks(
+            &addr(&holder),
+            &tid("part"),
+            0,
+            Some(&select),
+            &refs,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (stats.bytes, stats.blocks),
+        (select.len() as u64 * size, select.len() as u32)
+    );
+    let all = pattern(7, (blocks * size) as usize);
+    let want: Vec<u8> = select
+        .iter()
+        .flat_map(|&b| all[b as usize * size as usize..(b as usize + 1) * size as usize].to_vec())
+        .collect();
+    assert_eq!(gather(&reader, region, &refs), want);
+    // Not increasing, or past the hold's blocks: refused before any byte moves.
+    for bad in [vec![3u32, 2], vec![11, 12]] {
+        let (_, refs) = scattered(&reader, bad.len() as u64, size);
+        let err = reader
+            .pull_blocks(
+                &addr(&holder),
+                &tid("part"),
+                0,
+                Some(&bad),
+                &refs,
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, TransferError::InvalidArgument(_)),
+            "{bad:?}: {err:?}"
+        );
+    }
+    // The hold is whole and still serves a full pull.
+    let (region, refs) = scattered(&reader, blocks, size);
+    reader
+        .pull(&addr(&holder), &tid("part"), 0, &refs)
+        .await
+        .unwrap();
+    assert_eq!(gather(&reader, region, &refs), all);
+    holder.stop().await;
+}
+
 pub async fn expiry(kind: BackendKind) {
     let config = HolderConfig {
         retain: Duration::from_millis(600),
@@ -729,6 +789,10 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn big_pulls_use_several_streams() {
                 super::big_pulls_use_several_streams(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn partial_pulls_move_only_the_selected_blocks() {
+                super::partial_pulls_move_only_the_selected_blocks(KIND).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn expiry() {

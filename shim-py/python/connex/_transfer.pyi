@@ -54,6 +54,7 @@ class Reader:
         epoch: int,  # 0..=2**32-1, else ValueError
         blocks: list[Block],
         timeout_s: float = 30.0,
+        select: list[int] | None = None,  # hold block indices, increasing
     ) -> dict: ...
     def pull_async(
         self,
@@ -62,6 +63,7 @@ class Reader:
         epoch: int,  # 0..=2**32-1, else ValueError
         blocks: list[Block],
         timeout_s: float = 30.0,
+        select: list[int] | None = None,  # hold block indices, increasing
     ) -> Pull: ...
     def release(self, remote_ctrl: str, transfer_id: str) -> bool: ...
     def renew(self, remote_ctrl: str, transfer_id: str, epoch: int) -> dict: ...

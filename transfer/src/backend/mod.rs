@@ -32,8 +32,13 @@ pub(crate) struct Fetch<'a> {
     pub epoch: u32,
     #[cfg_attr(not(any(feature = "ucx", feature = "mooncake")), allow(dead_code))]
     pub descriptor: &'a Descriptor,
-    /// Claimed destination blocks, in the hold's block order (lengths checked).
+    /// Claimed destination blocks, in the order of `descriptor.blocks`
+    /// (lengths checked).
     pub dest: Vec<DestSpan>,
+    /// The bytes of the hold to read, as (offset, length) runs of the hold's
+    /// blocks laid end to end, in order: the whole hold, or the runs of the
+    /// blocks a pull selected (whose `descriptor` lists only those).
+    pub ranges: Vec<(u64, u64)>,
     /// Limit of each wait for the peer (one I/O, one get).
     pub io_timeout: Duration,
     /// The whole pull's deadline: by then the backend has stopped every

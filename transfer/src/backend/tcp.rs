@@ -1,7 +1,7 @@
 //! The TCP backend: the holder streams requested byte ranges of a hold.
 //!
-//! A pull is cut into stripes of the hold's bytes (blocks laid end to end);
-//! each stripe is one `Read` request on its own pooled connection to the
+//! A pull is cut into stripes of the hold's bytes (blocks laid end to end;
+//! only the selected blocks' runs when a pull selects some); each stripe is one `Read` request on its own pooled connection to the
 //! holder's listener, answered with a `Data` header and the raw bytes. The
 //! holder writes straight from the held memory, the reader reads straight into
 //! the destination blocks: the only copies are the kernel's.
@@ -14,6 +14,7 @@ use crate::error::{Result, TransferError};
 use crate::proto::{Reply, Request};
 use crate::region::{DestSpan, RegionEntry};
 use futures_util::future::BoxFuture;
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::task::JoinSet;
@@ -47,54 +48,66 @@ fn stripes(total: u64, max_streams: usize) -> u64 {
 }
 
 async fn fetch(job: Fetch<'_>) -> Result<u32> {
-    let total: u64 = job.dest.iter().map(|d| d.len as u64).sum();
+    let total: u64 = job.ranges.iter().map(|&(_, len)| len).sum();
     if total == 0 {
         return Ok(0);
     }
-    let count = stripes(total, job.max_streams);
-    let stripe = total.div_ceil(count);
+    let stripe = total.div_ceil(stripes(total, job.max_streams));
+    // Each range of the hold (all of it, or the selected blocks' runs) is cut
+    // into stripes of at most `stripe` bytes, each with its destination
+    // pieces; at most `max_streams` of them are read at once.
     let mut dest = job.dest.into_iter();
     let mut current: Option<DestSpan> = None;
+    let mut queue = VecDeque::new();
+    for &(start, len) in &job.ranges {
+        let mut offset = start;
+        while offset < start + len {
+            let part = stripe.min(start + len - offset);
+            let mut pieces = Vec::new();
+            let mut need = part as usize;
+            while need > 0 {
+                let mut span = match current.take() {
+                    Some(span) => span,
+                    None => dest.next().ok_or_else(|| {
+                        TransferError::SizeMismatch("destination shorter than the hold".into())
+                    })?,
+                };
+                if span.len > need {
+                    pieces.push(span.split_front(need));
+                    need = 0;
+                    current = Some(span);
+                } else {
+                    need -= span.len;
+                    pieces.push(span);
+                }
+            }
+            queue.push_back((offset, part, pieces));
+            offset += part;
+        }
+    }
+    let count = queue.len() as u32;
+    let stripe_of = |offset: u64, len: u64| Stripe {
+        ctrl: job.ctrl.clone(),
+        addr: job.remote_ctrl.to_string(),
+        id: job.transfer_id.to_string(),
+        epoch: job.epoch,
+        offset,
+        len,
+        io: job.io_timeout,
+        deadline: job.deadline,
+        fence: job.fence.clone(),
+    };
     // The tasks own their destination spans (and so the claim): if this
     // future is dropped, the fence is cut, and the claim is released only
-    // once their blocking reads have returned.
+    // once their blocking reads have returned. Stripes not started yet are
+    // written by nobody.
     let mut tasks = JoinSet::new();
-    let mut offset = 0u64;
-    while offset < total {
-        let len = stripe.min(total - offset);
-        let mut pieces = Vec::new();
-        let mut need = len as usize;
-        while need > 0 {
-            let mut span = match current.take() {
-                Some(span) => span,
-                None => dest.next().ok_or_else(|| {
-                    TransferError::SizeMismatch("destination shorter than the hold".into())
-                })?,
-            };
-            if span.len > need {
-                pieces.push(span.split_front(need));
-                need = 0;
-                current = Some(span);
-            } else {
-                need -= span.len;
-                pieces.push(span);
-            }
-        }
-        tasks.spawn(read_stripe(
-            Stripe {
-                ctrl: job.ctrl.clone(),
-                addr: job.remote_ctrl.to_string(),
-                id: job.transfer_id.to_string(),
-                epoch: job.epoch,
-                offset,
-                len,
-                io: job.io_timeout,
-                deadline: job.deadline,
-                fence: job.fence.clone(),
-            },
-            pieces,
-        ));
-        offset += len;
+    let in_flight = job.max_streams.max(1);
+    while tasks.len() < in_flight {
+        let Some((offset, len, pieces)) = queue.pop_front() else {
+            break;
+        };
+        tasks.spawn(read_stripe(stripe_of(offset, len), pieces));
     }
     // On a failure or at the deadline, the other stripes are still waited
     // for (the fence shuts their sockets down, so they end at once), so that
@@ -110,17 +123,24 @@ async fn fetch(job: Fetch<'_>) -> Result<u32> {
             _ = tokio::time::sleep_until(job.deadline.into()), if !past_deadline => {
                 past_deadline = true;
                 job.fence.cut();
+                queue.clear();
                 continue;
             }
         };
         let err = match joined {
-            Ok(Ok(())) => continue,
+            Ok(Ok(())) => {
+                if let Some((offset, len, pieces)) = queue.pop_front() {
+                    tasks.spawn(read_stripe(stripe_of(offset, len), pieces));
+                }
+                continue;
+            }
             Ok(Err(err)) => err,
             Err(err) => TransferError::Protocol(format!("stripe task failed: {err}")),
         };
         if failed.is_none() {
             // The first failure stops the other stripes too.
             job.fence.cut();
+            queue.clear();
             failed = Some(err);
         }
     }
@@ -133,7 +153,7 @@ async fn fetch(job: Fetch<'_>) -> Result<u32> {
     if let Some(err) = failed {
         return Err(err);
     }
-    Ok(count as u32)
+    Ok(count)
 }
 
 /// One stripe's request: bytes `offset..offset+len` of the hold.

@@ -2,7 +2,8 @@
 
 Keys: `backend` (tcp|ucx|mooncake, default tcp), `retain_s` (60), `release`
 (on_release|after_pull), `host` (the address decoders reach this engine's hold
-control listener at, default 127.0.0.1), `ctrl_port` (that listener's port for TP
+control listener at, default 127.0.0.1; with mooncake also the address its
+engine publishes, see `publish_mooncake_host`), `ctrl_port` (that listener's port for TP
 rank 0; rank r listens on ctrl_port + r; default: kv_port), `hold_budget_bytes`
 (0: no cap; with staged holds, the host memory they may take), `hold`
 (staged|in_place, default staged: whether a hold serves host copies of the
@@ -25,6 +26,8 @@ Inline `register_token` / `transfer_secret` values still work, with a warning.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +36,11 @@ from connex.credentials import REGISTER_TOKEN_ENV, TRANSFER_SECRET_ENV, read_sec
 logger = logging.getLogger("connex.vllm.config")
 
 BACKENDS = ("tcp", "ucx", "mooncake")
+# What the Mooncake backend (in the transfer crate) reads when it starts its
+# engine: the address peers reach this engine at, and Mooncake's own bind address.
+MOONCAKE_HOST_ENV = "CONNEX_MOONCAKE_HOST"
+MOONCAKE_BIND_ENV = "MC_TCP_BIND_ADDRESS"
+WILDCARDS = ("", "0.0.0.0", "::")
 RELEASE_MODES = ("on_release", "after_pull")
 HOLD_MODES = ("staged", "in_place")
 
@@ -125,3 +133,23 @@ class ConnexConfig:
 
     def ctrl_addr(self, tp_rank: int = 0) -> str:
         return f"{self.host}:{self.ctrl_port + tp_rank}"
+
+    def publish_mooncake_host(self, environ: MutableMapping[str, str] = os.environ) -> str | None:
+        """Gives the Mooncake engine this engine's configured `host` (the address
+        decoders reach it at) as the host of its segment name, unless the
+        environment names one (CONNEX_MOONCAKE_HOST, else Mooncake's
+        MC_TCP_BIND_ADDRESS): the transfer crate starts that engine with the
+        Holder or Reader and reads only the environment, which without this
+        would make it publish loopback. Returns the host it set, if any.
+        (Where registered memory lives, Mooncake finds per buffer: host
+        buffers and each GPU's KV cache alike; CONNEX_MOONCAKE_LOCATION pins it.)"""
+        if self.backend != "mooncake":
+            return None
+        if environ.get(MOONCAKE_HOST_ENV, "").strip():
+            return None
+        if environ.get(MOONCAKE_BIND_ENV, "").strip() not in WILDCARDS:
+            return None
+        if self.host.strip() in WILDCARDS:
+            return None
+        environ[MOONCAKE_HOST_ENV] = self.host.strip()
+        return self.host.strip()

@@ -47,6 +47,10 @@ class Layout:
     block_size: int
     num_layers: int
     page_bytes: int
+    # The KV cache's element type ("bfloat16"): float16 and bfloat16 caches have
+    # the same page bytes and would be copied one to one into garbage. Empty when
+    # unknown (a prefill of an older Connex): not compared then.
+    dtype: str = ""
 
     def mismatch(self, remote: Layout) -> str | None:
         """A clear error when `remote` (the prefill's) differs from this (local) one."""
@@ -55,12 +59,14 @@ class Layout:
             for name in ("tp_size", "block_size", "num_layers", "page_bytes")
             if getattr(remote, name) != getattr(self, name)
         ]
+        if remote.dtype and self.dtype and remote.dtype != self.dtype:
+            diffs.append(f"dtype prefill={remote.dtype} decode={self.dtype}")
         if not diffs:
             return None
         return (
             "prefill and decode KV layouts differ ("
             + ", ".join(diffs)
-            + "); both sides need the same model, TP size and --block-size"
+            + "); both sides need the same model, TP size, --block-size and --kv-cache-dtype"
         )
 
 
@@ -153,6 +159,7 @@ def hold_params(
         "block_size": layout.block_size,
         "num_layers": layout.num_layers,
         "page_bytes": layout.page_bytes,
+        "kv_dtype": layout.dtype,
     }
 
 
@@ -189,6 +196,7 @@ def remote_hold(params: object) -> RemoteHold | None:
         block_size=_int(params.get("block_size"), "block_size", 1, MAX_BLOCK_SIZE),
         num_layers=_int(params.get("num_layers"), "num_layers", 1, MAX_LAYERS),
         page_bytes=_int(params.get("page_bytes"), "page_bytes", 1, MAX_PAGE_BYTES),
+        dtype=_dtype(params.get("kv_dtype", "")),
     )
     remote_ctrl = params["remote_ctrl"]
     split_ctrl(remote_ctrl, layout.tp_size)
@@ -229,6 +237,12 @@ def _int(value: object, name: str, low: int, high: int) -> int:
         raise ParamsError(f"{name} must be an integer, not {_show(value)}")
     if not low <= value <= high:
         raise ParamsError(f"{name} must be in {low}..{high}, not {_show(value)}")
+    return value
+
+
+def _dtype(value: object) -> str:
+    if not isinstance(value, str) or len(value) > 32 or not value.isascii():
+        raise ParamsError(f"kv_dtype must be a dtype name, not {_show(value)}")
     return value
 
 

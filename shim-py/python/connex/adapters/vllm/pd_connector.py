@@ -67,6 +67,7 @@ def local_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Lay
         block_size=spec.block_size,
         num_layers=len(groups[0].layer_names),
         page_bytes=spec.page_size_bytes,
+        dtype=str(getattr(spec, "dtype", "")).removeprefix("torch."),
     )
 
 

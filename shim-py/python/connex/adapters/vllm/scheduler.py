@@ -9,7 +9,8 @@ expired or evicted (finished_sending); a staged hold is a host copy made in that
 step, so the blocks go back to vLLM at once.
 
 Consumer (decode): a request carrying a hold reports the prompt tokens it lacks
-locally as loadable asynchronously; the worker pulls exactly those blocks. A full
+locally as loadable asynchronously; the worker pulls exactly those blocks (a
+partial local prefix hit pulls only the hold's blocks past it). A full
 local prefix hit pulls nothing and reports nothing, and the hold is still renewed
 while the request runs and released when it finishes normally. One transfer per
 request: a load that failed is not retried (vLLM's `kv_load_failure_policy`
@@ -56,6 +57,10 @@ class LoadSpec:
     epoch: int
     remote_block_ids: list[int]
     local_block_ids: list[int]
+    # Where remote_block_ids start in the hold, and the hold's block count: a
+    # decoder with the prompt's first blocks cached pulls only the rest.
+    first_block: int = 0
+    hold_blocks: int = 0
     # Set when the load must fail without a pull (e.g. a layout mismatch).
     error: str | None = None
 
@@ -298,6 +303,8 @@ class ConnexScheduler:
             epoch=hold.epoch,
             remote_block_ids=hold.block_ids[first:last],
             local_block_ids=local,
+            first_block=first,
+            hold_blocks=len(hold.block_ids),
         )
         load.error = self.layout.mismatch(hold.layout)
         if load.error is None and (

@@ -93,6 +93,7 @@ class StagedReads:
         epoch: int,
         block_ids: list[int],
         timeout_s: float,
+        select: list[int] | None = None,
     ) -> StagedPull:
         buffer = host_buffer(hold_bytes(self._layers, len(block_ids)), self._stream.device)
         region = self._reader.register_region(buffer.data_ptr(), buffer.numel())
@@ -103,6 +104,7 @@ class StagedReads:
                 epoch,
                 hold_refs(region, self._layers, len(block_ids)),
                 timeout_s=timeout_s,
+                select=select,
             )
         except Exception:
             self._reader.unregister_region(region)

@@ -99,6 +99,21 @@ def hold_refs(region_id: int, layers: list[KVLayer], num_blocks: int) -> list[tu
     return refs
 
 
+def hold_select(layers: list[KVLayer], hold_blocks: int, first: int, count: int) -> list[int]:
+    """Indices, among a hold's block refs (the order of `hold_refs`), of its
+    blocks `first .. first + count` of every layer: what a decoder that has
+    the hold's first blocks cached already pulls."""
+    if not (0 <= first and count > 0 and first + count <= hold_blocks):
+        raise ValueError(f"blocks {first}..{first + count} of a hold of {hold_blocks} blocks")
+    select: list[int] = []
+    base = 0
+    for layer in layers:
+        pieces = len(layer.layout.pieces)
+        select += range(base + first * pieces, base + (first + count) * pieces)
+        base += hold_blocks * pieces
+    return select
+
+
 def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """A host byte buffer, pinned when it is copied to or from a GPU (so the
     copies are asynchronous DMA and the transfer backends may register it)."""

@@ -24,7 +24,7 @@ from .params import ParamsError, check_epoch, check_transfer_id, ctrl_for_rank
 from .scheduler import ConnexMetadata, LoadSpec
 from .staged_holds import StagedHolds
 from .staged_reads import StagedPull, StagedReads
-from .staging import KVLayer
+from .staging import KVLayer, hold_select
 
 if TYPE_CHECKING:
     import torch
@@ -130,6 +130,7 @@ class ConnexWorker:
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.layers: list[LayerRegion] = []
+        self.kv_layers: list[KVLayer] = []
         self.holder: _transfer.Holder | None = None
         self.staged: StagedHolds | None = None
         self.staged_reads: StagedReads | None = None
@@ -166,6 +167,7 @@ class ConnexWorker:
         kv_layers = [
             KVLayer(t, block_layout_of(t, self.num_blocks), self.num_blocks) for t in tensors
         ]
+        self.kv_layers = kv_layers
         if self.is_producer:
             self._start_holder(tensors, kv_layers)
         if self.is_consumer:
@@ -175,6 +177,7 @@ class ConnexWorker:
         from connex import _transfer
 
         staged = self.hold_mode == "staged"
+        self._publish_mooncake_host()
         if not staged:
             # Refused before anything listens: in place, the holder reads the
             # KV cache's own addresses. (A backend that moves device memory
@@ -214,6 +217,7 @@ class ConnexWorker:
     def _start_reader(self, tensors: list[torch.Tensor], kv_layers: list[KVLayer]) -> None:
         from connex import _transfer
 
+        self._publish_mooncake_host()
         reader = _transfer.Reader(backend=self.cfg.backend, secret=self.cfg.transfer_secret)
         device = tensors[0].device if tensors else None
         if device is not None and device.type != "cpu" and not reader.moves_device_memory:
@@ -238,6 +242,11 @@ class ConnexWorker:
                 ]
             self._reader_rids = [reader.register_region(x.ptr, x.span) for x in self.layers]
         self.reader = reader
+
+    def _publish_mooncake_host(self) -> None:
+        host = self.cfg.publish_mooncake_host()
+        if host is not None:
+            logger.info("mooncake: this engine publishes %s (the connector's host)", host)
 
     def _refs(self, rids: list[int], block_ids: list[int]) -> list[tuple[int, int, int]]:
         refs: list[tuple[int, int, int]] = []
@@ -347,13 +356,29 @@ class ConnexWorker:
             isinstance(b, int) and not isinstance(b, bool) and 0 <= b < self.num_blocks for b in ids
         ):
             raise ParamsError(f"local block ids outside this engine's {self.num_blocks} blocks")
+        select = self._select(load)
         timeout_s = self.cfg.pull_timeout_s
         if self.staged_reads is not None:
             return self.staged_reads.pull_async(
-                ctrl, load.transfer_id, load.epoch, ids, timeout_s=timeout_s
+                ctrl, load.transfer_id, load.epoch, ids, timeout_s=timeout_s, select=select
             )
         dest = self._refs(self._reader_rids, ids)
-        return self.reader.pull_async(ctrl, load.transfer_id, load.epoch, dest, timeout_s=timeout_s)
+        return self.reader.pull_async(
+            ctrl, load.transfer_id, load.epoch, dest, timeout_s=timeout_s, select=select
+        )
+
+    def _select(self, load: LoadSpec) -> list[int] | None:
+        """The hold's block refs to pull when `load` needs only some of its
+        blocks (the prompt's first blocks are cached here): None for all."""
+        first, total, count = load.first_block, load.hold_blocks, len(load.local_block_ids)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (first, total)):
+            raise ParamsError("hold block range is not integers")
+        if first == 0 and count == total:
+            return None
+        try:
+            return hold_select(self.kv_layers, total, first, count)
+        except ValueError as err:
+            raise ParamsError(f"blocks to load: {err}") from err
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since last call."""
