@@ -202,7 +202,15 @@ def main():
             procs,
         )
         engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", internal]
-        start("prefill", engine + ["--role", "prefill"], logs, procs)
+        # Every decoder pulls from the prefill's KV holder, all from 127.0.0.1:
+        # the holder's per-peer connection cap (512) is for many hosts.
+        per_peer = str(2 * max(counts) + FD_RESERVE)
+        start(
+            "prefill",
+            engine + ["--role", "prefill", "--holder-max-connections-per-peer", per_peer],
+            logs,
+            procs,
+        )
         for i in range(DECODERS):
             start(
                 f"d{i}",

@@ -63,7 +63,7 @@ impl AppState {
     ) -> Result<(Self, ReleaseQueue), reqwest::Error> {
         let client = upstream_client(&config)?;
         let upstream = Arc::new(HttpUpstream::new(
-            client.clone(),
+            engine_client(&config),
             RequestLimits::new(&config).upstream,
         ));
         Ok(Self::with_upstream(config, registry, client, upstream))
@@ -116,7 +116,18 @@ impl AppState {
     }
 }
 
-/// The client for engines: registered URLs are fetched as they are, so it
+/// The client for engines' prefill and decode calls (`pd::upstream`).
+pub fn engine_client(config: &RouterConfig) -> crate::pd::upstream::EngineClient {
+    crate::pd::upstream::engine_client(
+        Duration::from_millis(config.connect_timeout_ms),
+        ENGINE_POOL_IDLE_PER_HOST,
+    )
+}
+
+/// Idle connections kept per engine, for reuse by the next calls.
+const ENGINE_POOL_IDLE_PER_HOST: usize = 1024;
+
+/// The client for engines' probes and admin calls: registered URLs are fetched as they are, so it
 /// follows no redirect (a registered engine must not send the router, its
 /// requests or its probes elsewhere).
 pub fn upstream_client(config: &RouterConfig) -> Result<reqwest::Client, reqwest::Error> {
@@ -124,6 +135,6 @@ pub fn upstream_client(config: &RouterConfig) -> Result<reqwest::Client, reqwest
         .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
         .redirect(reqwest::redirect::Policy::none())
         .tcp_nodelay(true)
-        .pool_max_idle_per_host(1024)
+        .pool_max_idle_per_host(ENGINE_POOL_IDLE_PER_HOST)
         .build()
 }

@@ -106,7 +106,9 @@ async fn model_entry(state: &AppState, id: String) -> Value {
         if !response.status().is_success() {
             return None;
         }
-        let body = read_capped(response, MAX_MODEL_LIST, true).await.ok()?;
+        let body = read_capped(reqwest::Body::from(response), MAX_MODEL_LIST, true)
+            .await
+            .ok()?;
         let list: Value = serde_json::from_slice(&body).ok()?;
         list.get("data")?
             .as_array()?
