@@ -5,10 +5,10 @@ completions are opened at once (connex-loadgen, one request per connection)
 through one connex-router to one prefill and 4 slow mock decoders (200 ms per
 token, 32 tokens: every stream is in flight for ~6 s at the same time). While
 they run, the router's resident memory is sampled every 100 ms; its CPU time is
-read from /proc before and after. Reported per count: failures (must be 0),
-the router's peak RSS above its idle RSS per in-flight stream, and router CPU
-per token relayed. The last line is `rss_per_stream_kib=<x>` at the largest
-count.
+read from /proc before and after. Each count gets a fresh cluster. Reported per
+count: failures (must be 0), the router's peak RSS above its idle RSS (a fresh
+router's) per in-flight stream, and router CPU per token relayed. The last
+line is `rss_per_stream_kib=<x>` at the largest count.
 
 Every stream needs two sockets in the router (client and decoder), beside its
 pooled idle connections: the count that fits is bounded by the open-file limit.
@@ -161,7 +161,8 @@ def run(bin_dir, router, pid, streams, asked):
     failures = result["errors"] + (streams - result["ok"] - result["errors"])
     per_stream = (peak[0] - idle) / streams
     print(
-        f"scale streams={streams}{'' if asked == streams else f' asked={asked}'} ok={result['ok']} failures={failures} "
+        f"scale streams={streams}{'' if asked == streams else f' asked={asked}'} "
+        f"ok={result['ok']} failures={failures} "
         f"timed_out={result['timed_out']} "
         f"seconds={result['seconds']:.1f} router_idle_rss_mib={idle / 1024:.1f} "
         f"router_peak_rss_mib={peak[0] / 1024:.1f} rss_per_stream_kib={per_stream:.1f} "
@@ -169,6 +170,44 @@ def run(bin_dir, router, pid, streams, asked):
         flush=True,
     )
     return failures, per_stream
+
+
+def cluster(bin_dir, logs, per_peer, procs):
+    """A fresh router, one prefill and the decoders; the router's process and
+    its client URL."""
+    router_proc, router, internal = start(
+        "router",
+        [
+            f"{bin_dir}/connex-router",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--internal-listen",
+            "127.0.0.1:0",
+            "--admin-token",
+            "bench",
+        ],
+        logs,
+        procs,
+    )
+    engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", internal]
+    # Every decoder pulls from the prefill's KV holder, all from 127.0.0.1:
+    # the holder's per-peer connection cap (512) is for many hosts.
+    start(
+        "prefill",
+        engine + ["--role", "prefill", "--holder-max-connections-per-peer", per_peer],
+        logs,
+        procs,
+    )
+    for i in range(DECODERS):
+        start(
+            f"d{i}",
+            engine + ["--role", "decode", "--id", f"d{i}", "--decode-us-per-token", DECODE_US],
+            logs,
+            procs,
+        )
+    wait_ready(internal, 1 + DECODERS)
+    return router_proc, router
 
 
 def main():
@@ -182,51 +221,23 @@ def main():
         flush=True,
     )
     logs = tempfile.mkdtemp(prefix="connex-scale-")
-    procs = []
+    per_peer = str(2 * max(counts) + FD_RESERVE)
     failed = 0
     per_stream = 0.0
-    try:
-        router_proc, router, internal = start(
-            "router",
-            [
-                f"{bin_dir}/connex-router",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--internal-listen",
-                "127.0.0.1:0",
-                "--admin-token",
-                "bench",
-            ],
-            logs,
-            procs,
-        )
-        engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", internal]
-        # Every decoder pulls from the prefill's KV holder, all from 127.0.0.1:
-        # the holder's per-peer connection cap (512) is for many hosts.
-        per_peer = str(2 * max(counts) + FD_RESERVE)
-        start(
-            "prefill",
-            engine + ["--role", "prefill", "--holder-max-connections-per-peer", per_peer],
-            logs,
-            procs,
-        )
-        for i in range(DECODERS):
-            start(
-                f"d{i}",
-                engine + ["--role", "decode", "--id", f"d{i}", "--decode-us-per-token", DECODE_US],
-                logs,
-                procs,
-            )
-        wait_ready(internal, 1 + DECODERS)
-        for asked in counts:
-            streams = fitting(asked, limit)
+    # A fresh cluster per count: the idle RSS each count is measured from is
+    # a fresh router's, not what the previous count left in pools and the
+    # allocator (which made later counts look cheaper than they are).
+    for asked in counts:
+        streams = fitting(asked, limit)
+        procs = []
+        try:
+            router_proc, router = cluster(bin_dir, logs, per_peer, procs)
             failures, per_stream = run(bin_dir, router, router_proc.pid, streams, asked)
             failed += failures
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
     print(f"rss_per_stream_kib={per_stream:.1f}")
     if failed:
         sys.exit(f"scale: {failed} streams failed (logs in {logs})")
