@@ -157,6 +157,8 @@ def run(bin_dir, router, pid, streams, asked):
         done.set()
         sampler.join()
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    # The load generator's first errors, when there were any.
+    sys.stdout.write(out.stderr)
     cpu = cpu_s(pid) - cpu_before
     failures = result["errors"] + (streams - result["ok"] - result["errors"])
     per_stream = (peak[0] - idle) / streams
