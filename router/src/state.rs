@@ -127,9 +127,10 @@ pub fn engine_client(config: &RouterConfig) -> crate::pd::upstream::EngineClient
 /// Idle connections kept per engine, for reuse by the next calls.
 const ENGINE_POOL_IDLE_PER_HOST: usize = 1024;
 
-/// The client for engines' probes and admin calls: registered URLs are fetched as they are, so it
-/// follows no redirect (a registered engine must not send the router, its
-/// requests or its probes elsewhere).
+/// The client for engines' probes and admin calls: registered URLs are
+/// fetched as they are, so it follows no redirect (a registered engine must
+/// not send the router, its requests or its probes elsewhere; hyper's client of
+/// `pd::upstream` follows none either).
 pub fn upstream_client(config: &RouterConfig) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
         .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
