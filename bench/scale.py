@@ -5,14 +5,18 @@ completions are opened at once (connex-loadgen, one request per connection)
 through one connex-router to one prefill and 4 slow mock decoders (200 ms per
 token, 32 tokens: every stream is in flight for ~6 s at the same time). While
 they run, the router's resident memory is sampled every 100 ms; its CPU time is
-read from /proc before and after. Reported per count: failures (must be 0),
-the router's peak RSS above its idle RSS per in-flight stream, and router CPU
-per token relayed. The last line is `rss_per_stream_kib=<x>` at the largest
-count.
+read from /proc before and after. Each count gets a fresh cluster. Reported per
+count: failures (must be 0), the router's peak RSS above its idle RSS (a fresh
+router's) per in-flight stream, and router CPU per token relayed. The last
+line is `rss_per_stream_kib=<x>` at the largest count.
 
-Every stream needs two sockets in the router (client and decoder): the count
-that fits is bounded by the open-file limit (`ulimit -n`), which the script
-raises to its hard limit and reports.
+Every stream needs two sockets in the router (client and decoder), beside its
+pooled idle connections: the count that fits is bounded by the open-file limit.
+The script raises its own limit (which the router, the mocks and the load
+generator inherit) to what the largest count needs, the hard limit included
+where it may (root with CAP_SYS_RESOURCE). Where the hard limit cannot be
+raised far enough, a count that does not fit is lowered to the largest that
+does, and the line says so (`asked=`): a run never ends in EMFILE failures.
 
 Usage: python3 bench/scale.py BIN_DIR [STREAMS...]
 """
@@ -43,18 +47,21 @@ def start(name, argv, logs, procs):
     )
     procs.append(proc)
     deadline = time.monotonic() + 20
+    internal = ""
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
+        if "internal API on " in line:
+            internal = line.split("internal API on ", 1)[1].strip()
         if "listening on " in line:
-            return proc, line.split("listening on ", 1)[1].strip()
+            return proc, line.split("listening on ", 1)[1].strip(), internal
     raise RuntimeError(f"{name} did not start; see {log.name}")
 
 
-def wait_ready(router, count):
+def wait_ready(internal, count):
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         req = urllib.request.Request(
-            f"{router}/admin/instances", headers={"authorization": "Bearer bench"}
+            f"{internal}/admin/instances", headers={"authorization": "Bearer bench"}
         )
         with urllib.request.urlopen(req) as reply:
             if sum(i["state"] == "ready" for i in json.load(reply)["data"]) >= count:
@@ -77,7 +84,41 @@ def cpu_s(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(bin_dir, router, pid, streams):
+# Open files the router needs beyond two per stream: up to 1,024 pooled idle
+# connections to the prefill (reqwest's pool, `pool_max_idle_per_host`), its
+# listeners, epoll and the like.
+FD_RESERVE = 1024 + 256
+
+
+def raise_open_files(streams):
+    """Raises RLIMIT_NOFILE for this process and its children so that
+    `streams` fit; returns the limit in force."""
+    need = 2 * streams + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < need:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, need))
+            return need
+        except (ValueError, OSError) as err:
+            print(
+                f"scale: cannot raise the open-file hard limit {hard} to {need} "
+                f"({err}; raising it needs CAP_SYS_RESOURCE)",
+                flush=True,
+            )
+    limit = hard if hard == resource.RLIM_INFINITY else min(hard, max(need, soft))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    return limit
+
+
+def fitting(streams, limit):
+    """The largest count up to `streams` whose sockets fit in `limit` open files,
+    in hundreds."""
+    if limit == resource.RLIM_INFINITY or 2 * streams + FD_RESERVE <= limit:
+        return streams
+    return max(0, (limit - FD_RESERVE) // 2) // 100 * 100
+
+
+def run(bin_dir, router, pid, streams, asked):
     idle = rss_kib(pid)
     cpu_before = cpu_s(pid)
     peak = [idle]
@@ -116,11 +157,14 @@ def run(bin_dir, router, pid, streams):
         done.set()
         sampler.join()
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    # The load generator's first errors, when there were any.
+    sys.stdout.write(out.stderr)
     cpu = cpu_s(pid) - cpu_before
     failures = result["errors"] + (streams - result["ok"] - result["errors"])
     per_stream = (peak[0] - idle) / streams
     print(
-        f"scale streams={streams} ok={result['ok']} failures={failures} "
+        f"scale streams={streams}{'' if asked == streams else f' asked={asked}'} "
+        f"ok={result['ok']} failures={failures} "
         f"timed_out={result['timed_out']} "
         f"seconds={result['seconds']:.1f} router_idle_rss_mib={idle / 1024:.1f} "
         f"router_peak_rss_mib={peak[0] / 1024:.1f} rss_per_stream_kib={per_stream:.1f} "
@@ -130,47 +174,72 @@ def run(bin_dir, router, pid, streams):
     return failures, per_stream
 
 
-def main():
-    bin_dir = sys.argv[1]
-    counts = [int(n) for n in sys.argv[2:]] or [1000, 5000, 10000]
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    print(f"scale: open-file limit {hard} (each stream needs 2 in the router)", flush=True)
-    logs = tempfile.mkdtemp(prefix="connex-scale-")
-    procs = []
-    failed = 0
-    per_stream = 0.0
-    try:
-        router_proc, router = start(
-            "router",
-            [
-                f"{bin_dir}/connex-router",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-token",
-                "bench",
-            ],
+def cluster(bin_dir, logs, per_peer, procs):
+    """A fresh router, one prefill and the decoders; the router's process and
+    its client URL."""
+    router_proc, router, internal = start(
+        "router",
+        [
+            f"{bin_dir}/connex-router",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--internal-listen",
+            "127.0.0.1:0",
+            "--admin-token",
+            "bench",
+        ],
+        logs,
+        procs,
+    )
+    engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", internal]
+    # Every decoder pulls from the prefill's KV holder, all from 127.0.0.1:
+    # the holder's per-peer connection cap (512) is for many hosts.
+    start(
+        "prefill",
+        engine + ["--role", "prefill", "--holder-max-connections-per-peer", per_peer],
+        logs,
+        procs,
+    )
+    for i in range(DECODERS):
+        start(
+            f"d{i}",
+            engine + ["--role", "decode", "--id", f"d{i}", "--decode-us-per-token", DECODE_US],
             logs,
             procs,
         )
-        engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", router]
-        start("prefill", engine + ["--role", "prefill"], logs, procs)
-        for i in range(DECODERS):
-            start(
-                f"d{i}",
-                engine + ["--role", "decode", "--id", f"d{i}", "--decode-us-per-token", DECODE_US],
-                logs,
-                procs,
-            )
-        wait_ready(router, 1 + DECODERS)
-        for streams in counts:
-            failures, per_stream = run(bin_dir, router, router_proc.pid, streams)
+    wait_ready(internal, 1 + DECODERS)
+    return router_proc, router
+
+
+def main():
+    bin_dir = sys.argv[1]
+    counts = [int(n) for n in sys.argv[2:]] or [1000, 5000, 10000]
+    limit = raise_open_files(max(counts))
+    print(
+        f"scale: open-file limit {limit} (each stream needs 2 in the router, "
+        f"plus {FD_RESERVE} for pools and listeners); load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
+    logs = tempfile.mkdtemp(prefix="connex-scale-")
+    per_peer = str(2 * max(counts) + FD_RESERVE)
+    failed = 0
+    per_stream = 0.0
+    # A fresh cluster per count: the idle RSS each count is measured from is
+    # a fresh router's, not what the previous count left in pools and the
+    # allocator (which made later counts look cheaper than they are).
+    for asked in counts:
+        streams = fitting(asked, limit)
+        procs = []
+        try:
+            router_proc, router = cluster(bin_dir, logs, per_peer, procs)
+            failures, per_stream = run(bin_dir, router, router_proc.pid, streams, asked)
             failed += failures
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
     print(f"rss_per_stream_kib={per_stream:.1f}")
     if failed:
         sys.exit(f"scale: {failed} streams failed (logs in {logs})")

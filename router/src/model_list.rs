@@ -4,7 +4,9 @@
 //! an engine describes it (`max_model_len`, `owned_by`...).
 
 use serde_json::{Map, Value};
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Largest engine model list read.
 pub const MAX_MODEL_LIST: usize = 256 * 1024;
@@ -73,6 +75,44 @@ fn parse(body: &[u8]) -> Result<Vec<Map<String, Value>>, ModelListError> {
         .filter(|entry| entry.get("id").is_some_and(Value::is_string))
         .cloned()
         .collect())
+}
+
+/// Most models cached (the registry bounds the models served; this bounds
+/// the cache whatever it holds).
+const MAX_CACHED: usize = 1024;
+
+/// A model's entry as last read, and until when it is served as is.
+pub struct Cached {
+    pub entry: Value,
+    pub until: Instant,
+}
+
+pub type Slot = Arc<tokio::sync::Mutex<Option<Cached>>>;
+
+/// The router's `/v1/models` cache: each served model's entry, as its
+/// engines last described it (filled by `api::models`).
+#[derive(Default)]
+pub struct ModelCache {
+    slots: Mutex<HashMap<String, Slot>>,
+}
+
+impl ModelCache {
+    /// The slot of `id` (none when the cache is full), after dropping the
+    /// slots of models not in `served`.
+    pub fn slot(&self, id: &str, served: &[String]) -> Option<Slot> {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if slots.len() >= MAX_CACHED || !slots.contains_key(id) {
+            slots.retain(|model, _| served.contains(model));
+        }
+        if let Some(slot) = slots.get(id) {
+            return Some(slot.clone());
+        }
+        (slots.len() < MAX_CACHED).then(|| {
+            let slot = Slot::default();
+            slots.insert(id.to_string(), slot.clone());
+            slot
+        })
+    }
 }
 
 #[cfg(test)]

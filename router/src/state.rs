@@ -19,7 +19,7 @@ pub struct AppState {
     pub client: reqwest::Client,
     pub metrics: Option<PrometheusHandle>,
     /// `/v1/models`: each model's entry as its engines last described it.
-    pub models: crate::api::models::ModelCache,
+    pub models: crate::model_list::ModelCache,
 }
 
 /// The state is the flow plus what only the app has (its configuration, the
@@ -42,7 +42,10 @@ impl AppState {
     ) -> Result<(Self, ReleaseQueue), reqwest::Error> {
         let client = crate::upstreams::client(&config)?;
         let upstream = Arc::new(HttpUpstream::new(
-            client.clone(),
+            crate::pd::upstream::engine_client(
+                Duration::from_millis(config.connect_timeout_ms),
+                crate::upstreams::ENGINE_POOL_IDLE_PER_HOST,
+            ),
             RequestLimits::new(&config).upstream,
         ));
         let (flow, releases) = Flow::new(&config, registry, upstream);
@@ -61,7 +64,7 @@ impl AppState {
             flow: Arc::new(flow),
             client,
             metrics,
-            models: crate::api::models::ModelCache::default(),
+            models: crate::model_list::ModelCache::default(),
             config,
         };
         Ok((state, releases))

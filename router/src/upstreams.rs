@@ -155,15 +155,19 @@ impl UpstreamPolicy {
     }
 }
 
-/// The client for engines: registered URLs are fetched as they are, so it
-/// follows no redirect (a registered engine must not send the router, its
-/// requests or its probes elsewhere).
+/// Idle connections kept per engine, for reuse by the next calls.
+pub const ENGINE_POOL_IDLE_PER_HOST: usize = 1024;
+
+/// The client for engines' probes and admin calls: registered URLs are
+/// fetched as they are, so it follows no redirect (a registered engine must
+/// not send the router, its requests or its probes elsewhere; hyper's client of
+/// `pd::upstream` follows none either).
 pub fn client(config: &crate::config::RouterConfig) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
         .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
         .redirect(reqwest::redirect::Policy::none())
         .tcp_nodelay(true)
-        .pool_max_idle_per_host(1024)
+        .pool_max_idle_per_host(ENGINE_POOL_IDLE_PER_HOST)
         .build()
 }
 

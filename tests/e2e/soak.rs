@@ -46,13 +46,28 @@ struct Tally {
 
 /// The router's resident memory, in KiB.
 fn rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS:")
+}
+
+/// One `/proc/PID/status` field, in KiB.
+fn status_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap()
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
         .unwrap()
+}
+
+/// What the router's resident memory is made of (heap and stacks apart from
+/// the binary's pages), for the log.
+fn rss_parts(pid: u32) -> String {
+    format!(
+        "anon {} KiB, file {} KiB",
+        status_kib(pid, "RssAnon:"),
+        status_kib(pid, "RssFile:")
+    )
 }
 
 /// One stream: read to the end (or hang up after a few chunks when `hang_up`),
@@ -235,6 +250,7 @@ async fn chaos_soak_every_stream_completes_or_ends_clearly() {
     )
     .await;
     let baseline = rss_kib(router_pid);
+    let baseline_parts = rss_parts(router_pid);
 
     let tally = Arc::new(Tally::default());
     let (total, kills) = chaos(
@@ -280,20 +296,24 @@ async fn chaos_soak_every_stream_completes_or_ends_clearly() {
         engine_stats(&prefill).await["holds"]["holds"] == 0
     })
     .await;
-    // The allocator gives memory back lazily, and idle pooled connections
-    // close on their own: a little time to settle.
+    // What is left after the chaos is given back within the settle time:
+    // idle pooled engine connections (~20 KiB each) close after
+    // `POOL_IDLE_TIMEOUT` (10 s), and the allocator returns freed pages
+    // lazily. Within 10% of the warm baseline, as issue 13 asks; a leak grows
+    // far past it within the soak.
     let deadline = Instant::now() + Duration::from_secs(30);
-    // Issue 13 asks for 10%; one full run here measured 15% (64.6 vs 56.0 MiB)
-    // with other builds running beside it. The bound is 25% until that is
-    // understood (docs/bench.md); a leak grows far past it within the soak.
     let mut rss = rss_kib(router_pid);
-    while rss * 4 > baseline * 5 && Instant::now() < deadline {
+    while rss * 10 > baseline * 11 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
         rss = rss_kib(router_pid);
     }
     assert!(
-        rss * 4 <= baseline * 5,
-        "router RSS {rss} KiB, not within 25% of its warm baseline {baseline} KiB"
+        rss * 10 <= baseline * 11,
+        "router RSS {rss} KiB, not within 10% of its warm baseline {baseline} KiB ({})",
+        rss_parts(router_pid)
     );
-    eprintln!("soak: router RSS {baseline} KiB warm, {rss} KiB after");
+    eprintln!(
+        "soak: router RSS {baseline} KiB warm ({baseline_parts}), {rss} KiB after ({})",
+        rss_parts(router_pid)
+    );
 }

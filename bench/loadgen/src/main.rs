@@ -76,7 +76,10 @@ async fn main() {
                         latencies.push(t.elapsed());
                         ttfts.extend(ttft);
                     }
-                    Err(_) => errors += 1,
+                    Err(err) => {
+                        errors += 1;
+                        report_error(&err);
+                    }
                 }
             }
             (latencies, ttfts, errors)
@@ -136,6 +139,26 @@ async fn prefill(
 }
 
 /// One request to its end; the time to its first token (streams) from `started`.
+/// An error and its sources, `: `-joined (reqwest's own message is generic).
+fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = err.to_string();
+    let mut source = err.source();
+    while let Some(err) = source {
+        message.push_str(": ");
+        message.push_str(&err.to_string());
+        source = err.source();
+    }
+    message
+}
+
+/// The first few errors go to stderr, so that a run with failures says why.
+fn report_error(err: &str) {
+    static REPORTED: AtomicUsize = AtomicUsize::new(0);
+    if REPORTED.fetch_add(1, Ordering::Relaxed) < 10 {
+        eprintln!("connex-loadgen: request failed: {err}");
+    }
+}
+
 async fn one(
     client: &reqwest::Client,
     url: &str,
@@ -147,7 +170,7 @@ async fn one(
         .json(body)
         .send()
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| error_chain(&e))?;
     if !response.status().is_success() {
         return Err(format!("HTTP {}", response.status()));
     }
@@ -155,7 +178,7 @@ async fn one(
     let mut last = Vec::new();
     let mut ttft = None;
     while let Some(chunk) = body.next().await {
-        last = chunk.map_err(|e| e.to_string())?.to_vec();
+        last = chunk.map_err(|e| error_chain(&e))?.to_vec();
         ttft.get_or_insert_with(|| started.elapsed());
         // A stream that ends with an error event ends with [DONE] too.
         if carries_error_event(&last) {

@@ -7,14 +7,13 @@
 //! number of callers (concurrent callers of a stale model wait for the one
 //! read, bounded by [`READ_TIMEOUT`]). Models no longer served leave the cache.
 
-use crate::model_list;
+use crate::model_list::{self, Cached};
 use crate::state::AppState;
 use axum::extract::State;
 use axum::Json;
 use futures_util::future::join_all;
 use serde_json::{json, Value};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long an engine's entry of a model is served without asking again.
@@ -23,43 +22,6 @@ pub const FRESH_FOR: Duration = Duration::from_secs(5);
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// How long `/v1/models` waits for an engine's own entry of a model.
 const READ_TIMEOUT: Duration = Duration::from_secs(2);
-/// Most models cached (the registry bounds the models served; this bounds
-/// the cache whatever it holds).
-const MAX_CACHED: usize = 1024;
-
-/// A model's entry as last read, and until when it is served as is.
-struct Cached {
-    entry: Value,
-    until: Instant,
-}
-
-type Slot = Arc<tokio::sync::Mutex<Option<Cached>>>;
-
-/// Each served model's entry, as its engines last described it.
-#[derive(Default)]
-pub struct ModelCache {
-    slots: Mutex<HashMap<String, Slot>>,
-}
-
-impl ModelCache {
-    /// The slot of `id` (none when the cache is full), after dropping the
-    /// slots of models not in `served`.
-    fn slot(&self, id: &str, served: &[String]) -> Option<Slot> {
-        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        if slots.len() >= MAX_CACHED || !slots.contains_key(id) {
-            slots.retain(|model, _| served.contains(model));
-        }
-        if let Some(slot) = slots.get(id) {
-            return Some(slot.clone());
-        }
-        (slots.len() < MAX_CACHED).then(|| {
-            let slot = Slot::default();
-            slots.insert(id.to_string(), slot.clone());
-            slot
-        })
-    }
-}
-
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
     let served = state.registry.models();
     let entries = served.iter().map(|id| entry(&state, id, &served));

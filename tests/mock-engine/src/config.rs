@@ -145,6 +145,11 @@ pub struct MockConfig {
     /// Evict the oldest holds to keep held KV under this many bytes.
     #[arg(long)]
     pub hold_budget_bytes: Option<u64>,
+    /// Most control connections the KV holder accepts from one IP address
+    /// (connex-transfer's default 512). On one host every reader is
+    /// 127.0.0.1: a benchmark with thousands of pulls at once raises it.
+    #[arg(long, default_value_t = 512)]
+    pub holder_max_connections_per_peer: usize,
     /// Transport for KV pulls: tcp | ucx | mooncake (the last two need the
     /// cargo features of connex-transfer).
     #[arg(long, default_value = "tcp")]

@@ -70,6 +70,7 @@ impl KvState {
             release: config.hold_release,
             budget_bytes: config.hold_budget_bytes,
             secret: secret.clone(),
+            max_connections_per_peer: config.holder_max_connections_per_peer,
             ..HolderConfig::default()
         })
         .await?;
