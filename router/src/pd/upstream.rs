@@ -115,8 +115,10 @@ pub struct Limits {
 /// Bytes a connection to an engine reads at a time. An SSE token event is a
 /// few hundred bytes; hyper's adaptive default starts at 8 KiB per connection,
 /// and a decode stream holds its connection for the whole generation. A larger
-/// answer (a prefill's) is read in several steps.
-pub const READ_BUF_BYTES: usize = 2048;
+/// answer (a prefill's) is read in several steps. With this fixed read size
+/// hyper also refuses a response head larger than it: vLLM's is ~200 bytes,
+/// and 4 KiB leaves room for headers a proxy in front of an engine adds.
+pub const READ_BUF_BYTES: usize = 4096;
 
 /// The HTTP client for engines: pooled HTTP/1 connections, no redirect
 /// followed (a registered engine must not send the router elsewhere).
