@@ -32,9 +32,7 @@ class AwareCluster:
     events + decoder d (all registered by the connector's agent)."""
 
     def __init__(self, fleet) -> None:
-        self.router = harness.Router(
-            "--heartbeat-ttl-s", "3", "--prefill-policy", "cache_aware"
-        )
+        self.router = harness.Router("--heartbeat-ttl-s", "3", "--prefill-policy", "cache_aware")
         wanted = {}
         for name, role, core in (
             ("aware_p1", "kv_producer", 0),
@@ -128,7 +126,8 @@ def test_a_repeated_long_prompt_goes_back_to_the_prefill_that_computed_it(aware)
     assert second == first, "the repeated prompt went to the prefill without its KV"
     engines = {"aware_p1": p1, "aware_p2": p2}
     after = {name: {c: engines[name].metric(c, absent=0.0) for c in counters} for name in engines}
-    hits = after[first]["vllm:prefix_cache_hits_total"] - before[first]["vllm:prefix_cache_hits_total"]
+    hit = "vllm:prefix_cache_hits_total"
+    hits = after[first][hit] - before[first][hit]
     # vLLM's own counter: the second prefill reused the first one's blocks
     # (every full block but the last, which vLLM always recomputes).
     assert hits >= (blocks - 1) * harness.BLOCK_SIZE, (hits, blocks)

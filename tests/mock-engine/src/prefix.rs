@@ -148,7 +148,10 @@ impl PrefixCache {
 
     /// The events not published over ZMQ yet (none when not publishing).
     pub fn take_published(&mut self) -> Vec<Value> {
-        self.published.as_mut().map(std::mem::take).unwrap_or_default()
+        self.published
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// The events not forwarded yet.
