@@ -169,3 +169,105 @@ def test_evictions_are_published_as_block_removed():
         socket.close()
         proc.kill()
         proc.wait()
+
+
+VLLM_ROUTER = BIN_DIR.parents[1] / ".venv" / "bin" / "vllm-router"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_vllm_router_kv_aware_follows_the_mock_events():
+    """vllm-router's `kv_aware` fed by the mocks' events (`--pd-kv-events`):
+    a prompt the second prefill computed (sent to it directly) is routed
+    there, although with no cache information it would take the first (the
+    least loaded, ties to the first)."""
+    procs: list[subprocess.Popen] = []
+
+    def mock(*args: str) -> str:
+        proc = subprocess.Popen(
+            [str(BIN_DIR / "connex-mock-engine"), "--model", "mock", *args],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "listening on " in line:
+                return line.split("listening on ", 1)[1].strip()
+        raise RuntimeError("the mock engine did not start")
+
+    try:
+        prefills = []
+        events = []
+        for _ in range(2):
+            endpoint = f"tcp://127.0.0.1:{free_port()}"
+            url = mock(
+                "--role",
+                "prefill",
+                "--prefix-cache-blocks",
+                "1000",
+                "--block-size",
+                str(BLOCK),
+                "--kv-events-publish",
+                endpoint,
+            )
+            prefills.append(url)
+            events += ["--pd-kv-events", f"{url}={endpoint}"]
+        decode = mock("--role", "decode")
+        port = free_port()
+        args = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port)]
+        args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        args += ["--vllm-pd-disaggregation", "--log-level", "warning"]
+        args += ["--prefill", prefills[0], "--prefill", prefills[1], "--decode", decode]
+        args += ["--prefill-policy", "kv_aware", "--decode-policy", "round_robin", *events]
+        procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        router = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{router}/v1/models", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "vllm-router did not start"
+            time.sleep(0.2)
+
+        prompt = "You are assistant seven; answer briefly. " * 24
+        # The subscriber connects in the background: store the prompt on the
+        # second prefill (directly) until vllm-router credits its blocks.
+        served = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            stamp = f"{time.monotonic_ns()} "
+            complete(prefills[1], stamp + prompt)
+            time.sleep(0.3)
+            before = computed(prefills)
+            complete(router, stamp + prompt + "question?")
+            after = computed(prefills)
+            served = [i for i in range(2) if after[i] > before[i]]
+            if served == [1]:
+                break
+        assert served == [1], "vllm-router kv_aware did not follow the mock's KV events"
+        # The second prefill computed only the new tail, not the prefix.
+        assert after[1] - before[1] < BLOCK * 2, (before, after)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def computed(prefills: list[str]) -> list[int]:
+    """Prompt tokens each mock prefill has computed so far."""
+    totals = []
+    for url in prefills:
+        with urllib.request.urlopen(f"{url}/mock/stats", timeout=5) as reply:
+            records = json.load(reply)["requests"]
+        totals.append(sum(r["computed_prompt_tokens"] for r in records))
+    return totals
