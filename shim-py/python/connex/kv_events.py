@@ -5,8 +5,8 @@ them (`{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
 "tcp://*:5557"}`; vLLM binds a wildcard endpoint and connects to a
 `tcp://host:port` one, which the forwarder then binds): multipart messages
 (topic, 8-byte big-endian sequence number, msgpack payload of a
-`KVEventBatch` of `BlockStored` / `BlockRemoved` / `AllBlocksCleared`). A `KvEventForwarder` subscribes to that socket, turns each
-event into JSON with vLLM's own field names (bytes hashes as hex) and hands
+`KVEventBatch` of `BlockStored` / `BlockRemoved` / `AllBlocksCleared`). A
+`KvEventForwarder` subscribes to that socket, turns each event into JSON with vLLM's own field names (bytes hashes as hex) and hands
 batches to `send` (the agent posts them to `POST /v1/instances/{id}/kv-events`
 with its heartbeat credential).
 
