@@ -6,9 +6,10 @@ them (`{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
 `tcp://host:port` one, which the forwarder then binds): multipart messages
 (topic, 8-byte big-endian sequence number, msgpack payload of a
 `KVEventBatch` of `BlockStored` / `BlockRemoved` / `AllBlocksCleared`). A
-`KvEventForwarder` subscribes to that socket, turns each event into JSON with vLLM's own field names (bytes hashes as hex) and hands
-batches to `send` (the agent posts them to `POST /v1/instances/{id}/kv-events`
-with its heartbeat credential).
+`KvEventForwarder` subscribes to that socket, turns each event into JSON with
+vLLM's own field names (bytes hashes as hex) and hands batches to `send` (the
+agent posts them to `POST /v1/instances/{id}/kv-events` with its heartbeat
+credential).
 
 Bounded: at most `max_pending` events wait; past it, or when a sequence number
 is skipped (events lost), the batch is replaced by one `AllBlocksCleared`, so
