@@ -11,12 +11,15 @@ fresh cluster (cold caches) and the policies take turns for ROUNDS rounds:
 Connex `--prefill-policy round_robin` vs `cache_aware` fed by the mocks' KV
 events vs `cache_aware` with events off (`--kv-events false`: the router
 indexes the prompts it sent) vs vllm-router's approximate `cache_aware`
-(`--vllm-pd-disaggregation --prefill-policy cache_aware`, its defaults) on the
-same mocks, when .venv has vllm-router. Reported per policy (median over
-rounds): TTFT p50 / p99, prompt tokens the prefills computed, and the router's
-mean /tokenize time.
+(`--vllm-pd-disaggregation --prefill-policy cache_aware`, its defaults) and
+its precise `kv_aware` fed by the same mocks' KV events over ZMQ
+(`--kv-events-publish` on each mock prefill, `--pd-kv-events URL=ENDPOINT`,
+block size 16 on both sides), when .venv has vllm-router. Reported per policy
+(median over rounds): TTFT p50 / p99, prompt tokens the prefills computed, and
+the router's mean /tokenize time.
 
-The last line is `prefix_ttft_p50_ratio_vs_round_robin=<x>`.
+The last lines are `prefix_ttft_p50_ratio_vs_round_robin=<x>` and, last,
+`prefix_ttft_p50_ratio_vs_vllm_router_kv_aware=<y>`.
 """
 
 from __future__ import annotations
@@ -184,11 +187,18 @@ def workload(systems: int, users: int, prompt_tokens: int) -> list[str]:
 
 
 def vllm_router_cluster(procs: Procs, policy: str, cache_blocks: int) -> tuple[str, list[str]]:
-    """The same mocks (not registering) behind vllm-router in P/D mode."""
-    engines = {}
+    """The same mocks (not registering) behind vllm-router in P/D mode; for
+    `kv_aware`, each prefill publishes its KV events on a ZMQ endpoint that
+    vllm-router subscribes to."""
+    engines: dict[str, list[str]] = {}
+    events: dict[str, str] = {}
     for role, count in (("prefill", PREFILLS), ("decode", 2)):
-        engines[role] = [
-            procs.start(
+        engines[role] = []
+        for i in range(count):
+            publish = []
+            if policy == "kv_aware" and role == "prefill":
+                publish = ["--kv-events-publish", f"tcp://127.0.0.1:{free_port()}"]
+            url = procs.start(
                 f"{role}{i}-vllm-router-{policy}",
                 str(procs.bin / "connex-mock-engine"),
                 "--role",
@@ -201,9 +211,11 @@ def vllm_router_cluster(procs: Procs, policy: str, cache_blocks: int) -> tuple[s
                 str(BLOCK),
                 "--prefill-us-per-token",
                 "100",
+                *publish,
             )[0]
-            for i in range(count)
-        ]
+            engines[role].append(url)
+            if publish:
+                events[url] = publish[1]
     port = free_port()
     args = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port)]
     args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
@@ -213,6 +225,8 @@ def vllm_router_cluster(procs: Procs, policy: str, cache_blocks: int) -> tuple[s
     for url in engines["decode"]:
         args += ["--decode", url]
     args += ["--prefill-policy", policy, "--decode-policy", "round_robin"]
+    for url, endpoint in events.items():
+        args += ["--pd-kv-events", f"{url}={endpoint}"]
     log = open(OUT / f"prefix-vllm-router-{policy}.log", "w")  # noqa: SIM115
     procs.procs.append(subprocess.Popen(args, stdout=log, stderr=log, text=True))
     url = f"http://127.0.0.1:{port}"
@@ -295,7 +309,7 @@ def main() -> None:
     )
     policies = ["round_robin", "cache_aware", "cache_aware (events off)"]
     if VLLM_ROUTER.exists():
-        policies.append("vllm_router:cache_aware")
+        policies += ["vllm_router:cache_aware", "vllm_router:kv_aware"]
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     for _ in range(rounds):
         for policy in policies:
@@ -305,7 +319,7 @@ def main() -> None:
         med = {k: statistics.median(r[k] for r in runs[policy]) for k in runs[policy][0]}
         summary[policy] = med
         print(
-            f"{policy:24} ttft_p50_ms={med['p50_ms']:.1f} ttft_p99_ms={med['p99_ms']:.1f}"
+            f"{policy:26} ttft_p50_ms={med['p50_ms']:.1f} ttft_p99_ms={med['p99_ms']:.1f}"
             f" prefill_tokens_computed={med['computed_tokens']:.0f}"
             f" tokenize_ms={med['tokenize_ms']:.2f}"
         )
@@ -317,6 +331,9 @@ def main() -> None:
     print(f"prefix_ttft_p50_ratio_events_off_vs_round_robin={off:.3f}")
     ratio = summary["cache_aware"]["p50_ms"] / base
     print(f"prefix_ttft_p50_ratio_vs_round_robin={ratio:.3f}")
+    if "vllm_router:kv_aware" in summary:
+        peer = summary["cache_aware"]["p50_ms"] / summary["vllm_router:kv_aware"]["p50_ms"]
+        print(f"prefix_ttft_p50_ratio_vs_vllm_router_kv_aware={peer:.3f}")
 
 
 if __name__ == "__main__":

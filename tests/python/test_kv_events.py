@@ -158,3 +158,37 @@ def test_vllm_kv_events_reach_the_routers_prefix_index(router: str, engine: str)
         forwarder.stop()
         agent.stop()
         publisher.close()
+
+
+def test_the_forwarder_binds_where_vllm_connects() -> None:
+    """vLLM's publisher binds `tcp://*:PORT` but connects to `tcp://HOST:PORT`
+    (the subscriber binds it): the forwarder mirrors it, so an engine started
+    with a loopback endpoint still reaches it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    got: list[list[dict[str, Any]]] = []
+    forwarder = KvEventForwarder(
+        f"tcp://127.0.0.1:{port}",
+        lambda events: got.append(events) or True,
+        decode=make_decoder(KVEventBatch),
+    ).start()
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    publisher.connect(f"tcp://127.0.0.1:{port}")
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        deadline = time.monotonic() + 5
+        seq = 0
+        while not got:
+            assert time.monotonic() < deadline, "events from a connecting publisher"
+            seq += 1
+            payload = encoder.encode(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+            publisher.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            time.sleep(0.1)
+        assert got[0][0]["type"] == "AllBlocksCleared"
+    finally:
+        publisher.close()
+        forwarder.stop()

@@ -16,11 +16,14 @@ async fn main() -> std::process::ExitCode {
     let engine = match MockEngine::start(config, CrashAction::ExitProcess).await {
         Ok(engine) => engine,
         Err(err) => {
-            eprintln!("connex-mock-engine: cannot listen: {err}");
+            eprintln!("connex-mock-engine: cannot start: {err}");
             return std::process::ExitCode::FAILURE;
         }
     };
-    // The tests read the bound address from this line.
+    if let Some(endpoint) = &engine.kv_events_endpoint {
+        println!("connex-mock-engine publishes KV events on {endpoint}");
+    }
+    // The tests read the bound address from this line (the last one).
     println!("connex-mock-engine listening on {}", engine.url());
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}

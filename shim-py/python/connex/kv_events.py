@@ -2,12 +2,14 @@
 
 vLLM publishes its KV cache events over ZMQ when `--kv-events-config` enables
 them (`{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
-"tcp://*:5557"}`): multipart messages (topic, 8-byte big-endian sequence number,
-msgpack payload of a `KVEventBatch` of `BlockStored` / `BlockRemoved` /
-`AllBlocksCleared`). A `KvEventForwarder` subscribes to that socket, turns each
-event into JSON with vLLM's own field names (bytes hashes as hex) and hands
-batches to `send` (the agent posts them to `POST /v1/instances/{id}/kv-events`
-with its heartbeat credential).
+"tcp://*:5557"}`; vLLM binds a wildcard endpoint and connects to a
+`tcp://host:port` one, which the forwarder then binds): multipart messages
+(topic, 8-byte big-endian sequence number, msgpack payload of a
+`KVEventBatch` of `BlockStored` / `BlockRemoved` / `AllBlocksCleared`). A
+`KvEventForwarder` subscribes to that socket, turns each event into JSON with
+vLLM's own field names (bytes hashes as hex) and hands batches to `send` (the
+agent posts them to `POST /v1/instances/{id}/kv-events` with its heartbeat
+credential).
 
 Bounded: at most `max_pending` events wait; past it, or when a sequence number
 is skipped (events lost), the batch is replaced by one `AllBlocksCleared`, so
@@ -67,6 +69,13 @@ def vllm_decoder() -> Decode:
     return make_decoder(KVEventBatch)
 
 
+def publisher_binds(endpoint: str) -> bool:
+    """Whether vLLM's publisher binds `endpoint` (a wildcard, `::`, ipc or
+    inproc: vLLM's `ZmqEventPublisher._is_bind_endpoint`) or connects to it
+    (`tcp://host:port`: then the subscriber must bind it)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 def connect_endpoint(endpoint: str) -> str:
     """The address to connect to for a publisher's bind `endpoint`
     (`tcp://*:5557` binds every interface; the engine is on this host)."""
@@ -88,7 +97,11 @@ class KvEventForwarder:
         batch: int = 1024,
         max_pending: int = 4096,
     ) -> None:
-        self.endpoint = connect_endpoint(endpoint)
+        # The SUB side mirrors vLLM's PUB side: connect to a publisher that
+        # binds, bind where it connects (`tcp://127.0.0.1:5557`, which keeps
+        # the feed on loopback).
+        self.bind = not publisher_binds(endpoint)
+        self.endpoint = endpoint if self.bind else connect_endpoint(endpoint)
         self.send = send
         self.decode = decode or vllm_decoder()
         self.topic = topic
@@ -121,7 +134,10 @@ class KvEventForwarder:
         socket = context.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt_string(zmq.SUBSCRIBE, self.topic)
-        socket.connect(self.endpoint)
+        if self.bind:
+            socket.bind(self.endpoint)
+        else:
+            socket.connect(self.endpoint)
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         last_flush = time.monotonic()

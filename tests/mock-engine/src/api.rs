@@ -38,6 +38,8 @@ pub struct EngineState {
     pub prefix: Option<std::sync::Mutex<crate::prefix::PrefixCache>>,
     /// Woken when the prefix cache has events to forward.
     pub events_ready: tokio::sync::Notify,
+    /// Woken when the prefix cache has events to publish over ZMQ.
+    pub published_ready: tokio::sync::Notify,
     /// Set by `--engine-dead-after-tokens`: the engine core is gone.
     engine_dead: std::sync::atomic::AtomicBool,
     crash: CrashAction,
@@ -56,6 +58,7 @@ impl EngineState {
             std::sync::Mutex::new(crate::prefix::PrefixCache::new(
                 config.block_size,
                 config.prefix_cache_blocks,
+                config.kv_events_publish.is_some(),
             ))
         });
         Self {
@@ -67,6 +70,7 @@ impl EngineState {
             model_list_calls: AtomicU64::new(0),
             prefix,
             events_ready: tokio::sync::Notify::new(),
+            published_ready: tokio::sync::Notify::new(),
             kv,
             crash_now: std::sync::atomic::AtomicBool::new(false),
             engine_dead: std::sync::atomic::AtomicBool::new(false),
@@ -87,6 +91,7 @@ impl EngineState {
             .unwrap_or_else(|e| e.into_inner())
             .prefill(ids);
         self.events_ready.notify_one();
+        self.published_ready.notify_one();
         ids.len().saturating_sub(cached).max(ids.len().min(1))
     }
 

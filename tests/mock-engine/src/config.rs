@@ -121,6 +121,13 @@ pub struct MockConfig {
     /// are off).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub kv_events: bool,
+    /// Also publish the prefix cache's KV events on this ZMQ endpoint (e.g.
+    /// `tcp://127.0.0.1:5557`), in vLLM's wire format, as an engine started
+    /// with `--kv-events-config '{"publisher": "zmq", ...}'` does: what
+    /// vllm-router's `kv_aware` (`--pd-kv-events URL=ENDPOINT`) reads. Port 0
+    /// picks a free one (printed).
+    #[arg(long)]
+    pub kv_events_publish: Option<String>,
     /// Tokens per KV block (vLLM's default is 16).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,

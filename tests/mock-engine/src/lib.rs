@@ -12,6 +12,7 @@ pub mod kv;
 pub mod model;
 pub mod pooling;
 pub mod prefix;
+pub mod publish;
 pub mod register;
 pub mod shape;
 pub mod stats;
@@ -28,6 +29,8 @@ use tokio_util::sync::CancellationToken;
 pub struct MockEngine {
     /// Address the HTTP server is bound to.
     pub addr: SocketAddr,
+    /// Where the KV events are published (`--kv-events-publish`), bound.
+    pub kv_events_endpoint: Option<String>,
     state: Arc<api::EngineState>,
     shutdown: CancellationToken,
     tasks: tokio::task::JoinSet<()>,
@@ -51,6 +54,14 @@ impl MockEngine {
             kv,
         ));
         let mut tasks = tokio::task::JoinSet::new();
+        let mut kv_events_endpoint = None;
+        if let Some(endpoint) = &config.kv_events_publish {
+            let publisher = publish::Publisher::bind(endpoint)
+                .await
+                .map_err(std::io::Error::other)?;
+            kv_events_endpoint = Some(publisher.endpoint.clone());
+            tasks.spawn(publisher.run(state.clone(), shutdown.clone()));
+        }
         // The holder lives as long as the engine serves (a crash takes it too).
         let kv_state = state.clone();
         let kv_stop = shutdown.clone();
@@ -73,6 +84,7 @@ impl MockEngine {
         }
         Ok(Self {
             addr,
+            kv_events_endpoint,
             state,
             shutdown,
             tasks,

@@ -3,7 +3,9 @@
 //! to the router's: the router keys blocks by the token ids each event
 //! carries). A prefill computes only the tokens past the cached prefix, and
 //! every change is a KV event in vLLM's terms (BlockStored, BlockRemoved,
-//! AllBlocksCleared) for the agent to forward.
+//! AllBlocksCleared) for the agent to forward, and (with `--kv-events-publish`)
+//! for the ZMQ publisher ([`crate::publish`]): two queues, as the two readers
+//! take them at their own pace.
 
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -23,8 +25,14 @@ pub struct PrefixCache {
     stamp: u64,
     /// Events not yet forwarded, oldest first.
     pending: Vec<Value>,
+    /// Events not yet published over ZMQ (None: not published).
+    published: Option<Vec<Value>>,
     /// Prompt tokens served from the cache so far.
     pub hit_tokens: u64,
+}
+
+fn cleared() -> Value {
+    json!({"type": "AllBlocksCleared"})
 }
 
 /// The mock's hash of one block after `parent`.
@@ -39,14 +47,17 @@ fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
 }
 
 impl PrefixCache {
-    pub fn new(block_size: usize, cap: usize) -> Self {
+    /// A cache of `cap` blocks of `block_size` tokens; `publish`: keep a
+    /// second queue of its events for the ZMQ publisher.
+    pub fn new(block_size: usize, cap: usize, publish: bool) -> Self {
         Self {
             block_size: block_size.max(1),
             cap,
             blocks: HashMap::new(),
             order: BTreeMap::new(),
             stamp: 0,
-            pending: vec![json!({"type": "AllBlocksCleared"})],
+            pending: vec![cleared()],
+            published: publish.then(|| vec![cleared()]),
             hit_tokens: 0,
         }
     }
@@ -87,6 +98,7 @@ impl PrefixCache {
                 "type": "BlockStored", "block_hashes": new_hashes,
                 "parent_block_hash": new_parent, "token_ids": new_tokens,
                 "block_size": self.block_size, "lora_id": null, "medium": "GPU",
+                "lora_name": null,
             }));
         }
         let mut evicted = Vec::new();
@@ -116,15 +128,30 @@ impl PrefixCache {
     pub fn clear(&mut self) {
         self.blocks.clear();
         self.order.clear();
-        self.pending = vec![json!({"type": "AllBlocksCleared"})];
+        self.pending = vec![cleared()];
+        if let Some(published) = &mut self.published {
+            *published = vec![cleared()];
+        }
     }
 
     fn push(&mut self, event: Value) {
-        if self.pending.len() >= MAX_PENDING {
+        let published = self.published.as_ref().map_or(0, Vec::len);
+        if self.pending.len().max(published) >= MAX_PENDING {
             self.clear();
             return;
         }
+        if let Some(published) = &mut self.published {
+            published.push(event.clone());
+        }
         self.pending.push(event);
+    }
+
+    /// The events not published over ZMQ yet (none when not publishing).
+    pub fn take_published(&mut self) -> Vec<Value> {
+        self.published
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// The events not forwarded yet.
@@ -148,7 +175,7 @@ mod tests {
 
     #[test]
     fn a_shared_prefix_is_computed_once_and_reported_as_stored_blocks() {
-        let mut cache = PrefixCache::new(4, 3);
+        let mut cache = PrefixCache::new(4, 3, true);
         let first: Vec<u32> = (0..10).collect();
         assert_eq!(cache.prefill(&first), 0);
         let events = cache.take_events();
@@ -166,5 +193,11 @@ mod tests {
         let events = cache.take_events();
         assert_eq!(events[1]["type"], "BlockRemoved");
         assert_eq!(cache.len(), 3);
+        // The publisher's queue holds the same events, taken on its own.
+        let published = cache.take_published();
+        assert_eq!(published.len(), 5);
+        assert_eq!(published[4]["type"], "BlockRemoved");
+        assert!(cache.take_published().is_empty());
+        assert!(PrefixCache::new(4, 3, false).take_published().is_empty());
     }
 }

@@ -1,0 +1,273 @@
+"""The mock engine's KV events over ZMQ (`--kv-events-publish`), read as any
+reader of vLLM's feed reads them: a pyzmq SUB socket, each message decoded with
+vLLM's own `KVEventBatch` type (the installed vLLM's msgspec decoder, through
+the decoder Connex's agent uses), so that vllm-router's `kv_aware`
+(`--pd-kv-events URL=ENDPOINT`) can be pointed at the mocks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from conftest import BIN_DIR
+from connex.kv_events import vllm_decoder
+
+BLOCK = 16
+
+
+@pytest.fixture
+def mock() -> Iterator[tuple[str, str]]:
+    """A mock engine with a prefix cache publishing its events; yields its
+    URL and the ZMQ endpoint it publishes on."""
+    proc = subprocess.Popen(
+        [
+            str(BIN_DIR / "connex-mock-engine"),
+            "--role",
+            "both",
+            "--prefix-cache-blocks",
+            "1000",
+            "--block-size",
+            str(BLOCK),
+            "--kv-events-publish",
+            "tcp://127.0.0.1:0",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    endpoint = ""
+    for line in proc.stdout:
+        if "publishes KV events on " in line:
+            endpoint = line.split("publishes KV events on ", 1)[1].strip()
+        if "listening on " in line:
+            url = line.split("listening on ", 1)[1].strip()
+            break
+    else:
+        proc.kill()
+        raise RuntimeError("the mock engine did not start")
+    assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0"), endpoint
+    yield url, endpoint
+    proc.kill()
+    proc.wait()
+
+
+def complete(url: str, prompt: str) -> None:
+    body = json.dumps({"model": "mock", "prompt": prompt, "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert reply.status == 200
+
+
+def receive(socket: zmq.Socket, timeout_s: float = 5.0) -> list[bytes] | None:
+    if socket.poll(int(timeout_s * 1000)):
+        return socket.recv_multipart()
+    return None
+
+
+def test_mock_kv_events_decode_as_vllm_event_batches(mock):
+    url, endpoint = mock
+    decode = vllm_decoder()
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt_string(zmq.SUBSCRIBE, "")
+    socket.connect(endpoint)
+    try:
+        # A PUB socket sends nothing until the subscriber is connected: prime
+        # with throwaway prompts until the first batch comes through.
+        first = None
+        deadline = time.monotonic() + 15
+        while first is None and time.monotonic() < deadline:
+            complete(url, f"warm-up {time.monotonic_ns()} " + "w" * 40)
+            first = receive(socket, 0.3)
+        assert first is not None, "no KV event batch published"
+        while receive(socket, 0.3) is not None:
+            pass
+
+        prompt = "S" * (BLOCK * 6) + "tail"
+        complete(url, prompt)
+        parts = receive(socket)
+        assert parts is not None and len(parts) == 3
+        topic, seq_bytes, payload = parts
+        assert topic == b"" and len(seq_bytes) == 8
+        seq = int.from_bytes(seq_bytes, "big")
+        (stored,) = decode(payload)
+        assert stored["type"] == "BlockStored"
+        assert stored["block_size"] == BLOCK
+        assert len(stored["block_hashes"]) == 6
+        # The whole blocks' token ids (the mock's tokens are the prompt's bytes).
+        assert stored["token_ids"] == [ord("S")] * (BLOCK * 6)
+        assert stored["parent_block_hash"] is None
+        assert stored["medium"] == "GPU"
+
+        # The same prefix and two more blocks: only the new blocks are
+        # stored, chained to the cached prefix's last block; the next number.
+        complete(url, "S" * (BLOCK * 6) + "T" * (BLOCK * 2))
+        parts = receive(socket)
+        assert parts is not None
+        assert int.from_bytes(parts[1], "big") == seq + 1
+        (more,) = decode(parts[2])
+        assert more["type"] == "BlockStored"
+        assert more["parent_block_hash"] == stored["block_hashes"][-1]
+        assert more["token_ids"] == [ord("T")] * (BLOCK * 2)
+    finally:
+        socket.close()
+
+
+def test_evictions_are_published_as_block_removed():
+    proc = subprocess.Popen(
+        [
+            str(BIN_DIR / "connex-mock-engine"),
+            "--prefix-cache-blocks",
+            "2",
+            "--block-size",
+            str(BLOCK),
+            "--kv-events-publish",
+            "tcp://127.0.0.1:0",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    endpoint = url = ""
+    for line in proc.stdout:
+        if "publishes KV events on " in line:
+            endpoint = line.split("publishes KV events on ", 1)[1].strip()
+        if "listening on " in line:
+            url = line.split("listening on ", 1)[1].strip()
+            break
+    decode = vllm_decoder()
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt_string(zmq.SUBSCRIBE, "")
+    socket.connect(endpoint)
+    try:
+        events: list[dict] = []
+        deadline = time.monotonic() + 15
+        while not events and time.monotonic() < deadline:
+            complete(url, "A" * (BLOCK * 2))
+            parts = receive(socket, 0.3)
+            if parts is not None:
+                events = decode(parts[2])
+        assert events, "no KV event batch published"
+        while (parts := receive(socket, 0.3)) is not None:
+            events += decode(parts[2])
+        # A third block goes past the cap of two: the oldest is evicted.
+        complete(url, "B" * BLOCK)
+        parts = receive(socket)
+        assert parts is not None
+        types = [e["type"] for e in decode(parts[2])]
+        assert types == ["BlockStored", "BlockRemoved"]
+    finally:
+        socket.close()
+        proc.kill()
+        proc.wait()
+
+
+VLLM_ROUTER = BIN_DIR.parents[1] / ".venv" / "bin" / "vllm-router"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_vllm_router_kv_aware_follows_the_mock_events():
+    """vllm-router's `kv_aware` fed by the mocks' events (`--pd-kv-events`):
+    a prompt the second prefill computed (sent to it directly) is routed
+    there, although with no cache information it would take the first (the
+    least loaded, ties to the first)."""
+    procs: list[subprocess.Popen] = []
+
+    def mock(*args: str) -> str:
+        proc = subprocess.Popen(
+            [str(BIN_DIR / "connex-mock-engine"), "--model", "mock", *args],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "listening on " in line:
+                return line.split("listening on ", 1)[1].strip()
+        raise RuntimeError("the mock engine did not start")
+
+    try:
+        prefills = []
+        events = []
+        for _ in range(2):
+            endpoint = f"tcp://127.0.0.1:{free_port()}"
+            url = mock(
+                "--role",
+                "prefill",
+                "--prefix-cache-blocks",
+                "1000",
+                "--block-size",
+                str(BLOCK),
+                "--kv-events-publish",
+                endpoint,
+            )
+            prefills.append(url)
+            events += ["--pd-kv-events", f"{url}={endpoint}"]
+        decode = mock("--role", "decode")
+        port = free_port()
+        args = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port)]
+        args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        args += ["--vllm-pd-disaggregation", "--log-level", "warning"]
+        args += ["--prefill", prefills[0], "--prefill", prefills[1], "--decode", decode]
+        args += ["--prefill-policy", "kv_aware", "--decode-policy", "round_robin", *events]
+        procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        router = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{router}/v1/models", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "vllm-router did not start"
+            time.sleep(0.2)
+
+        prompt = "You are assistant seven; answer briefly. " * 24
+        # The subscriber connects in the background: store the prompt on the
+        # second prefill (directly) until vllm-router credits its blocks.
+        served = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            stamp = f"{time.monotonic_ns()} "
+            complete(prefills[1], stamp + prompt)
+            time.sleep(0.3)
+            before = computed(prefills)
+            complete(router, stamp + prompt + "question?")
+            after = computed(prefills)
+            served = [i for i in range(2) if after[i] > before[i]]
+            if served == [1]:
+                break
+        assert served == [1], "vllm-router kv_aware did not follow the mock's KV events"
+        # The second prefill computed only the new tail, not the prefix.
+        assert after[1] - before[1] < BLOCK * 2, (before, after)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def computed(prefills: list[str]) -> list[int]:
+    """Prompt tokens each mock prefill has computed so far."""
+    totals = []
+    for url in prefills:
+        with urllib.request.urlopen(f"{url}/mock/stats", timeout=5) as reply:
+            records = json.load(reply)["requests"]
+        totals.append(sum(r["computed_prompt_tokens"] for r in records))
+    return totals
