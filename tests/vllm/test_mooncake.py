@@ -114,7 +114,7 @@ def test_decoder_killed_mid_stream_resumes_over_mooncake(mooncake):
             break
     else:
         pytest.fail("the decoder finished before the client saw token k, three times")
-    ids, text, killed = outcome
+    ids, text, _logprobs, killed = outcome
     assert killed is not None
     harness.wait_for(lambda: not killed.alive(), 10, "the killed decoder to exit")
     assert ids == want["token_ids"]
