@@ -45,10 +45,10 @@ def free_ports(count: int) -> int:
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, harness.Engine]]:
     args = ["--tensor-parallel-size", str(TP), "--distributed-executor-backend", "mp"]
-    p = harness.Engine("tp2_prefill", extra_args=args, threads_bind="0|1")
+    p = harness.Engine("tp2_prefill", extra_args=args, threads_bind="nobind")
     p.kv_config = connex_kv("kv_producer", p, hold="staged", retain_s=120)
     p.kv_config["kv_connector_extra_config"]["ctrl_port"] = free_ports(TP)
-    d = harness.Engine("tp2_decoder", extra_args=args, threads_bind="0|1")
+    d = harness.Engine("tp2_decoder", extra_args=args, threads_bind="nobind")
     d.kv_config = connex_kv("kv_consumer", d)
     harness.start_all([p, d])
     try:
