@@ -75,15 +75,7 @@ fn rss_parts(pid: u32) -> String {
 async fn one_stream(url: String, i: usize, hang_up: bool, tally: Arc<Tally>) {
     let prompt = format!("soak stream {i}");
     let body = json!({"model":"mock","prompt":prompt,"max_tokens":TOKENS,"stream":true,"return_token_ids":true});
-    let mut response = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap()
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let mut response = open_completion(&url, &body, Duration::from_secs(60)).await;
     if response.status() != 200 {
         // Refused before the stream started (e.g. no decoder for a moment):
         // an OpenAI error body, never a silent failure.
@@ -100,12 +92,7 @@ async fn one_stream(url: String, i: usize, hang_up: bool, tally: Arc<Tally>) {
     let mut parser = connex_router::sse::SseParser::default();
     let mut chunks: Vec<Value> = Vec::new();
     while let Some(bytes) = response.chunk().await.unwrap() {
-        chunks.extend(
-            parser
-                .push(&bytes)
-                .iter()
-                .map(|d| serde_json::from_slice(d).unwrap_or(json!("[DONE]"))),
-        );
+        chunks.extend(parser.push(&bytes).iter().map(|d| event_value(d)));
         if hang_up && chunks.len() >= 3 {
             tally.hung_up.fetch_add(1, Ordering::Relaxed);
             return;

@@ -13,19 +13,23 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN_DIR = Path(os.environ.get("CONNEX_BIN_DIR", ROOT / "target" / "debug"))
 
 
-def start(binary: str, *args: str) -> tuple[subprocess.Popen, str, str]:
-    """Starts a binary; returns it with the URL of its "listening on" line and,
-    for a router, of its internal listener (registration, admin, metrics),
-    printed just before; other binaries have one URL for both."""
+def start(
+    binary: str, *args: str, second: str = "internal API on "
+) -> tuple[subprocess.Popen, str, str]:
+    """Starts a binary; returns it with the URL of its "listening on" line and
+    the address of the `second` line printed before it: for a router, its
+    internal listener (registration, admin, metrics); for a mock engine with
+    `--kv-events-publish`, its KV event endpoint ("publishes KV events on ").
+    Without that line, the second address is the URL again."""
     proc = subprocess.Popen([str(BIN_DIR / binary), *args], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    internal = ""
+    other = ""
     for line in proc.stdout:
-        if "internal API on " in line:
-            internal = line.split("internal API on ", 1)[1].strip()
+        if second in line:
+            other = line.split(second, 1)[1].strip()
         if "listening on " in line:
             url = line.split("listening on ", 1)[1].strip()
-            return proc, url, internal or url
+            return proc, url, other or url
     proc.kill()
     raise RuntimeError(f"{binary} exited before listening")
 

@@ -15,42 +15,30 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from conftest import BIN_DIR
+from conftest import BIN_DIR, start
 from connex.kv_events import vllm_decoder
 
 BLOCK = 16
+# The mock engine's line naming its KV event endpoint.
+PUBLISHES = "publishes KV events on "
 
 
 @pytest.fixture
 def mock() -> Iterator[tuple[str, str]]:
     """A mock engine with a prefix cache publishing its events; yields its
     URL and the ZMQ endpoint it publishes on."""
-    proc = subprocess.Popen(
-        [
-            str(BIN_DIR / "connex-mock-engine"),
-            "--role",
-            "both",
-            "--prefix-cache-blocks",
-            "1000",
-            "--block-size",
-            str(BLOCK),
-            "--kv-events-publish",
-            "tcp://127.0.0.1:0",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+    proc, url, endpoint = start(
+        "connex-mock-engine",
+        "--role",
+        "both",
+        "--prefix-cache-blocks",
+        "1000",
+        "--block-size",
+        str(BLOCK),
+        "--kv-events-publish",
+        "tcp://127.0.0.1:0",
+        second=PUBLISHES,
     )
-    assert proc.stdout is not None
-    endpoint = ""
-    for line in proc.stdout:
-        if "publishes KV events on " in line:
-            endpoint = line.split("publishes KV events on ", 1)[1].strip()
-        if "listening on " in line:
-            url = line.split("listening on ", 1)[1].strip()
-            break
-    else:
-        proc.kill()
-        raise RuntimeError("the mock engine did not start")
     assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0"), endpoint
     yield url, endpoint
     proc.kill()
@@ -122,27 +110,16 @@ def test_mock_kv_events_decode_as_vllm_event_batches(mock):
 
 
 def test_evictions_are_published_as_block_removed():
-    proc = subprocess.Popen(
-        [
-            str(BIN_DIR / "connex-mock-engine"),
-            "--prefix-cache-blocks",
-            "2",
-            "--block-size",
-            str(BLOCK),
-            "--kv-events-publish",
-            "tcp://127.0.0.1:0",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+    proc, url, endpoint = start(
+        "connex-mock-engine",
+        "--prefix-cache-blocks",
+        "2",
+        "--block-size",
+        str(BLOCK),
+        "--kv-events-publish",
+        "tcp://127.0.0.1:0",
+        second=PUBLISHES,
     )
-    assert proc.stdout is not None
-    endpoint = url = ""
-    for line in proc.stdout:
-        if "publishes KV events on " in line:
-            endpoint = line.split("publishes KV events on ", 1)[1].strip()
-        if "listening on " in line:
-            url = line.split("listening on ", 1)[1].strip()
-            break
     decode = vllm_decoder()
     socket = zmq.Context.instance().socket(zmq.SUB)
     socket.setsockopt(zmq.LINGER, 0)
@@ -190,17 +167,9 @@ def test_vllm_router_kv_aware_follows_the_mock_events():
     procs: list[subprocess.Popen] = []
 
     def mock(*args: str) -> str:
-        proc = subprocess.Popen(
-            [str(BIN_DIR / "connex-mock-engine"), "--model", "mock", *args],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        proc, url, _ = start("connex-mock-engine", "--model", "mock", *args)
         procs.append(proc)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if "listening on " in line:
-                return line.split("listening on ", 1)[1].strip()
-        raise RuntimeError("the mock engine did not start")
+        return url
 
     try:
         prefills = []

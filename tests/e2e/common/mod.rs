@@ -227,6 +227,21 @@ pub async fn post(router: &Proc, path: &str, body: &Value) -> (u16, Value) {
     (status, response.json().await.unwrap_or(Value::Null))
 }
 
+/// POSTs a completions request to the router at `url` on a client of its own
+/// with `timeout` for the whole answer (a long stream outlives `client()`'s
+/// 30 s); the response, its body not yet read.
+pub async fn open_completion(url: &str, body: &Value, timeout: Duration) -> reqwest::Response {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .unwrap()
+        .post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
 /// POSTs a streaming request and returns every `data:` payload parsed (the
 /// final `[DONE]` as the string "[DONE]").
 pub async fn stream(router: &Proc, path: &str, body: &Value) -> Vec<Value> {
@@ -247,11 +262,14 @@ pub fn sse_events(text: &str) -> Vec<Value> {
     connex_router::sse::SseParser::default()
         .push(text.as_bytes())
         .iter()
-        .map(|data| {
-            serde_json::from_slice(data)
-                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(data).into()))
-        })
+        .map(|data| event_value(data))
         .collect()
+}
+
+/// One SSE event's data, parsed (not JSON, such as `[DONE]`: as its text).
+pub fn event_value(data: &[u8]) -> Value {
+    serde_json::from_slice(data)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(data).into()))
 }
 
 /// Token ids of choice 0 across stream chunks.
@@ -716,24 +734,18 @@ impl TrackedStreams {
                 tokio::spawn(async move {
                     tokio::time::sleep(stagger * i as u32).await;
                     progress[i].store(0, Ordering::SeqCst);
-                    let mut response = reqwest::Client::builder()
-                        .timeout(Duration::from_secs(90))
-                        .build()
-                        .unwrap()
-                        .post(format!("{url}/v1/completions"))
-                        .json(&body)
-                        .send()
-                        .await
-                        .unwrap();
-                    let mut text = String::new();
+                    let mut response = open_completion(&url, &body, Duration::from_secs(90)).await;
+                    // Parsed as the bytes come (each event once, a character
+                    // split across chunks kept whole).
+                    let mut parser = connex_router::sse::SseParser::default();
+                    let mut events: Vec<Value> = Vec::new();
                     while let Some(bytes) = response.chunk().await.unwrap() {
-                        text.push_str(&String::from_utf8_lossy(&bytes));
-                        progress[i].store(
-                            streamed_token_ids(&sse_events(&text)).len(),
-                            Ordering::SeqCst,
-                        );
+                        let new: Vec<Value> =
+                            parser.push(&bytes).iter().map(|d| event_value(d)).collect();
+                        progress[i].fetch_add(streamed_token_ids(&new).len(), Ordering::SeqCst);
+                        events.extend(new);
                     }
-                    (prompt, sse_events(&text))
+                    (prompt, events)
                 })
             })
             .collect();
