@@ -138,7 +138,6 @@ async fn prefill(
         .ok_or_else(|| "no kv_transfer_params".to_string())
 }
 
-/// One request to its end; the time to its first token (streams) from `started`.
 /// An error and its sources, `: `-joined (reqwest's own message is generic).
 fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     let mut message = err.to_string();
@@ -159,6 +158,7 @@ fn report_error(err: &str) {
     }
 }
 
+/// One request to its end; the time to its first token (streams) from `started`.
 async fn one(
     client: &reqwest::Client,
     url: &str,
