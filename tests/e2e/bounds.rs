@@ -96,7 +96,14 @@ async fn a_trickling_decoder_is_cut_at_the_stall_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_protocol_violating_chunk_is_never_relayed() {
-    let (router, _engines) = cluster(&[], &["--bad-chunk-after-tokens", "3"]).await;
+    // d0 decodes slowly: a fast mock finished the request (and released its
+    // hold) before the router had read the bad chunk, so the resume found the
+    // hold gone, re-prefilled and could land on d0 again (2 protocol resumes).
+    let (router, _engines) = cluster(
+        &[],
+        &["--bad-chunk-after-tokens", "3", "--decode-us-per-token", "50000"],
+    )
+    .await;
     assert_token_exact(&router, PROMPT, 8).await;
     let text = metrics_text(&router).await;
     assert_eq!(resumes(&text, "protocol"), 1.0, "{text}");
