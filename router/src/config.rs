@@ -120,9 +120,11 @@ pub struct RouterConfig {
     /// approximate index; an engine's first event replaces it).
     #[arg(long, env = "CONNEX_KV_BLOCK_SIZE", default_value_t = 16)]
     pub kv_block_size: usize,
-    /// Time limit of the `/tokenize` call that gets a text prompt's token ids
-    /// for `cache_aware` prefill choice, in milliseconds (past it, the choice
-    /// is by load alone).
+    /// Time limit of a call to an engine's tokenizer, in milliseconds: the
+    /// `/tokenize` that gets a text prompt's token ids for `cache_aware`
+    /// prefill choice (past it, the choice is by load alone), and the
+    /// `/detokenize` calls that find which token of a merged chunk completed a
+    /// stop string (past it, the chunk keeps all its tokens).
     #[arg(long, env = "CONNEX_TOKENIZE_TIMEOUT_MS", default_value_t = 2000)]
     pub tokenize_timeout_ms: u64,
     /// Seconds without a heartbeat after which an instance gets no traffic.

@@ -101,7 +101,12 @@ async fn a_protocol_violating_chunk_is_never_relayed() {
     // hold gone, re-prefilled and could land on d0 again (2 protocol resumes).
     let (router, _engines) = cluster(
         &[],
-        &["--bad-chunk-after-tokens", "3", "--decode-us-per-token", "50000"],
+        &[
+            "--bad-chunk-after-tokens",
+            "3",
+            "--decode-us-per-token",
+            "50000",
+        ],
     )
     .await;
     assert_token_exact(&router, PROMPT, 8).await;

@@ -720,6 +720,51 @@ async fn stop_strings_are_matched_by_the_router_as_the_engine_would() {
     .await;
 }
 
+/// vLLM merges tokens into one chunk when its API server lags; the engine
+/// alone stops at the token that completed the stop, and so does the router:
+/// token ids and usage included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_string_ending_inside_a_merged_chunk_keeps_the_engines_token_ids() {
+    let router = router(&[]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let _decode = engine(Some(&router), "decode", &["--tokens-per-chunk", "4"]);
+    wait_ready(&router, 2).await;
+    let reference = engine(None, "both", &[]);
+    let completion =
+        json!({"model":"mock","prompt":"Merged","max_tokens":20,"return_token_ids":true});
+    let chat = json!({"model":"mock","messages":[{"role":"user","content":"Merged"}],
+        "max_completion_tokens":20,"return_token_ids":true});
+    for (path, body) in [
+        ("/v1/completions", completion),
+        ("/v1/chat/completions", chat),
+    ] {
+        // Ends in token 6, the third of the decoder's chunk of tokens 4 to 7.
+        let stop = stop_across(&reference, path, &body, 6).await;
+        let mut body = body.clone();
+        body["stop"] = json!(stop);
+        let (_, alone) = post(&reference, path, &body).await;
+        let want = ids(&alone["choices"][0]["token_ids"]);
+        assert_eq!(want.len(), 7, "{alone}");
+        let (status, through_router) = post(&router, path, &body).await;
+        assert_eq!(status, 200, "{through_router}");
+        let without_fingerprint = |answer: &Value| {
+            let mut answer = comparable(answer.clone());
+            answer.as_object_mut().unwrap().remove("system_fingerprint");
+            answer
+        };
+        assert_eq!(
+            without_fingerprint(&through_router),
+            without_fingerprint(&alone),
+            "{path}"
+        );
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let chunks = stream(&router, path, &streamed).await;
+        assert_eq!(streamed_token_ids(&chunks), want, "{path}");
+        assert_eq!(streamed_finish(&chunks), (json!("stop"), json!(stop)));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decoder_dying_while_a_stop_string_is_held_back_loses_no_character() {
     let (router, _engines, reference) = crashing_cluster(5).await;

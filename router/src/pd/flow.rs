@@ -70,7 +70,7 @@ pub struct Settings {
     pub kv_block_size: usize,
     /// Most blocks the prefix index keeps per instance.
     pub prefix_index_blocks: usize,
-    /// How long the router waits for an engine's `/tokenize`.
+    /// How long the router waits for an engine's tokenizer (`/tokenize`, `/detokenize`).
     pub tokenize_timeout: Duration,
 }
 

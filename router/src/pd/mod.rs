@@ -15,6 +15,7 @@ pub mod attempt;
 pub mod chunk;
 pub mod decode;
 pub mod flow;
+pub mod merged;
 pub mod output;
 pub mod patch;
 pub mod prefill;

@@ -10,6 +10,7 @@
 
 use super::attempt::{Attempt, Cause, Event, Failure};
 use super::chunk::{self, ErrorEvent};
+use super::merged::Split;
 use super::output::{Output, Source};
 use super::request::RequestInfo;
 use super::stops::Matcher;
@@ -29,6 +30,10 @@ pub enum Stop {
     Failed(Failure),
     /// The engine refused the request itself (an error event with a 4xx code).
     Refused(ApiError),
+    /// A stop string ends inside this chunk of several tokens: which of them
+    /// to keep is asked of the decoder first ([`super::merged`]), then the
+    /// cut chunk goes to [`Relay::take_cut`].
+    Split(Split),
 }
 
 /// Most events gathered into one write to a streaming client, and the size
@@ -195,8 +200,18 @@ impl Relay {
             Event::Done => return Some(Stop::Ended(None)),
             Event::Failed(failure) => return Some(Stop::Ended(Some(failure))),
         };
+        self.take_data(attempt, &data, true)
+    }
+
+    /// Relays the chunk of a [`Stop::Split`], cut to the tokens an engine
+    /// checking each token for the stop would have kept.
+    pub fn take_cut(&mut self, attempt: &mut Attempt, data: &Bytes) -> Option<Stop> {
+        self.take_data(attempt, data, false)
+    }
+
+    fn take_data(&mut self, attempt: &mut Attempt, data: &Bytes, may_split: bool) -> Option<Stop> {
         let decoder = attempt.decoder().id.clone();
-        let result = self.on_data(&data, attempt.source, &decoder);
+        let result = self.on_chunk(data, attempt.source, &decoder, may_split);
         if result.as_ref().is_ok_and(|tokens| *tokens > 0) {
             attempt.saw_tokens();
         }
@@ -213,6 +228,18 @@ impl Relay {
 
     /// Checks, journals and relays one chunk; returns its tokens.
     pub fn on_data(&mut self, data: &Bytes, source: Source, decoder: &str) -> Result<usize, Stop> {
+        self.on_chunk(data, source, decoder, true)
+    }
+
+    /// [`Self::on_data`]; with `may_split`, a chunk of several tokens in which
+    /// a stop string ends is handed back as [`Stop::Split`] instead.
+    fn on_chunk(
+        &mut self,
+        data: &Bytes,
+        source: Source,
+        decoder: &str,
+        may_split: bool,
+    ) -> Result<usize, Stop> {
         let protocol =
             |message: String| Stop::Failed(Failure::new(decoder, Cause::Protocol, message));
         let Some(parsed) = chunk::parse(data) else {
@@ -255,6 +282,9 @@ impl Relay {
                 format!("decoder {decoder} finished the request with an error"),
             )));
         }
+        if let Some(split) = may_split.then(|| self.merged_stop(&parsed, data)).flatten() {
+            return Err(Stop::Split(split));
+        }
         let tokens: usize = parsed
             .choices
             .iter()
@@ -289,6 +319,33 @@ impl Relay {
         }
         self.relay(&parsed, data, source);
         Ok(tokens)
+    }
+
+    /// A stop string ending inside this chunk of several tokens, if one does.
+    /// Not while chunks are withheld: the chunk's text then also belongs to
+    /// their tokens (a character split across tokens), and all are kept.
+    fn merged_stop(&self, parsed: &chunk::Chunk<'_>, data: &Bytes) -> Option<Split> {
+        let matcher = self.stops.as_ref()?;
+        if !self.withheld.is_empty() {
+            return None;
+        }
+        let [choice] = parsed.choices.as_slice() else {
+            return None;
+        };
+        let ids = choice.token_ids.as_ref().filter(|ids| ids.len() > 1)?;
+        let chars = matcher.stop_end(choice.index, choice.text())?;
+        // What the client has, then what is held back, then the new text.
+        let had = self.journal.read(|e| {
+            e.choices
+                .get(choice.index)
+                .map_or(0, |c| c.text.chars().count())
+        });
+        Some(Split {
+            data: data.clone(),
+            index: choice.index,
+            ids: ids.clone(),
+            chars: had + matcher.held_chars(choice.index) + chars,
+        })
     }
 
     /// Journals one (checked) chunk and queues what a streaming client gets of it.

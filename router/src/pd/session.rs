@@ -11,6 +11,7 @@
 use super::attempt::{Attempt, Cause, Failure};
 use super::decode::{self, OpenError};
 use super::flow::Flow;
+use super::merged::{self, Detokenizer, Split};
 use super::output::Source;
 use super::prefill::Prefilled;
 use super::record::RequestRecord;
@@ -320,6 +321,42 @@ impl Session {
             Stop::Ended(failure) => self.on_end(failure).await,
             Stop::Failed(failure) => self.recover(failure).await,
             Stop::Refused(error) => self.end_with_error(error),
+            Stop::Split(split) => self.cut_merged(split).await,
+        }
+    }
+
+    /// A stop string ended inside a chunk of several tokens: relays it with
+    /// the tokens an engine checking each token would have kept (all of them
+    /// when the decoder's tokenizer cannot say in time).
+    async fn cut_merged(&mut self, split: Split) {
+        let Some(attempt) = self.attempt.as_mut() else {
+            return;
+        };
+        let (prompt, output) = self.relay.journal().read(|e| {
+            let output = e.choices.get(split.index).map(|c| c.token_ids.clone());
+            (e.prompt_token_ids.clone(), output.unwrap_or_default())
+        });
+        let detokenizer = Detokenizer {
+            upstream: self.state.upstream.as_ref(),
+            url: &attempt.decoder().url,
+            model: &self.info.model,
+            timeout: self.state.settings.tokenize_timeout,
+        };
+        let keep = detokenizer.tokens_through(&prompt, &output, &split).await;
+        let cut = match keep {
+            Some(keep) if keep < split.ids.len() => merged::keep_tokens(&split.data, keep),
+            Some(_) => None,
+            None => {
+                tracing::warn!(
+                    decoder = %attempt.decoder().id,
+                    "no /detokenize answer: the chunk that ends on a stop string keeps all its tokens"
+                );
+                None
+            }
+        };
+        let data = cut.unwrap_or(split.data);
+        if let Some(stop) = self.relay.take_cut(attempt, &data) {
+            self.deferred = Some(stop);
         }
     }
 

@@ -49,6 +49,8 @@ enum Script {
 struct Scripted {
     scripts: Mutex<VecDeque<Script>>,
     calls: Mutex<Vec<(String, &'static str, Value)>>,
+    /// `/detokenize` calls answered.
+    detokenized: Mutex<usize>,
 }
 
 impl Scripted {
@@ -56,6 +58,7 @@ impl Scripted {
         Arc::new(Self {
             scripts: Mutex::new(scripts.into()),
             calls: Mutex::default(),
+            detokenized: Mutex::default(),
         })
     }
 
@@ -119,8 +122,23 @@ impl Upstream for Scripted {
         })
     }
 
-    fn tokenize<'a>(&'a self, _call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
-        Box::pin(async {
+    /// `/detokenize` as the scripted chunks spell tokens (" t{id}"); no
+    /// `/tokenize`.
+    fn tokenizer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+        let body: Value = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
+        let detokenized = (call.path == "/detokenize").then(|| {
+            *self.detokenized.lock().expect("detokenized") += 1;
+            let ids = body["tokens"].as_array().cloned().unwrap_or_default();
+            let text: String = ids.iter().map(|id| format!(" t{id}")).collect();
+            json!({ "prompt": text })
+        });
+        Box::pin(async move {
+            if let Some(answer) = detokenized {
+                return Ok(Reply {
+                    status: 200,
+                    body: Bytes::from(answer.to_string()),
+                });
+            }
             Err(CallError::Connect {
                 refused: true,
                 message: "no tokenizer in these tests".into(),
@@ -204,6 +222,18 @@ async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Ar
 /// resumes, or the error.
 async fn complete(state: &Arc<Flow>) -> Result<(String, u32), ApiError> {
     let body = json!({"model": "m", "prompt": "hi", "max_tokens": 6});
+    let (value, resumes) = answer(state, body).await?;
+    Ok((
+        value["choices"][0]["text"]
+            .as_str()
+            .expect("text")
+            .to_string(),
+        resumes,
+    ))
+}
+
+/// Runs the non-stream completions request `body`; the response and resumes.
+async fn answer(state: &Arc<Flow>, body: Value) -> Result<(Value, u32), ApiError> {
     let info = validate(Route::Completions, &body, "r".into(), 1 << 20)?;
     let response = crate::pd::run(
         state.clone(),
@@ -221,14 +251,7 @@ async fn complete(state: &Arc<Flow>) -> Result<(String, u32), ApiError> {
     let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
         .await
         .expect("body");
-    let value: Value = serde_json::from_slice(&bytes).expect("JSON");
-    Ok((
-        value["choices"][0]["text"]
-            .as_str()
-            .expect("text")
-            .to_string(),
-        resumes,
-    ))
+    Ok((serde_json::from_slice(&bytes).expect("JSON"), resumes))
 }
 
 const WHOLE: &str = " t0 t1 t2 t3 t4 t5";
@@ -449,4 +472,36 @@ async fn a_decoder_declared_dead_or_migrated_resumes_its_streams() {
         let (text, resumes) = request.await.expect("joined").expect("ok");
         assert_eq!((text.as_str(), resumes), (WHOLE, 1), "{lifecycle:?}");
     }
+}
+
+/// vLLM merges tokens into one chunk when its API server lags; an engine
+/// checking each token for the stop keeps the ids through the one that
+/// completed it, and so does the router (it asks the decoder's tokenizer).
+#[tokio::test]
+async fn a_stop_inside_a_merged_chunk_keeps_the_tokens_through_it() {
+    let merged = json!({"id": "e", "choices": [{"index": 0, "text": " t0 t1 t2 t3",
+        "token_ids": [0, 1, 2, 3], "finish_reason": null}]});
+    let upstream = Scripted::new(vec![Script::Stream(vec![
+        Piece::Event(merged),
+        tokens(4, 6, true),
+    ])]);
+    let state = cluster(upstream.clone(), 1, &[]).await;
+    let body = json!({"model": "m", "prompt": "hi", "max_tokens": 6, "stop": ["t1"],
+        "return_token_ids": true});
+    let (value, resumes) = answer(&state, body).await.expect("ok");
+    let choice = &value["choices"][0];
+    assert_eq!(choice["text"], " t0 ");
+    assert_eq!(
+        (&choice["finish_reason"], &choice["stop_reason"]),
+        (&json!("stop"), &json!("t1"))
+    );
+    assert_eq!(
+        choice["token_ids"],
+        json!([0, 1]),
+        "through the token that completed the stop"
+    );
+    assert_eq!(value["usage"]["completion_tokens"], 2);
+    assert_eq!(resumes, 0);
+    let calls = *upstream.detokenized.lock().expect("detokenized");
+    assert!((1..=3).contains(&calls), "a bisection: {calls} calls");
 }

@@ -52,6 +52,14 @@ impl StopStrings {
         })
     }
 
+    /// The first stop string (in the order given) found in `buffer`, with the
+    /// byte offset where it starts.
+    fn first_in<'s>(&'s self, buffer: &str) -> Option<(usize, &'s str)> {
+        self.stops
+            .iter()
+            .find_map(|stop| buffer.find(stop.as_str()).map(|at| (at, stop.as_str())))
+    }
+
     /// Characters of text that could be the start of a stop string.
     fn reach(&self) -> usize {
         self.reach
@@ -126,22 +134,20 @@ impl Matcher {
         };
         let base = state.tail.len();
         let buffer = std::mem::take(&mut state.tail) + &std::mem::take(&mut state.held) + text;
-        for stop in &self.strings.stops {
-            if let Some(at) = buffer.find(stop.as_str()) {
-                state.stopped = true;
-                let end = if self.strings.include {
-                    at + stop.len()
-                } else {
-                    at
-                };
-                return Fed {
-                    emit: buffer
-                        .get(base..end.max(base))
-                        .unwrap_or_default()
-                        .to_string(),
-                    stopped: Some(stop.clone()),
-                };
-            }
+        if let Some((at, stop)) = self.strings.first_in(&buffer) {
+            state.stopped = true;
+            let end = if self.strings.include {
+                at + stop.len()
+            } else {
+                at
+            };
+            return Fed {
+                emit: buffer
+                    .get(base..end.max(base))
+                    .unwrap_or_default()
+                    .to_string(),
+                stopped: Some(stop.to_string()),
+            };
         }
         let keep_from = char_boundary_from_end(&buffer, holdback).max(base);
         state.held = buffer[keep_from..].to_string();
@@ -151,6 +157,18 @@ impl Matcher {
             emit: buffer[base..keep_from].to_string(),
             stopped: None,
         }
+    }
+
+    /// When feeding choice `index` the new `text` would end it on a stop
+    /// string: how many characters of `text` that stop string takes to
+    /// complete (the text after them is never the client's). Feeds nothing.
+    pub fn stop_end(&self, index: usize, text: &str) -> Option<usize> {
+        let state = self.choices.get(index).filter(|c| !c.stopped)?;
+        let base = state.tail.len() + state.held.len();
+        let buffer = format!("{}{}{text}", state.tail, state.held);
+        let (at, stop) = self.strings.first_in(&buffer)?;
+        let end = (at + stop.len()).saturating_sub(base).min(text.len());
+        Some(text.get(..end).map_or(0, |t| t.chars().count()))
     }
 
     /// Choice `index`'s held text, at its end.
@@ -297,6 +315,21 @@ mod tests {
         let last = json!({"choices":[{"index":0,"text":"!","finish_reason":"length"}]}).to_string();
         let (text, finish, _) = text_of(&m.edit(last.as_bytes()).expect("edited"));
         assert_eq!((text.as_str(), finish), (" ST!", json!("length")));
+    }
+
+    #[test]
+    fn stop_end_counts_the_new_text_a_stop_takes() {
+        let mut m = matcher(&["é!", "zz"], false);
+        m.edit(&chunk("abc é")).expect("edited");
+        assert_eq!(m.held_chars(0), 1, "'é' could start 'é!'");
+        // The held 'é' and the new '!' complete the first stop: one character.
+        assert_eq!(m.stop_end(0, "!ab"), Some(1));
+        assert_eq!(m.stop_end(0, "xyzz q"), Some(4));
+        assert_eq!(m.stop_end(0, "nothing"), None);
+        // Nothing was fed: the same text still stops the choice.
+        let (text, finish, _) = text_of(&m.edit(&chunk("!ab")).expect("edited"));
+        assert_eq!((text.as_str(), finish), ("", json!("stop")));
+        assert_eq!(m.stop_end(0, "zz"), None, "a stopped choice takes nothing");
     }
 
     #[test]

@@ -96,7 +96,7 @@ async fn tokenize(state: &Flow, url: &str, request: &Value) -> Option<Vec<u32>> 
         trace: Vec::new(),
         body: Bytes::from(serde_json::to_vec(request).ok()?),
     };
-    let reply = state.upstream.tokenize(call).await.ok()?;
+    let reply = state.upstream.tokenizer(call).await.ok()?;
     if !(200..300).contains(&reply.status) {
         return None;
     }

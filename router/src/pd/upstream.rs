@@ -94,9 +94,10 @@ pub trait Upstream: Send + Sync + 'static {
     fn prefill<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>>;
     /// Opens a decode stream (the answer's headers).
     fn decode<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Opened, CallError>>;
-    /// Runs a `/tokenize` call to its whole answer, up to [`MAX_TOKENIZE_ANSWER`]
-    /// bytes (the caller bounds the time).
-    fn tokenize<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>>;
+    /// Runs a call to the engine's tokenizer (`/tokenize`, `/detokenize`) to
+    /// its whole answer, up to [`MAX_TOKENIZE_ANSWER`] bytes (the caller
+    /// bounds the time).
+    fn tokenizer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>>;
 }
 
 /// Largest `/tokenize` answer read (a long prompt's ids as JSON).
@@ -223,7 +224,7 @@ impl Upstream for HttpUpstream {
         })
     }
 
-    fn tokenize<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+    fn tokenizer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
         Box::pin(async move {
             let response = self.send(&call).await?;
             let status = response.status().as_u16();

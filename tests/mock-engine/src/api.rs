@@ -1,6 +1,7 @@
 //! The engine's HTTP surface: the vLLM OpenAI subset plus `/mock/stats`.
 
 use crate::config::{CrashAction, MockConfig, Role};
+use crate::merge;
 use crate::model::{self, ContextHash};
 use crate::shape::Shape;
 use crate::stats::{Outcome, RequestLog, RequestRecord};
@@ -339,7 +340,7 @@ async fn generate(
     let run = Run::new(state, plan, index);
     if stream {
         let body = futures_util::stream::unfold(run, |mut run| async move {
-            run.next_event().await.map(|event| (event, run))
+            run.next_merged().await.map(|event| (event, run))
         });
         Response::builder()
             .header("content-type", "text/event-stream")
@@ -489,6 +490,8 @@ struct Run {
     sent_done: bool,
     /// `--bad-chunk-after-tokens` sent its chunk.
     sent_bad: bool,
+    /// The event that ended a merge, sent next.
+    after_merge: Option<Result<Bytes, Crashed>>,
 }
 
 impl Run {
@@ -506,6 +509,7 @@ impl Run {
             finished: false,
             sent_done: false,
             sent_bad: false,
+            after_merge: None,
         }
     }
 
@@ -617,6 +621,39 @@ impl Run {
             return Some(Some(Bytes::from(format!("data: {error}\n\n"))));
         }
         None
+    }
+
+    /// The next SSE event of a streaming response, with up to
+    /// `--tokens-per-chunk` token chunks merged into one.
+    async fn next_merged(&mut self) -> Option<Result<Bytes, Crashed>> {
+        if let Some(event) = self.after_merge.take() {
+            return Some(event);
+        }
+        let first = self.next_event().await?;
+        let per_chunk = self.state.config.tokens_per_chunk;
+        if per_chunk <= 1 || self.plan.kv_out.is_some() {
+            return Some(first);
+        }
+        let Some(mut merged) = first.as_ref().ok().and_then(|e| merge::token_chunk(e)) else {
+            return Some(first);
+        };
+        for _ in 1..per_chunk {
+            match self.next_event().await {
+                Some(Ok(event)) => match merge::token_chunk(&event) {
+                    Some(next) => merge::join(&mut merged, &next),
+                    None => {
+                        self.after_merge = Some(Ok(event));
+                        break;
+                    }
+                },
+                Some(Err(crashed)) => {
+                    self.after_merge = Some(Err(crashed));
+                    break;
+                }
+                None => break,
+            }
+        }
+        Some(Ok(Bytes::from(format!("data: {merged}\n\n"))))
     }
 
     /// The next SSE event of a streaming response.

@@ -101,6 +101,10 @@ pub struct MockConfig {
     /// index 7 (text " evil"), then goes on: a protocol violation.
     #[arg(long)]
     pub bad_chunk_after_tokens: Option<u32>,
+    /// Decode streams merge up to this many token chunks into one, as vLLM's
+    /// API server does when it lags behind its engine.
+    #[arg(long, default_value_t = 1)]
+    pub tokens_per_chunk: usize,
     /// A prefill whose answers name this holder (`remote_ctrl`) instead of its
     /// own: a lying or compromised prefill.
     #[arg(long)]

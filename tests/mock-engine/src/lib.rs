@@ -9,6 +9,7 @@
 pub mod api;
 pub mod config;
 pub mod kv;
+pub mod merge;
 pub mod model;
 pub mod pooling;
 pub mod prefix;

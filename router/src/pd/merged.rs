@@ -1,0 +1,171 @@
+//! A stop string that ends inside a merged chunk.
+//!
+//! vLLM's API server merges several tokens into one stream chunk when it lags
+//! behind its engine (often a stream's first tokens). An engine that matches a
+//! stop string itself checks after every token, and keeps the token ids up to
+//! the one that completed the stop. The router matches the stop strings (see
+//! [`super::stops`]) on chunks, whose text is not split by token: when a stop
+//! ends inside a chunk of several tokens, it asks the decoder's `/detokenize`
+//! how much text the output makes through each of the chunk's tokens (a
+//! binary search, a few calls, once per request at most) and keeps the tokens
+//! that reach the stop's end, with their logprobs. The whole output is
+//! detokenized, not the chunk alone: a chunk's text need not start where its
+//! tokens do (an engine holds back a character split across tokens until the
+//! token that completes it). When the decoder cannot say in time, the chunk
+//! keeps all its tokens (the text is cut right either way).
+
+use super::upstream::{Call, Upstream};
+use bytes::Bytes;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// Prompt tokens given to `/detokenize` before the output: a tokenizer joins
+/// a token's text to its neighbours' (a leading space), and vLLM's
+/// incremental detokenizer starts the output with the prompt's last tokens.
+pub const PROMPT_CONTEXT_TOKENS: usize = 8;
+
+/// A chunk of several tokens in which a stop string ends.
+#[derive(Debug)]
+pub struct Split {
+    /// The chunk's event data, as the decoder sent it.
+    pub data: Bytes,
+    /// Its one choice's index.
+    pub index: usize,
+    /// Its one choice's token ids.
+    pub ids: Vec<u32>,
+    /// Characters of the choice's whole output text through the stop's end.
+    pub chars: usize,
+}
+
+/// Where the decoder's tokenizer is asked.
+pub struct Detokenizer<'a> {
+    pub upstream: &'a dyn Upstream,
+    pub url: &'a str,
+    pub model: &'a str,
+    pub timeout: Duration,
+}
+
+impl Detokenizer<'_> {
+    /// How many of `split`'s tokens an engine checking each token would have
+    /// kept: the fewest through which the output's text reaches the stop's
+    /// end. `prompt` and `output` are the choice's token ids before the chunk.
+    /// `None` when the decoder could not say within the timeout.
+    pub async fn tokens_through(
+        &self,
+        prompt: &[u32],
+        output: &[u32],
+        split: &Split,
+    ) -> Option<usize> {
+        let search = self.search(prompt, output, split);
+        tokio::time::timeout(self.timeout, search)
+            .await
+            .ok()
+            .flatten()
+    }
+
+    async fn search(&self, prompt: &[u32], output: &[u32], split: &Split) -> Option<usize> {
+        let prompt = &prompt[prompt.len().saturating_sub(PROMPT_CONTEXT_TOKENS)..];
+        let before = self.chars_of(prompt).await?;
+        // The output's text grows with each token: the fewest of the chunk's
+        // tokens that reach the stop's end, by bisection (all of them do).
+        let (mut low, mut high) = (1, split.ids.len());
+        let mut ids = Vec::with_capacity(prompt.len() + output.len() + split.ids.len());
+        while low < high {
+            let middle = low + (high - low) / 2;
+            ids.clear();
+            ids.extend_from_slice(prompt);
+            ids.extend_from_slice(output);
+            ids.extend_from_slice(&split.ids[..middle]);
+            let chars = self.chars_of(&ids).await?.saturating_sub(before);
+            if chars >= split.chars {
+                high = middle;
+            } else {
+                low = middle + 1;
+            }
+        }
+        Some(low)
+    }
+
+    /// Characters of the text of `ids` (vLLM's `/detokenize`).
+    async fn chars_of(&self, ids: &[u32]) -> Option<usize> {
+        if ids.is_empty() {
+            return Some(0);
+        }
+        #[derive(serde::Deserialize)]
+        struct Answer {
+            prompt: String,
+        }
+        let body = json!({"model": self.model, "tokens": ids});
+        let call = Call {
+            url: self.url,
+            path: "/detokenize",
+            request_id: "",
+            trace: Vec::new(),
+            body: Bytes::from(serde_json::to_vec(&body).ok()?),
+        };
+        let reply = self.upstream.tokenizer(call).await.ok()?;
+        if !(200..300).contains(&reply.status) {
+            return None;
+        }
+        let answer: Answer = serde_json::from_slice(&reply.body).ok()?;
+        Some(answer.prompt.chars().count())
+    }
+}
+
+/// `data` with its one choice cut to its first `keep` tokens: token ids and
+/// logprobs (the text is the stop matcher's to cut).
+pub fn keep_tokens(data: &[u8], keep: usize) -> Option<Bytes> {
+    let mut chunk: Value = serde_json::from_slice(data).ok()?;
+    let choice = chunk.get_mut("choices")?.get_mut(0)?;
+    if let Some(ids) = choice.get_mut("token_ids").and_then(Value::as_array_mut) {
+        ids.truncate(keep);
+    }
+    if let Some(logprobs) = choice.get_mut("logprobs").and_then(Value::as_object_mut) {
+        // Chat: one entry per token under `content`; completions: parallel
+        // arrays, one entry per token each.
+        for key in [
+            "content",
+            "tokens",
+            "token_logprobs",
+            "top_logprobs",
+            "text_offset",
+        ] {
+            if let Some(list) = logprobs.get_mut(key).and_then(Value::as_array_mut) {
+                list.truncate(keep);
+            }
+        }
+    }
+    serde_json::to_vec(&chunk).ok().map(Bytes::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keep_tokens_cuts_ids_and_logprobs_of_both_routes() {
+        let completion = json!({"choices": [{"index": 0, "text": " a b c", "token_ids": [1, 2, 3],
+            "logprobs": {"tokens": [" a", " b", " c"], "token_logprobs": [-1.0, -2.0, -3.0],
+                "top_logprobs": [{}, {}, {}], "text_offset": [0, 2, 4]}}]});
+        let cut: Value = serde_json::from_slice(
+            &keep_tokens(completion.to_string().as_bytes(), 2).expect("cut"),
+        )
+        .expect("JSON");
+        let choice = &cut["choices"][0];
+        assert_eq!(choice["token_ids"], json!([1, 2]));
+        assert_eq!(choice["logprobs"]["tokens"], json!([" a", " b"]));
+        assert_eq!(choice["logprobs"]["token_logprobs"], json!([-1.0, -2.0]));
+        assert_eq!(choice["logprobs"]["text_offset"], json!([0, 2]));
+        assert_eq!(choice["text"], " a b c", "the text is the matcher's to cut");
+        let chat = json!({"choices": [{"index": 0, "delta": {"content": "xy"}, "token_ids": [7, 8],
+            "logprobs": {"content": [{"token": "x"}, {"token": "y"}]}}]});
+        let cut: Value =
+            serde_json::from_slice(&keep_tokens(chat.to_string().as_bytes(), 1).expect("cut"))
+                .expect("JSON");
+        assert_eq!(cut["choices"][0]["token_ids"], json!([7]));
+        assert_eq!(
+            cut["choices"][0]["logprobs"]["content"],
+            json!([{"token": "x"}])
+        );
+    }
+}
