@@ -3,8 +3,9 @@
 SYSTEMS system prompts of PROMPT_TOKENS tokens (the mock tokenizes bytes), each
 followed by USERS distinct user turns, arriving interleaved (every system
 prompt's first user in a shuffled order, then every second user, ...) from CONCURRENCY closed-loop
-clients, as streamed completions with text prompts (so the router tokenizes
-through an engine's /tokenize). Four mock prefills with prefix caches
+clients, as streamed completions with text prompts (the router tokenizes them
+itself with the mock model's tokenizer.json, `--tokenizer`, or, in the target
+so named, through an engine's /tokenize). Four mock prefills with prefix caches
 (`--prefix-cache-blocks`, 100 us per uncached token, block size 16) sized to
 hold a third of the system prompts each, two mock decoders; each policy gets a
 fresh cluster (cold caches) and the policies take turns for ROUNDS rounds:
@@ -91,9 +92,19 @@ def sample(text: str, name: str) -> float:
     )
 
 
+def tokenizer_file(bin_dir: Path) -> Path:
+    """The mock model's tokenizer.json (the mock writes it), for --tokenizer."""
+    path = OUT / "mock-tokenizer.json"
+    subprocess.run(
+        [str(bin_dir / "connex-mock-engine"), "--write-tokenizer", str(path)], check=True
+    )
+    return path
+
+
 def cluster(
-    procs: Procs, policy: str, cache_blocks: int, events: bool
+    procs: Procs, policy: str, cache_blocks: int, events: bool, tokenizer: Path | None
 ) -> tuple[str, str, list[str]]:
+    tokenizer_args = ["--tokenizer", f"mock={tokenizer}"] if tokenizer else []
     url, internal = procs.start(
         f"router-{policy}-{events}",
         str(procs.bin / "connex-router"),
@@ -108,6 +119,7 @@ def cluster(
         policy,
         "--heartbeat-ttl-s",
         "3",
+        *tokenizer_args,
     )
     prefills = []
     for i in range(PREFILLS):
@@ -256,7 +268,11 @@ def run(bin_dir: Path, target: str, prompts: list[str], concurrency: int, blocks
             url, prefills = vllm_router_cluster(procs, policy.split(":", 1)[1], blocks)
             internal = ""
         else:
-            url, internal, prefills = cluster(procs, policy, blocks, events != "(events off)")
+            # Connex tokenizes text prompts itself (--tokenizer) unless the
+            # target says it asks an engine's /tokenize.
+            tokenizer = None if events == "(engine tokenize)" else tokenizer_file(bin_dir)
+            on = events != "(events off)"
+            url, internal, prefills = cluster(procs, policy, blocks, on, tokenizer)
         results: list[float] = []
         lock = threading.Lock()
         queue = list(reversed(prompts))
@@ -307,7 +323,12 @@ def main() -> None:
         f" x {users} users, {concurrency} clients; {PREFILLS} prefills with"
         f" {blocks}-block caches, 100 us/uncached token"
     )
-    policies = ["round_robin", "cache_aware", "cache_aware (events off)"]
+    policies = [
+        "round_robin",
+        "cache_aware",
+        "cache_aware (events off)",
+        "cache_aware (engine tokenize)",
+    ]
     if VLLM_ROUTER.exists():
         policies += ["vllm_router:cache_aware", "vllm_router:kv_aware"]
     runs: dict[str, list[dict]] = {p: [] for p in policies}
@@ -319,7 +340,7 @@ def main() -> None:
         med = {k: statistics.median(r[k] for r in runs[policy]) for k in runs[policy][0]}
         summary[policy] = med
         print(
-            f"{policy:26} ttft_p50_ms={med['p50_ms']:.1f} ttft_p99_ms={med['p99_ms']:.1f}"
+            f"{policy:30} ttft_p50_ms={med['p50_ms']:.1f} ttft_p99_ms={med['p99_ms']:.1f}"
             f" prefill_tokens_computed={med['computed_tokens']:.0f}"
             f" tokenize_ms={med['tokenize_ms']:.2f}"
         )

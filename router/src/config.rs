@@ -127,6 +127,18 @@ pub struct RouterConfig {
     /// stop string (past it, the chunk keeps all its tokens).
     #[arg(long, env = "CONNEX_TOKENIZE_TIMEOUT_MS", default_value_t = 2000)]
     pub tokenize_timeout_ms: u64,
+    /// A tokenizer the router runs itself, `MODEL=PATH`: the model's Hugging
+    /// Face `tokenizer.json`, the same file the engines load. Completions
+    /// text prompts of that model are tokenized here for `cache_aware`
+    /// instead of by an engine's `/tokenize` (chat prompts still are, for
+    /// the chat template). Repeatable; in the environment, comma-separated.
+    #[arg(
+        long,
+        env = "CONNEX_TOKENIZER",
+        value_delimiter = ',',
+        value_name = "MODEL=PATH"
+    )]
+    pub tokenizer: Vec<String>,
     /// Seconds without a heartbeat after which an instance gets no traffic.
     #[arg(long, env = "CONNEX_HEARTBEAT_TTL_S", default_value_t = 10)]
     pub heartbeat_ttl_s: u64,

@@ -61,6 +61,8 @@ pub enum StartError {
     OpenRegistration(SocketAddr),
     #[error(transparent)]
     Static(#[from] statics::StaticError),
+    #[error(transparent)]
+    Tokenizer(#[from] pd::tokenizer::TokenizerError),
 }
 
 /// A running router: its addresses, its state and the tasks it owns.
@@ -158,6 +160,7 @@ impl Router {
         let idle = (config.metrics_idle_timeout_s > 0)
             .then(|| Duration::from_secs(config.metrics_idle_timeout_s));
         metrics::install(idle);
+        let tokenizers = pd::tokenizer::Tokenizers::load(&config.tokenizer)?;
         let statics = statics::instances(&config, &upstreams).await?;
         let registry = registry::Registry::open(&registry_config(&config)).await?;
         // With --static-model they serve from the start; otherwise each is
@@ -187,7 +190,7 @@ impl Router {
             max_connections: config.max_connections,
         };
         let grace = Duration::from_secs(config.shutdown_grace_s);
-        let (state, releases) = AppState::new(config, registry)?;
+        let (state, releases) = AppState::new(config, registry, tokenizers)?;
         let state = Arc::new(state);
         let mut servers = tokio::task::JoinSet::new();
         for (listener, audience) in [

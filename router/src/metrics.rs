@@ -141,7 +141,7 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
     (
         TOKENIZE_DURATION,
         Kind::Histogram,
-        "Tokenizing a text prompt through an engine's /tokenize before choosing a prefill, by outcome.",
+        "Tokenizing a text prompt before choosing a prefill, by who tokenized it (router: its own tokenizer, engine: an engine's /tokenize) and outcome.",
     ),
 ];
 
@@ -357,9 +357,11 @@ pub fn routing_decision(phase: &'static str, reason: &'static str, hit_tokens: u
 }
 
 /// One `/tokenize` call of the router.
-pub fn tokenize(took: Duration, ok: bool) {
+/// A prompt tokenized for `cache_aware`, by `by` ("router": its own
+/// tokenizer; "engine": an engine's `/tokenize`).
+pub fn tokenize(took: Duration, by: &'static str, ok: bool) {
     let outcome = if ok { "ok" } else { "failed" };
-    histogram!(TOKENIZE_DURATION, "outcome" => outcome).record(took.as_secs_f64());
+    histogram!(TOKENIZE_DURATION, "by" => by, "outcome" => outcome).record(took.as_secs_f64());
 }
 
 pub fn prefill_retry() {

@@ -3,6 +3,7 @@
 use crate::config::RouterConfig;
 use crate::holds::ReleaseQueue;
 use crate::pd::flow::{Flow, RequestLimits};
+use crate::pd::tokenizer::Tokenizers;
 use crate::pd::upstream::HttpUpstream;
 use crate::registry::Registry;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -39,6 +40,7 @@ impl AppState {
     pub fn new(
         config: RouterConfig,
         registry: Registry,
+        tokenizers: Tokenizers,
     ) -> Result<(Self, ReleaseQueue), reqwest::Error> {
         let client = crate::upstreams::client(&config)?;
         let upstream = Arc::new(HttpUpstream::new(
@@ -49,6 +51,7 @@ impl AppState {
             RequestLimits::new(&config).upstream,
         ));
         let (flow, releases) = Flow::new(&config, registry, upstream);
+        let flow = flow.with_tokenizers(tokenizers);
         let idle = (config.metrics_idle_timeout_s > 0)
             .then(|| Duration::from_secs(config.metrics_idle_timeout_s));
         let metrics = crate::metrics::install(idle);

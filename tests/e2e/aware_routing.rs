@@ -321,8 +321,20 @@ async fn a_repeated_prompt_goes_to_the_decoder_that_cached_it() {
         let (status, _) = post(&router, "/v1/chat/completions", &chat(&format!("u{i}"))).await;
         assert_eq!(status, 200);
     }
-    assert_eq!(engine_generations(first).await.len(), 5);
+    let served = engine_generations(first).await;
+    assert_eq!(served.len(), 5);
     assert!(engine_generations(other).await.is_empty());
+    // It pulled only what its cache lacked: the first request the whole
+    // prompt, the others the blocks after the shared system prompt.
+    let pulled: Vec<u64> = served
+        .iter()
+        .map(|r| r["pulled_bytes"].as_u64().unwrap())
+        .collect();
+    let bytes_per_block = 16 * 64;
+    assert!(pulled[0] >= 32 * bytes_per_block, "{pulled:?}");
+    for later in &pulled[1..] {
+        assert!(*later <= 3 * bytes_per_block, "pulled again: {pulled:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -350,4 +362,74 @@ async fn without_kv_events_the_prompts_sent_stand_in_for_the_cache() {
         .map(|i| i["prefix_index_source"].clone())
         .collect();
     assert!(sources.contains(&json!("sent_prompts")), "{sources:?}");
+}
+
+/// With the model's tokenizer file (`--tokenizer`), the router tokenizes a
+/// completions text prompt itself: the prompts still go where their prefix
+/// is (the ids are the engine's), and no engine is asked to tokenize.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_models_tokenizer_file_text_prompts_are_tokenized_in_the_router() {
+    let path =
+        std::env::temp_dir().join(format!("connex-e2e-tokenizer-{}.json", std::process::id()));
+    std::fs::write(
+        &path,
+        connex_mock_engine::model::tokenizer_json().to_string(),
+    )
+    .unwrap();
+    let tokenizer = format!("mock={}", path.display());
+    let (router, a, b, _decode) = cache_cluster(&["--tokenizer", &tokenizer], &[]).await;
+    let completion =
+        |user: &str| json!({"model": "mock", "max_tokens": 2, "prompt": system_prompt() + user});
+    let (status, _) = post(&router, "/v1/completions", &completion("first")).await;
+    assert_eq!(status, 200);
+    let (first, other) = if engine_generations(&a).await.len() == 1 {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    eventually(
+        Duration::from_secs(5),
+        "the prefill's KV events are indexed",
+        || async { indexed_blocks(&router, first).await >= 32 },
+    )
+    .await;
+    for i in 0..4 {
+        let (status, _) = post(&router, "/v1/completions", &completion(&format!("u{i}"))).await;
+        assert_eq!(status, 200);
+    }
+    assert_eq!(engine_generations(first).await.len(), 5);
+    assert!(engine_generations(other).await.is_empty());
+    let metrics = metrics_text(&router).await;
+    let tokenized = |by: &str| {
+        metric(
+            &metrics,
+            "connex_tokenize_duration_seconds_count",
+            &[&format!("by=\"{by}\""), "outcome=\"ok\""],
+        )
+    };
+    assert_eq!(tokenized("router"), 5.0);
+    assert_eq!(tokenized("engine"), 0.0, "no /tokenize round trip");
+    let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenizer_file_that_cannot_be_loaded_stops_the_router_with_a_clear_error() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_connex-router"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--internal-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--tokenizer", "mock=/nonexistent/tokenizer.json"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr
+            .contains("cannot load the tokenizer of model `mock` from /nonexistent/tokenizer.json"),
+        "{stderr}"
+    );
 }

@@ -13,6 +13,17 @@ async fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let config = MockConfig::parse();
+    if let Some(path) = &config.write_tokenizer {
+        // The model's tokenizer.json, for a router's --tokenizer; no engine.
+        let json = connex_mock_engine::model::tokenizer_json().to_string();
+        return match std::fs::write(path, json) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("connex-mock-engine: cannot write {}: {err}", path.display());
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     let engine = match MockEngine::start(config, CrashAction::ExitProcess).await {
         Ok(engine) => engine,
         Err(err) => {

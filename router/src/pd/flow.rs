@@ -8,6 +8,7 @@ use crate::config::{OnHoldLost, RouterConfig};
 use crate::holds::{Holds, ReleaseQueue};
 use crate::journal::Journal;
 use crate::pd::attempt::StreamLimits;
+use crate::pd::tokenizer::Tokenizers;
 use crate::pd::upstream::{Limits, Upstream};
 use crate::policy::cache::Thresholds;
 use crate::policy::outlier::Outliers;
@@ -28,6 +29,8 @@ pub struct Flow {
     pub limits: RequestLimits,
     pub holds: Holds,
     pub settings: Settings,
+    /// The tokenizers the router runs itself (`--tokenizer`).
+    pub tokenizers: Tokenizers,
 }
 
 /// The request path's limits, from the configuration.
@@ -118,7 +121,14 @@ impl Flow {
             limits: RequestLimits::new(config),
             holds,
             settings: Settings::new(config),
+            tokenizers: Tokenizers::default(),
         };
         (flow, releases)
+    }
+
+    /// The flow with the router's own tokenizers.
+    pub fn with_tokenizers(mut self, tokenizers: Tokenizers) -> Self {
+        self.tokenizers = tokenizers;
+        self
     }
 }

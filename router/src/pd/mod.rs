@@ -26,6 +26,7 @@ pub mod request;
 pub mod resume;
 pub mod session;
 pub mod stops;
+pub mod tokenizer;
 pub mod tokens;
 pub mod upstream;
 

@@ -1,9 +1,11 @@
 //! A prompt's token ids before prefill, for `cache_aware`: a completions
-//! prompt given as ids is its own answer; text and chat go through an
-//! engine's `POST /tokenize` (vLLM's: the model's own tokenizer and chat
-//! template, so the ids are those the engine will cache). One round trip to
-//! an engine per request, bounded in time and size; on any failure the
-//! choice falls back to load alone.
+//! prompt given as ids is its own answer; a completions text prompt is
+//! tokenized here when the model has a tokenizer here (`--tokenizer`, see
+//! [`super::tokenizer`]); the rest goes through an engine's `POST /tokenize`
+//! (vLLM's: the model's own tokenizer and chat template, so the ids are those
+//! the engine will cache). That is one round trip to an engine per request,
+//! bounded in time and size; on any failure the choice falls back to load
+//! alone.
 
 use super::flow::Flow;
 use super::request::Route;
@@ -24,6 +26,9 @@ pub async fn prompt_ids(
     if let Some(ids) = literal_ids(route, body) {
         return Some(ids);
     }
+    if let Some(ids) = tokenize_here(state, route, body).await {
+        return Some(ids);
+    }
     // Any engine of the model tokenizes alike; spread the calls by prompt.
     let engine = engines.get(rand::random_range(0..engines.len().max(1)))?;
     let request = tokenize_request(route, body)?;
@@ -33,8 +38,36 @@ pub async fn prompt_ids(
         .await
         .ok()
         .flatten();
-    crate::metrics::tokenize(started.elapsed(), ids.is_some());
+    crate::metrics::tokenize(started.elapsed(), "engine", ids.is_some());
     ids
+}
+
+/// A completions text prompt's ids from the router's own tokenizer of the
+/// model, if it has one.
+async fn tokenize_here(state: &Flow, route: Route, body: &Value) -> Option<Vec<u32>> {
+    let model = body.get("model").and_then(Value::as_str)?;
+    if route != Route::Completions || !state.tokenizers.has(model) {
+        return None;
+    }
+    let text = text_prompt(body)?;
+    // vLLM's completions add the model's special tokens unless told not to.
+    let special_tokens = body
+        .get("add_special_tokens")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    let started = std::time::Instant::now();
+    let ids = state.tokenizers.encode(model, text, special_tokens).await;
+    crate::metrics::tokenize(started.elapsed(), "router", ids.is_some());
+    ids
+}
+
+/// A completions prompt that is one text.
+fn text_prompt(body: &Value) -> Option<&str> {
+    match body.get("prompt")? {
+        Value::String(text) => Some(text),
+        Value::Array(items) if items.len() == 1 => items[0].as_str(),
+        _ => None,
+    }
 }
 
 /// A completions prompt that is already one list of token ids.
@@ -58,14 +91,7 @@ fn literal_ids(route: Route, body: &Value) -> Option<Vec<u32>> {
 fn tokenize_request(route: Route, body: &Value) -> Option<Value> {
     let model = body.get("model")?.clone();
     match route {
-        Route::Completions => {
-            let prompt = match body.get("prompt")? {
-                Value::String(text) => text.clone(),
-                Value::Array(items) if items.len() == 1 => items[0].as_str()?.to_string(),
-                _ => return None,
-            };
-            Some(json!({"model": model, "prompt": prompt}))
-        }
+        Route::Completions => Some(json!({"model": model, "prompt": text_prompt(body)?})),
         Route::Chat => {
             let mut request = json!({"model": model, "messages": body.get("messages")?.clone()});
             for key in [

@@ -242,6 +242,8 @@ struct Plan {
     computed_prompt: usize,
     /// Decoder: the `kv_transfer_params` to pull the prompt KV with.
     kv_pull: Option<Value>,
+    /// Decoder: prompt tokens its prefix cache had (their blocks not pulled).
+    cached_prompt: usize,
     /// Decoder: the hold it pulled, released when the request finishes.
     pulled: Option<crate::kv::Pulled>,
 }
@@ -312,7 +314,11 @@ async fn generate(
         }
     };
     if let Some(params) = &plan.kv_pull {
-        match state.kv.load(params, &plan.prompt_ids).await {
+        match state
+            .kv
+            .load(params, &plan.prompt_ids, plan.cached_prompt)
+            .await
+        {
             Ok(pulled) => {
                 state.log.update(index, |r| r.pulled_bytes = pulled.bytes);
                 plan.pulled = Some(pulled);
@@ -395,6 +401,8 @@ fn plan(
             .and_then(Value::as_bool)
             .unwrap_or(false)
     };
+    // A decoder's prompt tokens already in its prefix cache (not pulled).
+    let mut cached_prompt = 0;
     let (kv_out, computed_prompt) = if flag("do_remote_decode") {
         if state.config.role == Role::Decode {
             return Err("this engine is a decoder and cannot prefill for remote decode");
@@ -415,7 +423,7 @@ fn plan(
         let remote = usize::try_from(remote).map_err(|_| "remote_num_tokens too large")?;
         // The pulled prompt's blocks land in this decoder's prefix cache (and
         // are reported), as vLLM caches a loaded prompt's full blocks.
-        state.tokens_to_compute(&prompt_ids);
+        cached_prompt = prompt_ids.len() - state.tokens_to_compute(&prompt_ids);
         (None, prompt_ids.len().saturating_sub(remote))
     } else {
         (None, state.tokens_to_compute(&prompt_ids))
@@ -458,6 +466,7 @@ fn plan(
             .unwrap_or(false),
         kv_out,
         computed_prompt,
+        cached_prompt,
         kv_pull,
         pulled: None,
     })

@@ -101,6 +101,10 @@ pub struct MockConfig {
     /// index 7 (text " evil"), then goes on: a protocol violation.
     #[arg(long)]
     pub bad_chunk_after_tokens: Option<u32>,
+    /// Writes the model's tokenizer (a Hugging Face tokenizer.json, for a
+    /// router's `--tokenizer mock=PATH`) to this path and exits.
+    #[arg(long)]
+    pub write_tokenizer: Option<std::path::PathBuf>,
     /// Decode streams merge up to this many token chunks into one, as vLLM's
     /// API server does when it lags behind its engine.
     #[arg(long, default_value_t = 1)]

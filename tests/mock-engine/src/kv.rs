@@ -22,6 +22,9 @@ use tokio::task::JoinSet;
 /// Tokens per KV block (vLLM's default block size).
 pub const BLOCK_TOKENS: usize = 16;
 
+/// Longest a pull may take (the connector's default).
+const PULL_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The KV bytes of `prompt_ids`: `bytes_per_token` bytes per token.
 pub fn kv_bytes(prompt_ids: &[u32], bytes_per_token: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(prompt_ids.len() * bytes_per_token);
@@ -134,7 +137,15 @@ impl KvState {
 
     /// Decode: pulls the prompt KV named by `params` and checks it equals the
     /// KV of `prompt_ids[..remote_num_tokens]`. The error text is the reason.
-    pub async fn load(&self, params: &Value, prompt_ids: &[u32]) -> Result<Pulled, String> {
+    /// The whole blocks of the first `cached` tokens (this decoder's prefix
+    /// cache has them) are not pulled, as vLLM's connector pulls only what
+    /// the local prefix cache lacks.
+    pub async fn load(
+        &self,
+        params: &Value,
+        prompt_ids: &[u32],
+        cached: usize,
+    ) -> Result<Pulled, String> {
         let text = |key: &str| {
             params
                 .get(key)
@@ -158,8 +169,11 @@ impl KvState {
                 prompt_ids.len()
             ));
         }
-        let lens = block_lens(tokens, self.bytes_per_token);
+        let all = block_lens(tokens, self.bytes_per_token);
+        let skip = (cached.min(tokens) / BLOCK_TOKENS).min(all.len());
+        let lens = &all[skip..];
         let total: u64 = lens.iter().sum();
+        let pulled_from = (skip * BLOCK_TOKENS * self.bytes_per_token) as u64;
         let region = self
             .reader
             .register_region(Region::owned(vec![0; total as usize]))
@@ -173,13 +187,29 @@ impl KvState {
                 block
             })
             .collect();
-        let pulled = self
-            .reader
-            .pull(remote_ctrl, transfer_id, epoch, &dest)
-            .await;
+        let select: Vec<u32> = (skip..all.len())
+            .filter_map(|b| u32::try_from(b).ok())
+            .collect();
+        let pulled = if select.is_empty() {
+            // The whole prompt is cached here: nothing to pull.
+            Ok(())
+        } else {
+            self.reader
+                .pull_blocks(
+                    remote_ctrl,
+                    transfer_id,
+                    epoch,
+                    Some(&select),
+                    &dest,
+                    PULL_TIMEOUT,
+                )
+                .await
+                .map(|_| ())
+        };
         let got = self.reader.take_region(region).map_err(|e| e.to_string())?;
         pulled.map_err(|e| e.to_string())?;
-        if got != kv_bytes(&prompt_ids[..tokens], self.bytes_per_token) {
+        let want = kv_bytes(&prompt_ids[..tokens], self.bytes_per_token);
+        if got[..] != want[pulled_from as usize..] {
             return Err(format!(
                 "pulled KV of hold {transfer_id} does not match the prompt"
             ));

@@ -80,6 +80,40 @@ pub fn tokenize(text: &str) -> Vec<u32> {
     text.bytes().map(u32::from).collect()
 }
 
+/// This model's tokenizer as a Hugging Face `tokenizer.json` (what a router
+/// given `--tokenizer mock=PATH` loads): byte-level, one token per byte, the
+/// byte's value its id, as [`tokenize`]. The byte-level pre-tokenizer maps
+/// each byte to a printable character (GPT-2's table); the vocabulary maps
+/// that character back to the byte, and no merges join them.
+pub fn tokenizer_json() -> Value {
+    let vocab: serde_json::Map<String, Value> = (0..=255u8)
+        .map(|byte| (byte_char(byte).to_string(), Value::from(byte)))
+        .collect();
+    let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+        "trim_offsets": false, "use_regex": false});
+    serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": byte_level, "post_processor": null,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": []},
+    })
+}
+
+/// GPT-2's printable character for `byte` (the byte-level pre-tokenizer's
+/// table): printable Latin-1 bytes stand for themselves, the others are
+/// numbered from U+0100 in byte order.
+fn byte_char(byte: u8) -> char {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if printable(byte) {
+        return char::from(byte);
+    }
+    let rank = (0..byte).filter(|&b| !printable(b)).count() as u32;
+    char::from_u32(256 + rank).unwrap_or('?')
+}
+
 /// Text of one token.
 pub fn token_text(id: u32) -> String {
     if id < FIRST_WORD_ID {

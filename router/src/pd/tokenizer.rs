@@ -1,0 +1,188 @@
+//! Tokenizers the router runs itself (`--tokenizer MODEL=PATH`, the model's
+//! Hugging Face `tokenizer.json`): `cache_aware` gets a completions text
+//! prompt's token ids in process, without the round trip to an engine's
+//! `/tokenize` (2-5 ms per request measured, `docs/bench.md`, "prefix").
+//!
+//! The ids must be the engine's, or the prompt's block hashes match nothing
+//! the engines cached: the file must be the one the engines load (the
+//! model's own), and the router tokenizes as vLLM's completions do (special
+//! tokens added unless the request says `add_special_tokens: false`, no
+//! truncation). Chat prompts still go through an engine's `/tokenize`: their
+//! ids depend on the model's chat template, rendered by the engine.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokenizers::Tokenizer;
+
+/// Prompts longer than this many bytes are tokenized on a blocking thread,
+/// so that a long prompt does not hold up the runtime's other requests
+/// (a 2k-token prompt takes well under a millisecond).
+const INLINE_BYTES: usize = 16 * 1024;
+
+/// Why the tokenizers could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("--tokenizer `{0}`: expected MODEL=PATH (the model's tokenizer.json)")]
+    Spec(String),
+    #[error("--tokenizer: model `{0}` is given twice")]
+    Twice(String),
+    #[error("cannot load the tokenizer of model `{model}` from {}: {message}", path.display())]
+    Load {
+        model: String,
+        path: PathBuf,
+        message: String,
+    },
+}
+
+/// The tokenizers of the models that have one here.
+#[derive(Clone, Default)]
+pub struct Tokenizers {
+    by_model: HashMap<String, Arc<Tokenizer>>,
+}
+
+impl std::fmt::Debug for Tokenizers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.by_model.keys()).finish()
+    }
+}
+
+impl Tokenizers {
+    /// Loads each `MODEL=PATH` of `specs`.
+    pub fn load(specs: &[String]) -> Result<Self, TokenizerError> {
+        let mut by_model = HashMap::new();
+        for spec in specs {
+            let (model, path) = spec
+                .split_once('=')
+                .filter(|(m, p)| !m.is_empty() && !p.is_empty())
+                .ok_or_else(|| TokenizerError::Spec(spec.clone()))?;
+            let tokenizer = load_file(model, Path::new(path))?;
+            if by_model
+                .insert(model.to_string(), Arc::new(tokenizer))
+                .is_some()
+            {
+                return Err(TokenizerError::Twice(model.to_string()));
+            }
+            tracing::info!(
+                model,
+                path,
+                "tokenizer loaded: text prompts are tokenized here"
+            );
+        }
+        Ok(Self { by_model })
+    }
+
+    /// Whether `model` has a tokenizer here.
+    pub fn has(&self, model: &str) -> bool {
+        self.by_model.contains_key(model)
+    }
+
+    /// The token ids of `text` for `model`, as vLLM's completions tokenize a
+    /// text prompt; `None` when the model has no tokenizer here or the text
+    /// cannot be encoded.
+    pub async fn encode(&self, model: &str, text: &str, special_tokens: bool) -> Option<Vec<u32>> {
+        let tokenizer = self.by_model.get(model)?.clone();
+        if text.len() <= INLINE_BYTES {
+            return encode(&tokenizer, text, special_tokens);
+        }
+        let text = text.to_string();
+        tokio::task::spawn_blocking(move || encode(&tokenizer, &text, special_tokens))
+            .await
+            .ok()
+            .flatten()
+    }
+}
+
+fn load_file(model: &str, path: &Path) -> Result<Tokenizer, TokenizerError> {
+    let failed = |message: String| TokenizerError::Load {
+        model: model.to_string(),
+        path: path.to_path_buf(),
+        message,
+    };
+    let mut tokenizer = Tokenizer::from_file(path).map_err(|e| failed(e.to_string()))?;
+    // vLLM tokenizes a prompt whole: a file's own truncation or padding
+    // settings (left from training) would change the ids.
+    tokenizer
+        .with_truncation(None)
+        .map_err(|e| failed(e.to_string()))?;
+    tokenizer.with_padding(None);
+    Ok(tokenizer)
+}
+
+fn encode(tokenizer: &Tokenizer, text: &str, special_tokens: bool) -> Option<Vec<u32>> {
+    match tokenizer.encode_fast(text, special_tokens) {
+        Ok(encoding) => Some(encoding.get_ids().to_vec()),
+        Err(err) => {
+            tracing::debug!(%err, "the router's tokenizer failed; the engine's is asked");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file in the temp dir, removed when dropped.
+    struct TempFile(PathBuf);
+
+    impl TempFile {
+        fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn file(json: &serde_json::Value) -> TempFile {
+        let path =
+            std::env::temp_dir().join(format!("connex-tokenizer-{}.json", uuid::Uuid::new_v4()));
+        std::fs::write(&path, json.to_string()).expect("write");
+        TempFile(path)
+    }
+
+    #[tokio::test]
+    async fn the_mock_engines_tokenizer_file_gives_its_ids() {
+        let file = file(&connex_mock_engine::model::tokenizer_json());
+        let spec = format!("mock={}", file.path().display());
+        let tokenizers = Tokenizers::load(&[spec]).expect("loaded");
+        for text in ["plain ascii", "héllo wörld ✓ 🦀", "  spaces\n\tand tabs  "] {
+            assert_eq!(
+                tokenizers.encode("mock", text, true).await,
+                Some(connex_mock_engine::model::tokenize(text)),
+                "{text:?}"
+            );
+        }
+        let long = "long prompt ".repeat(2000);
+        assert_eq!(
+            tokenizers.encode("mock", &long, true).await,
+            Some(connex_mock_engine::model::tokenize(&long)),
+            "on a blocking thread"
+        );
+        assert_eq!(tokenizers.encode("other", "x", true).await, None);
+    }
+
+    #[test]
+    fn bad_specs_and_files_are_clear_errors() {
+        let bad = |spec: &str| {
+            Tokenizers::load(&[spec.to_string()])
+                .expect_err(spec)
+                .to_string()
+        };
+        assert!(bad("no-equals").contains("expected MODEL=PATH"));
+        assert!(bad("m=").contains("expected MODEL=PATH"));
+        assert!(
+            bad("m=/nonexistent/tokenizer.json").contains("cannot load the tokenizer of model `m`")
+        );
+        let not_one = file(&serde_json::json!({"not": "a tokenizer"}));
+        assert!(bad(&format!("m={}", not_one.path().display())).contains("cannot load"));
+        let good = file(&connex_mock_engine::model::tokenizer_json());
+        let spec = format!("m={}", good.path().display());
+        let twice = Tokenizers::load(&[spec.clone(), spec]).expect_err("twice");
+        assert!(twice.to_string().contains("given twice"));
+    }
+}
