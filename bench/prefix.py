@@ -3,9 +3,9 @@
 SYSTEMS system prompts of PROMPT_TOKENS tokens (the mock tokenizes bytes), each
 followed by USERS distinct user turns, arriving interleaved (every system
 prompt's first user in a shuffled order, then every second user, ...) from CONCURRENCY closed-loop
-clients, as streamed completions with text prompts (the router tokenizes them
-itself with the mock model's tokenizer.json, `--tokenizer`, or, in the target
-so named, through an engine's /tokenize). Four mock prefills with prefix caches
+clients, as streamed completions with text prompts (Connex tokenizes them
+through an engine's /tokenize, its default, or, in the target so named, itself
+with the mock model's tokenizer.json, `--tokenizer`). Four mock prefills with prefix caches
 (`--prefix-cache-blocks`, 100 us per uncached token, block size 16) sized to
 hold a third of the system prompts each, two mock decoders; each policy gets a
 fresh cluster (cold caches) and the policies take turns for ROUNDS rounds:
@@ -268,9 +268,9 @@ def run(bin_dir: Path, target: str, prompts: list[str], concurrency: int, blocks
             url, prefills = vllm_router_cluster(procs, policy.split(":", 1)[1], blocks)
             internal = ""
         else:
-            # Connex tokenizes text prompts itself (--tokenizer) unless the
-            # target says it asks an engine's /tokenize.
-            tokenizer = None if events == "(engine tokenize)" else tokenizer_file(bin_dir)
+            # Connex asks an engine's /tokenize (its default) unless the
+            # target runs the model's tokenizer in the router (--tokenizer).
+            tokenizer = tokenizer_file(bin_dir) if events == "(router tokenizer)" else None
             on = events != "(events off)"
             url, internal, prefills = cluster(procs, policy, blocks, on, tokenizer)
         results: list[float] = []
@@ -327,7 +327,7 @@ def main() -> None:
         "round_robin",
         "cache_aware",
         "cache_aware (events off)",
-        "cache_aware (engine tokenize)",
+        "cache_aware (router tokenizer)",
     ]
     if VLLM_ROUTER.exists():
         policies += ["vllm_router:cache_aware", "vllm_router:kv_aware"]
