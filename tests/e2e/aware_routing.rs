@@ -121,6 +121,30 @@ async fn warm(engine: &Proc, body: &Value) {
     assert_eq!(response.status(), 200);
 }
 
+/// Sends `body` to `path` through the router; returns which of `a` and `b`
+/// served it (then the other), once the router has indexed its blocks.
+async fn served_and_indexed<'e>(
+    router: &Proc,
+    path: &str,
+    body: &Value,
+    (a, b): (&'e Proc, &'e Proc),
+) -> (&'e Proc, &'e Proc) {
+    let (status, _) = post(router, path, body).await;
+    assert_eq!(status, 200);
+    let (first, other) = if engine_generations(a).await.len() == 1 {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    eventually(
+        Duration::from_secs(5),
+        "the engine's KV events are indexed",
+        || async { indexed_blocks(router, first).await >= 32 },
+    )
+    .await;
+    (first, other)
+}
+
 /// A router with `cache_aware` prefill choice, prefills `a` (with `a_extra`)
 /// and `b` with prefix caches, and one decoder.
 async fn cache_cluster(router_flags: &[&str], a_extra: &[&str]) -> (Proc, Proc, Proc, Proc) {
@@ -137,19 +161,8 @@ async fn cache_cluster(router_flags: &[&str], a_extra: &[&str]) -> (Proc, Proc, 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_prefix_and_a_growing_chat_go_to_the_prefill_that_holds_them() {
     let (router, a, b, _decode) = cache_cluster(&[], &[]).await;
-    let (status, _) = post(&router, "/v1/chat/completions", &chat("first")).await;
-    assert_eq!(status, 200);
-    let (first, other) = if engine_generations(&a).await.len() == 1 {
-        (&a, &b)
-    } else {
-        (&b, &a)
-    };
-    eventually(
-        Duration::from_secs(5),
-        "the prefill's KV events are indexed",
-        || async { indexed_blocks(&router, first).await >= 32 },
-    )
-    .await;
+    let (first, other) =
+        served_and_indexed(&router, "/v1/chat/completions", &chat("first"), (&a, &b)).await;
     // Users sharing the system prompt, and one user's chat growing turn by turn.
     let mut conversation = chat("turn 0");
     for i in 0..6 {
@@ -304,19 +317,8 @@ async fn a_repeated_prompt_goes_to_the_decoder_that_cached_it() {
     let a = engine(Some(&router), "decode", PREFIX_CACHE);
     let b = engine(Some(&router), "decode", PREFIX_CACHE);
     wait_ready(&router, 3).await;
-    let (status, _) = post(&router, "/v1/chat/completions", &chat("first")).await;
-    assert_eq!(status, 200);
-    let (first, other) = if engine_generations(&a).await.len() == 1 {
-        (&a, &b)
-    } else {
-        (&b, &a)
-    };
-    eventually(
-        Duration::from_secs(5),
-        "the decoder's KV events are indexed",
-        || async { indexed_blocks(&router, first).await >= 32 },
-    )
-    .await;
+    let (first, other) =
+        served_and_indexed(&router, "/v1/chat/completions", &chat("first"), (&a, &b)).await;
     for i in 0..4 {
         let (status, _) = post(&router, "/v1/chat/completions", &chat(&format!("u{i}"))).await;
         assert_eq!(status, 200);
@@ -380,19 +382,8 @@ async fn with_the_models_tokenizer_file_text_prompts_are_tokenized_in_the_router
     let (router, a, b, _decode) = cache_cluster(&["--tokenizer", &tokenizer], &[]).await;
     let completion =
         |user: &str| json!({"model": "mock", "max_tokens": 2, "prompt": system_prompt() + user});
-    let (status, _) = post(&router, "/v1/completions", &completion("first")).await;
-    assert_eq!(status, 200);
-    let (first, other) = if engine_generations(&a).await.len() == 1 {
-        (&a, &b)
-    } else {
-        (&b, &a)
-    };
-    eventually(
-        Duration::from_secs(5),
-        "the prefill's KV events are indexed",
-        || async { indexed_blocks(&router, first).await >= 32 },
-    )
-    .await;
+    let (first, other) =
+        served_and_indexed(&router, "/v1/completions", &completion("first"), (&a, &b)).await;
     for i in 0..4 {
         let (status, _) = post(&router, "/v1/completions", &completion(&format!("u{i}"))).await;
         assert_eq!(status, 200);

@@ -635,6 +635,25 @@ fn streamed_finish(chunks: &[Value]) -> (Value, Value) {
         .unwrap_or((Value::Null, Value::Null))
 }
 
+/// Posts `body` to the router: its answer must equal the engine's own
+/// (`alone`) but for the `system_fingerprint` an engine sends in its last
+/// chunk, which a decoder cut off at a stop string never sends
+/// (docs/resume.md).
+async fn assert_same_but_the_fingerprint(router: &Proc, path: &str, body: &Value, alone: &Value) {
+    let (status, through_router) = post(router, path, body).await;
+    assert_eq!(status, 200, "{through_router}");
+    let without_fingerprint = |answer: &Value| {
+        let mut answer = comparable(answer.clone());
+        answer.as_object_mut().unwrap().remove("system_fingerprint");
+        answer
+    };
+    assert_eq!(
+        without_fingerprint(&through_router),
+        without_fingerprint(alone),
+        "{body}"
+    );
+}
+
 /// A stop string spanning the boundary between generated tokens `at - 1` and
 /// `at` of `body`'s answer on `reference`, found first there.
 async fn stop_across(reference: &Proc, path: &str, body: &Value, at: usize) -> String {
@@ -677,21 +696,7 @@ async fn stop_strings_are_matched_by_the_router_as_the_engine_would() {
             let (status, alone) = post(&reference, path, &body).await;
             assert_eq!(status, 200, "{alone}");
             assert_eq!(alone["choices"][0]["finish_reason"], "stop");
-            // The same answer, but for the `system_fingerprint` an engine
-            // sends in its last chunk, which a decoder cut off at the stop
-            // never sends (docs/resume.md).
-            let (status, through_router) = post(&router, path, &body).await;
-            assert_eq!(status, 200, "{through_router}");
-            let without_fingerprint = |answer: &Value| {
-                let mut answer = comparable(answer.clone());
-                answer.as_object_mut().unwrap().remove("system_fingerprint");
-                answer
-            };
-            assert_eq!(
-                without_fingerprint(&through_router),
-                without_fingerprint(&alone),
-                "{body}"
-            );
+            assert_same_but_the_fingerprint(&router, path, &body, &alone).await;
             let mut streamed = body.clone();
             streamed["stream"] = json!(true);
             let chunks = stream(&router, path, &streamed).await;
@@ -745,18 +750,7 @@ async fn a_stop_string_ending_inside_a_merged_chunk_keeps_the_engines_token_ids(
         let (_, alone) = post(&reference, path, &body).await;
         let want = ids(&alone["choices"][0]["token_ids"]);
         assert_eq!(want.len(), 7, "{alone}");
-        let (status, through_router) = post(&router, path, &body).await;
-        assert_eq!(status, 200, "{through_router}");
-        let without_fingerprint = |answer: &Value| {
-            let mut answer = comparable(answer.clone());
-            answer.as_object_mut().unwrap().remove("system_fingerprint");
-            answer
-        };
-        assert_eq!(
-            without_fingerprint(&through_router),
-            without_fingerprint(&alone),
-            "{path}"
-        );
+        assert_same_but_the_fingerprint(&router, path, &body, &alone).await;
         let mut streamed = body.clone();
         streamed["stream"] = json!(true);
         let chunks = stream(&router, path, &streamed).await;
