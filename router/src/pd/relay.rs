@@ -282,9 +282,6 @@ impl Relay {
                 format!("decoder {decoder} finished the request with an error"),
             )));
         }
-        if let Some(split) = may_split.then(|| self.merged_stop(&parsed, data)).flatten() {
-            return Err(Stop::Split(split));
-        }
         let tokens: usize = parsed
             .choices
             .iter()
@@ -303,6 +300,11 @@ impl Relay {
                     "decoder {decoder} sent more than the {} tokens asked for",
                     self.max_tokens
                 )));
+            }
+            // After the checks (a chunk past max_tokens is refused whole, not
+            // cut), before anything of it is taken.
+            if let Some(split) = may_split.then(|| self.merged_stop(&parsed, data)).flatten() {
+                return Err(Stop::Split(split));
             }
             self.on_tokens(decoder);
         }
@@ -333,7 +335,8 @@ impl Relay {
             return None;
         };
         let ids = choice.token_ids.as_ref().filter(|ids| ids.len() > 1)?;
-        let chars = matcher.stop_end(choice.index, choice.text())?;
+        let text = choice.text();
+        let through = matcher.stop_end(choice.index, text)?;
         // What the client has, then what is held back, then the new text.
         let had = self.journal.read(|e| {
             e.choices
@@ -344,7 +347,9 @@ impl Relay {
             data: data.clone(),
             index: choice.index,
             ids: ids.clone(),
-            chars: had + matcher.held_chars(choice.index) + chars,
+            before: had + matcher.held_chars(choice.index),
+            through,
+            length: text.chars().count(),
         })
     }
 

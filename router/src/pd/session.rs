@@ -344,7 +344,9 @@ impl Session {
         };
         let keep = detokenizer.tokens_through(&prompt, &output, &split).await;
         let cut = match keep {
-            Some(keep) if keep < split.ids.len() => merged::keep_tokens(&split.data, keep),
+            Some(keep) if keep < split.ids.len() => {
+                merged::keep_tokens(&split.data, keep, split.through)
+            }
             Some(_) => None,
             None => {
                 tracing::warn!(

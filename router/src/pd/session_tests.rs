@@ -67,6 +67,26 @@ impl Scripted {
     }
 }
 
+/// The scripted tokenizer: token `id` is " t{id}", but for 10 and 11, which
+/// together are "é" (its two bytes), and 10 alone its first byte (U+FFFD, as
+/// a real tokenizer decodes a character cut short).
+fn detokenize(ids: &[u64]) -> String {
+    let mut text = String::new();
+    let mut i = 0;
+    while i < ids.len() {
+        match (ids[i], ids.get(i + 1)) {
+            (10, Some(11)) => {
+                text.push('é');
+                i += 1;
+            }
+            (10, _) => text.push('\u{FFFD}'),
+            (id, _) => text.push_str(&format!(" t{id}")),
+        }
+        i += 1;
+    }
+    text
+}
+
 fn chunk(id: u32, finish: bool) -> Value {
     json!({"id": "e", "choices": [{"index": 0, "text": format!(" t{id}"), "token_ids": [id],
         "finish_reason": if finish { json!("length") } else { Value::Null }}]})
@@ -122,15 +142,17 @@ impl Upstream for Scripted {
         })
     }
 
-    /// `/detokenize` as the scripted chunks spell tokens (" t{id}"); no
-    /// `/tokenize`.
+    /// `/detokenize` as the scripted chunks spell tokens ([`detokenize`]);
+    /// no `/tokenize`.
     fn tokenizer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
         let body: Value = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
         let detokenized = (call.path == "/detokenize").then(|| {
             *self.detokenized.lock().expect("detokenized") += 1;
-            let ids = body["tokens"].as_array().cloned().unwrap_or_default();
-            let text: String = ids.iter().map(|id| format!(" t{id}")).collect();
-            json!({ "prompt": text })
+            let ids: Vec<u64> = body["tokens"]
+                .as_array()
+                .map(|ids| ids.iter().filter_map(Value::as_u64).collect())
+                .unwrap_or_default();
+            json!({ "prompt": detokenize(&ids) })
         });
         Box::pin(async move {
             if let Some(answer) = detokenized {
@@ -474,34 +496,81 @@ async fn a_decoder_declared_dead_or_migrated_resumes_its_streams() {
     }
 }
 
+/// A completions request with `stops` whose decoder sends `text` and `ids`
+/// in one merged chunk, then tokens 20 to 22; the answer's text, stop reason,
+/// token ids and completion tokens, and the `/detokenize` calls made.
+async fn stop_in_merged(
+    stops: &[&str],
+    text: &str,
+    ids: &[u32],
+) -> (Value, Value, Value, Value, usize) {
+    let merged = json!({"id": "e", "choices": [{"index": 0, "text": text,
+        "token_ids": ids, "finish_reason": null}]});
+    let upstream = Scripted::new(vec![Script::Stream(vec![
+        Piece::Event(merged),
+        tokens(20, 22, true),
+    ])]);
+    let state = cluster(upstream.clone(), 1, &[]).await;
+    let body = json!({"model": "m", "prompt": "hi", "max_tokens": 6, "stop": stops,
+        "return_token_ids": true});
+    let (value, resumes) = answer(&state, body).await.expect("ok");
+    assert_eq!(resumes, 0);
+    let choice = &value["choices"][0];
+    assert_eq!(choice["finish_reason"], "stop");
+    let calls = *upstream.detokenized.lock().expect("detokenized");
+    (
+        choice["text"].clone(),
+        choice["stop_reason"].clone(),
+        choice["token_ids"].clone(),
+        value["usage"]["completion_tokens"].clone(),
+        calls,
+    )
+}
+
 /// vLLM merges tokens into one chunk when its API server lags; an engine
 /// checking each token for the stop keeps the ids through the one that
 /// completed it, and so does the router (it asks the decoder's tokenizer).
 #[tokio::test]
 async fn a_stop_inside_a_merged_chunk_keeps_the_tokens_through_it() {
-    let merged = json!({"id": "e", "choices": [{"index": 0, "text": " t0 t1 t2 t3",
-        "token_ids": [0, 1, 2, 3], "finish_reason": null}]});
-    let upstream = Scripted::new(vec![Script::Stream(vec![
-        Piece::Event(merged),
-        tokens(4, 6, true),
-    ])]);
-    let state = cluster(upstream.clone(), 1, &[]).await;
-    let body = json!({"model": "m", "prompt": "hi", "max_tokens": 6, "stop": ["t1"],
-        "return_token_ids": true});
-    let (value, resumes) = answer(&state, body).await.expect("ok");
-    let choice = &value["choices"][0];
-    assert_eq!(choice["text"], " t0 ");
+    let (text, stop, ids, usage, calls) =
+        stop_in_merged(&["t1"], " t0 t1 t2 t3", &[0, 1, 2, 3]).await;
+    assert_eq!((text, stop), (json!(" t0 "), json!("t1")));
     assert_eq!(
-        (&choice["finish_reason"], &choice["stop_reason"]),
-        (&json!("stop"), &json!("t1"))
-    );
-    assert_eq!(
-        choice["token_ids"],
+        ids,
         json!([0, 1]),
         "through the token that completed the stop"
     );
-    assert_eq!(value["usage"]["completion_tokens"], 2);
-    assert_eq!(resumes, 0);
-    let calls = *upstream.detokenized.lock().expect("detokenized");
-    assert!((1..=3).contains(&calls), "a bisection: {calls} calls");
+    assert_eq!(usage, 2);
+    // The prompt's text, the whole chunk's (checked), then a bisection.
+    assert!((2..=4).contains(&calls), "{calls} calls");
+}
+
+/// Of two stops in one merged chunk, an engine stops at the earlier token,
+/// whatever the order the stops were given in.
+#[tokio::test]
+async fn of_two_stops_in_a_merged_chunk_the_one_that_ends_first_wins() {
+    let (text, stop, ids, usage, _) =
+        stop_in_merged(&["t3", "t1"], " t0 t1 t2 t3", &[0, 1, 2, 3]).await;
+    assert_eq!((text, stop), (json!(" t0 "), json!("t1")));
+    assert_eq!((ids, usage), (json!([0, 1]), json!(2)));
+}
+
+/// A token that ends inside a character decodes to U+FFFD alone: it does not
+/// reach a stop that ends with that character (the next token does).
+#[tokio::test]
+async fn a_stop_ending_in_a_character_split_across_tokens_keeps_both() {
+    let (text, stop, ids, _, _) = stop_in_merged(&["é"], " t0é t2", &[0, 10, 11, 2]).await;
+    assert_eq!((text, stop), (json!(" t0"), json!("é")));
+    assert_eq!(ids, json!([0, 10, 11]));
+}
+
+/// Tokens whose text is not the text relayed are all kept: never too few.
+/// Here the first two tokens' text went elsewhere (as reasoning or tool-call
+/// text does, outside `content`): counted against the content alone, two
+/// tokens would seem to reach the stop.
+#[tokio::test]
+async fn a_merged_chunk_whose_tokens_are_not_its_text_keeps_them_all() {
+    let (text, stop, ids, usage, _) = stop_in_merged(&["t3"], " t2 t3", &[0, 1, 2, 3]).await;
+    assert_eq!((text, stop), (json!(" t2 "), json!("t3")));
+    assert_eq!((ids, usage), (json!([0, 1, 2, 3]), json!(4)));
 }

@@ -53,11 +53,22 @@ impl StopStrings {
     }
 
     /// The first stop string (in the order given) found in `buffer`, with the
-    /// byte offset where it starts.
+    /// byte offset where it starts: what an engine finds in one token's text.
     fn first_in<'s>(&'s self, buffer: &str) -> Option<(usize, &'s str)> {
         self.stops
             .iter()
             .find_map(|stop| buffer.find(stop.as_str()).map(|at| (at, stop.as_str())))
+    }
+
+    /// The stop string found in `buffer` that ends first (in the order given
+    /// among those that end together), with the byte offset where it starts:
+    /// in the text of several tokens, an engine checking each token stops at
+    /// the earliest token that completes any stop.
+    fn earliest_in<'s>(&'s self, buffer: &str) -> Option<(usize, &'s str)> {
+        self.stops
+            .iter()
+            .filter_map(|stop| buffer.find(stop.as_str()).map(|at| (at, stop.as_str())))
+            .min_by_key(|(at, stop)| at + stop.len())
     }
 
     /// Characters of text that could be the start of a stop string.
@@ -159,14 +170,15 @@ impl Matcher {
         }
     }
 
-    /// When feeding choice `index` the new `text` would end it on a stop
-    /// string: how many characters of `text` that stop string takes to
-    /// complete (the text after them is never the client's). Feeds nothing.
+    /// When the new `text` of several tokens would end choice `index` on a
+    /// stop string: how many characters of `text` the stop that ends first
+    /// takes to complete (the text after them is never the client's). Feeds
+    /// nothing.
     pub fn stop_end(&self, index: usize, text: &str) -> Option<usize> {
         let state = self.choices.get(index).filter(|c| !c.stopped)?;
         let base = state.tail.len() + state.held.len();
         let buffer = format!("{}{}{text}", state.tail, state.held);
-        let (at, stop) = self.strings.first_in(&buffer)?;
+        let (at, stop) = self.strings.earliest_in(&buffer)?;
         let end = (at + stop.len()).saturating_sub(base).min(text.len());
         Some(text.get(..end).map_or(0, |t| t.chars().count()))
     }
@@ -325,6 +337,7 @@ mod tests {
         // The held 'é' and the new '!' complete the first stop: one character.
         assert_eq!(m.stop_end(0, "!ab"), Some(1));
         assert_eq!(m.stop_end(0, "xyzz q"), Some(4));
+        assert_eq!(m.stop_end(0, "zz!"), Some(2), "the stop that ends first");
         assert_eq!(m.stop_end(0, "nothing"), None);
         // Nothing was fed: the same text still stops the choice.
         let (text, finish, _) = text_of(&m.edit(&chunk("!ab")).expect("edited"));

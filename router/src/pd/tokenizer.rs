@@ -7,13 +7,18 @@
 //! the engines cached: the file must be the one the engines load (the
 //! model's own), and the router tokenizes as vLLM's completions do (special
 //! tokens added unless the request says `add_special_tokens: false`, no
-//! truncation). Chat prompts still go through an engine's `/tokenize`: their
-//! ids depend on the model's chat template, rendered by the engine.
+//! truncation). Only `tokenizer.json` is read: an engine whose tokenizer
+//! departs from it (`tokenizer_config.json`'s `add_bos_token` against the
+//! file's post-processor, vLLM's mistral tokenizer mode) needs the engine's
+//! `/tokenize` (docs/routing.md). Chat prompts still go through an engine's
+//! `/tokenize`: their ids depend on the model's chat template, rendered by
+//! the engine.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokenizers::Tokenizer;
+use tokio::sync::Semaphore;
 
 /// Prompts longer than this many bytes are tokenized on a blocking thread,
 /// so that they do not hold up the runtime's other requests: a Hugging Face
@@ -38,9 +43,23 @@ pub enum TokenizerError {
 }
 
 /// The tokenizers of the models that have one here.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Tokenizers {
     by_model: HashMap<String, Arc<Tokenizer>>,
+    /// Prompts tokenized at once, one per core: past that, a burst of long
+    /// prompts waits here (within the caller's time limit) instead of
+    /// filling the blocking pool with threads that share the same cores.
+    permits: Arc<Semaphore>,
+}
+
+impl Default for Tokenizers {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        Self {
+            by_model: HashMap::new(),
+            permits: Arc::new(Semaphore::new(cores)),
+        }
+    }
 }
 
 impl std::fmt::Debug for Tokenizers {
@@ -71,7 +90,10 @@ impl Tokenizers {
                 "tokenizer loaded: text prompts are tokenized here"
             );
         }
-        Ok(Self { by_model })
+        Ok(Self {
+            by_model,
+            ..Self::default()
+        })
     }
 
     /// Whether `model` has a tokenizer here.
@@ -81,17 +103,24 @@ impl Tokenizers {
 
     /// The token ids of `text` for `model`, as vLLM's completions tokenize a
     /// text prompt; `None` when the model has no tokenizer here or the text
-    /// cannot be encoded.
+    /// cannot be encoded. The caller bounds the time (the wait for a turn
+    /// included).
     pub async fn encode(&self, model: &str, text: &str, special_tokens: bool) -> Option<Vec<u32>> {
         let tokenizer = self.by_model.get(model)?.clone();
+        // Held until the encoding is done, even when the caller gave up.
+        let turn = self.permits.clone().acquire_owned().await.ok()?;
         if text.len() <= INLINE_BYTES {
             return encode(&tokenizer, text, special_tokens);
         }
         let text = text.to_string();
-        tokio::task::spawn_blocking(move || encode(&tokenizer, &text, special_tokens))
-            .await
-            .ok()
-            .flatten()
+        tokio::task::spawn_blocking(move || {
+            let ids = encode(&tokenizer, &text, special_tokens);
+            drop(turn);
+            ids
+        })
+        .await
+        .ok()
+        .flatten()
     }
 }
 

@@ -26,8 +26,8 @@ pub async fn prompt_ids(
     if let Some(ids) = literal_ids(route, body) {
         return Some(ids);
     }
-    if let Some(ids) = tokenize_here(state, route, body).await {
-        return Some(ids);
+    if let Some(text) = text_for_here(state, route, body) {
+        return tokenize_here(state, body, text).await;
     }
     // Any engine of the model tokenizes alike; spread the calls by prompt.
     let engine = engines.get(rand::random_range(0..engines.len().max(1)))?;
@@ -42,21 +42,31 @@ pub async fn prompt_ids(
     ids
 }
 
-/// A completions text prompt's ids from the router's own tokenizer of the
-/// model, if it has one.
-async fn tokenize_here(state: &Flow, route: Route, body: &Value) -> Option<Vec<u32>> {
+/// A completions text prompt whose model has a tokenizer here.
+fn text_for_here<'b>(state: &Flow, route: Route, body: &'b Value) -> Option<&'b str> {
     let model = body.get("model").and_then(Value::as_str)?;
     if route != Route::Completions || !state.tokenizers.has(model) {
         return None;
     }
-    let text = text_prompt(body)?;
+    text_prompt(body)
+}
+
+/// `text`'s ids from the router's own tokenizer of the model, within the
+/// tokenize time limit (else the choice is by load: the engines are not
+/// asked as well, which would double the wait).
+async fn tokenize_here(state: &Flow, body: &Value, text: &str) -> Option<Vec<u32>> {
+    let model = body.get("model").and_then(Value::as_str)?;
     // vLLM's completions add the model's special tokens unless told not to.
     let special_tokens = body
         .get("add_special_tokens")
         .and_then(Value::as_bool)
         .unwrap_or(true);
     let started = std::time::Instant::now();
-    let ids = state.tokenizers.encode(model, text, special_tokens).await;
+    let encode = state.tokenizers.encode(model, text, special_tokens);
+    let ids = tokio::time::timeout(state.settings.tokenize_timeout, encode)
+        .await
+        .ok()
+        .flatten();
     crate::metrics::tokenize(started.elapsed(), "router", ids.is_some());
     ids
 }

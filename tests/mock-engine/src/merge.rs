@@ -5,7 +5,8 @@
 use serde_json::Value;
 
 /// The one chunk of a stream event that carries choices, if `event` is just
-/// that (`data: {...}\n\n`): the events a merge may join.
+/// that (`data: {...}\n\n`): the events a merge may join. Tool-call deltas
+/// are not joined (their arguments merge by index, which this does not do).
 pub fn token_chunk(event: &[u8]) -> Option<Value> {
     let text = std::str::from_utf8(event).ok()?;
     let json = text.strip_prefix("data: ")?.strip_suffix("\n\n")?;
@@ -14,7 +15,10 @@ pub fn token_chunk(event: &[u8]) -> Option<Value> {
     }
     let chunk: Value = serde_json::from_str(json).ok()?;
     let choices = chunk.get("choices")?.as_array()?;
-    (!choices.is_empty() && chunk.get("usage").is_none()).then_some(chunk)
+    let tool_calls = choices
+        .iter()
+        .any(|c| c.pointer("/delta/tool_calls").is_some());
+    (!choices.is_empty() && chunk.get("usage").is_none() && !tool_calls).then_some(chunk)
 }
 
 /// `next` joined onto `merged`, choice by choice.
@@ -36,11 +40,13 @@ pub fn join(merged: &mut Value, next: &Value) {
 }
 
 fn join_choice(choice: &mut Value, next: &Value) {
-    append_text(choice.get_mut("text"), next.get("text"));
+    append(choice, next, "text");
+    append(choice, next, "token_ids");
     if let (Some(delta), Some(more)) = (choice.get_mut("delta"), next.get("delta")) {
-        append_text(delta.get_mut("content"), more.get("content"));
+        for key in ["content", "reasoning_content", "reasoning"] {
+            append(delta, more, key);
+        }
     }
-    append_list(choice.get_mut("token_ids"), next.get("token_ids"));
     if let (Some(logprobs), Some(more)) = (choice.get_mut("logprobs"), next.get("logprobs")) {
         for key in [
             "content",
@@ -49,7 +55,7 @@ fn join_choice(choice: &mut Value, next: &Value) {
             "top_logprobs",
             "text_offset",
         ] {
-            append_list(logprobs.get_mut(key), more.get(key));
+            append(logprobs, more, key);
         }
     }
     for key in ["finish_reason", "stop_reason"] {
@@ -59,15 +65,17 @@ fn join_choice(choice: &mut Value, next: &Value) {
     }
 }
 
-fn append_text(text: Option<&mut Value>, more: Option<&Value>) {
-    if let (Some(Value::String(text)), Some(Value::String(more))) = (text, more) {
-        text.push_str(more);
-    }
-}
-
-fn append_list(list: Option<&mut Value>, more: Option<&Value>) {
-    if let (Some(Value::Array(list)), Some(Value::Array(more))) = (list, more) {
-        list.extend(more.iter().cloned());
+/// `next[key]` joined onto `into[key]` (text appended, a list extended),
+/// or set when `into` has none.
+fn append(into: &mut Value, next: &Value, key: &str) {
+    let Some(more) = next.get(key).filter(|m| !m.is_null()) else {
+        return;
+    };
+    match (into.get_mut(key), more) {
+        (Some(Value::String(text)), Value::String(more)) => text.push_str(more),
+        (Some(Value::Array(list)), Value::Array(more)) => list.extend(more.iter().cloned()),
+        (Some(Value::Null) | None, more) => into[key] = more.clone(),
+        _ => {}
     }
 }
 
@@ -99,5 +107,22 @@ mod tests {
         assert!(token_chunk(b"data: [DONE]\n\n").is_none());
         let with_usage = format!("{}data: {{}}\n\n", event(" c", 3, Value::Null));
         assert!(token_chunk(with_usage.as_bytes()).is_none());
+    }
+
+    #[test]
+    fn joins_what_the_first_chunk_lacked_and_leaves_tool_calls_alone() {
+        let mut merged = json!({"choices": [{"index": 0, "delta": {"role": "assistant",
+            "reasoning_content": "think"}}]});
+        join(
+            &mut merged,
+            &json!({"choices": [{"index": 0, "delta": {"reasoning_content": "ing",
+                "content": "Hi"}, "token_ids": [5]}]}),
+        );
+        let choice = &merged["choices"][0];
+        assert_eq!(choice["delta"]["reasoning_content"], "thinking");
+        assert_eq!(choice["delta"]["content"], "Hi");
+        assert_eq!(choice["token_ids"], json!([5]));
+        let tool = json!({"choices": [{"index": 0, "delta": {"tool_calls": []}}]});
+        assert!(token_chunk(format!("data: {tool}\n\n").as_bytes()).is_none());
     }
 }

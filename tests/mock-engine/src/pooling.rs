@@ -156,7 +156,13 @@ fn answer_detokenize(_state: &EngineState, request: &Value) -> Answer {
         .filter(|t| t.is_array())
         .and_then(ids_of)
         .ok_or("`tokens` must be a list of token ids")?;
-    Ok(json!({"prompt": model::detokenize(&ids)}))
+    // A split token's text is a character's first bytes: at the end it
+    // decodes as a real tokenizer decodes a character cut short.
+    let text = match ids.split_last() {
+        Some((&last, before)) if model::is_split(last) => model::detokenize(before) + "\u{FFFD}",
+        _ => model::detokenize(&ids),
+    };
+    Ok(json!({"prompt": text}))
 }
 
 fn answer_pooled(state: &EngineState, request: &Value, object: &str) -> Answer {
