@@ -329,6 +329,8 @@ impl Session {
     /// the tokens an engine checking each token would have kept (all of them
     /// when the decoder's tokenizer cannot say in time).
     async fn cut_merged(&mut self, split: Split) {
+        // A split comes from the attempt in use: only a later stop could have
+        // ended it, and stops are handled one at a time, in order.
         let Some(attempt) = self.attempt.as_mut() else {
             return;
         };
