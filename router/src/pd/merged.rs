@@ -20,7 +20,7 @@
 //! router has (reasoning or tool-call text, skipped special tokens, an echoed
 //! prompt): that is checked first, so a mismatch never costs a token.
 
-use super::upstream::{Call, Upstream};
+use super::upstream::{ask_tokenizer, Upstream};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -114,19 +114,9 @@ impl Detokenizer<'_> {
         struct Answer {
             prompt: String,
         }
-        let body = json!({"model": self.model, "tokens": ids});
-        let call = Call {
-            url: self.url,
-            path: "/detokenize",
-            request_id: "",
-            trace: Vec::new(),
-            body: Bytes::from(serde_json::to_vec(&body).ok()?),
-        };
-        let reply = self.upstream.tokenizer(call).await.ok()?;
-        if !(200..300).contains(&reply.status) {
-            return None;
-        }
-        let answer: Answer = serde_json::from_slice(&reply.body).ok()?;
+        let request = json!({"model": self.model, "tokens": ids});
+        let answer: Answer =
+            ask_tokenizer(self.upstream, self.url, "/detokenize", &request).await?;
         // Tokens that end inside a character decode to U+FFFD for its bytes so
         // far; an engine's stream holds that character back until it is whole.
         Some(answer.prompt.trim_end_matches('\u{FFFD}').chars().count())

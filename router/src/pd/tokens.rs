@@ -9,9 +9,8 @@
 
 use super::flow::Flow;
 use super::request::Route;
-use super::upstream::Call;
+use super::upstream::ask_tokenizer;
 use crate::registry::Instance;
-use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -26,8 +25,8 @@ pub async fn prompt_ids(
     if let Some(ids) = literal_ids(route, body) {
         return Some(ids);
     }
-    if let Some(text) = text_for_here(state, route, body) {
-        return tokenize_here(state, body, text).await;
+    if let Some((model, text)) = text_for_here(state, route, body) {
+        return tokenize_here(state, body, model, text).await;
     }
     // Any engine of the model tokenizes alike; spread the calls by prompt.
     let engine = engines.get(rand::random_range(0..engines.len().max(1)))?;
@@ -42,20 +41,20 @@ pub async fn prompt_ids(
     ids
 }
 
-/// A completions text prompt whose model has a tokenizer here.
-fn text_for_here<'b>(state: &Flow, route: Route, body: &'b Value) -> Option<&'b str> {
+/// A completions text prompt, and its model, when the model has a
+/// tokenizer here.
+fn text_for_here<'b>(state: &Flow, route: Route, body: &'b Value) -> Option<(&'b str, &'b str)> {
     let model = body.get("model").and_then(Value::as_str)?;
     if route != Route::Completions || !state.tokenizers.has(model) {
         return None;
     }
-    text_prompt(body)
+    Some((model, text_prompt(body)?))
 }
 
 /// `text`'s ids from the router's own tokenizer of the model, within the
 /// tokenize time limit (else the choice is by load: the engines are not
 /// asked as well, which would double the wait).
-async fn tokenize_here(state: &Flow, body: &Value, text: &str) -> Option<Vec<u32>> {
-    let model = body.get("model").and_then(Value::as_str)?;
+async fn tokenize_here(state: &Flow, body: &Value, model: &str, text: &str) -> Option<Vec<u32>> {
     // vLLM's completions add the model's special tokens unless told not to.
     let special_tokens = body
         .get("add_special_tokens")
@@ -125,20 +124,8 @@ async fn tokenize(state: &Flow, url: &str, request: &Value) -> Option<Vec<u32>> 
     struct Answer {
         tokens: Vec<u32>,
     }
-    let call = Call {
-        url,
-        path: "/tokenize",
-        request_id: "",
-        trace: Vec::new(),
-        body: Bytes::from(serde_json::to_vec(request).ok()?),
-    };
-    let reply = state.upstream.tokenizer(call).await.ok()?;
-    if !(200..300).contains(&reply.status) {
-        return None;
-    }
-    serde_json::from_slice::<Answer>(&reply.body)
-        .ok()
-        .map(|a| a.tokens)
+    let answer: Answer = ask_tokenizer(state.upstream.as_ref(), url, "/tokenize", request).await?;
+    Some(answer.tokens)
 }
 
 #[cfg(test)]

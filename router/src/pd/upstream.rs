@@ -103,6 +103,29 @@ pub trait Upstream: Send + Sync + 'static {
 /// Largest `/tokenize` answer read (a long prompt's ids as JSON).
 pub const MAX_TOKENIZE_ANSWER: usize = 16 * 1024 * 1024;
 
+/// Posts `request` to the tokenizer route `path` (`/tokenize`, `/detokenize`)
+/// of the engine at `url` and reads its 2xx answer as `T`; `None` on any
+/// failure (the caller bounds the time and falls back).
+pub async fn ask_tokenizer<T: serde::de::DeserializeOwned>(
+    upstream: &dyn Upstream,
+    url: &str,
+    path: &'static str,
+    request: &serde_json::Value,
+) -> Option<T> {
+    let call = Call {
+        url,
+        path,
+        request_id: "",
+        trace: Vec::new(),
+        body: Bytes::from(serde_json::to_vec(request).ok()?),
+    };
+    let reply = upstream.tokenizer(call).await.ok()?;
+    if !(200..300).contains(&reply.status) {
+        return None;
+    }
+    serde_json::from_slice(&reply.body).ok()
+}
+
 /// Time and size limits of [`HttpUpstream`].
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
