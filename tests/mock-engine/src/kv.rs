@@ -22,9 +22,6 @@ use tokio::task::JoinSet;
 /// Tokens per KV block (vLLM's default block size).
 pub const BLOCK_TOKENS: usize = 16;
 
-/// Longest a pull may take (the connector's default).
-const PULL_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// The KV bytes of `prompt_ids`: `bytes_per_token` bytes per token.
 pub fn kv_bytes(prompt_ids: &[u32], bytes_per_token: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(prompt_ids.len() * bytes_per_token);
@@ -56,6 +53,8 @@ pub struct Pulled {
 pub struct KvState {
     holder: Holder,
     reader: Reader,
+    /// The reader's time limit for a whole pull (also for a partial one).
+    pull_timeout: Duration,
     bytes_per_token: usize,
     lease_s: u64,
     /// Releases in flight (each bounded by the client's timeouts).
@@ -81,6 +80,7 @@ impl KvState {
         reader.client.secret = secret;
         Ok(Self {
             holder,
+            pull_timeout: reader.pull_timeout,
             reader: Reader::with_config(reader)?,
             bytes_per_token: config.kv_bytes_per_token,
             lease_s: config.retain_s,
@@ -173,7 +173,7 @@ impl KvState {
         let skip = (cached.min(tokens) / BLOCK_TOKENS).min(all.len());
         let lens = &all[skip..];
         let total: u64 = lens.iter().sum();
-        let pulled_from = (skip * BLOCK_TOKENS * self.bytes_per_token) as u64;
+        let pulled_from = skip * BLOCK_TOKENS * self.bytes_per_token;
         let region = self
             .reader
             .register_region(Region::owned(vec![0; total as usize]))
@@ -201,7 +201,7 @@ impl KvState {
                     epoch,
                     Some(&select),
                     &dest,
-                    PULL_TIMEOUT,
+                    self.pull_timeout,
                 )
                 .await
                 .map(|_| ())
@@ -209,7 +209,7 @@ impl KvState {
         let got = self.reader.take_region(region).map_err(|e| e.to_string())?;
         pulled.map_err(|e| e.to_string())?;
         let want = kv_bytes(&prompt_ids[..tokens], self.bytes_per_token);
-        if got[..] != want[pulled_from as usize..] {
+        if got[..] != want[pulled_from..] {
             return Err(format!(
                 "pulled KV of hold {transfer_id} does not match the prompt"
             ));
