@@ -7,6 +7,7 @@ connector would move for block b."""
 from __future__ import annotations
 
 import ctypes
+import os
 import socket
 
 import pytest
@@ -16,6 +17,10 @@ from connex.adapters.vllm.layout import LayoutError
 from connex.adapters.vllm.worker import ConnexWorker, layer_region
 
 NB, BS, H, D = 6, 4, 2, 32
+# Memory that is not the host's: a GPU where tests/gpu/run runs this file
+# (CONNEX_TEST_KV_DEVICE=cuda), else torch's "meta" device, which has no
+# memory at all and so is refused the same way.
+OFF_HOST = "cuda" if os.environ.get("CONNEX_TEST_KV_DEVICE") == "cuda" else "meta"
 
 
 def fa(hnd: bool) -> tuple[torch.Tensor, int]:
@@ -61,14 +66,13 @@ def test_marking_a_block_changes_exactly_the_bytes_addressed_for_it(name):
 
 
 def test_the_tcp_backend_refuses_a_kv_cache_that_is_not_in_host_memory():
-    # A "meta" tensor stands in for a CUDA one here: not host memory either.
-    device_cache = torch.empty(NB, H, BS, 2 * D, dtype=torch.bfloat16, device="meta")
+    device_cache = torch.empty(NB, H, BS, 2 * D, dtype=torch.bfloat16, device=OFF_HOST)
     with pytest.raises(LayoutError, match="tcp transfer backend moves host memory only"):
         layer_region(device_cache, NB, "tcp")
     worker = ConnexWorker(
         ConnexConfig(), 0, NB, ["l0"], is_producer=True, is_consumer=False, hold_mode="in_place"
     )
-    with pytest.raises(LayoutError, match="on meta"):
+    with pytest.raises(LayoutError, match=f"on {OFF_HOST}"):
         worker.register_kv_caches({"l0": device_cache})
     assert worker.holder is None  # refused before anything listens or is registered
 
@@ -76,7 +80,7 @@ def test_the_tcp_backend_refuses_a_kv_cache_that_is_not_in_host_memory():
 def test_a_device_kv_cache_is_staged_through_host_memory_with_the_tcp_backend():
     """By default a device cache is held staged (host copies) and pulled into
     host memory first: no device address ever reaches the tcp backend."""
-    device_cache = torch.empty(NB, H, BS, 2 * D, dtype=torch.bfloat16, device="meta")
+    device_cache = torch.empty(NB, H, BS, 2 * D, dtype=torch.bfloat16, device=OFF_HOST)
     cfg = ConnexConfig(ctrl_port=free_port())
     worker = ConnexWorker(cfg, 0, NB, ["l0"], is_producer=True, is_consumer=True)
     try:

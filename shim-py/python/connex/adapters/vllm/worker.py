@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from .config import ConnexConfig
 from .layout import BlockLayout, block_layout_of, tensor_layout
 from .params import ParamsError, check_epoch, check_transfer_id, ctrl_for_rank
-from .scheduler import ConnexMetadata, LoadSpec
 from .staged_holds import StagedHolds
 from .staged_reads import StagedPull, StagedReads
 from .staging import KVLayer, hold_select
@@ -30,6 +29,11 @@ if TYPE_CHECKING:
     import torch
 
     from connex import _transfer
+
+    # Only in annotations: the scheduler half imports vLLM, and the worker's
+    # copy and transfer code runs without it (tests/gpu/run, on a GPU machine
+    # whose image has torch but no vLLM).
+    from .scheduler import ConnexMetadata, LoadSpec
 
 logger = logging.getLogger("connex.vllm.worker")
 
