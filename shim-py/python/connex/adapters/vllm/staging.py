@@ -166,10 +166,24 @@ class CopyStream:
         return Fence(event)
 
 
-def _ids(block_ids: list[int], device: torch.device) -> torch.Tensor:
-    import torch
+class _BlockIds:
+    """`block_ids` as an index tensor on each device the layers are on, made
+    once per copy rather than once per layer: each is a copy from pageable
+    host memory to the GPU, which torch does not overlap with the copies
+    already queued."""
 
-    return torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=True)
+    def __init__(self, block_ids: list[int]) -> None:
+        self._ids = block_ids
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        ids = self._on.get(device)
+        if ids is None:
+            import torch
+
+            ids = torch.tensor(self._ids, dtype=torch.long).to(device, non_blocking=True)
+            self._on[device] = ids
+        return ids
 
 
 def gather_blocks(layers: list[KVLayer], block_ids: list[int], out: torch.Tensor) -> None:
@@ -181,12 +195,13 @@ def gather_blocks(layers: list[KVLayer], block_ids: list[int], out: torch.Tensor
     if out.numel() != hold_bytes(layers, n):
         raise ValueError(f"buffer of {out.numel()} bytes for a hold of {hold_bytes(layers, n)}")
     at = 0
+    index = _BlockIds(block_ids)
     for layer in layers:
         pieces, length, word = len(layer.layout.pieces), layer.piece_len, layer.word
         size = n * pieces * length
         words = out[at : at + size].view(_word_dtypes()[word])
         dst = words.view(n, pieces, length // word)
-        ids = _ids(block_ids, layer.tensor.device)
+        ids = index.on(layer.tensor.device)
         views = layer.piece_views()
         if layer.tensor.device == out.device and pieces == 1:
             torch.index_select(views[0], 0, ids, out=dst[:, 0, :])
@@ -207,11 +222,12 @@ def scatter_blocks(layers: list[KVLayer], block_ids: list[int], src: torch.Tenso
     if src.numel() != hold_bytes(layers, n):
         raise ValueError(f"buffer of {src.numel()} bytes for a hold of {hold_bytes(layers, n)}")
     at = 0
+    index = _BlockIds(block_ids)
     for layer in layers:
         pieces, length, word = len(layer.layout.pieces), layer.piece_len, layer.word
         size = n * pieces * length
         device = layer.tensor.device
-        ids = _ids(block_ids, device)
+        ids = index.on(device)
         host = src[at : at + size].view(_word_dtypes()[word]).view(n, pieces, length // word)
         # One contiguous copy to the device (a no-op on the CPU), then per piece
         # an indexed write into the blocks.
