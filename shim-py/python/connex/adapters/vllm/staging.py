@@ -168,9 +168,8 @@ class CopyStream:
 
 class _BlockIds:
     """`block_ids` as an index tensor on each device the layers are on, made
-    once per copy rather than once per layer: each is a copy from pageable
-    host memory to the GPU, which torch does not overlap with the copies
-    already queued."""
+    once per copy rather than once per layer (each is a small copy from
+    pageable host memory, issued between the layers' copies)."""
 
     def __init__(self, block_ids: list[int]) -> None:
         self._ids = block_ids
