@@ -197,6 +197,43 @@ mod tests {
         assert_eq!(tokenizers.encode("other", "x", true).await, None);
     }
 
+    /// One prompt per permit: while every permit is taken (long prompts being
+    /// tokenized), another waits its turn instead of taking a thread, and is
+    /// tokenized as soon as one is given back.
+    #[tokio::test]
+    async fn a_prompt_waits_for_a_free_permit() {
+        let file = file(&connex_mock_engine::model::tokenizer_json());
+        let loaded =
+            Tokenizers::load(&[format!("mock={}", file.path().display())]).expect("loaded");
+        let tokenizers = Tokenizers {
+            permits: Arc::new(Semaphore::new(1)),
+            ..loaded
+        };
+        let busy = tokenizers
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("permit");
+        let long = "long prompt ".repeat(200);
+        let waiting = tokio::time::timeout(
+            std::time::Duration::from_millis(200),
+            tokenizers.encode("mock", &long, true),
+        )
+        .await;
+        assert!(waiting.is_err(), "tokenized without a permit");
+        drop(busy);
+        assert_eq!(
+            tokenizers.encode("mock", &long, true).await,
+            Some(connex_mock_engine::model::tokenize(&long))
+        );
+        assert_eq!(
+            tokenizers.permits.available_permits(),
+            1,
+            "the permit came back"
+        );
+    }
+
     #[test]
     fn bad_specs_and_files_are_clear_errors() {
         let bad = |spec: &str| {
