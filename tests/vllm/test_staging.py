@@ -17,7 +17,7 @@ import weakref
 import pytest
 import torch
 from connex import _transfer
-from connex.adapters.vllm.layout import block_layout_of
+from connex.adapters.vllm.layout import BlockLayout, block_layout_of
 from connex.adapters.vllm.staged_holds import StagedHolds
 from connex.adapters.vllm.staged_reads import StagedReads
 from connex.adapters.vllm.staging import (
@@ -75,6 +75,32 @@ def test_gathered_blocks_scatter_back_into_exactly_the_target_blocks(name):
     zero = bytes(len(block(dst, block_dim, 0)))
     for b in set(range(NB)) - set(to_ids):
         assert block(dst, block_dim, b) == zero, f"block {b} was written"
+
+
+def test_unevenly_spaced_pieces_are_copied_piece_by_piece_and_stay_exact():
+    """Every layout of the tests above has one or two pieces per block, copied
+    with one indexed copy of all pieces; three pieces at uneven offsets take
+    the per-piece path, with the same result."""
+    pieces = ((0, 8), (8, 8), (40, 8))  # bytes 16..39 and 48..63 of a block are not KV
+    layout = BlockLayout(block_stride=64, pieces=pieces, span=NB * 64)
+    src = random_like(torch.zeros(NB * 64, dtype=torch.uint8, device=DEVICE), 70)
+    dst = torch.zeros_like(src)
+    layer = KVLayer(src, layout, NB)
+    assert layer.blocks_view() is None
+    buf = host_buffer(hold_bytes([layer], 2), src.device)
+    gather_blocks([layer], [4, 1], buf)
+    scatter_blocks([KVLayer(dst, layout, NB)], [0, 5], buf)
+    got, want = dst.cpu().numpy().tobytes(), src.cpu().numpy().tobytes()
+    moved = {(0, 4), (5, 1)}
+    for block_at in range(NB):
+        source = next((f for t, f in moved if t == block_at), None)
+        for off, length in [(0, 16), (16, 24), (40, 8), (48, 16)]:
+            chunk = got[block_at * 64 + off : block_at * 64 + off + length]
+            is_kv = off in (0, 40)
+            if source is not None and is_kv:
+                assert chunk == want[source * 64 + off : source * 64 + off + length]
+            else:
+                assert chunk == bytes(length), f"block {block_at} bytes {off}.. were written"
 
 
 def test_the_host_buffer_is_laid_out_layer_block_piece_like_the_blocks_in_place():

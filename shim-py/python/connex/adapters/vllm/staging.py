@@ -17,6 +17,7 @@ run synchronously and the fence is already passed. So CPU tests run this code.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,23 @@ class KVLayer:
             )
             for off, length in self.layout.pieces
         ]
+
+    def blocks_view(self) -> torch.Tensor | None:
+        """A view `[num_blocks, pieces, piece_len / word]` of the storage whose
+        element [b, p] is piece p of block b, when the pieces of a block are
+        evenly spaced (always so for one or two pieces): then one indexed copy
+        moves every piece of the blocks at once. None otherwise."""
+        offsets = [off for off, _ in self.layout.pieces]
+        steps = {b - a for a, b in itertools.pairwise(offsets)}
+        if len(steps) > 1 or any(step <= 0 for step in steps):
+            return None
+        step = steps.pop() if steps else self.piece_len
+        word = self.word
+        view = self.piece_views()[0]  # piece 0 of every block
+        return view.as_strided(
+            (self.num_blocks, len(offsets), self.piece_len // word),
+            (self.layout.block_stride // word, step // word, 1),
+        )
 
 
 def hold_bytes(layers: list[KVLayer], num_blocks: int) -> int:
@@ -201,13 +219,15 @@ def gather_blocks(layers: list[KVLayer], block_ids: list[int], out: torch.Tensor
         words = out[at : at + size].view(_word_dtypes()[word])
         dst = words.view(n, pieces, length // word)
         ids = index.on(layer.tensor.device)
-        views = layer.piece_views()
-        if layer.tensor.device == out.device and pieces == 1:
-            torch.index_select(views[0], 0, ids, out=dst[:, 0, :])
-        else:
+        blocks = layer.blocks_view()
+        if blocks is not None and layer.tensor.device == out.device:
+            torch.index_select(blocks, 0, ids, out=dst)
+        elif blocks is not None:
             # Gathered on the cache's device, then one contiguous copy to host.
+            dst.copy_(blocks.index_select(0, ids), non_blocking=True)
+        else:
             staged = torch.empty((n, pieces, length // word), dtype=words.dtype, device=ids.device)
-            for p, view in enumerate(views):
+            for p, view in enumerate(layer.piece_views()):
                 staged[:, p, :] = view.index_select(0, ids)
             dst.copy_(staged, non_blocking=True)
         at += size
@@ -228,9 +248,14 @@ def scatter_blocks(layers: list[KVLayer], block_ids: list[int], src: torch.Tenso
         device = layer.tensor.device
         ids = index.on(device)
         host = src[at : at + size].view(_word_dtypes()[word]).view(n, pieces, length // word)
-        # One contiguous copy to the device (a no-op on the CPU), then per piece
-        # an indexed write into the blocks.
+        # One contiguous copy to the device (a no-op on the CPU), then an
+        # indexed write into the blocks (per piece where they are not evenly
+        # spaced).
         staged = host.to(device, non_blocking=True)
-        for p, view in enumerate(layer.piece_views()):
-            view.index_copy_(0, ids, staged[:, p, :])
+        blocks = layer.blocks_view()
+        if blocks is not None:
+            blocks.index_copy_(0, ids, staged)
+        else:
+            for p, view in enumerate(layer.piece_views()):
+                view.index_copy_(0, ids, staged[:, p, :])
         at += size
