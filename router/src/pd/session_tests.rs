@@ -51,6 +51,8 @@ struct Scripted {
     calls: Mutex<Vec<(String, &'static str, Value)>>,
     /// `/detokenize` calls answered.
     detokenized: Mutex<usize>,
+    /// `/tokenize` calls (refused: these engines have no tokenizer).
+    tokenized: Mutex<usize>,
 }
 
 impl Scripted {
@@ -59,6 +61,7 @@ impl Scripted {
             scripts: Mutex::new(scripts.into()),
             calls: Mutex::default(),
             detokenized: Mutex::default(),
+            tokenized: Mutex::default(),
         })
     }
 
@@ -146,6 +149,9 @@ impl Upstream for Scripted {
     /// no `/tokenize`.
     fn tokenizer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
         let body: Value = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
+        if call.path == "/tokenize" {
+            *self.tokenized.lock().expect("tokenized") += 1;
+        }
         let detokenized = (call.path == "/detokenize").then(|| {
             *self.detokenized.lock().expect("detokenized") += 1;
             let ids: Vec<u64> = body["tokens"]
@@ -214,6 +220,11 @@ fn config(extra: &[&str]) -> RouterConfig {
 
 /// A router state with one prefill and `decoders` decoders, on `upstream`.
 async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Arc<Flow> {
+    Arc::new(cluster_flow(upstream, decoders, extra).await)
+}
+
+/// [`cluster`]'s flow, before it is shared.
+async fn cluster_flow(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Flow {
     let registry = Registry::new(&crate::registry::RegistryConfig::memory(
         Duration::from_secs(60),
     ));
@@ -237,7 +248,7 @@ async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Ar
             .expect("register");
     }
     let (flow, _releases) = Flow::new(&config(extra), registry, upstream);
-    Arc::new(flow)
+    flow
 }
 
 /// Runs a non-stream completions request for 6 tokens; the response's text and
@@ -573,4 +584,42 @@ async fn a_merged_chunk_whose_tokens_are_not_its_text_keeps_them_all() {
     let (text, stop, ids, usage, _) = stop_in_merged(&["t3"], " t2 t3", &[0, 1, 2, 3]).await;
     assert_eq!((text, stop), (json!(" t2 "), json!("t3")));
     assert_eq!((ids, usage), (json!([0, 1, 2, 3]), json!(4)));
+}
+
+/// The router's own tokenizer out of time (every permit taken by long
+/// prompts, past `--tokenize-timeout-ms`): the request is still served, its
+/// prefill chosen by load, and no engine is asked to tokenize it instead,
+/// which would double the wait.
+#[tokio::test]
+async fn a_router_tokenizer_out_of_time_leaves_the_prefill_choice_to_load() {
+    let path = std::env::temp_dir().join(format!("connex-tok-{}.json", uuid::Uuid::new_v4()));
+    let json = connex_mock_engine::model::tokenizer_json().to_string();
+    std::fs::write(&path, json).expect("tokenizer file");
+    let tokenizers = crate::pd::tokenizer::Tokenizers::load(&[format!("m={}", path.display())]);
+    let _ = std::fs::remove_file(&path);
+    let tokenizers = tokenizers.expect("loaded").with_permits(1);
+    let busy = tokenizers.permits().acquire_owned().await.expect("permit");
+    let upstream = Scripted::new(vec![Script::Stream(vec![Piece::Tokens {
+        from: 0,
+        to: 6,
+        finish: true,
+    }])]);
+    let extra = [
+        "--prefill-policy",
+        "cache_aware",
+        "--tokenize-timeout-ms",
+        "100",
+    ];
+    let flow = cluster_flow(upstream.clone(), 1, &extra).await;
+    let state = Arc::new(flow.with_tokenizers(tokenizers));
+    let started = std::time::Instant::now();
+    let answered = tokio::time::timeout(Duration::from_secs(10), complete(&state)).await;
+    let (text, resumes) = answered.expect("served in time").expect("served");
+    assert_eq!((text.as_str(), resumes), (" t0 t1 t2 t3 t4 t5", 0));
+    assert!(
+        started.elapsed() >= Duration::from_millis(100),
+        "the router's tokenizer was not waited for"
+    );
+    assert_eq!(*upstream.tokenized.lock().expect("tokenized"), 0);
+    drop(busy);
 }

@@ -96,6 +96,21 @@ impl Tokenizers {
         })
     }
 
+    /// These tokenizers with `permits` prompts tokenized at once (tests).
+    #[cfg(test)]
+    pub(crate) fn with_permits(self, permits: usize) -> Self {
+        Self {
+            permits: Arc::new(Semaphore::new(permits)),
+            ..self
+        }
+    }
+
+    /// The permits of prompts tokenized at once, for a test to take them.
+    #[cfg(test)]
+    pub(crate) fn permits(&self) -> Arc<Semaphore> {
+        self.permits.clone()
+    }
+
     /// Whether `model` has a tokenizer here.
     pub fn has(&self, model: &str) -> bool {
         self.by_model.contains_key(model)
@@ -203,18 +218,10 @@ mod tests {
     #[tokio::test]
     async fn a_prompt_waits_for_a_free_permit() {
         let file = file(&connex_mock_engine::model::tokenizer_json());
-        let loaded =
-            Tokenizers::load(&[format!("mock={}", file.path().display())]).expect("loaded");
-        let tokenizers = Tokenizers {
-            permits: Arc::new(Semaphore::new(1)),
-            ..loaded
-        };
-        let busy = tokenizers
-            .permits
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("permit");
+        let tokenizers = Tokenizers::load(&[format!("mock={}", file.path().display())])
+            .expect("loaded")
+            .with_permits(1);
+        let busy = tokenizers.permits().acquire_owned().await.expect("permit");
         let long = "long prompt ".repeat(200);
         let waiting = tokio::time::timeout(
             std::time::Duration::from_millis(200),
