@@ -128,7 +128,10 @@ def test_one_etcd_member_killed_nothing_notices(cluster):
         text, finish, _, errors = stream_completion(router, prompt, MAX_TOKENS)
         assert (text, finish, errors) == (expected, "length", [])
         status, ready = router.get_json("/ready")
-        assert status == 200 and ready["membership"]["connected"], ready
+        # The instance list says which registration a failure lost (it
+        # happened once in about ten runs: 3 of 4 instances, not ready).
+        why = f"{router.name}: {ready!r}, instances {sorted(router.instance_ids())}"
+        assert status == 200 and ready["membership"]["connected"], why
     # Membership still flows between replicas through the two live members.
     docker("stop", "--time", "5", f"{cluster.prefix}-d2")
     for router in (cluster.r1, cluster.r2):
