@@ -100,9 +100,16 @@ pub fn init(
         meta.is_span() && meta.target().starts_with("connex")
     })
     .with_max_level_hint(tracing_subscriber::filter::LevelFilter::INFO);
-    tracing_subscriber::registry()
-        .with(format_layer(format).with_filter(filter(level, default)?))
-        .with(crate::traces::layer(&provider).with_filter(spans))
-        .try_init()?;
+    let logs = tracing_subscriber::registry()
+        .with(format_layer(format).with_filter(filter(level, default)?));
+    // Spans are built for export only when there is somewhere to export them;
+    // otherwise they get trace ids alone (crate::traces says why).
+    if otlp_endpoint.is_some() {
+        logs.with(crate::traces::layer(&provider).with_filter(spans))
+            .try_init()?;
+    } else {
+        logs.with(crate::traces::IdLayer.with_filter(spans))
+            .try_init()?;
+    }
     Ok(Telemetry { provider })
 }

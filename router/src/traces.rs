@@ -5,18 +5,28 @@
 //! `tracestate`), or starts one; the prefill call and every decoder call carry
 //! the trace on to the engine (vLLM continues it with `--otlp-traces-endpoint`).
 //! The spans (`request`, `prefill`, `decode` per attempt, `resume`) are
-//! exported to `--otlp-endpoint` when one is given; without it they still get
-//! their ids, so that the engines' spans join the client's trace.
+//! exported to `--otlp-endpoint` when one is given, through the OpenTelemetry
+//! layer. Without an endpoint they still get their ids, so that the engines'
+//! spans join the client's trace, from [`IdLayer`]: ids only, assigned when a
+//! span opens. The OpenTelemetry layer also builds every span's data and does
+//! work each time a span is entered (every poll of a request's futures): 12%
+//! of the router's CPU per request when nothing was exported (docs/bench.md).
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
-use opentelemetry::trace::TracerProvider as _;
+use opentelemetry::trace::{
+    SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState, TracerProvider as _,
+};
+use opentelemetry::Context;
 use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
 use std::time::Duration;
+use tracing::span::{Attributes, Id};
 use tracing::Span;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::layer::Context as LayerContext;
+use tracing_subscriber::registry::{LookupSpan, Registry};
 
 /// The headers of W3C trace context.
 pub const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
@@ -80,6 +90,60 @@ where
         .with_tracked_inactivity(false)
 }
 
+/// A span's place in a W3C trace, kept in its extensions by [`IdLayer`].
+#[derive(Debug, Clone)]
+struct TraceIds {
+    trace_id: TraceId,
+    span_id: SpanId,
+    flags: TraceFlags,
+    state: TraceState,
+}
+
+/// The tracing layer of a router that exports no spans: each span gets a
+/// span id, and the trace id of its parent (a root span starts a trace), so
+/// that the calls made inside it carry a `traceparent`. Nothing else: no span
+/// data, no work when a span is entered or left.
+pub struct IdLayer;
+
+impl<S> tracing_subscriber::Layer<S> for IdLayer
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+{
+    fn on_new_span(&self, _attrs: &Attributes<'_>, id: &Id, ctx: LayerContext<'_, S>) {
+        let Some(span) = ctx.span(id) else {
+            return;
+        };
+        let ids = RandomIdGenerator::default();
+        let parent = span
+            .parent()
+            .and_then(|p| p.extensions().get::<TraceIds>().cloned());
+        let own = match parent {
+            Some(parent) => TraceIds {
+                span_id: ids.new_span_id(),
+                ..parent
+            },
+            None => TraceIds {
+                trace_id: ids.new_trace_id(),
+                span_id: ids.new_span_id(),
+                flags: TraceFlags::SAMPLED,
+                state: TraceState::default(),
+            },
+        };
+        span.extensions_mut().insert(own);
+    }
+}
+
+/// Runs `f` on the [`TraceIds`] of `span`, when [`IdLayer`] gave it some.
+fn with_ids<T>(span: &Span, f: impl FnOnce(&mut TraceIds) -> T) -> Option<T> {
+    span.with_subscriber(|(id, dispatch)| {
+        let registry = dispatch.downcast_ref::<Registry>()?;
+        let data = registry.span(id)?;
+        let mut extensions = data.extensions_mut();
+        extensions.get_mut::<TraceIds>().map(f)
+    })
+    .flatten()
+}
+
 struct HeaderRead<'a>(&'a axum::http::HeaderMap);
 
 impl Extractor for HeaderRead<'_> {
@@ -99,8 +163,21 @@ pub fn continue_trace(span: &Span, headers: &axum::http::HeaderMap) {
         return;
     }
     let parent = TraceContextPropagator::new().extract(&HeaderRead(headers));
-    // Fails only without the tracing layer (unit tests): nothing to continue.
-    let _ = span.set_parent(parent);
+    let remote = parent.span().span_context().clone();
+    if !remote.is_valid() {
+        return;
+    }
+    // Without an exporter: the span takes the client's trace (its own span
+    // id stays). With one, the OpenTelemetry layer makes it the client
+    // span's child. Neither is there in unit tests: nothing to continue.
+    let continued = with_ids(span, |ids| {
+        ids.trace_id = remote.trace_id();
+        ids.flags = remote.trace_flags();
+        ids.state = remote.trace_state().clone();
+    });
+    if continued.is_none() {
+        let _ = span.set_parent(parent);
+    }
 }
 
 struct HeaderWrite(Vec<(&'static str, String)>);
@@ -117,13 +194,78 @@ impl Injector for HeaderWrite {
 /// layer).
 pub fn headers(span: &Span) -> Vec<(&'static str, String)> {
     let mut out = HeaderWrite(Vec::new());
-    TraceContextPropagator::new().inject_context(&span.context(), &mut out);
+    let context = with_ids(span, |ids| {
+        Context::new().with_remote_span_context(SpanContext::new(
+            ids.trace_id,
+            ids.span_id,
+            ids.flags,
+            false,
+            ids.state.clone(),
+        ))
+    })
+    .unwrap_or_else(|| span.context());
+    TraceContextPropagator::new().inject_context(&context, &mut out);
     out.0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    /// (trace id, parent span id, tracestate) of the headers of a call.
+    fn parsed(headers: &[(&'static str, String)]) -> (String, String, Option<String>) {
+        let get = |name| {
+            headers
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.clone())
+        };
+        let parent = get("traceparent").expect("a traceparent");
+        let parts: Vec<&str> = parent.split('-').collect();
+        assert_eq!(parts.len(), 4, "{parent}");
+        (
+            parts[1].to_string(),
+            parts[2].to_string(),
+            get("tracestate"),
+        )
+    }
+
+    #[test]
+    fn without_an_exporter_calls_carry_the_clients_trace_from_spans_of_their_own() {
+        let subscriber = tracing_subscriber::registry().with(IdLayer);
+        tracing::subscriber::with_default(subscriber, || {
+            let client_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+            let client_span = "00f067aa0ba902b7";
+            let mut incoming = axum::http::HeaderMap::new();
+            let traceparent = format!("00-{client_trace}-{client_span}-01");
+            incoming.insert("traceparent", traceparent.parse().expect("header"));
+            incoming.insert("tracestate", "vendor=opaque".parse().expect("header"));
+            let request = tracing::error_span!("request");
+            continue_trace(&request, &incoming);
+            let prefill = tracing::info_span!(parent: &request, "prefill");
+            let decode = tracing::info_span!(parent: &request, "decode");
+            let (p_trace, p_parent, p_state) = parsed(&headers(&prefill));
+            let (d_trace, d_parent, _) = parsed(&headers(&decode));
+            assert_eq!(
+                (p_trace.as_str(), d_trace.as_str()),
+                (client_trace, client_trace)
+            );
+            assert_eq!(p_state.as_deref(), Some("vendor=opaque"));
+            assert_ne!(p_parent, client_span, "the router's own span");
+            assert_ne!(p_parent, d_parent, "one span per call");
+
+            // No trace context from the client: one new trace for the request.
+            let request = tracing::error_span!("request");
+            continue_trace(&request, &axum::http::HeaderMap::new());
+            let prefill = tracing::info_span!(parent: &request, "prefill");
+            let decode = tracing::info_span!(parent: &request, "decode");
+            let (p_trace, _, _) = parsed(&headers(&prefill));
+            let (d_trace, _, _) = parsed(&headers(&decode));
+            assert_eq!(p_trace, d_trace);
+            assert_ne!(p_trace, client_trace);
+        });
+    }
 
     #[test]
     fn a_collector_base_url_gets_the_traces_path() {

@@ -624,6 +624,48 @@ async fn traces_continue_the_clients_trace_to_every_engine_call_and_are_exported
     assert_eq!(d1_parent, second.span_id);
 }
 
+/// Without an exporter the router builds no span data, only the spans' ids:
+/// the engines still get the client's trace (each call from a span of its
+/// own) and a request without trace context still has one trace for its
+/// prefill and its decode.
+#[tokio::test(flavor = "multi_thread")]
+async fn without_an_exporter_the_engines_still_get_the_trace() {
+    let router = router(&[]);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let decoder = engine(Some(&router), "decode", &[]);
+    wait_ready(&router, 2).await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let response = client()
+        .post(format!("{}/v1/completions", router.url))
+        .header("traceparent", format!("00-{trace_id}-{client_span}-01"))
+        .header("tracestate", "vendor=opaque")
+        .json(&json!({"model": "mock", "prompt": "trace me", "max_tokens": 4, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.text().await.unwrap();
+    let traced = |call: &Value| trace_parent(call["traceparent"].as_str().expect("a traceparent"));
+    let prefilled = engine_requests(&prefill).await;
+    let decoded = engine_requests(&decoder).await;
+    let (p_trace, p_parent) = traced(&prefilled[0]);
+    let (d_trace, d_parent) = traced(&decoded[0]);
+    assert_eq!((p_trace.as_str(), d_trace.as_str()), (trace_id, trace_id));
+    assert_eq!(prefilled[0]["tracestate"], "vendor=opaque");
+    assert_eq!(decoded[0]["tracestate"], "vendor=opaque");
+    assert_ne!(p_parent, client_span, "the router's own span");
+    assert_ne!(p_parent, d_parent, "one span per call");
+
+    let body = json!({"model": "mock", "prompt": "new", "max_tokens": 2});
+    let (status, _) = post(&router, "/v1/completions", &body).await;
+    assert_eq!(status, 200);
+    let (p_trace, _) = traced(&engine_requests(&prefill).await[1]);
+    let (d_trace, _) = traced(&engine_requests(&decoder).await[1]);
+    assert_eq!(p_trace, d_trace);
+    assert_ne!(p_trace, trace_id);
+}
+
 /// Model names no engine serves are refused before they become a label: a
 /// client sending made-up names must not grow the metric series.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
