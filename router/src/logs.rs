@@ -90,6 +90,20 @@ pub fn init(
     otlp_endpoint: Option<&str>,
 ) -> Result<Telemetry, LogError> {
     let provider = crate::traces::provider(otlp_endpoint)?;
+    let exporter = otlp_endpoint.is_some().then_some(&provider);
+    subscriber(format, filter(level, default)?, exporter).try_init()?;
+    Ok(Telemetry { provider })
+}
+
+/// The process's subscriber: log lines through `logs`, and the request path's
+/// spans traced whatever the log level, by the OpenTelemetry layer of
+/// `exporter` when spans are exported, else given their trace ids alone
+/// (crate::traces says why).
+fn subscriber(
+    format: LogFormat,
+    logs: EnvFilter,
+    exporter: Option<&opentelemetry_sdk::trace::SdkTracerProvider>,
+) -> tracing::Dispatch {
     // The hint says that no event passes this filter, and no span finer than
     // INFO (the request path's spans are INFO and ERROR): without it the
     // subscriber's level is TRACE, `log`'s max level with it, and every
@@ -100,16 +114,35 @@ pub fn init(
         meta.is_span() && meta.target().starts_with("connex")
     })
     .with_max_level_hint(tracing_subscriber::filter::LevelFilter::INFO);
-    let logs = tracing_subscriber::registry()
-        .with(format_layer(format).with_filter(filter(level, default)?));
-    // Spans are built for export only when there is somewhere to export them;
-    // otherwise they get trace ids alone (crate::traces says why).
-    if otlp_endpoint.is_some() {
-        logs.with(crate::traces::layer(&provider).with_filter(spans))
-            .try_init()?;
-    } else {
-        logs.with(crate::traces::IdLayer.with_filter(spans))
-            .try_init()?;
+    let lines = tracing_subscriber::registry().with(format_layer(format).with_filter(logs));
+    match exporter {
+        Some(provider) => {
+            tracing::Dispatch::new(lines.with(crate::traces::layer(provider).with_filter(spans)))
+        }
+        None => tracing::Dispatch::new(lines.with(crate::traces::IdLayer.with_filter(spans))),
     }
-    Ok(Telemetry { provider })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The subscriber the router installs, without an exporter: a request's
+    /// spans get their trace ids from the light layer even with every log
+    /// line filtered out, and the engine calls carry them.
+    #[test]
+    fn without_an_exporter_spans_get_ids_whatever_the_log_level() {
+        let off = filter(Some("off"), "info").expect("filter");
+        let dispatch = subscriber(LogFormat::Text, off, None);
+        tracing::dispatcher::with_default(&dispatch, || {
+            let request = tracing::error_span!("request");
+            let call = tracing::info_span!(parent: &request, "decode");
+            assert!(crate::traces::has_ids(&call), "not traced by the id layer");
+            let headers = crate::traces::headers(&call);
+            assert!(
+                headers.iter().any(|(name, _)| *name == "traceparent"),
+                "{headers:?}"
+            );
+        });
+    }
 }

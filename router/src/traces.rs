@@ -133,6 +133,23 @@ where
     }
 }
 
+/// The [`TraceIds`] of `span`, when [`IdLayer`] gave it some.
+fn ids_of(span: &Span) -> Option<TraceIds> {
+    span.with_subscriber(|(id, dispatch)| {
+        let registry = dispatch.downcast_ref::<Registry>()?;
+        let data = registry.span(id)?;
+        let extensions = data.extensions();
+        extensions.get::<TraceIds>().cloned()
+    })
+    .flatten()
+}
+
+/// Whether [`IdLayer`] traces `span` (tests).
+#[cfg(test)]
+pub(crate) fn has_ids(span: &Span) -> bool {
+    ids_of(span).is_some()
+}
+
 /// Runs `f` on the [`TraceIds`] of `span`, when [`IdLayer`] gave it some.
 fn with_ids<T>(span: &Span, f: impl FnOnce(&mut TraceIds) -> T) -> Option<T> {
     span.with_subscriber(|(id, dispatch)| {
@@ -194,16 +211,16 @@ impl Injector for HeaderWrite {
 /// layer).
 pub fn headers(span: &Span) -> Vec<(&'static str, String)> {
     let mut out = HeaderWrite(Vec::new());
-    let context = with_ids(span, |ids| {
-        Context::new().with_remote_span_context(SpanContext::new(
+    let context = match ids_of(span) {
+        Some(ids) => Context::new().with_remote_span_context(SpanContext::new(
             ids.trace_id,
             ids.span_id,
             ids.flags,
             false,
-            ids.state.clone(),
-        ))
-    })
-    .unwrap_or_else(|| span.context());
+            ids.state,
+        )),
+        None => span.context(),
+    };
     TraceContextPropagator::new().inject_context(&context, &mut out);
     out.0
 }

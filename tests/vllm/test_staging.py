@@ -66,6 +66,8 @@ def test_gathered_blocks_scatter_back_into_exactly_the_target_blocks(name):
     assert dst.stride() == CASES[name]()[0].stride()
     random_like(src, 1)
     layers_src = [kv_layer(src)]
+    # Every layout here has one or two pieces a block: one indexed copy each.
+    assert layers_src[0].blocks_view() is not None
     from_ids, to_ids = [4, 1, 3], [0, 5, 2]
     buf = host_buffer(hold_bytes(layers_src, 3), src.device)
     gather_blocks(layers_src, from_ids, buf)
