@@ -484,6 +484,26 @@ async fn otlp_receiver() -> (String, std::sync::Arc<std::sync::Mutex<Vec<Receive
     (url, spans)
 }
 
+/// The client's trace and span in the trace tests.
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CLIENT_SPAN: &str = "00f067aa0ba902b7";
+
+/// A streamed completion of `max_tokens` whose client sends trace context
+/// (span [`CLIENT_SPAN`] of trace [`TRACE_ID`], tracestate `vendor=opaque`),
+/// read to its end.
+async fn traced_stream(router: &Proc, max_tokens: u32) {
+    let response = client()
+        .post(format!("{}/v1/completions", router.url))
+        .header("traceparent", format!("00-{TRACE_ID}-{CLIENT_SPAN}-01"))
+        .header("tracestate", "vendor=opaque")
+        .json(&json!({"model": "mock", "prompt": "trace me", "max_tokens": max_tokens, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.text().await.unwrap();
+}
+
 /// (trace id, parent span id) of a W3C `traceparent`.
 fn trace_parent(header: &str) -> (String, String) {
     let parts: Vec<&str> = header.split('-').collect();
@@ -516,18 +536,8 @@ async fn traces_continue_the_clients_trace_to_every_engine_call_and_are_exported
     );
     let d1 = engine(Some(&router), "decode", &["--id", "d1"]);
     wait_ready(&router, 3).await;
-    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let client_span = "00f067aa0ba902b7";
-    let response = client()
-        .post(format!("{}/v1/completions", router.url))
-        .header("traceparent", format!("00-{trace_id}-{client_span}-01"))
-        .header("tracestate", "vendor=opaque")
-        .json(&json!({"model": "mock", "prompt": "trace me", "max_tokens": 12, "stream": true}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    response.text().await.unwrap();
+    let (trace_id, client_span) = (TRACE_ID, CLIENT_SPAN);
+    traced_stream(&router, 12).await;
     // d0's records (it crashed) are gone with it: what it got is checked
     // through the spans' ids below.
     let prefill_calls = engine_requests(&prefill).await;
@@ -634,18 +644,8 @@ async fn without_an_exporter_the_engines_still_get_the_trace() {
     let prefill = engine(Some(&router), "prefill", &[]);
     let decoder = engine(Some(&router), "decode", &[]);
     wait_ready(&router, 2).await;
-    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let client_span = "00f067aa0ba902b7";
-    let response = client()
-        .post(format!("{}/v1/completions", router.url))
-        .header("traceparent", format!("00-{trace_id}-{client_span}-01"))
-        .header("tracestate", "vendor=opaque")
-        .json(&json!({"model": "mock", "prompt": "trace me", "max_tokens": 4, "stream": true}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    response.text().await.unwrap();
+    let (trace_id, client_span) = (TRACE_ID, CLIENT_SPAN);
+    traced_stream(&router, 4).await;
     let traced = |call: &Value| trace_parent(call["traceparent"].as_str().expect("a traceparent"));
     let prefilled = engine_requests(&prefill).await;
     let decoded = engine_requests(&decoder).await;
