@@ -10,13 +10,17 @@ count: failures (must be 0), the router's peak RSS above its idle RSS (a fresh
 router's) per in-flight stream, and router CPU per token relayed. The last
 line is `rss_per_stream_kib=<x>` at the largest count.
 
-Every stream needs two sockets in the router (client and decoder), beside its
-pooled idle connections: the count that fits is bounded by the open-file limit.
-The script raises its own limit (which the router, the mocks and the load
-generator inherit) to what the largest count needs, the hard limit included
-where it may (root with CAP_SYS_RESOURCE). Where the hard limit cannot be
-raised far enough, a count that does not fit is lowered to the largest that
-does, and the line says so (`asked=`): a run never ends in EMFILE failures.
+Over HTTP/1.1 every stream needs two sockets in the router (client and
+decoder), beside its pooled idle connections: the count that fits is bounded
+by the open-file limit. The script raises its own limit (which the router, the
+mocks and the load generator inherit) to what the largest count needs, the
+hard limit included where it may (root with CAP_SYS_RESOURCE). A count whose
+HTTP/1.1 sockets do not fit runs with its clients on HTTP/2 instead (the
+router with `--http2`, 256 streams per client connection: one socket per
+stream in the router, the decoder's), and the line says so (`clients=http2`);
+`SCALE_HTTP2=1` puts every count on HTTP/2. A count that does not fit even so
+is lowered to the largest that does (`asked=`): a run never ends in EMFILE
+failures.
 
 Usage: python3 bench/scale.py BIN_DIR [STREAMS...]
 """
@@ -34,6 +38,9 @@ import urllib.request
 TOKENS = 32
 DECODE_US = "200000"
 DECODERS = 4
+H2_STREAMS = 256
+# Every count on HTTP/2 (else only those whose HTTP/1.1 sockets do not fit).
+ALL_HTTP2 = os.environ.get("SCALE_HTTP2") == "1"
 
 
 def start(name, argv, logs, procs):
@@ -93,7 +100,7 @@ FD_RESERVE = 1024 + 256
 def raise_open_files(streams):
     """Raises RLIMIT_NOFILE for this process and its children so that
     `streams` fit; returns the limit in force."""
-    need = 2 * streams + FD_RESERVE
+    need = sockets(streams, ALL_HTTP2)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < need:
         try:
@@ -110,15 +117,25 @@ def raise_open_files(streams):
     return limit
 
 
-def fitting(streams, limit):
+def sockets(streams, http2):
+    """Open files the router needs for `streams`: a decoder connection each,
+    and a client connection each (HTTP/1.1) or per H2_STREAMS (HTTP/2)."""
+    clients = -(-streams // H2_STREAMS) if http2 else streams
+    return streams + clients + FD_RESERVE
+
+
+def fitting(streams, limit, http2):
     """The largest count up to `streams` whose sockets fit in `limit` open files,
     in hundreds."""
-    if limit == resource.RLIM_INFINITY or 2 * streams + FD_RESERVE <= limit:
+    if limit == resource.RLIM_INFINITY or sockets(streams, http2) <= limit:
         return streams
-    return max(0, (limit - FD_RESERVE) // 2) // 100 * 100
+    fit = streams
+    while fit > 0 and sockets(fit, http2) > limit:
+        fit -= 100
+    return max(0, fit)
 
 
-def run(bin_dir, router, pid, streams, asked):
+def run(bin_dir, router, pid, streams, asked, http2):
     idle = rss_kib(pid)
     cpu_before = cpu_s(pid)
     peak = [idle]
@@ -148,6 +165,8 @@ def run(bin_dir, router, pid, streams, asked):
                 str(TOKENS),
                 "--timeout-s",
                 "180",
+                "--http2-streams-per-connection",
+                str(H2_STREAMS if http2 else 0),
             ],
             capture_output=True,
             text=True,
@@ -164,6 +183,7 @@ def run(bin_dir, router, pid, streams, asked):
     per_stream = (peak[0] - idle) / streams
     print(
         f"scale streams={streams}{'' if asked == streams else f' asked={asked}'} "
+        f"clients={'http2' if http2 else 'http1'} "
         f"ok={result['ok']} failures={failures} "
         f"timed_out={result['timed_out']} "
         f"seconds={result['seconds']:.1f} router_idle_rss_mib={idle / 1024:.1f} "
@@ -174,7 +194,7 @@ def run(bin_dir, router, pid, streams, asked):
     return failures, per_stream
 
 
-def cluster(bin_dir, logs, per_peer, procs):
+def cluster(bin_dir, logs, per_peer, procs, http2):
     """A fresh router, one prefill and the decoders; the router's process and
     its client URL."""
     router_proc, router, internal = start(
@@ -188,7 +208,8 @@ def cluster(bin_dir, logs, per_peer, procs):
             "127.0.0.1:0",
             "--admin-token",
             "bench",
-        ],
+        ]
+        + (["--http2", "--http2-max-streams", str(H2_STREAMS)] if http2 else []),
         logs,
         procs,
     )
@@ -217,8 +238,8 @@ def main():
     counts = [int(n) for n in sys.argv[2:]] or [1000, 5000, 10000]
     limit = raise_open_files(max(counts))
     print(
-        f"scale: open-file limit {limit} (each stream needs 2 in the router, "
-        f"plus {FD_RESERVE} for pools and listeners); load average "
+        f"scale: open-file limit {limit} (each stream needs 2 in the router over "
+        f"HTTP/1.1, 1 over HTTP/2, plus {FD_RESERVE} for pools and listeners); load average "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
         flush=True,
     )
@@ -230,11 +251,18 @@ def main():
     # a fresh router's, not what the previous count left in pools and the
     # allocator (which made later counts look cheaper than they are).
     for asked in counts:
-        streams = fitting(asked, limit)
+        http2 = ALL_HTTP2 or fitting(asked, limit, False) < asked
+        if http2 and not ALL_HTTP2:
+            print(
+                f"scale: {asked} HTTP/1.1 streams need {sockets(asked, False)} open "
+                f"files in the router (limit {limit}); their clients speak HTTP/2",
+                flush=True,
+            )
+        streams = fitting(asked, limit, http2)
         procs = []
         try:
-            router_proc, router = cluster(bin_dir, logs, per_peer, procs)
-            failures, per_stream = run(bin_dir, router, router_proc.pid, streams, asked)
+            router_proc, router = cluster(bin_dir, logs, per_peer, procs, http2)
+            failures, per_stream = run(bin_dir, router, router_proc.pid, streams, asked, http2)
             failed += failures
         finally:
             for proc in procs:

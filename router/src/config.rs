@@ -299,6 +299,23 @@ pub struct RouterConfig {
     /// never). The per-instance gauges follow the membership at once.
     #[arg(long, env = "CONNEX_METRICS_IDLE_TIMEOUT_S", default_value_t = 600)]
     pub metrics_idle_timeout_s: u64,
+    /// Also speak HTTP/2 without TLS (h2c with prior knowledge, RFC 9113
+    /// 3.3) on the client listener: a front proxy or client then carries many
+    /// requests on one connection, one socket for many streams. HTTP/1.1
+    /// clients are served as before.
+    #[arg(long, env = "CONNEX_HTTP2", num_args = 0..=1,
+          default_value_t = false, default_missing_value = "true")]
+    pub http2: bool,
+    /// Most requests in flight on one HTTP/2 connection (further ones are
+    /// refused by the protocol until one ends).
+    #[arg(long, env = "CONNEX_HTTP2_MAX_STREAMS", default_value_t = 256)]
+    pub http2_max_streams: u32,
+    /// An HTTP/2 connection with no request in flight for this many seconds
+    /// is closed (GOAWAY), as HTTP/1.1's idle wait is bounded by
+    /// --header-read-timeout-ms; its peer is also pinged this often and
+    /// dropped when it does not answer within the same time.
+    #[arg(long, env = "CONNEX_HTTP2_IDLE_TIMEOUT_S", default_value_t = 60)]
+    pub http2_idle_timeout_s: u64,
     /// Most OpenAI requests in flight; past it, 429 with Retry-After.
     #[arg(long, env = "CONNEX_MAX_CONCURRENT_REQUESTS", default_value_t = 10_000)]
     pub max_concurrent_requests: usize,

@@ -28,7 +28,7 @@ use api::access::Access;
 use api::{Edge, Listener};
 use config::RouterConfig;
 use registry::{EtcdConfig, RegistryConfig};
-use server::{Gate, ServerLimits, Shutdown};
+use server::{Gate, Http2Limits, ServerLimits, Shutdown};
 use state::AppState;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -188,6 +188,10 @@ impl Router {
         let limits = ServerLimits {
             header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
             max_connections: config.max_connections,
+            http2: config.http2.then(|| Http2Limits {
+                max_streams: config.http2_max_streams.max(1),
+                idle_timeout: Duration::from_secs(config.http2_idle_timeout_s.max(1)),
+            }),
         };
         let grace = Duration::from_secs(config.shutdown_grace_s);
         let (state, releases) = AppState::new(config, registry, tokenizers)?;
@@ -198,6 +202,14 @@ impl Router {
             (internal_listener, Listener::Internal),
         ] {
             let app = api::routes(audience, state.clone(), &edge);
+            // HTTP/2 is for clients; registration and admin speak HTTP/1.1.
+            let limits = match audience {
+                Listener::Client => limits,
+                Listener::Internal => ServerLimits {
+                    http2: None,
+                    ..limits
+                },
+            };
             servers.spawn(server::serve(listener, app, limits, shutdown.clone()));
         }
         let background = CancellationToken::new();

@@ -34,6 +34,11 @@ struct Args {
     /// Do P/D here: prefill at this URL, then decode at `--url`.
     #[arg(long)]
     prefill_url: Option<String>,
+    /// Speak HTTP/2 without TLS (prior knowledge) to `--url`, this many
+    /// requests per connection at most (0: HTTP/1.1, one connection per
+    /// request in flight).
+    #[arg(long, default_value_t = 0)]
+    http2_streams_per_connection: usize,
     /// A label echoed in the output line.
     #[arg(long, default_value = "run")]
     label: String,
@@ -42,15 +47,28 @@ struct Args {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(args.concurrency)
-        .build()
-        .expect("http client");
+    // HTTP/2: one client per connection, each carrying its share of the
+    // workers' requests (a reqwest client multiplexes all on one).
+    let clients: Vec<reqwest::Client> = match args.http2_streams_per_connection {
+        0 => vec![reqwest::Client::builder()
+            .pool_max_idle_per_host(args.concurrency)
+            .build()
+            .expect("http client")],
+        per => (0..args.concurrency.div_ceil(per).max(1))
+            .map(|_| {
+                reqwest::Client::builder()
+                    .http2_prior_knowledge()
+                    .build()
+                    .expect("http client")
+            })
+            .collect(),
+    };
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
-    for _ in 0..args.concurrency {
-        let (client, next, url) = (client.clone(), next.clone(), args.url.clone());
+    for worker in 0..args.concurrency {
+        let client = clients[worker % clients.len()].clone();
+        let (next, url) = (next.clone(), args.url.clone());
         let (total, max_tokens, stream) = (args.requests, args.max_tokens, args.stream);
         let prefill_url = args.prefill_url.clone();
         workers.spawn(async move {
@@ -178,7 +196,12 @@ async fn one(
     let mut last = Vec::new();
     let mut ttft = None;
     while let Some(chunk) = body.next().await {
-        last = chunk.map_err(|e| error_chain(&e))?.to_vec();
+        let chunk = chunk.map_err(|e| error_chain(&e))?;
+        // HTTP/2 ends a stream with an empty DATA frame.
+        if chunk.is_empty() {
+            continue;
+        }
+        last = chunk.to_vec();
         ttft.get_or_insert_with(|| started.elapsed());
         // A stream that ends with an error event ends with [DONE] too.
         if carries_error_event(&last) {
