@@ -1,8 +1,8 @@
 //! HTTP/2 from clients (`--http2`, h2c with prior knowledge) on real
 //! processes: many streams on one connection with the same answers as
 //! HTTP/1.1, a reset stream frees its slot and its hold, shutdown lets them
-//! finish, and neither a client that stops inside the preface nor an idle
-//! connection holds a connection slot.
+//! finish, neither a client that stops inside the preface nor an idle
+//! connection holds a connection slot, and a rapid-reset flood is cut.
 
 // Tests fail loudly on anything unexpected; that is what unwrap is for here.
 #![allow(clippy::unwrap_used)]
@@ -283,4 +283,74 @@ async fn http2_connections_that_stall_or_idle_are_closed() {
     )
     .await;
     assert_eq!(status, 404);
+}
+
+/// One HTTP/2 frame: a 9-byte header (24-bit length, type, flags, stream id)
+/// and its payload.
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len();
+    let mut frame = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    frame.extend_from_slice(&stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rapid_reset_flood_is_cut_and_costs_no_permit() {
+    let router = router(&["--http2", "--max-concurrent-requests", "4"]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let _decode = engine(Some(&router), "decode", &[]);
+    wait_ready(&router, 2).await;
+    // HEADERS (HPACK: :method GET, :scheme http, :path /v1/models, :authority
+    // x; END_STREAM and END_HEADERS) then RST_STREAM (CANCEL), 500 times.
+    let mut flood = PREFACE.to_vec();
+    let mut headers = vec![0x82, 0x86, 0x44, 10];
+    headers.extend_from_slice(b"/v1/models");
+    headers.extend_from_slice(&[0x41, 1, b'x']);
+    for i in 0..500u32 {
+        let stream = 2 * i + 1;
+        flood.extend(frame(1, 0x5, stream, &headers));
+        flood.extend(frame(3, 0, stream, &8u32.to_be_bytes()));
+    }
+    let addr = router.url.trim_start_matches("http://").to_string();
+    let mut socket = std::net::TcpStream::connect(&addr).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    // The router may close before the whole flood is written.
+    let _ = socket.write_all(&flood);
+    let mut answer = Vec::new();
+    let _ = socket.read_to_end(&mut answer);
+    // Its frames: a GOAWAY (type 7) with ENHANCE_YOUR_CALM (0xb), the code
+    // for too many resets (a malformed request would get PROTOCOL_ERROR or
+    // COMPRESSION_ERROR).
+    let mut rest = &answer[..];
+    let mut goaway = None;
+    while rest.len() >= 9 {
+        let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+        let payload = &rest[9..(9 + len).min(rest.len())];
+        if rest[3] == 7 && payload.len() >= 8 {
+            goaway = Some(payload[7]);
+        }
+        rest = &rest[(9 + len).min(rest.len())..];
+    }
+    assert_eq!(goaway, Some(0xb), "{} bytes back", answer.len());
+    // No permit was leaked: all four still serve streams at once.
+    let h2 = h2_client();
+    let streams: Vec<_> = (0..4)
+        .map(|i| {
+            let (h2, url) = (h2.clone(), router.url.clone());
+            tokio::spawn(async move {
+                h2.post(format!("{url}/v1/completions"))
+                    .json(&completion(&format!("after the flood {i}"), 8))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+            })
+        })
+        .collect();
+    for stream in streams {
+        assert_eq!(stream.await.unwrap(), 200);
+    }
 }
