@@ -126,7 +126,11 @@ pub async fn serve(
         connections.spawn(async move {
             let protocol = match http2 {
                 None => Some(Protocol::Http1),
-                Some(_) => sniff(&stream, within).await,
+                Some(_) => tokio::select! {
+                    protocol = sniff(&stream, within) => protocol,
+                    // A connection that has not spoken yet is not waited for.
+                    _ = draining.cancelled() => None,
+                },
             };
             let ended = match (protocol, http2) {
                 (Some(Protocol::Http2), Some((builder, idle))) => {
