@@ -143,7 +143,8 @@ async fn a_reset_http2_stream_frees_its_slot_and_its_hold() {
             .send()
             .await
             .unwrap();
-        reply.status() == 200
+        // Read to its end, so that it is not one more client gone.
+        reply.status() == 200 && reply.text().await.unwrap().contains("[DONE]")
     })
     .await;
     eventually(
@@ -152,6 +153,17 @@ async fn a_reset_http2_stream_frees_its_slot_and_its_hold() {
         || async { engine_stats(&prefill).await["holds"]["holds"] == 0 },
     )
     .await;
+    // Counted as a request whose client went away.
+    let text = metrics_text(&router).await;
+    assert_eq!(
+        metric(
+            &text,
+            "connex_requests_total",
+            &["route=\"/v1/completions\"", "status=\"499\""]
+        ),
+        1.0,
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
