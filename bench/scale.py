@@ -125,8 +125,8 @@ def sockets(streams, http2):
 
 
 def fitting(streams, limit, http2):
-    """The largest count up to `streams` whose sockets fit in `limit` open files,
-    in hundreds."""
+    """The largest count up to `streams` whose sockets fit in `limit` open files
+    (lowered in steps of 100)."""
     if limit == resource.RLIM_INFINITY or sockets(streams, http2) <= limit:
         return streams
     fit = streams

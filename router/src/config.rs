@@ -145,6 +145,10 @@ pub struct RouterConfig {
     /// Largest accepted request body, in bytes (larger: 413).
     #[arg(long, env = "CONNEX_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Time a client has to send a request's whole body, in milliseconds
+    /// (past it: 408).
+    #[arg(long, env = "CONNEX_BODY_READ_TIMEOUT_MS", default_value_t = 60_000)]
+    pub body_read_timeout_ms: u64,
     /// Largest accepted max_tokens.
     #[arg(long, env = "CONNEX_MAX_TOKENS_LIMIT", default_value_t = 1 << 20)]
     pub max_tokens_limit: u64,
@@ -308,13 +312,15 @@ pub struct RouterConfig {
     pub http2: bool,
     /// Most requests in flight on one HTTP/2 connection (further ones are
     /// refused by the protocol until one ends).
-    #[arg(long, env = "CONNEX_HTTP2_MAX_STREAMS", default_value_t = 256)]
+    #[arg(long, env = "CONNEX_HTTP2_MAX_STREAMS", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..))]
     pub http2_max_streams: u32,
     /// An HTTP/2 connection with no request in flight for this many seconds
     /// is closed (GOAWAY), as HTTP/1.1's idle wait is bounded by
     /// --header-read-timeout-ms; its peer is also pinged this often and
     /// dropped when it does not answer within the same time.
-    #[arg(long, env = "CONNEX_HTTP2_IDLE_TIMEOUT_S", default_value_t = 60)]
+    #[arg(long, env = "CONNEX_HTTP2_IDLE_TIMEOUT_S", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub http2_idle_timeout_s: u64,
     /// Most OpenAI requests in flight; past it, 429 with Retry-After.
     #[arg(long, env = "CONNEX_MAX_CONCURRENT_REQUESTS", default_value_t = 10_000)]
@@ -565,6 +571,27 @@ mod tests {
         assert_eq!(config.log_format, LogFormat::Json);
         assert_eq!(config.log_level.as_deref(), Some("debug"));
         assert!(serve(&["connex-router", "serve", "--log-format", "xml"]).is_err());
+    }
+
+    #[test]
+    fn http2_is_off_by_default_and_its_limits_are_checked() {
+        let config = serve(&["connex-router", "serve"]).expect("parse");
+        assert!(!config.http2);
+        assert_eq!(
+            (config.http2_max_streams, config.http2_idle_timeout_s),
+            (256, 60)
+        );
+        let config = serve(&["connex-router", "serve", "--http2"]).expect("parse");
+        assert!(config.http2);
+        for bad in [
+            ["--http2-max-streams", "0"],
+            ["--http2-idle-timeout-s", "0"],
+            ["--http2-idle-timeout-s", "100000000000000000000"],
+        ] {
+            let mut args = vec!["connex-router", "serve"];
+            args.extend(bad);
+            assert!(serve(&args).is_err(), "{bad:?} accepted");
+        }
     }
 
     #[test]

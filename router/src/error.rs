@@ -19,6 +19,9 @@ pub enum ApiError {
     NotFound(String),
     #[error("request body is larger than the limit of {0} bytes")]
     PayloadTooLarge(usize),
+    /// The client did not send its whole body within the time limit.
+    #[error("request body not received within {} ms", .0.as_millis())]
+    BodyTimeout(std::time::Duration),
     #[error("{0}")]
     Unauthorized(&'static str),
     #[error("{0}")]
@@ -80,6 +83,7 @@ impl ApiError {
             Self::BadRequest { .. } => StatusCode::BAD_REQUEST,
             Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Forbidden(_) => StatusCode::FORBIDDEN,
@@ -93,9 +97,10 @@ impl ApiError {
 
     fn kind(&self) -> &'static str {
         match self {
-            Self::BadRequest { .. } | Self::PayloadTooLarge(_) | Self::UnsupportedMediaType => {
-                "invalid_request_error"
-            }
+            Self::BadRequest { .. }
+            | Self::PayloadTooLarge(_)
+            | Self::BodyTimeout(_)
+            | Self::UnsupportedMediaType => "invalid_request_error",
             Self::Forbidden(_) => "permission_error",
             Self::Conflict(_) => "conflict_error",
             Self::Overloaded { .. } => "rate_limit_error",

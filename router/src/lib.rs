@@ -189,8 +189,8 @@ impl Router {
             header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
             max_connections: config.max_connections,
             http2: config.http2.then(|| Http2Limits {
-                max_streams: config.http2_max_streams.max(1),
-                idle_timeout: Duration::from_secs(config.http2_idle_timeout_s.max(1)),
+                max_streams: config.http2_max_streams,
+                idle_timeout: Duration::from_secs(config.http2_idle_timeout_s),
             }),
         };
         let grace = Duration::from_secs(config.shutdown_grace_s);

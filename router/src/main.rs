@@ -9,7 +9,9 @@ use std::process::ExitCode;
 // It is built without transparent huge pages (the `no_thp` feature): with
 // them the kernel backs whole 2 MiB regions where hyper's 8 KiB connection
 // buffers touch a page or two, and the router's RSS per in-flight stream was
-// 67 KiB instead of 49 (docs/bench.md, "scale").
+// 67 KiB instead of 49 (docs/bench.md, "scale"). On a host whose THP setting
+// is `always` (not `madvise`) the kernel may still use huge pages: there, run
+// the router with MIMALLOC_ALLOW_THP=0 (the chart does).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

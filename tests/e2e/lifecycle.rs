@@ -1,5 +1,6 @@
 //! The server's lifecycle and limits (issue 13), on real processes: graceful
-//! shutdown on SIGTERM, a slowloris client, the concurrency limit.
+//! shutdown on SIGTERM, a slowloris client, a body that trickles, the
+//! concurrency limit.
 
 // Tests fail loudly on anything unexpected; that is what unwrap is for here.
 #![allow(clippy::unwrap_used)]
@@ -171,6 +172,44 @@ async fn a_slowloris_client_is_cut_at_the_header_read_timeout() {
     let took = started.elapsed();
     assert!(took < Duration::from_secs(4), "connection held {took:?}");
     // Others are still served.
+    let (status, _) = post(
+        &router,
+        "/v1/completions",
+        &json!({"model":"nope","prompt":"x","max_tokens":1}),
+    )
+    .await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_trickles_past_the_body_read_timeout_gets_408() {
+    let router = router(&[
+        "--body-read-timeout-ms",
+        "500",
+        "--max-concurrent-requests",
+        "1",
+    ]);
+    let addr = router.url.trim_start_matches("http://").to_string();
+    let mut slow = std::net::TcpStream::connect(&addr).unwrap();
+    // Headers in time, then 10 of the 100 bytes the body says it has.
+    slow.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n\
+          content-length: 100\r\n\r\n{\"model\": ",
+    )
+    .unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !String::from_utf8_lossy(&answer).contains("}}") {
+        match slow.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+        }
+    }
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"error\""), "{answer}");
+    // Its concurrency permit was given back: the one slot serves again.
     let (status, _) = post(
         &router,
         "/v1/completions",

@@ -301,6 +301,16 @@ def test_the_router_log_format_reaches_the_router():
     assert env["CONNEX_LOG"] == "debug"
 
 
+def test_the_router_runs_without_transparent_huge_pages():
+    # On a node whose THP setting is `always`, huge pages multiply the
+    # router's memory per in-flight stream (docs/bench.md, "scale").
+    env = {
+        e["name"]: e.get("value")
+        for e in container(find(manifests(), "Deployment", "rel-connex-router"))["env"]
+    }
+    assert env["MIMALLOC_ALLOW_THP"] == "0"
+
+
 def test_router_autoscaling_replaces_the_replica_count():
     docs = manifests("router.autoscaling.enabled=true", "router.autoscaling.maxReplicas=6")
     hpa = find(docs, "HorizontalPodAutoscaler", "rel-connex-router")

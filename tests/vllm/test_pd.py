@@ -330,6 +330,35 @@ def stream_and_kill_decoder(cluster, prompt: str, total: int, k: int):
     return ids, text, logprobs, killed
 
 
+def tokens_agree(ids: list[int], logprobs: dict[str, list], want: dict) -> int:
+    """Checks a resumed stream's tokens against an uninterrupted run's (`want`,
+    a completion choice with logprobs) and returns how many leading tokens
+    were compared: all of them, or those before the first place where the
+    reference had a tie and the stream took the other tied token.
+
+    The test model is tiny and random: its top two logprobs are often equal
+    to the last bit. On CPUs whose bf16 kernels block by batch shape (AMX),
+    recomputing the generated tokens as one prompt (a resume) or running the
+    prompt on another engine (P/D) moves logprobs by ~1e-3, which decides
+    such a tie the other way; from there the two runs are different, equally
+    greedy continuations. Parting anywhere else is a failure."""
+    expected = want["token_ids"]
+    parted = next((i for i, (a, b) in enumerate(zip(ids, expected, strict=False)) if a != b), None)
+    if parted is None:
+        assert len(ids) == len(expected), (len(ids), len(expected))
+        return len(ids)
+    top = want["logprobs"]["top_logprobs"][parted]
+    best = max(top.values())
+    tied = {token for token, value in top.items() if best - value <= LOGPROB_TOL}
+    token = logprobs["tokens"][parted]
+    assert len(tied) >= 2 and token in tied, (
+        f"parted from the uninterrupted run at token {parted} without a tie: "
+        f"took {token!r}, the reference's top logprobs were {top}"
+    )
+    print(f"parted at a tie at token {parted} of {len(expected)}: {top}")
+    return parted
+
+
 def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
     """SIGKILL the decoder serving a stream at token k: the stream completes on the
     other decoder with the tokens (and logprobs, within float tolerance) of an
@@ -353,17 +382,20 @@ def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
     ids, text, logprobs, killed = outcome
     assert killed is not None
     harness.wait_for(lambda: not killed.alive(), 10, "the killed decoder to exit")
-    assert ids == want["token_ids"]
-    assert text == want["text"]
+    agreed = tokens_agree(ids, logprobs, want)
+    if agreed == len(ids):
+        assert text == want["text"]
     # The resumed decoder computed the logprobs of the tokens after k with the
     # generated ones as its prompt: the same values, up to float noise.
-    assert logprobs["tokens"] == want["logprobs"]["tokens"]
+    assert logprobs["tokens"][:agreed] == want["logprobs"]["tokens"][:agreed]
     for got, expected in zip(
-        logprobs["token_logprobs"], want["logprobs"]["token_logprobs"], strict=True
+        logprobs["token_logprobs"][:agreed],
+        want["logprobs"]["token_logprobs"][:agreed],
+        strict=True,
     ):
         assert math.isclose(got, expected, abs_tol=LOGPROB_TOL), (got, expected)
     for got, expected in zip(
-        logprobs["top_logprobs"], want["logprobs"]["top_logprobs"], strict=True
+        logprobs["top_logprobs"][:agreed], want["logprobs"]["top_logprobs"][:agreed], strict=True
     ):
         assert got.keys() == expected.keys()
         assert all(math.isclose(got[t], expected[t], abs_tol=LOGPROB_TOL) for t in got)

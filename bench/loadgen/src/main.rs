@@ -66,8 +66,14 @@ async fn main() {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
+    // The zero-router limit's prefill calls go to an engine: HTTP/1.1.
+    let engine_client = reqwest::Client::builder()
+        .pool_max_idle_per_host(args.concurrency)
+        .build()
+        .expect("http client");
     for worker in 0..args.concurrency {
         let client = clients[worker % clients.len()].clone();
+        let engine_client = engine_client.clone();
         let (next, url) = (next.clone(), args.url.clone());
         let (total, max_tokens, stream) = (args.requests, args.max_tokens, args.stream);
         let prefill_url = args.prefill_url.clone();
@@ -81,7 +87,7 @@ async fn main() {
                     "max_tokens": max_tokens, "stream": stream});
                 let t = Instant::now();
                 if let Some(prefill_url) = &prefill_url {
-                    match prefill(&client, prefill_url, &body).await {
+                    match prefill(&engine_client, prefill_url, &body).await {
                         Ok(kv) => body["kv_transfer_params"] = kv,
                         Err(_) => {
                             errors += 1;

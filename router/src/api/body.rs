@@ -1,23 +1,53 @@
-//! Reading request bodies: size limit (413) and JSON parsing (400), as OpenAI errors.
+//! Reading request bodies: size limit (413), time limit (408) and JSON
+//! parsing (400), as OpenAI errors.
+//!
+//! The time limit is for the whole body, not per read: a client that trickles
+//! it would otherwise hold its request (and its concurrency permit) as long as
+//! it likes, and over HTTP/2 one connection carries many such requests.
 
 use crate::error::ApiError;
 use axum::body::Body;
 use axum::http::HeaderMap;
 use serde_json::Value;
+use std::time::Duration;
 
-/// Reads at most `limit` bytes of `body` and parses them as JSON.
-pub async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<Value, ApiError> {
-    let bytes = read_bytes(headers, body, limit).await?;
+/// How much of a body is read, and for how long.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimits {
+    pub bytes: usize,
+    pub within: Duration,
+}
+
+impl BodyLimits {
+    /// The limits of a client's request (`--max-body-bytes`,
+    /// `--body-read-timeout-ms`).
+    pub fn client(config: &crate::config::RouterConfig) -> Self {
+        Self {
+            bytes: config.max_body_bytes,
+            within: Duration::from_millis(config.body_read_timeout_ms),
+        }
+    }
+}
+
+/// Reads `body` within `limits` and parses it as JSON.
+pub async fn read_json(
+    headers: &HeaderMap,
+    body: Body,
+    limits: BodyLimits,
+) -> Result<Value, ApiError> {
+    let bytes = read_bytes(headers, body, limits).await?;
     serde_json::from_slice(&bytes)
         .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))
 }
 
-/// Reads at most `limit` bytes of `body` (413 past it).
+/// Reads at most `limits.bytes` of `body` (413 past it) within
+/// `limits.within` (408 past it).
 pub async fn read_bytes(
     headers: &HeaderMap,
     body: Body,
-    limit: usize,
+    limits: BodyLimits,
 ) -> Result<axum::body::Bytes, ApiError> {
+    let limit = limits.bytes;
     let declared = headers
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -25,7 +55,10 @@ pub async fn read_bytes(
     if declared.is_some_and(|len| len > limit) {
         return Err(ApiError::PayloadTooLarge(limit));
     }
-    axum::body::to_bytes(body, limit).await.map_err(|err| {
+    let read = tokio::time::timeout(limits.within, axum::body::to_bytes(body, limit))
+        .await
+        .map_err(|_| ApiError::BodyTimeout(limits.within))?;
+    read.map_err(|err| {
         let too_large = std::error::Error::source(&err)
             .is_some_and(|source| source.is::<http_body_util::LengthLimitError>());
         if too_large {
@@ -40,15 +73,12 @@ pub async fn read_bytes(
 pub async fn read_optional_json(
     headers: &HeaderMap,
     body: Body,
-    limit: usize,
+    limits: BodyLimits,
 ) -> Result<Value, ApiError> {
-    let bytes = axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| ApiError::PayloadTooLarge(limit))?;
+    let bytes = read_bytes(headers, body, limits).await?;
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(Value::Null);
     }
-    let _ = headers;
     serde_json::from_slice(&bytes)
         .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))
 }

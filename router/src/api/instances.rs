@@ -3,7 +3,7 @@
 //! id a caller may act on is the credential's.
 
 use super::access::{credential, require_json, Access};
-use super::body::{read_json, read_optional_json};
+use super::body::{read_json, read_optional_json, BodyLimits};
 use crate::error::ApiError;
 use crate::prefix::KvEventBatch;
 use crate::registry::load::EngineLoad;
@@ -16,8 +16,15 @@ use axum::{Extension, Json};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
+/// Time an engine has to send a registration, heartbeat or KV event body
+/// (each at most a few MiB, from inside the cluster).
+const INTERNAL_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Largest registration or heartbeat body.
-const BODY_LIMIT: usize = 64 * 1024;
+const BODY_LIMIT: BodyLimits = BodyLimits {
+    bytes: 64 * 1024,
+    within: INTERNAL_BODY_TIMEOUT,
+};
 
 /// Parses and checks a registration body (JSON only; URL and ctrl within the
 /// upstream policy).
@@ -118,7 +125,10 @@ pub async fn heartbeat(
 }
 
 /// Largest KV event batch.
-const EVENTS_BODY_LIMIT: usize = 4 * 1024 * 1024;
+const EVENTS_BODY_LIMIT: BodyLimits = BodyLimits {
+    bytes: 4 * 1024 * 1024,
+    within: INTERNAL_BODY_TIMEOUT,
+};
 
 /// KV cache events of an instance (forwarded by its agent), into its prefix
 /// index: same caller and credential as its heartbeats.

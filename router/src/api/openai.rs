@@ -1,7 +1,7 @@
 //! OpenAI routes: completions and chat completions (the model list is
 //! `models.rs`).
 
-use super::body::read_json;
+use super::body::{read_json, BodyLimits};
 use crate::error::ApiError;
 use crate::pd::record::RequestRecord;
 use crate::pd::request::{validate, Route};
@@ -52,7 +52,7 @@ async fn generate(
     let span = record.span().clone();
     async move {
         let checked = async {
-            let value = read_json(&headers, body, state.config.max_body_bytes).await?;
+            let value = read_json(&headers, body, BodyLimits::client(&state.config)).await?;
             let info = validate(
                 route,
                 &value,

@@ -10,28 +10,27 @@
 //! requests run on for `--shutdown-grace-s`; streams still open then end with
 //! an OpenAI error event and `[DONE]`.
 
+mod connection;
+
 use crate::error::ApiError;
 use axum::body::Body;
-use axum::extract::{ConnectInfo, Request, State};
+use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use connection::{drive, service, sniff, Activity, Protocol};
 use futures_util::future::BoxFuture;
 use http_body::Frame;
-use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulConnection;
 use hyper_util::service::TowerToHyperService;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tower::ServiceExt;
 
 /// What bounds one listener's connections.
 #[derive(Debug, Clone, Copy)]
@@ -138,12 +137,12 @@ pub async fn serve(
                     let service =
                         TowerToHyperService::new(service(app, peer, Some(activity.clone())));
                     let connection = builder.serve_connection(TokioIo::new(stream), service);
-                    drive(connection, draining, activity.idle_for(idle)).await
+                    drive(connection, draining, Some((activity.idle_for(idle), idle))).await
                 }
                 (Some(_), _) => {
                     let service = TowerToHyperService::new(service(app, peer, None));
                     let connection = http1.serve_connection(TokioIo::new(stream), service);
-                    drive(connection, draining, std::future::pending()).await
+                    drive(connection, draining, None::<(std::future::Pending<()>, _)>).await
                 }
                 // Closed, or too slow to say which protocol it speaks.
                 (None, _) => Ok(()),
@@ -157,148 +156,6 @@ pub async fn serve(
     drop(listener);
     connections.close();
     connections.wait().await;
-}
-
-/// The protocol a new connection speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Protocol {
-    Http1,
-    Http2,
-}
-
-/// What an HTTP/2 client sends first (RFC 9113 3.4).
-const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-/// Tells a new connection's protocol from its first bytes, which are peeked
-/// (left for hyper to read); `None` when it closes or has not said within
-/// `within`.
-async fn sniff(stream: &TcpStream, within: Duration) -> Option<Protocol> {
-    let deadline = tokio::time::Instant::now() + within;
-    let mut first = [0u8; H2_PREFACE.len()];
-    loop {
-        let seen = tokio::time::timeout_at(deadline, stream.peek(&mut first))
-            .await
-            .ok()?
-            .ok()?;
-        if seen == 0 {
-            return None;
-        }
-        if first[..seen] != H2_PREFACE[..seen] {
-            return Some(Protocol::Http1);
-        }
-        if seen == H2_PREFACE.len() {
-            return Some(Protocol::Http2);
-        }
-        // A prefix of the preface so far. `peek` returns at once while any
-        // byte waits, so wait a little for the rest rather than spin.
-        if tokio::time::Instant::now() + SNIFF_PAUSE > deadline {
-            return None;
-        }
-        tokio::time::sleep(SNIFF_PAUSE).await;
-    }
-}
-
-/// Pause between two peeks at a connection's first bytes.
-const SNIFF_PAUSE: Duration = Duration::from_millis(5);
-
-/// The router's routes as one connection's hyper service: every request gets
-/// the peer's address and, on HTTP/2, counts as activity until its response
-/// body is dropped.
-fn service<B>(
-    app: axum::Router,
-    peer: std::net::SocketAddr,
-    activity: Option<Arc<Activity>>,
-) -> impl tower::Service<
-    Request<B>,
-    Response = Response,
-    Error = std::convert::Infallible,
-    Future = impl std::future::Future<Output = Result<Response, std::convert::Infallible>> + Send,
-> + Clone
-where
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<axum::BoxError>,
-{
-    tower::service_fn(move |mut request: Request<B>| {
-        request.extensions_mut().insert(ConnectInfo(peer));
-        let in_flight = activity.as_ref().map(|activity| activity.begin());
-        let response = app.clone().oneshot(request.map(Body::new));
-        async move {
-            let response = response.await?;
-            Ok(match in_flight {
-                // The closure owns the guard: it is dropped with the body.
-                Some(guard) => response.map(|body| {
-                    Body::new(body.map_frame(move |frame| {
-                        let _ = &guard;
-                        frame
-                    }))
-                }),
-                None => response,
-            })
-        }
-    })
-}
-
-/// Runs one connection to its end; asks it to close gracefully (the requests
-/// in flight finish, no new one starts) when the server drains or `idle`
-/// resolves.
-async fn drive<C>(
-    connection: C,
-    draining: CancellationToken,
-    idle: impl std::future::Future<Output = ()>,
-) -> Result<(), C::Error>
-where
-    C: GracefulConnection,
-{
-    let mut connection = std::pin::pin!(connection);
-    tokio::select! {
-        ended = connection.as_mut() => return ended,
-        _ = draining.cancelled() => {}
-        _ = idle => {}
-    }
-    connection.as_mut().graceful_shutdown();
-    connection.await
-}
-
-/// The requests in flight on one connection, for its idle timeout.
-#[derive(Debug, Default)]
-struct Activity {
-    in_flight: AtomicUsize,
-    changed: Notify,
-}
-
-/// One request in flight; counted until dropped.
-struct InFlight(Arc<Activity>);
-
-impl Activity {
-    fn begin(self: &Arc<Self>) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::AcqRel);
-        self.changed.notify_waiters();
-        InFlight(self.clone())
-    }
-
-    /// Resolves once no request has been in flight for `after`.
-    async fn idle_for(&self, after: Duration) {
-        loop {
-            // Registered before the count is read, so no change is missed.
-            let changed = self.changed.notified();
-            let mut changed = std::pin::pin!(changed);
-            changed.as_mut().enable();
-            if self.in_flight.load(Ordering::Acquire) == 0 {
-                if tokio::time::timeout(after, changed).await.is_err() {
-                    return;
-                }
-            } else {
-                changed.await;
-            }
-        }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.0.changed.notify_waiters();
-    }
 }
 
 /// The client listener's gate on the OpenAI routes.
@@ -431,76 +288,5 @@ pub async fn terminate_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_connection_is_idle_only_once_its_last_request_has_ended() {
-        let activity = Arc::new(Activity::default());
-        let idle = Duration::from_millis(100);
-        let first = activity.begin();
-        let second = activity.begin();
-        let waiting = tokio::time::timeout(Duration::from_millis(500), activity.idle_for(idle));
-        assert!(waiting.await.is_err(), "idle with two requests in flight");
-        drop(first);
-        let waiting = tokio::time::timeout(Duration::from_millis(500), activity.idle_for(idle));
-        assert!(waiting.await.is_err(), "idle with one request in flight");
-        // The last one ends while the wait is on: it must see that.
-        let ends = async {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            drop(second);
-        };
-        let waiting = tokio::time::timeout(Duration::from_secs(10), async {
-            tokio::join!(activity.idle_for(idle), ends)
-        });
-        assert!(
-            waiting.await.is_ok(),
-            "never idle after the last request ended"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_request_counts_until_its_response_body_is_dropped() {
-        let activity = Arc::new(Activity::default());
-        let app = axum::Router::new().route("/", axum::routing::get(|| async { "body" }));
-        let peer = std::net::SocketAddr::from(([127, 0, 0, 1], 1));
-        let service = service(app, peer, Some(activity.clone()));
-        let response = service
-            .oneshot(Request::new(Body::empty()))
-            .await
-            .unwrap_or_else(|never| match never {});
-        assert_eq!(activity.in_flight.load(Ordering::Acquire), 1);
-        drop(response);
-        assert_eq!(activity.in_flight.load(Ordering::Acquire), 0);
-    }
-
-    async fn sniffed(first: &'static [u8]) -> Option<Protocol> {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let client = tokio::spawn(async move {
-            use tokio::io::AsyncWriteExt;
-            let mut socket = TcpStream::connect(addr).await.expect("connect");
-            socket.write_all(first).await.expect("write");
-            // Held open past the sniff's time limit.
-            tokio::time::sleep(Duration::from_secs(2)).await;
-        });
-        let (stream, _) = listener.accept().await.expect("accept");
-        let protocol = sniff(&stream, Duration::from_millis(300)).await;
-        client.abort();
-        protocol
-    }
-
-    #[tokio::test]
-    async fn a_connection_is_told_http2_by_its_preface() {
-        assert_eq!(sniffed(b"GET / HTTP/1.1\r\n").await, Some(Protocol::Http1));
-        // "P" then not "R": HTTP/1.1 (a POST).
-        assert_eq!(sniffed(b"POST / HTTP/1.1\r\n").await, Some(Protocol::Http1));
-        assert_eq!(sniffed(H2_PREFACE).await, Some(Protocol::Http2));
-        // Stopped inside the preface: given up on at the time limit.
-        assert_eq!(sniffed(&H2_PREFACE[..8]).await, None);
     }
 }
