@@ -215,6 +215,18 @@ pub async fn instance_id(router: &Proc, engine: &Proc) -> String {
         .expect("engine is registered")
 }
 
+/// Asserts that the router still serves clients: a completions request for
+/// a model nobody serves goes through the concurrency gate and gets 404.
+pub async fn assert_still_serves(router: &Proc) {
+    let (status, body) = post(
+        router,
+        "/v1/completions",
+        &serde_json::json!({"model":"nope","prompt":"x","max_tokens":1}),
+    )
+    .await;
+    assert_eq!(status, 404, "{body}");
+}
+
 /// POSTs `body` to `path` and returns (status, JSON body).
 pub async fn post(router: &Proc, path: &str, body: &Value) -> (u16, Value) {
     let response = client()
