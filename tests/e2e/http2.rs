@@ -35,6 +35,34 @@ async fn models(client: &reqwest::Client, url: &str) -> reqwest::Result<reqwest:
     client.get(format!("{url}/v1/models")).send().await
 }
 
+/// Streams one completion per prompt at once on `h2`; each answer's status,
+/// protocol version and body, in the prompts' order.
+async fn at_once(
+    h2: &reqwest::Client,
+    router: &Proc,
+    prompts: &[String],
+    max_tokens: u32,
+) -> Vec<(u16, reqwest::Version, String)> {
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|prompt| {
+            let request = h2
+                .post(format!("{}/v1/completions", router.url))
+                .json(&completion(prompt, max_tokens));
+            tokio::spawn(async move {
+                let response = request.send().await.unwrap();
+                let (status, version) = (response.status().as_u16(), response.version());
+                (status, version, response.text().await.unwrap())
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for stream in streams {
+        answers.push(stream.await.unwrap());
+    }
+    answers
+}
+
 /// Streams `body` with `client`; the protocol version and every event.
 async fn stream_with(
     client: &reqwest::Client,
@@ -59,29 +87,16 @@ async fn http2_streams_share_one_connection_and_answer_as_http1() {
     let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "5000"]);
     wait_ready(&router, 2).await;
     let h2 = h2_client();
-    let streams: Vec<_> = (0..16)
-        .map(|i| {
-            let (h2, router_url) = (h2.clone(), router.url.clone());
-            tokio::spawn(async move {
-                let response = h2
-                    .post(format!("{router_url}/v1/completions"))
-                    .json(&completion(&format!("prompt {i}"), 24))
-                    .send()
-                    .await
-                    .unwrap();
-                assert_eq!(response.status(), 200);
-                let version = response.version();
-                (version, sse_events(&response.text().await.unwrap()))
-            })
-        })
-        .collect();
-    for (i, stream) in streams.into_iter().enumerate() {
-        let (version, chunks) = stream.await.unwrap();
-        assert_eq!(version, reqwest::Version::HTTP_2);
+    let prompts: Vec<String> = (0..16).map(|i| format!("prompt {i}")).collect();
+    for (prompt, (status, version, text)) in prompts
+        .iter()
+        .zip(at_once(&h2, &router, &prompts, 24).await)
+    {
+        assert_eq!((status, version), (200, reqwest::Version::HTTP_2));
+        let chunks = sse_events(&text);
         assert_eq!(chunks.last().unwrap(), "[DONE]", "{chunks:?}");
         // An HTTP/1.1 client on the same router gets the same tokens.
-        let (v1, over_h1) =
-            stream_with(&client(), &router, &completion(&format!("prompt {i}"), 24)).await;
+        let (v1, over_h1) = stream_with(&client(), &router, &completion(prompt, 24)).await;
         assert_eq!(v1, reqwest::Version::HTTP_11);
         let tokens = streamed_token_ids(&chunks);
         assert_eq!(tokens.len(), 24);
@@ -456,23 +471,8 @@ async fn a_rapid_reset_flood_is_cut_and_costs_no_permit() {
     assert_eq!(goaway, Some(0xb));
     // No permit was leaked by the streams that reached the router before the
     // cut: all four still serve streams at once.
-    let h2 = h2_client();
-    let streams: Vec<_> = (0..4)
-        .map(|i| {
-            let (h2, url) = (h2.clone(), router.url.clone());
-            tokio::spawn(async move {
-                let reply = h2
-                    .post(format!("{url}/v1/completions"))
-                    .json(&completion(&format!("after the flood {i}"), 8))
-                    .send()
-                    .await
-                    .unwrap();
-                (reply.status(), reply.text().await.unwrap())
-            })
-        })
-        .collect();
-    for stream in streams {
-        let (status, text) = stream.await.unwrap();
+    let prompts: Vec<String> = (0..4).map(|i| format!("after the flood {i}")).collect();
+    for (status, _, text) in at_once(&h2_client(), &router, &prompts, 8).await {
         assert_eq!(status, 200, "{text}");
         assert!(text.contains("[DONE]"));
     }
