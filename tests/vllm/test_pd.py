@@ -359,6 +359,18 @@ def tokens_agree(ids: list[int], logprobs: dict[str, list], want: dict) -> int:
     return parted
 
 
+def assert_same_top(got: dict[str, float], expected: dict[str, float]) -> None:
+    """One position's top logprobs equal the reference's up to float noise. A
+    token may stand in for another only at the cut, where the two are tied
+    (the last place of the top-k; see tokens_agree)."""
+    for token in got.keys() & expected.keys():
+        assert math.isclose(got[token], expected[token], abs_tol=LOGPROB_TOL), (got, expected)
+    for mine, other in ((got, expected), (expected, got)):
+        for token in mine.keys() - other.keys():
+            assert mine[token] - min(other.values()) <= LOGPROB_TOL, (got, expected)
+    assert len(got) == len(expected), (got, expected)
+
+
 def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
     """SIGKILL the decoder serving a stream at token k: the stream completes on the
     other decoder with the tokens (and logprobs, within float tolerance) of an
@@ -397,8 +409,7 @@ def test_decoder_killed_mid_stream_resumes_from_the_hold(cluster):
     for got, expected in zip(
         logprobs["top_logprobs"][:agreed], want["logprobs"]["top_logprobs"][:agreed], strict=True
     ):
-        assert got.keys() == expected.keys()
-        assert all(math.isclose(got[t], expected[t], abs_tol=LOGPROB_TOL) for t in got)
+        assert_same_top(got, expected)
     # The router resumed it, once.
     assert cluster.router.metric("connex_resumes_total") - resumes == 1
     # One prefill only.
