@@ -35,8 +35,12 @@ pub async fn read_json(
     body: Body,
     limits: BodyLimits,
 ) -> Result<Value, ApiError> {
-    let bytes = read_bytes(headers, body, limits).await?;
-    serde_json::from_slice(&bytes)
+    parse_json(&read_bytes(headers, body, limits).await?)
+}
+
+/// Parses a body read whole as JSON (400 when it is not).
+pub fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(bytes)
         .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))
 }
 
@@ -79,6 +83,5 @@ pub async fn read_optional_json(
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(Value::Null);
     }
-    serde_json::from_slice(&bytes)
-        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))
+    parse_json(&bytes)
 }

@@ -6,7 +6,7 @@
 //! an engine's error answer comes back as its status and message (as on the
 //! generation routes).
 
-use super::body::{read_bytes, BodyLimits};
+use super::body::{parse_json, read_bytes, BodyLimits};
 use crate::error::ApiError;
 use crate::pd::record::RequestRecord;
 use crate::pd::upstream::{Call, CallError};
@@ -63,8 +63,7 @@ async fn run(
     record: &mut RequestRecord,
 ) -> Result<Response, ApiError> {
     let bytes = read_bytes(headers, body, BodyLimits::client(&state.config)).await?;
-    let request: Value = serde_json::from_slice(&bytes)
-        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))?;
+    let request = parse_json(&bytes)?;
     let model = model_of(state, &request)?;
     record.set_model(&model);
     let request_id = record.request_id().to_string();
