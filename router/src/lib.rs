@@ -5,6 +5,7 @@ pub mod api;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
+pub mod engine_http;
 pub mod error;
 pub mod health;
 pub mod holds;

@@ -169,8 +169,12 @@ pub struct HolderConfig {
     /// than the router's resume bound, so a higher one is refused rather
     /// than let anyone lock a hold out at `u32::MAX`.
     pub max_epoch: u32,
-    /// Most connections one peer address may hold open at once (of the
-    /// listener's 1024).
+    /// Most connections served at once. Past it the holder stops accepting:
+    /// new connections wait in the listen backlog (a burst of pulls queues,
+    /// each within its reader's deadline) rather than being closed.
+    pub max_connections: usize,
+    /// Most connections one peer address may hold open at once (of
+    /// `max_connections`); more from it are closed on accept.
     pub max_connections_per_peer: usize,
 }
 
@@ -189,6 +193,7 @@ impl Default for HolderConfig {
             faults: Faults::default(),
             secret: Secret::from_env(),
             max_epoch: DEFAULT_MAX_EPOCH,
+            max_connections: 1024,
             max_connections_per_peer: 512,
         }
     }

@@ -54,6 +54,7 @@ impl Holder {
             faults: config.faults.clone(),
             streamed: AtomicU64::new(0),
             secret: config.secret.clone(),
+            max_connections: config.max_connections.max(1),
             max_connections_per_peer: config.max_connections_per_peer.max(1),
         });
         if config.secret.is_none() {

@@ -32,8 +32,6 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-/// Most connections served at once; more are closed on accept.
-pub(crate) const MAX_CONNECTIONS: usize = 1024;
 /// How long a connection may sit idle between frames.
 pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a connection to a holder with a secret may take to prove it.
@@ -52,6 +50,8 @@ pub(crate) struct Shared {
     pub(crate) streamed: AtomicU64,
     /// Proven (ops `hello`, `proof`) before any other op of a connection.
     pub(crate) secret: Option<Secret>,
+    /// Most connections served at once ([`crate::HolderConfig::max_connections`]).
+    pub(crate) max_connections: usize,
     pub(crate) max_connections_per_peer: usize,
 }
 
@@ -94,21 +94,46 @@ impl Drop for PeerSlot {
 }
 
 /// Accepts connections until `shutdown`, then stops every connection task.
+/// At `max_connections` it accepts no more until one ends: a burst of pulls
+/// waits in the listen backlog instead of failing.
 pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, shutdown: CancellationToken) {
     let mut connections = JoinSet::new();
-    let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let limit = Arc::new(Semaphore::new(shared.max_connections));
     let peers = Arc::new(Peers::default());
+    let mut at_limit_since: Option<Instant> = None;
     loop {
+        let permit = match limit.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                if at_limit_since.is_none() {
+                    at_limit_since = Some(Instant::now());
+                    tracing::warn!(
+                        max = shared.max_connections,
+                        "connection limit reached; new connections wait in the backlog"
+                    );
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    permit = limit.clone().acquire_owned() => match permit {
+                        Ok(permit) => permit,
+                        Err(_) => break,
+                    },
+                    Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+                }
+            }
+        };
+        if let Some(since) = at_limit_since.take() {
+            tracing::info!(
+                waited_ms = since.elapsed().as_millis() as u64,
+                "below the connection limit again"
+            );
+        }
         tokio::select! {
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     let Some(slot) = peers.take(peer.ip(), shared.max_connections_per_peer) else {
                         tracing::debug!(%peer, "per-peer connection limit reached; closing");
-                        continue;
-                    };
-                    let Ok(permit) = limit.clone().try_acquire_owned() else {
-                        tracing::warn!(%peer, "connection limit reached; closing");
                         continue;
                     };
                     if let Err(err) = stream.set_nodelay(true) {

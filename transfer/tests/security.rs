@@ -329,6 +329,43 @@ async fn one_peer_cannot_take_every_connection() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_connection_limit_a_connection_waits_instead_of_failing() {
+    // A burst of pulls larger than the holder serves at once (10k streams
+    // through one prefill in `bench/run scale`) must queue, not fail.
+    let (holder, id) = holder(HolderConfig {
+        secret: None,
+        max_connections: 2,
+        ..HolderConfig::default()
+    })
+    .await;
+    let addr = holder.ctrl_addr();
+    let stat = Request::Stat { id: id.clone() }.encode(1);
+    let mut busy = Vec::new();
+    for _ in 0..2 {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream.write_all(&stat).await.unwrap();
+        assert!(matches!(
+            read_reply(&mut stream).await,
+            Some(Reply::Stat(Some(_)))
+        ));
+        busy.push(stream);
+    }
+    let mut third = TcpStream::connect(addr).await.unwrap();
+    third.write_all(&stat).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), read_reply(&mut third))
+            .await
+            .is_err(),
+        "at the limit: neither served nor closed"
+    );
+    drop(busy.pop());
+    let reply = tokio::time::timeout(Duration::from_secs(5), read_reply(&mut third))
+        .await
+        .expect("served once a connection ends");
+    assert!(matches!(reply, Some(Reply::Stat(Some(_)))), "{reply:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trickling_reader_cannot_hold_a_writer_for_ever() {
     // 32 MiB at no less than one 4 MiB piece per I/O timeout (1 s): the
     // holder gives the read 9 s, however steadily the reader trickles

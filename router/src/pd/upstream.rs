@@ -6,19 +6,17 @@
 //! headers) and so is every body read (a prefill answer up to
 //! `max_upstream_body_bytes`, an error body up to [`MAX_ERROR_BODY`]).
 //!
-//! The engines are called with hyper's pooled client rather than reqwest: a
-//! decode stream holds its connection for the whole generation, and hyper lets
-//! the router size the connection's read buffer ([`READ_BUF_BYTES`]) where
-//! reqwest keeps hyper's 8 KiB (memory per in-flight stream, docs/bench.md).
+//! The engines are called with the router's own HTTP/1.1 client
+//! (`engine_http`): a decode stream holds its connection for the whole
+//! generation, and that client keeps a connection to a few hundred bytes of
+//! state where hyper's took ~23 KiB (memory per in-flight stream,
+//! docs/bench.md).
 
-use axum::http::{header, Method, Request};
+use crate::engine_http::{Body, ClientError, EngineClient, Response};
 use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use std::time::Duration;
 
 /// The body of a decode stream, as the engine sends it.
@@ -136,36 +134,16 @@ pub struct Limits {
     pub max_body: usize,
 }
 
-/// Bytes a connection to an engine reads at a time. An SSE token event is a
-/// few hundred bytes; hyper's adaptive default starts at 8 KiB per connection,
-/// and a decode stream holds its connection for the whole generation. A larger
-/// answer (a prefill's) is read in several steps. With this fixed read size
-/// hyper also refuses a response head larger than it: vLLM's is ~200 bytes,
-/// and 4 KiB leaves room for headers a proxy in front of an engine adds.
-pub const READ_BUF_BYTES: usize = 4096;
-
-/// The HTTP client for engines: pooled HTTP/1 connections, no redirect
-/// followed (a registered engine must not send the router elsewhere).
-pub type EngineClient = hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>;
-
-/// How long an idle pooled connection to an engine is kept. Each costs ~20 KiB
-/// of router memory (hyper's buffers and its task) and a socket: after a burst
-/// they are given back within seconds (reconnecting to an engine costs far
-/// less than a prefill), not hyper's default 90 s.
-pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an idle pooled connection to an engine is kept: below the
+/// keep-alive timeout of vLLM's server (uvicorn's 5 s), so that the router
+/// seldom sends on a connection the engine is closing. Each idle connection
+/// is a socket; after a burst they are given back within seconds
+/// (reconnecting to an engine costs far less than a prefill).
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// The client [`HttpUpstream`] calls engines with.
 pub fn engine_client(connect_timeout: Duration, max_idle_per_host: usize) -> EngineClient {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(connect_timeout));
-    // Every token is its own small write; see `server.rs`.
-    connector.set_nodelay(true);
-    hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-        .pool_timer(TokioTimer::new())
-        .pool_max_idle_per_host(max_idle_per_host)
-        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-        .http1_read_buf_exact_size(READ_BUF_BYTES)
-        .build(connector)
+    EngineClient::new(connect_timeout, max_idle_per_host, POOL_IDLE_TIMEOUT)
 }
 
 /// The engines over HTTP.
@@ -179,24 +157,23 @@ impl HttpUpstream {
         Self { client, limits }
     }
 
-    /// Sends `call`; its response's headers.
-    async fn send(&self, call: &Call<'_>) -> Result<axum::http::Response<Incoming>, CallError> {
-        let mut request = Request::builder()
-            .method(Method::POST)
-            .uri(format!("{}{}", call.url, call.path))
-            .header(header::CONTENT_TYPE, "application/json")
-            .header("x-request-id", call.request_id);
-        for (name, value) in &call.trace {
-            request = request.header(*name, value);
+    /// Sends `call`; its response's head.
+    async fn send(&self, call: &Call<'_>) -> Result<Response, CallError> {
+        let mut headers: Vec<(&'static str, &str)> = Vec::with_capacity(1 + call.trace.len());
+        if !call.request_id.is_empty() {
+            headers.push(("x-request-id", call.request_id));
         }
-        let request = request
-            .body(Full::new(call.body.clone()))
-            .map_err(|err| CallError::Transport(format!("invalid request: {err}")))?;
-        self.client.request(request).await.map_err(call_error)
+        headers.extend(
+            call.trace
+                .iter()
+                .map(|(name, value)| (*name, value.as_str())),
+        );
+        self.client
+            .post(call.url, call.path, &headers, &call.body)
+            .await
+            .map_err(call_error)
     }
 }
-
-type Incoming = hyper::body::Incoming;
 
 impl Upstream for HttpUpstream {
     fn prefill<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
@@ -204,13 +181,13 @@ impl Upstream for HttpUpstream {
             let limit = self.limits.prefill_timeout;
             let call = async {
                 let response = self.send(&call).await?;
-                let status = response.status().as_u16();
-                let cap = if response.status().is_success() {
+                let status = response.status;
+                let cap = if success(status) {
                     self.limits.max_body
                 } else {
                     MAX_ERROR_BODY
                 };
-                let body = read_capped(response.into_body(), cap, status < 300).await?;
+                let body = read_capped(response.body, cap, success(status)).await?;
                 Ok(Reply { status, body })
             };
             tokio::time::timeout(limit, call)
@@ -225,24 +202,22 @@ impl Upstream for HttpUpstream {
             let response = tokio::time::timeout(limit, self.send(&call))
                 .await
                 .map_err(|_| CallError::NoHeaders(limit))??;
-            if response.status().is_success() {
+            let status = response.status;
+            if success(status) {
                 let stream = response
-                    .into_body()
-                    .into_data_stream()
+                    .body
+                    .into_stream()
                     .map(|r| r.map_err(|e| e.to_string()))
                     .boxed();
                 return Ok(Opened::Stream(stream));
             }
-            let status = response.status().as_u16();
             // The error body is read within the same limit: a decoder that
             // trickles it must not hold the request.
-            let body = tokio::time::timeout(
-                limit,
-                read_capped(response.into_body(), MAX_ERROR_BODY, false),
-            )
-            .await
-            .unwrap_or(Ok(Bytes::new()))
-            .unwrap_or_default();
+            let body =
+                tokio::time::timeout(limit, read_capped(response.body, MAX_ERROR_BODY, false))
+                    .await
+                    .unwrap_or(Ok(Bytes::new()))
+                    .unwrap_or_default();
             Ok(Opened::Status(Reply { status, body }))
         })
     }
@@ -250,31 +225,26 @@ impl Upstream for HttpUpstream {
     fn tokenizer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
         Box::pin(async move {
             let response = self.send(&call).await?;
-            let status = response.status().as_u16();
-            let body = read_capped(response.into_body(), MAX_TOKENIZE_ANSWER, status < 300).await?;
+            let status = response.status;
+            let body = read_capped(response.body, MAX_TOKENIZE_ANSWER, success(status)).await?;
             Ok(Reply { status, body })
         })
     }
 }
 
+fn success(status: u16) -> bool {
+    (200..300).contains(&status)
+}
+
 /// Reads at most `cap` bytes of a body; past it, an error when `strict` (the
 /// body is needed whole), else what was read (an error message's start).
-/// A reqwest response is read as `reqwest::Body::from(response)`.
-pub async fn read_capped<B>(mut response: B, cap: usize, strict: bool) -> Result<Bytes, CallError>
-where
-    B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: std::fmt::Display,
-{
+async fn read_capped(mut response: Body, cap: usize, strict: bool) -> Result<Bytes, CallError> {
     let mut body = BytesMut::new();
-    while let Some(frame) = response
-        .frame()
+    while let Some(chunk) = response
+        .chunk()
         .await
-        .transpose()
         .map_err(|e| CallError::Transport(e.to_string()))?
     {
-        let Ok(chunk) = frame.into_data() else {
-            continue;
-        };
         if body.len() + chunk.len() > cap {
             if strict {
                 return Err(CallError::TooLarge(cap));
@@ -289,42 +259,11 @@ where
 
 /// A client error as a [`CallError`]: a connect failure (and whether it was
 /// refused) apart from failures after the request was sent.
-fn call_error(err: hyper_util::client::legacy::Error) -> CallError {
-    // The client's own message is generic ("client error (Connect)"): the
-    // cause is in its sources.
-    let message = error_chain(&err);
-    if err.is_connect() {
-        return CallError::Connect {
-            refused: is_refused(&err),
-            message,
-        };
+fn call_error(err: ClientError) -> CallError {
+    match err {
+        ClientError::Connect { refused, message } => CallError::Connect { refused, message },
+        err => CallError::Transport(err.to_string()),
     }
-    CallError::Transport(message)
-}
-
-/// An error and its sources, `: `-joined.
-fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut message = err.to_string();
-    let mut source = err.source();
-    while let Some(err) = source {
-        message.push_str(": ");
-        message.push_str(&err.to_string());
-        source = err.source();
-    }
-    message
-}
-
-fn is_refused(err: &(dyn std::error::Error + 'static)) -> bool {
-    let mut source = Some(err);
-    while let Some(err) = source {
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            if io.kind() == std::io::ErrorKind::ConnectionRefused {
-                return true;
-            }
-        }
-        source = err.source();
-    }
-    false
 }
 
 #[cfg(test)]

@@ -1,0 +1,212 @@
+//! Idle keep-alive connections to engines, per engine address. Unlike hyper's
+//! pool, an idle connection here is only a socket: no task watches it and no
+//! buffer stays allocated with it. A connection the engine closed while idle
+//! is found when it is taken (a non-blocking read sees its end) and dropped;
+//! a sweeper owned by the pool closes those idle past the timeout.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+use tokio::net::TcpStream;
+use tokio_util::task::AbortOnDropHandle;
+
+/// The idle connections.
+pub struct Pool {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    idle: Mutex<HashMap<Box<str>, Vec<Idle>>>,
+    max_per_host: usize,
+    idle_timeout: Duration,
+    /// Started with the first connection given back; stops with the pool.
+    sweeper: OnceLock<AbortOnDropHandle<()>>,
+}
+
+struct Idle {
+    stream: TcpStream,
+    since: Instant,
+}
+
+impl Pool {
+    /// At most `max_per_host` idle connections per engine address, each kept
+    /// at most `idle_timeout`.
+    pub fn new(max_per_host: usize, idle_timeout: Duration) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                idle: Mutex::new(HashMap::new()),
+                max_per_host,
+                idle_timeout,
+                sweeper: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// A live idle connection to `authority`, the most recently used first
+    /// (its engine-side state is warm, and older ones age out).
+    pub fn take(&self, authority: &str) -> Option<TcpStream> {
+        loop {
+            let idle = {
+                let mut map = self.shared.lock();
+                let list = map.get_mut(authority)?;
+                let idle = list.pop();
+                if list.is_empty() {
+                    map.remove(authority);
+                }
+                idle?
+            };
+            if idle.since.elapsed() < self.shared.idle_timeout && is_open(&idle.stream) {
+                return Some(idle.stream);
+            }
+        }
+    }
+
+    /// Gives back a connection whose exchange ended cleanly.
+    pub fn put(&self, authority: &str, stream: TcpStream) {
+        if self.shared.max_per_host == 0 {
+            return;
+        }
+        {
+            let mut map = self.shared.lock();
+            let list = map.entry(authority.into()).or_default();
+            if list.len() >= self.shared.max_per_host {
+                // The oldest goes: it would expire first.
+                list.remove(0);
+            }
+            list.push(Idle {
+                stream,
+                since: Instant::now(),
+            });
+        }
+        self.shared.sweeper.get_or_init(|| {
+            let shared = Arc::downgrade(&self.shared);
+            let every = (self.shared.idle_timeout / 2).max(Duration::from_millis(100));
+            AbortOnDropHandle::new(tokio::spawn(sweep(shared, every)))
+        });
+    }
+
+    /// How many idle connections are kept (for tests and gauges).
+    pub fn idle_count(&self) -> usize {
+        self.shared.lock().values().map(Vec::len).sum()
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Vec<Idle>>> {
+        // A panic while holding the lock leaves a map of sockets, still valid.
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Closes idle connections past the timeout, every `every`, while the pool
+/// lives.
+async fn sweep(shared: Weak<Shared>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let expired: Vec<Idle> = {
+            let mut map = shared.lock();
+            let mut expired = Vec::new();
+            map.retain(|_, list| {
+                // Given back in time order: the expired ones are a prefix.
+                let keep = list.partition_point(|i| i.since.elapsed() >= shared.idle_timeout);
+                expired.extend(list.drain(..keep));
+                !list.is_empty()
+            });
+            expired
+        };
+        // Closed outside the lock.
+        drop(expired);
+    }
+}
+
+/// Whether an idle connection is still open: nothing to read yet. A
+/// connection the engine closed reads its end; one with bytes waiting is out
+/// of step (an answer nobody asked for) and is not used either.
+fn is_open(stream: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(stream.try_read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpListener;
+
+    /// A connected pair: (the client's end, the server's end).
+    async fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let client = TcpStream::connect(listener.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        (client, server)
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_is_taken_again_newest_first() {
+        let pool = Pool::new(8, Duration::from_secs(10));
+        let (a, _a) = pair().await;
+        let (b, _b) = pair().await;
+        let b_port = b.local_addr().expect("addr").port();
+        pool.put("e:1", a);
+        pool.put("e:1", b);
+        assert!(pool.take("e:2").is_none(), "pooled per engine address");
+        let taken = pool.take("e:1").expect("pooled");
+        assert_eq!(taken.local_addr().expect("addr").port(), b_port);
+        assert_eq!(pool.idle_count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_engine_closed_is_not_taken() {
+        let pool = Pool::new(8, Duration::from_secs(10));
+        let (a, server) = pair().await;
+        pool.put("e:1", a);
+        drop(server);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(pool.take("e:1").is_none());
+        let (b, mut server) = pair().await;
+        pool.put("e:1", b);
+        server
+            .write_all(b"HTTP/1.1 200 OK\r\n")
+            .await
+            .expect("write");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(pool.take("e:1").is_none(), "unasked bytes: out of step");
+    }
+
+    #[tokio::test]
+    async fn idle_connections_are_bounded_and_expire() {
+        let pool = Pool::new(2, Duration::from_millis(300));
+        let mut servers = Vec::new();
+        for _ in 0..3 {
+            let (client, server) = pair().await;
+            pool.put("e:1", client);
+            servers.push(server);
+        }
+        assert_eq!(pool.idle_count(), 2, "at most max_per_host");
+        // The sweeper closes them past the timeout, with no request coming.
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        assert_eq!(pool.idle_count(), 0);
+        let mut byte = [0u8; 1];
+        let mut server = servers.pop().expect("server");
+        let read = tokio::io::AsyncReadExt::read(&mut server, &mut byte).await;
+        assert_eq!(read.expect("read"), 0, "the router closed it");
+        assert_eq!(Pool::new(0, Duration::from_secs(1)).idle_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_sweeper_stops_with_the_pool() {
+        let pool = Pool::new(2, Duration::from_millis(200));
+        let (client, _server) = pair().await;
+        pool.put("e:1", client);
+        let shared = Arc::downgrade(&pool.shared);
+        drop(pool);
+        assert!(shared.upgrade().is_none(), "nothing keeps the pool alive");
+    }
+}
