@@ -34,7 +34,7 @@ use state::AppState;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpSocket};
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 /// Errors starting the router.
@@ -82,28 +82,10 @@ pub struct Router {
     tasks: tokio::task::JoinSet<()>,
 }
 
-/// Accept backlog of the listeners (tokio's default is 1,024; the kernel caps
-/// it at `net.core.somaxconn`): thousands of streams opened at once wait here
-/// to be accepted instead of being reset (`bench/run scale`).
-const ACCEPT_BACKLOG: u32 = 16_384;
-
 async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartError> {
     let error = |source| StartError::Bind { addr, source };
-    let socket = if addr.is_ipv4() {
-        TcpSocket::new_v4()
-    } else {
-        TcpSocket::new_v6()
-    }
-    .map_err(error)?;
-    // As tokio's `TcpListener::bind`: a restarted router rebinds its port at
-    // once, whatever connections of its last run linger in TIME_WAIT.
-    #[cfg(unix)]
-    socket.set_reuseaddr(true).map_err(error)?;
-    socket.bind(addr).map_err(error)?;
-    let listener = socket.listen(ACCEPT_BACKLOG).map_err(error)?;
-    let bound = listener
-        .local_addr()
-        .map_err(|source| StartError::Bind { addr, source })?;
+    let listener = connex_transfer::net::listen(addr).map_err(error)?;
+    let bound = listener.local_addr().map_err(error)?;
     Ok((listener, bound))
 }
 

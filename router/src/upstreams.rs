@@ -77,8 +77,10 @@ impl UpstreamPolicy {
     /// Checks a registered `url`; returns it as a bare origin (no trailing `/`).
     pub async fn check_url(&self, url: &str) -> Result<String, String> {
         let parsed = Url::parse(url).map_err(|err| format!("`{url}` is not a URL: {err}"))?;
-        if !matches!(parsed.scheme(), "http" | "https") {
-            return Err("must be an http(s) URL".into());
+        // Engines are called over plain HTTP/1.1 (`engine_http`): an https
+        // engine would fail every request after registering.
+        if parsed.scheme() != "http" {
+            return Err("must be an http:// URL (engines are called over plain HTTP; TLS to an engine belongs to a sidecar or mesh)".into());
         }
         if !parsed.username().is_empty() || parsed.password().is_some() {
             return Err("must not carry user information".into());
@@ -196,6 +198,7 @@ mod tests {
             "http://10.0.0.5:8100/?x=1",
             "http://user:pw@10.0.0.5:8100",
             "ftp://10.0.0.5:8100",
+            "https://10.0.0.5:8100",
             "10.0.0.5:8100",
         ] {
             assert!(p.check_url(bad).await.is_err(), "{bad}");

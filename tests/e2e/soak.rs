@@ -284,8 +284,8 @@ async fn chaos_soak_every_stream_completes_or_ends_clearly() {
     })
     .await;
     // What is left after the chaos is given back within the settle time:
-    // idle pooled engine connections (~20 KiB each) close after
-    // `POOL_IDLE_TIMEOUT` (10 s), and the allocator returns freed pages
+    // idle pooled engine connections (sockets) close after
+    // `POOL_IDLE_TIMEOUT` (4 s), and the allocator returns freed pages
     // lazily. Within 10% of the warm baseline, as issue 13 asks; a leak grows
     // far past it within the soak.
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -10,12 +10,12 @@ use crate::auth;
 use crate::config::Secret;
 use crate::conn;
 use crate::error::{Result, TransferError};
+use crate::net::IdlePool;
 use crate::proto::{Descriptor, ErrorCode, Reply, Request};
 use crate::stats::{HoldInfo, HolderStats};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 use tokio::net::TcpStream;
 
 /// Limits of a [`CtrlClient`].
@@ -48,7 +48,7 @@ impl Default for ClientConfig {
 
 struct Pool {
     config: ClientConfig,
-    idle: Mutex<HashMap<String, Vec<(TcpStream, Instant)>>>,
+    idle: IdlePool,
     seq: AtomicU32,
 }
 
@@ -150,11 +150,7 @@ impl Drop for Conn {
             return;
         }
         if let Some(stream) = self.stream.take() {
-            let mut idle = self.pool.idle.lock().unwrap_or_else(|e| e.into_inner());
-            let list = idle.entry(std::mem::take(&mut self.addr)).or_default();
-            if list.len() < self.pool.config.max_idle_per_addr {
-                list.push((stream, Instant::now()));
-            }
+            self.pool.idle.put(&self.addr, stream);
         }
     }
 }
@@ -221,8 +217,8 @@ impl CtrlClient {
     pub fn with_config(config: ClientConfig) -> Self {
         Self {
             pool: Arc::new(Pool {
+                idle: IdlePool::new(config.max_idle_per_addr, config.idle_ttl),
                 config,
-                idle: Mutex::new(HashMap::new()),
                 seq: AtomicU32::new(1),
             }),
         }
@@ -234,26 +230,7 @@ impl CtrlClient {
 
     /// Idle pooled connections to `addr` (for tests and diagnostics).
     pub fn idle_connections(&self, addr: &str) -> usize {
-        let idle = self.pool.idle.lock().unwrap_or_else(|e| e.into_inner());
-        idle.get(addr).map_or(0, Vec::len)
-    }
-
-    /// An idle connection to `addr` that still looks alive, if any.
-    fn idle(&self, addr: &str) -> Option<TcpStream> {
-        let mut idle = self.pool.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let list = idle.get_mut(addr)?;
-        while let Some((stream, since)) = list.pop() {
-            if since.elapsed() > self.pool.config.idle_ttl {
-                continue;
-            }
-            // Readable now means closed (or garbage): either way unusable.
-            let mut probe = [0u8; 1];
-            match stream.try_read(&mut probe) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(stream),
-                _ => continue,
-            }
-        }
-        None
+        self.pool.idle.idle_to(addr)
     }
 
     async fn connect(&self, addr: &str) -> Result<TcpStream> {
@@ -306,7 +283,7 @@ impl CtrlClient {
     /// connection when a reused one turns out dead. The connection is returned
     /// for a `Data` reply (bytes follow) and otherwise given back to the pool.
     pub(crate) async fn open(&self, addr: &str, request: &Request) -> Result<(Conn, Reply)> {
-        let mut conn = match self.idle(addr) {
+        let mut conn = match self.pool.idle.take(addr) {
             Some(stream) => self.wrap(addr, stream, true),
             None => self.fresh(addr).await?,
         };

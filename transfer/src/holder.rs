@@ -13,7 +13,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -43,7 +42,7 @@ impl Holder {
                 faults: &config.faults,
             },
         )?;
-        let listener = TcpListener::bind(config.listen).await?;
+        let listener = crate::net::listen(config.listen)?;
         let ctrl_addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             holds: HoldTable::new(config.retain, config.release, config.budget_bytes)

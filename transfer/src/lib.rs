@@ -21,6 +21,7 @@ mod conn;
 mod error;
 mod hold;
 mod holder;
+pub mod net;
 pub mod proto;
 mod reader;
 mod region;

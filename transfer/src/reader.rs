@@ -7,6 +7,7 @@ use crate::backend::{self, Backend, CutOnDrop, Fetch, PullFence, Role};
 use crate::client::{ClientConfig, CtrlClient};
 use crate::config::BackendKind;
 use crate::error::{Result, TransferError};
+use crate::net::KeyedLimit;
 use crate::proto::Descriptor;
 use crate::region::{BlockRef, DestSpan, Region, RegionId, RegionTable};
 use crate::stats::{HoldInfo, PullStats};
@@ -22,6 +23,10 @@ pub struct ReaderConfig {
     pub max_streams: usize,
     /// Overall limit of a [`Reader::pull`] (describe, data and done together).
     pub pull_timeout: Duration,
+    /// Most pulls at once from one holder address; more wait for a place
+    /// within their own deadline (a burst of requests must not open more
+    /// connections to one holder than it serves from one peer).
+    pub max_pulls_per_holder: usize,
 }
 
 impl ReaderConfig {
@@ -31,6 +36,7 @@ impl ReaderConfig {
             client: ClientConfig::default(),
             max_streams: 4,
             pull_timeout: Duration::from_secs(30),
+            max_pulls_per_holder: 64,
         }
     }
 }
@@ -42,6 +48,8 @@ pub struct Reader {
     ctrl: CtrlClient,
     max_streams: usize,
     pull_timeout: Duration,
+    /// [`ReaderConfig::max_pulls_per_holder`].
+    admission: Arc<KeyedLimit>,
 }
 
 impl std::fmt::Debug for Reader {
@@ -66,6 +74,7 @@ impl Reader {
             ctrl: CtrlClient::with_config(config.client),
             max_streams: config.max_streams,
             pull_timeout: config.pull_timeout,
+            admission: KeyedLimit::new(config.max_pulls_per_holder),
         })
     }
 
@@ -166,6 +175,9 @@ impl Reader {
             after: limit,
         };
         let spans = self.regions.claim(dest)?;
+        let _admitted = tokio::time::timeout_at(deadline.into(), self.admission.enter(remote_ctrl))
+            .await
+            .map_err(|_| timeout())?;
         let window = u32::try_from(limit.as_millis()).unwrap_or(u32::MAX);
         let descriptor = tokio::time::timeout_at(
             deadline.into(),

@@ -22,6 +22,8 @@ pub enum FramingError {
     ChunkEnd,
     #[error("trailers longer than {MAX_TRAILERS} bytes")]
     TrailersTooLong,
+    #[error("invalid trailer line")]
+    Trailer,
     #[error("connection closed before the body's end")]
     Truncated,
 }
@@ -93,7 +95,7 @@ impl Framing {
                 }
                 Framing::Chunked(chunk) => match chunk {
                     Chunk::Size => {
-                        let Some(line) = take_line(buf)? else {
+                        let Some(line) = take_line(buf, FramingError::ChunkSize)? else {
                             return Ok(None);
                         };
                         let size = chunk_size(&line)?;
@@ -128,7 +130,7 @@ impl Framing {
                         *chunk = Chunk::Size;
                     }
                     Chunk::Trailers(seen) => {
-                        let Some(line) = take_line(buf)? else {
+                        let Some(line) = take_line(buf, FramingError::Trailer)? else {
                             return Ok(None);
                         };
                         if line.is_empty() {
@@ -177,8 +179,11 @@ fn take_len(left: u64, available: usize) -> usize {
 }
 
 /// Takes one CRLF-ended line out of `buf` (without its CRLF); `None` until a
-/// whole line is there.
-fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, FramingError> {
+/// whole line is there; `malformed` for a bare LF or a control byte in it.
+fn take_line(
+    buf: &mut BytesMut,
+    malformed: FramingError,
+) -> Result<Option<BytesMut>, FramingError> {
     let Some(end) = memchr::memchr(b'\n', buf) else {
         if buf.len() > MAX_LINE {
             return Err(FramingError::LineTooLong);
@@ -189,10 +194,16 @@ fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, FramingError> {
         return Err(FramingError::LineTooLong);
     }
     if end == 0 || buf[end - 1] != b'\r' {
-        return Err(FramingError::ChunkSize);
+        return Err(malformed);
     }
     let mut line = buf.split_to(end + 1);
     line.truncate(end - 1);
+    if line
+        .iter()
+        .any(|b| (b.is_ascii_control() && *b != b'\t') || *b == 0x7f)
+    {
+        return Err(malformed);
+    }
     Ok(Some(line))
 }
 
@@ -309,6 +320,10 @@ mod tests {
             (b"11111111111111111\r\n", FramingError::ChunkSize),
             (b"2\r\nabXY", FramingError::ChunkEnd),
             (b"2\r\nabX", FramingError::ChunkEnd),
+            (b"2;a=\rb\r\nab\r\n", FramingError::ChunkSize),
+            (b"2;a=\0\r\nab\r\n", FramingError::ChunkSize),
+            (b"0\r\nx-t: \x01\r\n\r\n", FramingError::Trailer),
+            (b"0\r\nx-t: 1\n\r\n", FramingError::Trailer),
         ] {
             assert_eq!(
                 run(Framing::chunked(), wire, wire.len()),

@@ -47,6 +47,13 @@ pub fn request(
     head.extend_from_slice(content_length.to_string().as_bytes());
     head.extend_from_slice(b"\r\n");
     for (name, value) in headers {
+        debug_assert!(
+            !matches!(
+                *name,
+                "host" | "content-length" | "content-type" | "transfer-encoding"
+            ),
+            "{name} is the client's to write"
+        );
         // A value with a CR or LF would smuggle headers or a second request.
         HeaderValue::from_str(value).map_err(|_| HeadError::RequestHeader(name))?;
         head.extend_from_slice(name.as_bytes());
@@ -100,9 +107,14 @@ pub fn response(buf: &[u8]) -> Result<Option<ResponseHead>, HeadError> {
             let last = value.rsplit(|b| *b == b',').next().unwrap_or_default();
             chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
         } else if header.name.eq_ignore_ascii_case("content-length") {
-            let parsed = std::str::from_utf8(value)
+            // Digits only (`parse` would take a `+`).
+            let digits = value.trim_ascii();
+            if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+                return Err(HeadError::ContentLength);
+            }
+            let parsed = std::str::from_utf8(digits)
                 .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
+                .and_then(|v| v.parse::<u64>().ok())
                 .ok_or(HeadError::ContentLength)?;
             if length.is_some_and(|l| l != parsed) {
                 return Err(HeadError::ContentLength);
@@ -219,10 +231,14 @@ mod tests {
             response(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n"),
             Err(HeadError::ContentLength)
         );
-        assert_eq!(
-            response(b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n"),
-            Err(HeadError::ContentLength)
-        );
+        for bad in ["-1", "+5", "5, 5", "", "0x10"] {
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {bad}\r\n\r\n");
+            assert_eq!(
+                response(head.as_bytes()),
+                Err(HeadError::ContentLength),
+                "{bad:?}"
+            );
+        }
         assert_eq!(
             response(b"HTTP/1.1 101 Switching\r\n\r\n"),
             Err(HeadError::Upgrade)

@@ -13,18 +13,18 @@
 //! measurements). The wire format is the narrow part of HTTP/1.1 an exchange
 //! with an engine needs: a request with a `content-length` body, a response
 //! with a length, chunked or close-delimited body (`framing.rs`); heads are
-//! parsed by `httparse`.
+//! parsed by `httparse`. Idle connections are pooled per engine address in
+//! the same pool the hold control client uses (`connex_transfer::net`).
 
 mod framing;
 mod head;
-mod pool;
 
 pub use framing::FramingError;
 pub use head::HeadError;
 
 use bytes::{Bytes, BytesMut};
+use connex_transfer::net::{IdlePool, KeyedLimit};
 use framing::Framing;
-use pool::Pool;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,21 +34,52 @@ use tokio::net::TcpStream;
 /// Why an exchange failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// No connection was made: the engine never saw the request. `refused`:
-    /// nothing listens there.
+    /// The engine never saw the request: no connection was made (`refused`:
+    /// nothing listens there), or the request could not be written.
     #[error("{message}")]
     Connect { refused: bool, message: String },
+    /// The request cannot be sent as asked (nothing reached the engine).
     #[error("invalid engine URL `{0}`: only http://host:port is supported")]
     Url(String),
     #[error(transparent)]
     Head(#[from] HeadError),
     #[error(transparent)]
     Framing(#[from] FramingError),
+    /// The request was sent and the connection ended without an answer.
     #[error("connection closed before the response")]
     ClosedBeforeResponse,
-    #[error("{0}")]
-    Io(#[from] std::io::Error),
+    #[error("more than {MAX_INTERIM} interim (1xx) answers")]
+    TooManyInterim,
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        source: std::io::Error,
+    },
 }
+
+impl ClientError {
+    /// Whether the engine cannot have seen the request.
+    pub fn not_sent(&self) -> bool {
+        matches!(
+            self,
+            ClientError::Connect { .. }
+                | ClientError::Url(_)
+                | ClientError::Head(HeadError::RequestHeader(_))
+        )
+    }
+
+    fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> Self {
+        move |source| ClientError::Io { what, source }
+    }
+}
+
+/// Most interim (1xx) answers skipped before the real one.
+const MAX_INTERIM: usize = 8;
+/// Most connects in progress at once to one engine: a burst of requests
+/// beyond it waits for a connect slot (or a connection given back) instead of
+/// overflowing the engine's listen backlog, where a lost connect costs a 1 s
+/// SYN retry and, past the connect timeout, a failed request.
+pub const MAX_CONNECTING_PER_ENGINE: usize = 128;
 
 /// The client: cheap to clone, connections shared.
 #[derive(Clone)]
@@ -57,7 +88,8 @@ pub struct EngineClient {
 }
 
 struct Inner {
-    pool: Pool,
+    pool: IdlePool,
+    connecting: Arc<KeyedLimit>,
     connect_timeout: Duration,
 }
 
@@ -93,7 +125,8 @@ impl EngineClient {
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
-                pool: Pool::new(max_idle_per_host, idle_timeout),
+                pool: IdlePool::new(max_idle_per_host, idle_timeout),
+                connecting: KeyedLimit::new(MAX_CONNECTING_PER_ENGINE),
                 connect_timeout,
             }),
         }
@@ -105,8 +138,9 @@ impl EngineClient {
     }
 
     /// POSTs `body` (JSON) to `path` on the engine at `url`
-    /// (`http://host:port`) with `headers`; the response once its head is
-    /// read. The caller bounds the time.
+    /// (`http://host:port`) with `headers` (lower-case names, never
+    /// `host`, `content-length` or `content-type`); the response once its head
+    /// is read. The caller bounds the time.
     pub async fn post(
         &self,
         url: &str,
@@ -116,14 +150,16 @@ impl EngineClient {
     ) -> Result<Response, ClientError> {
         let authority = url
             .strip_prefix("http://")
-            .filter(|a| !a.is_empty() && !a.contains(['/', '?', '#', '@']))
+            .filter(|a| !a.is_empty() && a.bytes().all(is_authority_byte))
             .ok_or_else(|| ClientError::Url(url.to_string()))?;
         let request_head = head::request(authority, path, headers, body.len())?;
         // A pooled connection the engine closed just as it was taken fails
-        // before any answer: the request is sent again on a new connection.
+        // the write: the request never reached it, and goes on a new
+        // connection. Once written it is never sent again (a POST the engine
+        // may have acted on).
         if let Some(stream) = self.inner.pool.take(authority) {
             match self.exchange(stream, authority, &request_head, body).await {
-                Err(Exchange::Stale(_)) => {}
+                Err(Exchange::Unwritten(_)) => {}
                 Err(Exchange::Failed(err)) => return Err(err),
                 Ok(response) => return Ok(response),
             }
@@ -131,8 +167,10 @@ impl EngineClient {
         let stream = self.connect(authority).await?;
         match self.exchange(stream, authority, &request_head, body).await {
             Ok(response) => Ok(response),
-            Err(Exchange::Stale(Some(err))) => Err(err.into()),
-            Err(Exchange::Stale(None)) => Err(ClientError::ClosedBeforeResponse),
+            Err(Exchange::Unwritten(err)) => Err(ClientError::Connect {
+                refused: false,
+                message: format!("the connection failed before the request was sent: {err}"),
+            }),
             Err(Exchange::Failed(err)) => Err(err),
         }
     }
@@ -146,29 +184,26 @@ impl EngineClient {
         body: &Bytes,
     ) -> Result<Response, Exchange> {
         let mut request = bytes::Buf::chain(request_head, body.clone());
-        stream
-            .write_all_buf(&mut request)
-            .await
-            .map_err(Exchange::stale)?;
         let mut buf = BytesMut::new();
-        let head = loop {
-            if let Some(head) = head::response(&buf).map_err(Exchange::failed)? {
-                let _ = buf.split_to(head.len);
-                if (100..200).contains(&head.status) {
-                    // An interim answer (100 Continue): the real one follows.
-                    continue;
+        let written = stream.write_all_buf(&mut request).await;
+        let sent_whole = written.is_ok();
+        let head = match written {
+            Ok(()) => read_head(&mut stream, &mut buf)
+                .await
+                .map_err(Exchange::Failed)?,
+            // An engine may answer before it has read the whole request (a
+            // 413) and close: its answer is what the caller needs.
+            Err(err) => match read_head(&mut stream, &mut buf).await {
+                Ok(head) => head,
+                Err(_) if bytes::Buf::remaining(&request) == request_head.len() + body.len() => {
+                    return Err(Exchange::Unwritten(err))
                 }
-                break head;
-            }
-            buf.reserve(1024);
-            let read = stream.read_buf(&mut buf).await;
-            match read {
-                Ok(0) if buf.is_empty() => return Err(Exchange::Stale(None)),
-                Ok(0) => return Err(Exchange::Failed(ClientError::ClosedBeforeResponse)),
-                Ok(_) => {}
-                Err(err) if buf.is_empty() => return Err(Exchange::stale(err)),
-                Err(err) => return Err(Exchange::Failed(err.into())),
-            }
+                Err(_) => {
+                    return Err(Exchange::Failed(ClientError::io("sending the request")(
+                        err,
+                    )))
+                }
+            },
         };
         Ok(Response {
             status: head.status,
@@ -180,26 +215,43 @@ impl EngineClient {
                 }),
                 framing: head.framing,
                 buf,
-                reusable: head.reusable,
+                reusable: head.reusable && sent_whole,
             },
         })
     }
 
-    /// A new connection to `authority` (`host:port`, a name resolved here).
+    /// A new connection to `authority` (`host:port`, a name resolved here),
+    /// within the connect timeout, waiting meanwhile for a connect slot: a
+    /// connection given back while it waits is taken instead.
     async fn connect(&self, authority: &str) -> Result<TcpStream, ClientError> {
         let limit = self.inner.connect_timeout;
         let connect = async {
-            let mut last = None;
-            for addr in resolve(authority).await? {
-                match TcpStream::connect(addr).await {
-                    Ok(stream) => return Ok(stream),
-                    Err(err) => last = Some(err),
+            let _slot = self.inner.connecting.enter(authority).await;
+            if let Some(stream) = self.inner.pool.take(authority) {
+                return Ok(stream);
+            }
+            let addrs = resolve(authority).await?;
+            // Each address gets its share of the time (a black-holed first one
+            // must not take all of it).
+            let share = limit / u32::try_from(addrs.len().max(1)).unwrap_or(u32::MAX);
+            let mut last = std::io::Error::other("no address");
+            for addr in addrs {
+                match tokio::time::timeout(share, TcpStream::connect(addr)).await {
+                    Ok(Ok(stream)) => return Ok(stream),
+                    Ok(Err(err)) => last = err,
+                    Err(_) => last = std::io::ErrorKind::TimedOut.into(),
                 }
             }
-            Err(last.unwrap_or_else(|| std::io::Error::other("no address")))
+            Err(last)
         };
         let stream = match tokio::time::timeout(limit, connect).await {
             Ok(Ok(stream)) => stream,
+            Ok(Err(err)) if err.kind() == std::io::ErrorKind::TimedOut => {
+                return Err(ClientError::Connect {
+                    refused: false,
+                    message: format!("tcp connect timed out after {} ms", limit.as_millis()),
+                })
+            }
             Ok(Err(err)) => {
                 return Err(ClientError::Connect {
                     refused: err.kind() == std::io::ErrorKind::ConnectionRefused,
@@ -214,26 +266,57 @@ impl EngineClient {
             }
         };
         // Every token is its own small write; see `server.rs`.
-        stream.set_nodelay(true)?;
+        stream
+            .set_nodelay(true)
+            .map_err(|err| ClientError::Connect {
+                refused: false,
+                message: format!("tcp setup: {err}"),
+            })?;
         Ok(stream)
     }
 }
 
-/// An exchange's failure: `Stale` when the connection failed before any answer
-/// came (on a pooled one: the engine had closed it), else why.
-enum Exchange {
-    Stale(Option<std::io::Error>),
-    Failed(ClientError),
+/// Reads a response head (skipping interim ones) into `buf`; what follows it
+/// stays in `buf`.
+async fn read_head(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+) -> Result<head::ResponseHead, ClientError> {
+    let mut interim = 0;
+    loop {
+        if let Some(head) = head::response(buf)? {
+            let _ = buf.split_to(head.len);
+            if (100..200).contains(&head.status) {
+                // An interim answer (100 Continue): the real one follows.
+                interim += 1;
+                if interim > MAX_INTERIM {
+                    return Err(ClientError::TooManyInterim);
+                }
+                continue;
+            }
+            return Ok(head);
+        }
+        buf.reserve(1024);
+        let read = stream
+            .read_buf(buf)
+            .await
+            .map_err(ClientError::io("reading the response head"))?;
+        if read == 0 {
+            return Err(ClientError::ClosedBeforeResponse);
+        }
+    }
 }
 
-impl Exchange {
-    fn stale(err: std::io::Error) -> Self {
-        Exchange::Stale(Some(err))
-    }
+/// A byte an authority (`host:port`, `[v6]:port`) may hold here.
+fn is_authority_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']' | b'_')
+}
 
-    fn failed(err: impl Into<ClientError>) -> Self {
-        Exchange::Failed(err.into())
-    }
+/// An exchange's failure: `Unwritten` when the connection failed before the
+/// request was written (on a pooled one: the engine had closed it), else why.
+enum Exchange {
+    Unwritten(std::io::Error),
+    Failed(ClientError),
 }
 
 /// The addresses of `authority` (`host:port`, `[v6]:port`).
@@ -263,10 +346,24 @@ impl Body {
             let Some(conn) = self.conn.as_mut() else {
                 return Ok(None);
             };
+            if self.buf.is_empty() {
+                // Nothing held while waiting (a stream waits for each token):
+                // the allocation goes once the pieces given out are dropped.
+                self.buf = BytesMut::new();
+            }
+            conn.stream
+                .readable()
+                .await
+                .map_err(ClientError::io("reading the response body"))?;
             self.buf.reserve(self.framing.read_hint());
-            if conn.stream.read_buf(&mut self.buf).await? == 0 {
-                self.reusable = false;
-                self.framing.eof()?;
+            match conn.stream.try_read_buf(&mut self.buf) {
+                Ok(0) => {
+                    self.reusable = false;
+                    self.framing.eof()?;
+                }
+                Ok(_) => {}
+                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(err) => return Err(ClientError::io("reading the response body")(err)),
             }
         }
     }
@@ -286,7 +383,7 @@ impl Body {
     }
 
     /// At the body's end: the connection back to the pool, when it may carry
-    /// another exchange.
+    /// another exchange (nothing past the body was received).
     fn finish(&mut self) {
         let Some(conn) = self.conn.take() else {
             return;

@@ -129,27 +129,42 @@ async fn a_body_dropped_before_its_end_closes_its_connection() {
     assert_eq!(accepted.load(Ordering::SeqCst), 2, "a new connection");
 }
 
-/// A raw server: for each connection in turn, what it answers to each request
-/// it reads (`None`: it closes the connection instead).
-async fn scripted(script: Vec<Vec<Option<&'static [u8]>>>) -> (String, Arc<AtomicUsize>) {
+/// What a raw server does with one request of a connection.
+#[derive(Clone, Copy)]
+enum Step {
+    /// Writes this answer, then reads the next request.
+    Answer(&'static [u8]),
+    /// Writes this answer, then closes the connection.
+    AnswerAndClose(&'static [u8]),
+    /// Closes the connection without answering.
+    Close,
+}
+
+/// A raw server: for each connection in turn, what it does with each request
+/// it reads.
+async fn scripted(script: Vec<Vec<Step>>) -> (String, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     let accepted = Arc::new(AtomicUsize::new(0));
     let counter = accepted.clone();
     tokio::spawn(async move {
-        for answers in script {
+        for steps in script {
             let Ok((mut socket, _)) = listener.accept().await else {
                 return;
             };
             counter.fetch_add(1, Ordering::SeqCst);
-            for answer in answers {
-                let mut request = vec![0u8; 4096];
+            for step in steps {
+                let mut request = vec![0u8; 64 * 1024];
                 if socket.read(&mut request).await.unwrap_or(0) == 0 {
                     break;
                 }
-                match answer {
-                    Some(answer) => socket.write_all(answer).await.expect("write"),
-                    None => break,
+                match step {
+                    Step::Answer(answer) => socket.write_all(answer).await.expect("write"),
+                    Step::AnswerAndClose(answer) => {
+                        socket.write_all(answer).await.expect("write");
+                        break;
+                    }
+                    Step::Close => break,
                 }
             }
         }
@@ -160,28 +175,58 @@ async fn scripted(script: Vec<Vec<Option<&'static [u8]>>>) -> (String, Arc<Atomi
 
 const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
 
+fn empty() -> Bytes {
+    Bytes::from_static(b"{}")
+}
+
 #[tokio::test]
-async fn a_pooled_connection_the_engine_dropped_is_replaced_without_an_error() {
-    // The engine answers once, then drops the connection on the next request
-    // without answering (a keep-alive timeout racing the request).
-    let (url, accepted) = scripted(vec![vec![Some(OK), None], vec![Some(OK)]]).await;
+async fn a_request_that_was_written_is_never_sent_twice() {
+    // The engine answers once, then reads the next request and drops the
+    // connection without an answer (it may have acted on it).
+    let (url, accepted) = scripted(vec![
+        vec![Step::Answer(OK), Step::Close],
+        vec![Step::Answer(OK)],
+    ])
+    .await;
     let client = client();
-    for _ in 0..2 {
-        let mut response = client
-            .post(&url, "/v1/completions", &[], &Bytes::from_static(b"{}"))
-            .await
-            .expect("answer");
-        assert_eq!(read_all(&mut response.body).await, b"ok");
+    let mut response = client
+        .post(&url, "/a", &[], &empty())
+        .await
+        .expect("answer");
+    assert_eq!(read_all(&mut response.body).await, b"ok");
+    let result = client.post(&url, "/a", &[], &empty()).await;
+    match result {
+        Err(err) => assert!(!err.not_sent(), "the engine got it: {err}"),
+        Ok(_) => panic!("sent again on a new connection"),
     }
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "no second connection");
+}
+
+#[tokio::test]
+async fn a_pooled_connection_the_engine_closed_is_not_used() {
+    // A keep-alive timeout: the engine closes the idle connection.
+    let (url, accepted) =
+        scripted(vec![vec![Step::AnswerAndClose(OK)], vec![Step::Answer(OK)]]).await;
+    let client = client();
+    let mut response = client
+        .post(&url, "/a", &[], &empty())
+        .await
+        .expect("answer");
+    assert_eq!(read_all(&mut response.body).await, b"ok");
+    assert_eq!(client.idle_connections(), 1);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut response = client
+        .post(&url, "/a", &[], &empty())
+        .await
+        .expect("answer");
+    assert_eq!(read_all(&mut response.body).await, b"ok");
     assert_eq!(accepted.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test]
 async fn a_new_connection_closed_before_an_answer_is_an_error() {
-    let (url, _) = scripted(vec![vec![None]]).await;
-    let result = client()
-        .post(&url, "/v1/completions", &[], &Bytes::from_static(b"{}"))
-        .await;
+    let (url, _) = scripted(vec![vec![Step::Close]]).await;
+    let result = client().post(&url, "/a", &[], &empty()).await;
     assert!(
         matches!(result, Err(ClientError::ClosedBeforeResponse)),
         "{:?}",
@@ -190,28 +235,111 @@ async fn a_new_connection_closed_before_an_answer_is_an_error() {
 }
 
 #[tokio::test]
-async fn a_body_cut_short_is_an_error_and_its_connection_not_reused() {
+async fn bodies_end_as_framed_and_only_clean_ends_are_reused() {
     let (url, accepted) = scripted(vec![
-        vec![Some(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort")],
-        vec![Some(
-            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        vec![Step::AnswerAndClose(
+            b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
         )],
-        vec![Some(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")],
+        vec![Step::AnswerAndClose(
+            b"HTTP/1.1 200 OK\r\n\r\nuntil the end",
+        )],
+        vec![Step::Answer(
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokEXTRA",
+        )],
+        vec![Step::Answer(
+            b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
+        )],
+        vec![Step::Answer(
+            b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n",
+        )],
     ])
     .await;
     let client = client();
     let mut response = client
-        .post(&url, "/a", &[], &Bytes::new())
+        .post(&url, "/a", &[], &empty())
         .await
         .expect("answer");
     assert_eq!(
         response.body.chunk().await.expect("piece"),
         Some(Bytes::from("short"))
     );
-    // The server now waits for another request on this connection: drop it.
+    assert!(matches!(
+        response.body.chunk().await,
+        Err(ClientError::Framing(FramingError::Truncated))
+    ));
     drop(response);
     let mut response = client
-        .post(&url, "/a", &[], &Bytes::new())
+        .post(&url, "/a", &[], &empty())
+        .await
+        .expect("answer");
+    assert_eq!(read_all(&mut response.body).await, b"until the end");
+    assert_eq!(
+        client.idle_connections(),
+        0,
+        "a close-delimited body ends its connection"
+    );
+    let mut response = client
+        .post(&url, "/a", &[], &empty())
+        .await
+        .expect("answer");
+    assert_eq!(read_all(&mut response.body).await, b"ok");
+    assert_eq!(
+        client.idle_connections(),
+        0,
+        "bytes past the body: out of step"
+    );
+    let mut response = client
+        .post(&url, "/a", &[], &empty())
+        .await
+        .expect("answer");
+    assert_eq!(read_all(&mut response.body).await, b"ok");
+    assert_eq!(client.idle_connections(), 0, "connection: close");
+    let mut response = client
+        .post(&url, "/a", &[], &empty())
+        .await
+        .expect("answer");
+    assert_eq!(response.status, 204);
+    assert_eq!(
+        read_all(&mut response.body).await,
+        b"",
+        "no body, whatever its length says"
+    );
+    assert_eq!(client.idle_connections(), 1);
+    assert_eq!(accepted.load(Ordering::SeqCst), 5);
+}
+
+#[tokio::test]
+async fn an_answer_before_the_whole_request_is_still_read() {
+    // The engine refuses a large body after its head, and closes.
+    let (url, _) = scripted(vec![vec![Step::AnswerAndClose(
+        b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 8\r\n\r\ntoo big!",
+    )]])
+    .await;
+    let body = Bytes::from(vec![b' '; 32 << 20]);
+    let mut response = client()
+        .post(&url, "/a", &[], &body)
+        .await
+        .expect("the answer");
+    assert_eq!(response.status, 413);
+    assert_eq!(read_all(&mut response.body).await, b"too big!");
+}
+
+#[tokio::test]
+async fn dropping_a_stream_closes_it_at_the_engine() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.expect("accept");
+        let mut request = vec![0u8; 4096];
+        let _ = socket.read(&mut request).await;
+        let answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n";
+        socket.write_all(answer).await.expect("write");
+        let read = socket.read(&mut request).await;
+        let _ = closed_tx.send(matches!(read, Ok(0) | Err(_)));
+    });
+    let mut response = client()
+        .post(&url, "/a", &[], &empty())
         .await
         .expect("answer");
     assert_eq!(
@@ -219,15 +347,14 @@ async fn a_body_cut_short_is_an_error_and_its_connection_not_reused() {
         Some(Bytes::from("hello"))
     );
     drop(response);
-    let mut response = client
-        .post(&url, "/a", &[], &Bytes::new())
+    let closed = tokio::time::timeout(Duration::from_secs(5), closed_rx)
         .await
-        .expect("answer");
-    // The raw server keeps this socket open: the body has no end yet.
-    let first = response.body.chunk().await.expect("piece");
-    assert_eq!(first, Some(Bytes::from("until the end")));
-    assert_eq!(accepted.load(Ordering::SeqCst), 3);
-    assert_eq!(client.idle_connections(), 0);
+        .expect("the engine sees the end")
+        .expect("sent");
+    assert!(
+        closed,
+        "the engine reads the connection's end, so it stops generating"
+    );
 }
 
 #[tokio::test]
@@ -257,10 +384,17 @@ async fn a_truncated_chunked_body_is_an_error() {
 }
 
 #[tokio::test]
-async fn interim_answers_are_skipped() {
-    let (url, _) = scripted(vec![vec![Some(
-        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok",
-    )]])
+async fn interim_answers_are_skipped_within_a_bound() {
+    let (url, _) = scripted(vec![
+        vec![Step::Answer(
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok",
+        )],
+        vec![Step::Answer(
+            b"HTTP/1.1 100 A\r\n\r\nHTTP/1.1 100 B\r\n\r\nHTTP/1.1 100 C\r\n\r\n\
+              HTTP/1.1 100 D\r\n\r\nHTTP/1.1 100 E\r\n\r\nHTTP/1.1 100 F\r\n\r\n\
+              HTTP/1.1 100 G\r\n\r\nHTTP/1.1 100 H\r\n\r\nHTTP/1.1 100 I\r\n\r\n",
+        )],
+    ])
     .await;
     let mut response = client()
         .post(&url, "/a", &[], &Bytes::new())

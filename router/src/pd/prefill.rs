@@ -129,6 +129,7 @@ pub async fn run(
                     CallError::Transport(_) => "body",
                 };
                 crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", kind);
+                tracing::warn!(instance = %instance.id, error = %err, "prefill failed");
                 last_error = Some(bad_gateway(err.to_string()));
                 continue;
             }
@@ -137,6 +138,7 @@ pub async fn run(
         if reply.status >= 500 || reply.status < 200 || (300..400).contains(&reply.status) {
             crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", "5xx");
             let error = ApiError::upstream(reply.status, &reply.body);
+            tracing::warn!(instance = %instance.id, status = reply.status, %error, "prefill failed");
             last_error = Some(bad_gateway(format!("HTTP {}: {error}", reply.status)));
             continue;
         }

@@ -257,11 +257,16 @@ async fn read_capped(mut response: Body, cap: usize, strict: bool) -> Result<Byt
     Ok(body.freeze())
 }
 
-/// A client error as a [`CallError`]: a connect failure (and whether it was
-/// refused) apart from failures after the request was sent.
+/// A client error as a [`CallError`]: what never reached the engine (no
+/// connection, and whether it was refused; a request that could not be sent)
+/// apart from failures after the request was sent.
 fn call_error(err: ClientError) -> CallError {
     match err {
         ClientError::Connect { refused, message } => CallError::Connect { refused, message },
+        err if err.not_sent() => CallError::Connect {
+            refused: false,
+            message: err.to_string(),
+        },
         err => CallError::Transport(err.to_string()),
     }
 }

@@ -1,22 +1,25 @@
-//! Idle keep-alive connections to engines, per engine address. Unlike hyper's
-//! pool, an idle connection here is only a socket: no task watches it and no
-//! buffer stays allocated with it. A connection the engine closed while idle
-//! is found when it is taken (a non-blocking read sees its end) and dropped;
-//! a sweeper owned by the pool closes those idle past the timeout.
+//! Idle keep-alive connections per peer address: the router's connections to
+//! engines (HTTP) and the hold control client's to holders. An idle
+//! connection is only its socket: no task watches it and no buffer stays
+//! allocated with it (with 10k streams, the router's memory is mostly its
+//! connections). A connection the peer closed while idle is found when it is
+//! taken (a non-blocking read sees its end) and dropped; a sweeper owned by
+//! the pool closes those idle past the timeout.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 use tokio_util::task::AbortOnDropHandle;
 
 /// The idle connections.
-pub struct Pool {
+pub struct IdlePool {
     shared: Arc<Shared>,
 }
 
 struct Shared {
-    idle: Mutex<HashMap<Box<str>, Vec<Idle>>>,
+    /// Per address, oldest first.
+    idle: Mutex<HashMap<Box<str>, VecDeque<Idle>>>,
     max_per_host: usize,
     idle_timeout: Duration,
     /// Started with the first connection given back; stops with the pool.
@@ -28,9 +31,9 @@ struct Idle {
     since: Instant,
 }
 
-impl Pool {
-    /// At most `max_per_host` idle connections per engine address, each kept
-    /// at most `idle_timeout`.
+impl IdlePool {
+    /// At most `max_per_host` idle connections per address, each kept at most
+    /// `idle_timeout`.
     pub fn new(max_per_host: usize, idle_timeout: Duration) -> Self {
         Self {
             shared: Arc::new(Shared {
@@ -42,16 +45,16 @@ impl Pool {
         }
     }
 
-    /// A live idle connection to `authority`, the most recently used first
-    /// (its engine-side state is warm, and older ones age out).
-    pub fn take(&self, authority: &str) -> Option<TcpStream> {
+    /// A live idle connection to `addr`, the most recently used first (older
+    /// ones age out).
+    pub fn take(&self, addr: &str) -> Option<TcpStream> {
         loop {
             let idle = {
                 let mut map = self.shared.lock();
-                let list = map.get_mut(authority)?;
-                let idle = list.pop();
+                let list = map.get_mut(addr)?;
+                let idle = list.pop_back();
                 if list.is_empty() {
-                    map.remove(authority);
+                    map.remove(addr);
                 }
                 idle?
             };
@@ -61,38 +64,53 @@ impl Pool {
         }
     }
 
-    /// Gives back a connection whose exchange ended cleanly.
-    pub fn put(&self, authority: &str, stream: TcpStream) {
+    /// Gives back a connection to `addr` whose exchange ended cleanly.
+    pub fn put(&self, addr: &str, stream: TcpStream) {
         if self.shared.max_per_host == 0 {
             return;
         }
-        {
+        let evicted = {
             let mut map = self.shared.lock();
-            let list = map.entry(authority.into()).or_default();
-            if list.len() >= self.shared.max_per_host {
-                // The oldest goes: it would expire first.
-                list.remove(0);
-            }
-            list.push(Idle {
+            let list = map.entry(addr.into()).or_default();
+            // At the bound the oldest goes: it would expire first.
+            let evicted = (list.len() >= self.shared.max_per_host)
+                .then(|| list.pop_front())
+                .flatten();
+            list.push_back(Idle {
                 stream,
                 since: Instant::now(),
             });
+            evicted
+        };
+        // Closed outside the lock.
+        drop(evicted);
+        if self.shared.sweeper.get().is_none() {
+            // Outside a runtime (a connection given back from blocking code)
+            // the sweeper starts with the next one; expired connections are
+            // never taken meanwhile.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                self.shared.sweeper.get_or_init(|| {
+                    let shared = Arc::downgrade(&self.shared);
+                    let every = (self.shared.idle_timeout / 2).max(Duration::from_millis(100));
+                    AbortOnDropHandle::new(runtime.spawn(sweep(shared, every)))
+                });
+            }
         }
-        self.shared.sweeper.get_or_init(|| {
-            let shared = Arc::downgrade(&self.shared);
-            let every = (self.shared.idle_timeout / 2).max(Duration::from_millis(100));
-            AbortOnDropHandle::new(tokio::spawn(sweep(shared, every)))
-        });
     }
 
-    /// How many idle connections are kept (for tests and gauges).
+    /// How many idle connections are kept (for tests and diagnostics).
     pub fn idle_count(&self) -> usize {
-        self.shared.lock().values().map(Vec::len).sum()
+        self.shared.lock().values().map(VecDeque::len).sum()
+    }
+
+    /// How many idle connections to `addr` are kept.
+    pub fn idle_to(&self, addr: &str) -> usize {
+        self.shared.lock().get(addr).map_or(0, VecDeque::len)
     }
 }
 
 impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Vec<Idle>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Box<str>, VecDeque<Idle>>> {
         // A panic while holding the lock leaves a map of sockets, still valid.
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -125,11 +143,16 @@ async fn sweep(shared: Weak<Shared>, every: Duration) {
 }
 
 /// Whether an idle connection is still open: nothing to read yet. A
-/// connection the engine closed reads its end; one with bytes waiting is out
-/// of step (an answer nobody asked for) and is not used either.
+/// connection the peer closed reads its end; one with bytes waiting is out of
+/// step (an answer nobody asked for) and is not used either. Asked of the
+/// socket itself (a non-blocking peek): tokio's `try_read` answers from the
+/// readiness it last saw, and would miss a close that came since.
 fn is_open(stream: &TcpStream) -> bool {
-    let mut byte = [0u8; 1];
-    matches!(stream.try_read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+    matches!(
+        socket2::SockRef::from(stream).peek(&mut byte),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+    )
 }
 
 #[cfg(test)]
@@ -150,7 +173,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_idle_connection_is_taken_again_newest_first() {
-        let pool = Pool::new(8, Duration::from_secs(10));
+        let pool = IdlePool::new(8, Duration::from_secs(10));
         let (a, _a) = pair().await;
         let (b, _b) = pair().await;
         let b_port = b.local_addr().expect("addr").port();
@@ -164,7 +187,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_the_engine_closed_is_not_taken() {
-        let pool = Pool::new(8, Duration::from_secs(10));
+        let pool = IdlePool::new(8, Duration::from_secs(10));
         let (a, server) = pair().await;
         pool.put("e:1", a);
         drop(server);
@@ -182,7 +205,7 @@ mod tests {
 
     #[tokio::test]
     async fn idle_connections_are_bounded_and_expire() {
-        let pool = Pool::new(2, Duration::from_millis(300));
+        let pool = IdlePool::new(2, Duration::from_millis(300));
         let mut servers = Vec::new();
         for _ in 0..3 {
             let (client, server) = pair().await;
@@ -197,12 +220,12 @@ mod tests {
         let mut server = servers.pop().expect("server");
         let read = tokio::io::AsyncReadExt::read(&mut server, &mut byte).await;
         assert_eq!(read.expect("read"), 0, "the router closed it");
-        assert_eq!(Pool::new(0, Duration::from_secs(1)).idle_count(), 0);
+        assert_eq!(IdlePool::new(0, Duration::from_secs(1)).idle_count(), 0);
     }
 
     #[tokio::test]
     async fn the_sweeper_stops_with_the_pool() {
-        let pool = Pool::new(2, Duration::from_millis(200));
+        let pool = IdlePool::new(2, Duration::from_millis(200));
         let (client, _server) = pair().await;
         pool.put("e:1", client);
         let shared = Arc::downgrade(&pool.shared);
