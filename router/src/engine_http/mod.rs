@@ -220,17 +220,19 @@ impl EngineClient {
         })
     }
 
-    /// A new connection to `authority` (`host:port`, a name resolved here),
-    /// within the connect timeout, waiting meanwhile for a connect slot: a
-    /// connection given back while it waits is taken instead.
+    /// A connection to `authority` (`host:port`, a name resolved here) for a
+    /// request that found none idle: a new one, or one another request gives
+    /// back meanwhile, whichever comes first. Each connect attempt has the
+    /// connect timeout; waiting for a connect slot or a connection given back
+    /// is bounded by the caller (a queue behind a burst is not a dead engine).
     async fn connect(&self, authority: &str) -> Result<TcpStream, ClientError> {
         let limit = self.inner.connect_timeout;
+        let given_back = self.inner.pool.wait(authority);
         let connect = async {
             let _slot = self.inner.connecting.enter(authority).await;
-            if let Some(stream) = self.inner.pool.take(authority) {
-                return Ok(stream);
-            }
-            let addrs = resolve(authority).await?;
+            let addrs = tokio::time::timeout(limit, resolve(authority))
+                .await
+                .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))?;
             // Each address gets its share of the time (a black-holed first one
             // must not take all of it).
             let share = limit / u32::try_from(addrs.len().max(1)).unwrap_or(u32::MAX);
@@ -244,24 +246,22 @@ impl EngineClient {
             }
             Err(last)
         };
-        let stream = match tokio::time::timeout(limit, connect).await {
-            Ok(Ok(stream)) => stream,
-            Ok(Err(err)) if err.kind() == std::io::ErrorKind::TimedOut => {
+        let connected = tokio::select! {
+            connected = connect => connected,
+            Ok(stream) = given_back => Ok(stream),
+        };
+        let stream = match connected {
+            Ok(stream) => stream,
+            Err(err) if err.kind() == std::io::ErrorKind::TimedOut => {
                 return Err(ClientError::Connect {
                     refused: false,
                     message: format!("tcp connect timed out after {} ms", limit.as_millis()),
                 })
             }
-            Ok(Err(err)) => {
+            Err(err) => {
                 return Err(ClientError::Connect {
                     refused: err.kind() == std::io::ErrorKind::ConnectionRefused,
                     message: format!("tcp connect error: {err}"),
-                })
-            }
-            Err(_) => {
-                return Err(ClientError::Connect {
-                    refused: false,
-                    message: format!("tcp connect timed out after {} ms", limit.as_millis()),
                 })
             }
         };

@@ -10,6 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
+use tokio::sync::oneshot;
 use tokio_util::task::AbortOnDropHandle;
 
 /// The idle connections.
@@ -18,12 +19,28 @@ pub struct IdlePool {
 }
 
 struct Shared {
-    /// Per address, oldest first.
-    idle: Mutex<HashMap<Box<str>, VecDeque<Idle>>>,
+    entries: Mutex<HashMap<Box<str>, Entry>>,
     max_per_host: usize,
     idle_timeout: Duration,
     /// Started with the first connection given back; stops with the pool.
     sweeper: OnceLock<AbortOnDropHandle<()>>,
+}
+
+/// One address's idle connections (oldest first) and the callers waiting for
+/// one to be given back (first come, first served).
+#[derive(Default)]
+struct Entry {
+    idle: VecDeque<Idle>,
+    waiters: VecDeque<oneshot::Sender<TcpStream>>,
+    /// Waiters after the last pruning of those gone (pruned again at twice
+    /// as many: amortised, however many wait).
+    pruned_at: usize,
+}
+
+impl Entry {
+    fn is_empty(&self) -> bool {
+        self.idle.is_empty() && self.waiters.is_empty()
+    }
 }
 
 struct Idle {
@@ -37,7 +54,7 @@ impl IdlePool {
     pub fn new(max_per_host: usize, idle_timeout: Duration) -> Self {
         Self {
             shared: Arc::new(Shared {
-                idle: Mutex::new(HashMap::new()),
+                entries: Mutex::new(HashMap::new()),
                 max_per_host,
                 idle_timeout,
                 sweeper: OnceLock::new(),
@@ -51,9 +68,9 @@ impl IdlePool {
         loop {
             let idle = {
                 let mut map = self.shared.lock();
-                let list = map.get_mut(addr)?;
-                let idle = list.pop_back();
-                if list.is_empty() {
+                let entry = map.get_mut(addr)?;
+                let idle = entry.idle.pop_back();
+                if entry.is_empty() {
                     map.remove(addr);
                 }
                 idle?
@@ -64,19 +81,52 @@ impl IdlePool {
         }
     }
 
-    /// Gives back a connection to `addr` whose exchange ended cleanly.
-    pub fn put(&self, addr: &str, stream: TcpStream) {
-        if self.shared.max_per_host == 0 {
-            return;
+    /// The next connection to `addr` given back, handed over instead of
+    /// pooled: a caller that must otherwise open a new connection waits on
+    /// this and on its connect at once, and takes whichever comes first (a
+    /// burst of requests then reuses connections as they free up rather
+    /// than opening one each). Dropping the receiver gives up the place.
+    pub fn wait(&self, addr: &str) -> oneshot::Receiver<TcpStream> {
+        let (tx, rx) = oneshot::channel();
+        let mut map = self.shared.lock();
+        let entry = map.entry(addr.into()).or_default();
+        if entry.waiters.len() >= 2 * entry.pruned_at.max(32) {
+            entry.waiters.retain(|w| !w.is_closed());
+            entry.pruned_at = entry.waiters.len();
         }
+        entry.waiters.push_back(tx);
+        rx
+    }
+
+    /// Gives back a connection to `addr` whose exchange ended cleanly: to the
+    /// first caller waiting for one, else to the pool.
+    pub fn put(&self, addr: &str, mut stream: TcpStream) {
         let evicted = {
             let mut map = self.shared.lock();
-            let list = map.entry(addr.into()).or_default();
+            let entry = map.entry(addr.into()).or_default();
+            while let Some(waiter) = entry.waiters.pop_front() {
+                match waiter.send(stream) {
+                    Ok(()) => {
+                        if entry.is_empty() {
+                            map.remove(addr);
+                        }
+                        return;
+                    }
+                    // That caller went on with a connection of its own.
+                    Err(back) => stream = back,
+                }
+            }
+            if self.shared.max_per_host == 0 {
+                if entry.is_empty() {
+                    map.remove(addr);
+                }
+                return;
+            }
             // At the bound the oldest goes: it would expire first.
-            let evicted = (list.len() >= self.shared.max_per_host)
-                .then(|| list.pop_front())
+            let evicted = (entry.idle.len() >= self.shared.max_per_host)
+                .then(|| entry.idle.pop_front())
                 .flatten();
-            list.push_back(Idle {
+            entry.idle.push_back(Idle {
                 stream,
                 since: Instant::now(),
             });
@@ -100,24 +150,24 @@ impl IdlePool {
 
     /// How many idle connections are kept (for tests and diagnostics).
     pub fn idle_count(&self) -> usize {
-        self.shared.lock().values().map(VecDeque::len).sum()
+        self.shared.lock().values().map(|e| e.idle.len()).sum()
     }
 
     /// How many idle connections to `addr` are kept.
     pub fn idle_to(&self, addr: &str) -> usize {
-        self.shared.lock().get(addr).map_or(0, VecDeque::len)
+        self.shared.lock().get(addr).map_or(0, |e| e.idle.len())
     }
 }
 
 impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Box<str>, VecDeque<Idle>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Entry>> {
         // A panic while holding the lock leaves a map of sockets, still valid.
-        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-/// Closes idle connections past the timeout, every `every`, while the pool
-/// lives.
+/// Closes idle connections past the timeout, and forgets callers that stopped
+/// waiting, every `every`, while the pool lives.
 async fn sweep(shared: Weak<Shared>, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -129,11 +179,15 @@ async fn sweep(shared: Weak<Shared>, every: Duration) {
         let expired: Vec<Idle> = {
             let mut map = shared.lock();
             let mut expired = Vec::new();
-            map.retain(|_, list| {
+            map.retain(|_, entry| {
                 // Given back in time order: the expired ones are a prefix.
-                let keep = list.partition_point(|i| i.since.elapsed() >= shared.idle_timeout);
-                expired.extend(list.drain(..keep));
-                !list.is_empty()
+                let keep = entry
+                    .idle
+                    .partition_point(|i| i.since.elapsed() >= shared.idle_timeout);
+                expired.extend(entry.idle.drain(..keep));
+                entry.waiters.retain(|w| !w.is_closed());
+                entry.pruned_at = entry.waiters.len();
+                !entry.is_empty()
             });
             expired
         };
@@ -221,6 +275,27 @@ mod tests {
         let read = tokio::io::AsyncReadExt::read(&mut server, &mut byte).await;
         assert_eq!(read.expect("read"), 0, "the router closed it");
         assert_eq!(IdlePool::new(0, Duration::from_secs(1)).idle_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_connection_given_back_goes_to_the_first_caller_still_waiting() {
+        let pool = IdlePool::new(8, Duration::from_secs(10));
+        let gone = pool.wait("e:1");
+        let first = pool.wait("e:1");
+        let second = pool.wait("e:1");
+        drop(gone);
+        let (a, _a) = pair().await;
+        let a_port = a.local_addr().expect("addr").port();
+        pool.put("e:1", a);
+        let handed = first.await.expect("handed over");
+        assert_eq!(handed.local_addr().expect("addr").port(), a_port);
+        assert_eq!(pool.idle_count(), 0, "handed over, not pooled");
+        drop(second);
+        let (b, _b) = pair().await;
+        pool.put("e:1", b);
+        assert_eq!(pool.idle_count(), 1, "nobody waits any more: pooled");
+        assert!(pool.take("e:1").is_some());
+        assert!(pool.shared.lock().is_empty(), "nothing left behind");
     }
 
     #[tokio::test]
