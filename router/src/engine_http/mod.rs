@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::oneshot;
 
 /// Why an exchange failed.
 #[derive(Debug, thiserror::Error)]
@@ -222,32 +223,32 @@ impl EngineClient {
 
     /// A connection to `authority` (`host:port`, a name resolved here) for a
     /// request that found none idle: a new one, or one another request gives
-    /// back meanwhile, whichever comes first. Each connect attempt has the
-    /// connect timeout; waiting for a connect slot or a connection given back
-    /// is bounded by the caller (a queue behind a burst is not a dead engine).
+    /// back meanwhile, whichever comes first. As in hyper's pool, a connect
+    /// that loses the race still completes (on its own task, bounded by the
+    /// connect timeout) and its connection is pooled: a burst grows the pool
+    /// to the engine's concurrency instead of queueing behind it. Waiting for
+    /// a connect slot or a connection given back is bounded by the caller (a
+    /// queue behind a burst is not a dead engine).
     async fn connect(&self, authority: &str) -> Result<TcpStream, ClientError> {
         let limit = self.inner.connect_timeout;
         let given_back = self.inner.pool.wait(authority);
-        let connect = async {
-            let _slot = self.inner.connecting.enter(authority).await;
-            let addrs = tokio::time::timeout(limit, resolve(authority))
-                .await
-                .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))?;
-            // Each address gets its share of the time (a black-holed first one
-            // must not take all of it).
-            let share = limit / u32::try_from(addrs.len().max(1)).unwrap_or(u32::MAX);
-            let mut last = std::io::Error::other("no address");
-            for addr in addrs {
-                match tokio::time::timeout(share, TcpStream::connect(addr)).await {
-                    Ok(Ok(stream)) => return Ok(stream),
-                    Ok(Err(err)) => last = err,
-                    Err(_) => last = std::io::ErrorKind::TimedOut.into(),
-                }
+        let (tx, connected) = oneshot::channel();
+        let (client, addr) = (self.clone(), authority.to_string());
+        tokio::spawn(async move {
+            let mut tx = tx;
+            let slot = tokio::select! {
+                slot = client.inner.connecting.enter(&addr) => slot,
+                // Nobody waits for it any more: no connect.
+                () = tx.closed() => return,
+            };
+            let result = client.open(&addr).await;
+            drop(slot);
+            if let Err(Ok(stream)) = tx.send(result) {
+                client.inner.pool.put(&addr, stream);
             }
-            Err(last)
-        };
+        });
         let connected = tokio::select! {
-            connected = connect => connected,
+            connected = connected => connected.unwrap_or_else(|_| Err(std::io::Error::other("connect task ended"))),
             Ok(stream) = given_back => Ok(stream),
         };
         let stream = match connected {
@@ -265,14 +266,32 @@ impl EngineClient {
                 })
             }
         };
-        // Every token is its own small write; see `server.rs`.
-        stream
-            .set_nodelay(true)
-            .map_err(|err| ClientError::Connect {
-                refused: false,
-                message: format!("tcp setup: {err}"),
-            })?;
         Ok(stream)
+    }
+
+    /// A new TCP connection to `authority`, each address within its share of
+    /// the connect timeout.
+    async fn open(&self, authority: &str) -> std::io::Result<TcpStream> {
+        let limit = self.inner.connect_timeout;
+        let addrs = tokio::time::timeout(limit, resolve(authority))
+            .await
+            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))?;
+        // Each address gets its share of the time (a black-holed first one
+        // must not take all of it).
+        let share = limit / u32::try_from(addrs.len().max(1)).unwrap_or(u32::MAX);
+        let mut last = std::io::Error::other("no address");
+        for addr in addrs {
+            match tokio::time::timeout(share, TcpStream::connect(addr)).await {
+                Ok(Ok(stream)) => {
+                    // Every token is its own small write; see `server.rs`.
+                    stream.set_nodelay(true)?;
+                    return Ok(stream);
+                }
+                Ok(Err(err)) => last = err,
+                Err(_) => last = std::io::ErrorKind::TimedOut.into(),
+            }
+        }
+        Err(last)
     }
 }
 
