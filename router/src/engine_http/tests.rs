@@ -48,6 +48,11 @@ async fn server() -> (String, Arc<AtomicUsize>) {
     (url, accepted)
 }
 
+/// POSTs `{}` to `/a` and expects an answer.
+async fn ask(client: &EngineClient, url: &str) -> Response {
+    client.post(url, "/a", &[], &empty()).await.expect("answer")
+}
+
 async fn read_all(body: &mut Body) -> Vec<u8> {
     let mut all = Vec::new();
     while let Some(piece) = body.chunk().await.expect("body") {
@@ -189,10 +194,7 @@ async fn a_request_that_was_written_is_never_sent_twice() {
     ])
     .await;
     let client = client();
-    let mut response = client
-        .post(&url, "/a", &[], &empty())
-        .await
-        .expect("answer");
+    let mut response = ask(&client, &url).await;
     assert_eq!(read_all(&mut response.body).await, b"ok");
     let result = client.post(&url, "/a", &[], &empty()).await;
     match result {
@@ -208,17 +210,11 @@ async fn a_pooled_connection_the_engine_closed_is_not_used() {
     let (url, accepted) =
         scripted(vec![vec![Step::AnswerAndClose(OK)], vec![Step::Answer(OK)]]).await;
     let client = client();
-    let mut response = client
-        .post(&url, "/a", &[], &empty())
-        .await
-        .expect("answer");
+    let mut response = ask(&client, &url).await;
     assert_eq!(read_all(&mut response.body).await, b"ok");
     assert_eq!(client.idle_connections(), 1);
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let mut response = client
-        .post(&url, "/a", &[], &empty())
-        .await
-        .expect("answer");
+    let mut response = ask(&client, &url).await;
     assert_eq!(read_all(&mut response.body).await, b"ok");
     assert_eq!(accepted.load(Ordering::SeqCst), 2);
 }
@@ -255,10 +251,7 @@ async fn bodies_end_as_framed_and_only_clean_ends_are_reused() {
     ])
     .await;
     let client = client();
-    let mut response = client
-        .post(&url, "/a", &[], &empty())
-        .await
-        .expect("answer");
+    let mut response = ask(&client, &url).await;
     assert_eq!(
         response.body.chunk().await.expect("piece"),
         Some(Bytes::from("short"))
@@ -268,36 +261,19 @@ async fn bodies_end_as_framed_and_only_clean_ends_are_reused() {
         Err(ClientError::Framing(FramingError::Truncated))
     ));
     drop(response);
-    let mut response = client
-        .post(&url, "/a", &[], &empty())
-        .await
-        .expect("answer");
-    assert_eq!(read_all(&mut response.body).await, b"until the end");
-    assert_eq!(
-        client.idle_connections(),
-        0,
-        "a close-delimited body ends its connection"
-    );
-    let mut response = client
-        .post(&url, "/a", &[], &empty())
-        .await
-        .expect("answer");
-    assert_eq!(read_all(&mut response.body).await, b"ok");
-    assert_eq!(
-        client.idle_connections(),
-        0,
-        "bytes past the body: out of step"
-    );
-    let mut response = client
-        .post(&url, "/a", &[], &empty())
-        .await
-        .expect("answer");
-    assert_eq!(read_all(&mut response.body).await, b"ok");
-    assert_eq!(client.idle_connections(), 0, "connection: close");
-    let mut response = client
-        .post(&url, "/a", &[], &empty())
-        .await
-        .expect("answer");
+    for (body, why) in [
+        (
+            &b"until the end"[..],
+            "a close-delimited body ends its connection",
+        ),
+        (b"ok", "bytes past the body: out of step"),
+        (b"ok", "connection: close"),
+    ] {
+        let mut response = ask(&client, &url).await;
+        assert_eq!(read_all(&mut response.body).await, body);
+        assert_eq!(client.idle_connections(), 0, "{why}");
+    }
+    let mut response = ask(&client, &url).await;
     assert_eq!(response.status, 204);
     assert_eq!(
         read_all(&mut response.body).await,
@@ -359,24 +335,14 @@ async fn dropping_a_stream_closes_it_at_the_engine() {
 
 #[tokio::test]
 async fn a_truncated_chunked_body_is_an_error() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(async move {
-        let (mut socket, _) = listener.accept().await.expect("accept");
-        let mut request = vec![0u8; 4096];
-        let _ = socket.read(&mut request).await;
-        let answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n";
-        socket.write_all(answer).await.expect("write");
-        // and the engine dies
-    });
-    let mut response = client()
-        .post(&url, "/a", &[], &Bytes::new())
-        .await
-        .expect("answer");
-    assert_eq!(
-        response.body.chunk().await.expect("piece"),
-        Some(Bytes::from("hello"))
-    );
+    // The engine dies in the middle of a stream.
+    let (url, _) = scripted(vec![vec![Step::AnswerAndClose(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    )]])
+    .await;
+    let mut response = ask(&client(), &url).await;
+    let hello = response.body.chunk().await.expect("piece");
+    assert_eq!(hello, Some(Bytes::from("hello")));
     assert!(matches!(
         response.body.chunk().await,
         Err(ClientError::Framing(FramingError::Truncated))
@@ -396,12 +362,20 @@ async fn interim_answers_are_skipped_within_a_bound() {
         )],
     ])
     .await;
-    let mut response = client()
-        .post(&url, "/a", &[], &Bytes::new())
-        .await
-        .expect("answer");
+    let client = client();
+    let mut response = ask(&client, &url).await;
     assert_eq!(response.status, 201);
     assert_eq!(read_all(&mut response.body).await, b"ok");
+    drop(response);
+    // The first connection is pooled; the second one's interim answers never
+    // end.
+    let _pooled = client.inner.pool.take(url.trim_start_matches("http://"));
+    let result = client.post(&url, "/a", &[], &empty()).await;
+    assert!(
+        matches!(result, Err(ClientError::TooManyInterim)),
+        "{:?}",
+        result.err()
+    );
 }
 
 #[tokio::test]
