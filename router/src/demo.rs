@@ -194,7 +194,7 @@ async fn send(
         let mut parser = SseParser::default();
         let mut chunks = response.bytes_stream();
         while let Some(bytes) = chunks.next().await {
-            for data in parser.push(&bytes.map_err(|e| e.to_string())?) {
+            for data in parser.push(bytes.map_err(|e| e.to_string())?) {
                 if data == sse::DONE {
                     continue;
                 }
@@ -274,7 +274,7 @@ async fn failure_demo(
     let mut parser = SseParser::default();
     let mut chunks = response.bytes_stream();
     while let Some(bytes) = chunks.next().await {
-        for data in parser.push(&bytes.map_err(|e| failed(e.to_string()))?) {
+        for data in parser.push(bytes.map_err(|e| failed(e.to_string()))?) {
             if data == sse::DONE {
                 continue;
             }

@@ -10,15 +10,24 @@ pub struct SseParser {
 
 impl SseParser {
     /// Feeds bytes; returns the data payload of each event completed by them.
-    pub fn push(&mut self, chunk: &[u8]) -> Vec<Bytes> {
-        self.buf.extend_from_slice(chunk);
+    /// An event that arrives whole with one `data:` line (every token event
+    /// of an engine) is handed on as a slice of `chunk`, not copied; only an
+    /// event split across chunks is gathered in the parser's buffer.
+    pub fn push(&mut self, chunk: Bytes) -> Vec<Bytes> {
+        let mut input = if self.buf.is_empty() {
+            chunk
+        } else {
+            self.buf.extend_from_slice(&chunk);
+            self.buf.split().freeze()
+        };
         let mut events = Vec::new();
-        while let Some((end, sep)) = find_event_end(&self.buf) {
-            let event = self.buf.split_to(end + sep).freeze();
-            if let Some(data) = event_data(&event[..end]) {
+        while let Some((end, sep)) = find_event_end(&input) {
+            let event = input.split_to(end + sep);
+            if let Some(data) = event_data(&event.slice(..end)) {
                 events.push(data);
             }
         }
+        self.buf.extend_from_slice(&input);
         events
     }
 
@@ -48,8 +57,18 @@ fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     }
 }
 
-/// The joined `data:` lines of one event; `None` for comments and empty events.
-fn event_data(event: &[u8]) -> Option<Bytes> {
+/// The joined `data:` lines of one event; `None` for comments and empty
+/// events. One `data:` line is a slice of `event`.
+fn event_data(event: &Bytes) -> Option<Bytes> {
+    let mut lines = event
+        .split(|&b| b == b'\n')
+        .filter(|line| line.starts_with(b"data:"));
+    if let (Some(line), None) = (lines.next(), lines.next()) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let rest = &line[b"data:".len()..];
+        let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+        return Some(event.slice_ref(rest));
+    }
     let mut data: Option<Vec<u8>> = None;
     for line in event.split(|&b| b == b'\n') {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
@@ -84,8 +103,8 @@ mod tests {
     #[test]
     fn splits_events_across_chunk_boundaries() {
         let mut parser = SseParser::default();
-        assert!(parser.push(b"data: {\"a\":").is_empty());
-        let events = parser.push(b"1}\n\ndata: [DONE]\n\n: comment\n\n");
+        assert!(parser.push(Bytes::from_static(b"data: {\"a\":")).is_empty());
+        let events = parser.push(Bytes::from_static(b"1}\n\ndata: [DONE]\n\n: comment\n\nda"));
         assert_eq!(
             events,
             vec![
@@ -93,19 +112,37 @@ mod tests {
                 Bytes::from_static(b"[DONE]")
             ]
         );
+        assert_eq!(parser.pending(), 2, "the start of the next event waits");
+        let events = parser.push(Bytes::from_static(b"ta: x\n\n"));
+        assert_eq!(events, vec![Bytes::from_static(b"x")]);
         assert_eq!(parser.pending(), 0);
     }
 
     #[test]
     fn handles_crlf_and_multiline_data() {
         let mut parser = SseParser::default();
-        let events = parser.push(b"data: a\r\ndata: b\r\n\r\n");
-        assert_eq!(events, vec![Bytes::from_static(b"a\nb")]);
+        let events = parser.push(Bytes::from_static(
+            b"data: a\r\ndata: b\r\n\r\nevent: e\r\ndata:c\r\n\r\n",
+        ));
+        assert_eq!(
+            events,
+            vec![Bytes::from_static(b"a\nb"), Bytes::from_static(b"c")]
+        );
+    }
+
+    #[test]
+    fn a_whole_event_is_not_copied() {
+        let mut parser = SseParser::default();
+        let chunk = Bytes::from_static(b"data: {\"id\":1}\n\n");
+        let events = parser.push(chunk.clone());
+        assert_eq!(events.len(), 1);
+        let within = chunk.as_ptr_range();
+        assert!(within.contains(&events[0].as_ptr()), "a slice of the chunk");
     }
 
     #[test]
     fn emits_what_it_parses() {
         let mut parser = SseParser::default();
-        assert_eq!(parser.push(&event(b"{}")), vec![Bytes::from_static(b"{}")]);
+        assert_eq!(parser.push(event(b"{}")), vec![Bytes::from_static(b"{}")]);
     }
 }

@@ -330,7 +330,7 @@ async fn drained_decoder_finishes_in_flight_and_gets_no_new_requests() {
     let text = in_flight.await.unwrap();
     let mut parser = connex_router::sse::SseParser::default();
     let chunks: Vec<Value> = parser
-        .push(text.as_bytes())
+        .push(bytes::Bytes::copy_from_slice(text.as_bytes()))
         .iter()
         .filter_map(|d| serde_json::from_slice(d).ok())
         .collect();

@@ -92,7 +92,7 @@ async fn one_stream(url: String, i: usize, hang_up: bool, tally: Arc<Tally>) {
     let mut parser = connex_router::sse::SseParser::default();
     let mut chunks: Vec<Value> = Vec::new();
     while let Some(bytes) = response.chunk().await.unwrap() {
-        chunks.extend(parser.push(&bytes).iter().map(|d| event_value(d)));
+        chunks.extend(parser.push(bytes).iter().map(|d| event_value(d)));
         if hang_up && chunks.len() >= 3 {
             tally.hung_up.fetch_add(1, Ordering::Relaxed);
             return;

@@ -253,7 +253,7 @@ impl Attempt {
                     return self.failure(Cause::FirstToken, message);
                 }
                 Ok(Some(Ok(bytes))) => {
-                    self.pending.extend(self.parser.push(&bytes));
+                    self.pending.extend(self.parser.push(bytes));
                     if self.parser.pending() > self.limits.max_event {
                         let message = format!(
                             "decoder {} sent an event larger than {} bytes",

@@ -272,7 +272,7 @@ pub async fn stream(router: &Proc, path: &str, body: &Value) -> Vec<Value> {
 /// the final `[DONE]`, as its text).
 pub fn sse_events(text: &str) -> Vec<Value> {
     connex_router::sse::SseParser::default()
-        .push(text.as_bytes())
+        .push(bytes::Bytes::copy_from_slice(text.as_bytes()))
         .iter()
         .map(|data| event_value(data))
         .collect()
@@ -753,7 +753,7 @@ impl TrackedStreams {
                     let mut events: Vec<Value> = Vec::new();
                     while let Some(bytes) = response.chunk().await.unwrap() {
                         let new: Vec<Value> =
-                            parser.push(&bytes).iter().map(|d| event_value(d)).collect();
+                            parser.push(bytes).iter().map(|d| event_value(d)).collect();
                         progress[i].fetch_add(streamed_token_ids(&new).len(), Ordering::SeqCst);
                         events.extend(new);
                     }
