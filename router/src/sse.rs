@@ -27,7 +27,12 @@ impl SseParser {
                 events.push(data);
             }
         }
-        self.buf.extend_from_slice(&input);
+        if input.is_empty() {
+            // Nothing kept of the bytes just parsed (the buffer would pin them).
+            self.buf = BytesMut::new();
+        } else {
+            self.buf.extend_from_slice(&input);
+        }
         events
     }
 

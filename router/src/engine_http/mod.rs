@@ -154,25 +154,25 @@ impl EngineClient {
             .filter(|a| !a.is_empty() && a.bytes().all(is_authority_byte))
             .ok_or_else(|| ClientError::Url(url.to_string()))?;
         let request_head = head::request(authority, path, headers, body.len())?;
-        // A pooled connection the engine closed just as it was taken fails
-        // the write: the request never reached it, and goes on a new
-        // connection. Once written it is never sent again (a POST the engine
-        // may have acted on).
+        // A reused connection (pooled, or given back by another request) that
+        // the engine closed just as it was taken fails the write: the request
+        // never reached it, and goes on a new connection. Once written it is
+        // never sent again (a POST the engine may have acted on).
         if let Some(stream) = self.inner.pool.take(authority) {
             match self.exchange(stream, authority, &request_head, body).await {
                 Err(Exchange::Unwritten(_)) => {}
-                Err(Exchange::Failed(err)) => return Err(err),
-                Ok(response) => return Ok(response),
+                other => return other.map_err(Exchange::into_error),
             }
         }
-        let stream = self.connect(authority).await?;
+        let (stream, reused) = self.connect(authority).await?;
         match self.exchange(stream, authority, &request_head, body).await {
-            Ok(response) => Ok(response),
-            Err(Exchange::Unwritten(err)) => Err(ClientError::Connect {
-                refused: false,
-                message: format!("the connection failed before the request was sent: {err}"),
-            }),
-            Err(Exchange::Failed(err)) => Err(err),
+            Err(Exchange::Unwritten(_)) if reused => {
+                let stream = self.fresh(authority).await?;
+                self.exchange(stream, authority, &request_head, body)
+                    .await
+                    .map_err(Exchange::into_error)
+            }
+            other => other.map_err(Exchange::into_error),
         }
     }
 
@@ -222,16 +222,24 @@ impl EngineClient {
     }
 
     /// A connection to `authority` (`host:port`, a name resolved here) for a
-    /// request that found none idle: a new one, or one another request gives
-    /// back meanwhile, whichever comes first. As in hyper's pool, a connect
-    /// that loses the race still completes (on its own task, bounded by the
-    /// connect timeout) and its connection is pooled: a burst grows the pool
-    /// to the engine's concurrency instead of queueing behind it. Waiting for
-    /// a connect slot or a connection given back is bounded by the caller (a
-    /// queue behind a burst is not a dead engine).
-    async fn connect(&self, authority: &str) -> Result<TcpStream, ClientError> {
-        let limit = self.inner.connect_timeout;
-        let given_back = self.inner.pool.wait(authority);
+    /// request that found none idle, and whether it was used before: a new
+    /// one, or one another request gives back meanwhile, whichever comes
+    /// first. As in hyper's pool, a connect that loses the race still
+    /// completes (on its own task, bounded by the connect timeout) and its
+    /// connection is pooled: a burst grows the pool to the engine's
+    /// concurrency instead of queueing behind it. Waiting for a connect slot
+    /// or a connection given back is bounded by the caller (a queue behind a
+    /// burst is not a dead engine).
+    async fn connect(&self, authority: &str) -> Result<(TcpStream, bool), ClientError> {
+        let mut given_back = GivenBack {
+            rx: self.inner.pool.wait(authority),
+            client: self,
+            authority,
+        };
+        // One given back between the caller's look at the pool and the wait.
+        if let Some(stream) = self.inner.pool.take(authority) {
+            return Ok((stream, true));
+        }
         let (tx, connected) = oneshot::channel();
         let (client, addr) = (self.clone(), authority.to_string());
         tokio::spawn(async move {
@@ -247,40 +255,49 @@ impl EngineClient {
                 client.inner.pool.put(&addr, stream);
             }
         });
-        let connected = tokio::select! {
-            connected = connected => connected.unwrap_or_else(|_| Err(std::io::Error::other("connect task ended"))),
-            Ok(stream) = given_back => Ok(stream),
-        };
-        let stream = match connected {
-            Ok(stream) => stream,
-            Err(err) if err.kind() == std::io::ErrorKind::TimedOut => {
-                return Err(ClientError::Connect {
-                    refused: false,
-                    message: format!("tcp connect timed out after {} ms", limit.as_millis()),
-                })
+        tokio::select! {
+            connected = connected => {
+                let connected = connected.unwrap_or_else(|_| Err(std::io::Error::other("connect task ended")));
+                Ok((connected.map_err(|err| self.connect_error(err))?, false))
             }
-            Err(err) => {
-                return Err(ClientError::Connect {
-                    refused: err.kind() == std::io::ErrorKind::ConnectionRefused,
-                    message: format!("tcp connect error: {err}"),
-                })
-            }
-        };
-        Ok(stream)
+            Ok(stream) = &mut given_back.rx => Ok((stream, true)),
+        }
     }
 
-    /// A new TCP connection to `authority`, each address within its share of
-    /// the connect timeout.
-    async fn open(&self, authority: &str) -> std::io::Result<TcpStream> {
+    /// A new connection to `authority`, after a connect slot.
+    async fn fresh(&self, authority: &str) -> Result<TcpStream, ClientError> {
+        let _slot = self.inner.connecting.enter(authority).await;
+        self.open(authority)
+            .await
+            .map_err(|err| self.connect_error(err))
+    }
+
+    fn connect_error(&self, err: std::io::Error) -> ClientError {
         let limit = self.inner.connect_timeout;
-        let addrs = tokio::time::timeout(limit, resolve(authority))
+        if err.kind() == std::io::ErrorKind::TimedOut {
+            return ClientError::Connect {
+                refused: false,
+                message: format!("tcp connect timed out after {} ms", limit.as_millis()),
+            };
+        }
+        ClientError::Connect {
+            refused: err.kind() == std::io::ErrorKind::ConnectionRefused,
+            message: format!("tcp connect error: {err}"),
+        }
+    }
+
+    /// A new TCP connection to `authority` within the connect timeout, name
+    /// resolution included, each address within its share of what is left (a
+    /// black-holed first one must not take all of it).
+    async fn open(&self, authority: &str) -> std::io::Result<TcpStream> {
+        let deadline = tokio::time::Instant::now() + self.inner.connect_timeout;
+        let addrs = tokio::time::timeout_at(deadline, resolve(authority))
             .await
             .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))?;
-        // Each address gets its share of the time (a black-holed first one
-        // must not take all of it).
-        let share = limit / u32::try_from(addrs.len().max(1)).unwrap_or(u32::MAX);
         let mut last = std::io::Error::other("no address");
-        for addr in addrs {
+        for (i, addr) in addrs.iter().enumerate() {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let share = left / u32::try_from(addrs.len() - i).unwrap_or(u32::MAX);
             match tokio::time::timeout(share, TcpStream::connect(addr)).await {
                 Ok(Ok(stream)) => {
                     // Every token is its own small write; see `server.rs`.
@@ -292,6 +309,25 @@ impl EngineClient {
             }
         }
         Err(last)
+    }
+}
+
+/// The place of a request waiting for a connection given back. Dropped, it
+/// gives up the place, and a connection handed over meanwhile (while the
+/// request's own connect won, or the request was cancelled) goes back to the
+/// pool instead of being closed.
+struct GivenBack<'a> {
+    rx: oneshot::Receiver<TcpStream>,
+    client: &'a EngineClient,
+    authority: &'a str,
+}
+
+impl Drop for GivenBack<'_> {
+    fn drop(&mut self) {
+        self.rx.close();
+        if let Ok(stream) = self.rx.try_recv() {
+            self.client.inner.pool.put(self.authority, stream);
+        }
     }
 }
 
@@ -332,10 +368,23 @@ fn is_authority_byte(b: u8) -> bool {
 }
 
 /// An exchange's failure: `Unwritten` when the connection failed before the
-/// request was written (on a pooled one: the engine had closed it), else why.
+/// request was written (on a reused one: the engine had closed it), else why.
 enum Exchange {
     Unwritten(std::io::Error),
     Failed(ClientError),
+}
+
+impl Exchange {
+    /// As the caller sees it: a request not written never reached the engine.
+    fn into_error(self) -> ClientError {
+        match self {
+            Exchange::Unwritten(err) => ClientError::Connect {
+                refused: false,
+                message: format!("the connection failed before the request was sent: {err}"),
+            },
+            Exchange::Failed(err) => err,
+        }
+    }
 }
 
 /// The addresses of `authority` (`host:port`, `[v6]:port`).

@@ -20,7 +20,9 @@ pub struct KeyedLimit {
 /// A place under the bound; given back on drop.
 pub struct Admitted {
     permit: Option<OwnedSemaphorePermit>,
-    semaphore: Arc<Semaphore>,
+    /// Dropped under the map's lock, so that of two places given back at once
+    /// the second sees the first gone and removes the entry.
+    semaphore: Option<Arc<Semaphore>>,
     addr: String,
     limit: Arc<KeyedLimit>,
 }
@@ -46,7 +48,7 @@ impl KeyedLimit {
         };
         let mut admitted = Admitted {
             permit: None,
-            semaphore: semaphore.clone(),
+            semaphore: Some(semaphore.clone()),
             addr: addr.to_string(),
             limit: self.clone(),
         };
@@ -70,10 +72,14 @@ impl Drop for Admitted {
     fn drop(&mut self) {
         drop(self.permit.take());
         let mut slots = self.limit.lock();
+        let Some(semaphore) = self.semaphore.take() else {
+            return;
+        };
         // The map's reference and this one: nobody else runs or waits.
-        if Arc::strong_count(&self.semaphore) == 2 {
+        if Arc::strong_count(&semaphore) == 2 {
             slots.remove(&self.addr);
         }
+        drop(semaphore);
     }
 }
 
