@@ -8,11 +8,12 @@ use crate::error::{Result, TransferError};
 use crate::hold::HoldTable;
 use crate::region::{BlockRef, Region, RegionId, RegionTable};
 use crate::server::{self, Shared};
-use crate::stats::{HoldInfo, HolderStats};
+use crate::stats::{ConnectionCounts, HoldInfo, HolderStats};
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -55,6 +56,8 @@ impl Holder {
             secret: config.secret.clone(),
             max_connections: config.max_connections.max(1),
             max_connections_per_peer: config.max_connections_per_peer.max(1),
+            slots: Arc::new(Semaphore::new(config.max_connections.max(1))),
+            idle: Arc::default(),
         });
         if config.secret.is_none() {
             tracing::warn!(
@@ -151,6 +154,11 @@ impl Holder {
 
     pub fn stats(&self) -> HolderStats {
         self.shared.holds.stats()
+    }
+
+    /// The control connections served now and how many sit idle.
+    pub fn connections(&self) -> ConnectionCounts {
+        self.shared.connections()
     }
 
     /// Stops the listener and the sweeper and waits for them.

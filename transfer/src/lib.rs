@@ -21,6 +21,7 @@ mod conn;
 mod error;
 mod hold;
 mod holder;
+mod idle_conns;
 pub mod net;
 pub mod proto;
 mod reader;
@@ -37,7 +38,7 @@ pub use error::{Result, TransferError};
 pub use holder::Holder;
 pub use reader::{Reader, ReaderConfig};
 pub use region::{BlockRef, Region, RegionId};
-pub use stats::{HoldInfo, HolderStats, PullStats};
+pub use stats::{ConnectionCounts, HoldInfo, HolderStats, PullStats};
 
 /// Deterministic bytes for tests and benchmarks: byte `i` of the pattern
 /// seeded by `seed`. Holder and reader processes compute the same bytes

@@ -19,6 +19,7 @@ use crate::config::{BackendKind, Faults, Secret};
 use crate::conn::{self, IO_PIECE};
 use crate::error::{Result, TransferError};
 use crate::hold::HoldTable;
+use crate::idle_conns::{ConnIdle, IdleConns, IdleMark};
 use crate::proto::{Descriptor, ErrorCode, RemoteBlock, Reply, Request, MAX_KEYS};
 use crate::region::{RegionId, RegionTable, SrcSpan};
 use std::collections::HashMap;
@@ -53,6 +54,20 @@ pub(crate) struct Shared {
     /// Most connections served at once ([`crate::HolderConfig::max_connections`]).
     pub(crate) max_connections: usize,
     pub(crate) max_connections_per_peer: usize,
+    /// One permit per connection served (`max_connections` of them).
+    pub(crate) slots: Arc<Semaphore>,
+    /// The connections between frames, to close one when out of slots.
+    pub(crate) idle: Arc<IdleConns>,
+}
+
+impl Shared {
+    /// Connections served now, and how many of them sit idle.
+    pub(crate) fn connections(&self) -> crate::stats::ConnectionCounts {
+        crate::stats::ConnectionCounts {
+            open: self.max_connections - self.slots.available_permits(),
+            idle: self.idle.count(),
+        }
+    }
 }
 
 /// Open connections per peer address.
@@ -94,77 +109,153 @@ impl Drop for PeerSlot {
 }
 
 /// Accepts connections until `shutdown`, then stops every connection task.
-/// At `max_connections` it accepts no more until one ends: a burst of pulls
-/// waits in the listen backlog instead of failing.
+/// At `max_connections` a new connection is held, unserved, while the one
+/// idle longest is closed to make room (readers pool idle connections), or
+/// until one ends; further ones wait in the listen backlog: a burst of pulls
+/// queues instead of failing.
 pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, shutdown: CancellationToken) {
     let mut connections = JoinSet::new();
-    let limit = Arc::new(Semaphore::new(shared.max_connections));
+    let (limit, idle) = (&shared.slots, &shared.idle);
     let peers = Arc::new(Peers::default());
-    let mut at_limit_since: Option<Instant> = None;
+    let mut warned_at = None;
     loop {
-        let permit = match limit.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => {
-                if at_limit_since.is_none() {
-                    at_limit_since = Some(Instant::now());
-                    tracing::warn!(
-                        max = shared.max_connections,
-                        "connection limit reached; new connections wait in the backlog"
-                    );
-                }
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    permit = limit.clone().acquire_owned() => match permit {
-                        Ok(permit) => permit,
-                        Err(_) => break,
-                    },
-                    Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-                }
-            }
-        };
-        if let Some(since) = at_limit_since.take() {
-            tracing::info!(
-                waited_ms = since.elapsed().as_millis() as u64,
-                "below the connection limit again"
-            );
-        }
-        tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    let Some(slot) = peers.take(peer.ip(), shared.max_connections_per_peer) else {
-                        tracing::debug!(%peer, "per-peer connection limit reached; closing");
-                        continue;
-                    };
-                    if let Err(err) = stream.set_nodelay(true) {
-                        tracing::debug!(%err, "set_nodelay");
-                    }
-                    let slots = (permit, slot);
-                    connections.spawn(connection(stream, shared.clone(), shutdown.clone(), slots));
-                }
+                Ok(accepted) => accepted,
                 Err(err) => {
                     // Out of file descriptors and the like: back off, keep serving.
                     tracing::warn!(%err, "accept failed");
                     tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
                 }
             },
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let Some(slot) = peers.take(peer.ip(), shared.max_connections_per_peer) else {
+            tracing::debug!(%peer, "per-peer connection limit reached; closing");
+            continue;
+        };
+        let permit = match limit.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                let Some(permit) = make_room(&shared, &shutdown, &mut warned_at).await else {
+                    break;
+                };
+                permit
+            }
+        };
+        if let Err(err) = stream.set_nodelay(true) {
+            tracing::debug!(%err, "set_nodelay");
         }
+        let conn = Connection {
+            shared: shared.clone(),
+            shutdown: shutdown.clone(),
+            idle: idle.register(),
+            _slots: (permit, slot),
+        };
+        connections.spawn(conn.serve(stream));
     }
     connections.shutdown().await;
 }
 
-async fn connection(
-    mut stream: TcpStream,
+/// How often a holder at its limit looks again for an idle connection to
+/// close (none was idle, or the one told to close took a frame meanwhile).
+const MAKE_ROOM_EVERY: Duration = Duration::from_millis(50);
+
+/// At most one warning this often that new connections wait for busy ones.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Waits for a connection slot, closing idle connections to free one. None:
+/// shutting down.
+async fn make_room(
+    shared: &Shared,
+    shutdown: &CancellationToken,
+    warned_at: &mut Option<Instant>,
+) -> Option<OwnedSemaphorePermit> {
+    let (limit, idle) = (&shared.slots, &shared.idle);
+    let since = Instant::now();
+    let mut closed = 0usize;
+    let permit = loop {
+        closed += usize::from(idle.close_longest_idle());
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            permit = limit.clone().acquire_owned() => break permit.ok()?,
+            _ = tokio::time::sleep(MAKE_ROOM_EVERY) => {}
+        }
+    };
+    let waited_ms = since.elapsed().as_millis() as u64;
+    if closed > 0 {
+        tracing::debug!(
+            closed,
+            waited_ms,
+            "connection limit reached; idle connections closed"
+        );
+    } else if warned_at.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
+        *warned_at = Some(Instant::now());
+        tracing::warn!(
+            max = shared.max_connections,
+            waited_ms,
+            "connection limit reached with every connection busy; new connections wait"
+        );
+    }
+    Some(permit)
+}
+
+/// One accepted connection and what it holds while served.
+struct Connection {
     shared: Arc<Shared>,
     shutdown: CancellationToken,
+    idle: ConnIdle,
     _slots: (OwnedSemaphorePermit, PeerSlot),
-) {
+}
+
+impl Connection {
+    /// Waits for the next frame's first byte within `limit`; `closable`:
+    /// as an idle connection the holder may close for a new one. False:
+    /// close the connection (the peer closed or sent nothing in time, the
+    /// holder needed the slot or is stopping).
+    async fn next_frame(&self, stream: &TcpStream, limit: Duration, closable: bool) -> bool {
+        let mark = closable.then(|| self.idle.idle());
+        let closing = async {
+            match &mark {
+                Some(mark) => mark.closing().await,
+                None => std::future::pending().await,
+            }
+        };
+        // A peek, not `readable()`: readiness can be left over from the last
+        // frame, and a peek consumes nothing, so a closed idle connection
+        // never loses a byte of a frame.
+        let mut first = [0u8; 1];
+        let peeked = tokio::select! {
+            _ = self.shutdown.cancelled() => return false,
+            _ = closing => {
+                tracing::debug!("idle connection closed for a new one");
+                return false;
+            }
+            peeked = tokio::time::timeout(limit, stream.peek(&mut first)) => peeked,
+        };
+        // A frame arriving as the holder chose this connection is left
+        // unread: the peer sees the connection closed and retries.
+        mark.is_none_or(IdleMark::busy) && matches!(peeked, Ok(Ok(1..)))
+    }
+
+    async fn serve(self, stream: TcpStream) {
+        connection(stream, &self).await
+    }
+}
+
+async fn connection(mut stream: TcpStream, this: &Connection) {
+    let (shared, shutdown) = (&*this.shared, &this.shutdown);
     let accepted = Instant::now();
     let mut auth = match shared.secret {
         None => Auth::Open,
         Some(_) => Auth::AwaitHello,
     };
+    // Only a connection that has been answered (a pooled one) may be closed
+    // as idle: a new one's first frame may be on its way, and its peer may
+    // be on its one retry already.
+    let mut answered = false;
     loop {
         // Until the handshake is done, every wait ends at its deadline.
         let (idle, io) = if auth.done() {
@@ -177,9 +268,16 @@ async fn connection(
             }
             (left, left.min(shared.io_timeout))
         };
+        if !this
+            .next_frame(&stream, idle, answered && auth.done())
+            .await
+        {
+            return;
+        }
+        answered = true;
         let raw = tokio::select! {
             _ = shutdown.cancelled() => return,
-            raw = conn::read_header(&mut stream, idle, io) => raw,
+            raw = conn::read_header(&mut stream, io, io) => raw,
         };
         let raw = match raw {
             Ok(Some(raw)) => raw,
@@ -260,7 +358,7 @@ async fn connection(
                 len,
             } => {
                 let range = (offset, len);
-                match stream_range(stream, &shared, &shutdown, seq, &id, epoch, range).await {
+                match stream_range(stream, shared, shutdown, seq, &id, epoch, range).await {
                     Ok(back) => {
                         stream = back;
                         continue;
@@ -272,7 +370,7 @@ async fn connection(
                 }
             }
             other => {
-                let reply = answer(&shared, other);
+                let reply = answer(shared, other);
                 conn::write_all(&mut stream, &reply.encode(seq), io).await
             }
         };

@@ -24,6 +24,16 @@ pub struct HolderStats {
     pub bytes_served: u64,
 }
 
+/// A holder's control connections now ([`crate::Holder::connections`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ConnectionCounts {
+    /// Connections served (at most `max_connections`).
+    pub open: usize,
+    /// Of those, the ones between frames after a first one: pooled by their
+    /// readers, closed first when the holder is out of connections.
+    pub idle: usize,
+}
+
 /// One hold, as `stat` and `renew` describe it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HoldInfo {

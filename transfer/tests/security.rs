@@ -7,8 +7,8 @@
 
 use connex_transfer::proto::{self, Header, Reply, Request, HEADER_LEN};
 use connex_transfer::{
-    new_transfer_id, BackendKind, BlockRef, ClientConfig, CtrlClient, Holder, HolderConfig, Reader,
-    ReaderConfig, Region, Secret, TransferError,
+    new_transfer_id, BackendKind, BlockRef, ClientConfig, ConnectionCounts, CtrlClient, Holder,
+    HolderConfig, Reader, ReaderConfig, Region, Secret, TransferError,
 };
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -340,16 +340,18 @@ async fn past_the_connection_limit_a_connection_waits_instead_of_failing() {
     .await;
     let addr = holder.ctrl_addr();
     let stat = Request::Stat { id: id.clone() }.encode(1);
+    // Two connections answered once, then in the middle of a frame: busy,
+    // not idle.
     let mut busy = Vec::new();
     for _ in 0..2 {
         let mut stream = TcpStream::connect(addr).await.unwrap();
         stream.write_all(&stat).await.unwrap();
-        assert!(matches!(
-            read_reply(&mut stream).await,
-            Some(Reply::Stat(Some(_)))
-        ));
+        assert!(read_reply(&mut stream).await.is_some());
+        stream.write_all(&stat[..HEADER_LEN / 2]).await.unwrap();
         busy.push(stream);
     }
+    let busy_counts = ConnectionCounts { open: 2, idle: 0 };
+    until(|| holder.connections() == busy_counts).await;
     let mut third = TcpStream::connect(addr).await.unwrap();
     third.write_all(&stat).await.unwrap();
     assert!(
@@ -363,6 +365,63 @@ async fn past_the_connection_limit_a_connection_waits_instead_of_failing() {
         .await
         .expect("served once a connection ends");
     assert!(matches!(reply, Some(Reply::Stat(Some(_)))), "{reply:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_pooled_connections_make_room_for_a_new_reader() {
+    // Decode processes pool their idle control connections to a prefill's
+    // holder (16 each, for a minute): enough of them filled every slot, and
+    // a new reader's pull then waited for one to time out, past its
+    // deadline. At the limit the holder closes the connection idle longest.
+    let (holder, id) = holder(HolderConfig {
+        secret: None,
+        max_connections: 2,
+        ..HolderConfig::default()
+    })
+    .await;
+    let addr = holder.ctrl_addr().to_string();
+    // A reader's pooled connection and another peer's, both served and now
+    // idle: every slot taken.
+    let pooled = client(None);
+    assert!(pooled.stat(&addr, &id).await.unwrap().is_some());
+    let mut other = TcpStream::connect(&addr).await.unwrap();
+    other
+        .write_all(&Request::Stat { id: id.clone() }.encode(1))
+        .await
+        .unwrap();
+    assert!(read_reply(&mut other).await.is_some());
+    let idle_counts = ConnectionCounts { open: 2, idle: 2 };
+    until(|| holder.connections() == idle_counts).await;
+    // A new reader is served at once, and more than once.
+    let newcomer = client(None);
+    for _ in 0..3 {
+        let started = Instant::now();
+        let stat = tokio::time::timeout(Duration::from_secs(2), newcomer.stat(&addr, &id))
+            .await
+            .expect("served without waiting for an idle connection to time out");
+        assert!(stat.unwrap().is_some());
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    // The one idle longest, the pooled reader's, was closed: its next
+    // request goes on a new connection, transparently.
+    for _ in 0..3 {
+        assert!(pooled.stat(&addr, &id).await.unwrap().is_some());
+    }
+    assert_eq!(holder.connections().open, 2);
+}
+
+/// Waits (up to 5 s) until `done` holds: for a state of the holder's tasks
+/// that shows in no reply.
+async fn until(done: impl Fn() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(started.elapsed() < Duration::from_secs(5), "not reached");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
