@@ -27,7 +27,8 @@ pub struct ClientConfig {
     /// Idle connections kept per holder address.
     pub max_idle_per_addr: usize,
     /// An idle connection older than this is closed instead of reused (the
-    /// listener closes its side after two minutes).
+    /// listener closes its side after two minutes, or sooner when it needs
+    /// the slot for a new connection).
     pub idle_ttl: Duration,
     /// Proven on every new connection, and required of the holder (default:
     /// [`crate::SECRET_ENV`]).

@@ -117,7 +117,7 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, shutdown: 
     let mut connections = JoinSet::new();
     let (limit, idle) = (&shared.slots, &shared.idle);
     let peers = Arc::new(Peers::default());
-    let mut warned_at = None;
+    let mut logs = LimitLogs::default();
     loop {
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -139,7 +139,7 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, shutdown: 
         let permit = match limit.clone().try_acquire_owned() {
             Ok(permit) => permit,
             Err(_) => {
-                let Some(permit) = make_room(&shared, &shutdown, &mut warned_at).await else {
+                let Some(permit) = make_room(&shared, &shutdown, &mut logs).await else {
                     break;
                 };
                 permit
@@ -159,44 +159,67 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, shutdown: 
     connections.shutdown().await;
 }
 
-/// How often a holder at its limit looks again for an idle connection to
-/// close (none was idle, or the one told to close took a frame meanwhile).
+/// How long a holder at its limit waits for a connection to end before it
+/// closes an idle one (one about to end frees its slot without a close).
+const MAKE_ROOM_GRACE: Duration = Duration::from_millis(5);
+/// How often it closes another idle connection while no slot frees (the one
+/// told to close took a frame at the same moment, or none was idle).
 const MAKE_ROOM_EVERY: Duration = Duration::from_millis(50);
 
-/// At most one warning this often that new connections wait for busy ones.
-const WARN_EVERY: Duration = Duration::from_secs(10);
+/// When the limit's log lines were last written: at most one of each kind
+/// per [`LimitLogs::EVERY`].
+#[derive(Default)]
+struct LimitLogs {
+    busy: Option<Instant>,
+    closing: Option<Instant>,
+}
+
+impl LimitLogs {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn due(last: &mut Option<Instant>) -> bool {
+        let due = last.is_none_or(|at| at.elapsed() >= Self::EVERY);
+        if due {
+            *last = Some(Instant::now());
+        }
+        due
+    }
+}
 
 /// Waits for a connection slot, closing idle connections to free one. None:
 /// shutting down.
 async fn make_room(
     shared: &Shared,
     shutdown: &CancellationToken,
-    warned_at: &mut Option<Instant>,
+    logs: &mut LimitLogs,
 ) -> Option<OwnedSemaphorePermit> {
     let (limit, idle) = (&shared.slots, &shared.idle);
     let since = Instant::now();
+    let mut wait = MAKE_ROOM_GRACE;
     let mut closed = 0usize;
     let permit = loop {
-        closed += usize::from(idle.close_longest_idle());
         tokio::select! {
             _ = shutdown.cancelled() => return None,
             permit = limit.clone().acquire_owned() => break permit.ok()?,
-            _ = tokio::time::sleep(MAKE_ROOM_EVERY) => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
+        wait = MAKE_ROOM_EVERY;
+        if idle.close_longest_idle() {
+            closed += 1;
+        } else if LimitLogs::due(&mut logs.busy) {
+            tracing::warn!(
+                max = shared.max_connections,
+                "connection limit reached with every connection busy; new connections wait"
+            );
         }
     };
-    let waited_ms = since.elapsed().as_millis() as u64;
-    if closed > 0 {
-        tracing::debug!(
-            closed,
-            waited_ms,
-            "connection limit reached; idle connections closed"
-        );
-    } else if warned_at.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
-        *warned_at = Some(Instant::now());
-        tracing::warn!(
+    if closed > 0 && LimitLogs::due(&mut logs.closing) {
+        tracing::info!(
             max = shared.max_connections,
-            waited_ms,
-            "connection limit reached with every connection busy; new connections wait"
+            closed,
+            waited_ms = since.elapsed().as_millis() as u64,
+            "connection limit reached: idle connections closed for new ones \
+             (raise max_connections if this goes on)"
         );
     }
     Some(permit)
@@ -252,10 +275,11 @@ async fn connection(mut stream: TcpStream, this: &Connection) {
         None => Auth::Open,
         Some(_) => Auth::AwaitHello,
     };
-    // Only a connection that has been answered (a pooled one) may be closed
-    // as idle: a new one's first frame may be on its way, and its peer may
-    // be on its one retry already.
-    let mut answered = false;
+    // Only a connection that has served an op (a pooled one) may be closed
+    // as idle: a new one's first request may be on its way (with a secret,
+    // right after its handshake), and its peer does not retry on a
+    // connection it has just opened.
+    let mut served_op = false;
     loop {
         // Until the handshake is done, every wait ends at its deadline.
         let (idle, io) = if auth.done() {
@@ -268,13 +292,9 @@ async fn connection(mut stream: TcpStream, this: &Connection) {
             }
             (left, left.min(shared.io_timeout))
         };
-        if !this
-            .next_frame(&stream, idle, answered && auth.done())
-            .await
-        {
+        if !this.next_frame(&stream, idle, served_op).await {
             return;
         }
-        answered = true;
         let raw = tokio::select! {
             _ = shutdown.cancelled() => return,
             raw = conn::read_header(&mut stream, io, io) => raw,
@@ -333,7 +353,10 @@ async fn connection(mut stream: TcpStream, this: &Connection) {
             }
         };
         let request = match auth.admit(shared.secret.as_ref(), request) {
-            Ok(Admit::Serve(request)) => request,
+            Ok(Admit::Serve(request)) => {
+                served_op = true;
+                request
+            }
             Ok(Admit::Answer(reply)) => {
                 if conn::write_all(&mut stream, &reply.encode(seq), io)
                     .await

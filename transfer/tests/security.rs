@@ -340,18 +340,20 @@ async fn past_the_connection_limit_a_connection_waits_instead_of_failing() {
     .await;
     let addr = holder.ctrl_addr();
     let stat = Request::Stat { id: id.clone() }.encode(1);
-    // Two connections answered once, then in the middle of a frame: busy,
-    // not idle.
+    // Two connections served once (idle), then in the middle of a frame:
+    // busy, so none can be closed for a new one.
     let mut busy = Vec::new();
     for _ in 0..2 {
         let mut stream = TcpStream::connect(addr).await.unwrap();
         stream.write_all(&stat).await.unwrap();
         assert!(read_reply(&mut stream).await.is_some());
-        stream.write_all(&stat[..HEADER_LEN / 2]).await.unwrap();
         busy.push(stream);
     }
-    let busy_counts = ConnectionCounts { open: 2, idle: 0 };
-    until(|| holder.connections() == busy_counts).await;
+    until(|| holder.connections() == ConnectionCounts { open: 2, idle: 2 }).await;
+    for stream in &mut busy {
+        stream.write_all(&stat[..HEADER_LEN / 2]).await.unwrap();
+    }
+    until(|| holder.connections() == ConnectionCounts { open: 2, idle: 0 }).await;
     let mut third = TcpStream::connect(addr).await.unwrap();
     third.write_all(&stat).await.unwrap();
     assert!(
@@ -392,9 +394,11 @@ async fn idle_pooled_connections_make_room_for_a_new_reader() {
     assert!(read_reply(&mut other).await.is_some());
     let idle_counts = ConnectionCounts { open: 2, idle: 2 };
     until(|| holder.connections() == idle_counts).await;
-    // A new reader is served at once, and more than once.
-    let newcomer = client(None);
+    // New readers are served at once, each closing the connection idle
+    // longest (each keeps its own pooled).
+    let mut newcomers = Vec::new();
     for _ in 0..3 {
+        let newcomer = client(None);
         let started = Instant::now();
         let stat = tokio::time::timeout(Duration::from_secs(2), newcomer.stat(&addr, &id))
             .await
@@ -405,13 +409,100 @@ async fn idle_pooled_connections_make_room_for_a_new_reader() {
             "{:?}",
             started.elapsed()
         );
+        newcomers.push(newcomer);
     }
-    // The one idle longest, the pooled reader's, was closed: its next
-    // request goes on a new connection, transparently.
+    // The other peer's connection was among those closed.
+    let mut buf = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(2), other.read(&mut buf)).await;
+    assert!(matches!(read, Ok(Ok(0) | Err(_))), "{read:?}");
+    // So was the pooled reader's: its next request goes on a new
+    // connection, transparently.
     for _ in 0..3 {
         assert!(pooled.stat(&addr, &id).await.unwrap().is_some());
     }
     assert_eq!(holder.connections().open, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_limit_a_new_connection_is_not_closed_between_its_handshake_and_its_request() {
+    // With a secret, a reader's first request follows its handshake on a
+    // new connection, which it does not retry: a holder at its limit that
+    // took a just-proven connection for an idle one failed that request.
+    let (holder, id) = holder(HolderConfig {
+        secret: secret(),
+        max_connections: 2,
+        ..HolderConfig::default()
+    })
+    .await;
+    let addr = holder.ctrl_addr().to_string();
+    // Two readers whose connections are proven and whose requests are held
+    // back on the way: both slots taken, neither connection has served an op.
+    let mut readers = Vec::new();
+    let mut releases = Vec::new();
+    for _ in 0..2 {
+        let (proxy, held, release) = frame_holding_proxy(&addr, 3).await;
+        let id = id.clone();
+        readers.push(tokio::spawn(async move {
+            client(secret()).stat(&proxy, &id).await
+        }));
+        tokio::time::timeout(Duration::from_secs(5), held)
+            .await
+            .unwrap()
+            .unwrap();
+        releases.push(release);
+    }
+    assert_eq!(holder.connections(), ConnectionCounts { open: 2, idle: 0 });
+    // A newcomer at the limit; the holder has time to close one, if it would.
+    let _newcomer = TcpStream::connect(&addr).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for release in releases {
+        release.send(()).unwrap();
+    }
+    for reader in readers {
+        let stat = reader.await.unwrap();
+        assert!(matches!(stat, Ok(Some(_))), "{stat:?}");
+    }
+}
+
+/// A proxy to `holder` for one client that holds back the client's frame
+/// number `nth` (from 1) until told: returns its address, a signal that the
+/// frame is held and the sender that lets it through.
+async fn frame_holding_proxy(
+    holder: &str,
+    nth: usize,
+) -> (
+    String,
+    tokio::sync::oneshot::Receiver<()>,
+    tokio::sync::oneshot::Sender<()>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+    let holder = holder.to_string();
+    tokio::spawn(async move {
+        let (client, _) = listener.accept().await.unwrap();
+        let upstream = TcpStream::connect(&holder).await.unwrap();
+        let (mut from_client, mut to_client) = client.into_split();
+        let (mut from_holder, mut to_holder) = upstream.into_split();
+        tokio::spawn(async move { tokio::io::copy(&mut from_holder, &mut to_client).await });
+        let (mut held_tx, mut release_rx) = (Some(held_tx), Some(release_rx));
+        for frame in 1.. {
+            let mut header = [0u8; HEADER_LEN];
+            if from_client.read_exact(&mut header).await.is_err() {
+                return;
+            }
+            let mut payload = vec![0; Header::parse(&header).unwrap().len as usize];
+            from_client.read_exact(&mut payload).await.unwrap();
+            if frame == nth {
+                held_tx.take().unwrap().send(()).unwrap();
+                let _ = release_rx.take().unwrap().await;
+            }
+            to_holder.write_all(&header).await.unwrap();
+            to_holder.write_all(&payload).await.unwrap();
+        }
+    });
+    (addr, held_rx, release_tx)
 }
 
 /// Waits (up to 5 s) until `done` holds: for a state of the holder's tasks
