@@ -29,8 +29,9 @@ pub struct HolderStats {
 pub struct ConnectionCounts {
     /// Connections served (at most `max_connections`).
     pub open: usize,
-    /// Of those, the ones between frames after a first one: pooled by their
-    /// readers, closed first when the holder is out of connections.
+    /// Of those, the ones between requests once they have served one
+    /// (pooled by their readers): closed, idle longest first, when the
+    /// holder is out of connections.
     pub idle: usize,
 }
 
