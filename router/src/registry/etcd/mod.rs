@@ -8,6 +8,7 @@
 //! applied to the local view at once, at the revision etcd gave it, so that the
 //! replica that took it routes by it without waiting for its own watch.
 
+mod hedge;
 pub mod record;
 pub mod watch;
 
@@ -231,21 +232,28 @@ impl EtcdStore {
     }
 
     /// Refreshes a lease; `false` when it has expired (its key is gone).
+    /// Hedged: a keep-alive that hangs on a member that just died is sent
+    /// again to another one before the lease can lapse.
     async fn keep_alive(&self, lease: i64) -> Result<bool, RegistryError> {
-        let mut client = self.client.clone();
-        // The client reads the first keep-alive answer itself and fails with
-        // `LeaseKeepAliveError` when its TTL says the lease is gone.
-        match tokio::time::timeout(self.timeout, client.lease_keep_alive(lease)).await {
-            Ok(Ok(_)) => Ok(true),
-            Ok(Err(etcd_client::Error::LeaseKeepAliveError(_))) => Ok(false),
-            Ok(Err(err)) => Err(RegistryError::Unavailable(format!(
-                "etcd lease keep-alive: {err}"
-            ))),
-            Err(_) => Err(RegistryError::Unavailable(format!(
-                "etcd lease keep-alive: no answer within {:?}",
-                self.timeout
-            ))),
-        }
+        hedge::hedged(hedge::hedge_after(self.timeout), || {
+            let mut client = self.client.clone();
+            let timeout = self.timeout;
+            async move {
+                // The client reads the first keep-alive answer itself and fails
+                // with `LeaseKeepAliveError` when its TTL says the lease is gone.
+                match tokio::time::timeout(timeout, client.lease_keep_alive(lease)).await {
+                    Ok(Ok(_)) => Ok(true),
+                    Ok(Err(etcd_client::Error::LeaseKeepAliveError(_))) => Ok(false),
+                    Ok(Err(err)) => Err(RegistryError::Unavailable(format!(
+                        "etcd lease keep-alive: {err}"
+                    ))),
+                    Err(_) => Err(RegistryError::Unavailable(format!(
+                        "etcd lease keep-alive: no answer within {timeout:?}"
+                    ))),
+                }
+            }
+        })
+        .await
     }
 
     async fn do_heartbeat(&self, id: &str, credential: &str) -> Result<bool, RegistryError> {
