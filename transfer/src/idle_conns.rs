@@ -70,6 +70,13 @@ impl ConnIdle {
         idle.insert(self.id, (Instant::now(), self.closing.clone()));
         IdleMark { conn: self }
     }
+
+    /// Takes the connection off the idle ones; false if it was not there
+    /// (told to close, or never marked).
+    fn unmark(&self) -> bool {
+        let mut idle = self.conns.idle.lock().unwrap_or_else(|e| e.into_inner());
+        idle.remove(&self.id).is_some()
+    }
 }
 
 /// While it lives, its connection may be told to close.
@@ -87,25 +94,13 @@ impl IdleMark<'_> {
     /// the same moment, and must (its frame is left unread, so the peer
     /// retries it elsewhere).
     pub(crate) fn busy(self) -> bool {
-        let mut idle = self
-            .conn
-            .conns
-            .idle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        idle.remove(&self.conn.id).is_some()
+        self.conn.unmark()
     }
 }
 
 impl Drop for IdleMark<'_> {
     fn drop(&mut self) {
-        let mut idle = self
-            .conn
-            .conns
-            .idle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        idle.remove(&self.conn.id);
+        self.conn.unmark();
     }
 }
 
