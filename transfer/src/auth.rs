@@ -69,15 +69,25 @@ pub(crate) fn verify(expected: &Proof, offered: &Proof) -> bool {
 pub const ID_RANDOM_HEX: usize = 32;
 
 /// A transfer id nobody can guess: `cx-` and 128 bits from the operating
-/// system's CSPRNG in lowercase hex.
+/// system's CSPRNG in lowercase hex. A draw that [`check_id_entropy`] would
+/// refuse (fewer than 8 distinct digits: about 1 in 28 million) is drawn
+/// again, so that every id made here passes the holders' check.
 pub fn new_transfer_id() -> String {
-    let bytes: [u8; ID_RANDOM_HEX / 2] = random();
-    let mut id = String::with_capacity(3 + ID_RANDOM_HEX);
-    id.push_str("cx-");
-    for b in bytes {
-        id.push_str(&format!("{b:02x}"));
+    id_from_draws(random)
+}
+
+/// The first of `draw`'s draws whose id passes [`check_id_entropy`].
+fn id_from_draws(mut draw: impl FnMut() -> [u8; ID_RANDOM_HEX / 2]) -> String {
+    loop {
+        let mut id = String::with_capacity(3 + ID_RANDOM_HEX);
+        id.push_str("cx-");
+        for b in draw() {
+            id.push_str(&format!("{b:02x}"));
+        }
+        if check_id_entropy(&id).is_ok() {
+            return id;
+        }
     }
-    id
 }
 
 /// Whether `id` can carry 128 random bits: it must end with
@@ -149,5 +159,18 @@ mod tests {
             assert!(check_id_entropy(weak).is_err(), "{weak}");
         }
         check_id_entropy("label-5f3c9a1e7b2d4086a9c1e3f5b7d90246").unwrap();
+    }
+
+    #[test]
+    fn a_draw_the_entropy_check_would_refuse_is_drawn_again() {
+        // The first draw has 2 distinct digits, the second is fine.
+        let draws = [
+            [0x01u8; ID_RANDOM_HEX / 2],
+            *b"\x01\x23\x45\x67\x89\xab\xcd\xef\x01\x23\x45\x67\x89\xab\xcd\xef",
+        ];
+        let mut next = draws.into_iter();
+        let id = id_from_draws(|| next.next().unwrap());
+        assert_eq!(id, "cx-0123456789abcdef0123456789abcdef");
+        assert!(next.next().is_none(), "both draws were taken");
     }
 }
