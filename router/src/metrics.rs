@@ -33,6 +33,9 @@ pub const PREFIX_HIT_TOKENS: &str = "connex_routing_prefix_hit_tokens";
 /// Histogram: `/tokenize` calls for `cache_aware` prefill choice, by outcome.
 pub const TOKENIZE_DURATION: &str = "connex_tokenize_duration_seconds";
 
+/// Counter: TCP connections the router opened to engines, by engine address.
+pub const ENGINE_CONNECTIONS_OPENED: &str = "connex_engine_connections_opened_total";
+
 /// The kind of a metric family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -142,6 +145,11 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         TOKENIZE_DURATION,
         Kind::Histogram,
         "Tokenizing a text prompt before choosing a prefill, by who tokenized it (router: its own tokenizer, engine: an engine's /tokenize) and outcome.",
+    ),
+    (
+        ENGINE_CONNECTIONS_OPENED,
+        Kind::Counter,
+        "TCP connections the router opened to engines, by engine (host:port): kept-alive connections are reused, so a rate near the request rate means they are not.",
     ),
 ];
 
@@ -409,4 +417,9 @@ pub fn health_check_failed(instance: &str) {
 /// (`bound`).
 pub fn ejection_refused(instance: &str, why: &'static str) {
     counter!(EJECTIONS_REFUSED, "instance" => instance.to_string(), "why" => why).increment(1);
+}
+
+/// A new TCP connection to the engine at `authority` (`host:port`).
+pub fn engine_connection_opened(authority: &str) {
+    counter!(ENGINE_CONNECTIONS_OPENED, "engine" => authority.to_string()).increment(1);
 }

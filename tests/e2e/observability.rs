@@ -685,3 +685,31 @@ async fn made_up_model_names_do_not_become_metric_series() {
     assert!(text.contains("model=\"mock\""), "{text}");
     assert!(!text.contains("made-up-"), "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sequential_streams_reuse_the_connection_to_their_decoder() {
+    let router = router(&[]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let decoder = engine(Some(&router), "decode", &[]);
+    wait_ready(&router, 2).await;
+    let body = json!({"model": "mock", "prompt": "again", "max_tokens": 8, "stream": true});
+    for _ in 0..20 {
+        let chunks = stream(&router, "/v1/completions", &body).await;
+        assert_eq!(chunks.last(), Some(&json!("[DONE]")));
+        assert!(!streamed_text(&chunks).is_empty());
+    }
+    // Each stream ended with [DONE] and its response read to the end, so its
+    // connection went back to the pool: one connection (a few, should a
+    // health probe take one meanwhile) serves all twenty.
+    let text = metrics_text(&router).await;
+    let authority = decoder.url.trim_start_matches("http://");
+    let opened = metric(
+        &text,
+        "connex_engine_connections_opened_total",
+        &[&format!("engine=\"{authority}\"")],
+    );
+    assert!(
+        (1.0..=3.0).contains(&opened),
+        "{opened} connections:\n{text}"
+    );
+}

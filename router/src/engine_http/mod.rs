@@ -302,6 +302,7 @@ impl EngineClient {
                 Ok(Ok(stream)) => {
                     // Every token is its own small write; see `server.rs`.
                     stream.set_nodelay(true)?;
+                    crate::metrics::engine_connection_opened(authority);
                     return Ok(stream);
                 }
                 Ok(Err(err)) => last = err,

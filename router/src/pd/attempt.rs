@@ -125,6 +125,14 @@ pub struct StreamLimits {
     pub max_event: usize,
 }
 
+/// Longest wait, after `[DONE]`, for the rest of the decoder's response (the
+/// chunked body's terminator), which gives its connection back to the pool.
+/// The terminator comes with `[DONE]` or right after it; an engine that
+/// delays it costs a new connection, not a stuck request.
+pub const DRAIN_WAIT: Duration = Duration::from_millis(20);
+/// Most bytes read after `[DONE]` while draining (the terminator is 5 bytes).
+pub const DRAIN_BYTES: usize = 4 * 1024;
+
 /// A decoder's open stream.
 pub struct Attempt {
     pub source: Source,
@@ -139,6 +147,9 @@ pub struct Attempt {
     /// cannot hold a request.
     deadline: Instant,
     delivering: bool,
+    /// The decoder sent `[DONE]`: it ended the request, and the rest of the
+    /// response can be read so that the connection is kept.
+    done: bool,
     clock: DeliveryClock,
     /// The attempt's `decode` trace span: it ends when the attempt does.
     span: tracing::Span,
@@ -163,6 +174,7 @@ impl Attempt {
             deadline: Instant::now() + limits.first_token,
             limits,
             delivering: false,
+            done: false,
             clock,
             span: tracing::Span::none(),
         }
@@ -200,6 +212,30 @@ impl Attempt {
         self.clock.tick();
     }
 
+    /// Whether the decoder sent `[DONE]`.
+    pub fn saw_done(&self) -> bool {
+        self.done
+    }
+
+    /// Reads what is left of a finished response (after `[DONE]`: the chunked
+    /// body's end), within [`DRAIN_WAIT`] and [`DRAIN_BYTES`], so that its
+    /// connection goes back to the pool instead of being closed: the next
+    /// request to this decoder then costs no TCP connect. Bytes past the
+    /// bound, a slow end or a failure just close the connection, as dropping
+    /// the attempt would.
+    pub async fn drain(mut self) {
+        let mut left = DRAIN_BYTES;
+        let read_to_end = async {
+            while let Some(Ok(bytes)) = self.upstream.next().await {
+                match left.checked_sub(bytes.len()) {
+                    Some(rest) => left = rest,
+                    None => break,
+                }
+            }
+        };
+        let _ = tokio::time::timeout(DRAIN_WAIT, read_to_end).await;
+    }
+
     /// The next event of the stream, or why there is none.
     pub async fn next(&mut self) -> Event {
         loop {
@@ -208,6 +244,7 @@ impl Attempt {
                     self.deadline = Instant::now() + self.limits.stall;
                 }
                 return if data == sse::DONE {
+                    self.done = true;
                     Event::Done
                 } else {
                     Event::Data(data)

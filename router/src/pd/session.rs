@@ -48,6 +48,9 @@ pub struct Session {
     lease: Option<HoldLease>,
     relay: Relay,
     attempt: Option<Attempt>,
+    /// The attempt that ended the request with `[DONE]`, drained (for its
+    /// connection) once the client has the last bytes.
+    finished: Option<Attempt>,
     policy: ResumePolicy,
     progress: Progress,
     /// Decoders that failed this request, avoided while others exist.
@@ -102,6 +105,7 @@ impl Session {
             info,
             body,
             attempt: None,
+            finished: None,
             progress: Progress::default(),
             failed: Vec::new(),
             first_decoder: None,
@@ -279,7 +283,13 @@ impl Session {
             let stop = match self.deferred.take() {
                 Some(stop) => stop,
                 None => {
-                    let attempt = self.attempt.as_mut()?;
+                    let Some(attempt) = self.attempt.as_mut() else {
+                        // The end: the client has had every byte.
+                        if let Some(finished) = self.finished.take() {
+                            finished.drain().await;
+                        }
+                        return None;
+                    };
                     match self.relay.next(attempt).await {
                         Some(stop) => stop,
                         None => continue,
@@ -422,7 +432,9 @@ impl Session {
     }
 
     fn finish(&mut self) {
-        self.attempt = None;
+        // An attempt cut by the router (a stop string) is dropped: closing
+        // its connection aborts the engine's request.
+        self.finished = self.attempt.take().filter(Attempt::saw_done);
         self.relay.finish();
         self.relay.journal().set_phase(Phase::Finished);
         if let Some(record) = &mut self.record {

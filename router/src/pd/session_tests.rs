@@ -623,3 +623,44 @@ async fn a_router_tokenizer_out_of_time_leaves_the_prefill_choice_to_load() {
     assert_eq!(*upstream.tokenized.lock().expect("tokenized"), 0);
     drop(busy);
 }
+
+/// Whether `reached` was notified (the scripted stream was read that far).
+fn was_reached(reached: &Notify) -> bool {
+    futures_util::FutureExt::now_or_never(reached.notified()).is_some()
+}
+
+#[tokio::test]
+async fn after_done_the_rest_of_the_response_is_read_so_its_connection_is_kept() {
+    let end = Arc::new(Notify::new());
+    let upstream = Scripted::new(vec![Script::Stream(vec![
+        tokens(0, 6, true),
+        Piece::Reached(end.clone()),
+    ])]);
+    let state = cluster(upstream, 1, &[]).await;
+    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 0));
+    assert!(was_reached(&end), "the response was read to its end");
+}
+
+#[tokio::test]
+async fn bytes_after_done_are_read_only_up_to_the_drain_bound() {
+    let end = Arc::new(Notify::new());
+    let upstream = Scripted::new(vec![Script::Stream(vec![
+        tokens(0, 6, true),
+        Piece::Raw(&[b':'; crate::pd::attempt::DRAIN_BYTES + 1]),
+        Piece::Reached(end.clone()),
+    ])]);
+    let state = cluster(upstream, 1, &[]).await;
+    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 0));
+    assert!(!was_reached(&end), "the drain stopped at its bound");
+}
+
+#[tokio::test]
+async fn a_response_that_never_ends_after_done_costs_only_the_drain_wait() {
+    let upstream = Scripted::new(vec![Script::Stream(vec![tokens(0, 6, true), Piece::Hang])]);
+    let state = cluster(upstream, 1, &[]).await;
+    let answer = tokio::time::timeout(Duration::from_secs(5), complete(&state)).await;
+    assert_eq!(
+        answer.expect("in time").expect("ok"),
+        (WHOLE.to_string(), 0)
+    );
+}
