@@ -662,7 +662,7 @@ impl Run {
                 None => break,
             }
         }
-        Some(Ok(Bytes::from(format!("data: {merged}\n\n"))))
+        Some(Ok(Bytes::from(sse_event(&merged))))
     }
 
     /// The next SSE event of a streaming response.
@@ -684,7 +684,7 @@ impl Run {
             let chunk = json!({"id":self.plan.id,"object":self.object(true),"created":self.plan.created,
                 "model":self.plan.model,"choices":[{"index":7,"text":" evil","logprobs":null,
                 "finish_reason":null,"stop_reason":null,"token_ids":[99]}]});
-            return Some(Ok(Bytes::from(format!("data: {chunk}\n\n"))));
+            return Some(Ok(Bytes::from(sse_event(&chunk))));
         }
         if self.finished {
             self.sent_done = true;
@@ -717,11 +717,12 @@ impl Run {
         if model::is_split(token) && !last && self.plan.shape.is_plain() {
             self.held_text = std::mem::take(&mut text);
         }
-        let offset = self.plan.shape.offset_of(&self.emitted[..generated - 1]);
-        let mut choice = self
-            .plan
-            .shape
-            .stream_choice(generated - 1, token, text, offset);
+        let mut choice = self.plan.shape.stream_choice(
+            generated - 1,
+            token,
+            text,
+            &self.emitted[..generated - 1],
+        );
         choice["index"] = json!(0);
         choice["finish_reason"] = finish_reason;
         choice["stop_reason"] = Value::Null;
@@ -739,12 +740,12 @@ impl Run {
             chunk["system_fingerprint"] = json!(SYSTEM_FINGERPRINT);
         }
         chunk["choices"] = self.choices(choice);
-        let mut out = format!("data: {chunk}\n\n");
+        let mut out = sse_event(&chunk);
         if last {
             self.finish();
             if self.plan.include_usage {
                 let usage = json!({"id":self.plan.id,"object":self.object(true),"created":self.plan.created,"model":self.plan.model,"choices":[],"usage":self.usage()});
-                out.push_str(&format!("data: {usage}\n\n"));
+                out.extend_from_slice(&sse_event(&usage));
             }
         }
         Some(Ok(Bytes::from(out)))
@@ -822,4 +823,15 @@ impl Drop for Run {
             });
         }
     }
+}
+
+/// One SSE event whose data is `value` (serialized straight into the
+/// buffer: `format!` would go through `Display`, a byte at a time).
+fn sse_event(value: &Value) -> Vec<u8> {
+    let mut out = Vec::with_capacity(512);
+    out.extend_from_slice(b"data: ");
+    // Serializing a Value into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut out, value);
+    out.extend_from_slice(b"\n\n");
+    out
 }

@@ -209,13 +209,15 @@ impl Shape {
     }
 
     /// The stream choice (without index, finish and token ids) for token `i`
-    /// of `max` tokens. `text` is the plain text this chunk carries (a split
-    /// token's held back).
-    pub fn stream_choice(&self, i: usize, token: u32, text: String, prefix_len: usize) -> Value {
+    /// of `max` tokens, after the tokens `before`. `text` is the plain text
+    /// this chunk carries (a split token's held back).
+    pub fn stream_choice(&self, i: usize, token: u32, text: String, before: &[u32]) -> Value {
         let part = self.part(i);
+        // The text offset costs a detokenize of all tokens so far: only
+        // logprobs need it.
         let lp = self
             .logprobs
-            .map(|k| self.token_logprobs(token, k, prefix_len));
+            .map(|k| self.token_logprobs(token, k, self.offset_of(before)));
         if !self.chat {
             let mut text = text;
             let mut logprobs = lp.map(|lp| completion_logprobs(&[lp]));
