@@ -323,6 +323,26 @@ impl CtrlClient {
         }
     }
 
+    /// Frees several holds in one call (at most
+    /// [`MAX_RELEASE_BATCH`](crate::proto::MAX_RELEASE_BATCH)); per id, in
+    /// order, whether it was held. A holder older than the op answers with an
+    /// error for which [`TransferError::is_unknown_op`] holds: release those
+    /// one by one.
+    pub async fn release_many(&self, addr: &str, transfer_ids: &[String]) -> Result<Vec<bool>> {
+        if transfer_ids.len() > crate::proto::MAX_RELEASE_BATCH {
+            return Err(TransferError::InvalidArgument(format!(
+                "{} transfer ids in one release, at most {}",
+                transfer_ids.len(),
+                crate::proto::MAX_RELEASE_BATCH
+            )));
+        }
+        let ids = transfer_ids.to_vec();
+        match self.call(addr, Request::ReleaseMany { ids }).await? {
+            Reply::ReleasedMany(were) if were.len() == transfer_ids.len() => Ok(were),
+            other => Err(unexpected(&other)),
+        }
+    }
+
     /// The hold as it is, without renewing it; `None` when unknown, expired or released.
     pub async fn stat(&self, addr: &str, transfer_id: &str) -> Result<Option<HoldInfo>> {
         let id = transfer_id.to_string();

@@ -321,6 +321,14 @@ impl HoldTable {
         self.lock().remove(id, Gone::Released, now)
     }
 
+    /// Frees several holds under one lock; per id, whether it was held.
+    pub(crate) fn release_many(&self, ids: &[String], now: Instant) -> Vec<bool> {
+        let mut inner = self.lock();
+        ids.iter()
+            .map(|id| inner.remove(id, Gone::Released, now))
+            .collect()
+    }
+
     /// The hold as it is now, without renewing it.
     pub(crate) fn stat(&self, id: &str, now: Instant) -> Option<HoldInfo> {
         let mut inner = self.lock();

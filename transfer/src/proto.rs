@@ -35,6 +35,8 @@ pub const MAX_KEY_LEN: usize = 4096;
 pub const MAX_ENDPOINT_LEN: usize = 64 * 1024;
 /// Longest error message.
 pub const MAX_MESSAGE_LEN: usize = 1024;
+/// Most transfer ids in one `ReleaseMany`.
+pub const MAX_RELEASE_BATCH: usize = 1024;
 /// Largest single read of the TCP data path.
 pub const MAX_READ_LEN: u64 = 1 << 40;
 
@@ -50,6 +52,7 @@ mod op {
     pub const HELLO: u8 = 0x08;
     pub const PROOF: u8 = 0x09;
     pub const ABORT: u8 = 0x0A;
+    pub const RELEASE_MANY: u8 = 0x0B;
     pub const HOLD: u8 = 0x80;
     pub const RELEASED: u8 = 0x81;
     pub const STAT_REPLY: u8 = 0x82;
@@ -59,6 +62,7 @@ mod op {
     pub const DONE_REPLY: u8 = 0x86;
     pub const WELCOME: u8 = 0x87;
     pub const CHALLENGE: u8 = 0x88;
+    pub const RELEASED_MANY: u8 = 0x89;
     pub const ERROR: u8 = 0xFF;
 }
 
@@ -204,6 +208,12 @@ pub enum Request {
     Abort {
         id: String,
     },
+    /// Frees several holds in one call (the router releases the holds of
+    /// the requests that ended within a few milliseconds together);
+    /// answered with one flag per id, in order.
+    ReleaseMany {
+        ids: Vec<String>,
+    },
 }
 
 /// One block of a descriptor: its length, remote address and key index.
@@ -231,6 +241,8 @@ pub struct Descriptor {
 pub enum Reply {
     Hold(HoldInfo),
     Released(bool),
+    /// Per id of a `ReleaseMany`, in order: whether it was held.
+    ReleasedMany(Vec<bool>),
     Stat(Option<HoldInfo>),
     Stats(HolderStats),
     Descriptor(Descriptor),
@@ -386,6 +398,13 @@ impl Request {
                 out = Out::new(op::ABORT, seq);
                 out.str(id);
             }
+            Request::ReleaseMany { ids } => {
+                out = Out::new(op::RELEASE_MANY, seq);
+                out.u32(ids.len() as u32);
+                for id in ids {
+                    out.str(id);
+                }
+            }
         }
         out.finish()
     }
@@ -433,6 +452,12 @@ impl Request {
                 proof: r.fixed::<PROOF_LEN>("proof")?,
             },
             op::ABORT => Request::Abort { id: r.id()? },
+            op::RELEASE_MANY => {
+                let n = r.count(MAX_RELEASE_BATCH, "transfer ids")?;
+                Request::ReleaseMany {
+                    ids: (0..n).map(|_| r.id()).collect::<Result<_, _>>()?,
+                }
+            }
             other => return Err(bad(format!("unknown request op 0x{other:02x}"))),
         };
         r.end()?;
@@ -449,13 +474,16 @@ impl Request {
             | Request::Read { id, .. }
             | Request::Done { id, .. }
             | Request::Abort { id } => Some(id),
-            Request::Stats | Request::Hello { .. } | Request::Proof { .. } => None,
+            Request::Stats
+            | Request::Hello { .. }
+            | Request::Proof { .. }
+            | Request::ReleaseMany { .. } => None,
         }
     }
 
     /// Whether `op` is a request op this version knows.
     pub fn known_op(op: u8) -> bool {
-        (op::RENEW..=op::ABORT).contains(&op)
+        (op::RENEW..=op::RELEASE_MANY).contains(&op)
     }
 }
 
@@ -470,6 +498,13 @@ impl Reply {
             Reply::Released(was) => {
                 out = Out::new(op::RELEASED, seq);
                 out.u8(u8::from(*was));
+            }
+            Reply::ReleasedMany(were) => {
+                out = Out::new(op::RELEASED_MANY, seq);
+                out.u32(were.len() as u32);
+                for was in were {
+                    out.u8(u8::from(*was));
+                }
             }
             Reply::Stat(info) => {
                 out = Out::new(op::STAT_REPLY, seq);
@@ -540,6 +575,10 @@ impl Reply {
         let reply = match op {
             op::HOLD => Reply::Hold(r.info()?),
             op::RELEASED => Reply::Released(r.flag()?),
+            op::RELEASED_MANY => {
+                let n = r.count(MAX_RELEASE_BATCH, "release flags")?;
+                Reply::ReleasedMany((0..n).map(|_| r.flag()).collect::<Result<_, _>>()?)
+            }
             op::STAT_REPLY => Reply::Stat(if r.flag()? { Some(r.info()?) } else { None }),
             op::STATS_REPLY => {
                 let fields = r.u32()?;
@@ -766,6 +805,10 @@ mod tests {
             Request::Hello { nonce: [7; 32] },
             Request::Proof { proof: [9; 32] },
             Request::Abort { id: "a".into() },
+            Request::ReleaseMany {
+                ids: vec!["a".into(), "b".into()],
+            },
+            Request::ReleaseMany { ids: vec![] },
         ];
         for (seq, request) in requests.iter().enumerate() {
             let frame = request.encode(seq as u32);
@@ -777,6 +820,7 @@ mod tests {
         let replies = [
             Reply::Hold(info()),
             Reply::Released(true),
+            Reply::ReleasedMany(vec![true, false, true]),
             Reply::Stat(None),
             Reply::Stat(Some(info())),
             Reply::Stats(HolderStats {
@@ -851,6 +895,10 @@ mod tests {
         d[n - 4..].copy_from_slice(&((MAX_BLOCKS + 1) as u32).to_le_bytes());
         assert!(Reply::decode(0x84, &d[HEADER_LEN..]).is_err());
         assert!(Request::decode(0x7f, &[]).is_err());
+        // More ids in one ReleaseMany than the limit: refused before reading them.
+        let over = ((MAX_RELEASE_BATCH + 1) as u32).to_le_bytes();
+        assert!(Request::decode(0x0B, &over).is_err());
+        assert!(Reply::decode(0x89, &over).is_err());
         // A nonce or a proof of the wrong length.
         for op in [0x08, 0x09] {
             for len in [0u32, 31, 33] {

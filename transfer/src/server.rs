@@ -465,6 +465,7 @@ fn answer(shared: &Shared, request: Request) -> Reply {
     let result = match request {
         Request::Renew { id, epoch } => holds.renew(&id, epoch, now).map(Reply::Hold),
         Request::Release { id } => Ok(Reply::Released(holds.release(&id, now))),
+        Request::ReleaseMany { ids } => Ok(Reply::ReleasedMany(holds.release_many(&ids, now))),
         Request::Stat { id } => Ok(Reply::Stat(holds.stat(&id, now))),
         Request::Stats => Ok(Reply::Stats(holds.stats())),
         Request::Describe {

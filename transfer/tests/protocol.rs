@@ -416,3 +416,37 @@ async fn a_pull_limit_past_what_the_clock_holds_is_just_long() {
         .unwrap();
     assert_eq!(stats.bytes, 4096);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_many_frees_several_holds_in_one_call() {
+    let holder = holder_with_hold().await;
+    let region = holder
+        .register_region(Region::owned(vec![6; 4096]))
+        .unwrap();
+    let h2 = connex_transfer::new_transfer_id();
+    holder
+        .create_hold(&h2, vec![BlockRef::new(region, 0, 4096)])
+        .unwrap();
+    let addr = holder.ctrl_addr().to_string();
+    let ctrl = CtrlClient::new();
+    let ids = vec![H1.to_string(), "cx-never-held".to_string(), h2.clone()];
+    assert_eq!(
+        ctrl.release_many(&addr, &ids).await.unwrap(),
+        vec![true, false, true],
+        "per id, in order, whether it was held"
+    );
+    assert_eq!(ctrl.stat(&addr, H1).await.unwrap(), None);
+    assert_eq!(ctrl.stat(&addr, &h2).await.unwrap(), None);
+    assert_eq!(ctrl.stats(&addr).await.unwrap().releases, 2);
+    // Idempotent, like a single release.
+    assert_eq!(
+        ctrl.release_many(&addr, &ids).await.unwrap(),
+        vec![false, false, false]
+    );
+    // Past the batch limit: refused by the client before anything is sent.
+    let too_many = vec![H1.to_string(); connex_transfer::proto::MAX_RELEASE_BATCH + 1];
+    assert!(matches!(
+        ctrl.release_many(&addr, &too_many).await,
+        Err(TransferError::InvalidArgument(_))
+    ));
+}
