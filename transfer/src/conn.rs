@@ -16,6 +16,11 @@ use tokio::net::TcpStream;
 pub(crate) const IO_PIECE: usize = 4 << 20;
 /// Most buffers handed to one vectored read or write (Linux allows 1024).
 const MAX_IOVECS: usize = 512;
+/// Largest transfer whose bytes move on the async socket: for a small one the
+/// blocking pool's thread hand-off and the socket's mode switches (about ten
+/// system calls on each side) cost more than readiness-driven I/O does;
+/// bulk bytes still go through [`blocking`] (see there).
+pub(crate) const ASYNC_MAX: u64 = 256 << 10;
 
 /// Runs `fut` under `limit`, naming `what` in the timeout error.
 pub(crate) async fn timed<T>(
@@ -256,6 +261,70 @@ pub(crate) fn write_gather(
             Err(e) => return Err(e),
         };
         advance(&lens, &mut idx, &mut off, n);
+    }
+    Ok(())
+}
+
+/// [`write_gather`] on the async socket (for transfers up to [`ASYNC_MAX`]);
+/// the caller bounds the time and fences it.
+pub(crate) async fn write_gather_async(stream: &TcpStream, bufs: &[&[u8]]) -> std::io::Result<()> {
+    let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+    let (mut idx, mut off) = (0usize, 0usize);
+    advance(&lens, &mut idx, &mut off, 0);
+    while idx < bufs.len() {
+        let slices: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&bufs[idx][off..]))
+            .chain(
+                bufs[idx + 1..]
+                    .iter()
+                    .take(MAX_IOVECS - 1)
+                    .map(|b| IoSlice::new(b)),
+            )
+            .collect();
+        match stream.try_write_vectored(&slices) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => advance(&lens, &mut idx, &mut off, n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => stream.writable().await?,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// [`read_scatter`] on the async socket (for transfers up to [`ASYNC_MAX`]);
+/// the caller bounds the time and fences it.
+pub(crate) async fn read_scatter_async(
+    stream: &TcpStream,
+    bufs: &mut [&mut [u8]],
+) -> std::io::Result<()> {
+    let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+    let (mut idx, mut off) = (0usize, 0usize);
+    advance(&lens, &mut idx, &mut off, 0);
+    while idx < bufs.len() {
+        let read = {
+            let (first, rest) = bufs[idx..].split_at_mut(1);
+            let mut slices: Vec<IoSliceMut<'_>> =
+                std::iter::once(IoSliceMut::new(&mut first[0][off..]))
+                    .chain(
+                        rest.iter_mut()
+                            .take(MAX_IOVECS - 1)
+                            .map(|b| IoSliceMut::new(b)),
+                    )
+                    .collect();
+            stream.try_read_vectored(&mut slices)
+        };
+        match read {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "peer closed the connection mid-transfer",
+                ))
+            }
+            Ok(n) => advance(&lens, &mut idx, &mut off, n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => stream.readable().await?,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
     }
     Ok(())
 }

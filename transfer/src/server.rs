@@ -624,6 +624,37 @@ async fn stream_range(
             drop(read);
             stream
         }
+        (None, None) if len <= conn::ASYNC_MAX => {
+            // A small read: written on the async socket (conn::ASYNC_MAX says
+            // why), within one I/O timeout (it is less than one I/O piece),
+            // and stopped at once when the hold is freed or the holder stops.
+            // The read counts until this arm ends, so the blocks stay the
+            // hold's while their bytes are written.
+            let fenced = read.fenced();
+            let bufs: Vec<&[u8]> = merged.iter().map(SrcSpan::bytes).collect();
+            tokio::select! {
+                written = tokio::time::timeout(io, conn::write_gather_async(&stream, &bufs)) => {
+                    match written {
+                        Ok(written) => written?,
+                        Err(_) => {
+                            return Err(TransferError::Timeout {
+                                what: "moving block bytes",
+                                after: io,
+                            })
+                        }
+                    }
+                }
+                _ = fenced.cancelled() => {
+                    return Err(TransferError::Protocol("hold freed".into()));
+                }
+                _ = shutdown.cancelled() => {
+                    return Err(TransferError::Protocol("holder stopping".into()));
+                }
+            }
+            drop(bufs);
+            drop(read);
+            stream
+        }
         (None, None) => {
             // A reader must take at least one I/O piece per I/O timeout.
             let pieces = u32::try_from(len / IO_PIECE as u64).unwrap_or(u32::MAX);

@@ -565,3 +565,75 @@ async fn a_trickling_reader_cannot_hold_a_writer_for_ever() {
     assert!(holder.release(&id));
     assert_eq!(holder.freed(), [id]);
 }
+
+/// The largest read a holder writes on its async socket (`conn::ASYNC_MAX`).
+const SMALL_READ: usize = 256 << 10;
+
+/// A holder with one hold of [`SMALL_READ`] bytes, and a connection to it
+/// with a tiny receive buffer that has asked for that hold 64 times over
+/// (16 MiB, far more than the socket buffers hold) and reads nothing.
+async fn small_reads_nobody_takes(io_timeout: Duration) -> (Holder, String, TcpStream) {
+    let holder = Holder::start(HolderConfig {
+        secret: None,
+        io_timeout,
+        ..HolderConfig::default()
+    })
+    .await
+    .unwrap();
+    let region = holder
+        .register_region(Region::owned(vec![7; SMALL_READ]))
+        .unwrap();
+    let id = new_transfer_id();
+    holder
+        .create_hold(&id, vec![BlockRef::new(region, 0, SMALL_READ as u64)])
+        .unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(holder.ctrl_addr()).await.unwrap();
+    for seq in 0..64 {
+        let read = Request::Read {
+            id: id.clone(),
+            epoch: 0,
+            offset: 0,
+            len: SMALL_READ as u64,
+        };
+        stream.write_all(&read.encode(seq)).await.unwrap();
+    }
+    (holder, id, stream)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_takes_nothing_cannot_hold_a_small_write() {
+    let (holder, id, mut stream) = small_reads_nobody_takes(Duration::from_secs(1)).await;
+    // Past the I/O timeout the holder gives up on the write and closes.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => got += n,
+            Err(_) => panic!("the holder kept the connection ({got} bytes so far)"),
+        }
+    }
+    assert!(got < 64 * SMALL_READ, "cut before the end ({got} bytes)");
+    // The write stopped: a release is reported freed at once.
+    assert!(holder.release(&id));
+    assert_eq!(holder.freed(), [id]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_stops_a_small_write_the_reader_does_not_take() {
+    // A 30 s I/O timeout: only the release can end the write in time.
+    let (holder, id, _stream) = small_reads_nobody_takes(Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(holder.release(&id));
+    let released = Instant::now();
+    while holder.freed() != [id.clone()] {
+        assert!(
+            released.elapsed() < Duration::from_secs(2),
+            "a released hold waits for a write nobody takes"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

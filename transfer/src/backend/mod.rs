@@ -136,6 +136,8 @@ pub(crate) fn create(kind: BackendKind, role: Role<'_>) -> Result<Arc<dyn Backen
 #[derive(Default)]
 pub(crate) struct PullFence {
     cut: AtomicBool,
+    /// Cancelled by the cut: what async transfers (small TCP stripes) await.
+    cancelled: tokio_util::sync::CancellationToken,
     next: AtomicU64,
     sockets: Mutex<HashMap<u64, std::net::TcpStream>>,
 }
@@ -148,10 +150,16 @@ impl PullFence {
     /// Shuts every watched socket down; later ones are shut down as they come.
     pub(crate) fn cut(&self) {
         self.cut.store(true, Ordering::Release);
+        self.cancelled.cancel();
         let sockets = std::mem::take(&mut *self.lock());
         for socket in sockets.into_values() {
             let _ = socket.shutdown(std::net::Shutdown::Both);
         }
+    }
+
+    /// Resolves once the fence is cut.
+    pub(crate) async fn cancelled(&self) {
+        self.cancelled.cancelled().await;
     }
 
     /// Watches `socket` (a handle of a stream a writer uses) until the

@@ -208,6 +208,32 @@ async fn read_stripe(stripe: Stripe, pieces: Vec<DestSpan>) -> Result<()> {
             )))
         }
     }
+    if len <= conn::ASYNC_MAX {
+        // A small stripe: read on the async socket (conn::ASYNC_MAX says
+        // why), within one I/O timeout and the pull's deadline, and stopped
+        // at once by the fence. The destination is written only while this
+        // future runs, and it owns the destination spans.
+        let stream = conn.take_stream()?;
+        let by = deadline.min(Instant::now() + io);
+        let mut bufs: Vec<&mut [u8]> = pieces.iter_mut().map(DestSpan::as_mut).collect();
+        let moved = tokio::select! {
+            read = tokio::time::timeout_at(by.into(), conn::read_scatter_async(&stream, &mut bufs)) => {
+                match read {
+                    Ok(read) => read.map_err(TransferError::Io),
+                    Err(_) => Err(TransferError::Timeout {
+                        what: "moving block bytes",
+                        after: io,
+                    }),
+                }
+            }
+            () = fence.cancelled() => Err(TransferError::Protocol("pull cut".into())),
+        };
+        drop(bufs);
+        moved?;
+        conn.put_stream(stream);
+        conn.finish();
+        return Ok(());
+    }
     let mut watched = None;
     let moved = conn::blocking(
         conn.take_stream()?,
