@@ -40,7 +40,11 @@ impl Default for ClientConfig {
         Self {
             connect_timeout: Duration::from_secs(2),
             io_timeout: Duration::from_secs(10),
-            max_idle_per_addr: 16,
+            // A decoder starting many requests at once pulls from one
+            // prefill over as many connections; with fewer kept, each burst
+            // closed and reopened the rest (and with a secret, each new one
+            // costs a handshake round trip). Holders allow 512 per peer.
+            max_idle_per_addr: 64,
             idle_ttl: Duration::from_secs(60),
             secret: Secret::from_env(),
         }
