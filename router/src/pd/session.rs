@@ -456,17 +456,18 @@ impl Session {
     /// A streaming response that relays batch by batch.
     pub fn into_sse_response(self) -> Response {
         // The body is polled by the connection's task, outside the handler:
-        // each step enters the request's span itself.
-        let span = tracing::Span::current();
-        let body = futures_util::stream::unfold(self, move |mut session| {
-            async move {
-                session
-                    .next_batch()
-                    .await
-                    .map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), session))
-            }
-            .instrument(span.clone())
+        // each poll enters the request's span (entered, not cloned per batch:
+        // a clone and its drop are two more lookups in the span registry).
+        let body = futures_util::stream::unfold(self, |mut session| async move {
+            session
+                .next_batch()
+                .await
+                .map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), session))
         });
+        let body = InSpan {
+            stream: Box::pin(body),
+            span: tracing::Span::current(),
+        };
         (
             [
                 ("content-type", "text/event-stream"),
@@ -485,6 +486,26 @@ impl Session {
             Some(error) => Err(error),
             None => Ok((self.relay.response(), self.progress.resumes)),
         }
+    }
+}
+
+/// A stream polled inside `span`, entered on every poll.
+struct InSpan<S> {
+    stream: std::pin::Pin<Box<S>>,
+    span: tracing::Span,
+}
+
+impl<S: futures_util::Stream> futures_util::Stream for InSpan<S> {
+    type Item = S::Item;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
+        // Both fields are Unpin (a boxed stream, a span handle).
+        let this = self.get_mut();
+        let _entered = this.span.enter();
+        this.stream.as_mut().poll_next(cx)
     }
 }
 
