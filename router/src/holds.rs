@@ -36,11 +36,15 @@ pub struct Hold {
 impl Hold {
     /// The hold named by `kv_transfer_params`; `None` when the connector gave no
     /// control address or transfer id (a connector without holds).
+    /// A transfer id the control protocol refuses (too long, not printable
+    /// ASCII) names no hold either: no holder could renew or release it, and
+    /// in a batch of releases it would spoil the others.
     pub fn from_params(kv: &Value) -> Option<Self> {
         let text = |key| kv.get(key).and_then(Value::as_str).map(str::to_string);
         Some(Self {
             ctrl: text("remote_ctrl")?,
-            transfer_id: text("transfer_id")?,
+            transfer_id: text("transfer_id")
+                .filter(|id| connex_transfer::proto::check_transfer_id(id).is_ok())?,
             lease: Duration::from_secs_f64(
                 kv.get("lease_s")
                     .and_then(Value::as_f64)
@@ -181,6 +185,9 @@ impl Holds {
 
 /// Most release or renew calls in flight at once.
 const MAX_CALLS: usize = 64;
+/// Most queued commands the keeper takes in one turn before it looks at its
+/// timers and finished calls again.
+const MAX_COMMANDS_AT_ONCE: usize = 256;
 
 /// How long a release waits for others to the same holder: the requests that
 /// end within it cost their holder one `ReleaseMany` call instead of one call
@@ -328,7 +335,15 @@ async fn keep(
         let flush = keeper.releases.due;
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            Some(command) = queue.recv() => keeper.command(command).await,
+            Some(command) = queue.recv() => {
+                // With the ones already queued (a bounded number): the
+                // releases of requests that ended together join one batch.
+                keeper.command(command).await;
+                for _ in 1..MAX_COMMANDS_AT_ONCE {
+                    let Ok(command) = queue.try_recv() else { break };
+                    keeper.command(command).await;
+                }
+            }
             _ = sleep_until(flush), if flush.is_some() => keeper.flush().await,
             _ = sleep_until(wake), if wake.is_some() => keeper.renew_due(),
             Some(done) = keeper.calls.join_next(), if !keeper.calls.is_empty() => {
@@ -526,6 +541,10 @@ mod tests {
         assert_eq!(hold.ctrl, "127.0.0.1:9");
         assert_eq!(hold.lease, Duration::from_secs(30));
         assert_eq!(Hold::from_params(&json!({"transfer_id":"t"})), None);
+        for bad in ["", "has space", "é"] {
+            let kv = json!({"remote_ctrl":"127.0.0.1:9","transfer_id":bad});
+            assert_eq!(Hold::from_params(&kv), None, "{bad:?}");
+        }
     }
 
     fn hold(lease_s: u64) -> Hold {

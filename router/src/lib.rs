@@ -257,6 +257,9 @@ impl Router {
                 self.servers.abort_all();
             }
         }
+        // The drains of the last responses end within their bound.
+        self.state.drains.close();
+        self.state.drains.wait().await;
         self.background.cancel();
         while self.tasks.join_next().await.is_some() {}
     }

@@ -64,13 +64,13 @@ pub enum TransferError {
 }
 
 impl TransferError {
-    /// True when the hold cannot be read any more (gone or taken over by a newer
-    /// epoch): the caller should re-prefill rather than retry.
     /// The holder does not know the op (a holder older than the client).
     pub fn is_unknown_op(&self) -> bool {
         matches!(self, Self::Remote { code, .. } if *code == crate::proto::ErrorCode::UnknownOp as u16)
     }
 
+    /// True when the hold cannot be read any more (gone or taken over by a newer
+    /// epoch): the caller should re-prefill rather than retry.
     pub fn is_hold_lost(&self) -> bool {
         matches!(
             self,

@@ -217,23 +217,28 @@ impl Attempt {
         self.done
     }
 
-    /// Reads what is left of a finished response (after `[DONE]`: the chunked
-    /// body's end), within [`DRAIN_WAIT`] and [`DRAIN_BYTES`], so that its
-    /// connection goes back to the pool instead of being closed: the next
-    /// request to this decoder then costs no TCP connect. Bytes past the
-    /// bound, a slow end or a failure just close the connection, as dropping
-    /// the attempt would.
-    pub async fn drain(mut self) {
-        let mut left = DRAIN_BYTES;
-        let read_to_end = async {
-            while let Some(Ok(bytes)) = self.upstream.next().await {
-                match left.checked_sub(bytes.len()) {
-                    Some(rest) => left = rest,
-                    None => break,
+    /// Ends a finished attempt (the decoder sent `[DONE]`): its load on the
+    /// decoder and its span end now; what is left of the response (the
+    /// chunked body's end) is read by the returned future, within
+    /// [`DRAIN_WAIT`] and [`DRAIN_BYTES`], so that the connection goes back
+    /// to the pool instead of being closed and the next request to this
+    /// decoder costs no TCP connect. Bytes past the bound, a slow end or a
+    /// failure just close the connection, as dropping the attempt would.
+    pub fn into_drain(self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        // The other fields (the load guard, the span) drop here.
+        let Self { mut upstream, .. } = self;
+        async move {
+            let mut left = DRAIN_BYTES;
+            let read_to_end = async {
+                while let Some(Ok(bytes)) = upstream.next().await {
+                    match left.checked_sub(bytes.len()) {
+                        Some(rest) => left = rest,
+                        None => break,
+                    }
                 }
-            }
-        };
-        let _ = tokio::time::timeout(DRAIN_WAIT, read_to_end).await;
+            };
+            let _ = tokio::time::timeout(DRAIN_WAIT, read_to_end).await;
+        }
     }
 
     /// The next event of the stream, or why there is none.

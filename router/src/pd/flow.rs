@@ -16,6 +16,7 @@ use crate::policy::Selector;
 use crate::registry::Registry;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::task::TaskTracker;
 
 pub struct Flow {
     pub registry: Arc<Registry>,
@@ -31,6 +32,9 @@ pub struct Flow {
     pub settings: Settings,
     /// The tokenizers the router runs itself (`--tokenizer`).
     pub tokenizers: Tokenizers,
+    /// The drains of finished decoder responses (each ends within
+    /// `attempt::DRAIN_WAIT`), waited for when the router stops.
+    pub drains: TaskTracker,
 }
 
 /// The request path's limits, from the configuration.
@@ -122,6 +126,7 @@ impl Flow {
             holds,
             settings: Settings::new(config),
             tokenizers: Tokenizers::default(),
+            drains: TaskTracker::new(),
         };
         (flow, releases)
     }

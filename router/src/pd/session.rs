@@ -48,9 +48,6 @@ pub struct Session {
     lease: Option<HoldLease>,
     relay: Relay,
     attempt: Option<Attempt>,
-    /// The attempt that ended the request with `[DONE]`, drained (for its
-    /// connection) once the client has the last bytes.
-    finished: Option<Attempt>,
     policy: ResumePolicy,
     progress: Progress,
     /// Decoders that failed this request, avoided while others exist.
@@ -105,7 +102,6 @@ impl Session {
             info,
             body,
             attempt: None,
-            finished: None,
             progress: Progress::default(),
             failed: Vec::new(),
             first_decoder: None,
@@ -283,13 +279,7 @@ impl Session {
             let stop = match self.deferred.take() {
                 Some(stop) => stop,
                 None => {
-                    let Some(attempt) = self.attempt.as_mut() else {
-                        // The end: the client has had every byte.
-                        if let Some(finished) = self.finished.take() {
-                            finished.drain().await;
-                        }
-                        return None;
-                    };
+                    let attempt = self.attempt.as_mut()?;
                     match self.relay.next(attempt).await {
                         Some(stop) => stop,
                         None => continue,
@@ -432,9 +422,13 @@ impl Session {
     }
 
     fn finish(&mut self) {
-        // An attempt cut by the router (a stop string) is dropped: closing
-        // its connection aborts the engine's request.
-        self.finished = self.attempt.take().filter(Attempt::saw_done);
+        // The end of a response the decoder finished is read apart from the
+        // client's (which is not kept waiting for it), for its connection. An
+        // attempt cut by the router (a stop string) is dropped: closing its
+        // connection aborts the engine's request.
+        if let Some(attempt) = self.attempt.take().filter(Attempt::saw_done) {
+            self.state.drains.spawn(attempt.into_drain());
+        }
         self.relay.finish();
         self.relay.journal().set_phase(Phase::Finished);
         if let Some(record) = &mut self.record {

@@ -638,6 +638,7 @@ async fn after_done_the_rest_of_the_response_is_read_so_its_connection_is_kept()
     ])]);
     let state = cluster(upstream, 1, &[]).await;
     assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 0));
+    drains_end(&state).await;
     assert!(was_reached(&end), "the response was read to its end");
 }
 
@@ -651,16 +652,51 @@ async fn bytes_after_done_are_read_only_up_to_the_drain_bound() {
     ])]);
     let state = cluster(upstream, 1, &[]).await;
     assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 0));
+    drains_end(&state).await;
     assert!(!was_reached(&end), "the drain stopped at its bound");
 }
 
-#[tokio::test]
-async fn a_response_that_never_ends_after_done_costs_only_the_drain_wait() {
+/// Waits until the drains of finished responses have ended.
+async fn drains_end(state: &Flow) {
+    state.drains.close();
+    state.drains.wait().await;
+}
+
+// A paused clock: nothing in the request itself waits, so if the answer
+// waited for the drain, time would have to advance past its bound.
+#[tokio::test(start_paused = true)]
+async fn a_response_that_never_ends_after_done_is_not_waited_for() {
     let upstream = Scripted::new(vec![Script::Stream(vec![tokens(0, 6, true), Piece::Hang])]);
     let state = cluster(upstream, 1, &[]).await;
-    let answer = tokio::time::timeout(Duration::from_secs(5), complete(&state)).await;
+    // The client's answer does not wait for the end of the decoder's response.
+    let answer = tokio::time::timeout(crate::pd::attempt::DRAIN_WAIT / 2, complete(&state)).await;
     assert_eq!(
         answer.expect("in time").expect("ok"),
         (WHOLE.to_string(), 0)
     );
+    // Nor does the decoder's load: it ended with the request.
+    let decoder = state.registry.get("d0").expect("d0");
+    assert_eq!(decoder.inflight(), 0);
+    // The drain gives up at its bound.
+    tokio::time::timeout(crate::pd::attempt::DRAIN_WAIT * 10, drains_end(&state))
+        .await
+        .expect("the drain ends within its bound");
+}
+
+#[tokio::test]
+async fn a_stream_cut_at_a_stop_string_is_closed_not_drained() {
+    let end = Arc::new(Notify::new());
+    let upstream = Scripted::new(vec![Script::Stream(vec![
+        tokens(0, 6, true),
+        Piece::Reached(end.clone()),
+    ])]);
+    let state = cluster(upstream, 1, &[]).await;
+    let body = json!({"model": "m", "prompt": "hi", "max_tokens": 6, "stop": [" t2"]});
+    let (value, _) = answer(&state, body).await.expect("ok");
+    assert_eq!(value["choices"][0]["text"], " t0 t1");
+    assert_eq!(value["choices"][0]["finish_reason"], "stop");
+    drains_end(&state).await;
+    // The router ended the request before the decoder did: the connection
+    // is closed (which aborts the engine's request), never read on.
+    assert!(!was_reached(&end));
 }

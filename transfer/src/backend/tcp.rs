@@ -214,7 +214,8 @@ async fn read_stripe(stripe: Stripe, pieces: Vec<DestSpan>) -> Result<()> {
         // at once by the fence. The destination is written only while this
         // future runs, and it owns the destination spans.
         let stream = conn.take_stream()?;
-        let by = deadline.min(Instant::now() + io);
+        let started = Instant::now();
+        let by = deadline.min(started + io);
         let mut bufs: Vec<&mut [u8]> = pieces.iter_mut().map(DestSpan::as_mut).collect();
         let moved = tokio::select! {
             read = tokio::time::timeout_at(by.into(), conn::read_scatter_async(&stream, &mut bufs)) => {
@@ -222,7 +223,7 @@ async fn read_stripe(stripe: Stripe, pieces: Vec<DestSpan>) -> Result<()> {
                     Ok(read) => read.map_err(TransferError::Io),
                     Err(_) => Err(TransferError::Timeout {
                         what: "moving block bytes",
-                        after: io,
+                        after: by.saturating_duration_since(started),
                     }),
                 }
             }
