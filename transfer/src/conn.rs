@@ -219,18 +219,104 @@ where
     Ok((TcpStream::from_std(std_stream)?, value))
 }
 
-/// Moves the cursor `(idx, off)` over `bufs` (given their lengths) by `n` bytes,
-/// skipping empty buffers.
-fn advance(lens: &[usize], idx: &mut usize, off: &mut usize, mut n: usize) {
-    while *idx < lens.len() {
-        let left = lens[*idx] - *off;
-        if n >= left {
-            n -= left;
-            *idx += 1;
-            *off = 0;
-        } else {
-            *off += n;
-            return;
+/// Where a vectored transfer over several buffers stands: the buffer and the
+/// offset in it the next system call starts at. Empty buffers are skipped.
+struct Cursor {
+    lens: Vec<usize>,
+    idx: usize,
+    off: usize,
+}
+
+impl Cursor {
+    fn new(lens: Vec<usize>) -> Self {
+        let mut cursor = Self {
+            lens,
+            idx: 0,
+            off: 0,
+        };
+        cursor.advance(0);
+        cursor
+    }
+
+    fn done(&self) -> bool {
+        self.idx >= self.lens.len()
+    }
+
+    /// Moves on by `n` bytes.
+    fn advance(&mut self, mut n: usize) {
+        while self.idx < self.lens.len() {
+            let left = self.lens[self.idx] - self.off;
+            if n >= left {
+                n -= left;
+                self.idx += 1;
+                self.off = 0;
+            } else {
+                self.off += n;
+                return;
+            }
+        }
+    }
+
+    /// The next write's buffers: the rest of the current one and up to
+    /// [`MAX_IOVECS`] in all.
+    fn write_slices<'a>(&self, bufs: &'a [&[u8]]) -> Vec<IoSlice<'a>> {
+        std::iter::once(IoSlice::new(&bufs[self.idx][self.off..]))
+            .chain(
+                bufs[self.idx + 1..]
+                    .iter()
+                    .take(MAX_IOVECS - 1)
+                    .map(|b| IoSlice::new(b)),
+            )
+            .collect()
+    }
+
+    /// The next read's buffers, as for [`Cursor::write_slices`].
+    fn read_slices<'a>(&self, bufs: &'a mut [&mut [u8]]) -> Vec<IoSliceMut<'a>> {
+        let (first, rest) = bufs[self.idx..].split_at_mut(1);
+        std::iter::once(IoSliceMut::new(&mut first[0][self.off..]))
+            .chain(
+                rest.iter_mut()
+                    .take(MAX_IOVECS - 1)
+                    .map(|b| IoSliceMut::new(b)),
+            )
+            .collect()
+    }
+
+    /// Takes in one system call's outcome: moved on, or to be called again
+    /// (interrupted), or the transfer's error (`WouldBlock` included: the
+    /// async callers wait for readiness before they get here).
+    fn moved(
+        &mut self,
+        outcome: std::io::Result<usize>,
+        direction: Direction,
+    ) -> std::io::Result<()> {
+        match outcome {
+            Ok(0) => Err(direction.nothing_moved()),
+            Ok(n) => {
+                self.advance(n);
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Which way a transfer's bytes go, for what a call that moved none means.
+#[derive(Clone, Copy)]
+enum Direction {
+    Write,
+    Read,
+}
+
+impl Direction {
+    fn nothing_moved(self) -> std::io::Error {
+        match self {
+            Direction::Write => std::io::ErrorKind::WriteZero.into(),
+            Direction::Read => std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "peer closed the connection mid-transfer",
+            ),
         }
     }
 }
@@ -241,26 +327,23 @@ pub(crate) fn write_gather(
     stream: &mut impl std::io::Write,
     bufs: &[&[u8]],
 ) -> std::io::Result<()> {
-    let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
-    let (mut idx, mut off) = (0usize, 0usize);
-    advance(&lens, &mut idx, &mut off, 0);
-    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOVECS);
-    while idx < bufs.len() {
-        slices.clear();
-        slices.push(IoSlice::new(&bufs[idx][off..]));
-        slices.extend(
-            bufs[idx + 1..]
-                .iter()
-                .take(MAX_IOVECS - 1)
-                .map(|b| IoSlice::new(b)),
-        );
-        let n = match stream.write_vectored(&slices) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        advance(&lens, &mut idx, &mut off, n);
+    let mut cursor = Cursor::new(bufs.iter().map(|b| b.len()).collect());
+    while !cursor.done() {
+        let written = stream.write_vectored(&cursor.write_slices(bufs));
+        cursor.moved(written, Direction::Write)?;
+    }
+    Ok(())
+}
+
+/// Fills `bufs` in order with vectored reads.
+pub(crate) fn read_scatter(
+    stream: &mut impl std::io::Read,
+    bufs: &mut [&mut [u8]],
+) -> std::io::Result<()> {
+    let mut cursor = Cursor::new(bufs.iter().map(|b| b.len()).collect());
+    while !cursor.done() {
+        let read = stream.read_vectored(&mut cursor.read_slices(bufs));
+        cursor.moved(read, Direction::Read)?;
     }
     Ok(())
 }
@@ -268,24 +351,11 @@ pub(crate) fn write_gather(
 /// [`write_gather`] on the async socket (for transfers up to [`ASYNC_MAX`]);
 /// the caller bounds the time and fences it.
 pub(crate) async fn write_gather_async(stream: &TcpStream, bufs: &[&[u8]]) -> std::io::Result<()> {
-    let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
-    let (mut idx, mut off) = (0usize, 0usize);
-    advance(&lens, &mut idx, &mut off, 0);
-    while idx < bufs.len() {
-        let slices: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&bufs[idx][off..]))
-            .chain(
-                bufs[idx + 1..]
-                    .iter()
-                    .take(MAX_IOVECS - 1)
-                    .map(|b| IoSlice::new(b)),
-            )
-            .collect();
-        match stream.try_write_vectored(&slices) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => advance(&lens, &mut idx, &mut off, n),
+    let mut cursor = Cursor::new(bufs.iter().map(|b| b.len()).collect());
+    while !cursor.done() {
+        match stream.try_write_vectored(&cursor.write_slices(bufs)) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => stream.writable().await?,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            written => cursor.moved(written, Direction::Write)?,
         }
     }
     Ok(())
@@ -297,69 +367,12 @@ pub(crate) async fn read_scatter_async(
     stream: &TcpStream,
     bufs: &mut [&mut [u8]],
 ) -> std::io::Result<()> {
-    let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
-    let (mut idx, mut off) = (0usize, 0usize);
-    advance(&lens, &mut idx, &mut off, 0);
-    while idx < bufs.len() {
-        let read = {
-            let (first, rest) = bufs[idx..].split_at_mut(1);
-            let mut slices: Vec<IoSliceMut<'_>> =
-                std::iter::once(IoSliceMut::new(&mut first[0][off..]))
-                    .chain(
-                        rest.iter_mut()
-                            .take(MAX_IOVECS - 1)
-                            .map(|b| IoSliceMut::new(b)),
-                    )
-                    .collect();
-            stream.try_read_vectored(&mut slices)
-        };
-        match read {
-            Ok(0) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "peer closed the connection mid-transfer",
-                ))
-            }
-            Ok(n) => advance(&lens, &mut idx, &mut off, n),
+    let mut cursor = Cursor::new(bufs.iter().map(|b| b.len()).collect());
+    while !cursor.done() {
+        match stream.try_read_vectored(&mut cursor.read_slices(bufs)) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => stream.readable().await?,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            read => cursor.moved(read, Direction::Read)?,
         }
-    }
-    Ok(())
-}
-
-/// Fills `bufs` in order with vectored reads.
-pub(crate) fn read_scatter(
-    stream: &mut impl std::io::Read,
-    bufs: &mut [&mut [u8]],
-) -> std::io::Result<()> {
-    let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
-    let (mut idx, mut off) = (0usize, 0usize);
-    advance(&lens, &mut idx, &mut off, 0);
-    while idx < bufs.len() {
-        let n = {
-            let (first, rest) = bufs[idx..].split_at_mut(1);
-            let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(MAX_IOVECS);
-            slices.push(IoSliceMut::new(&mut first[0][off..]));
-            slices.extend(
-                rest.iter_mut()
-                    .take(MAX_IOVECS - 1)
-                    .map(|b| IoSliceMut::new(b)),
-            );
-            match stream.read_vectored(&mut slices) {
-                Ok(0) => {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        "peer closed the connection mid-transfer",
-                    ))
-                }
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            }
-        };
-        advance(&lens, &mut idx, &mut off, n);
     }
     Ok(())
 }
