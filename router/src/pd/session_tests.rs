@@ -629,14 +629,20 @@ fn was_reached(reached: &Notify) -> bool {
     futures_util::FutureExt::now_or_never(reached.notified()).is_some()
 }
 
+/// A one-decoder cluster whose stream is six tokens, then `after`, then a
+/// marker that tells whether the stream was read to its end.
+async fn marked_at_the_end(after: Vec<Piece>) -> (Arc<Flow>, Arc<Notify>) {
+    let end = Arc::new(Notify::new());
+    let mut pieces = vec![tokens(0, 6, true)];
+    pieces.extend(after);
+    pieces.push(Piece::Reached(end.clone()));
+    let state = cluster(Scripted::new(vec![Script::Stream(pieces)]), 1, &[]).await;
+    (state, end)
+}
+
 #[tokio::test]
 async fn after_done_the_rest_of_the_response_is_read_so_its_connection_is_kept() {
-    let end = Arc::new(Notify::new());
-    let upstream = Scripted::new(vec![Script::Stream(vec![
-        tokens(0, 6, true),
-        Piece::Reached(end.clone()),
-    ])]);
-    let state = cluster(upstream, 1, &[]).await;
+    let (state, end) = marked_at_the_end(vec![]).await;
     assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 0));
     drains_end(&state).await;
     assert!(was_reached(&end), "the response was read to its end");
@@ -644,13 +650,8 @@ async fn after_done_the_rest_of_the_response_is_read_so_its_connection_is_kept()
 
 #[tokio::test]
 async fn bytes_after_done_are_read_only_up_to_the_drain_bound() {
-    let end = Arc::new(Notify::new());
-    let upstream = Scripted::new(vec![Script::Stream(vec![
-        tokens(0, 6, true),
-        Piece::Raw(&[b':'; crate::pd::attempt::DRAIN_BYTES + 1]),
-        Piece::Reached(end.clone()),
-    ])]);
-    let state = cluster(upstream, 1, &[]).await;
+    let past_the_bound = Piece::Raw(&[b':'; crate::pd::attempt::DRAIN_BYTES + 1]);
+    let (state, end) = marked_at_the_end(vec![past_the_bound]).await;
     assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 0));
     drains_end(&state).await;
     assert!(!was_reached(&end), "the drain stopped at its bound");
@@ -685,12 +686,7 @@ async fn a_response_that_never_ends_after_done_is_not_waited_for() {
 
 #[tokio::test]
 async fn a_stream_cut_at_a_stop_string_is_closed_not_drained() {
-    let end = Arc::new(Notify::new());
-    let upstream = Scripted::new(vec![Script::Stream(vec![
-        tokens(0, 6, true),
-        Piece::Reached(end.clone()),
-    ])]);
-    let state = cluster(upstream, 1, &[]).await;
+    let (state, end) = marked_at_the_end(vec![]).await;
     let body = json!({"model": "m", "prompt": "hi", "max_tokens": 6, "stop": [" t2"]});
     let (value, _) = answer(&state, body).await.expect("ok");
     assert_eq!(value["choices"][0]["text"], " t0 t1");
