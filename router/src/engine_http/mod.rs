@@ -26,11 +26,12 @@ use bytes::{Bytes, BytesMut};
 use connex_transfer::net::{IdlePool, KeyedLimit};
 use framing::Framing;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
 
 /// Why an exchange failed.
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +93,15 @@ struct Inner {
     pool: IdlePool,
     connecting: Arc<KeyedLimit>,
     connect_timeout: Duration,
+    /// Cancelled when the client is dropped: the connects still running on
+    /// their own tasks (see [`EngineClient::connect`]) end with it.
+    stop: CancellationToken,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
 }
 
 /// A response: its status, and its body to read.
@@ -129,6 +139,7 @@ impl EngineClient {
                 pool: IdlePool::new(max_idle_per_host, idle_timeout),
                 connecting: KeyedLimit::new(MAX_CONNECTING_PER_ENGINE),
                 connect_timeout,
+                stop: CancellationToken::new(),
             }),
         }
     }
@@ -227,7 +238,8 @@ impl EngineClient {
     /// first. As in hyper's pool, a connect that loses the race still
     /// completes (on its own task, bounded by the connect timeout) and its
     /// connection is pooled: a burst grows the pool to the engine's
-    /// concurrency instead of queueing behind it. Waiting for a connect slot
+    /// concurrency instead of queueing behind it. That task holds no clone
+    /// of the client, and ends when the client is dropped. Waiting for a connect slot
     /// or a connection given back is bounded by the caller (a queue behind a
     /// burst is not a dead engine).
     async fn connect(&self, authority: &str) -> Result<(TcpStream, bool), ClientError> {
@@ -241,18 +253,28 @@ impl EngineClient {
             return Ok((stream, true));
         }
         let (tx, connected) = oneshot::channel();
-        let (client, addr) = (self.clone(), authority.to_string());
+        let inner: Weak<Inner> = Arc::downgrade(&self.inner);
+        let (connecting, timeout) = (self.inner.connecting.clone(), self.inner.connect_timeout);
+        let (stop, addr) = (self.inner.stop.clone(), authority.to_string());
         tokio::spawn(async move {
-            let mut tx = tx;
-            let slot = tokio::select! {
-                slot = client.inner.connecting.enter(&addr) => slot,
-                // Nobody waits for it any more: no connect.
-                () = tx.closed() => return,
+            let connect = async move {
+                let mut tx = tx;
+                let slot = tokio::select! {
+                    slot = connecting.enter(&addr) => slot,
+                    // Nobody waits for it any more: no connect.
+                    () = tx.closed() => return,
+                };
+                let result = open(&addr, timeout).await;
+                drop(slot);
+                if let Err(Ok(stream)) = tx.send(result) {
+                    if let Some(inner) = inner.upgrade() {
+                        inner.pool.put(&addr, stream);
+                    }
+                }
             };
-            let result = client.open(&addr).await;
-            drop(slot);
-            if let Err(Ok(stream)) = tx.send(result) {
-                client.inner.pool.put(&addr, stream);
+            tokio::select! {
+                () = connect => {}
+                () = stop.cancelled() => {}
             }
         });
         tokio::select! {
@@ -267,7 +289,7 @@ impl EngineClient {
     /// A new connection to `authority`, after a connect slot.
     async fn fresh(&self, authority: &str) -> Result<TcpStream, ClientError> {
         let _slot = self.inner.connecting.enter(authority).await;
-        self.open(authority)
+        open(authority, self.inner.connect_timeout)
             .await
             .map_err(|err| self.connect_error(err))
     }
@@ -285,32 +307,32 @@ impl EngineClient {
             message: format!("tcp connect error: {err}"),
         }
     }
+}
 
-    /// A new TCP connection to `authority` within the connect timeout, name
-    /// resolution included, each address within its share of what is left (a
-    /// black-holed first one must not take all of it).
-    async fn open(&self, authority: &str) -> std::io::Result<TcpStream> {
-        let deadline = tokio::time::Instant::now() + self.inner.connect_timeout;
-        let addrs = tokio::time::timeout_at(deadline, resolve(authority))
-            .await
-            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))?;
-        let mut last = std::io::Error::other("no address");
-        for (i, addr) in addrs.iter().enumerate() {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let share = left / u32::try_from(addrs.len() - i).unwrap_or(u32::MAX);
-            match tokio::time::timeout(share, TcpStream::connect(addr)).await {
-                Ok(Ok(stream)) => {
-                    // Every token is its own small write; see `server.rs`.
-                    stream.set_nodelay(true)?;
-                    crate::metrics::engine_connection_opened(authority);
-                    return Ok(stream);
-                }
-                Ok(Err(err)) => last = err,
-                Err(_) => last = std::io::ErrorKind::TimedOut.into(),
+/// A new TCP connection to `authority` within the connect timeout, name
+/// resolution included, each address within its share of what is left (a
+/// black-holed first one must not take all of it).
+async fn open(authority: &str, connect_timeout: Duration) -> std::io::Result<TcpStream> {
+    let deadline = tokio::time::Instant::now() + connect_timeout;
+    let addrs = tokio::time::timeout_at(deadline, resolve(authority))
+        .await
+        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))?;
+    let mut last = std::io::Error::other("no address");
+    for (i, addr) in addrs.iter().enumerate() {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let share = left / u32::try_from(addrs.len() - i).unwrap_or(u32::MAX);
+        match tokio::time::timeout(share, TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => {
+                // Every token is its own small write; see `server.rs`.
+                stream.set_nodelay(true)?;
+                crate::metrics::engine_connection_opened(authority);
+                return Ok(stream);
             }
+            Ok(Err(err)) => last = err,
+            Err(_) => last = std::io::ErrorKind::TimedOut.into(),
         }
-        Err(last)
     }
+    Err(last)
 }
 
 /// The place of a request waiting for a connection given back. Dropped, it

@@ -411,3 +411,52 @@ async fn a_name_is_resolved() {
         .expect("answer");
     assert_eq!(read_all(&mut response.body).await, b"{}");
 }
+
+/// Tasks alive on this test's runtime.
+fn alive_tasks() -> usize {
+    tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks()
+}
+
+#[tokio::test]
+async fn a_connect_still_running_on_its_task_ends_with_the_client() {
+    // A listener whose accept queue is full: a new connect to it hangs (the
+    // kernel drops its SYNs) until the connect timeout.
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("addr"))
+        .expect("bind");
+    let listener = socket.listen(1).expect("listen");
+    let addr = listener.local_addr().expect("addr");
+    let mut queued = Vec::new();
+    for _ in 0..8 {
+        let connect = TcpStream::connect(addr);
+        if let Ok(Ok(stream)) = tokio::time::timeout(Duration::from_millis(200), connect).await {
+            queued.push(stream);
+        }
+    }
+    let before = alive_tasks();
+    let client = EngineClient::new(Duration::from_secs(30), 8, Duration::from_secs(10));
+    let url = format!("http://{addr}");
+    let asked = tokio::time::timeout(
+        Duration::from_millis(300),
+        client.post(&url, "/a", &[], &empty()),
+    )
+    .await;
+    assert!(asked.is_err(), "the connect hangs");
+    // The caller gave up; the connect goes on, on its own task (its
+    // connection would be pooled for the next request)...
+    assert_eq!(alive_tasks(), before + 1);
+    // ...until the client is gone, not for the rest of its 30 s.
+    drop(client);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while alive_tasks() > before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the connect task outlived the client"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(queued);
+}
