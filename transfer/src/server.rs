@@ -633,17 +633,7 @@ async fn stream_range(
             let fenced = read.fenced();
             let bufs: Vec<&[u8]> = merged.iter().map(SrcSpan::bytes).collect();
             tokio::select! {
-                written = tokio::time::timeout(io, conn::write_gather_async(&stream, &bufs)) => {
-                    match written {
-                        Ok(written) => written?,
-                        Err(_) => {
-                            return Err(TransferError::Timeout {
-                                what: "moving block bytes",
-                                after: io,
-                            })
-                        }
-                    }
-                }
+                written = conn::timed("moving block bytes", io, conn::write_gather_async(&stream, &bufs)) => written?,
                 _ = fenced.cancelled() => {
                     return Err(TransferError::Protocol("hold freed".into()));
                 }

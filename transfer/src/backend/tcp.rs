@@ -214,19 +214,10 @@ async fn read_stripe(stripe: Stripe, pieces: Vec<DestSpan>) -> Result<()> {
         // at once by the fence. The destination is written only while this
         // future runs, and it owns the destination spans.
         let stream = conn.take_stream()?;
-        let started = Instant::now();
-        let by = deadline.min(started + io);
+        let limit = io.min(deadline.saturating_duration_since(Instant::now()));
         let mut bufs: Vec<&mut [u8]> = pieces.iter_mut().map(DestSpan::as_mut).collect();
         let moved = tokio::select! {
-            read = tokio::time::timeout_at(by.into(), conn::read_scatter_async(&stream, &mut bufs)) => {
-                match read {
-                    Ok(read) => read.map_err(TransferError::Io),
-                    Err(_) => Err(TransferError::Timeout {
-                        what: "moving block bytes",
-                        after: by.saturating_duration_since(started),
-                    }),
-                }
-            }
+            read = conn::timed("moving block bytes", limit, conn::read_scatter_async(&stream, &mut bufs)) => read,
             () = fence.cancelled() => Err(TransferError::Protocol("pull cut".into())),
         };
         drop(bufs);
