@@ -135,6 +135,8 @@ pub(crate) fn create(kind: BackendKind, role: Role<'_>) -> Result<Arc<dyn Backen
 /// backends poll [`PullFence::is_cut`] between gets.
 #[derive(Default)]
 pub(crate) struct PullFence {
+    /// Set by the cut, beside the token below: one-sided backends read it
+    /// between gets, and the token's own check takes a lock.
     cut: AtomicBool,
     /// Cancelled by the cut: what async transfers (small TCP stripes) await.
     cancelled: tokio_util::sync::CancellationToken,
