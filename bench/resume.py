@@ -10,7 +10,11 @@ decoder. Two ways, in one run, taking turns for ROUNDS rounds (medians reported)
 Prefill costs 100 us per computed token on every engine (decoders too, for what
 they compute themselves); each token of KV is 1 KiB, really held and pulled.
 The gap is the time between the last token before the crash and the first one
-after it, as the client sees it. The last line is
+after it, as the client sees it. A chat row at 8k: the same crash in a streamed
+chat with reasoning and two tools offered, which continues through the tokens
+API (render, generate, one derender call per chunk: docs/resume.md), beside the
+completions resume at the same prompt length
+(`chat_tools_resume_gap_vs_completions_at_8k`). The last line is
 `resume_gap_ratio_at_8k=<reprefill gap / resume gap>`.
 
 Usage: python3 bench/resume.py BIN_DIR [ROUNDS]
@@ -38,7 +42,7 @@ KV_BYTES = os.environ.get("CONNEX_BENCH_KV_BYTES", "1024")
 class Cluster:
     """A router, a prefill and two decoders (d0 crashes at token 64)."""
 
-    def __init__(self, bin_dir, logs, reprefill):
+    def __init__(self, bin_dir, logs, reprefill, scale_out=False):
         self.procs = []
         self.logs = logs
         self.internal_url = ""
@@ -55,6 +59,8 @@ class Cluster:
             engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", self.internal]
             engine += ["--prefill-us-per-token", PREFILL_US, "--kv-bytes-per-token", KV_BYTES]
             hold = ["--hold-release", "after_pull"] if reprefill else []
+            # The decoders serve the tokens API (a chat continues through it).
+            engine += ["--enable-scale-out"] if scale_out else []
             self.start("prefill", engine + ["--role", "prefill"] + hold)
             decoder = engine + ["--role", "decode", "--decode-us-per-token", DECODE_US]
             self.start("d0", decoder + ["--id", "d0", "--crash-after-tokens", str(CRASH_AT)])
@@ -106,18 +112,28 @@ def prompt_ids(length, seed):
     return [(i * 7 + seed) % 250 + 1 for i in range(length)]
 
 
-def stream_gap(router, prompt):
-    """Streams one completion; returns (gap at the failure, median gap) in ms."""
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
+
+
+def stream_gap(router, prompt, chat=False):
+    """Streams one completion (or a chat with reasoning and tools, when
+    `chat`: `prompt` is then its text); returns (gap at the failure, median
+    gap) in ms."""
     host, port = router.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    body = {
-        "model": "mock",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "stream": True,
-        "return_token_ids": True,
-    }
-    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    body = {"model": "mock", "max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        body["tools"] = TOOLS
+        body["reasoning_effort"] = "low"
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
     reply = conn.getresponse()
     if reply.status != 200:
         raise RuntimeError(f"HTTP {reply.status}: {reply.read()[:300]}")
@@ -160,6 +176,7 @@ def main():
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     logs = tempfile.mkdtemp(prefix="connex-bench-resume-")
     results = {(n, mode): [] for n in PROMPTS for mode in ("resume", "reprefill")}
+    chat_gaps = []
     usual = []
     for round_ in range(rounds):
         for n in PROMPTS:
@@ -171,6 +188,15 @@ def main():
                     cluster.stop()
                 results[(n, mode)].append(gap)
                 usual.append(typical)
+        # The chat of the same prompt length (the mock's tokens are bytes; the
+        # chat template adds a few).
+        cluster = Cluster(bin_dir, logs, reprefill=False, scale_out=True)
+        try:
+            text = "".join(chr(97 + i % 26) for i in prompt_ids(8192, round_))
+            gap, _ = stream_gap(cluster.router, text, chat=True)
+        finally:
+            cluster.stop()
+        chat_gaps.append(gap)
         print(f"round {round_ + 1}/{rounds} done", file=sys.stderr)
     print(
         f"resume: gap seen by the client when its decoder dies at token {CRASH_AT}, "
@@ -190,6 +216,10 @@ def main():
         if n == 8192:
             ratio_8k = ratio
         print(f"  {n:>7} {resume:>10.1f} {reprefill:>13.1f} {ratio:>7.1f}")
+    chat = statistics.median(chat_gaps)
+    completions_8k = statistics.median(results[(8192, "resume")])
+    print(f"  chat with reasoning and tools, 8192-token prompt: resume {chat:.1f} ms")
+    print(f"chat_tools_resume_gap_vs_completions_at_8k={chat / completions_8k:.2f}")
     print(f"resume_gap_ratio_at_8k={ratio_8k:.2f}")
 
 

@@ -115,6 +115,11 @@ pub struct RouterConfig {
     /// forgotten past it).
     #[arg(long, env = "CONNEX_PREFIX_INDEX_BLOCKS", default_value_t = 16_384)]
     pub prefix_index_blocks: usize,
+    /// Most KV blocks all instances' prefix indexes hold together (about 80
+    /// bytes each): registrants cannot grow the router past it, however
+    /// many register. An index past it forgets its own oldest blocks.
+    #[arg(long, env = "CONNEX_PREFIX_INDEX_TOTAL_BLOCKS", default_value_t = 1 << 20)]
+    pub prefix_index_total_blocks: usize,
     /// `cache_aware` with engines that send no KV events: the block size of
     /// the router's own record of the prompts it sent each one (an
     /// approximate index; an engine's first event replaces it).
@@ -145,6 +150,12 @@ pub struct RouterConfig {
     /// Largest accepted request body, in bytes (larger: 413).
     #[arg(long, env = "CONNEX_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Request body bytes all clients' requests may hold at once (a request
+    /// holds its body until it ends: a resume sends it again); past it, 503
+    /// with Retry-After before more is read. Bounds what client bodies can
+    /// cost the router's memory (a body is kept at about its size).
+    #[arg(long, env = "CONNEX_MAX_INFLIGHT_BODY_BYTES", default_value_t = 128 * 1024 * 1024)]
+    pub max_inflight_body_bytes: usize,
     /// Time a client has to send a request's whole body, in milliseconds
     /// (past it: 408).
     #[arg(long, env = "CONNEX_BODY_READ_TIMEOUT_MS", default_value_t = 60_000)]
@@ -322,9 +333,81 @@ pub struct RouterConfig {
     #[arg(long, env = "CONNEX_HTTP2_IDLE_TIMEOUT_S", default_value_t = 60,
           value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub http2_idle_timeout_s: u64,
-    /// Most OpenAI requests in flight; past it, 429 with Retry-After.
+    /// Most OpenAI requests in flight; past it requests wait in per-tenant
+    /// queues (--max-queued-per-tenant, --max-queue-wait-ms), then 429 with
+    /// Retry-After.
     #[arg(long, env = "CONNEX_MAX_CONCURRENT_REQUESTS", default_value_t = 10_000)]
     pub max_concurrent_requests: usize,
+    /// Most requests of one tenant waiting for a slot (0: none wait, past the
+    /// limit is 429 at once).
+    #[arg(long, env = "CONNEX_MAX_QUEUED_PER_TENANT", default_value_t = 1024)]
+    pub max_queued_per_tenant: usize,
+    /// Longest a request waits for a slot before its 429, in milliseconds
+    /// (0: none wait).
+    #[arg(long, env = "CONNEX_MAX_QUEUE_WAIT_MS", default_value_t = 10_000)]
+    pub max_queue_wait_ms: u64,
+    /// The key clients must send on every client route but the probes
+    /// (`Authorization: Bearer KEY`, or `x-api-key`), as vLLM's --api-key.
+    /// Its tenant is `default`. Unset, and without --tenants-file: open.
+    #[arg(long, env = "CONNEX_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// File holding the API key (instead of --api-key).
+    #[arg(long, env = "CONNEX_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Most responses (`/v1/responses`, `store` not false) kept for
+    /// `previous_response_id` and `GET /v1/responses/{id}`; past it the oldest go.
+    #[arg(long, env = "CONNEX_MAX_STORED_RESPONSES", default_value_t = 10_000)]
+    pub max_stored_responses: usize,
+    /// Most background responses (`background: true`) whose events are kept
+    /// for readers (`GET ...?stream=true&starting_after=N`); those finished
+    /// longest ago are forgotten first, and past it with all in progress a
+    /// new one gets 429.
+    #[arg(long, env = "CONNEX_MAX_BACKGROUND_RESPONSES", default_value_t = 1024)]
+    pub max_background_responses: usize,
+    /// Most bytes of stored responses (their objects and conversations);
+    /// past it the oldest go.
+    #[arg(long, env = "CONNEX_MAX_STORED_RESPONSE_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub max_stored_response_bytes: usize,
+    /// Redis that every replica shares for stored responses and background
+    /// responses' events (`redis://HOST:PORT[/DB]`, `rediss://` for TLS), so
+    /// that any replica serves them. Without it: this process's memory (one
+    /// replica). The password goes in --response-store-password-file or
+    /// CONNEX_RESPONSE_STORE_PASSWORD, never in the URL.
+    #[arg(long, env = "CONNEX_RESPONSE_STORE")]
+    pub response_store: Option<String>,
+    /// Password of the response store (prefer CONNEX_RESPONSE_STORE_PASSWORD
+    /// or --response-store-password-file).
+    #[arg(long, env = "CONNEX_RESPONSE_STORE_PASSWORD", hide_env_values = true)]
+    pub response_store_password: Option<String>,
+    /// File holding the response store's password.
+    #[arg(long, env = "CONNEX_RESPONSE_STORE_PASSWORD_FILE")]
+    pub response_store_password_file: Option<PathBuf>,
+    /// CA certificate (PEM) the response store's server certificate must
+    /// chain to (rediss://; without it, the system's roots).
+    #[arg(long, env = "CONNEX_RESPONSE_STORE_CA_FILE")]
+    pub response_store_ca_file: Option<PathBuf>,
+    /// Prefix of the response store's keys (the replicas of one cluster share it).
+    #[arg(long, env = "CONNEX_RESPONSE_STORE_PREFIX", default_value = "connex:")]
+    pub response_store_prefix: String,
+    /// Seconds a response lives in the response store (its keys expire then).
+    #[arg(long, env = "CONNEX_RESPONSE_STORE_TTL_S", default_value_t = 7 * 24 * 3600)]
+    pub response_store_ttl_s: u64,
+    /// Bound of each response store call and connection attempt, in
+    /// milliseconds (past it the store counts as unavailable).
+    #[arg(long, env = "CONNEX_RESPONSE_STORE_TIMEOUT_MS", default_value_t = 1000)]
+    pub response_store_timeout_ms: u64,
+    /// How long a replica's claim on a background response it generates
+    /// lasts without renewal, in milliseconds (renewed three times as
+    /// often): past it, another replica sharing the response store takes the
+    /// generation over from its last checkpoint. Lower: a quicker takeover
+    /// after a crash, more renewals.
+    #[arg(long, env = "CONNEX_RESPONSE_LEASE_MS", default_value_t = 3000)]
+    pub response_lease_ms: u64,
+    /// Tenants (TOML: `[[tenant]]` with name, keys, max_concurrent,
+    /// tokens_per_minute, weight, priority; docs/operations.md). Read again
+    /// on SIGHUP and when it changes; a bad file keeps the tenants in force.
+    #[arg(long, env = "CONNEX_TENANTS_FILE")]
+    pub tenants_file: Option<PathBuf>,
 
     // --- Static instances (engines without the agent) ---
     /// A static prefill instance, `URL[,CTRL]` (CTRL: its KV holder's control

@@ -52,6 +52,8 @@ pub async fn run(args: DemoArgs) -> Result<(), DemoError> {
         let mut config = MockConfig::new(role, "mock", Some(router.internal_url()));
         config.id = Some(id.to_string());
         config.decode_us_per_token = 2_000;
+        // As the chart starts vLLM decoders: a chat resumes through the tokens API.
+        config.enable_scale_out = true;
         let engine = MockEngine::start(config, CrashAction::StopServing).await?;
         println!(
             "connex demo: mock engine {id:<9} ({role:?}) on {} registering",

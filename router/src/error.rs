@@ -35,6 +35,14 @@ pub enum ApiError {
     /// The router's concurrency limit: try again after `retry_after_s`.
     #[error("the router is at its limit of {limit} requests in flight; retry later")]
     Overloaded { limit: usize, retry_after_s: u64 },
+    /// A tenant's own limit (requests in flight, tokens per minute).
+    #[error("{message}")]
+    RateLimited { message: String, retry_after_s: u64 },
+    /// The router's budget of request bytes in flight is spent.
+    #[error(
+        "the router holds its limit of {limit} bytes of request bodies in flight; retry later"
+    )]
+    BodyBudget { limit: usize, retry_after_s: u64 },
     #[error("upstream {instance} failed: {message}")]
     BadGateway { instance: String, message: String },
     /// An engine's own 4xx answer: its status and its message, never its raw
@@ -89,7 +97,8 @@ impl ApiError {
             Self::Forbidden(_) => StatusCode::FORBIDDEN,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::Overloaded { .. } | Self::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::BodyBudget { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::BadGateway { .. } => StatusCode::BAD_GATEWAY,
             Self::Upstream { status, .. } => *status,
         }
@@ -103,10 +112,10 @@ impl ApiError {
             | Self::UnsupportedMediaType => "invalid_request_error",
             Self::Forbidden(_) => "permission_error",
             Self::Conflict(_) => "conflict_error",
-            Self::Overloaded { .. } => "rate_limit_error",
+            Self::Overloaded { .. } | Self::RateLimited { .. } => "rate_limit_error",
             Self::ModelNotFound(_) | Self::NotFound(_) => "not_found_error",
             Self::Unauthorized(_) => "authentication_error",
-            Self::Unavailable(_) => "service_unavailable",
+            Self::Unavailable(_) | Self::BodyBudget { .. } => "service_unavailable",
             Self::BadGateway { .. } | Self::Upstream { .. } => "upstream_error",
         }
     }
@@ -126,13 +135,55 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The error in Anthropic's shape (`/v1/messages`): `{"type": "error",
+    /// "error": {"type", "message"}}`, its type by status as Anthropic names them.
+    pub fn anthropic_body(&self) -> serde_json::Value {
+        let kind = match self.status().as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            400..=499 => "invalid_request_error",
+            _ => "api_error",
+        };
+        json!({"type": "error", "error": {"type": kind, "message": self.to_string()}})
+    }
+
+    /// The response of this error with `body` (its status, and `Retry-After`
+    /// where the error has one).
+    fn respond_with(self, body: serde_json::Value) -> Response {
+        if let Self::Overloaded { retry_after_s, .. }
+        | Self::RateLimited { retry_after_s, .. }
+        | Self::BodyBudget { retry_after_s, .. } = self
+        {
+            let retry = retry_after_s.to_string();
+            return (self.status(), [("retry-after", retry)], Json(body)).into_response();
+        }
+        (self.status(), Json(body)).into_response()
+    }
+
+    /// The response for a request to `path`: Anthropic's shape on its route,
+    /// OpenAI's everywhere else.
+    pub fn response_for(self, path: &str) -> Response {
+        if path.starts_with(ANTHROPIC_PATH) {
+            let body = self.anthropic_body();
+            self.respond_with(body)
+        } else {
+            self.into_response()
+        }
+    }
+}
+
+/// The route whose errors are in Anthropic's shape.
+pub const ANTHROPIC_PATH: &str = "/v1/messages";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if let Self::Overloaded { retry_after_s, .. } = self {
-            let retry = retry_after_s.to_string();
-            return (self.status(), [("retry-after", retry)], Json(self.body())).into_response();
-        }
-        (self.status(), Json(self.body())).into_response()
+        let body = self.body();
+        self.respond_with(body)
     }
 }
 

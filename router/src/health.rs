@@ -20,6 +20,7 @@
 use crate::metrics;
 use crate::policy::outlier::{ejection_allowed, Outliers};
 use crate::registry::{Instance, Lifecycle, Registry};
+use crate::upstreams::{ProbeClient, ProbeError};
 use futures_util::future::join_all;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -41,7 +42,7 @@ impl HealthChecks {
     pub fn spawn(
         self,
         registry: Arc<Registry>,
-        client: reqwest::Client,
+        client: ProbeClient,
         outliers: Arc<Outliers>,
         tasks: &mut JoinSet<()>,
         shutdown: CancellationToken,
@@ -71,7 +72,7 @@ impl HealthChecks {
     async fn round(
         &self,
         registry: &Registry,
-        client: &reqwest::Client,
+        client: &ProbeClient,
         outliers: &Outliers,
         failed: &mut HashMap<String, u32>,
     ) {
@@ -129,12 +130,14 @@ impl HealthChecks {
         self.interval * self.failures + self.timeout
     }
 
-    async fn probe(&self, client: &reqwest::Client, instance: &Instance) -> Result<(), String> {
+    async fn probe(&self, client: &ProbeClient, instance: &Instance) -> Result<(), String> {
         let url = format!("{}/health", instance.url.trim_end_matches('/'));
-        match client.get(url).timeout(self.timeout).send().await {
+        match client.get(&url, self.timeout).await {
             Ok(reply) if reply.status().is_success() => Ok(()),
             Ok(reply) => Err(format!("HTTP {}", reply.status())),
-            Err(err) if err.is_timeout() => Err(format!("no answer in {:?}", self.timeout)),
+            Err(ProbeError::Http(err)) if err.is_timeout() => {
+                Err(format!("no answer in {:?}", self.timeout))
+            }
             Err(err) => Err(err.to_string()),
         }
     }
@@ -148,6 +151,11 @@ fn same_kind(a: &Instance, b: &Instance) -> bool {
 mod tests {
     use super::*;
     use crate::registry::{Registration, Role};
+
+    fn probe_client() -> ProbeClient {
+        let policy = crate::upstreams::UpstreamPolicy::parse(None).expect("policy");
+        ProbeClient::new(reqwest::Client::new(), Arc::new(policy))
+    }
 
     /// Two decoders whose probes fail (nothing listens at their address).
     async fn registry() -> Registry {
@@ -195,7 +203,7 @@ mod tests {
         let outliers = Outliers::default();
         let mut failed = HashMap::new();
         CHECKS
-            .round(&registry, &reqwest::Client::new(), &outliers, &mut failed)
+            .round(&registry, &probe_client(), &outliers, &mut failed)
             .await;
         // Both fail their probes; declaring the second dead too would leave
         // none of the two in rotation.
@@ -209,7 +217,7 @@ mod tests {
         outliers.clock("d0").tick();
         let mut failed = HashMap::new();
         CHECKS
-            .round(&registry, &reqwest::Client::new(), &outliers, &mut failed)
+            .round(&registry, &probe_client(), &outliers, &mut failed)
             .await;
         assert_eq!(unhealthy(&registry), vec!["d1"]);
     }

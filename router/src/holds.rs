@@ -11,12 +11,18 @@
 //! router, so the end of a request never waits on a holder. Each request holds a
 //! [`HoldLease`]; the keeper keeps the leases in renewal order and wakes only
 //! when one is due.
+//!
+//! Bounds (docs/security.md, "Hold calls"): the command queue is bounded and a
+//! request never waits on it; each holder has its own few calls in flight and
+//! its own queue of waiting work, each call a time limit, and a renewal is not
+//! retried past its hold's expiry. So a holder that accepts connections and
+//! never answers costs only its own holds, never another holder's renewals.
 
 use connex_transfer::proto::MAX_RELEASE_BATCH;
 use connex_transfer::{CtrlClient, Secret, TransferError};
 use serde_json::Value;
-use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -49,11 +55,20 @@ impl Hold {
                 kv.get("lease_s")
                     .and_then(Value::as_f64)
                     .unwrap_or(60.0)
-                    .clamp(0.0, 86_400.0),
+                    .clamp(MIN_LEASE_S, MAX_LEASE_S),
             ),
         })
     }
 }
+
+/// The shortest lease the keeper believes. A hold is renewed at half its
+/// lease (and retried at an eighth after a failure), so a prefill answering
+/// `lease_s: 1e-300` would have the keeper renew it in a tight loop; a
+/// hold shorter than this could not last through a resume's check and pull
+/// anyway.
+const MIN_LEASE_S: f64 = 1.0;
+/// The longest: a day.
+const MAX_LEASE_S: f64 = 86_400.0;
 
 /// What a resume learns of its hold.
 #[derive(Debug)]
@@ -68,24 +83,44 @@ pub enum HoldState {
 #[derive(Debug, Clone)]
 pub struct Holds {
     ctrl: CtrlClient,
-    commands: mpsc::UnboundedSender<Command>,
+    commands: mpsc::Sender<KeeperCommand>,
     next_key: Arc<AtomicU64>,
+    limits: CallLimits,
 }
 
 /// The keeper's end of the command queue, taken by [`Holds::spawn_keeper`].
-pub struct ReleaseQueue(mpsc::UnboundedReceiver<Command>);
+pub struct ReleaseQueue(mpsc::Receiver<KeeperCommand>);
+
+/// Commands queued for the keeper at most (about 100 bytes each). The keeper
+/// never waits on a holder while it takes commands, so the queue only fills
+/// when requests end faster than one task files them; then a request does not
+/// wait for room either: see [`Holds::lease`] and [`HoldLease`]'s drop for
+/// what is given up instead.
+const COMMAND_QUEUE: usize = 65_536;
 
 /// What the keeper is told.
 #[derive(Debug)]
-pub enum Command {
+enum KeeperCommand {
     /// Renew `hold` at half its lease, at the lease's current epoch, until untracked.
     Track {
         key: u64,
         hold: Hold,
-        epoch: Arc<AtomicU64>,
+        lease: Arc<LeaseState>,
     },
     /// Stop renewing; release the hold (the router's backstop).
     Release { key: u64 },
+}
+
+/// What a [`HoldLease`] shares with the keeper.
+#[derive(Debug)]
+struct LeaseState {
+    /// The resume epoch renewals use.
+    epoch: AtomicU64,
+    /// Set when the lease drops. The keeper looks at it before each renewal,
+    /// so a hold whose `Release` found the queue full is still released, at
+    /// its next due renewal (within half its lease), instead of being renewed
+    /// for ever.
+    dropped: AtomicBool,
 }
 
 /// A request's claim on a hold: renewed by the keeper while it lives, released
@@ -96,8 +131,8 @@ pub enum Command {
 pub struct HoldLease {
     hold: Hold,
     key: u64,
-    epoch: Arc<AtomicU64>,
-    commands: mpsc::UnboundedSender<Command>,
+    state: Arc<LeaseState>,
+    commands: mpsc::Sender<KeeperCommand>,
 }
 
 impl HoldLease {
@@ -107,21 +142,33 @@ impl HoldLease {
 
     /// The resume epoch renewals use from now on.
     pub fn set_epoch(&self, epoch: u64) {
-        self.epoch.store(epoch, Ordering::Relaxed);
+        self.state.epoch.store(epoch, Ordering::Relaxed);
     }
 }
 
 impl Drop for HoldLease {
     fn drop(&mut self) {
-        // The queue only closes when the router stops; a release then is moot
-        // (the hold expires by its lease).
-        let _ = self.commands.send(Command::Release { key: self.key });
+        self.state.dropped.store(true, Ordering::Relaxed);
+        // A full queue: the keeper sees `dropped` at the next due renewal and
+        // releases the hold then. A closed one: the router is stopping, and a
+        // release then is moot (the hold expires by its lease).
+        let _ = self
+            .commands
+            .try_send(KeeperCommand::Release { key: self.key });
     }
 }
 
 impl Holds {
     pub fn new(ctrl_timeout: Duration, secret: Option<Secret>) -> (Self, ReleaseQueue) {
-        let (commands, queue) = mpsc::unbounded_channel();
+        Self::with_queue(ctrl_timeout, secret, COMMAND_QUEUE)
+    }
+
+    fn with_queue(
+        ctrl_timeout: Duration,
+        secret: Option<Secret>,
+        queue: usize,
+    ) -> (Self, ReleaseQueue) {
+        let (commands, queue) = mpsc::channel(queue);
         let ctrl = CtrlClient::with_config(connex_transfer::ClientConfig {
             connect_timeout: ctrl_timeout,
             io_timeout: ctrl_timeout,
@@ -132,23 +179,49 @@ impl Holds {
             ctrl,
             commands,
             next_key: Arc::new(AtomicU64::new(0)),
+            limits: CallLimits::new(ctrl_timeout),
         };
         (holds, ReleaseQueue(queue))
     }
 
-    /// Leases `hold` for a request at resume `epoch`.
+    /// The same holds, their control calls resolving holder addresses with
+    /// `resolver` (the router's checks them against `--allowed-upstreams` at
+    /// every connect). Call before the keeper starts.
+    pub fn resolving_with(self, resolver: connex_transfer::Resolver) -> Self {
+        let config = connex_transfer::ClientConfig {
+            resolver: Some(resolver),
+            ..self.ctrl.config().clone()
+        };
+        Self {
+            ctrl: CtrlClient::with_config(config),
+            ..self
+        }
+    }
+
+    /// Leases `hold` for a request at resume `epoch`. Never waits: with the
+    /// keeper's queue full the hold is not tracked (counted as `untracked` in
+    /// `connex_holds_renewed_total`), so the router neither renews nor
+    /// releases it; the decoder releases it on a normal finish and its lease
+    /// frees it otherwise.
     pub fn lease(&self, hold: Hold, epoch: u64) -> HoldLease {
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
-        let epoch = Arc::new(AtomicU64::new(epoch));
-        let _ = self.commands.send(Command::Track {
+        let state = Arc::new(LeaseState {
+            epoch: AtomicU64::new(epoch),
+            dropped: AtomicBool::new(false),
+        });
+        let track = KeeperCommand::Track {
             key,
             hold: hold.clone(),
-            epoch: epoch.clone(),
-        });
+            lease: state.clone(),
+        };
+        if let Err(mpsc::error::TrySendError::Full(_)) = self.commands.try_send(track) {
+            tracing::debug!(transfer_id = %hold.transfer_id, "hold keeper's queue full: hold not tracked");
+            crate::metrics::hold_renewed("untracked");
+        }
         HoldLease {
             hold,
             key,
-            epoch,
+            state,
             commands: self.commands.clone(),
         }
     }
@@ -172,21 +245,33 @@ impl Holds {
     }
 
     /// Starts the keeper task in `tasks`; it stops with `shutdown` after sending
-    /// the releases already queued.
+    /// the releases already queued (for at most one release's time limit).
     pub fn spawn_keeper(
         &self,
         queue: ReleaseQueue,
         tasks: &mut JoinSet<()>,
         shutdown: CancellationToken,
     ) {
-        tasks.spawn(keep(self.ctrl.clone(), queue.0, shutdown));
+        let keeper = Keeper::new(self.ctrl.clone(), self.limits);
+        tasks.spawn(keeper.run(queue.0, shutdown));
     }
 }
 
-/// Most release or renew calls in flight at once.
-const MAX_CALLS: usize = 64;
-/// Most queued commands the keeper takes in one turn before it looks at its
-/// timers and finished calls again.
+/// Most calls in flight to one holder at once (renewals and releases
+/// together). Each holder has its own: a holder that accepts connections and
+/// never answers ties up only its own calls, never another holder's renewals.
+/// Holders are the registered prefills' control addresses (a prefill answer
+/// naming another is refused), so at most `--max-instances` times this many
+/// calls run at once.
+const MAX_CALLS_PER_HOLDER: usize = 8;
+
+/// Most release batches (of up to [`MAX_RELEASE_BATCH`] holds each) waiting
+/// for one holder behind its calls in flight. Past it the oldest batch is
+/// given up (counted as `dropped`): its holds expire by their leases.
+const MAX_WAITING_RELEASE_BATCHES: usize = 16;
+
+/// Most queued commands or due renewals the keeper takes in one turn before it
+/// looks at its timers and finished calls again.
 const MAX_COMMANDS_AT_ONCE: usize = 256;
 
 /// How long a release waits for others to the same holder: the requests that
@@ -195,6 +280,39 @@ const MAX_COMMANDS_AT_ONCE: usize = 256;
 /// release is a backstop (the decoder releases the hold on a normal finish,
 /// the lease frees it otherwise), so a few ms later costs nothing.
 const RELEASE_LINGER: Duration = Duration::from_millis(5);
+
+/// Waits before each retry of a release: a holder busy under load (its
+/// accept backlog full, a call past the control timeout) gets a few chances
+/// over ~2 s; after that the hold's lease frees it anyway.
+const RELEASE_BACKOFF: [Duration; 3] = [
+    Duration::from_millis(100),
+    Duration::from_millis(500),
+    Duration::from_millis(1500),
+];
+
+/// Time limits of the keeper's calls, from `--ctrl-timeout-ms` (which the
+/// control client applies to each connect, read and write on its own, so a
+/// call of several steps could otherwise last several times it).
+#[derive(Debug, Clone, Copy)]
+struct CallLimits {
+    /// One request: a connect and three exchanges (a new connection's two
+    /// handshake exchanges, then the request). A renewal also ends at its
+    /// hold's expiry, after which it is of no use.
+    attempt: Duration,
+    /// One release, its retries and their waits included.
+    release: Duration,
+}
+
+impl CallLimits {
+    fn new(ctrl_timeout: Duration) -> Self {
+        let attempt = ctrl_timeout.saturating_mul(4);
+        let waits: Duration = RELEASE_BACKOFF.iter().sum();
+        Self {
+            attempt,
+            release: attempt.saturating_mul(2).saturating_add(waits),
+        }
+    }
+}
 
 /// Releases waiting to go out, by holder (its control address).
 #[derive(Default)]
@@ -234,10 +352,30 @@ impl Releases {
 /// A leased hold the keeper renews.
 struct Tracked {
     hold: Hold,
-    epoch: Arc<AtomicU64>,
+    lease: Arc<LeaseState>,
     /// When the next renewal is due (its key in the schedule), `None` while one
-    /// is in flight.
+    /// is waiting for its holder or in flight, or once renewing has stopped.
     due: Option<Instant>,
+    /// When the hold lapses unless renewed: its lease from when it was taken
+    /// or from the start of its last successful renewal.
+    expires: Instant,
+}
+
+/// What to do with a renewal whose turn has come.
+#[derive(Debug)]
+enum Turn {
+    /// Renew it, for at most `limit`.
+    Renew {
+        hold: Hold,
+        epoch: u32,
+        limit: Duration,
+    },
+    /// Its lease dropped meanwhile: release it instead.
+    Release(Hold),
+    /// It lapsed before a renewal could go through: renewing stops.
+    Expired,
+    /// Released meanwhile.
+    Untracked,
 }
 
 /// The leased holds and when each is next renewed: the keeper wakes at the
@@ -249,15 +387,17 @@ struct Schedule {
 }
 
 impl Schedule {
-    fn track(&mut self, key: u64, hold: Hold, epoch: Arc<AtomicU64>, now: Instant) {
+    fn track(&mut self, key: u64, hold: Hold, lease: Arc<LeaseState>, now: Instant) {
         let due = now + hold.lease / 2;
         self.order.insert((due, key));
+        let expires = now + hold.lease;
         self.tracked.insert(
             key,
             Tracked {
                 hold,
-                epoch,
+                lease,
                 due: Some(due),
+                expires,
             },
         );
     }
@@ -274,8 +414,9 @@ impl Schedule {
         self.order.first().map(|(due, _)| *due)
     }
 
-    /// The holds due at `now`, with their epochs; marked in flight.
-    fn take_due(&mut self, now: Instant, most: usize) -> Vec<(u64, Hold, u32)> {
+    /// The holds due at `now`, with their holders; no longer due until
+    /// [`Schedule::renewed`].
+    fn take_due(&mut self, now: Instant, most: usize) -> Vec<(u64, String)> {
         let mut out = Vec::new();
         while out.len() < most {
             let Some(&(due, key)) = self.order.first() else {
@@ -287,26 +428,57 @@ impl Schedule {
             self.order.remove(&(due, key));
             if let Some(tracked) = self.tracked.get_mut(&key) {
                 tracked.due = None;
-                let epoch =
-                    u32::try_from(tracked.epoch.load(Ordering::Relaxed)).unwrap_or(u32::MAX);
-                out.push((key, tracked.hold.clone(), epoch));
+                out.push((key, tracked.hold.ctrl.clone()));
             }
         }
         out
     }
 
-    /// A renewal ended: the next one at half the lease after a success, sooner
-    /// after a failure; none once the hold is gone.
-    fn renewed(&mut self, key: u64, outcome: Renewal, now: Instant) {
+    /// The renewal of `key` may start: what it does, at the lease's current
+    /// epoch, bounded by `attempt` and by the hold's expiry.
+    fn turn(&mut self, key: u64, now: Instant, attempt: Duration) -> Turn {
+        let Some(tracked) = self.tracked.get(&key) else {
+            return Turn::Untracked;
+        };
+        if tracked.lease.dropped.load(Ordering::Relaxed) {
+            return self.untrack(key).map_or(Turn::Untracked, Turn::Release);
+        }
+        let left = tracked.expires.saturating_duration_since(now);
+        if left.is_zero() {
+            return Turn::Expired;
+        }
+        let epoch = u32::try_from(tracked.lease.epoch.load(Ordering::Relaxed)).unwrap_or(u32::MAX);
+        Turn::Renew {
+            hold: tracked.hold.clone(),
+            epoch,
+            limit: attempt.min(left),
+        }
+    }
+
+    /// A renewal started at `started` ended at `now`: the next one at half
+    /// the lease after a success, sooner after a failure while the hold can
+    /// still be alive; none once the hold is gone or has lapsed.
+    fn renewed(&mut self, key: u64, outcome: Renewal, started: Instant, now: Instant) {
         let Some(tracked) = self.tracked.get_mut(&key) else {
             return;
         };
-        let after = match outcome {
-            Renewal::Renewed => tracked.hold.lease / 2,
-            Renewal::Failed => (tracked.hold.lease / 8).min(Duration::from_secs(1)),
+        let due = match outcome {
+            Renewal::Renewed => {
+                tracked.expires = started + tracked.hold.lease;
+                now + tracked.hold.lease / 2
+            }
+            Renewal::Failed => {
+                let due = now + (tracked.hold.lease / 8).min(Duration::from_secs(1));
+                if due >= tracked.expires {
+                    // Retrying past the hold's own expiry renews nothing and
+                    // keeps one of its holder's call slots busy.
+                    crate::metrics::hold_renewed("expired");
+                    return;
+                }
+                due
+            }
             Renewal::Gone => return,
         };
-        let due = now + after;
         tracked.due = Some(due);
         self.order.insert((due, key));
     }
@@ -319,103 +491,251 @@ enum Renewal {
     Gone,
 }
 
-async fn keep(
-    ctrl: CtrlClient,
-    mut queue: mpsc::UnboundedReceiver<Command>,
-    shutdown: CancellationToken,
-) {
-    let mut keeper = Keeper {
-        ctrl,
-        calls: JoinSet::new(),
-        schedule: Schedule::default(),
-        releases: Releases::default(),
-    };
-    loop {
-        let wake = keeper.schedule.next_due();
-        let flush = keeper.releases.due;
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            Some(command) = queue.recv() => {
-                // With the ones already queued (a bounded number): the
-                // releases of requests that ended together join one batch.
-                keeper.command(command).await;
-                for _ in 1..MAX_COMMANDS_AT_ONCE {
-                    let Ok(command) = queue.try_recv() else { break };
-                    keeper.command(command).await;
-                }
-            }
-            _ = sleep_until(flush), if flush.is_some() => keeper.flush().await,
-            _ = sleep_until(wake), if wake.is_some() => keeper.renew_due(),
-            Some(done) = keeper.calls.join_next(), if !keeper.calls.is_empty() => {
-                keeper.schedule.apply(Some(done));
-            }
-        }
-    }
-    // Releases queued before the stop still go out, bounded by the client's
-    // timeouts (a lease taken meanwhile is tracked, so that its release is too).
-    queue.close();
-    while let Some(command) = queue.recv().await {
-        keeper.command(command).await;
-    }
-    keeper.flush().await;
-    while keeper.calls.join_next().await.is_some() {}
+/// One holder's calls: how many are in flight, and the work waiting for a
+/// free call (renewals first: a late renewal loses a hold, a late release
+/// only frees it later).
+#[derive(Default)]
+struct HolderCalls {
+    in_flight: usize,
+    renewals: VecDeque<u64>,
+    releases: VecDeque<Vec<String>>,
 }
 
+impl HolderCalls {
+    fn idle(&self) -> bool {
+        self.in_flight == 0 && self.renewals.is_empty() && self.releases.is_empty()
+    }
+}
+
+/// What a finished call reports: a renewal its key, outcome and start; a
+/// release nothing.
+type CallDone = Option<(u64, Renewal, Instant)>;
+
 /// The keeper task's state: the renewal schedule, the releases waiting for
-/// their batch, and the calls in flight.
+/// their batch, and each holder's calls. Its loop never waits on a call: a
+/// holder that never answers delays only its own calls.
 struct Keeper {
     ctrl: CtrlClient,
-    calls: JoinSet<Option<(u64, Renewal)>>,
+    limits: CallLimits,
+    calls: JoinSet<CallDone>,
+    /// The holder of each call in flight (a call that panicked still frees
+    /// its holder's slot).
+    call_holders: HashMap<tokio::task::Id, String>,
+    holders: HashMap<String, HolderCalls>,
     schedule: Schedule,
     releases: Releases,
+    /// Stopping: releases still go out, renewals no longer do.
+    stopping: bool,
 }
 
 impl Keeper {
-    async fn command(&mut self, command: Command) {
-        match command {
-            Command::Track { key, hold, epoch } => {
-                self.schedule.track(key, hold, epoch, Instant::now());
+    fn new(ctrl: CtrlClient, limits: CallLimits) -> Self {
+        Self {
+            ctrl,
+            limits,
+            calls: JoinSet::new(),
+            call_holders: HashMap::new(),
+            holders: HashMap::new(),
+            schedule: Schedule::default(),
+            releases: Releases::default(),
+            stopping: false,
+        }
+    }
+
+    async fn run(mut self, mut queue: mpsc::Receiver<KeeperCommand>, shutdown: CancellationToken) {
+        loop {
+            let wake = self.schedule.next_due();
+            let flush = self.releases.due;
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                Some(command) = queue.recv() => {
+                    // With the ones already queued (a bounded number): the
+                    // releases of requests that ended together join one batch.
+                    self.command(command);
+                    for _ in 1..MAX_COMMANDS_AT_ONCE {
+                        let Ok(command) = queue.try_recv() else { break };
+                        self.command(command);
+                    }
+                }
+                _ = sleep_until(flush), if flush.is_some() => self.flush(),
+                _ = sleep_until(wake), if wake.is_some() => self.renew_due(),
+                Some(done) = self.calls.join_next_with_id(), if !self.calls.is_empty() => {
+                    self.finished(done);
+                }
             }
-            Command::Release { key } => {
-                let Some(hold) = self.schedule.untrack(key) else {
-                    return;
-                };
-                if let Some(batch) = self.releases.add(hold, Instant::now()) {
-                    self.send(batch).await;
+        }
+        self.stop(queue).await;
+    }
+
+    /// Releases queued before the stop still go out, for at most one
+    /// release's time limit (a lease taken meanwhile is tracked, so that its
+    /// release is too); calls still running then are dropped, and the leases
+    /// free their holds.
+    async fn stop(mut self, mut queue: mpsc::Receiver<KeeperCommand>) {
+        self.stopping = true;
+        queue.close();
+        while let Ok(command) = queue.try_recv() {
+            self.command(command);
+        }
+        self.flush();
+        for holder in self.holders.values_mut() {
+            holder.renewals.clear();
+        }
+        let limit = self.limits.release;
+        let drain = async {
+            while let Some(done) = self.calls.join_next_with_id().await {
+                self.finished(done);
+            }
+        };
+        if tokio::time::timeout(limit, drain).await.is_err() {
+            tracing::debug!("hold releases still unanswered at the stop are given up");
+        }
+    }
+
+    fn command(&mut self, command: KeeperCommand) {
+        match command {
+            KeeperCommand::Track { key, hold, lease } => {
+                self.schedule.track(key, hold, lease, Instant::now());
+            }
+            KeeperCommand::Release { key } => {
+                if let Some(hold) = self.schedule.untrack(key) {
+                    self.release_later(hold);
                 }
             }
         }
     }
 
-    /// Starts the renewals that are due, as many as there is room for.
-    fn renew_due(&mut self) {
-        let room = MAX_CALLS.saturating_sub(self.calls.len()).max(1);
-        for (key, hold, epoch) in self.schedule.take_due(Instant::now(), room) {
-            let ctrl = self.ctrl.clone();
-            self.calls
-                .spawn(async move { Some((key, renew(ctrl, hold, epoch).await)) });
+    /// Queues `hold`'s release into its holder's next batch.
+    fn release_later(&mut self, hold: Hold) {
+        if let Some(batch) = self.releases.add(hold, Instant::now()) {
+            self.queue_release(batch);
         }
     }
 
-    /// Sends every waiting release.
-    async fn flush(&mut self) {
+    /// Sends every waiting release batch (as its holder has room).
+    fn flush(&mut self) {
         for batch in self.releases.take_all() {
-            self.send(batch).await;
+            self.queue_release(batch);
         }
     }
 
-    /// Sends one holder's batch of releases, once fewer than [`MAX_CALLS`]
-    /// are in flight.
-    async fn send(&mut self, (holder, ids): (String, Vec<String>)) {
-        if self.calls.len() >= MAX_CALLS {
-            let done = self.calls.join_next().await;
-            self.schedule.apply(done);
+    /// Queues the renewals that are due on their holders, a bounded number a
+    /// turn (the rest are still due at the next).
+    fn renew_due(&mut self) {
+        let due = self.schedule.take_due(Instant::now(), MAX_COMMANDS_AT_ONCE);
+        let mut touched = BTreeSet::new();
+        for (key, holder) in due {
+            self.holders
+                .entry(holder.clone())
+                .or_default()
+                .renewals
+                .push_back(key);
+            touched.insert(holder);
         }
-        let ctrl = self.ctrl.clone();
-        self.calls.spawn(async move {
-            release(ctrl, holder, ids).await;
-            None
-        });
+        for holder in touched {
+            self.pump(&holder);
+        }
+    }
+
+    /// Queues one holder's batch of releases: joined to the last batch waiting
+    /// for that holder while it has room, the oldest given up past
+    /// [`MAX_WAITING_RELEASE_BATCHES`].
+    fn queue_release(&mut self, (holder, ids): (String, Vec<String>)) {
+        let calls = self.holders.entry(holder.clone()).or_default();
+        match calls.releases.back_mut() {
+            Some(last) if last.len() + ids.len() <= MAX_RELEASE_BATCH => last.extend(ids),
+            _ => calls.releases.push_back(ids),
+        }
+        while calls.releases.len() > MAX_WAITING_RELEASE_BATCHES {
+            let Some(given_up) = calls.releases.pop_front() else {
+                break;
+            };
+            tracing::debug!(%holder, holds = given_up.len(), "too many releases waiting for this holder: their leases free them");
+            for _ in &given_up {
+                crate::metrics::hold_released("dropped");
+            }
+        }
+        self.pump(&holder);
+    }
+
+    /// Starts `holder`'s waiting work while it has fewer than
+    /// [`MAX_CALLS_PER_HOLDER`] calls in flight.
+    fn pump(&mut self, holder: &str) {
+        let now = Instant::now();
+        let mut released = Vec::new();
+        loop {
+            let Some(calls) = self.holders.get_mut(holder) else {
+                return;
+            };
+            if calls.in_flight >= MAX_CALLS_PER_HOLDER {
+                break;
+            }
+            if let Some(key) = calls.renewals.pop_front().filter(|_| !self.stopping) {
+                match self.schedule.turn(key, now, self.limits.attempt) {
+                    Turn::Renew { hold, epoch, limit } => {
+                        let ctrl = self.ctrl.clone();
+                        self.spawn(holder, async move {
+                            let started = Instant::now();
+                            Some((key, renew(ctrl, hold, epoch, limit).await, started))
+                        });
+                    }
+                    Turn::Release(hold) => released.push(hold),
+                    Turn::Expired => crate::metrics::hold_renewed("expired"),
+                    Turn::Untracked => {}
+                }
+            } else if let Some(ids) = calls.releases.pop_front() {
+                let (ctrl, holder_addr, limits) =
+                    (self.ctrl.clone(), holder.to_string(), self.limits);
+                self.spawn(holder, async move {
+                    release(ctrl, holder_addr, ids, limits).await;
+                    None
+                });
+            } else {
+                break;
+            }
+        }
+        if self.holders.get(holder).is_some_and(HolderCalls::idle) {
+            self.holders.remove(holder);
+        }
+        for hold in released {
+            self.release_later(hold);
+        }
+    }
+
+    fn spawn(
+        &mut self,
+        holder: &str,
+        call: impl std::future::Future<Output = CallDone> + Send + 'static,
+    ) {
+        let id = self.calls.spawn(call).id();
+        self.call_holders.insert(id, holder.to_string());
+        self.holders
+            .entry(holder.to_string())
+            .or_default()
+            .in_flight += 1;
+    }
+
+    /// A call ended: its renewal's outcome goes into the schedule, and its
+    /// holder's slot to the work waiting for it.
+    fn finished(&mut self, done: Result<(tokio::task::Id, CallDone), tokio::task::JoinError>) {
+        let id = match done {
+            Ok((id, Some((key, outcome, started)))) => {
+                self.schedule.renewed(key, outcome, started, Instant::now());
+                id
+            }
+            Ok((id, None)) => id,
+            Err(err) => {
+                tracing::warn!(%err, "hold call ended abnormally");
+                err.id()
+            }
+        };
+        let Some(holder) = self.call_holders.remove(&id) else {
+            return;
+        };
+        if let Some(calls) = self.holders.get_mut(&holder) {
+            calls.in_flight = calls.in_flight.saturating_sub(1);
+        }
+        self.pump(&holder);
     }
 }
 
@@ -425,29 +745,17 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-impl Schedule {
-    /// Takes in the outcome of a finished call (a renewal's; a release has none).
-    fn apply(&mut self, done: Option<Result<Option<(u64, Renewal)>, tokio::task::JoinError>>) {
-        if let Some(Ok(Some((key, outcome)))) = done {
-            self.renewed(key, outcome, Instant::now());
-        }
-    }
-}
-
-/// Waits before each retry of a release: a holder busy under load (its
-/// accept backlog full, a call past the control timeout) gets a few chances
-/// over ~2 s; after that the hold's lease frees it anyway.
-const RELEASE_BACKOFF: [Duration; 3] = [
-    Duration::from_millis(100),
-    Duration::from_millis(500),
-    Duration::from_millis(1500),
-];
-
 /// Releases the holds `ids` on `holder`: in one `ReleaseMany` call, or one
-/// by one for a single hold or a holder that predates the op.
-async fn release(ctrl: CtrlClient, holder: String, ids: Vec<String>) {
+/// by one for a single hold or a holder that predates the op; all within
+/// `limits.release`.
+async fn release(ctrl: CtrlClient, holder: String, ids: Vec<String>, limits: CallLimits) {
+    let deadline = Instant::now() + limits.release;
     if ids.len() > 1 {
-        match with_backoff(|| ctrl.release_many(&holder, &ids)).await {
+        match with_backoff(deadline, limits.attempt, || {
+            ctrl.release_many(&holder, &ids)
+        })
+        .await
+        {
             Ok(were) => {
                 for was in were {
                     count_release(&holder, Ok(was));
@@ -466,25 +774,40 @@ async fn release(ctrl: CtrlClient, holder: String, ids: Vec<String>) {
         }
     }
     for id in &ids {
-        let outcome = with_backoff(|| ctrl.release(&holder, id)).await;
+        let outcome = with_backoff(deadline, limits.attempt, || ctrl.release(&holder, id)).await;
         count_release(&holder, outcome.as_ref().map(|was| *was));
     }
 }
 
-/// A release call, tried again after [`RELEASE_BACKOFF`]'s waits while it
-/// fails for a reason that may pass: not a refused connection (the holder is
-/// gone, and its holds with it), not an op the holder does not know.
-async fn with_backoff<T, F, Fut>(mut call: F) -> Result<T, TransferError>
+/// A release call, each try bounded by `attempt`, tried again after
+/// [`RELEASE_BACKOFF`]'s waits while it fails for a reason that may pass: not
+/// a refused connection (the holder is gone, and its holds with it), not an op
+/// the holder does not know; nothing starts or waits past `deadline`.
+async fn with_backoff<T, F, Fut>(
+    deadline: Instant,
+    attempt: Duration,
+    mut call: F,
+) -> Result<T, TransferError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, TransferError>>,
 {
     let mut backoff = RELEASE_BACKOFF.iter();
     loop {
-        match call().await {
+        let limit = attempt.min(deadline.saturating_duration_since(Instant::now()));
+        let outcome = match tokio::time::timeout(limit, call()).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(TransferError::Timeout {
+                what: "releasing holds",
+                after: limit,
+            }),
+        };
+        match outcome {
             Err(err) if !is_refused(&err) && !err.is_unknown_op() => match backoff.next() {
-                Some(wait) => tokio::time::sleep(*wait).await,
-                None => return Err(err),
+                Some(wait) if Instant::now() + *wait < deadline => {
+                    tokio::time::sleep(*wait).await;
+                }
+                _ => return Err(err),
             },
             outcome => return outcome,
         }
@@ -504,13 +827,25 @@ fn count_release(holder: &str, outcome: Result<bool, &TransferError>) {
     }
 }
 
+/// A refused connection, or an address the upstream policy refuses: no
+/// retry would go through.
 fn is_refused(err: &TransferError) -> bool {
+    use std::io::ErrorKind::{ConnectionRefused, PermissionDenied};
     matches!(err, TransferError::Unreachable { source, .. }
-        if source.kind() == std::io::ErrorKind::ConnectionRefused)
+        if matches!(source.kind(), ConnectionRefused | PermissionDenied))
 }
 
-async fn renew(ctrl: CtrlClient, hold: Hold, epoch: u32) -> Renewal {
-    match ctrl.renew(&hold.ctrl, &hold.transfer_id, epoch).await {
+/// Renews `hold` at `epoch`, giving up after `limit`.
+async fn renew(ctrl: CtrlClient, hold: Hold, epoch: u32, limit: Duration) -> Renewal {
+    let call = ctrl.renew(&hold.ctrl, &hold.transfer_id, epoch);
+    let outcome = match tokio::time::timeout(limit, call).await {
+        Ok(outcome) => outcome,
+        Err(_) => Err(TransferError::Timeout {
+            what: "renewing a hold",
+            after: limit,
+        }),
+    };
+    match outcome {
         Ok(_) => {
             crate::metrics::hold_renewed("renewed");
             Renewal::Renewed
@@ -555,36 +890,99 @@ mod tests {
         }
     }
 
+    fn lease_state(epoch: u64) -> Arc<LeaseState> {
+        Arc::new(LeaseState {
+            epoch: AtomicU64::new(epoch),
+            dropped: AtomicBool::new(false),
+        })
+    }
+
+    /// The epoch a due renewal of `key` would use.
+    fn renew_epoch(schedule: &mut Schedule, key: u64, now: Instant) -> u32 {
+        match schedule.turn(key, now, Duration::from_secs(1)) {
+            Turn::Renew { epoch, .. } => epoch,
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn renewals_are_due_at_half_the_lease_and_rescheduled_only_on_success() {
         let mut schedule = Schedule::default();
         let now = Instant::now();
-        let epoch = Arc::new(AtomicU64::new(2));
-        schedule.track(1, hold(10), epoch.clone(), now);
+        let lease = lease_state(2);
+        schedule.track(1, hold(10), lease.clone(), now);
         assert_eq!(schedule.next_due(), Some(now + Duration::from_secs(5)));
         assert!(schedule.take_due(now, 8).is_empty());
-        epoch.store(3, Ordering::Relaxed);
+        lease.epoch.store(3, Ordering::Relaxed);
         let due = schedule.take_due(now + Duration::from_secs(5), 8);
-        assert_eq!(due.len(), 1);
-        assert_eq!(due[0].2, 3, "renewed at the lease's current epoch");
+        assert_eq!(due, vec![(1, "127.0.0.1:9".to_string())]);
+        assert_eq!(
+            renew_epoch(&mut schedule, 1, now + Duration::from_secs(5)),
+            3,
+            "renewed at the lease's current epoch"
+        );
         // In flight: not due again until its outcome is known.
         assert_eq!(schedule.next_due(), None);
         let later = now + Duration::from_secs(6);
-        schedule.renewed(1, Renewal::Failed, later);
+        schedule.renewed(1, Renewal::Failed, later, later);
         assert_eq!(schedule.next_due(), Some(later + Duration::from_secs(1)));
         schedule.take_due(later + Duration::from_secs(1), 8);
-        schedule.renewed(1, Renewal::Renewed, later);
+        schedule.renewed(1, Renewal::Renewed, later, later);
         assert_eq!(schedule.next_due(), Some(later + Duration::from_secs(5)));
         assert!(schedule.untrack(1).is_some());
         assert_eq!(schedule.next_due(), None);
-        schedule.track(2, hold(10), epoch, now);
+        schedule.track(2, hold(10), lease_state(0), now);
         schedule.take_due(now + Duration::from_secs(5), 8);
-        schedule.renewed(2, Renewal::Gone, later);
+        schedule.renewed(2, Renewal::Gone, later, later);
         assert_eq!(
             schedule.next_due(),
             None,
             "a gone hold is not renewed again"
         );
+    }
+
+    #[test]
+    fn a_failing_renewal_is_not_retried_past_its_holds_expiry() {
+        let mut schedule = Schedule::default();
+        let now = Instant::now();
+        schedule.track(1, hold(10), lease_state(0), now);
+        // Renewed at 5 s: the hold now lives until 15 s.
+        let at = now + Duration::from_secs(5);
+        schedule.take_due(at, 8);
+        schedule.renewed(1, Renewal::Renewed, at, at);
+        // Every retry fails, a second apart, until the next would be late.
+        let mut at = now + Duration::from_secs(10);
+        let mut tries = 0;
+        while let Some(due) = schedule.next_due() {
+            at = at.max(due);
+            assert_eq!(schedule.take_due(at, 8).len(), 1);
+            assert!(
+                matches!(schedule.turn(1, at, Duration::from_secs(60)),
+                Turn::Renew { limit, .. } if limit <= Duration::from_secs(5)),
+                "a try never outlives the hold"
+            );
+            schedule.renewed(1, Renewal::Failed, at, at);
+            tries += 1;
+        }
+        assert_eq!(tries, 5, "from 10 s to 14 s, then no more");
+        assert!(
+            matches!(
+                schedule.turn(1, now + Duration::from_secs(15), Duration::from_secs(1)),
+                Turn::Expired
+            ),
+            "a turn after the expiry renews nothing"
+        );
+    }
+
+    #[test]
+    fn a_lease_claimed_absurdly_short_is_renewed_no_faster_than_a_second_allows() {
+        let kv = json!({"remote_ctrl":"127.0.0.1:9","transfer_id":"t","lease_s":1e-300});
+        let hold = Hold::from_params(&kv).expect("a hold");
+        assert_eq!(hold.lease, Duration::from_secs(1));
+        let mut schedule = Schedule::default();
+        let now = Instant::now();
+        schedule.track(1, hold, lease_state(0), now);
+        assert_eq!(schedule.next_due(), Some(now + Duration::from_millis(500)));
     }
 
     #[test]
@@ -628,7 +1026,10 @@ mod tests {
     /// answer "unknown op").
     async fn recording_holder(
         knows_many: bool,
-    ) -> (String, Arc<std::sync::Mutex<Vec<(u8, Vec<String>)>>>) {
+    ) -> (
+        String,
+        Arc<std::sync::Mutex<Vec<(u8, Vec<String>, Instant)>>>,
+    ) {
         use connex_transfer::proto::{ErrorCode, Header, Reply, Request, HEADER_LEN};
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -648,6 +1049,17 @@ mod tests {
                         stream.read_exact(&mut payload).await.expect("payload");
                         let request = Request::decode(header.op, &payload).expect("request");
                         let (ids, reply) = match request {
+                            Request::Renew { id, epoch } => {
+                                let info = connex_transfer::HoldInfo {
+                                    transfer_id: id.clone(),
+                                    blocks: 1,
+                                    bytes: 1,
+                                    expires_in_ms: 1_000,
+                                    epoch,
+                                    pulls: 0,
+                                };
+                                (vec![id], Reply::Hold(info))
+                            }
                             Request::Release { id } => (vec![id], Reply::Released(true)),
                             Request::ReleaseMany { ids } if knows_many => {
                                 let reply = Reply::ReleasedMany(vec![true; ids.len()]);
@@ -659,7 +1071,10 @@ mod tests {
                             ),
                             other => panic!("unexpected {other:?}"),
                         };
-                        record.lock().expect("record").push((header.op, ids));
+                        record
+                            .lock()
+                            .expect("record")
+                            .push((header.op, ids, Instant::now()));
                         let frame = reply.encode(header.seq);
                         stream.write_all(&frame).await.expect("reply");
                     }
@@ -674,7 +1089,7 @@ mod tests {
     async fn release_together(
         addr: &str,
         n: usize,
-        seen: &std::sync::Mutex<Vec<(u8, Vec<String>)>>,
+        seen: &std::sync::Mutex<Vec<(u8, Vec<String>, Instant)>>,
         calls: usize,
     ) {
         let (holds, queue) = Holds::new(Duration::from_secs(2), None);
@@ -709,7 +1124,7 @@ mod tests {
     async fn holds_released_together_go_to_their_holder_in_one_call() {
         let (addr, seen) = recording_holder(true).await;
         release_together(&addr, 3, &seen, 1).await;
-        let seen = seen.lock().expect("seen").clone();
+        let seen = without_times(&seen);
         assert_eq!(
             seen,
             vec![(0x0B, vec!["t0".into(), "t1".into(), "t2".into()])]
@@ -720,12 +1135,191 @@ mod tests {
     async fn a_holder_without_release_many_gets_each_release_alone() {
         let (addr, seen) = recording_holder(false).await;
         release_together(&addr, 3, &seen, 4).await;
-        let seen = seen.lock().expect("seen").clone();
+        let seen = without_times(&seen);
         assert_eq!(seen[0].0, 0x0B, "the batch first");
         let singles: Vec<(u8, Vec<String>)> = ["t0", "t1", "t2"]
             .iter()
             .map(|id| (0x02, vec![id.to_string()]))
             .collect();
         assert_eq!(seen[1..], singles[..]);
+    }
+
+    fn without_times(
+        seen: &std::sync::Mutex<Vec<(u8, Vec<String>, Instant)>>,
+    ) -> Vec<(u8, Vec<String>)> {
+        let seen = seen.lock().expect("seen");
+        seen.iter().map(|(op, ids, _)| (*op, ids.clone())).collect()
+    }
+
+    /// The times at which `seen` (of [`recording_holder`]) got a renewal of `id`.
+    fn renewals_of(
+        seen: &std::sync::Mutex<Vec<(u8, Vec<String>, Instant)>>,
+        id: &str,
+    ) -> Vec<Instant> {
+        let seen = seen.lock().expect("seen");
+        seen.iter()
+            .filter(|(op, ids, _)| *op == 0x01 && ids.iter().any(|i| i == id))
+            .map(|(_, _, at)| *at)
+            .collect()
+    }
+
+    /// A holder whose packets are black-holed after the connect: it accepts
+    /// connections, reads what comes and never answers. Counts the
+    /// connections open at once (most ever seen) and in all.
+    async fn black_hole() -> (String, Arc<std::sync::Mutex<(usize, usize, usize)>>) {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        // (open now, most open at once, accepted in all)
+        let counts = Arc::new(std::sync::Mutex::new((0, 0, 0)));
+        let count = counts.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                {
+                    let mut c = count.lock().expect("counts");
+                    c.0 += 1;
+                    c.1 = c.1.max(c.0);
+                    c.2 += 1;
+                }
+                let count = count.clone();
+                tokio::spawn(async move {
+                    let mut sink = [0u8; 4096];
+                    while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+                    count.lock().expect("counts").0 -= 1;
+                });
+            }
+        });
+        (addr, counts)
+    }
+
+    fn on(ctrl: &str, id: &str, lease: Duration) -> Hold {
+        Hold {
+            ctrl: ctrl.into(),
+            transfer_id: id.into(),
+            lease,
+        }
+    }
+
+    /// N4: requests on a prefill whose control port swallows every call end
+    /// steadily (each end a release to that holder, each release ~3 s of
+    /// timeouts and retries) while some of its holds are renewed in vain. A
+    /// hold on a healthy prefill must still be renewed within every lease.
+    /// Before, 64 calls in flight to the black hole blocked the keeper's loop
+    /// for seconds and the healthy hold lapsed.
+    #[tokio::test]
+    async fn a_holder_that_never_answers_cannot_make_holds_on_other_holders_lapse() {
+        let (healthy, seen) = recording_holder(true).await;
+        let (hole, hole_counts) = black_hole().await;
+        let (holds, queue) = Holds::new(Duration::from_millis(200), None);
+        let mut tasks = JoinSet::new();
+        let shutdown = CancellationToken::new();
+        holds.spawn_keeper(queue, &mut tasks, shutdown.clone());
+        let lease = Duration::from_secs(1);
+        let began = Instant::now();
+        let kept = holds.lease(on(&healthy, "kept", lease), 0);
+        let stuck: Vec<HoldLease> = (0..16)
+            .map(|i| holds.lease(on(&hole, &format!("stuck{i}"), lease), 0))
+            .collect();
+        for i in 0..300 {
+            drop(holds.lease(on(&hole, &format!("ended{i}"), Duration::from_secs(60)), 0));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let ended = Instant::now();
+        let renewals = renewals_of(&seen, "kept");
+        let mut last = began;
+        for at in &renewals {
+            assert!(
+                *at - last < lease,
+                "the healthy hold went {:?} without a renewal (lease {lease:?}): {:?}",
+                *at - last,
+                renewals.iter().map(|at| *at - began).collect::<Vec<_>>()
+            );
+            last = *at;
+        }
+        assert!(
+            ended - last < lease,
+            "no renewal of the healthy hold in the last {:?}",
+            ended - last
+        );
+        let (_, most_open, _) = *hole_counts.lock().expect("counts");
+        assert!(
+            most_open <= MAX_CALLS_PER_HOLDER,
+            "{most_open} calls at once to the black hole"
+        );
+        drop((kept, stuck));
+        shutdown.cancel();
+        // The stop waits at most one release's limit for the black hole.
+        let stopped = Instant::now();
+        while tasks.join_next().await.is_some() {}
+        let limit = CallLimits::new(Duration::from_millis(200)).release;
+        assert!(stopped.elapsed() < limit + Duration::from_millis(500));
+    }
+
+    /// A renewal that fails (its holder swallows the call) is retried only
+    /// while its hold can still be alive: after that the holder hears no more
+    /// of it.
+    #[tokio::test]
+    async fn renewals_to_a_silent_holder_stop_when_the_hold_lapses() {
+        let (hole, counts) = black_hole().await;
+        let (holds, queue) = Holds::new(Duration::from_millis(100), None);
+        let mut tasks = JoinSet::new();
+        let shutdown = CancellationToken::new();
+        holds.spawn_keeper(queue, &mut tasks, shutdown.clone());
+        let lease = holds.lease(on(&hole, "t", Duration::from_secs(1)), 0);
+        // Due at 0.5 s, retried every 125 ms until the hold lapses at 1 s.
+        tokio::time::sleep(Duration::from_millis(1_300)).await;
+        let (_, _, tried) = *counts.lock().expect("counts");
+        assert!((1..=5).contains(&tried), "{tried} renewal connections");
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        let (_, _, later) = *counts.lock().expect("counts");
+        assert_eq!(later, tried, "renewed after the hold lapsed");
+        shutdown.cancel();
+        while tasks.join_next().await.is_some() {}
+        drop(lease);
+    }
+
+    /// The keeper's queue is bounded and a request never waits on it: past
+    /// it a lease is not tracked, and a release that finds it full still
+    /// happens, at the hold's next due renewal.
+    #[tokio::test]
+    async fn a_full_keeper_queue_never_blocks_and_loses_no_release() {
+        let (addr, seen) = recording_holder(true).await;
+        let (holds, queue) = Holds::with_queue(Duration::from_secs(1), None, 2);
+        let first = holds.lease(on(&addr, "first", Duration::from_secs(1)), 0);
+        let _second = holds.lease(on(&addr, "second", Duration::from_secs(1)), 0);
+        // The queue is full: neither of these waits.
+        let third = holds.lease(on(&addr, "untracked", Duration::from_secs(1)), 0);
+        drop(first);
+        drop(third);
+        let mut tasks = JoinSet::new();
+        let shutdown = CancellationToken::new();
+        holds.spawn_keeper(queue, &mut tasks, shutdown.clone());
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let released = |seen: &std::sync::Mutex<Vec<(u8, Vec<String>, Instant)>>| {
+            seen.lock()
+                .expect("seen")
+                .iter()
+                .filter(|(op, _, _)| *op == 0x02 || *op == 0x0B)
+                .flat_map(|(_, ids, _)| ids.clone())
+                .collect::<Vec<_>>()
+        };
+        while released(&seen).is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "the dropped lease was never released"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(released(&seen), vec!["first".to_string()]);
+        assert!(
+            renewals_of(&seen, "first").is_empty(),
+            "renewed after its lease dropped"
+        );
+        assert!(renewals_of(&seen, "untracked").is_empty());
+        shutdown.cancel();
+        while tasks.join_next().await.is_some() {}
     }
 }

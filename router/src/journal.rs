@@ -35,6 +35,19 @@ pub enum Phase {
 pub struct ChoiceProgress {
     pub text: String,
     pub token_ids: Vec<u32>,
+    /// How many of `token_ids` each chunk brought, in order: a chat
+    /// continuation replays the engine's reasoning and tool parsers over the
+    /// same chunks (`pd::derender`).
+    #[serde(skip)]
+    pub chunk_lens: Vec<u32>,
+    /// The ids of the tool calls the client has, by call index: a
+    /// continuation keeps them.
+    #[serde(skip)]
+    pub tool_call_ids: Vec<String>,
+    /// Whether the engine's chat parsers made reasoning or tool calls of
+    /// this choice's tokens (a continuation must go through them again).
+    #[serde(skip)]
+    pub parsed_output: bool,
     pub finish_reason: Option<String>,
     #[serde(skip)]
     pub stop_reason: Option<Value>,

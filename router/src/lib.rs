@@ -2,6 +2,7 @@
 //! vLLM serving. Data flows one way: `api` -> `pd` -> (`policy`, `registry`) -> engines.
 
 pub mod api;
+pub mod body_budget;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
@@ -16,12 +17,14 @@ pub mod model_list;
 pub mod pd;
 pub mod policy;
 pub mod prefix;
+pub mod protocols;
 pub mod registry;
 pub mod secrets;
 pub mod server;
 pub mod sse;
 pub mod state;
 pub mod statics;
+pub mod tenants;
 pub mod traces;
 pub mod upstreams;
 
@@ -52,6 +55,8 @@ pub enum StartError {
     #[error(transparent)]
     Secret(#[from] secrets::SecretError),
     #[error(transparent)]
+    Tenants(#[from] tenants::file::TenantsError),
+    #[error(transparent)]
     Upstreams(#[from] upstreams::BadCidr),
     #[error(
         "the internal listener {0} is not on loopback and no register token is set: anyone \
@@ -64,6 +69,8 @@ pub enum StartError {
     Static(#[from] statics::StaticError),
     #[error(transparent)]
     Tokenizer(#[from] pd::tokenizer::TokenizerError),
+    #[error(transparent)]
+    ResponseStore(#[from] protocols::responses::redis_store::RedisSetupError),
 }
 
 /// A running router: its addresses, its state and the tasks it owns.
@@ -89,8 +96,31 @@ async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartError>
     Ok((listener, bound))
 }
 
+/// The response store every replica shares, when `--response-store` names one.
+fn response_store(
+    config: &RouterConfig,
+) -> Result<Option<Arc<protocols::responses::redis_store::RedisStore>>, StartError> {
+    use protocols::responses::redis_store::{RedisSettings, RedisStore};
+    let Some(url) = &config.response_store else {
+        return Ok(None);
+    };
+    let store = RedisStore::new(RedisSettings {
+        url: url.clone(),
+        password: config.response_store_password.clone(),
+        ca_file: config.response_store_ca_file.clone(),
+        prefix: config.response_store_prefix.clone(),
+        ttl: Duration::from_secs(config.response_store_ttl_s),
+        timeout: Duration::from_millis(config.response_store_timeout_ms.max(1)),
+        lease: Duration::from_millis(config.response_lease_ms.max(100)),
+        max_bytes: config.max_stored_response_bytes,
+        fallback_count: config.max_stored_responses,
+    })?;
+    tracing::info!(prefix = %config.response_store_prefix, "responses stored in the shared response store");
+    Ok(Some(Arc::new(store)))
+}
+
 /// The membership's own configuration, from the router's flags.
-fn registry_config(config: &RouterConfig) -> RegistryConfig {
+fn registry_config(config: &RouterConfig, upstreams: &upstreams::UpstreamPolicy) -> RegistryConfig {
     RegistryConfig {
         ttl: Duration::from_secs(config.heartbeat_ttl_s),
         max_instances: config.max_instances,
@@ -105,6 +135,7 @@ fn registry_config(config: &RouterConfig) -> RegistryConfig {
                 .clone()
                 .zip(config.etcd_key_file.clone()),
             user: config.etcd_user.clone().zip(config.etcd_password.clone()),
+            upstreams: upstreams.clone(),
         }),
     }
 }
@@ -139,13 +170,14 @@ impl Router {
         let (internal_listener, internal_addr) = bind(config.internal_listen).await?;
         let upstreams = upstreams::UpstreamPolicy::parse(config.allowed_upstreams.as_deref())?
             .with_own_listeners(&[addr, internal_addr]);
+        let upstreams = Arc::new(upstreams);
         // The recorder first: the membership sets its gauges as it opens.
         let idle = (config.metrics_idle_timeout_s > 0)
             .then(|| Duration::from_secs(config.metrics_idle_timeout_s));
         metrics::install(idle);
         let tokenizers = pd::tokenizer::Tokenizers::load(&config.tokenizer)?;
         let statics = statics::instances(&config, &upstreams).await?;
-        let registry = registry::Registry::open(&registry_config(&config)).await?;
+        let registry = registry::Registry::open(&registry_config(&config, &upstreams)).await?;
         // With --static-model they serve from the start; otherwise each is
         // registered once it says which models it serves (below).
         let (named, unnamed): (Vec<_>, Vec<_>) =
@@ -154,15 +186,28 @@ impl Router {
             let model = instance.model.clone().unwrap_or_default();
             statics::register(&registry, instance.registration(&model, true)).await?;
         }
+        let tenants = Arc::new(tenants::Tenants::new(tenants::TenantsConfig {
+            api_key: config.api_key.clone(),
+            tenants_file: config.tenants_file.clone(),
+            max_concurrent: config.max_concurrent_requests,
+            max_queued_per_tenant: config.max_queued_per_tenant,
+            max_queue_wait: Duration::from_millis(config.max_queue_wait_ms),
+        })?);
+        if !tenants.keyed() {
+            tracing::info!(
+                listen = %config.listen,
+                "the client routes take no API key (--api-key or --tenants-file): anyone who reaches them is served"
+            );
+        }
         let shutdown = Shutdown::default();
         let edge = Edge {
             access: Arc::new(Access {
                 admin_token: config.admin_token.clone(),
                 register_token: config.register_token.clone(),
-                upstreams,
+                upstreams: (*upstreams).clone(),
             }),
             gate: Arc::new(Gate::new(
-                config.max_concurrent_requests,
+                tenants.clone(),
                 config.expose_instance_headers,
                 shutdown.clone(),
             )),
@@ -177,7 +222,9 @@ impl Router {
             }),
         };
         let grace = Duration::from_secs(config.shutdown_grace_s);
-        let (state, releases) = AppState::new(config, registry, tokenizers)?;
+        let shared_responses = response_store(&config)?;
+        let (state, releases) =
+            AppState::new(config, registry, tokenizers, upstreams, shared_responses)?;
         let state = Arc::new(state);
         let mut servers = tokio::task::JoinSet::new();
         for (listener, audience) in [
@@ -208,6 +255,8 @@ impl Router {
         state
             .holds
             .spawn_keeper(releases, &mut tasks, background.clone());
+        tenants::spawn_reloader(&tenants, &mut tasks, background.clone());
+        api::takeover::spawn(&state, &mut tasks, background.clone());
         for instance in unnamed {
             let (state, stop) = (state.clone(), background.clone());
             tasks.spawn(async move {
@@ -257,7 +306,13 @@ impl Router {
                 self.servers.abort_all();
             }
         }
-        // The drains of the last responses end within their bound.
+        // Background generations stop (their status says cancelled); the
+        // drains of the last responses end within their bound.
+        // With a shared store, another replica goes on with them.
+        if self.state.shared_responses.is_some() {
+            self.state.live.hand_over_all();
+        }
+        self.state.live.stop.cancel();
         self.state.drains.close();
         self.state.drains.wait().await;
         self.background.cancel();

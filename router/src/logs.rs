@@ -80,6 +80,25 @@ where
     }
 }
 
+/// The JSON line that tells the router's bound addresses (`url`, the client
+/// listener; `internal_url`), shaped as the JSON log lines are.
+pub fn listening_line(url: &str, internal_url: &str) -> String {
+    use tracing_subscriber::fmt::format::Writer;
+    use tracing_subscriber::fmt::time::{FormatTime, SystemTime};
+    let mut timestamp = String::new();
+    // Writing to a String cannot fail; a timestamp left empty is still JSON.
+    let _ = SystemTime.format_time(&mut Writer::new(&mut timestamp));
+    serde_json::json!({
+        "timestamp": timestamp,
+        "level": "INFO",
+        "message": "connex-router listening",
+        "url": url,
+        "internal_url": internal_url,
+        "target": "connex_router",
+    })
+    .to_string()
+}
+
 /// Installs the process-wide subscriber: the log lines (filtered by the log
 /// level) and the trace spans of the request path (whatever the log level;
 /// exported to `otlp_endpoint` when given).

@@ -61,7 +61,27 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Tells the bound addresses on stdout, whatever the log level (tests and
+/// scripts read them): in text, two lines, the internal one first (a reader may
+/// stop at "listening on"); in JSON, one JSON object with both as fields, so
+/// that every line a log pipeline reads is JSON.
+fn announce(format: LogFormat, router: &connex_router::Router) {
+    match format {
+        LogFormat::Text => {
+            println!("connex-router internal API on {}", router.internal_url());
+            println!("connex-router listening on {}", router.url());
+        }
+        LogFormat::Json => {
+            println!(
+                "{}",
+                logs::listening_line(&router.url(), &router.internal_url())
+            );
+        }
+    }
+}
+
 async fn serve(config: config::RouterConfig) -> ExitCode {
+    let format = config.log_format;
     let router = match connex_router::Router::start(config).await {
         Ok(router) => router,
         Err(err) => {
@@ -69,10 +89,7 @@ async fn serve(config: config::RouterConfig) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    // The tests and scripts read the bound addresses from these lines (the
-    // internal one first: a reader may stop at "listening on").
-    println!("connex-router internal API on {}", router.internal_url());
-    println!("connex-router listening on {}", router.url());
+    announce(format, &router);
     connex_router::server::terminate_signal().await;
     router.stop().await;
     ExitCode::SUCCESS

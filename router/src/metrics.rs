@@ -35,6 +35,15 @@ pub const TOKENIZE_DURATION: &str = "connex_tokenize_duration_seconds";
 
 /// Counter: TCP connections the router opened to engines, by engine address.
 pub const ENGINE_CONNECTIONS_OPENED: &str = "connex_engine_connections_opened_total";
+pub const BODY_BYTES_IN_FLIGHT: &str = "connex_request_body_bytes_in_flight";
+/// Per tenant (labels bounded by the tenants file).
+pub const TENANT_REQUESTS: &str = "connex_tenant_requests_total";
+pub const TENANT_REJECTIONS: &str = "connex_tenant_rejections_total";
+pub const TENANT_TOKENS: &str = "connex_tenant_tokens_total";
+pub const TENANT_QUEUE_TIME: &str = "connex_tenant_queue_seconds";
+/// The shared response store (`--response-store`).
+pub const RESPONSE_STORE_UP: &str = "connex_response_store_up";
+pub const RESPONSE_STORE_ERRORS: &str = "connex_response_store_errors_total";
 
 /// The kind of a metric family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,6 +159,41 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         ENGINE_CONNECTIONS_OPENED,
         Kind::Counter,
         "TCP connections the router opened to engines, by engine (host:port): kept-alive connections are reused, so a rate near the request rate means they are not.",
+    ),
+    (
+        BODY_BYTES_IN_FLIGHT,
+        Kind::Gauge,
+        "Request body bytes the router's requests hold of --max-inflight-body-bytes (set at each scrape).",
+    ),
+    (
+        TENANT_REQUESTS,
+        Kind::Counter,
+        "Requests admitted, by tenant.",
+    ),
+    (
+        TENANT_REJECTIONS,
+        Kind::Counter,
+        "Requests refused on admission with 429, by tenant and reason (max_concurrent, tokens_per_minute, queue_full, queue_wait).",
+    ),
+    (
+        TENANT_TOKENS,
+        Kind::Counter,
+        "Tokens of ended requests, by tenant and kind (prompt, completion).",
+    ),
+    (
+        TENANT_QUEUE_TIME,
+        Kind::Histogram,
+        "Arrival to admission of admitted requests (time waiting for a slot), by tenant.",
+    ),
+    (
+        RESPONSE_STORE_UP,
+        Kind::Gauge,
+        "1 while the shared response store (--response-store) answers, 0 while this replica is degraded to its own memory.",
+    ),
+    (
+        RESPONSE_STORE_ERRORS,
+        Kind::Counter,
+        "Response store calls that failed or timed out, by op (connect, put, get, delete, append, state, read, cancel).",
     ),
 ];
 
@@ -308,6 +352,24 @@ pub fn request_ended(route: &'static str, model: &str, status: u16, duration: Du
     upkeep_now_and_then();
 }
 
+/// A request of `tenant` was admitted after `queued` waiting for a slot.
+pub fn tenant_admitted(tenant: &str, queued: Duration) {
+    counter!(TENANT_REQUESTS, "tenant" => tenant.to_string()).increment(1);
+    histogram!(TENANT_QUEUE_TIME, "tenant" => tenant.to_string()).record(queued.as_secs_f64());
+}
+
+/// A request of `tenant` was refused on admission (429) for `reason`.
+pub fn tenant_rejected(tenant: &str, reason: &'static str) {
+    counter!(TENANT_REJECTIONS, "tenant" => tenant.to_string(), "reason" => reason).increment(1);
+}
+
+/// A request of `tenant` ended having used these tokens.
+pub fn tenant_tokens(tenant: &str, prompt: u64, completion: u64) {
+    counter!(TENANT_TOKENS, "tenant" => tenant.to_string(), "kind" => "prompt").increment(prompt);
+    counter!(TENANT_TOKENS, "tenant" => tenant.to_string(), "kind" => "completion")
+        .increment(completion);
+}
+
 /// A request finished by `decoder` (the last that served it) ended.
 pub fn instance_request_ended(decoder: &str, model: &str, duration: Duration) {
     histogram!(INSTANCE_REQUEST_DURATION, "instance" => decoder.to_string(), "model" => model.to_string())
@@ -397,12 +459,16 @@ pub fn reprefill() {
 }
 
 /// The router's backstop release of a hold: `released`, `gone` (already freed,
-/// by the decoder or its lease) or `failed`.
+/// by the decoder or its lease), `failed`, or `dropped` (given up unsent: too
+/// many releases waiting for one holder; the lease frees it).
 pub fn hold_released(outcome: &'static str) {
     counter!(HOLDS_RELEASED, "outcome" => outcome).increment(1);
 }
 
-/// A renewal of the hold of a long request: `renewed`, `gone` or `failed`.
+/// A renewal of the hold of a long request: `renewed`, `gone`, `failed`,
+/// `expired` (renewing stopped: the hold lapsed before a renewal went
+/// through) or `untracked` (the keeper's queue was full when the request took
+/// its lease: never renewed).
 pub fn hold_renewed(outcome: &'static str) {
     counter!(HOLDS_RENEWED, "outcome" => outcome).increment(1);
 }

@@ -29,15 +29,14 @@ pub enum ModelListError {
 /// The entries of the engine's model list that have a string `id`, in its
 /// order, within `timeout` (the whole call: connect, headers and body).
 pub async fn fetch(
-    client: &reqwest::Client,
+    client: &crate::upstreams::ProbeClient,
     base_url: &str,
     timeout: Duration,
 ) -> Result<Vec<Map<String, Value>>, ModelListError> {
     let url = format!("{}/v1/models", base_url.trim_end_matches('/'));
     let call = async {
         let mut response = client
-            .get(url)
-            .send()
+            .get(&url, timeout)
             .await
             .map_err(|e| ModelListError::Transport(e.to_string()))?;
         if !response.status().is_success() {

@@ -39,9 +39,19 @@ pub fn resolve(config: &mut RouterConfig) -> Result<(), SecretError> {
         config.transfer_secret_file.as_deref(),
     )?;
     resolve_one(
+        "api-key",
+        &mut config.api_key,
+        config.api_key_file.as_deref(),
+    )?;
+    resolve_one(
         "etcd-password",
         &mut config.etcd_password,
         config.etcd_password_file.as_deref(),
+    )?;
+    resolve_one(
+        "response-store-password",
+        &mut config.response_store_password,
+        config.response_store_password_file.as_deref(),
     )?;
     Ok(())
 }

@@ -1,11 +1,15 @@
 //! The state every handler shares.
 
 use crate::config::RouterConfig;
+use crate::engine_http::EngineClient;
 use crate::holds::ReleaseQueue;
 use crate::pd::flow::{Flow, RequestLimits};
 use crate::pd::tokenizer::Tokenizers;
 use crate::pd::upstream::HttpUpstream;
+use crate::protocols::responses::redis_store::RedisStore;
 use crate::registry::Registry;
+use crate::upstreams::{CtrlResolver, ProbeClient, UpstreamPolicy};
+use connex_transfer::Resolver;
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,10 +21,20 @@ pub struct AppState {
     pub flow: Arc<Flow>,
     /// The client of the health probes and the admin's calls to engines
     /// (the flow's engine calls go through its `upstream`).
-    pub client: reqwest::Client,
+    pub client: crate::upstreams::ProbeClient,
     pub metrics: Option<PrometheusHandle>,
     /// `/v1/models`: each model's entry as its engines last described it.
     pub models: crate::model_list::ModelCache,
+    /// Request body bytes in flight, over all clients (`--max-inflight-body-bytes`).
+    pub body_budget: crate::body_budget::BodyBudget,
+    /// Stored responses (`/v1/responses`): the conversations behind
+    /// `previous_response_id`, whatever engines serve the next turn.
+    pub responses: Arc<dyn crate::protocols::responses::store::ResponseStore>,
+    /// Background responses' event logs (`--max-background-responses`).
+    pub live: crate::protocols::responses::live::LiveResponses,
+    /// The store every replica shares (`--response-store`), which is also
+    /// `responses`: other replicas' background responses are read there.
+    pub shared_responses: Option<Arc<RedisStore>>,
 }
 
 /// The state is the flow plus what only the app has (its configuration, the
@@ -41,16 +55,27 @@ impl AppState {
         config: RouterConfig,
         registry: Registry,
         tokenizers: Tokenizers,
+        upstreams: Arc<UpstreamPolicy>,
+        shared_responses: Option<Arc<RedisStore>>,
     ) -> Result<(Self, ReleaseQueue), reqwest::Error> {
-        let client = crate::upstreams::client(&config)?;
+        let client = ProbeClient::new(crate::upstreams::client(&config)?, upstreams.clone());
+        // Every connect to an engine or a holder checks the addresses it
+        // resolves against the upstream policy again (DNS rebinding).
+        let engines = EngineClient::guarded(
+            Duration::from_millis(config.connect_timeout_ms),
+            crate::upstreams::ENGINE_POOL_IDLE_PER_HOST,
+            crate::pd::upstream::POOL_IDLE_TIMEOUT,
+            upstreams.clone(),
+        );
         let upstream = Arc::new(HttpUpstream::new(
-            crate::pd::upstream::engine_client(
-                Duration::from_millis(config.connect_timeout_ms),
-                crate::upstreams::ENGINE_POOL_IDLE_PER_HOST,
-            ),
+            engines,
             RequestLimits::new(&config).upstream,
         ));
-        let (flow, releases) = Flow::new(&config, registry, upstream);
+        crate::prefix::BlockBudget::process().set_cap(config.prefix_index_total_blocks);
+        let (mut flow, releases) = Flow::new(&config, registry, upstream);
+        flow.holds = flow
+            .holds
+            .resolving_with(Resolver(Arc::new(CtrlResolver(upstreams))));
         let flow = flow.with_tokenizers(tokenizers);
         let idle = (config.metrics_idle_timeout_s > 0)
             .then(|| Duration::from_secs(config.metrics_idle_timeout_s));
@@ -68,6 +93,18 @@ impl AppState {
             client,
             metrics,
             models: crate::model_list::ModelCache::default(),
+            body_budget: crate::body_budget::BodyBudget::new(config.max_inflight_body_bytes),
+            responses: match &shared_responses {
+                Some(shared) => shared.clone(),
+                None => Arc::new(crate::protocols::responses::store::MemoryStore::new(
+                    config.max_stored_responses,
+                    config.max_stored_response_bytes,
+                )),
+            },
+            shared_responses,
+            live: crate::protocols::responses::live::LiveResponses::new(
+                config.max_background_responses,
+            ),
             config,
         };
         Ok((state, releases))

@@ -123,7 +123,7 @@ pub async fn register(registry: &Registry, reg: Registration) -> Result<(), Regi
 /// registers it under each. Owned by the router's background tasks.
 pub async fn discover(
     registry: &Registry,
-    client: &reqwest::Client,
+    client: &crate::upstreams::ProbeClient,
     instance: StaticInstance,
     stop: CancellationToken,
 ) {
@@ -174,6 +174,10 @@ pub async fn discover(
 
 /// The id of a static instance: the same on every replica given the same
 /// flags, so that (with etcd) they name one instance.
+/// The prefix of the ids the router gives its static instances; registrants
+/// may not take them (`api/instances.rs`).
+pub const STATIC_ID_PREFIX: &str = "static-";
+
 fn static_id(role: Role, url: &str) -> String {
     let role = match role {
         Role::Prefill => "prefill",
@@ -181,7 +185,7 @@ fn static_id(role: Role, url: &str) -> String {
         Role::Both => "both",
     };
     let address = url.split_once("://").map_or(url, |(_, rest)| rest);
-    format!("static-{role}-{}", clean(address))
+    format!("{STATIC_ID_PREFIX}{role}-{}", clean(address))
 }
 
 /// `text` as an id piece: characters other than `[A-Za-z0-9._:-]` become `-`.

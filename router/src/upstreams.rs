@@ -5,10 +5,20 @@
 //! paths could be appended to in surprising ways), and every address it names
 //! must be inside `--allowed-upstreams`, outside the link-local and cloud
 //! metadata ranges, and not one of the router's own listeners.
+//!
+//! The check holds at every connect, not only at registration: a name is
+//! resolved again for each new connection (engine requests, probes, hold
+//! calls), every address it resolves to is checked again, and the connection
+//! goes to exactly the addresses checked. A registrant that re-points its
+//! name at 169.254.169.254 or at the router's own listeners after registering
+//! (DNS rebinding) gets refused connects, not a request to that address.
 
 use ipnet::IpNet;
 use reqwest::Url;
+use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Ranges refused by default: link-local (where cloud metadata services live,
@@ -30,6 +40,57 @@ const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
 #[error("--allowed-upstreams: `{0}` is not a CIDR (e.g. 10.0.0.0/8)")]
 pub struct BadCidr(String);
 
+/// Why an upstream address is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum Refused {
+    #[error("`{0}` is not host:port")]
+    NotHostPort(String),
+    #[error("`{host}` did not resolve within {after:?}")]
+    ResolveTimeout { host: String, after: Duration },
+    #[error("`{host}` does not resolve: {source}")]
+    Unresolved {
+        host: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`{0}` does not resolve")]
+    NoAddress(String),
+    #[error("{0} is link-local, a metadata address or unspecified")]
+    Denied(IpAddr),
+    #[error("{0} is outside --allowed-upstreams")]
+    OutsideAllowed(IpAddr),
+    #[error("{0} is one of the router's own listeners")]
+    OwnListener(SocketAddr),
+}
+
+impl From<Refused> for std::io::Error {
+    fn from(refused: Refused) -> Self {
+        let kind = match refused {
+            Refused::ResolveTimeout { .. } => std::io::ErrorKind::TimedOut,
+            _ => std::io::ErrorKind::PermissionDenied,
+        };
+        std::io::Error::new(kind, refused)
+    }
+}
+
+type Lookup<'a> = Pin<Box<dyn Future<Output = std::io::Result<Vec<SocketAddr>>> + Send + 'a>>;
+
+/// Resolves host names: the system's resolver, or one a test controls.
+/// Registration and every later connect use the same one.
+pub trait NameResolver: Send + Sync + std::fmt::Debug {
+    fn lookup<'a>(&'a self, host: &'a str, port: u16) -> Lookup<'a>;
+}
+
+/// The system's resolver (`getaddrinfo`, on a blocking thread).
+#[derive(Debug)]
+struct SystemResolver;
+
+impl NameResolver for SystemResolver {
+    fn lookup<'a>(&'a self, host: &'a str, port: u16) -> Lookup<'a> {
+        Box::pin(async move { Ok(tokio::net::lookup_host((host, port)).await?.collect()) })
+    }
+}
+
 /// The policy registered addresses are checked against.
 #[derive(Debug, Clone)]
 pub struct UpstreamPolicy {
@@ -38,6 +99,7 @@ pub struct UpstreamPolicy {
     denied: Vec<IpNet>,
     /// The router's own listeners.
     own: Vec<SocketAddr>,
+    resolver: Arc<dyn NameResolver>,
 }
 
 impl UpstreamPolicy {
@@ -65,12 +127,19 @@ impl UpstreamPolicy {
             allowed,
             denied,
             own: Vec::new(),
+            resolver: Arc::new(SystemResolver),
         })
     }
 
     /// Refuses the router's own listeners too.
     pub fn with_own_listeners(mut self, own: &[SocketAddr]) -> Self {
         self.own.extend_from_slice(own);
+        self
+    }
+
+    /// Resolves names with `resolver` instead of the system's.
+    pub fn with_resolver(mut self, resolver: Arc<dyn NameResolver>) -> Self {
+        self.resolver = resolver;
         self
     }
 
@@ -92,78 +161,114 @@ impl UpstreamPolicy {
         }
         let host = parsed.host_str().ok_or("must name a host")?.to_string();
         let port = parsed.port_or_known_default().ok_or("must name a port")?;
-        self.check_host(&host, port).await?;
+        self.resolve(&host, port)
+            .await
+            .map_err(|err| err.to_string())?;
         Ok(parsed.origin().ascii_serialization())
     }
 
     /// Checks a registered hold control address (`host:port`).
     pub async fn check_ctrl(&self, ctrl: &str) -> Result<(), String> {
-        let parsed = Url::parse(&format!("tcp://{ctrl}"))
-            .map_err(|_| format!("`{ctrl}` is not host:port"))?;
+        self.resolve_authority(ctrl)
+            .await
+            .map(drop)
+            .map_err(|err| err.to_string())
+    }
+
+    /// The addresses of `authority` (`host:port`, `[v6]:port`, no more), all
+    /// of them allowed; what every connect to an upstream goes to.
+    pub async fn resolve_authority(&self, authority: &str) -> Result<Vec<SocketAddr>, Refused> {
+        let not_host_port = || Refused::NotHostPort(authority.to_string());
+        let parsed = Url::parse(&format!("tcp://{authority}")).map_err(|_| not_host_port())?;
         let (Some(host), Some(port)) = (parsed.host_str(), parsed.port()) else {
-            return Err(format!("`{ctrl}` is not host:port"));
+            return Err(not_host_port());
         };
         if parsed.path() != "/" && !parsed.path().is_empty()
             || parsed.query().is_some()
             || parsed.fragment().is_some()
             || !parsed.username().is_empty()
         {
-            return Err(format!("`{ctrl}` is not host:port"));
+            return Err(not_host_port());
         }
-        self.check_host(host, port).await
+        self.resolve(host, port).await
     }
 
-    async fn check_host(&self, host: &str, port: u16) -> Result<(), String> {
+    /// The addresses of `host` at `port`, resolved now, each of them allowed
+    /// (one refused address refuses the name: which one a connect would try
+    /// first is not ours to know).
+    pub async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, Refused> {
         let host = host.trim_start_matches('[').trim_end_matches(']');
         let addrs: Vec<SocketAddr> = match host.parse::<IpAddr>() {
             Ok(ip) => vec![SocketAddr::new(ip, port)],
-            Err(_) => tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port)))
+            Err(_) => tokio::time::timeout(RESOLVE_TIMEOUT, self.resolver.lookup(host, port))
                 .await
-                .map_err(|_| format!("`{host}` did not resolve within {RESOLVE_TIMEOUT:?}"))?
-                .map_err(|err| format!("`{host}` does not resolve: {err}"))?
-                .collect(),
+                .map_err(|_| Refused::ResolveTimeout {
+                    host: host.to_string(),
+                    after: RESOLVE_TIMEOUT,
+                })?
+                .map_err(|source| Refused::Unresolved {
+                    host: host.to_string(),
+                    source,
+                })?,
         };
         if addrs.is_empty() {
-            return Err(format!("`{host}` does not resolve"));
+            return Err(Refused::NoAddress(host.to_string()));
         }
-        for addr in addrs {
-            self.check_addr(addr)?;
+        for addr in &addrs {
+            self.check_addr(*addr)?;
         }
-        Ok(())
+        Ok(addrs)
     }
 
-    fn check_addr(&self, addr: SocketAddr) -> Result<(), String> {
+    fn check_addr(&self, addr: SocketAddr) -> Result<(), Refused> {
         let ip = addr.ip().to_canonical();
         if self.denied.iter().any(|net| net.contains(&ip)) {
-            return Err(format!(
-                "{ip} is link-local, a metadata address or unspecified"
-            ));
+            return Err(Refused::Denied(ip));
         }
         if let Some(allowed) = &self.allowed {
             if !allowed.iter().any(|net| net.contains(&ip)) {
-                return Err(format!("{ip} is outside --allowed-upstreams"));
+                return Err(Refused::OutsideAllowed(ip));
             }
         }
         let own = self.own.iter().any(|own| {
             own.port() == addr.port()
                 && (own.ip() == ip
-                    || own.ip().is_unspecified()
-                    || (own.ip().is_loopback() && ip.is_loopback()))
+                    || (own.ip().is_loopback() && ip.is_loopback())
+                    || (own.ip().is_unspecified() && is_this_hosts(ip)))
         });
         if own {
-            return Err(format!("{addr} is one of the router's own listeners"));
+            return Err(Refused::OwnListener(addr));
         }
         Ok(())
+    }
+}
+
+/// Whether `ip` is one of this host's addresses (what a listener on the
+/// unspecified address serves): loopback, or an address a socket can bind
+/// here. Any engine elsewhere on the router's port is not the router: with
+/// the router on `0.0.0.0:8000` (a pod), vLLM pods on their own IPs and port
+/// 8000 were refused as the router itself.
+fn is_this_hosts(ip: IpAddr) -> bool {
+    ip.is_loopback() || std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+}
+
+/// The hold control client's resolver: a holder's address resolved and
+/// checked against the policy at each new connection.
+pub struct CtrlResolver(pub Arc<UpstreamPolicy>);
+
+impl connex_transfer::Resolve for CtrlResolver {
+    fn resolve<'a>(&'a self, addr: &'a str) -> Lookup<'a> {
+        Box::pin(async move { Ok(self.0.resolve_authority(addr).await?) })
     }
 }
 
 /// Idle connections kept per engine, for reuse by the next calls.
 pub const ENGINE_POOL_IDLE_PER_HOST: usize = 1024;
 
-/// The client for engines' probes and admin calls: registered URLs are
+/// The HTTP client of engines' probes and admin calls: registered URLs are
 /// fetched as they are, so it follows no redirect (a registered engine must
-/// not send the router, its requests or its probes elsewhere; hyper's client of
-/// `pd::upstream` follows none either).
+/// not send the router, its requests or its probes elsewhere; the engine
+/// client of `engine_http` follows none either).
 pub fn client(config: &crate::config::RouterConfig) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
         .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
@@ -173,9 +278,151 @@ pub fn client(config: &crate::config::RouterConfig) -> Result<reqwest::Client, r
         .build()
 }
 
+/// The probes' and admin calls' `GET`s of registered URLs, each sent to an
+/// address the policy allows, resolved just before, with the registered
+/// authority in `Host`. (reqwest's own resolver hook sees no port, so it
+/// could not refuse the router's own listeners.)
+#[derive(Debug, Clone)]
+pub struct ProbeClient {
+    http: reqwest::Client,
+    policy: Arc<UpstreamPolicy>,
+}
+
+/// Why a probe or admin call got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("`{0}` is not an http URL with a host")]
+    NotUrl(String),
+    #[error(transparent)]
+    Refused(#[from] Refused),
+    #[error(transparent)]
+    Http(#[from] reqwest::Error),
+}
+
+impl ProbeClient {
+    pub fn new(http: reqwest::Client, policy: Arc<UpstreamPolicy>) -> Self {
+        Self { http, policy }
+    }
+
+    /// `GET url` within `timeout`, sent to the addresses of its host that the
+    /// policy allows, in order, until one connects.
+    pub async fn get(&self, url: &str, timeout: Duration) -> Result<reqwest::Response, ProbeError> {
+        let not_url = || ProbeError::NotUrl(url.to_string());
+        let mut pinned = Url::parse(url).map_err(|_| not_url())?;
+        let host = pinned.host_str().ok_or_else(not_url)?.to_string();
+        let port = pinned.port_or_known_default().ok_or_else(not_url)?;
+        let addrs = self.policy.resolve(&host, port).await?;
+        let authority = match pinned.port() {
+            Some(port) => format!("{host}:{port}"),
+            None => host.clone(),
+        };
+        let mut refused = None;
+        for addr in addrs {
+            pinned.set_ip_host(addr.ip()).map_err(|()| not_url())?;
+            let sent = self
+                .http
+                .get(pinned.clone())
+                .header(reqwest::header::HOST, &authority)
+                .timeout(timeout)
+                .send()
+                .await;
+            match sent {
+                Err(err) if err.is_connect() => refused = Some(err),
+                sent => return Ok(sent?),
+            }
+        }
+        Err(refused.map_or(Refused::NoAddress(host).into(), ProbeError::Http))
+    }
+}
+
+/// A registrant that controls its DNS names, for the DNS-rebinding tests here
+/// and in `engine_http`.
+#[cfg(test)]
+pub(crate) mod testing {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A resolver whose answers a test changes: a registrant that controls
+    /// its DNS names.
+    #[derive(Debug, Default)]
+    pub(crate) struct Rebinder(std::sync::Mutex<std::collections::HashMap<String, IpAddr>>);
+
+    impl Rebinder {
+        pub(crate) fn point(&self, host: &str, ip: &str) {
+            self.0
+                .lock()
+                .unwrap()
+                .insert(host.into(), ip.parse().unwrap());
+        }
+    }
+
+    impl NameResolver for Rebinder {
+        fn lookup<'a>(&'a self, host: &'a str, port: u16) -> Lookup<'a> {
+            let ip = self.0.lock().unwrap().get(host).copied();
+            Box::pin(async move {
+                let ip = ip.ok_or_else(|| std::io::Error::other("unknown name"))?;
+                Ok(vec![SocketAddr::new(ip, port)])
+            })
+        }
+    }
+
+    /// Two listeners on one port: the engine at 127.0.0.2, inside
+    /// `--allowed-upstreams`, and at 127.0.0.1 what stands for a metadata
+    /// service (outside it). Both answer HTTP 200 and close; each counts the
+    /// connections it accepted and keeps the request heads.
+    pub(crate) struct Places {
+        pub(crate) port: u16,
+        pub(crate) engine: Arc<std::sync::Mutex<Vec<String>>>,
+        pub(crate) forbidden: Arc<std::sync::Mutex<Vec<String>>>,
+    }
+
+    pub(crate) async fn places() -> Places {
+        let forbidden_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = forbidden_listener.local_addr().unwrap().port();
+        let engine_listener = tokio::net::TcpListener::bind(("127.0.0.2", port))
+            .await
+            .unwrap();
+        let serve = |listener: tokio::net::TcpListener| {
+            let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let record = seen.clone();
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                while let Ok((mut stream, _)) = listener.accept().await {
+                    let mut head = vec![0u8; 4096];
+                    let n = stream.read(&mut head).await.unwrap_or(0);
+                    record
+                        .lock()
+                        .unwrap()
+                        .push(String::from_utf8_lossy(&head[..n]).into_owned());
+                    let _ = stream
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                        )
+                        .await;
+                }
+            });
+            seen
+        };
+        Places {
+            port,
+            forbidden: serve(forbidden_listener),
+            engine: serve(engine_listener),
+        }
+    }
+
+    pub(crate) fn rebindable() -> (Arc<UpstreamPolicy>, Arc<Rebinder>) {
+        let names = Arc::new(Rebinder::default());
+        let policy = UpstreamPolicy::parse(Some("127.0.0.2/32"))
+            .unwrap()
+            .with_resolver(names.clone());
+        (Arc::new(policy), names)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
+    use super::testing::{places, rebindable};
     use super::*;
 
     fn policy(allowed: Option<&str>) -> UpstreamPolicy {
@@ -226,5 +473,107 @@ mod tests {
         assert!(narrow.check_url("http://192.168.1.1:1").await.is_err());
         assert!(narrow.check_ctrl("192.168.1.1:5").await.is_err());
         assert!(UpstreamPolicy::parse(Some("10.0.0.0/33")).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_router_on_every_address_refuses_only_this_hosts_addresses() {
+        let p = policy(None).with_own_listeners(&["0.0.0.0:8000".parse().unwrap()]);
+        assert!(p.check_url("http://127.0.0.1:8000").await.is_err());
+        // An engine on another host, on the router's port, is an engine.
+        assert!(p.check_url("http://10.255.0.7:8000").await.is_ok());
+        assert!(p.check_url("http://127.0.0.1:8100").await.is_ok());
+        // This host's own (non-loopback) address, if it has one, is refused.
+        let local = std::net::UdpSocket::bind("0.0.0.0:0")
+            .and_then(|s| s.connect("10.255.0.7:9").map(|()| s))
+            .and_then(|s| s.local_addr())
+            .map(|a| a.ip())
+            .ok();
+        if let Some(ip) = local.filter(|ip| !ip.is_unspecified() && !ip.is_loopback()) {
+            assert!(
+                p.check_url(&format!("http://{ip}:8000")).await.is_err(),
+                "{ip}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_name_re_pointed_after_registration_is_refused_at_connect() {
+        let (policy, names) = rebindable();
+        let p = policy
+            .as_ref()
+            .clone()
+            .with_own_listeners(&["127.0.0.2:8001".parse().unwrap()]);
+        names.point("engine.test", "127.0.0.2");
+        assert!(p.check_url("http://engine.test:8100").await.is_ok());
+        names.point("engine.test", "169.254.169.254");
+        assert!(matches!(
+            p.resolve("engine.test", 8100).await,
+            Err(Refused::Denied(_))
+        ));
+        names.point("engine.test", "127.0.0.2");
+        assert!(matches!(
+            p.resolve("engine.test", 8001).await,
+            Err(Refused::OwnListener(_))
+        ));
+    }
+
+    /// N6: an engine registers `http://engine.test:<port>` while its name
+    /// points inside the allowed range, then re-points the name. The
+    /// router's probes and model-list calls (ProbeClient) and hold calls (the
+    /// control client) must not reach the new address (its requests:
+    /// `engine_http`'s tests). Before, each connect resolved the name again
+    /// with no check.
+    #[tokio::test]
+    async fn probes_and_hold_calls_do_not_follow_a_rebound_name() {
+        let places = places().await;
+        let (policy, names) = rebindable();
+        names.point("engine.test", "127.0.0.2");
+        let url = format!("http://engine.test:{}", places.port);
+        assert_eq!(policy.check_url(&url).await.unwrap(), url);
+        let probes = ProbeClient::new(reqwest::Client::new(), policy.clone());
+        let holds = connex_transfer::CtrlClient::with_config(connex_transfer::ClientConfig {
+            resolver: Some(connex_transfer::Resolver(Arc::new(CtrlResolver(
+                policy.clone(),
+            )))),
+            secret: None,
+            connect_timeout: Duration::from_secs(1),
+            io_timeout: Duration::from_millis(200),
+            ..Default::default()
+        });
+        let ctrl = format!("engine.test:{}", places.port);
+
+        // While the name points at the engine, everything reaches it.
+        let health = format!("{url}/health");
+        let probe = probes.get(&health, Duration::from_secs(1)).await.unwrap();
+        assert_eq!(probe.status(), 200);
+        let _ = holds.stat(&ctrl, "t").await; // not a holder: any error, once connected
+        let reached = places.engine.lock().unwrap().clone();
+        assert_eq!(reached.len(), 2, "{reached:?}");
+        assert!(
+            reached[0]
+                .to_ascii_lowercase()
+                .contains(&format!("host: engine.test:{}", places.port)),
+            "the probe names the registered host: {}",
+            reached[0]
+        );
+
+        names.point("engine.test", "127.0.0.1");
+        let refused = probes
+            .get(&format!("{url}/health"), Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert!(matches!(
+            refused,
+            ProbeError::Refused(Refused::OutsideAllowed(_))
+        ));
+        let refused = holds.stat(&ctrl, "t").await.unwrap_err();
+        assert!(
+            refused.to_string().contains("outside --allowed-upstreams"),
+            "{refused}"
+        );
+        assert!(
+            places.forbidden.lock().unwrap().is_empty(),
+            "the rebound address was reached"
+        );
     }
 }

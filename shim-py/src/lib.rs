@@ -364,11 +364,20 @@ impl Reader {
         Ok(self.inner.unregister_region(ct::RegionId(region)))
     }
 
+    /// Whether a pull may still write into `blocks` = [(region, offset,
+    /// length), ...]: true while one runs, and after a failed Mooncake pull
+    /// until its queued reads have ended (Mooncake cannot cancel a read).
+    /// Blocks must not go back to the engine while it is true.
+    fn writing_into(&self, blocks: Vec<(u64, u64, u64)>) -> bool {
+        self.inner.writing_into(&self::blocks(blocks))
+    }
+
     /// Pulls hold `transfer_id` into `blocks` = [(region, offset, length), ...]
     /// (same count and lengths as the hold's, or as its blocks `select`:
     /// increasing indices into the hold's blocks, when given). Releases the
     /// GIL while it runs. `timeout_s` bounds the whole pull; when it raises
-    /// (a timeout or any other error), nothing writes into `blocks` any more.
+    /// (a timeout or any other error), nothing writes into `blocks` any more
+    /// with tcp and ucx; with Mooncake, ask `writing_into` first.
     #[pyo3(signature = (remote_ctrl, transfer_id, epoch, blocks, timeout_s=30.0, select=None))]
     #[allow(clippy::too_many_arguments)]
     fn pull<'py>(

@@ -6,8 +6,9 @@ Two networks, so that a fault can cut one path and leave the others:
 The client (this process) reaches the routers only through ports published on
 127.0.0.1; it never sends traffic to a container address.
 
-Images come from ``docker/build-images.sh`` (router, mock engine) and a small
-etcd image made here from the host's Debian etcd binary: nothing is pulled.
+Images come from ``docker/build-images.sh`` (router, mock engine) and small
+etcd and Redis images made here from the host's Debian binaries: nothing is
+pulled.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ TAG = os.environ.get("CONNEX_IMAGE_TAG", "dev")
 ROUTER_IMAGE = f"connex-router:{TAG}"
 ENGINE_IMAGE = f"connex-engine:{TAG}"
 ETCD_IMAGE = f"connex-etcd:{TAG}"
+REDIS_IMAGE = f"connex-redis:{TAG}"
 ADMIN_TOKEN = "container-admin-token"
 REGISTER_TOKEN = "container-register-token"
 TRANSFER_SECRET = "container-transfer-secret"
@@ -65,21 +67,53 @@ def require_docker() -> None:
 def build_images() -> None:
     """Router and engine images from the host's binaries, and the etcd image."""
     subprocess.run([str(ROOT / "docker" / "build-images.sh")], check=True, cwd=ROOT)
-    if subprocess.run(["docker", "image", "inspect", ETCD_IMAGE], capture_output=True).returncode:
-        etcd = shutil.which("etcd")
-        if etcd is None:
-            raise RuntimeError(
-                "the host has no etcd binary (Debian etcd-server; tests/run installs it)"
-            )
-        with tempfile.TemporaryDirectory() as ctx:
-            shutil.copy(etcd, Path(ctx) / "etcd")
-            dockerfile = ROOT / "tests" / "container" / "etcd.Dockerfile"
-            subprocess.run(
-                ["docker", "build", "--quiet", "-f", str(dockerfile), "-t", ETCD_IMAGE, ctx],
-                check=True,
-                capture_output=True,
-                env={**os.environ, "DOCKER_BUILDKIT": "0"},
-            )
+    host_binary_image(ETCD_IMAGE, "etcd.Dockerfile", "etcd", "etcd-server")
+
+
+def build_redis_image() -> None:
+    """A Redis image (the shared response store's)."""
+    host_binary_image(
+        REDIS_IMAGE, "redis.Dockerfile", "redis-server", "redis-server", with_libraries=True
+    )
+
+
+def host_binary_image(
+    image: str, dockerfile: str, binary: str, package: str, with_libraries=False
+) -> None:
+    """`image` unless it exists: the host's Debian `binary` on the project's
+    base image (tests/container/`dockerfile`), with the libraries it links
+    beyond the base image's C library when `with_libraries` (under lib/)."""
+    if not subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
+        return
+    path = shutil.which(binary)
+    if path is None:
+        raise RuntimeError(f"the host has no {binary} (Debian {package}; tests/run installs it)")
+    with tempfile.TemporaryDirectory() as ctx:
+        shutil.copy(path, Path(ctx) / binary)
+        if with_libraries:
+            (Path(ctx) / "lib").mkdir()
+            for lib in linked_libraries(path):
+                shutil.copy(lib, Path(ctx) / "lib" / Path(lib).name)
+        subprocess.run(
+            ["docker", "build", "--quiet", "-f", str(ROOT / "tests" / "container" / dockerfile)]
+            + ["-t", image, ctx],
+            check=True,
+            capture_output=True,
+            env={**os.environ, "DOCKER_BUILDKIT": "0"},
+        )
+
+
+def linked_libraries(path: str) -> list[str]:
+    """The libraries `path` links, but the C library's own (the base image has
+    them, of the same Debian release)."""
+    linked = subprocess.run(["ldd", path], check=True, capture_output=True, text=True)
+    libs = []
+    for line in linked.stdout.splitlines():
+        parts = line.split()
+        if "=>" in parts and len(parts) > 2 and parts[2].startswith("/"):
+            if not Path(parts[2]).name.startswith(("libc.so", "libm.so", "ld-linux")):
+                libs.append(parts[2])
+    return libs
 
 
 def published_port(container: str, port: int) -> int:
@@ -108,11 +142,12 @@ class RouterHandle:
     name: str
     url: str
     internal_url: str
+    admin_token: str = ADMIN_TOKEN
 
     def get_json(self, path: str, internal: bool = False, timeout: float = 5) -> tuple[int, dict]:
         base = self.internal_url if internal else self.url
         request = urllib.request.Request(
-            base + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            base + path, headers={"Authorization": f"Bearer {self.admin_token}"}
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as reply:
@@ -148,15 +183,30 @@ class Cluster:
         return name
 
     def run(
-        self, name: str, image: str, networks: list[str], *args: str, publish=(), aliases=()
+        self,
+        name: str,
+        image: str,
+        networks: list[str],
+        *args: str,
+        publish=(),
+        aliases=(),
+        labels: dict[str, str] | None = None,
+        volumes=(),
+        entrypoint: str | None = None,
     ) -> str:
         full = f"{self.prefix}-{name}"
         cmd = ["run", "-d", "--name", full, "--hostname", name, "--label", LABEL]
+        for key, value in (labels or {}).items():
+            cmd += ["--label", f"{key}={value}"]
         cmd += ["--network", networks[0], "--network-alias", name]
         for alias in aliases:
             cmd += ["--network-alias", alias]
         for port in publish:
             cmd += ["-p", f"127.0.0.1::{port}"]
+        for volume in volumes:
+            cmd += ["-v", volume]
+        if entrypoint is not None:
+            cmd += ["--entrypoint", entrypoint]
         cmd += [image, *args]
         docker(*cmd)
         self.containers.append(full)

@@ -424,3 +424,37 @@ async fn a_tokenizer_file_that_cannot_be_loaded_stops_the_router_with_a_clear_er
         "{stderr}"
     );
 }
+
+/// Registrants cannot grow the prefix index past its total: twenty
+/// instances each reporting 500 blocks (under their own cap) hold at most
+/// `--prefix-index-total-blocks` together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrants_cannot_grow_the_prefix_index_past_its_total() {
+    let router = router(&["--prefix-index-total-blocks", "1000"]);
+    for n in 0..20u64 {
+        let url = format!("http://127.0.0.1:{}", 10_000 + n);
+        let (status, registered) = post_internal(
+            &router,
+            "/v1/instances",
+            &json!({"role": "decode", "url": url, "model": "mock"}),
+            None,
+        )
+        .await;
+        assert!((200..300).contains(&status), "{status}: {registered}");
+        let id = registered["id"].as_str().unwrap();
+        let hashes: Vec<u64> = (0..500).map(|h| n * 1_000 + h).collect();
+        let tokens: Vec<u64> = (0..1_000).map(|t| n * 10_000 + t).collect();
+        let events = json!({"events": [{"type": "BlockStored", "block_hashes": hashes,
+            "parent_block_hash": null, "token_ids": tokens, "block_size": 2}]});
+        let path = format!("/v1/instances/{id}/kv-events");
+        let (status, _) =
+            post_internal(&router, &path, &events, registered["credential"].as_str()).await;
+        assert_eq!(status, 204);
+    }
+    let held: u64 = instances(&router)
+        .await
+        .iter()
+        .map(|i| i["prefix_index_blocks"].as_u64().unwrap())
+        .sum();
+    assert_eq!(held, 1000, "all indexes together");
+}

@@ -365,3 +365,163 @@ async fn an_accept_backlog_burst_costs_only_the_requests_that_could_not_connect(
     // cost a resume; the rest went elsewhere without one.
     assert!(metric(&text, "connex_resumes_total", &[]) <= 2.0, "{text}");
 }
+
+/// The router process's peak resident memory (`VmHWM`), in bytes.
+fn peak_rss(router: &Proc) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", router.pid())).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+/// A completions body whose prompt is `ids` token ids (about 2 bytes each as
+/// JSON): the shape that took a router from 11 MB to 2.7 GB with four of them.
+fn id_prompt_body(model: &str, ids: usize) -> Vec<u8> {
+    let mut body = format!("{{\"model\":\"{model}\",\"max_tokens\":4,\"prompt\":[").into_bytes();
+    for i in 0..ids {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.push(b'0' + (i % 10) as u8);
+    }
+    body.extend_from_slice(b"]}");
+    body
+}
+
+/// Large bodies cost the router about their size: a prompt of token ids or
+/// a long chat history is kept as its text, never a tree of JSON values
+/// (the old router's 32 bytes a token id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_request_bodies_cost_about_their_size() {
+    let router = router(&[]);
+    let base = peak_rss(&router);
+    // 3 x 30 MB of token ids, and a 30 MB history of a million messages,
+    // at once; the model is not served, so each is read, parsed and
+    // validated whole, then refused.
+    let ids = id_prompt_body("unserved", 15_000_000);
+    let mut messages = b"{\"model\":\"unserved\",\"messages\":[".to_vec();
+    for i in 0..1_000_000 {
+        if i > 0 {
+            messages.push(b',');
+        }
+        messages.extend_from_slice(b"{\"role\":\"user\",\"content\":\"a\"}");
+    }
+    messages.extend_from_slice(b"]}");
+    let send = |path: &'static str, body: Vec<u8>| {
+        let url = format!("{}{path}", router.url);
+        async move {
+            let reply = client()
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            let status = reply.status().as_u16();
+            (status, reply.text().await.unwrap())
+        }
+    };
+    let replies = futures_util::future::join_all([
+        send("/v1/completions", ids.clone()),
+        send("/v1/completions", ids.clone()),
+        send("/v1/completions", ids),
+        send("/v1/chat/completions", messages),
+    ])
+    .await;
+    for (status, text) in &replies {
+        assert_eq!(*status, 404, "{text}");
+        assert!(text.contains("`unserved` does not exist"), "{text}");
+    }
+    let grown = peak_rss(&router).saturating_sub(base);
+    // 120 MB of bodies; parsed into values they took 2 GB and more.
+    assert!(
+        grown < 400 << 20,
+        "the router grew by {} MiB for 120 MB of bodies",
+        grown >> 20
+    );
+}
+
+/// Past `--max-inflight-body-bytes`, a request is refused with 503 and
+/// Retry-After before its body is read; the budget comes back as requests end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_body_budget_refuses_past_it_and_comes_back() {
+    use tokio::io::AsyncWriteExt;
+    let router = router(&["--max-inflight-body-bytes", "50000000"]);
+    let addr = router.url.trim_start_matches("http://").to_string();
+    // Two clients that declare 20 MB and trickle it: 40 MB of the budget held.
+    let mut slow = Vec::new();
+    for _ in 0..2 {
+        let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 20000000\r\n\r\n{\"model\":";
+        stream.write_all(head.as_bytes()).await.unwrap();
+        slow.push(stream);
+    }
+    // The answer to a request that declares 16 MB: only its head is sent
+    // (a refused client never gets to send the rest).
+    let declare = || {
+        let addr = addr.clone();
+        async move {
+            use tokio::io::AsyncReadExt;
+            let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 16000000\r\n\r\n";
+            stream.write_all(head.as_bytes()).await.unwrap();
+            let mut answer = vec![0; 4096];
+            let read = tokio::time::timeout(Duration::from_secs(2), stream.read(&mut answer)).await;
+            match read {
+                Ok(Ok(n)) => String::from_utf8_lossy(&answer[..n]).to_string(),
+                // Waiting for the body: admitted.
+                _ => String::new(),
+            }
+        }
+    };
+    // The slow clients' heads are in: they hold 40 MB.
+    eventually(
+        Duration::from_secs(20),
+        "the slow bodies to hold the budget",
+        || async {
+            let text = metrics_text(&router).await;
+            metric(&text, "connex_request_body_bytes_in_flight", &[]) == 40_000_000.0
+        },
+    )
+    .await;
+    let answer = declare().await.to_ascii_lowercase();
+    assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    assert!(answer.contains("retry-after: 1\r\n"), "{answer}");
+    assert!(
+        answer.contains("bytes of request bodies in flight"),
+        "{answer}"
+    );
+    // The clients give up: their share comes back.
+    drop(slow);
+    let body = id_prompt_body("unserved", 8_000_000);
+    eventually(Duration::from_secs(20), "the budget to come back", || {
+        let url = format!("{}/v1/completions", router.url);
+        let body = body.clone();
+        async move {
+            let reply = client()
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            reply.status() == 404
+        }
+    })
+    .await;
+}
+
+/// A decoder that answers a token and then text without tokens, without end,
+/// is a failed decoder: what it may send is bounded by the tokens it sent,
+/// the request resumes elsewhere, and the router does not grow with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_flooding_text_without_tokens_is_cut_and_resumed() {
+    let (router, _engines) = cluster(&[], &["--text-flood-after-tokens", "1"]).await;
+    let base = peak_rss(&router);
+    assert_token_exact(&router, PROMPT, 16).await;
+    let text = metrics_text(&router).await;
+    assert_eq!(resumes(&text, "protocol"), 1.0, "{text}");
+    // It was cut after (1 + 8) x 16 KiB, not the 200 MB the old router relayed.
+    let grown = peak_rss(&router).saturating_sub(base);
+    assert!(grown < 64 << 20, "the router grew by {} MiB", grown >> 20);
+}

@@ -147,7 +147,7 @@ fn router_with_http2(extra: &[&str]) -> Proc {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_http2_stream_frees_its_slot_and_its_hold() {
-    let router = router_with_http2(&["--max-concurrent-requests", "1"]);
+    let router = router_with_http2(&["--max-concurrent-requests", "1", "--max-queue-wait-ms", "0"]);
     let prefill = engine(Some(&router), "prefill", &[]);
     let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
     wait_ready(&router, 2).await;
@@ -446,7 +446,8 @@ async fn http2_streams_past_the_grace_end_with_an_error_event() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rapid_reset_flood_is_cut_and_costs_no_permit() {
-    let router = router_with_http2(&["--max-concurrent-requests", "4"]);
+    // No queue: a leaked slot shows as a 429, not as a wait.
+    let router = router_with_http2(&["--max-concurrent-requests", "4", "--max-queue-wait-ms", "0"]);
     let _prefill = engine(Some(&router), "prefill", &[]);
     let _decode = engine(Some(&router), "decode", &[]);
     wait_ready(&router, 2).await;

@@ -182,6 +182,8 @@ async fn a_body_that_trickles_past_the_body_read_timeout_gets_408() {
         "500",
         "--max-concurrent-requests",
         "1",
+        "--max-queue-wait-ms",
+        "0",
     ]);
     let addr = router.url.trim_start_matches("http://").to_string();
     let mut slow = std::net::TcpStream::connect(&addr).unwrap();
@@ -209,7 +211,8 @@ async fn a_body_that_trickles_past_the_body_read_timeout_gets_408() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_past_the_concurrency_limit_get_429_with_retry_after() {
-    let router = router(&["--max-concurrent-requests", "2"]);
+    // No queue: past the limit is 429 at once (tenants.rs tests the queue).
+    let router = router(&["--max-concurrent-requests", "2", "--max-queue-wait-ms", "0"]);
     let _prefill = engine(Some(&router), "prefill", &[]);
     let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
     wait_ready(&router, 2).await;

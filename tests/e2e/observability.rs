@@ -52,6 +52,37 @@ async fn wait_access_line(logs: &LogLines, request_id: &str) {
     .await;
 }
 
+/// With `--log-format json` every line the router writes is JSON: a log
+/// shipper reading its stdout and stderr together must never meet a line it
+/// cannot parse. The bound addresses, which text mode prints as two plain
+/// lines, come as fields of one JSON line.
+#[tokio::test(flavor = "multi_thread")]
+async fn json_mode_writes_only_json_lines_with_the_addresses_as_fields() {
+    let (router, logs) = router_logged(&["--log-format", "json"]);
+    let health = client()
+        .get(format!("{}/health", router.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200, "the router is at the address it gave");
+    let stdout = router.stdout.lines();
+    let announced: Vec<Value> = stdout
+        .iter()
+        .map(|line| {
+            serde_json::from_str(line)
+                .unwrap_or_else(|err| panic!("stdout line is not JSON ({err}): {line}"))
+        })
+        .collect();
+    assert_eq!(announced.len(), 1, "{stdout:?}");
+    assert_eq!(announced[0]["url"], router.url.as_str());
+    assert_eq!(announced[0]["internal_url"], router.internal.as_str());
+    assert_eq!(announced[0]["level"], "INFO");
+    assert!(announced[0]["timestamp"]
+        .as_str()
+        .is_some_and(|t| !t.is_empty()));
+    json_lines(&logs);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn json_logs_carry_an_access_line_per_request_and_the_request_id_on_every_line() {
     // d0 crashes after 4 tokens: the request resumes on d1 (round-robin over

@@ -7,6 +7,9 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+mod messages;
+mod responses;
+mod shared_responses;
 
 use common::*;
 use connex_mock_engine::model;
@@ -661,16 +664,19 @@ async fn no_decoder_left_ends_with_an_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uncarried_state_fails_over_only_before_the_first_token() {
-    // echo cannot be carried by a resumed request: a crash after the first
-    // token is an error...
+    // Guided output cannot be carried by a resumed request (its grammar
+    // would start again): a crash after the first token is an error...
     let cluster_mid = cluster(Fault::Crash, 3, &[]).await;
-    let outcome = request(&cluster_mid.router, SHAPES[0], json!({"echo": true})).await;
-    let error = outcome.error.expect("error");
+    let body = SHAPES[0].body(json!({"guided_regex": "( w[0-9]+)+"}));
+    let chunks = stream(&cluster_mid.router, SHAPES[0].path(), &body).await;
+    let error = chunks
+        .iter()
+        .find(|c| c.get("error").is_some())
+        .expect("error");
     assert!(
-        error["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("cannot be resumed after its first token"),
+        error["error"]["message"].as_str().unwrap().contains(
+            "a request with guided or structured output cannot be resumed after its first token"
+        ),
         "{error}"
     );
     // ...but a failure before it moves the request with its own body.
@@ -685,6 +691,31 @@ async fn uncarried_state_fails_over_only_before_the_first_token() {
     let records = engine_requests(&cluster_early.healthy).await;
     assert_eq!(records[0]["path"], "/v1/completions");
     assert_eq!(records[0]["body"]["logprobs"], 1);
+}
+
+/// The first decoder sent the echoed prompt: a continuation does not ask
+/// for it again, and the client's text is the prompt and every token once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_echo_request_resumes_mid_stream() {
+    for shape in SHAPES.into_iter().filter(|s| !s.chat) {
+        let cluster = cluster(Fault::Crash, 5, &[]).await;
+        // Without token ids: vLLM echoes no prompt text to a request that
+        // asks for them.
+        let extra = json!({"echo": true, "return_token_ids": false});
+        let outcome = request(&cluster.router, shape, extra).await;
+        let expected = model::generate(&shape.prompt_ids(), MAX_TOKENS);
+        assert!(outcome.error.is_none(), "{shape:?}: {outcome:?}");
+        assert_eq!(
+            outcome.text,
+            format!("{PROMPT}{}", model::detokenize(&expected)),
+            "{shape:?}"
+        );
+        let records = engine_requests(&cluster.healthy).await;
+        assert_eq!(records[0]["path"], "/v1/completions", "{shape:?}");
+        assert_eq!(records[0]["body"]["echo"], false, "{shape:?}");
+        let text = metrics_text(&cluster.router).await;
+        assert_eq!(metric(&text, "connex_resumes_total", &[]), 1.0);
+    }
 }
 
 /// The prefill engine's hold counters.
@@ -1030,5 +1061,383 @@ async fn a_character_split_across_the_failure_is_sent_whole() {
         prompt.extend_from_slice(&expected[..split]);
         assert_eq!(ids(&resumed["prompt"]), prompt, "{context}");
         assert_eq!(resumed["max_tokens"], MAX_TOKENS - split, "{context}");
+    }
+}
+
+/// The answer a chat client puts together from a stream or a response:
+/// reasoning, content, tool calls (id, name, arguments by index), finish,
+/// usage and token ids.
+fn chat_answer(shape: Shape, reply: &Value) -> Value {
+    if !shape.stream {
+        let choice = &reply["choices"][0];
+        let message = &choice["message"];
+        let calls: Vec<Value> = message["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| json!({"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}))
+            .collect();
+        let mut usage = reply["usage"].clone();
+        if let Some(map) = usage.as_object_mut() {
+            map.retain(|_, v| !v.is_null());
+        }
+        return json!({"reasoning": message["reasoning"], "content": message["content"],
+            "tool_calls": calls, "finish_reason": choice["finish_reason"], "usage": usage,
+            "token_ids": choice["token_ids"]});
+    }
+    let chunks = reply.as_array().unwrap();
+    let mut reasoning: Option<String> = None;
+    let mut content: Option<String> = None;
+    let mut calls: Vec<Value> = Vec::new();
+    let mut finish = Value::Null;
+    let mut usage = Value::Null;
+    for chunk in chunks.iter().filter(|c| c.is_object()) {
+        assert!(chunk.get("error").is_none(), "{chunk}");
+        if chunk["usage"].is_object() {
+            usage = chunk["usage"].clone();
+        }
+        let Some(choice) = chunk.pointer("/choices/0") else {
+            continue;
+        };
+        let delta = &choice["delta"];
+        if let Some(text) = delta["reasoning"].as_str() {
+            reasoning.get_or_insert_with(String::new).push_str(text);
+        }
+        if let Some(text) = delta["content"].as_str() {
+            if !text.is_empty() {
+                content.get_or_insert_with(String::new).push_str(text);
+            }
+        }
+        for call in delta["tool_calls"].as_array().into_iter().flatten() {
+            let index = call["index"].as_u64().unwrap() as usize;
+            if index == calls.len() {
+                calls.push(
+                    json!({"id": call["id"], "name": call["function"]["name"], "arguments": ""}),
+                );
+            }
+            assert!(
+                index < calls.len(),
+                "tool call {index} skipped an index: {chunks:?}"
+            );
+            if call.get("id").is_some() && index + 1 < calls.len() {
+                panic!("tool call {index} opened twice: {chunks:?}");
+            }
+            let more = call["function"]["arguments"].as_str().unwrap_or_default();
+            let arguments = format!("{}{more}", calls[index]["arguments"].as_str().unwrap());
+            calls[index]["arguments"] = json!(arguments);
+        }
+        if !choice["finish_reason"].is_null() {
+            finish = choice["finish_reason"].clone();
+        }
+    }
+    json!({"reasoning": reasoning, "content": content, "tool_calls": calls,
+        "finish_reason": finish, "usage": usage, "token_ids": streamed_token_ids(chunks)})
+}
+
+/// A chat of `shape` with reasoning (and two tools, with `tools`) through
+/// `router`: the answer the client puts together.
+async fn reasoning_chat(router: &Proc, shape: Shape, tools: bool) -> Value {
+    let mut extra = json!({"reasoning_effort": "low"});
+    if tools {
+        extra["tools"] = json!([
+            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+            {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+        ]);
+    }
+    let body = shape.body(extra);
+    let reply = if shape.stream {
+        Value::Array(stream(router, shape.path(), &body).await)
+    } else {
+        let (status, reply) = post(router, shape.path(), &body).await;
+        assert_eq!(status, 200, "{reply}");
+        reply
+    };
+    chat_answer(shape, &reply)
+}
+
+/// A router with a prefill and two decoders that serve vLLM's tokens API; d0
+/// crashes after `k` tokens when `k` is set.
+async fn tokens_api_cluster(k: Option<usize>, scale_out: bool) -> Cluster {
+    let router = router(&["--decode-policy", "round_robin"]);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let mut flags = vec!["--id".to_string(), "d0".into()];
+    if let Some(k) = k {
+        flags.extend(Fault::Crash.decoder_flags(k));
+    }
+    let mut healthy_flags = vec!["--id", "d1"];
+    if scale_out {
+        flags.push("--enable-scale-out".into());
+        healthy_flags.push("--enable-scale-out");
+    }
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let faulty = engine(Some(&router), "decode", &flags);
+    let healthy = engine(Some(&router), "decode", &healthy_flags);
+    wait_ready(&router, 3).await;
+    Cluster {
+        router,
+        _prefill: prefill,
+        faulty,
+        healthy,
+    }
+}
+
+/// A chat whose decoder dies mid-answer gets the uninterrupted answer:
+/// reasoning stays reasoning, a tool call half-streamed goes on in that call
+/// under the id the client has, at every kill point: mid-reasoning, at its
+/// end, inside a call's arguments, between two calls, mid-content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_and_tool_calls_resume_at_every_kill_point() {
+    let reference = tokens_api_cluster(None, true).await;
+    let mut expected = std::collections::HashMap::new();
+    for tools in [true, false] {
+        for shape in SHAPES.into_iter().filter(|s| s.chat) {
+            expected.insert(
+                (tools, shape.stream),
+                reasoning_chat(&reference.router, shape, tools).await,
+            );
+        }
+    }
+    // The reference: 8 reasoning tokens, then content (or the two calls'
+    // arguments, taking turns).
+    let with_tools = &expected[&(true, true)];
+    assert_eq!(
+        with_tools["tool_calls"].as_array().unwrap().len(),
+        2,
+        "{with_tools}"
+    );
+    assert_eq!(
+        with_tools["finish_reason"], "length",
+        "cut by max_tokens, as vLLM says it"
+    );
+    assert!(with_tools["reasoning"].as_str().unwrap().len() > 10);
+    assert!(expected[&(false, true)]["content"].as_str().unwrap().len() > 10);
+    // Kill points: mid-reasoning, the end of the reasoning, inside the first
+    // call, between the two calls' openings, inside the second; mid-content.
+    let cases = [
+        (true, 3),
+        (true, 8),
+        (true, 9),
+        (true, 10),
+        (true, 13),
+        (false, 11),
+    ];
+    for (tools, k) in cases {
+        for shape in SHAPES.into_iter().filter(|s| s.chat) {
+            let context = format!("tools {tools}, killed at {k}, {shape:?}");
+            let cluster = tokens_api_cluster(Some(k), true).await;
+            let got = reasoning_chat(&cluster.router, shape, tools).await;
+            let want = &expected[&(tools, shape.stream)];
+            let calls = |answer: &Value| -> Vec<Value> {
+                answer["tool_calls"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|c| json!([c["name"], c["arguments"]]))
+                    .collect()
+            };
+            for key in [
+                "reasoning",
+                "content",
+                "finish_reason",
+                "usage",
+                "token_ids",
+            ] {
+                assert_eq!(got[key], want[key], "{context}: {key}: {got}");
+            }
+            assert_eq!(calls(&got), calls(want), "{context}: {got}");
+            // Calls the client saw open before the kill keep their ids; those
+            // opened after it have the new decoder's.
+            let opened_before = match (tools, k) {
+                (true, k) if k > 9 => 2,
+                (true, 9) => 1,
+                _ => 0,
+            };
+            for (index, call) in got["tool_calls"].as_array().unwrap().iter().enumerate() {
+                let id = call["id"].as_str().unwrap();
+                if index < opened_before {
+                    assert_eq!(id, want["tool_calls"][index]["id"], "{context}");
+                } else {
+                    assert_ne!(id, want["tool_calls"][index]["id"], "{context}: a new id");
+                    assert!(id.starts_with("chatcmpl-tool-"), "{context}: {id}");
+                }
+            }
+            // The healthy decoder continued through the tokens API, from the
+            // hold: it computed only the tokens the client had.
+            let records = engine_requests(&cluster.healthy).await;
+            assert_eq!(records.len(), 1, "{context}: {records:?}");
+            assert_eq!(records[0]["path"], "/inference/v1/generate", "{context}");
+            assert_eq!(records[0]["body"]["kv_transfer_params"]["resume_epoch"], 1);
+            let kept = ids(&records[0]["body"]["token_ids"]).len() - shape.prompt_ids().len();
+            assert!(kept > 0 && kept <= k, "{context}: kept {kept}");
+            assert_eq!(records[0]["computed_prompt_tokens"], kept, "{context}");
+            let stats = engine_stats(&cluster.healthy).await;
+            assert_eq!(stats["render_calls"], 1, "{context}");
+            let text = metrics_text(&cluster.router).await;
+            assert_eq!(metric(&text, "connex_resumes_total", &[]), 1.0, "{context}");
+            assert_no_holds_left(&cluster._prefill).await;
+        }
+    }
+}
+
+/// Decoders without the tokens API (vLLM without `--enable-scale-out`): a
+/// plain chat continues through completions as before; a chat with tools
+/// ends with an error that says what to start vLLM with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_tokens_api_a_chat_with_tools_fails_clearly() {
+    let cluster = tokens_api_cluster(Some(10), false).await;
+    let shape = SHAPES[2];
+    let body = shape.body(json!({"tools": [{"type": "function", "function": {"name": "f"}}]}));
+    let chunks = stream(&cluster.router, shape.path(), &body).await;
+    let error = chunks
+        .iter()
+        .find(|c| c.get("error").is_some())
+        .expect("an error event");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.contains("--enable-scale-out"), "{message}");
+    assert!(
+        message.contains("cannot be resumed after its first token"),
+        "{message}"
+    );
+    let cluster = tokens_api_cluster(Some(5), false).await;
+    let outcome = request(&cluster.router, shape, json!({})).await;
+    assert_uninterrupted(&outcome, shape, "plain chat without the tokens API");
+    let records = engine_requests(&cluster.healthy).await;
+    assert_eq!(records[0]["path"], "/v1/completions");
+}
+
+/// A request of several choices resumes each unfinished choice as its own
+/// sequence, under its own index: every choice gets the uninterrupted
+/// tokens, and usage counts each token once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_several_choices_resumes_each_choice() {
+    for shape in SHAPES {
+        let context = format!("n = 3, {shape:?}");
+        let cluster = cluster(Fault::Crash, 5, &[]).await;
+        let body = shape.body(json!({"n": 3}));
+        let prompt = shape.prompt_ids();
+        let expected = model::generate(&prompt, MAX_TOKENS);
+        let (choices, usage) = if shape.stream {
+            let chunks = stream(&cluster.router, shape.path(), &body).await;
+            assert!(
+                chunks.iter().all(|c| c.get("error").is_none()),
+                "{context}: {chunks:?}"
+            );
+            let mut ids = vec![Vec::new(); 3];
+            let mut text = vec![String::new(); 3];
+            let mut finish = vec![Value::Null; 3];
+            for chunk in chunks.iter().filter(|c| c.is_object()) {
+                for choice in chunk["choices"].as_array().into_iter().flatten() {
+                    let index = choice["index"].as_u64().unwrap() as usize;
+                    ids[index].extend(common::ids(&choice["token_ids"]));
+                    let piece = choice["text"]
+                        .as_str()
+                        .or_else(|| choice["delta"]["content"].as_str());
+                    text[index].push_str(piece.unwrap_or_default());
+                    if !choice["finish_reason"].is_null() {
+                        finish[index] = choice["finish_reason"].clone();
+                    }
+                }
+            }
+            let usage = chunks
+                .iter()
+                .find(|c| c["usage"].is_object())
+                .map(|c| c["usage"].clone());
+            (
+                (0..3)
+                    .map(|i| (ids[i].clone(), text[i].clone(), finish[i].clone()))
+                    .collect::<Vec<_>>(),
+                usage.unwrap(),
+            )
+        } else {
+            let (status, reply) = post(&cluster.router, shape.path(), &body).await;
+            assert_eq!(status, 200, "{context}: {reply}");
+            let choices = reply["choices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| {
+                    let text = c["text"]
+                        .as_str()
+                        .or_else(|| c["message"]["content"].as_str())
+                        .unwrap()
+                        .to_string();
+                    (
+                        common::ids(&c["token_ids"]),
+                        text,
+                        c["finish_reason"].clone(),
+                    )
+                })
+                .collect();
+            (choices, reply["usage"].clone())
+        };
+        assert_eq!(choices.len(), 3, "{context}");
+        for (ids, text, finish) in &choices {
+            assert_eq!(ids, &expected, "{context}");
+            assert_eq!(text, &model::detokenize(&expected), "{context}");
+            assert_eq!(finish, "length", "{context}");
+        }
+        assert_eq!(usage["completion_tokens"], 3 * MAX_TOKENS, "{context}");
+        // One request per unfinished choice on the healthy decoder, each
+        // after that choice's own tokens.
+        let records = engine_requests(&cluster.healthy).await;
+        assert_eq!(records.len(), 3, "{context}: {records:?}");
+        let text = metrics_text(&cluster.router).await;
+        assert_eq!(metric(&text, "connex_resumes_total", &[]), 1.0, "{context}");
+    }
+}
+
+/// A chat that hides its reasoning (`include_reasoning: false`) gets no
+/// reasoning, streamed or not, and still resumes after its first tokens
+/// (the router asks the decoders for the reasoning and its token ids, which
+/// vLLM leaves out for such a request, and hides it itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_hiding_its_reasoning_resumes_without_showing_it() {
+    let reference = tokens_api_cluster(None, true).await;
+    for shape in SHAPES.into_iter().filter(|s| s.chat) {
+        let context = format!("{shape:?}");
+        let body = shape.body(json!({"reasoning_effort": "low", "include_reasoning": false}));
+        let answer = |router: &Proc| {
+            let body = body.clone();
+            let url = router.url.clone();
+            async move {
+                if shape.stream {
+                    let response = client()
+                        .post(format!("{url}{}", shape.path()))
+                        .json(&body)
+                        .send()
+                        .await
+                        .unwrap();
+                    Value::Array(sse_events(&response.text().await.unwrap()))
+                } else {
+                    client()
+                        .post(format!("{url}{}", shape.path()))
+                        .json(&body)
+                        .send()
+                        .await
+                        .unwrap()
+                        .json()
+                        .await
+                        .unwrap()
+                }
+            }
+        };
+        let whole = chat_answer(shape, &answer(&reference.router).await);
+        let cluster = tokens_api_cluster(Some(11), true).await;
+        let resumed = chat_answer(shape, &answer(&cluster.router).await);
+        assert!(whole["reasoning"].is_null(), "{context}: {whole}");
+        assert_eq!(resumed["reasoning"], whole["reasoning"], "{context}");
+        assert_eq!(resumed["content"], whole["content"], "{context}");
+        assert!(
+            whole["content"].as_str().unwrap().len() > 10,
+            "{context}: {whole}"
+        );
+        assert_eq!(resumed["usage"], whole["usage"], "{context}");
+        let records = engine_requests(&cluster.healthy).await;
+        assert_eq!(records[0]["path"], "/inference/v1/generate", "{context}");
+        let kept = ids(&records[0]["body"]["token_ids"]).len() - shape.prompt_ids().len();
+        assert!(
+            kept > 8,
+            "{context}: continued after the tokens the client has ({kept})"
+        );
     }
 }

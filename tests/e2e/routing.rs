@@ -161,8 +161,11 @@ async fn prefill_then_decode_follow_the_vllm_protocol() {
     assert_eq!(p["body"]["max_tokens"], 1);
     assert_eq!(p["body"]["stream"], false);
     assert_eq!(p["body"]["kv_transfer_params"]["do_remote_decode"], true);
-    assert_eq!(p["request_id"], "client-chosen-42");
-    assert_eq!(d["request_id"], "client-chosen-42");
+    // Engines see the client's id made unique to this request (vLLM keys its
+    // requests by it), the same at prefill and decoder.
+    let engine_id = p["request_id"].as_str().unwrap().to_string();
+    assert!(engine_id.starts_with("client-chosen-42-"), "{engine_id}");
+    assert_eq!(d["request_id"], engine_id.as_str());
     assert_eq!(d["body"]["max_tokens"], 5);
     // The decoder got exactly what the prefill returned: recompute it.
     let kv = &d["body"]["kv_transfer_params"];
@@ -186,14 +189,48 @@ async fn prefill_then_decode_follow_the_vllm_protocol() {
         .unwrap()
         .to_string();
     assert!(!generated.is_empty());
-    assert_eq!(
-        engine_requests(&prefill).await[1]["request_id"],
-        generated.as_str()
+    let engine_id = engine_requests(&prefill).await[1]["request_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        engine_id.starts_with(&format!("{generated}-")),
+        "{engine_id}"
     );
     assert_eq!(
         engine_requests(&decode).await[1]["request_id"],
-        generated.as_str()
+        engine_id.as_str()
     );
+}
+
+/// Two clients that send one `X-Request-Id` (or one that reuses its own)
+/// never give an engine two requests of one id: vLLM keys its request state
+/// by it. Each client still gets its own id back. Before, the id went to the
+/// engines as the client sent it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_sharing_a_request_id_do_not_share_it_at_the_engine() {
+    let (router, prefill, decode) = cluster(&[]).await;
+    for _ in 0..2 {
+        let response = client()
+            .post(format!("{}/v1/completions", router.url))
+            .header("x-request-id", "same-id")
+            .json(&json!({"model":"mock","prompt":PROMPT,"max_tokens":2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["x-request-id"], "same-id");
+    }
+    for engine in [&prefill, &decode] {
+        let ids: Vec<String> = engine_requests(engine)
+            .await
+            .iter()
+            .map(|r| r["request_id"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(ids.len(), 2);
+        assert_ne!(ids[0], ids[1], "one id for two requests: {ids:?}");
+        assert!(ids.iter().all(|id| id.starts_with("same-id-")), "{ids:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

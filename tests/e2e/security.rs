@@ -5,37 +5,11 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+mod tenants;
 
 use common::*;
 use serde_json::{json, Value};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-
-/// Runs `connex-router serve ARGS` expecting it to refuse to start: returns its
-/// stderr. Fails if it is still running after 10 s.
-fn refused_start(args: &[&str]) -> String {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_connex-router"))
-        .arg("serve")
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(!status.success(), "router exited 0 with {args:?}");
-            let mut stderr = String::new();
-            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
-            return stderr;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("router started with {args:?}; it must refuse");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+use std::time::Duration;
 
 async fn send(request: reqwest::RequestBuilder) -> (u16, Value) {
     let response = request.send().await.unwrap();
@@ -411,4 +385,52 @@ async fn instance_ids_reach_clients_only_when_exposed() {
         let text = response.text().await.unwrap();
         assert!(!text.contains("secret-"), "{text}");
     }
+}
+
+/// KV events from a caller without the instance's credential are refused
+/// before their body is read. Before, the router read and parsed up to 4 MiB
+/// of JSON for each such request (here: it waited for a body that never
+/// comes) before it looked at the credential.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_without_the_credential_are_refused_before_their_body_is_read() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let router = router(&[]);
+    let _d0 = engine(Some(&router), "decode", &["--id", "d0"]);
+    wait_ready(&router, 1).await;
+    let addr = router.internal.trim_start_matches("http://").to_string();
+    let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    // A 4 MiB batch announced; its first bytes sent, the rest never.
+    let head = format!(
+        "POST /v1/instances/d0/kv-events HTTP/1.1\r\nhost: {addr}\r\n\
+         content-type: application/json\r\nx-connex-credential: guessed\r\n\
+         content-length: {}\r\n\r\n{{\"events\": [",
+        4 << 20
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut reply = vec![0u8; 1024];
+    let read = tokio::time::timeout(Duration::from_secs(3), stream.read(&mut reply))
+        .await
+        .expect("answered without waiting for the body")
+        .unwrap();
+    let reply = String::from_utf8_lossy(&reply[..read]);
+    assert!(reply.starts_with("HTTP/1.1 403"), "{reply}");
+}
+
+/// The ids of the router's static instances (`--prefill`/`--decode`) cannot
+/// be taken by a registrant before discovery adds them (it would receive
+/// their traffic).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registrant_cannot_squat_a_static_instance_id() {
+    let router = router(&[]);
+    let (status, body) = post_internal(
+        &router,
+        "/v1/instances",
+        &json!({"id": "static-decode-127.0.0.1:9", "role": "decode",
+            "url": "http://127.0.0.1:9", "model": "mock"}),
+        None,
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "id");
+    assert!(instances(&router).await.is_empty());
 }

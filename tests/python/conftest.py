@@ -1,5 +1,6 @@
 """Fixtures: a real connex-router and mock engines as processes on loopback."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -52,6 +53,15 @@ def cluster(cluster_urls):
 @pytest.fixture
 def cluster_urls():
     """The `cluster`, as (client URL, internal URL: admin, metrics)."""
+    with mock_cluster([], [("prefill", []), ("decode", [])]) as urls:
+        yield urls
+
+
+@contextlib.contextmanager
+def mock_cluster(router_flags: list[str], engines: list[tuple[str, list[str]]]):
+    """A router (admin token `t`, `router_flags`) and mock engines of model
+    `mock`, each `(role, extra flags)`, all registered and ready; yields (client
+    URL, internal URL) and stops them all."""
     procs = []
     try:
         router_proc, router, internal = start(
@@ -63,9 +73,10 @@ def cluster_urls():
             "127.0.0.1:0",
             "--admin-token",
             "t",
+            *router_flags,
         )
         procs.append(router_proc)
-        for role in ("prefill", "decode"):
+        for role, extra in engines:
             proc, _, _ = start(
                 "connex-mock-engine",
                 "--role",
@@ -74,10 +85,11 @@ def cluster_urls():
                 "mock",
                 "--router",
                 internal,
+                *extra,
             )
             procs.append(proc)
         deadline = time.monotonic() + 10
-        while ready_instances(internal) < 2:
+        while ready_instances(internal) < len(engines):
             assert time.monotonic() < deadline, "mock engines did not register"
             time.sleep(0.05)
         yield router, internal

@@ -276,3 +276,57 @@ def test_refused_kv_events_are_dropped_and_the_routers_index_cleared_next(stub):
         assert forwarder.resets == 1
     finally:
         agent.stop()
+
+
+def test_the_agent_follows_no_redirect_with_its_token_and_credential():
+    # A redirect (from a router replaced by something else, or a proxy in
+    # between) must not carry the register token and the instance credential
+    # to wherever it points: urllib follows a 302 with every header but the
+    # body's.
+    seen: list[dict[str, str]] = []
+
+    class Elsewhere(BaseHTTPRequestHandler):
+        def _serve(self):
+            seen.append({k.lower(): v for k, v in self.headers.items()})
+            self.send_response(200)
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_POST = _serve  # noqa: N815 (http.server's names)
+
+        def log_message(self, *args):
+            pass
+
+    elsewhere = ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+    threading.Thread(target=elsewhere.serve_forever, daemon=True).start()
+    target = f"http://127.0.0.1:{elsewhere.server_address[1]}/v1/instances"
+
+    class Redirecting(BaseHTTPRequestHandler):
+        def _serve(self):
+            length = int(self.headers.get("content-length") or 0)
+            self.rfile.read(length)
+            self.send_response(302)
+            self.send_header("location", target)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        do_GET = do_POST = do_DELETE = _serve  # noqa: N815 (http.server's names)
+
+        def log_message(self, *args):
+            pass
+
+    router = ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    threading.Thread(target=router.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{router.server_address[1]}"
+    try:
+        agent = Agent(url, "decode", url, "m", instance_id="e1", token="tok")
+        agent.credential = "c-123"
+        agent.register()
+        assert agent.registrations == 0, "a redirect is no registration"
+        assert seen == [], f"followed the redirect with {seen}"
+    finally:
+        router.shutdown()
+        router.server_close()
+        elsewhere.shutdown()
+        elsewhere.server_close()

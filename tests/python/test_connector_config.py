@@ -90,3 +90,19 @@ def test_mooncake_publishes_the_connectors_host(backend, env, published):
     assert cfg.publish_mooncake_host(environ) == published
     want = env.get("CONNEX_MOONCAKE_HOST", published)
     assert environ.get("CONNEX_MOONCAKE_HOST") == want
+
+
+@pytest.mark.parametrize(
+    ("host", "url", "ctrl"),
+    [
+        ("10.1.2.3", "http://10.1.2.3:8000", "10.1.2.3:14579"),
+        ("fd00:10::7", "http://[fd00:10::7]:8000", "[fd00:10::7]:14579"),
+        ("engine-0.pool", "http://engine-0.pool:8000", "engine-0.pool:14579"),
+    ],
+)
+def test_the_url_and_hold_address_are_ipv6_safe(host, url, ctrl):
+    """The chart's one form (`http://{host}:8000`, host the pod's IP) is a URL on
+    IPv4 and IPv6 pods alike; the hold listener's address is bracketed too."""
+    cfg = ConnexConfig.from_extra({"host": host, "url": "http://{host}:8000"}, 14579)
+    assert (cfg.url, cfg.ctrl_addr()) == (url, ctrl)
+    assert cfg.ctrl_addr(1).endswith(":14580")

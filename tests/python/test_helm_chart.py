@@ -59,8 +59,24 @@ def test_helm_lint_passes():
         ("etcd.enabled=false", "router.replicas=1"),
         ("etcd.replicas=3", *POOLS),
         ("router.autoscaling.enabled=true", "metrics.dashboards.enabled=true", *POOLS),
+        (
+            "etcd.networkPolicy.scraper.podSelector.matchLabels.app=prometheus",
+            "vllm.tensorParallelSize=2",
+            *POOLS,
+        ),
+        ("etcd.enabled=false", "etcd.external=https://etcd:2379", "etcd.tls.clientSecret=c"),
+        ("responseStore.redis.enabled=true", *POOLS),
     ],
-    ids=["defaults", "pools", "no-etcd", "etcd-quorum", "autoscaling-dashboards"],
+    ids=[
+        "defaults",
+        "pools",
+        "no-etcd",
+        "etcd-quorum",
+        "autoscaling-dashboards",
+        "scraper-tp2",
+        "external-etcd",
+        "response-store",
+    ],
 )
 def test_every_manifest_is_valid_kubernetes(sets):
     docs = manifests(*sets)
@@ -77,7 +93,7 @@ def test_router_deployment_replicas_probes_config_and_token():
     c = container(router)
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert "--etcd=http://rel-connex-etcd:2379" in c["args"]
+    assert "--etcd=https://rel-connex-etcd:2379" in c["args"]
     assert "--etcd-prefix=/connex" in c["args"]
     assert "--admin-token-file=/etc/connex/secrets/admin-token" in c["args"]
     admin = secret_source(router, "admin-token")
@@ -108,7 +124,9 @@ def test_an_existing_secret_is_used_and_none_is_made():
     assert secret_source(router, "admin-token")["name"] == "ops-token"
     assert secret_source(router, "register-token")["name"] == "ops-register"
     assert secret_source(router, "transfer-secret")["name"] == "ops-transfer"
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    # Only etcd's certificates are made (etcd.tls: their own test below).
+    made = [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"]
+    assert made == ["rel-connex-etcd-client", "rel-connex-etcd-server"]
 
 
 def test_vllm_pools_use_the_connex_connector_and_register_with_the_routers():
@@ -124,8 +142,9 @@ def test_vllm_pools_use_the_connex_connector_and_register_with_the_routers():
         assert ktc["kv_role"] == role
         extra = ktc["kv_connector_extra_config"]
         assert extra["router"] == "http://rel-connex-router-internal:8001"
-        # Kubernetes expands $(VAR) in args from the container's env.
-        assert extra["url"] == "http://$(POD_IP):8000"
+        # Kubernetes expands $(VAR) in args from the container's env; the
+        # connector puts the host into the URL, bracketed on an IPv6 pod.
+        assert (extra["url"], extra["host"]) == ("http://{host}:8100", "$(POD_IP)")
         # The token stays out of argv (ps, vLLM's startup log): the agent
         # reads it from its environment.
         assert "register_token" not in extra
@@ -135,7 +154,13 @@ def test_vllm_pools_use_the_connex_connector_and_register_with_the_routers():
         assert "reg" not in json.dumps(ktc).replace("register", "")
         env = {e["name"] for e in c["env"]}
         assert {"POD_IP", "POD_NAME", "CONNEX_REGISTER_TOKEN"} <= env
+        # Decoders serve vLLM's tokens API: the router resumes chats through it.
+        assert ("--enable-scale-out" in args) == (pool == "decode")
     assert find(docs, "Deployment", "rel-connex-decode")["spec"]["replicas"] == 4
+    off = manifests(*POOLS, "vllm.scaleOut=false")
+    assert (
+        "--enable-scale-out" not in container(find(off, "Deployment", "rel-connex-decode"))["args"]
+    )
 
 
 def test_a_transfer_secret_reaches_the_routers_and_every_engine():
@@ -204,7 +229,9 @@ def test_two_services_and_a_network_policy_guard_the_internal_listener():
     ]
     assert len(peers) == 3, peers
     off = manifests("router.networkPolicy.enabled=false")
-    assert not [d for d in off if d["kind"] == "NetworkPolicy"]
+    assert "rel-connex-router" not in [
+        d["metadata"]["name"] for d in off if d["kind"] == "NetworkPolicy"
+    ]
 
 
 def test_the_router_drains_within_its_termination_grace():
@@ -219,6 +246,10 @@ def test_the_router_drains_within_its_termination_grace():
 def test_bad_values_are_refused():
     no_model = render("vllm.prefill.enabled=true", check=False)
     assert no_model.returncode != 0 and "vllm.model is required" in no_model.stderr
+    # A router on 0.0.0.0 refuses to register an engine on one of its ports.
+    for port in (8000, 8001):
+        clash = render(*POOLS, f"vllm.port={port}", check=False)
+        assert clash.returncode != 0 and "a port of the routers' listeners" in clash.stderr
     shared = render("etcd.enabled=false", "router.replicas=2", check=False)
     assert shared.returncode != 0 and "needs shared membership" in shared.stderr
 
@@ -266,29 +297,250 @@ def test_the_rendered_router_config_is_accepted_by_connex_router(tmp_path: Path,
         proc.wait()
 
 
-def test_engine_ports_admit_routers_on_vllm_port_and_engines_on_every_port():
+def components(peers: list[dict]) -> list[str]:
+    return [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers]
+
+
+def test_engine_ports_admit_routers_on_vllm_and_hold_ports_and_engines_on_every_port():
     docs = manifests(*POOLS)
     for pool in ("prefill", "decode"):
         policy = find(docs, "NetworkPolicy", f"rel-connex-{pool}")
         selected = policy["spec"]["podSelector"]["matchLabels"]
         assert selected["app.kubernetes.io/component"] == pool
-        serving, transfer = policy["spec"]["ingress"]
-        assert serving["ports"] == [{"port": 8000, "protocol": "TCP"}]
-        assert [
-            p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in serving["from"]
-        ] == ["router"]
+        serving, *hold, transfer = policy["spec"]["ingress"]
+        assert serving["ports"] == [{"port": 8100, "protocol": "TCP"}]
+        assert components(serving["from"]) == ["router"]
+        # The routers call a prefill's hold control listener (stat before a
+        # resume, renew, release: router/src/holds.rs); decoders hold nothing.
+        if pool == "prefill":
+            assert hold == [
+                {
+                    "ports": [{"port": 14579, "protocol": "TCP"}],
+                    "from": [serving["from"][0]],
+                }
+            ]
+        else:
+            assert hold == []
         # No port list: every port, but only from engine pods of the release.
         assert "ports" not in transfer
-        assert [
-            p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in transfer["from"]
-        ] == [
-            "prefill",
-            "decode",
-        ]
+        assert components(transfer["from"]) == ["prefill", "decode"]
     off = manifests(*POOLS, "vllm.networkPolicy.enabled=false")
     assert not [
-        d for d in off if d["kind"] == "NetworkPolicy" and "router" not in d["metadata"]["name"]
+        d
+        for d in off
+        if d["kind"] == "NetworkPolicy"
+        and d["metadata"]["name"] != "rel-connex-router"
+        and d["metadata"]["name"] != "rel-connex-etcd"
     ]
+
+
+def test_every_tp_rank_gets_its_hold_port_opened_to_the_routers():
+    docs = manifests(*POOLS, "vllm.tensorParallelSize=4", "vllm.connector.kvPort=20000")
+    prefill = container(find(docs, "Deployment", "rel-connex-prefill"))
+    assert "--tensor-parallel-size=4" in prefill["args"]
+    ports = {p["name"]: p["containerPort"] for p in prefill["ports"]}
+    assert [ports[n] for n in ("kv-ctrl", "kv-ctrl-1", "kv-ctrl-2", "kv-ctrl-3")] == [
+        20000,
+        20001,
+        20002,
+        20003,
+    ]
+    _, hold, _ = find(docs, "NetworkPolicy", "rel-connex-prefill")["spec"]["ingress"]
+    assert hold["ports"] == [{"port": 20000, "endPort": 20003, "protocol": "TCP"}]
+    assert components(hold["from"]) == ["router"]
+    for version in KUBE_VERSIONS:
+        for doc in docs:
+            kubernetes_validate.validate(doc, version, strict=True)
+    # A TP size the policy does not know of would leave ranks unreachable.
+    refused = render(*POOLS, "vllm.extraArgs={--tensor-parallel-size=2}", check=False)
+    assert refused.returncode != 0 and "vllm.tensorParallelSize" in refused.stderr
+
+
+def test_etcd_admits_only_the_routers_and_only_with_a_client_certificate(tmp_path: Path):
+    docs = manifests(*POOLS, "etcd.replicas=3")
+    policy = find(docs, "NetworkPolicy", "rel-connex-etcd")
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "etcd"
+    client, peer = policy["spec"]["ingress"]
+    assert (client["ports"], components(client["from"])) == (
+        [{"port": "client", "protocol": "TCP"}],
+        ["router"],
+    )
+    assert (peer["ports"], components(peer["from"])) == (
+        [{"port": "peer", "protocol": "TCP"}],
+        ["etcd"],
+    )
+    etcd = find(docs, "StatefulSet", "rel-connex-etcd")
+    c = container(etcd)
+    args = c["args"]
+    assert "--listen-client-urls=https://0.0.0.0:2379" in args
+    assert "--client-cert-auth=true" in args and "--peer-client-cert-auth=true" in args
+    assert "--trusted-ca-file=/etc/etcd/tls/ca.crt" in args
+    assert all("http://" not in a for a in args if "cluster=" in a or "peer-urls" in a)
+    # Probes have no certificate: they use the plain metrics listener.
+    assert "--listen-metrics-urls=http://0.0.0.0:2381" in args
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    volumes = etcd["spec"]["template"]["spec"]["volumes"]
+    assert volumes == [
+        {"name": "tls", "secret": {"secretName": "rel-connex-etcd-server", "defaultMode": 0o400}}
+    ]
+    router = find(docs, "Deployment", "rel-connex-router")
+    args = container(router)["args"]
+    assert "--etcd=https://rel-connex-etcd:2379" in args
+    for flag, name in (("ca", "ca.crt"), ("cert", "tls.crt"), ("key", "tls.key")):
+        assert f"--etcd-{flag}-file=/etc/connex/etcd/{name}" in args
+    mount = next(m for m in container(router)["volumeMounts"] if m["name"] == "etcd-tls")
+    assert mount["mountPath"] == "/etc/connex/etcd"
+    volume = next(
+        v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == "etcd-tls"
+    )
+    assert volume["secret"]["secretName"] == "rel-connex-etcd-client"
+    # The generated certificates: both chain to one CA; etcd's names cover the
+    # Service the routers dial and every member's peer name.
+    files = {}
+    for name in ("rel-connex-etcd-server", "rel-connex-etcd-client"):
+        secret = find(docs, "Secret", name)
+        assert secret["type"] == "kubernetes.io/tls"
+        for key in ("ca.crt", "tls.crt", "tls.key"):
+            path = tmp_path / f"{name}-{key}"
+            path.write_bytes(base64.b64decode(secret["data"][key]))
+            files[name, key] = path
+    assert (
+        files["rel-connex-etcd-server", "ca.crt"].read_bytes()
+        == files["rel-connex-etcd-client", "ca.crt"].read_bytes()
+    )
+    for name in ("rel-connex-etcd-server", "rel-connex-etcd-client"):
+        subprocess.run(
+            ["openssl", "verify", "-CAfile", files[name, "ca.crt"], files[name, "tls.crt"]],
+            check=True,
+            capture_output=True,
+        )
+    text = subprocess.run(
+        [
+            "openssl",
+            "x509",
+            "-noout",
+            "-ext",
+            "subjectAltName",
+            "-in",
+            files["rel-connex-etcd-server", "tls.crt"],
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "DNS:rel-connex-etcd," in text and "DNS:*.rel-connex-etcd-peer.llm.svc," in text
+
+
+def test_etcd_tls_secrets_can_be_named_and_external_etcd_needs_a_client_certificate():
+    docs = manifests("etcd.tls.serverSecret=etcd-srv", "etcd.tls.clientSecret=etcd-cli")
+    assert not [d for d in docs if d["kind"] == "Secret" and "etcd" in d["metadata"]["name"]]
+    router = find(docs, "Deployment", "rel-connex-router")
+    volume = next(
+        v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == "etcd-tls"
+    )
+    assert volume["secret"]["secretName"] == "etcd-cli"
+    etcd = find(docs, "StatefulSet", "rel-connex-etcd")
+    assert etcd["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"] == "etcd-srv"
+    one = render("etcd.tls.serverSecret=etcd-srv", check=False)
+    assert one.returncode != 0 and "name both serverSecret and clientSecret" in one.stderr
+    external = ("etcd.enabled=false", "etcd.external=https://etcd.ops:2379")
+    refused = render(*external, check=False)
+    assert refused.returncode != 0 and "etcd.tls.clientSecret" in refused.stderr
+    docs = manifests(*external, "etcd.tls.clientSecret=ops-etcd")
+    args = container(find(docs, "Deployment", "rel-connex-router"))["args"]
+    assert (
+        "--etcd=https://etcd.ops:2379" in args
+        and "--etcd-cert-file=/etc/connex/etcd/tls.crt" in args
+    )
+    assert not [
+        d
+        for d in docs
+        if d["kind"] in ("StatefulSet", "NetworkPolicy") and "etcd" in d["metadata"]["name"]
+    ]
+    plain = manifests("etcd.tls.enabled=false")
+    args = container(find(plain, "Deployment", "rel-connex-router"))["args"]
+    assert "--etcd=http://rel-connex-etcd:2379" in args
+    assert not [a for a in args if a.startswith("--etcd-ca-file")]
+    # The NetworkPolicy stays: etcd is still for the routers alone.
+    assert find(plain, "NetworkPolicy", "rel-connex-etcd")
+
+
+def test_decoders_recompute_a_prompt_whose_kv_they_cannot_load():
+    docs = manifests(*POOLS)
+    for pool, policy in (("prefill", None), ("decode", "recompute")):
+        args = container(find(docs, "Deployment", f"rel-connex-{pool}"))["args"]
+        ktc = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert ktc.get("kv_load_failure_policy") == policy, pool
+    docs = manifests(*POOLS, "vllm.connector.loadFailurePolicy=fail")
+    args = container(find(docs, "Deployment", "rel-connex-decode"))["args"]
+    assert (
+        json.loads(args[args.index("--kv-transfer-config") + 1])["kv_load_failure_policy"] == "fail"
+    )
+
+
+def memory_request(docs: list[dict], pool: str) -> int:
+    return int(
+        container(find(docs, "Deployment", f"rel-connex-{pool}"))["resources"]["requests"]["memory"]
+    )
+
+
+def test_prefill_memory_requests_cover_the_staged_hold_budget():
+    gib = 1 << 30
+    docs = manifests(*POOLS)
+    assert memory_request(docs, "prefill") == 16 * gib + 8 * gib
+    assert memory_request(docs, "decode") == 16 * gib
+    docs = manifests(*POOLS, "vllm.hostMemory=20Gi", "vllm.connector.holdBudgetBytes=4294967296")
+    assert memory_request(docs, "prefill") == 24 * gib
+    # In-place holds keep GPU blocks: no host memory for them.
+    docs = manifests(
+        *POOLS,
+        "vllm.connector.hold=in_place",
+        "vllm.image.backends={tcp,ucx}",
+        "vllm.connector.backend=ucx",
+    )
+    assert memory_request(docs, "prefill") == 16 * gib
+    # A pool's own request stands when it covers the budget, and is refused otherwise.
+    docs = manifests(*POOLS, "vllm.prefill.resources.requests.memory=64Gi")
+    assert (
+        container(find(docs, "Deployment", "rel-connex-prefill"))["resources"]["requests"]["memory"]
+        == "64Gi"
+    )
+    small = render(*POOLS, "vllm.prefill.resources.requests.memory=4Gi", check=False)
+    assert small.returncode != 0 and "below vllm.connector.holdBudgetBytes" in small.stderr
+    odd = render(*POOLS, "vllm.prefill.resources.requests.memory=1.5Ti", check=False)
+    assert odd.returncode != 0 and "not a memory quantity" in odd.stderr
+    uncapped = render(*POOLS, "vllm.connector.holdBudgetBytes=0", check=False)
+    assert uncapped.returncode != 0 and "holdBudgetBytes must be above 0" in uncapped.stderr
+
+
+def test_a_backend_the_image_lacks_is_refused():
+    for backend in ("ucx", "mooncake"):
+        refused = render(*POOLS, f"vllm.connector.backend={backend}", check=False)
+        assert refused.returncode != 0, backend
+        assert "vllm.image.backends" in refused.stderr and f"--features {backend}" in refused.stderr
+    docs = manifests(*POOLS, "vllm.connector.backend=ucx", "vllm.image.backends={tcp,ucx}")
+    args = container(find(docs, "Deployment", "rel-connex-prefill"))["args"]
+    assert (
+        json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
+            "backend"
+        ]
+        == "ucx"
+    )
+
+
+def test_the_router_runs_as_the_images_user_and_can_read_its_secrets():
+    dockerfile = (ROOT / "docker" / "router.Dockerfile").read_text()
+    user = next(line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER "))
+    uid, gid = (int(x) for x in user.split(":"))
+    spec = find(manifests(), "Deployment", "rel-connex-router")["spec"]["template"]["spec"]
+    assert spec["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": gid,
+        # Secret files are 0400: readable by the router through its group.
+        "fsGroup": gid,
+    }
+    assert "runAsUser" not in spec["containers"][0]["securityContext"]
 
 
 def test_the_router_log_format_reaches_the_router():
@@ -469,3 +721,75 @@ def test_the_otlp_endpoint_reaches_the_router():
         e["name"] for e in container(find(manifests(), "Deployment", "rel-connex-router"))["env"]
     }
     assert "CONNEX_OTLP_ENDPOINT" not in env
+
+
+def test_client_keys_and_tenants_come_from_a_secret_the_router_reloads():
+    docs = manifests(
+        "router.clientAuth.existingSecret=team-keys",
+        "router.clientAuth.tenantsKey=tenants.toml",
+    )
+    router = find(docs, "Deployment", "rel-connex-router")
+    c = container(router)
+    assert "--api-key-file=/etc/connex/clients/api-key" in c["args"]
+    assert "--tenants-file=/etc/connex/clients/tenants.toml" in c["args"]
+    volumes = router["spec"]["template"]["spec"]["volumes"]
+    volume = next(v for v in volumes if v["name"] == "clients")
+    assert volume["secret"]["secretName"] == "team-keys"
+    assert {i["path"] for i in volume["secret"]["items"]} == {"api-key", "tenants.toml"}
+    # Mounted whole (a subPath mount would never see the Secret's updates).
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "clients")
+    assert mount["mountPath"] == "/etc/connex/clients" and "subPath" not in mount
+    # By default the client routes take no key, and nothing is mounted.
+    plain = container(find(manifests(), "Deployment", "rel-connex-router"))
+    assert not any(a.startswith(("--api-key", "--tenants-file")) for a in plain["args"])
+
+
+def test_the_release_redis_is_the_routers_response_store_and_theirs_alone():
+    docs = manifests(*POOLS, "responseStore.redis.enabled=true", "responseStore.leaseMs=1500")
+    router = find(docs, "Deployment", "rel-connex-router")
+    args = container(router)["args"]
+    assert "--response-store=redis://rel-connex-redis:6379" in args
+    assert "--response-lease-ms=1500" in args
+    # The password as a file from the Secret the chart made, never in argv.
+    assert "--response-store-password-file=/etc/connex/response-store/password" in args
+    assert all("requirepass" not in a for a in args)
+    volumes = {v["name"]: v for v in router["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["response-store"]["secret"]["secretName"] == "rel-connex-redis"
+    secret = find(docs, "Secret", "rel-connex-redis")
+    assert len(secret["data"]["password"]) > 20
+    redis = find(docs, "StatefulSet", "rel-connex-redis")
+    c = container(redis)
+    assert c["env"][0]["valueFrom"]["secretKeyRef"] == {
+        "name": "rel-connex-redis",
+        "key": "password",
+    }
+    assert "$(REDIS_PASSWORD)" in c["args"] and "noeviction" in c["args"]
+    assert c["args"][c["args"].index("--appendonly") + 1] == "yes"
+    policy = find(docs, "NetworkPolicy", "rel-connex-redis")
+    (ingress,) = policy["spec"]["ingress"]
+    assert components(ingress["from"]) == ["router"]
+    assert ingress["ports"] == [{"port": "redis", "protocol": "TCP"}]
+
+
+def test_an_external_response_store_takes_a_url_without_a_password():
+    docs = manifests(
+        *POOLS,
+        "responseStore.external=rediss://redis.example:6380/2",
+        "responseStore.password.existingSecret=redis-pw",
+    )
+    router = find(docs, "Deployment", "rel-connex-router")
+    args = container(router)["args"]
+    assert "--response-store=rediss://redis.example:6380/2" in args
+    volumes = {v["name"]: v for v in router["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["response-store"]["secret"]["secretName"] == "redis-pw"
+    assert not [d for d in docs if d["metadata"]["name"] == "rel-connex-redis"]
+    # Without one, no shared store: each replica keeps its own.
+    default = find(manifests(*POOLS), "Deployment", "rel-connex-router")
+    assert all("--response-store" not in a for a in container(default)["args"])
+    for bad in (
+        ["responseStore.external=redis://:secret@redis:6379"],
+        ["responseStore.external=http://redis:6379"],
+        ["responseStore.external=redis://redis:6379", "responseStore.redis.enabled=true"],
+    ):
+        failed = render(*POOLS, *bad, check=False)
+        assert failed.returncode != 0 and "responseStore" in failed.stderr, bad

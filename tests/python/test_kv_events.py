@@ -192,3 +192,33 @@ def test_the_forwarder_binds_where_vllm_connects() -> None:
     finally:
         publisher.close()
         forwarder.stop()
+
+
+def test_the_forwarder_listens_on_loopback_only() -> None:
+    """Whatever reaches the forwarder's socket feeds this engine's entry in
+    the router's prefix index: given `tcp://0.0.0.0:PORT` (vLLM's publisher
+    then connects over loopback) it binds loopback, not every interface, and
+    an address on the network is refused. Before, it bound all interfaces."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    forwarder = KvEventForwarder(
+        f"tcp://0.0.0.0:{port}", lambda events: True, decode=make_decoder(KVEventBatch)
+    )
+    assert forwarder.endpoint == f"tcp://127.0.0.1:{port}"
+    forwarder.start()
+    try:
+        # Bound on loopback, where the publisher connects.
+        deadline = time.monotonic() + 5
+        while True:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, "the forwarder never bound loopback"
+            time.sleep(0.05)
+    finally:
+        forwarder.stop()
+    with pytest.raises(ValueError, match="listen on the network"):
+        KvEventForwarder("tcp://10.1.2.3:5557", lambda events: True, decode=lambda _: [])

@@ -36,7 +36,8 @@ CHECKS = ",".join(
 MUTATING = r"^/(v1/instances|admin/instances)"
 # The routes of each listener (the client one serves OpenAI and the probes).
 CLIENT = (
-    r"^/(v1/(completions|chat/completions|models|embeddings|score|rerank)"
+    r"^/(v1/(completions|chat/completions|models|embeddings|score|rerank|messages"
+    r"|responses|responses/[^/]+|responses/[^/]+/cancel)"
     r"|health|ready|tokenize|detokenize|pooling|score|rerank)$"
 )
 INTERNAL_READS = r"^/(metrics|admin/requests)$"

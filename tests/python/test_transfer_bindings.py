@@ -303,3 +303,60 @@ def test_the_tcp_backend_reports_it_cannot_move_device_memory():
     finally:
         holder.close()
     assert t.Reader(backend="tcp").moves_device_memory is False
+
+
+STALLED_MOONCAKE_HOLDER = textwrap.dedent(
+    f"""
+    import ctypes, sys
+    from connex import _transfer as t
+    buf = ctypes.create_string_buffer({BLOCKS} * {BLOCK})
+    h = t.Holder(backend="mooncake", listen="127.0.0.1:0", stall_after_bytes=0)
+    rid = h.register_region(ctypes.addressof(buf), len(buf))
+    h.create_hold("{HOLD}", [(rid, b * {BLOCK}, {BLOCK}) for b in range({BLOCKS})])
+    print(h.ctrl_addr, flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_a_failed_mooncake_pull_says_its_reads_may_still_write_until_they_end():
+    # Mooncake cannot cancel a read: a pull that gave up on a stalled holder
+    # returns with reads queued, and the blocks must not go back to vLLM
+    # (the connector asks this before it reports the load failed).
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STALLED_MOONCAKE_HOLDER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        addr = proc.stdout.readline().strip()
+        reader = t.Reader(backend="mooncake")
+        dest = bytearray(BLOCKS * BLOCK)
+        rid = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
+        with pytest.raises(t.TransferError):
+            reader.pull(addr, HOLD, 0, dest_blocks(rid), timeout_s=1.0)
+        assert reader.writing_into(dest_blocks(rid))
+        assert not reader.writing_into([(rid, 0, 0)])  # an empty range overlaps nothing
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 45
+        while reader.writing_into(dest_blocks(rid)):
+            assert time.monotonic() < deadline, "the dead holder's reads never ended"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_failed_tcp_pull_writes_nothing_once_it_returns(holder_process):
+    addr, _, proc = holder_process
+    reader = t.Reader(backend="tcp")
+    dest = bytearray(BLOCKS * BLOCK)
+    rid = reader.register_region(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
+    proc.kill()
+    proc.wait()
+    with pytest.raises(t.TransferError):
+        reader.pull(addr, HOLD, 0, dest_blocks(rid), timeout_s=2.0)
+    assert not reader.writing_into(dest_blocks(rid))

@@ -73,6 +73,10 @@ class Engine:
     # VLLM_CPU_OMP_THREADS_BIND for this engine, when not the tier's (a TP=2
     # engine binds one rank per core: "0|1").
     threads_bind: str | None = None
+    # Another model folder and served name than the tiny model's
+    # (reasoning_model.py's engines).
+    model: Path | None = None
+    served_model_name: str = MODEL_NAME
     port: int = field(default_factory=free_port)
     log_dir: Path = LOG_DIR
     proc: subprocess.Popen | None = None
@@ -91,9 +95,9 @@ class Engine:
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
-            str(model_dir()),
+            str(self.model or model_dir()),
             "--served-model-name",
-            MODEL_NAME,
+            self.served_model_name,
             "--dtype",
             "bfloat16",
             "--max-model-len",
@@ -169,6 +173,16 @@ class Engine:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+    def core_pids(self) -> list[int]:
+        """The processes that compute (EngineCore, its workers), without the API
+        server: freezing these alone lets the API server send on everything
+        they computed."""
+        import psutil
+
+        assert self.proc is not None
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        return [c.pid for c in children if c.name().startswith("VLLM::")]
 
     def stop(self) -> None:
         if self.proc is None:
@@ -294,6 +308,15 @@ class Router:
         )
         reply.raise_for_status()
         return reply.json()["data"]
+
+    def admin_post(self, path: str) -> None:
+        """POSTs to the admin API (drain, activate: `instances/{id}/drain`)."""
+        reply = httpx.post(
+            f"{self.internal}/admin/{path}",
+            headers={"Authorization": f"Bearer {self.ADMIN_TOKEN}"},
+            timeout=5,
+        )
+        reply.raise_for_status()
 
     def instances(self) -> list[dict]:
         return self.admin("instances")

@@ -184,11 +184,12 @@ def assert_empty(scheduler: Scheduler) -> None:
 
 
 def keeper_passes(scheduler: Scheduler, count: int = 3, timeout_s: float = 5.0) -> None:
-    """Waits until the decoder's hold keeper has made `count` more passes: any
-    renewal or release due before this call has been sent by then."""
+    """Waits until the decoder's hold keeper has made `count` more passes and
+    its holders' lanes have no call left: any renewal or release due before this
+    call has been sent by then."""
     keeper = scheduler.connector.scheduler.keeper
     start = keeper.stats.passes
     deadline = time.monotonic() + timeout_s
-    while keeper.stats.passes < start + count:
+    while keeper.stats.passes < start + count or keeper.in_flight():
         assert time.monotonic() < deadline, "the hold keeper stopped"
         time.sleep(0.005)

@@ -237,3 +237,49 @@ def test_the_worker_turns_any_load_into_a_finished_load(
     assert recving == {"req-x"} and failed == {"req-x"}
     assert not sending
     assert not worker._pulls
+
+
+class _FailedPull:
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> dict:
+        raise RuntimeError("pulling a hold timed out")
+
+
+class _QueuedReads:
+    """A reader whose failed pull left reads queued (Mooncake's case) until
+    `ended` is set; the rest of the reader is the worker's real one."""
+
+    def __init__(self, real) -> None:
+        self.real, self.ended, self.asked = real, False, []
+
+    def pull_async(self, *args, **kwargs) -> _FailedPull:
+        return _FailedPull()
+
+    def writing_into(self, blocks) -> bool:
+        self.asked.append(list(blocks))
+        return not self.ended
+
+
+def test_a_failed_load_is_reported_only_once_nothing_writes_into_its_blocks(worker):
+    # vLLM gives a failed load's blocks to other requests (or recomputes into
+    # them): a Mooncake read queued past the failure would write one request's
+    # KV into another's. The worker holds the report back until the reads end.
+    real = worker.reader
+    queued = _QueuedReads(real)
+    worker.reader = queued
+    try:
+        load = LoadSpec("req-q", "t-5f3c9a1e7b2d4086a9c1e3f5b7d90246", "127.0.0.1:9", 0, [], [1, 2])
+        load.first_block, load.hold_blocks = 0, 2
+        worker.bind(ConnexMetadata(loads=[load]))
+        worker.start_load_kv()
+        for _ in range(3):
+            assert worker.get_finished(set()) == (set(), set(), set())
+        # It asked about exactly the blocks the pull was given (blocks 1 and 2).
+        assert queued.asked[0] == worker._refs(worker._reader_rids, [1, 2])
+        queued.ended = True
+        assert worker.get_finished(set()) == (set(), {"req-q"}, {"req-q"})
+        assert not worker._draining and not worker._pulls
+    finally:
+        worker.reader = real

@@ -66,7 +66,10 @@ def test_worker_reports_what_changed_since_its_last_report():
     assert w.take_stats() is None
     w.holder.counts.update(holds=2, held_bytes=4096)  # type: ignore[union-attr]
     load = SimpleNamespace(transfer_id="t", remote_ctrl="127.0.0.1:1", epoch=0)
-    w._pulls = {"a": (Pull({"bytes": 1000, "elapsed_s": 0.02}), load), "b": (Pull(None), load)}  # type: ignore[dict-item]
+    w._pulls = {  # type: ignore[dict-item]
+        "a": (Pull({"bytes": 1000, "elapsed_s": 0.02}), load, None),
+        "b": (Pull(None), load, None),
+    }
     w.get_finished(set())
     w._holder_sampled = -1e9
     data = w.take_stats()

@@ -318,7 +318,13 @@ def stream_and_kill_decoder(cluster, prompt: str, total: int, k: int):
                 engine = cluster[decoder]
                 engine.kill(signal.SIGSTOP)
                 entry = next(
-                    (e for e in cluster.router.requests() if e["request_id"] == request_id),
+                    # The journal names a request by the engines' id: the
+                    # client's, with a suffix of its own.
+                    (
+                        e
+                        for e in cluster.router.requests()
+                        if e["request_id"].startswith(f"{request_id}-")
+                    ),
                     None,
                 )
                 if entry is None or entry["generated_tokens"] >= total:

@@ -235,6 +235,51 @@ def test_a_staged_read_of_a_missing_hold_fails_and_writes_nothing(holder, reader
     assert not dst.any()
 
 
+class QueuedReadsReader:
+    """The real reader, except that a failed pull's reads stay queued (as a
+    Mooncake pull's may) until `ended` is set."""
+
+    def __init__(self, real) -> None:
+        self.real, self.ended = real, False
+        self.unregistered: list[int] = []
+
+    def register_region(self, ptr: int, length: int) -> int:
+        return self.real.register_region(ptr, length)
+
+    def unregister_region(self, region: int) -> bool:
+        self.unregistered.append(region)
+        return self.real.unregister_region(region)
+
+    def pull_async(self, *args, **kwargs):
+        return self.real.pull_async(*args, **kwargs)
+
+    def writing_into(self, blocks) -> bool:
+        return not self.ended
+
+
+def test_a_staged_read_keeps_its_buffer_while_a_failed_pulls_reads_may_land(holder, reader):
+    # The host buffer is where queued reads would land: freed (and reused)
+    # before they end, a late read would write into someone else's memory.
+    queued = QueuedReadsReader(reader)
+    dst = make("cpu")[0]
+    pull = StagedReads(queued, [kv_layer(dst)]).pull_async(
+        holder.ctrl_addr, tid("missing"), 0, [1], timeout_s=5
+    )
+    deadline = time.monotonic() + 10
+    while not pull._pull.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for _ in range(3):
+        assert not pull.done(), "a failed pull reported done while its reads may land"
+    assert pull._buffer is not None and not queued.unregistered
+    queued.ended = True
+    assert pull.done()
+    assert pull._buffer is None and len(queued.unregistered) == 1
+    with pytest.raises(_transfer.HoldNotFound):
+        pull.result()
+    assert not dst.any()
+
+
 def freed_until(holder, staged: StagedHolds, transfer_id: str, timeout_s: float = 10) -> None:
     """Frees buffers as the worker does (only what `freed()` reports) until
     `transfer_id` is freed; meanwhile its buffer must stay."""

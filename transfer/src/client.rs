@@ -13,6 +13,9 @@ use crate::error::{Result, TransferError};
 use crate::net::IdlePool;
 use crate::proto::{Descriptor, ErrorCode, Reply, Request};
 use crate::stats::{HoldInfo, HolderStats};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +36,30 @@ pub struct ClientConfig {
     /// Proven on every new connection, and required of the holder (default:
     /// [`crate::SECRET_ENV`]).
     pub secret: Option<Secret>,
+    /// Resolves a holder's address for each new connection (default: the
+    /// system's resolver, at every connect).
+    pub resolver: Option<Resolver>,
+}
+
+/// Resolves a holder's address (`host:port`) to the addresses a new
+/// connection tries, in order. The router passes one that checks every
+/// address against its upstream policy: a holder's name re-pointed after it
+/// was registered (DNS rebinding) must not make the router connect elsewhere.
+pub trait Resolve: Send + Sync {
+    fn resolve<'a>(
+        &'a self,
+        addr: &'a str,
+    ) -> Pin<Box<dyn Future<Output = std::io::Result<Vec<SocketAddr>>> + Send + 'a>>;
+}
+
+/// A shared [`Resolve`].
+#[derive(Clone)]
+pub struct Resolver(pub Arc<dyn Resolve>);
+
+impl std::fmt::Debug for Resolver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Resolver")
+    }
 }
 
 impl Default for ClientConfig {
@@ -47,6 +74,7 @@ impl Default for ClientConfig {
             max_idle_per_addr: 64,
             idle_ttl: Duration::from_secs(60),
             secret: Secret::from_env(),
+            resolver: None,
         }
     }
 }
@@ -240,7 +268,18 @@ impl CtrlClient {
 
     async fn connect(&self, addr: &str) -> Result<TcpStream> {
         let limit = self.pool.config.connect_timeout;
-        let stream = match tokio::time::timeout(limit, TcpStream::connect(addr)).await {
+        let connect = async {
+            match &self.pool.config.resolver {
+                // Resolved once, and connected to exactly what was resolved
+                // (and checked).
+                Some(Resolver(resolver)) => {
+                    let addrs = resolver.resolve(addr).await?;
+                    TcpStream::connect(&addrs[..]).await
+                }
+                None => TcpStream::connect(addr).await,
+            }
+        };
+        let stream = match tokio::time::timeout(limit, connect).await {
             Ok(Ok(stream)) => stream,
             Ok(Err(source)) => {
                 return Err(TransferError::Unreachable {

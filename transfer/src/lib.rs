@@ -30,7 +30,7 @@ mod server;
 mod stats;
 
 pub use auth::{check_id_entropy, new_transfer_id};
-pub use client::{ClientConfig, CtrlClient};
+pub use client::{ClientConfig, CtrlClient, Resolve, Resolver};
 pub use config::{
     BackendKind, Faults, HolderConfig, ReleaseMode, Secret, DEFAULT_MAX_EPOCH, SECRET_ENV,
 };

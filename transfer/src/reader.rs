@@ -113,6 +113,13 @@ impl Reader {
         self.regions.unregister(id).is_some()
     }
 
+    /// Whether a pull may still write into any of `blocks`: true while one
+    /// runs, and after a failed Mooncake pull until its queued reads have
+    /// ended. Blocks must not go back to their engine while it is true.
+    pub fn writing_into(&self, blocks: &[BlockRef]) -> bool {
+        self.regions.any_claimed(blocks)
+    }
+
     /// Unregisters an owned region and gives its bytes back; refused while a
     /// pull writes into it.
     pub fn take_region(&self, id: RegionId) -> Result<Vec<u8>> {
@@ -135,11 +142,14 @@ impl Reader {
 
     /// [`Reader::pull`] with an overall time limit: at `limit` the pull's
     /// sockets are shut down and its writers stopped, and only then does it
-    /// fail, so once this returns (whatever it returns) nothing writes into
-    /// `dest` any more and the blocks may go back to the engine. A holder
-    /// that trickles bytes is cut at the limit too. Dropping the future
-    /// instead stops the writers as soon as they notice; the destination
-    /// stays claimed (no other pull may write it) until they have.
+    /// fail. With tcp and ucx, once this returns (whatever it returns) nothing
+    /// writes into `dest` any more and the blocks may go back to the engine.
+    /// Mooncake cannot cancel a read: a failed pull may return while reads
+    /// are still queued, and its destination stays claimed until the engine
+    /// reports them ended; ask [`Reader::writing_into`] before giving blocks
+    /// back. A holder that trickles bytes is cut at the limit too. Dropping
+    /// the future instead stops the writers as soon as they notice; the
+    /// destination stays claimed (no other pull may write it) until they have.
     pub async fn pull_timeout(
         &self,
         remote_ctrl: &str,

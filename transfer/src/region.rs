@@ -378,6 +378,19 @@ impl RegionTable {
             .collect()
     }
 
+    /// Whether a pull may still write into any of `blocks`: one running, or one
+    /// that gave up while reads it cannot cancel are queued (Mooncake). Blocks
+    /// of regions no longer registered are not known here (false).
+    pub(crate) fn any_claimed(&self, blocks: &[BlockRef]) -> bool {
+        blocks.iter().any(|block| {
+            self.get(block.region).is_ok_and(|entry| {
+                let start = usize::try_from(block.offset).unwrap_or(usize::MAX);
+                let end = start.saturating_add(usize::try_from(block.len).unwrap_or(usize::MAX));
+                claimed(&entry.claims(), &(start..end))
+            })
+        })
+    }
+
     /// Claims `blocks` for writing (reader side): bounds-checked, disjoint from
     /// each other and from every running pull.
     pub(crate) fn claim(&self, blocks: &[BlockRef]) -> Result<Vec<DestSpan>> {

@@ -10,8 +10,9 @@
 //! With a transfer secret, a connection must complete the handshake (`auth`)
 //! within [`HANDSHAKE_TIMEOUT`] of being accepted, before any op; a failed
 //! or late one closes it. One peer address holds at most
-//! `max_connections_per_peer` connections, so no one host can take all the
-//! slots.
+//! `max_connections_per_peer` connections, and a connection still unproven
+//! after [`UNPROVEN_GRACE`] gives its slot up when the holder needs one, so
+//! hosts without the secret cannot keep readers out.
 
 use crate::auth::{self, Nonce};
 use crate::backend::Backend;
@@ -37,6 +38,10 @@ use tokio_util::sync::CancellationToken;
 pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a connection to a holder with a secret may take to prove it.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a connection may hold a slot unproven before the holder, out of
+/// slots, may close it for a new one (so addresses that never prove anything
+/// cannot keep every slot for the whole handshake timeout, again and again).
+const UNPROVEN_GRACE: Duration = Duration::from_millis(250);
 /// Largest frame payload read before the handshake is done.
 const MAX_HANDSHAKE_PAYLOAD: u32 = 256;
 
@@ -234,12 +239,35 @@ struct Connection {
 }
 
 impl Connection {
-    /// Waits for the next frame's first byte within `limit`; `closable`:
-    /// as an idle connection the holder may close for a new one. False:
-    /// close the connection (the peer closed or sent nothing in time, the
-    /// holder needed the slot or is stopping).
-    async fn next_frame(&self, stream: &TcpStream, limit: Duration, closable: bool) -> bool {
-        let mark = closable.then(|| self.idle.idle());
+    /// Waits for the next frame's first byte within `limit`. `closable_after`:
+    /// from when on the wait counts as idle, a connection the holder may close
+    /// for a new one (`None`: never). False: close the connection (the peer
+    /// closed or sent nothing in time, the holder needed the slot or is
+    /// stopping).
+    async fn next_frame(
+        &self,
+        stream: &TcpStream,
+        limit: Duration,
+        closable_after: Option<Duration>,
+    ) -> bool {
+        let mut first = [0u8; 1];
+        let mut limit = limit;
+        if let Some(after) = closable_after.filter(|after| !after.is_zero()) {
+            let kept = after.min(limit);
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return false,
+                peeked = tokio::time::timeout(kept, stream.peek(&mut first)) => {
+                    if let Ok(peeked) = peeked {
+                        return matches!(peeked, Ok(1..));
+                    }
+                }
+            }
+            limit = limit.saturating_sub(kept);
+            if limit.is_zero() {
+                return false;
+            }
+        }
+        let mark = closable_after.map(|_| self.idle.idle());
         let closing = async {
             match &mark {
                 Some(mark) => mark.closing().await,
@@ -249,7 +277,6 @@ impl Connection {
         // A peek, not `readable()`: readiness can be left over from the last
         // frame, and a peek consumes nothing, so a closed idle connection
         // never loses a byte of a frame.
-        let mut first = [0u8; 1];
         let peeked = tokio::select! {
             _ = self.shutdown.cancelled() => return false,
             _ = closing => {
@@ -278,7 +305,9 @@ async fn connection(mut stream: TcpStream, this: &Connection) {
     // Only a connection that has served an op (a pooled one) may be closed
     // as idle: a new one's first request may be on its way (with a secret,
     // right after its handshake), and its peer does not retry on a
-    // connection it has just opened.
+    // connection it has just opened. One still unproven after
+    // [`UNPROVEN_GRACE`] may be closed too: a reader proves itself in a round
+    // trip, so it is someone without the secret holding a slot.
     let mut served_op = false;
     loop {
         // Until the handshake is done, every wait ends at its deadline.
@@ -292,7 +321,14 @@ async fn connection(mut stream: TcpStream, this: &Connection) {
             }
             (left, left.min(shared.io_timeout))
         };
-        if !this.next_frame(&stream, idle, served_op).await {
+        let closable_after = if served_op {
+            Some(Duration::ZERO)
+        } else if auth.done() {
+            None
+        } else {
+            Some(UNPROVEN_GRACE.saturating_sub(accepted.elapsed()))
+        };
+        if !this.next_frame(&stream, idle, closable_after).await {
             return;
         }
         let raw = tokio::select! {

@@ -761,14 +761,32 @@ pub async fn trickling_holder_is_cut_at_the_deadline(kind: BackendKind) {
     if kind == BackendKind::Mooncake {
         // Mooncake's C API cannot cancel a read: while the stalled holder
         // lives, its reads may still write, so the destination stays claimed
-        // (handing it back is how a late write would reach reused blocks).
+        // (handing it back is how a late write would reach reused blocks),
+        // and the reader says so to a caller whose blocks are its engine's.
+        assert!(
+            reader.writing_into(&refs),
+            "a failed pull's reads may still write, and the reader denies it"
+        );
         assert!(
             reader.take_region(region).is_err(),
             "a destination a read may still write into was handed back"
         );
         process.kill();
+        // Its death fails the reads: the blocks may go back.
+        let since = Instant::now();
+        while reader.writing_into(&refs) {
+            assert!(
+                since.elapsed() < Duration::from_secs(45),
+                "reads never ended"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         region_back(&reader, region).await;
     } else {
+        assert!(
+            !reader.writing_into(&refs),
+            "nothing writes after a failed pull"
+        );
         reader.take_region(region).unwrap();
     }
 }

@@ -329,6 +329,56 @@ async fn one_peer_cannot_take_every_connection() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_addresses_without_the_secret_cannot_keep_a_reader_out() {
+    // Two source addresses, each at its per-peer cap, filled every slot with
+    // connections that never prove anything, and a reader waited for their
+    // handshake timeout (2 s), past its own deadline, again and again as
+    // they reconnected. Unproven past a short grace, they give slots up.
+    let (holder, id) = holder(HolderConfig {
+        secret: secret(),
+        max_connections: 4,
+        max_connections_per_peer: 2,
+        ..HolderConfig::default()
+    })
+    .await;
+    let addr = holder.ctrl_addr();
+    let mut hogs = Vec::new();
+    for source in ["127.0.0.2", "127.0.0.3"] {
+        for _ in 0..2 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(format!("{source}:0").parse().unwrap()).unwrap();
+            hogs.push(socket.connect(addr).await.unwrap());
+        }
+    }
+    until(|| holder.connections().open == 4).await;
+    let reader = CtrlClient::with_config(ClientConfig {
+        secret: secret(),
+        io_timeout: Duration::from_secs(1),
+        connect_timeout: Duration::from_secs(1),
+        ..ClientConfig::default()
+    });
+    let started = Instant::now();
+    let stat = reader.stat(&addr.to_string(), &id).await;
+    assert!(matches!(stat, Ok(Some(_))), "{stat:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    // A hog's connection was the one closed.
+    let mut closed = 0;
+    for hog in &mut hogs {
+        let mut buf = [0u8; 1];
+        if let Ok(Ok(0) | Err(_)) =
+            tokio::time::timeout(Duration::from_millis(100), hog.read(&mut buf)).await
+        {
+            closed += 1;
+        }
+    }
+    assert!(closed >= 1, "no unproven connection gave its slot up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_connection_limit_a_connection_waits_instead_of_failing() {
     // A burst of pulls larger than the holder serves at once (10k streams
     // through one prefill in `bench/run scale`) must queue, not fail.

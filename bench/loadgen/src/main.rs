@@ -42,6 +42,31 @@ struct Args {
     /// A label echoed in the output line.
     #[arg(long, default_value = "run")]
     label: String,
+    /// The request body's protocol (`--url` must be its route).
+    #[arg(long, value_enum, default_value = "completions")]
+    api: Api,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Api {
+    Completions,
+    Chat,
+    Responses,
+}
+
+impl Api {
+    /// The body of request `i` in this protocol.
+    fn body(self, i: usize, max_tokens: u32, stream: bool) -> serde_json::Value {
+        let prompt = format!("benchmark prompt {i} with a few words");
+        match self {
+            Api::Completions => json!({"model": "mock", "prompt": prompt,
+                "max_tokens": max_tokens, "stream": stream}),
+            Api::Chat => json!({"model": "mock", "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens, "stream": stream}),
+            Api::Responses => json!({"model": "mock", "input": prompt,
+                "max_output_tokens": max_tokens, "stream": stream}),
+        }
+    }
 }
 
 #[tokio::main]
@@ -77,14 +102,14 @@ async fn main() {
         let (next, url) = (next.clone(), args.url.clone());
         let (total, max_tokens, stream) = (args.requests, args.max_tokens, args.stream);
         let prefill_url = args.prefill_url.clone();
+        let api = args.api;
         workers.spawn(async move {
             let mut latencies = Vec::new();
             let mut ttfts = Vec::new();
             let mut errors = 0usize;
             while next.fetch_add(1, Ordering::Relaxed) < total {
                 let i = latencies.len() + errors;
-                let mut body = json!({"model": "mock", "prompt": format!("benchmark prompt {i} with a few words"),
-                    "max_tokens": max_tokens, "stream": stream});
+                let mut body = api.body(i, max_tokens, stream);
                 let t = Instant::now();
                 if let Some(prefill_url) = &prefill_url {
                     match prefill(&engine_client, prefill_url, &body).await {
@@ -199,6 +224,8 @@ async fn one(
         return Err(format!("HTTP {}", response.status()));
     }
     let mut body = response.bytes_stream();
+    // The stream's last bytes, across chunk boundaries (the network may cut
+    // the last event anywhere).
     let mut last = Vec::new();
     let mut ttft = None;
     while let Some(chunk) = body.next().await {
@@ -207,14 +234,19 @@ async fn one(
         if chunk.is_empty() {
             continue;
         }
-        last = chunk.to_vec();
         ttft.get_or_insert_with(|| started.elapsed());
         // A stream that ends with an error event ends with [DONE] too.
-        if carries_error_event(&last) {
+        if carries_error_event(&chunk) {
             return Err("error event".into());
         }
+        last.extend_from_slice(&chunk);
+        if last.len() > TAIL_BYTES {
+            last.drain(..last.len() - TAIL_BYTES);
+        }
     }
-    // A complete stream ends with [DONE]; a complete JSON reply with its usage.
+    // A complete stream ends with [DONE] (a Responses stream with its
+    // `response.completed`, which has its usage); a complete JSON reply with
+    // its usage.
     let tail = String::from_utf8_lossy(&last);
     if tail.contains("[DONE]") || tail.contains("\"usage\"") {
         Ok(ttft)
@@ -224,6 +256,10 @@ async fn one(
 }
 
 /// Whether a piece of a stream carries an OpenAI error event.
+/// The stream's tail kept to tell a complete stream: more than its last
+/// event (a Responses stream's last one holds the whole response).
+const TAIL_BYTES: usize = 64 * 1024;
+
 fn carries_error_event(bytes: &[u8]) -> bool {
     bytes.windows(10).any(|w| w == b"{\"error\":{")
 }

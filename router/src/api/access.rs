@@ -4,6 +4,8 @@
 
 use crate::error::ApiError;
 use crate::secrets::bearer_matches;
+use crate::server::Gate;
+use crate::tenants::Caller;
 use crate::upstreams::UpstreamPolicy;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::HeaderMap;
@@ -65,6 +67,22 @@ pub async fn registrar(
                 ))
             }
         }
+    }
+}
+
+/// `route_layer` of the client routes that take a key but no slot: the
+/// caller's tenant goes with the request (whose stored responses it may see).
+pub async fn client_key(
+    State(gate): State<Arc<Gate>>,
+    mut request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    match gate.tenants().authenticate(request.headers()) {
+        Ok(tenant) => {
+            request.extensions_mut().insert(Caller::of(&tenant));
+            Ok(next.run(request).await)
+        }
+        Err(error) => Ok(error.response_for(request.uri().path())),
     }
 }
 

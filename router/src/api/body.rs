@@ -5,11 +5,15 @@
 //! it would otherwise hold its request (and its concurrency permit) as long as
 //! it likes, and over HTTP/2 one connection carries many such requests.
 
+use crate::body_budget::BodyBudget;
 use crate::error::ApiError;
 use axum::body::Body;
 use axum::http::HeaderMap;
+use bytes::BytesMut;
+use http_body_util::BodyExt;
 use serde_json::Value;
 use std::time::Duration;
+use tokio::sync::OwnedSemaphorePermit;
 
 /// How much of a body is read, and for how long.
 #[derive(Debug, Clone, Copy)]
@@ -84,4 +88,60 @@ pub async fn read_optional_json(
         return Ok(Value::Null);
     }
     parse_json(&bytes)
+}
+
+/// A body read within the budget: its bytes and their share of the budget,
+/// given back when the permit drops.
+pub struct BudgetedBody {
+    pub bytes: axum::body::Bytes,
+    pub permit: Option<OwnedSemaphorePermit>,
+}
+
+/// [`read_bytes`], each piece of the body taken from `budget` before it is
+/// read on: the declared length at once, a body of unknown length frame by
+/// frame. 503 with `Retry-After` when the budget is spent.
+pub async fn read_budgeted(
+    headers: &HeaderMap,
+    body: Body,
+    limits: BodyLimits,
+    budget: &BodyBudget,
+) -> Result<BudgetedBody, ApiError> {
+    let limit = limits.bytes;
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|len| len > limit) {
+        return Err(ApiError::PayloadTooLarge(limit));
+    }
+    let mut permit = None;
+    if let Some(declared) = declared {
+        budget.take(&mut permit, declared)?;
+    }
+    let taken = declared.unwrap_or(0);
+    let read = async {
+        let mut body = body;
+        let mut out = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|err| {
+                ApiError::bad_request(format!("cannot read request body: {err}"), None)
+            })?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            if out.len() + data.len() > limit {
+                return Err(ApiError::PayloadTooLarge(limit));
+            }
+            // Past what was declared (or all of it, when nothing was), each
+            // frame is paid for before it is kept.
+            let beyond = (out.len() + data.len()).saturating_sub(taken.max(out.len()));
+            budget.take(&mut permit, beyond)?;
+            out.extend_from_slice(&data);
+        }
+        Ok(out.freeze())
+    };
+    let bytes = tokio::time::timeout(limits.within, read)
+        .await
+        .map_err(|_| ApiError::BodyTimeout(limits.within))??;
+    Ok(BudgetedBody { bytes, permit })
 }

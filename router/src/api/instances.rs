@@ -7,8 +7,9 @@ use super::body::{read_json, read_optional_json, BodyLimits};
 use crate::error::ApiError;
 use crate::prefix::KvEventBatch;
 use crate::registry::load::EngineLoad;
-use crate::registry::{Claim, Registration};
+use crate::registry::{valid_id, Claim, Registration};
 use crate::state::AppState;
+use crate::statics::STATIC_ID_PREFIX;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -55,13 +56,6 @@ pub async fn registration(
             Some("model"),
         ));
     }
-    // The id goes into URL paths (heartbeat, drain) and etcd keys unescaped.
-    let valid_id = |id: &str| {
-        (1..=128).contains(&id.len())
-            && id
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b))
-    };
     if reg.id.as_deref().is_some_and(|id| !valid_id(id)) {
         return Err(ApiError::bad_request(
             "`id` must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
@@ -83,6 +77,19 @@ pub async fn register(
         return Err(ApiError::bad_request(
             "`persistent` instances are added by the admin API (POST /admin/instances) or the router's --prefill/--decode flags",
             Some("persistent"),
+        ));
+    }
+    if reg
+        .id
+        .as_deref()
+        .is_some_and(|id| id.starts_with(STATIC_ID_PREFIX))
+    {
+        // The router names the instances of its --prefill/--decode flags so:
+        // a registrant that took such an id first would receive their
+        // traffic once discovery added them.
+        return Err(ApiError::bad_request(
+            "ids starting with `static-` are the router's own (its --prefill/--decode instances)",
+            Some("id"),
         ));
     }
     let claim = Claim::Registrant(credential(&headers));
@@ -139,6 +146,17 @@ pub async fn kv_events(
     body: Body,
 ) -> Result<StatusCode, ApiError> {
     require_json(&headers)?;
+    // The credential first: a caller without it must not have the router read
+    // and parse a batch of up to 4 MiB before its 403.
+    if state
+        .registry
+        .registrant(&id, credential(&headers))?
+        .is_none()
+    {
+        return Err(ApiError::NotFound(format!(
+            "instance `{id}` is not registered"
+        )));
+    }
     let value = read_json(&headers, body, EVENTS_BODY_LIMIT).await?;
     let batch: KvEventBatch = serde_json::from_value(value).map_err(|err| {
         ApiError::bad_request(format!("invalid KV events: {err}"), Some("events"))

@@ -10,10 +10,14 @@ pub mod access;
 pub mod admin;
 pub mod body;
 pub mod instances;
+pub mod messages;
 pub mod models;
 pub mod openai;
 pub mod passthrough;
 pub mod probes;
+pub mod responses;
+pub mod takeover;
+pub mod translated;
 
 use crate::server::{self, Gate, Shutdown};
 use crate::state::AppState;
@@ -50,7 +54,9 @@ impl Listener {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Guard {
     Open,
-    /// The client gate: concurrency limit, instance headers, shutdown cut.
+    /// A client key (when keys are configured), no slot.
+    Keyed,
+    /// The client gate: key and admission, instance headers, shutdown cut.
     Gated,
     /// The register token, or a loopback peer when none is set.
     Registrar,
@@ -87,7 +93,7 @@ where
     };
     let listener = match (guard, path) {
         (Guard::Open, "/metrics") | (Guard::Registrar | Guard::Admin, _) => Listener::Internal,
-        (Guard::Open | Guard::Gated, _) => Listener::Client,
+        (Guard::Open | Guard::Keyed | Guard::Gated, _) => Listener::Client,
     };
     Endpoint {
         method,
@@ -108,7 +114,7 @@ fn passthrough(path: &'static str) -> Endpoint {
 
 /// Every route of the router.
 pub fn endpoints() -> Vec<Endpoint> {
-    use Guard::{Admin, Gated, Open, Registrar};
+    use Guard::{Admin, Gated, Keyed, Open, Registrar};
     use Verb::{Delete, Get, Post};
     let mut endpoints = vec![
         at(Post, "/v1/completions", Gated, openai::completions),
@@ -118,7 +124,12 @@ pub fn endpoints() -> Vec<Endpoint> {
             Gated,
             openai::chat_completions,
         ),
-        at(Get, "/v1/models", Open, models::models),
+        at(Post, "/v1/responses", Gated, responses::create),
+        at(Post, "/v1/messages", Gated, messages::create),
+        at(Get, "/v1/responses/{id}", Keyed, responses::retrieve),
+        at(Delete, "/v1/responses/{id}", Keyed, responses::delete),
+        at(Post, "/v1/responses/{id}/cancel", Keyed, responses::cancel),
+        at(Get, "/v1/models", Keyed, models::models),
         at(Get, "/health", Open, probes::health),
         at(Get, "/ready", Open, probes::ready),
         at(Post, "/v1/instances", Registrar, instances::register),
@@ -201,6 +212,9 @@ fn group(listener: Listener, guard: Guard, edge: &Edge) -> Router<Arc<AppState>>
         .fold(Router::new(), |router, e| router.route(e.path, e.handler));
     match guard {
         Guard::Open => router,
+        Guard::Keyed => {
+            router.route_layer(from_fn_with_state(edge.gate.clone(), access::client_key))
+        }
         Guard::Gated => router.route_layer(from_fn_with_state(edge.gate.clone(), server::gate)),
         Guard::Registrar => {
             router.route_layer(from_fn_with_state(edge.access.clone(), access::registrar))
@@ -211,13 +225,19 @@ fn group(listener: Listener, guard: Guard, edge: &Edge) -> Router<Arc<AppState>>
 
 /// The app of `listener`.
 pub fn routes(listener: Listener, state: Arc<AppState>, edge: &Edge) -> Router {
-    [Guard::Open, Guard::Gated, Guard::Registrar, Guard::Admin]
-        .into_iter()
-        .fold(Router::new(), |router, guard| {
-            router.merge(group(listener, guard, edge))
-        })
-        .fallback(probes::not_found)
-        .layer(Extension(edge.access.clone()))
-        .layer(Extension(edge.shutdown.clone()))
-        .with_state(state)
+    [
+        Guard::Open,
+        Guard::Keyed,
+        Guard::Gated,
+        Guard::Registrar,
+        Guard::Admin,
+    ]
+    .into_iter()
+    .fold(Router::new(), |router, guard| {
+        router.merge(group(listener, guard, edge))
+    })
+    .fallback(probes::not_found)
+    .layer(Extension(edge.access.clone()))
+    .layer(Extension(edge.shutdown.clone()))
+    .with_state(state)
 }

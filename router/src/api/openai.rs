@@ -1,32 +1,44 @@
 //! OpenAI routes: completions and chat completions (the model list is
 //! `models.rs`).
 
-use super::body::{read_json, BodyLimits};
+use super::body::{read_budgeted, BodyLimits};
 use crate::error::ApiError;
+use crate::pd::client_body::ClientBody;
 use crate::pd::record::RequestRecord;
 use crate::pd::request::{validate, Route};
 use crate::state::AppState;
+use crate::tenants::Caller;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::Response;
+use axum::Extension;
 use std::sync::Arc;
 use tracing::Instrument;
 
 pub async fn completions(
     State(state): State<Arc<AppState>>,
+    caller: Option<Extension<Caller>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    generate(state, Route::Completions, headers, body).await
+    generate(
+        state,
+        Route::Completions,
+        caller.map(|c| c.0),
+        headers,
+        body,
+    )
+    .await
 }
 
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
+    caller: Option<Extension<Caller>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    generate(state, Route::Chat, headers, body).await
+    generate(state, Route::Chat, caller.map(|c| c.0), headers, body).await
 }
 
 /// The `X-Request-Id` the client sent, or a new one.
@@ -39,24 +51,51 @@ pub(crate) fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
 }
 
+/// The id the engines see for a request whose client-facing id is
+/// `client_id`: that id with a suffix of its own. vLLM takes `X-Request-Id` as
+/// its request id, and two requests with one id (two clients choosing the
+/// same, or one reusing its own) collide in its state; the suffix makes each
+/// request's unique while logs and engines still show the client's id in it.
+/// Prefill and decoders get the same one; the client gets its own id back.
+pub(crate) fn engine_request_id(client_id: &str) -> String {
+    let unique = uuid::Uuid::new_v4().simple().to_string();
+    format!("{client_id}-{}", &unique[..16])
+}
+
 async fn generate(
     state: Arc<AppState>,
     route: Route,
+    caller: Option<Caller>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
     // Records the request (span, metrics, access line) when it ends, however
     // it ends (a client that disconnects included).
     let mut record = RequestRecord::new(route.path(), request_id(&headers));
+    let priority = caller.as_ref().and_then(|c| c.priority);
+    if let Some(caller) = caller {
+        record.set_caller(caller);
+    }
     crate::traces::continue_trace(record.span(), &headers);
     let span = record.span().clone();
-    async move {
+    let client_id = HeaderValue::from_str(record.request_id()).ok();
+    let answered = async move {
         let checked = async {
-            let value = read_json(&headers, body, BodyLimits::client(&state.config)).await?;
+            let limits = BodyLimits::client(&state.config);
+            let read = read_budgeted(&headers, body, limits, &state.body_budget).await?;
+            record.hold_body_share(read.permit);
+            let mut value = ClientBody::parse(&read.bytes)
+                .map_err(|err| ApiError::bad_request(err.to_string(), None))?;
+            // The tenant's priority, not one the client chose for itself.
+            if let Some(priority) = priority {
+                value.set("priority", priority.into());
+            }
+            // The bytes go now: the body is kept as parsed (large fields raw).
+            drop(read.bytes);
             let info = validate(
                 route,
                 &value,
-                record.request_id().to_string(),
+                engine_request_id(record.request_id()),
                 state.config.max_tokens_limit,
             )?;
             Ok::<_, ApiError>((info, value))
@@ -73,5 +112,12 @@ async fn generate(
         }
     }
     .instrument(span)
-    .await
+    .await;
+    // The flow names the request by the engines' id; the client gets its own.
+    answered.map(|mut response| {
+        if let Some(id) = client_id {
+            response.headers_mut().insert("x-request-id", id);
+        }
+        response
+    })
 }

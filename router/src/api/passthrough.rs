@@ -6,7 +6,7 @@
 //! an engine's error answer comes back as its status and message (as on the
 //! generation routes).
 
-use super::body::{parse_json, read_bytes, BodyLimits};
+use super::body::{read_budgeted, BodyLimits, BudgetedBody};
 use crate::error::ApiError;
 use crate::pd::record::RequestRecord;
 use crate::pd::upstream::{Call, CallError};
@@ -15,7 +15,6 @@ use crate::state::AppState;
 use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::Value;
 use std::sync::Arc;
 use tracing::Instrument;
 
@@ -62,11 +61,15 @@ async fn run(
     body: Body,
     record: &mut RequestRecord,
 ) -> Result<Response, ApiError> {
-    let bytes = read_bytes(headers, body, BodyLimits::client(&state.config)).await?;
-    let request = parse_json(&bytes)?;
-    let model = model_of(state, &request)?;
+    let limits = BodyLimits::client(&state.config);
+    // The share is held until the engine's answer is relayed.
+    let BudgetedBody {
+        bytes,
+        permit: _share,
+    } = read_budgeted(headers, body, limits, &state.body_budget).await?;
+    let model = model_of(state, &bytes)?;
     record.set_model(&model);
-    let request_id = record.request_id().to_string();
+    let request_id = super::openai::engine_request_id(record.request_id());
     let mut tried: Vec<String> = Vec::new();
     loop {
         let Some(instance) = choose(state, &model, &tried) else {
@@ -108,30 +111,57 @@ async fn run(
 }
 
 /// The request's model: its `model`, or the one model served when it names
-/// none (vLLM's default for these routes).
-fn model_of(state: &AppState, request: &Value) -> Result<String, ApiError> {
-    let object = request
-        .as_object()
-        .ok_or_else(|| ApiError::bad_request("request body must be a JSON object", None))?;
-    match object.get("model") {
-        Some(Value::String(model)) if !model.is_empty() => {
-            if state.registry.knows_model(model) {
-                Ok(model.clone())
+/// none (vLLM's default for these routes). Only `model` is read: the body
+/// goes to the engine as its bytes, and is never a tree of values here
+/// (an embeddings batch of token ids would cost 32 bytes an id).
+fn model_of(state: &AppState, bytes: &[u8]) -> Result<String, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct ModelOnly<'a> {
+        #[serde(borrow, default)]
+        model: Option<&'a serde_json::value::RawValue>,
+    }
+    let request = match serde_json::from_slice::<ModelOnly<'_>>(bytes) {
+        Ok(request) => request,
+        // Not an object: said as for any route.
+        Err(err) if err.is_data() => {
+            return Err(ApiError::bad_request(
+                "request body must be a JSON object",
+                None,
+            ))
+        }
+        Err(err) => {
+            return Err(ApiError::bad_request(
+                format!("invalid JSON body: {err}"),
+                None,
+            ))
+        }
+    };
+    let model = match request.model.map(|raw| raw.get()) {
+        None | Some("null") => None,
+        Some(text) => Some(
+            serde_json::from_str::<String>(text)
+                .ok()
+                .filter(|m| !m.is_empty())
+                .ok_or_else(|| {
+                    ApiError::bad_request("`model` must be a non-empty string", Some("model"))
+                })?,
+        ),
+    };
+    match model {
+        Some(model) => {
+            if state.registry.knows_model(&model) {
+                Ok(model)
             } else {
-                Err(ApiError::ModelNotFound(model.clone()))
+                Err(ApiError::ModelNotFound(model))
             }
         }
-        None | Some(Value::Null) => match state.registry.models().as_slice() {
+        None => match state.registry.models().as_slice() {
             [only] => Ok(only.clone()),
             _ => Err(ApiError::bad_request(
                 "`model` is required when the router serves more than one model",
                 Some("model"),
             )),
         },
-        Some(_) => Err(ApiError::bad_request(
-            "`model` must be a non-empty string",
-            Some("model"),
-        )),
     }
 }
 

@@ -23,6 +23,15 @@ pub async fn ready(
     // sending it new requests while its streams finish.
     let shutting_down = shutdown.draining.is_cancelled();
     let ready = state.registry.is_ready() && !shutting_down;
+    // Where responses are stored: `memory` (this replica), `shared`
+    // (--response-store), or `unavailable` (the store cannot be reached:
+    // serving goes on, what is stored stays on this replica). Not a reason
+    // to be unready: the replica still serves.
+    let response_store = match &state.shared_responses {
+        None => "memory",
+        Some(store) if store.check().await => "shared",
+        Some(_) => "unavailable",
+    };
     let status = if ready {
         StatusCode::OK
     } else {
@@ -37,6 +46,7 @@ pub async fn ready(
             // With etcd: whether this replica's view is current (`stale` while
             // etcd is unreachable; routing goes on from the last view).
             "membership": state.registry.status(),
+            "response_store": response_store,
         })),
     )
 }
@@ -44,6 +54,7 @@ pub async fn ready(
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     let models = state.registry.models();
     crate::metrics::declare_zero_series(models.iter().map(String::as_str));
+    metrics::gauge!(crate::metrics::BODY_BYTES_IN_FLIGHT).set(state.body_budget.held() as f64);
     let mut text = state
         .metrics
         .as_ref()

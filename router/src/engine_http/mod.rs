@@ -22,6 +22,7 @@ mod head;
 pub use framing::FramingError;
 pub use head::HeadError;
 
+use crate::upstreams::UpstreamPolicy;
 use bytes::{Bytes, BytesMut};
 use connex_transfer::net::{IdlePool, KeyedLimit};
 use framing::Framing;
@@ -93,6 +94,10 @@ struct Inner {
     pool: IdlePool,
     connecting: Arc<KeyedLimit>,
     connect_timeout: Duration,
+    /// Checked at every connect: the addresses an engine's name resolves to
+    /// then, not only when it registered (DNS rebinding). `None`: no policy
+    /// (tests, tools).
+    policy: Option<Arc<UpstreamPolicy>>,
     /// Cancelled when the client is dropped: the connects still running on
     /// their own tasks (see [`EngineClient::connect`]) end with it.
     stop: CancellationToken,
@@ -134,11 +139,37 @@ impl EngineClient {
         max_idle_per_host: usize,
         idle_timeout: Duration,
     ) -> Self {
+        Self::with_policy(connect_timeout, max_idle_per_host, idle_timeout, None)
+    }
+
+    /// As [`EngineClient::new`], connecting only to addresses `policy`
+    /// allows, resolved and checked at each connect.
+    pub fn guarded(
+        connect_timeout: Duration,
+        max_idle_per_host: usize,
+        idle_timeout: Duration,
+        policy: Arc<UpstreamPolicy>,
+    ) -> Self {
+        Self::with_policy(
+            connect_timeout,
+            max_idle_per_host,
+            idle_timeout,
+            Some(policy),
+        )
+    }
+
+    fn with_policy(
+        connect_timeout: Duration,
+        max_idle_per_host: usize,
+        idle_timeout: Duration,
+        policy: Option<Arc<UpstreamPolicy>>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 pool: IdlePool::new(max_idle_per_host, idle_timeout),
                 connecting: KeyedLimit::new(MAX_CONNECTING_PER_ENGINE),
                 connect_timeout,
+                policy,
                 stop: CancellationToken::new(),
             }),
         }
@@ -256,6 +287,7 @@ impl EngineClient {
         let inner: Weak<Inner> = Arc::downgrade(&self.inner);
         let (connecting, timeout) = (self.inner.connecting.clone(), self.inner.connect_timeout);
         let (stop, addr) = (self.inner.stop.clone(), authority.to_string());
+        let policy = self.inner.policy.clone();
         tokio::spawn(async move {
             let connect = async move {
                 let mut tx = tx;
@@ -264,7 +296,7 @@ impl EngineClient {
                     // Nobody waits for it any more: no connect.
                     () = tx.closed() => return,
                 };
-                let result = open(&addr, timeout).await;
+                let result = open(&addr, timeout, policy.as_deref()).await;
                 drop(slot);
                 if let Err(Ok(stream)) = tx.send(result) {
                     if let Some(inner) = inner.upgrade() {
@@ -289,9 +321,13 @@ impl EngineClient {
     /// A new connection to `authority`, after a connect slot.
     async fn fresh(&self, authority: &str) -> Result<TcpStream, ClientError> {
         let _slot = self.inner.connecting.enter(authority).await;
-        open(authority, self.inner.connect_timeout)
-            .await
-            .map_err(|err| self.connect_error(err))
+        open(
+            authority,
+            self.inner.connect_timeout,
+            self.inner.policy.as_deref(),
+        )
+        .await
+        .map_err(|err| self.connect_error(err))
     }
 
     fn connect_error(&self, err: std::io::Error) -> ClientError {
@@ -311,10 +347,15 @@ impl EngineClient {
 
 /// A new TCP connection to `authority` within the connect timeout, name
 /// resolution included, each address within its share of what is left (a
-/// black-holed first one must not take all of it).
-async fn open(authority: &str, connect_timeout: Duration) -> std::io::Result<TcpStream> {
+/// black-holed first one must not take all of it). With a `policy`, only to
+/// addresses it allows, as resolved now.
+async fn open(
+    authority: &str,
+    connect_timeout: Duration,
+    policy: Option<&UpstreamPolicy>,
+) -> std::io::Result<TcpStream> {
     let deadline = tokio::time::Instant::now() + connect_timeout;
-    let addrs = tokio::time::timeout_at(deadline, resolve(authority))
+    let addrs = tokio::time::timeout_at(deadline, resolve(authority, policy))
         .await
         .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))?;
     let mut last = std::io::Error::other("no address");
@@ -410,12 +451,20 @@ impl Exchange {
     }
 }
 
-/// The addresses of `authority` (`host:port`, `[v6]:port`).
-async fn resolve(authority: &str) -> std::io::Result<Vec<SocketAddr>> {
+/// The addresses of `authority` (`host:port`, `[v6]:port`); with a
+/// `policy`, all of them allowed by it (a refusal is a `PermissionDenied`
+/// error that says why).
+async fn resolve(
+    authority: &str,
+    policy: Option<&UpstreamPolicy>,
+) -> std::io::Result<Vec<SocketAddr>> {
     let (host, port) = authority
         .rsplit_once(':')
         .and_then(|(host, port)| Some((host, port.parse::<u16>().ok()?)))
         .unwrap_or((authority, 80));
+    if let Some(policy) = policy {
+        return Ok(policy.resolve(host, port).await?);
+    }
     let bare = host.trim_start_matches('[').trim_end_matches(']');
     if let Ok(ip) = bare.parse::<IpAddr>() {
         return Ok(vec![SocketAddr::new(ip, port)]);

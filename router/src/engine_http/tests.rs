@@ -460,3 +460,31 @@ async fn a_connect_still_running_on_its_task_ends_with_the_client() {
     }
     drop(queued);
 }
+
+/// N6: requests to an engine whose name was re-pointed after it registered
+/// (from inside `--allowed-upstreams` to outside it) are refused at connect
+/// and never reach the new address. Before, each connect resolved the name
+/// again with no check.
+#[tokio::test]
+async fn requests_do_not_follow_a_rebound_name() {
+    let places = crate::upstreams::testing::places().await;
+    let (policy, names) = crate::upstreams::testing::rebindable();
+    names.point("engine.test", "127.0.0.2");
+    let url = format!("http://engine.test:{}", places.port);
+    let engines = EngineClient::guarded(Duration::from_secs(1), 8, Duration::from_secs(4), policy);
+    let body = Bytes::from_static(b"{}");
+    let answer = engines.post(&url, "/v1/completions", &[], &body).await;
+    assert_eq!(answer.map(|r| r.status).ok(), Some(200));
+    assert_eq!(places.engine.lock().expect("engine").len(), 1);
+
+    names.point("engine.test", "127.0.0.1");
+    let refused = engines.post(&url, "/v1/completions", &[], &body).await;
+    let Err(ClientError::Connect { message, .. }) = refused else {
+        panic!("connected to a rebound name");
+    };
+    assert!(message.contains("outside --allowed-upstreams"), "{message}");
+    assert!(
+        places.forbidden.lock().expect("forbidden").is_empty(),
+        "the rebound address was reached"
+    );
+}

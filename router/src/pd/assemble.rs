@@ -66,6 +66,9 @@ pub struct Assembly {
     route: Route,
     top: Map<String, Value>,
     choices: Vec<Option<Map<String, Value>>>,
+    /// A chat whose `tool_choice` forces a call: vLLM's answer then has empty
+    /// content beside the call, where a parser's (auto) call has none.
+    forced_tool_call: bool,
 }
 
 impl Assembly {
@@ -74,7 +77,14 @@ impl Assembly {
             route,
             top: Map::new(),
             choices: vec![None; choices.max(1)],
+            forced_tool_call: false,
         }
+    }
+
+    /// The assembly of a chat with a required or named `tool_choice`.
+    pub fn forcing_tool_call(mut self, forced: bool) -> Self {
+        self.forced_tool_call = forced;
+        self
     }
 
     /// Adds one stream chunk (of the client's route: a resumed chat request's
@@ -141,7 +151,7 @@ impl Assembly {
                     Some(Value::Object(message)) => message,
                     _ => Map::new(),
                 };
-                finish_message(&mut message);
+                finish_message(&mut message, self.forced_tool_call);
                 choice.insert("message".into(), Value::Object(message));
             }
         }
@@ -225,7 +235,7 @@ fn join(current: &mut Vec<Value>, delta: &[Value]) {
 /// A chat choice's accumulated deltas as the message of a non-stream answer:
 /// tool calls without their stream `index`, and no `tool_calls` when there are
 /// none (as vLLM serializes a message).
-fn finish_message(message: &mut Map<String, Value>) {
+fn finish_message(message: &mut Map<String, Value>, forced_tool_call: bool) {
     if message.get("role").is_none_or(Value::is_null) {
         message.insert("role".into(), Value::from("assistant"));
     }
@@ -236,6 +246,12 @@ fn finish_message(message: &mut Map<String, Value>) {
         Some(Value::Array(calls)) if !calls.is_empty() => {
             for call in calls.iter_mut().filter_map(Value::as_object_mut) {
                 call.remove("index");
+            }
+            // The stream's empty content deltas around tool calls are no
+            // content: vLLM's own answer has none (null) beside the calls a
+            // parser found, and "" beside a call the tool choice forced.
+            if !forced_tool_call && message.get("content").and_then(Value::as_str) == Some("") {
+                message.insert("content".into(), Value::Null);
             }
         }
         _ => {
@@ -258,6 +274,23 @@ mod tests {
     }
 
     #[test]
+    fn a_forced_tool_call_keeps_its_empty_content() {
+        let chunks = [
+            json!({"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}),
+            json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_a","type":"function","function":{"name":"f","arguments":"{}"}}]},"finish_reason":"stop"}]}),
+        ];
+        let mut forced = Assembly::new(Route::Chat, 1).forcing_tool_call(true);
+        let mut parsed = Assembly::new(Route::Chat, 1);
+        for chunk in &chunks {
+            forced.add(chunk);
+            parsed.add(chunk);
+        }
+        // vLLM: "" beside a call its tool_choice forced, null beside a parsed one.
+        assert_eq!(forced.choice(0)["message"]["content"], "");
+        assert_eq!(parsed.choice(0)["message"]["content"], Value::Null);
+    }
+
+    #[test]
     fn tool_calls_merge_by_index_and_text_concatenates() {
         let chunks = [
             json!({"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}),
@@ -271,7 +304,8 @@ mod tests {
         assert_eq!(choice["finish_reason"], "tool_calls");
         let message = &choice["message"];
         assert_eq!(message["role"], "assistant");
-        assert_eq!(message["content"], "");
+        // Only the role chunk's empty content beside the calls: none, as vLLM says.
+        assert_eq!(message["content"], Value::Null);
         assert_eq!(message["reasoning_content"], "let me think");
         assert_eq!(message["reasoning"], Value::Null);
         assert_eq!(

@@ -8,6 +8,7 @@
 //! the stream waits. Dropping an attempt closes the connection, which aborts the
 //! engine's request.
 
+use super::derender::{self, Derender};
 use super::output::Source;
 use super::upstream::ByteStream;
 use crate::policy::outlier::DeliveryClock;
@@ -133,13 +134,43 @@ pub const DRAIN_WAIT: Duration = Duration::from_millis(20);
 /// Most bytes read after `[DONE]` while draining (the terminator is 5 bytes).
 pub const DRAIN_BYTES: usize = 4 * 1024;
 
+/// One response stream of an attempt. An attempt has one, except a resumed
+/// request of several choices: one lane per unfinished choice, each its own
+/// one-sequence request on the decoder.
+pub struct Lane {
+    upstream: ByteStream,
+    parser: SseParser,
+    pending: VecDeque<Bytes>,
+    /// The choice whose chunks this lane brings, when their `index` must be
+    /// set to it (the lane's request has one choice, index 0).
+    choice: Option<usize>,
+    /// A chat continuation's derenderer: the lane's token chunks become chat
+    /// chunks through it (`derender.rs`).
+    derender: Option<Derender>,
+    /// The lane sent `[DONE]`.
+    done: bool,
+}
+
+impl Lane {
+    pub fn new(upstream: ByteStream, choice: Option<usize>, derender: Option<Derender>) -> Self {
+        Self {
+            upstream,
+            parser: SseParser::default(),
+            pending: VecDeque::new(),
+            choice,
+            derender,
+            done: false,
+        }
+    }
+}
+
 /// A decoder's open stream.
 pub struct Attempt {
     pub source: Source,
     guard: LoadGuard,
-    upstream: ByteStream,
-    parser: SseParser,
-    pending: VecDeque<Bytes>,
+    lanes: Vec<Lane>,
+    /// The lane whose chunk is being derendered.
+    derendering: Option<usize>,
     lifecycle: watch::Receiver<Lifecycle>,
     limits: StreamLimits,
     /// When the stream fails for want of an event: measured from the last
@@ -163,13 +194,29 @@ impl Attempt {
         limits: StreamLimits,
         clock: DeliveryClock,
     ) -> Self {
+        Self::of_lanes(
+            vec![Lane::new(upstream, None, None)],
+            guard,
+            source,
+            limits,
+            clock,
+        )
+    }
+
+    /// An attempt of several lanes (see [`Lane`]).
+    pub fn of_lanes(
+        lanes: Vec<Lane>,
+        guard: LoadGuard,
+        source: Source,
+        limits: StreamLimits,
+        clock: DeliveryClock,
+    ) -> Self {
         let lifecycle = guard.instance().subscribe();
         Self {
             source,
-            upstream,
+            lanes,
+            derendering: None,
             guard,
-            parser: SseParser::default(),
-            pending: VecDeque::new(),
             lifecycle,
             deadline: Instant::now() + limits.first_token,
             limits,
@@ -194,8 +241,8 @@ impl Attempt {
         self.guard.instance()
     }
 
-    fn failure(&self, cause: Cause, message: String) -> Event {
-        Event::Failed(Failure {
+    fn failed(&self, cause: Cause, message: String) -> Raw {
+        Raw::Failed(Failure {
             decoder: self.decoder().id.clone(),
             cause,
             message,
@@ -225,9 +272,17 @@ impl Attempt {
     /// decoder costs no TCP connect. Bytes past the bound, a slow end or a
     /// failure just close the connection, as dropping the attempt would.
     pub fn into_drain(self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        // The other fields (the load guard, the span) drop here.
-        let Self { mut upstream, .. } = self;
+        // The other fields (the load guard, the span) drop here. A response
+        // of several lanes is closed, not drained (a resume's rarity).
+        let Self { mut lanes, .. } = self;
+        let mut upstream = match (lanes.len(), lanes.pop()) {
+            (1, Some(lane)) => Some(lane.upstream),
+            _ => None,
+        };
         async move {
+            let Some(upstream) = upstream.as_mut() else {
+                return;
+            };
             let mut left = DRAIN_BYTES;
             let read_to_end = async {
                 while let Some(Ok(bytes)) = upstream.next().await {
@@ -241,19 +296,69 @@ impl Attempt {
         }
     }
 
-    /// The next event of the stream, or why there is none.
+    /// The next event of the stream, or why there is none. Cancel-safe: a
+    /// chunk being derendered when the caller stops polling comes with the
+    /// next call.
     pub async fn next(&mut self) -> Event {
         loop {
-            if let Some(data) = self.pending.pop_front() {
+            if let Some(at) = self.derendering {
+                let finished = match self.lanes.get_mut(at).and_then(|l| l.derender.as_mut()) {
+                    Some(derender) => derender.finish().await,
+                    None => None,
+                };
+                self.derendering = None;
+                match finished {
+                    Some(Ok(chunk)) => return Event::Data(self.of_lane(at, chunk)),
+                    Some(Err(failure)) => return Event::Failed(failure),
+                    None => continue,
+                }
+            }
+            let (at, data) = match self.next_raw().await {
+                Raw::Data(at, data) => (at, data),
+                Raw::Done => return Event::Done,
+                Raw::Failed(failure) => return Event::Failed(failure),
+            };
+            match self.lanes.get_mut(at).and_then(|l| l.derender.as_mut()) {
+                Some(derender) if derender::needs_derender(&data) => {
+                    derender.start_chunk(&data);
+                    self.derendering = Some(at);
+                }
+                Some(_) => return Event::Data(self.of_lane(at, derender::passed_through(data))),
+                None => return Event::Data(self.of_lane(at, data)),
+            }
+        }
+    }
+
+    /// A chunk of lane `at` with its choice's index, when the lane has one.
+    fn of_lane(&self, at: usize, data: Bytes) -> Bytes {
+        match self.lanes.get(at).and_then(|l| l.choice) {
+            Some(choice) => with_choice_index(&data, choice),
+            None => data,
+        }
+    }
+
+    /// The next event of the decoder's own streams: a lane's data, or the
+    /// end (every lane sent `[DONE]`), or why there is none.
+    async fn next_raw(&mut self) -> Raw {
+        loop {
+            let ready = self
+                .lanes
+                .iter_mut()
+                .enumerate()
+                .find_map(|(at, lane)| lane.pending.pop_front().map(|data| (at, data)));
+            if let Some((at, data)) = ready {
                 if self.delivering {
                     self.deadline = Instant::now() + self.limits.stall;
                 }
-                return if data == sse::DONE {
-                    self.done = true;
-                    Event::Done
-                } else {
-                    Event::Data(data)
-                };
+                if data == sse::DONE {
+                    self.lanes[at].done = true;
+                    if self.lanes.iter().all(|l| l.done) {
+                        self.done = true;
+                        return Raw::Done;
+                    }
+                    continue;
+                }
+                return Raw::Data(at, data);
             }
             let read = tokio::select! {
                 biased;
@@ -263,10 +368,11 @@ impl Attempt {
                         _ => Cause::Dead,
                     })
                 }
-                read = tokio::time::timeout_at(self.deadline, self.upstream.next()) => Ok(read),
+                read = tokio::time::timeout_at(self.deadline, read_any(&mut self.lanes)) => Ok(read),
             };
-            let read = match read {
-                Ok(read) => read,
+            let (at, read) = match read {
+                Ok(Ok((at, read))) => (at, Ok(read)),
+                Ok(Err(elapsed)) => (0, Err(elapsed)),
                 Err(cause) => {
                     let what = if cause == Cause::Migrate {
                         "being migrated away from"
@@ -274,7 +380,7 @@ impl Attempt {
                         "dead"
                     };
                     let message = format!("decoder {} is {what}", self.decoder().id);
-                    return self.failure(cause, message);
+                    return self.failed(cause, message);
                 }
             };
             match read {
@@ -284,7 +390,7 @@ impl Attempt {
                         self.decoder().id,
                         self.limits.stall.as_millis()
                     );
-                    return self.failure(Cause::Stall, message);
+                    return self.failed(Cause::Stall, message);
                 }
                 Err(_) => {
                     let message = format!(
@@ -292,28 +398,73 @@ impl Attempt {
                         self.decoder().id,
                         self.limits.first_token.as_millis()
                     );
-                    return self.failure(Cause::FirstToken, message);
+                    return self.failed(Cause::FirstToken, message);
                 }
                 Ok(Some(Ok(bytes))) => {
-                    self.pending.extend(self.parser.push(bytes));
-                    if self.parser.pending() > self.limits.max_event {
+                    let lane = &mut self.lanes[at];
+                    lane.pending.extend(lane.parser.push(bytes));
+                    if lane.parser.pending() > self.limits.max_event {
                         let message = format!(
                             "decoder {} sent an event larger than {} bytes",
                             self.decoder().id,
                             self.limits.max_event
                         );
-                        return self.failure(Cause::Protocol, message);
+                        return self.failed(Cause::Protocol, message);
                     }
                 }
                 Ok(Some(Err(err))) => {
                     let message = format!("decoder {} stream failed: {err}", self.decoder().id);
-                    return self.failure(Cause::Reset, message);
+                    return self.failed(Cause::Reset, message);
                 }
                 Ok(None) => {
                     let message = format!("decoder {} closed the stream early", self.decoder().id);
-                    return self.failure(Cause::Truncated, message);
+                    return self.failed(Cause::Truncated, message);
                 }
             }
         }
     }
+}
+
+/// What the decoder's own streams give (before derendering).
+enum Raw {
+    /// An event's data, of lane `.0`.
+    Data(usize, Bytes),
+    /// Every lane sent `[DONE]`.
+    Done,
+    Failed(Failure),
+}
+
+/// The next bytes of any lane still streaming: which, and what. One lane
+/// (every request but a resume of several choices) is read directly.
+async fn read_any(lanes: &mut [Lane]) -> (usize, Option<Result<Bytes, String>>) {
+    if let [lane] = lanes {
+        return (0, lane.upstream.next().await);
+    }
+    let reads: Vec<_> = lanes
+        .iter_mut()
+        .enumerate()
+        .filter(|(_, lane)| !lane.done)
+        .map(|(at, lane)| Box::pin(async move { (at, lane.upstream.next().await) }))
+        .collect();
+    if reads.is_empty() {
+        return std::future::pending().await;
+    }
+    futures_util::future::select_all(reads).await.0
+}
+
+/// `data` (a chunk of a one-choice request) with its choices' `index` set
+/// to `choice`.
+fn with_choice_index(data: &[u8], choice: usize) -> Bytes {
+    let Ok(mut chunk) = serde_json::from_slice::<serde_json::Value>(data) else {
+        return Bytes::copy_from_slice(data);
+    };
+    if let Some(choices) = chunk
+        .get_mut("choices")
+        .and_then(serde_json::Value::as_array_mut)
+    {
+        for entry in choices {
+            entry["index"] = serde_json::json!(choice);
+        }
+    }
+    serde_json::to_vec(&chunk).map_or_else(|_| Bytes::copy_from_slice(data), Bytes::from)
 }

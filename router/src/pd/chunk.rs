@@ -68,8 +68,20 @@ pub struct Delta<'a> {
     reasoning: Option<IgnoredAny>,
     #[serde(default)]
     reasoning_content: Option<IgnoredAny>,
+    /// What the journal keeps of each tool-call delta: its index and, on the
+    /// delta that opens the call, its id (a continuation keeps the ids the
+    /// client already has).
+    #[serde(default, borrow)]
+    pub tool_calls: Option<Vec<ToolCallDelta<'a>>>,
+}
+
+/// One tool-call delta of a chat chunk, as far as the journal reads it.
+#[derive(Debug, Deserialize)]
+pub struct ToolCallDelta<'a> {
     #[serde(default)]
-    tool_calls: Option<Vec<IgnoredAny>>,
+    pub index: usize,
+    #[serde(default, borrow)]
+    pub id: Option<Cow<'a, str>>,
 }
 
 impl Choice<'_> {
@@ -86,6 +98,14 @@ impl Choice<'_> {
                 || d.reasoning_content.is_some()
                 || d.tool_calls.as_ref().is_some_and(|c| !c.is_empty())
         })
+    }
+
+    /// The tool-call deltas of this chunk (none on the completions route).
+    pub fn tool_calls(&self) -> &[ToolCallDelta<'_>] {
+        self.delta
+            .as_ref()
+            .and_then(|d| d.tool_calls.as_deref())
+            .unwrap_or_default()
     }
 
     /// The text this chunk adds, for either route.

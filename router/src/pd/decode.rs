@@ -3,12 +3,14 @@
 //! continues it), always streaming toward the engine so that the router journals
 //! every token as it comes.
 
-use super::attempt::{Attempt, Cause, Failure};
+use super::attempt::{Attempt, Cause, Failure, Lane};
+use super::client_body::ClientBody;
+use super::derender::Derender;
 use super::flow::Flow;
 use super::output::Source;
 use super::patch::Patch;
 use super::stops::StopStrings;
-use super::upstream::{Call, CallError, Opened};
+use super::upstream::{ByteStream, Call, CallError, Opened};
 use crate::error::ApiError;
 use crate::registry::{Instance, LoadGuard, Phase};
 use bytes::Bytes;
@@ -19,7 +21,7 @@ use tracing::Instrument;
 /// The body sent to a decode instance for the client's own route. The engine's
 /// usage is asked for: the router counts tokens itself, but keeps the usage
 /// details only the engine knows (cached prompt tokens).
-pub fn decode_body(body: &Value, kv_transfer_params: &Value) -> Bytes {
+pub fn decode_body(body: &ClientBody, kv_transfer_params: &Value) -> Bytes {
     let mut remove: Vec<&str> = Vec::new();
     // Stop strings are the router's (`stops.rs`).
     if StopStrings::of(body).is_some() {
@@ -30,7 +32,13 @@ pub fn decode_body(body: &Value, kv_transfer_params: &Value) -> Bytes {
     if body.get("stream") != Some(&Value::Bool(true)) {
         remove.push("prompt_logprobs");
     }
-    Patch::new(body, &remove)
+    let mut patch = Patch::new(body, &remove);
+    if body.get("include_reasoning") == Some(&Value::Bool(false)) {
+        // vLLM streams no token ids to a client that hides the reasoning:
+        // the router asks for it and hides it itself (`output.rs`).
+        patch = patch.value("include_reasoning", Value::Bool(true));
+    }
+    patch
         .value("stream", Value::Bool(true))
         .value("return_token_ids", Value::Bool(true))
         .value("stream_options", json!({"include_usage": true}))
@@ -86,13 +94,32 @@ pub fn choose(
     select(failed).or_else(|| select(&[]))
 }
 
-/// Sends `payload` to `decoder` and returns its open stream.
+/// What one lane of an attempt sends (see [`Lane`]).
+pub struct LanePlan {
+    /// The choice the lane continues (a resumed request of several choices).
+    pub choice: Option<usize>,
+    pub payload: Bytes,
+    pub derender: Option<Derender>,
+}
+
+impl LanePlan {
+    /// The one lane of an attempt.
+    pub fn only(payload: Bytes) -> Self {
+        Self {
+            choice: None,
+            payload,
+            derender: None,
+        }
+    }
+}
+
+/// Sends each lane's payload to `decoder` and returns the open streams.
 pub async fn open(
     state: &Flow,
     decoder: Arc<Instance>,
     path: &'static str,
     request_id: &str,
-    payload: Bytes,
+    plans: Vec<LanePlan>,
     source: Source,
 ) -> Result<Attempt, OpenError> {
     let guard = LoadGuard::new(decoder.clone());
@@ -100,23 +127,38 @@ pub async fn open(
     // One span per attempt, from the call to the end of its stream; the
     // decoder continues the trace from it.
     let span =
-        tracing::info_span!("decode", decoder = %decoder.id, resumed = source == Source::Resumed);
-    let trace = crate::traces::headers(&span);
+        tracing::info_span!("decode", decoder = %decoder.id, resumed = source != Source::Native);
+    let mut lanes = Vec::with_capacity(plans.len());
+    for plan in plans {
+        let call = Call {
+            url: &decoder.url,
+            path,
+            request_id,
+            trace: crate::traces::headers(&span),
+            body: plan.payload,
+        };
+        let opened = state.upstream.decode(call).instrument(span.clone()).await;
+        lanes.push(Lane::new(
+            opened_stream(state, &decoder, opened)?,
+            plan.choice,
+            plan.derender,
+        ));
+    }
+    state.outliers.clear(&decoder.id);
+    let clock = state.outliers.clock(&decoder.id);
+    Ok(Attempt::of_lanes(lanes, guard, source, state.limits.stream, clock).in_span(span))
+}
+
+/// The stream a decode call opened, or why it opened none.
+fn opened_stream(
+    state: &Flow,
+    decoder: &Instance,
+    opened: Result<Opened, CallError>,
+) -> Result<ByteStream, OpenError> {
     let failed =
         |cause, message: String| OpenError::Failed(Failure::new(&decoder.id, cause, message));
-    let call = Call {
-        url: &decoder.url,
-        path,
-        request_id,
-        trace,
-        body: payload,
-    };
-    match state.upstream.decode(call).instrument(span.clone()).await {
-        Ok(Opened::Stream(stream)) => {
-            state.outliers.clear(&decoder.id);
-            let clock = state.outliers.clock(&decoder.id);
-            Ok(Attempt::new(stream, guard, source, state.limits.stream, clock).in_span(span))
-        }
+    match opened {
+        Ok(Opened::Stream(stream)) => Ok(stream),
         // A redirect is not followed (it could send the request anywhere): like
         // a 5xx, the decoder failed and another may serve the request.
         Ok(Opened::Status(reply)) if reply.status >= 500 || reply.status < 400 => {
@@ -134,12 +176,22 @@ pub async fn open(
                 &reply.body,
             )))
         }
-        Err(CallError::Connect { refused, message }) => {
-            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "connect");
-            // The decoder never saw the request: new requests avoid it for a
-            // while. A connect timeout says it is busy (its accept backlog is
-            // full), not gone: its streams in flight are left alone. A refused
-            // connection is evidence that nothing listens there any more.
+        Err(error) => Err(OpenError::Failed(call_failure(state, decoder, error))),
+    }
+}
+
+/// The decoder failure a call to it that got no answer is, with what it
+/// says of the decoder: a refused connection is evidence that nothing
+/// listens there any more (it is marked dead), a connect timeout that it is
+/// busy (new requests avoid it for a while; its streams in flight are left
+/// alone).
+pub fn call_failure(state: &Flow, decoder: &Instance, error: CallError) -> Failure {
+    let failed = |cause, message: String| Failure::new(&decoder.id, cause, message);
+    let count = |kind| crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", kind);
+    match error {
+        CallError::Connect { refused, message } => {
+            count("connect");
+            // The decoder never saw the request.
             state.outliers.suspect(&decoder.id);
             if refused {
                 state.registry.mark_dead(&decoder.id);
@@ -149,24 +201,18 @@ pub async fn open(
             } else {
                 "unreachable"
             };
-            Err(failed(
+            failed(
                 Cause::Connect,
                 format!("decoder {} {what}: {message}", decoder.id),
-            ))
+            )
         }
-        Err(err @ CallError::NoHeaders(_)) => {
-            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "no_headers");
-            Err(failed(
-                Cause::NoHeaders,
-                format!("decoder {}: {err}", decoder.id),
-            ))
+        err @ CallError::NoHeaders(_) => {
+            count("no_headers");
+            failed(Cause::NoHeaders, format!("decoder {}: {err}", decoder.id))
         }
-        Err(err) => {
-            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "transport");
-            Err(failed(
-                Cause::Reset,
-                format!("decoder {}: {err}", decoder.id),
-            ))
+        err => {
+            count("transport");
+            failed(Cause::Reset, format!("decoder {}: {err}", decoder.id))
         }
     }
 }

@@ -12,8 +12,11 @@
 
 pub mod assemble;
 pub mod attempt;
+pub mod checkpoint;
 pub mod chunk;
+pub mod client_body;
 pub mod decode;
+pub mod derender;
 pub mod flow;
 pub mod merged;
 pub mod output;
@@ -31,12 +34,13 @@ pub mod tokens;
 pub mod upstream;
 
 use crate::error::ApiError;
+use crate::journal::{EntryReader, JournalHandle};
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
+use client_body::ClientBody;
 use flow::Flow;
 use record::RequestRecord;
 use request::RequestInfo;
-use serde_json::Value;
 use session::Session;
 use std::sync::Arc;
 
@@ -45,17 +49,82 @@ use std::sync::Arc;
 pub async fn run(
     state: Arc<Flow>,
     info: RequestInfo,
-    body: Value,
-    mut record: RequestRecord,
+    body: ClientBody,
+    record: RequestRecord,
 ) -> Result<Response, ApiError> {
-    let session = match start(state, info, body, &mut record).await {
+    run_observed(state, info, body, record)
+        .await
+        .map(|(response, _)| response)
+}
+
+/// [`run`], with a reader of the request's journal entry (what a background
+/// response checkpoints, `checkpoint.rs`).
+pub async fn run_observed(
+    state: Arc<Flow>,
+    info: RequestInfo,
+    body: ClientBody,
+    mut record: RequestRecord,
+) -> Result<(Response, EntryReader), ApiError> {
+    let started = start(state, info, body, &mut record).await;
+    respond(started, record).await
+}
+
+/// Continues a request that another router replica started, from its
+/// `checkpoint`: as a decoder-failure resume does (the next attempt pulls the
+/// prompt's KV from the hold and generates after the checkpoint's tokens).
+pub async fn continue_from(
+    state: Arc<Flow>,
+    info: RequestInfo,
+    body: ClientBody,
+    checkpoint: checkpoint::DecodeCheckpoint,
+    mut record: RequestRecord,
+) -> Result<(Response, EntryReader), ApiError> {
+    let journal = open_journal(&state, &info, &mut record);
+    journal.update(|e| e.choices = vec![checkpoint.choice.into()]);
+    // A new epoch: the hold is this replica's now (the dead one's decoder
+    // can no longer pull or release it).
+    let prefilled = prefill::Prefilled {
+        instance: checkpoint.prefill,
+        kv_transfer_params: resume::with_epoch(
+            &checkpoint.kv_transfer_params,
+            checkpoint.epoch + 1,
+        ),
+        prompt_token_ids: checkpoint.prompt_token_ids,
+        prompt_logprobs: None,
+    };
+    let started = Session::start(state, info, body, prefilled, journal).await;
+    respond(started, record).await
+}
+
+/// The request's journal entry, given to its record.
+fn open_journal(state: &Flow, info: &RequestInfo, record: &mut RequestRecord) -> JournalHandle {
+    record.set_model(&info.model);
+    let journal = state.journal.open_at(
+        &info.request_id,
+        info.route.path(),
+        &info.model,
+        info.stream,
+        usize::try_from(info.n).unwrap_or(1),
+        record.started(),
+    );
+    record.set_entry(journal.reader());
+    journal
+}
+
+/// The client's response of a started session (a session that could not
+/// start: the error, recorded).
+async fn respond(
+    started: Result<Session, ApiError>,
+    mut record: RequestRecord,
+) -> Result<(Response, EntryReader), ApiError> {
+    let mut session = match started {
         Ok(session) => session,
         Err(error) => {
             record.finish(error.status().as_u16());
             return Err(error);
         }
     };
-    let mut session = session;
+    let reader = session.journal_reader();
     session.set_record(record);
     let served = Served {
         request_id: session.info().request_id.clone(),
@@ -70,29 +139,20 @@ pub async fn run(
         (axum::Json(response).into_response(), Some(resumes))
     };
     served.add_headers(response.headers_mut(), resumes);
-    Ok(response)
+    Ok((response, reader))
 }
 
 /// Prefill, then the first decoder.
 async fn start(
     state: Arc<Flow>,
     info: RequestInfo,
-    body: Value,
+    body: ClientBody,
     record: &mut RequestRecord,
 ) -> Result<Session, ApiError> {
     if !state.registry.knows_model(&info.model) {
         return Err(ApiError::ModelNotFound(info.model.clone()));
     }
-    record.set_model(&info.model);
-    let journal = state.journal.open_at(
-        &info.request_id,
-        info.route.path(),
-        &info.model,
-        info.stream,
-        usize::try_from(info.n).unwrap_or(1),
-        record.started(),
-    );
-    record.set_entry(journal.reader());
+    let journal = open_journal(&state, &info, record);
     let payload = prefill::prefill_body(info.route, &body);
     let prompt = if state.prefill.wants_prompt() {
         let engines = state

@@ -27,6 +27,9 @@ pub enum Source {
     Native,
     /// A resumed request: `/v1/completions` on prompt ids + generated ids.
     Resumed,
+    /// A resumed chat through the engine's tokens API: chat chunks as the
+    /// engine's chat route makes them (`derender.rs`).
+    Derendered,
 }
 
 /// How the client sees a request: the formatting of its chunks and of its one
@@ -47,9 +50,10 @@ pub struct Output {
     /// The engine's last usage object: its details (cached prompt tokens...)
     /// go to the client with the router's counts.
     engine_usage: Option<Value>,
-    /// Characters of text the client had when the current decoder started:
-    /// a resumed decoder's completions `text_offset`s count from there.
-    text_base: usize,
+    /// Characters of text the client had of each choice when the current
+    /// decoder started: a resumed decoder's completions `text_offset`s count
+    /// from there.
+    text_bases: Vec<usize>,
     /// Chat logprobs asked for: alternatives per token.
     chat_top_logprobs: Option<usize>,
     /// Completions `echo`: the prompt text, and which choices have it yet.
@@ -57,6 +61,8 @@ pub struct Output {
     /// The prompt's logprobs as the prefill computed them (a stream cannot
     /// carry them): a non-stream answer's `prompt_logprobs`.
     prompt_logprobs: Option<Value>,
+    /// Chat `include_reasoning: false` (see [`without_reasoning`]).
+    hide_reasoning: bool,
 }
 
 impl Output {
@@ -73,16 +79,19 @@ impl Output {
             return_token_ids: info.return_token_ids,
             model: info.model.clone(),
             role_sent: false,
-            assembly: (!info.stream)
-                .then(|| Assembly::new(info.route, usize::try_from(info.n).unwrap_or(1))),
+            assembly: (!info.stream).then(|| {
+                Assembly::new(info.route, usize::try_from(info.n).unwrap_or(1))
+                    .forcing_tool_call(info.forced_tool_call)
+            }),
             engine_usage: None,
-            text_base: 0,
+            text_bases: Vec::new(),
             chat_top_logprobs: info.chat_top_logprobs,
             echo: info.echo_text.clone().map(|text| {
                 let n = usize::try_from(info.n).unwrap_or(1).max(1);
                 (text, vec![false; n])
             }),
             prompt_logprobs: None,
+            hide_reasoning: info.hide_reasoning,
         }
     }
 
@@ -119,8 +128,8 @@ impl Output {
     }
 
     /// Where the next decoder's text starts, in characters of the choice's text.
-    pub fn set_text_base(&mut self, chars: usize) {
-        self.text_base = chars;
+    pub fn set_text_bases(&mut self, chars: Vec<usize>) {
+        self.text_bases = chars;
     }
 
     pub fn is_stream(&self) -> bool {
@@ -136,6 +145,13 @@ impl Output {
         // Echo requests never resume: their chunks are all the client's route.
         let echoed = self.echoed(raw);
         let raw = echoed.as_deref().unwrap_or(raw);
+        let hidden;
+        let raw = if self.hide_reasoning && self.route == Route::Chat && source != Source::Resumed {
+            hidden = without_reasoning(raw)?;
+            hidden.as_slice()
+        } else {
+            raw
+        };
         if !self.stream {
             // Usage chunks too: they carry the last top-level fields
             // (`system_fingerprint`).
@@ -147,7 +163,7 @@ impl Output {
             return None;
         }
         let event = match (source, self.route) {
-            (Source::Native, _) => {
+            (Source::Native | Source::Derendered, _) => {
                 self.role_sent = true;
                 let strip: &[Field] = if self.return_token_ids {
                     &[]
@@ -189,7 +205,7 @@ impl Output {
                 Some(chunk) => chunk,
                 None => return,
             },
-            (Source::Native, _) => match serde_json::from_slice(raw) {
+            (Source::Native | Source::Derendered, _) => match serde_json::from_slice(raw) {
                 Ok(chunk) => chunk,
                 Err(_) => return,
             },
@@ -207,9 +223,14 @@ impl Output {
         if !parsed.choices.iter().any(|c| c.has_logprobs()) {
             return (!self.stream).then_some(chunk);
         }
-        let base = self.text_base;
         let choices = chunk.get_mut("choices").and_then(Value::as_array_mut);
         for choice in choices.into_iter().flatten() {
+            let index = choice.get("index").and_then(Value::as_u64).unwrap_or(0);
+            let base = usize::try_from(index)
+                .ok()
+                .and_then(|i| self.text_bases.get(i))
+                .copied()
+                .unwrap_or(0);
             let offsets = choice
                 .pointer_mut("/logprobs/text_offset")
                 .and_then(Value::as_array_mut);
@@ -361,6 +382,34 @@ impl Output {
         }
         Value::Object(response)
     }
+}
+
+/// A chat chunk as a client that asked `include_reasoning: false` gets it,
+/// as vLLM hides it: no reasoning, and no token ids or logprobs (they would
+/// show the reasoning's tokens); `None` when nothing is left to send (a chunk
+/// of reasoning alone, which vLLM does not send such a client).
+fn without_reasoning(raw: &[u8]) -> Option<Vec<u8>> {
+    let Ok(mut chunk) = serde_json::from_slice::<Value>(raw) else {
+        return Some(raw.to_vec());
+    };
+    let mut keep = true;
+    if let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut) {
+        keep = choices.is_empty();
+        for choice in choices.iter_mut().filter_map(Value::as_object_mut) {
+            choice.remove("token_ids");
+            if choice.contains_key("logprobs") {
+                choice.insert("logprobs".into(), Value::Null);
+            }
+            keep |= choice.get("finish_reason").is_some_and(|f| !f.is_null());
+            if let Some(Value::Object(delta)) = choice.get_mut("delta") {
+                delta.remove("reasoning");
+                delta.remove("reasoning_content");
+                keep |= !delta.is_empty();
+            }
+        }
+    }
+    chunk.as_object_mut().map(|c| c.remove("prompt_token_ids"));
+    keep.then(|| serde_json::to_vec(&chunk).unwrap_or_else(|_| raw.to_vec()))
 }
 
 /// Completions logprobs (`tokens`, `token_logprobs`, `top_logprobs` maps) as

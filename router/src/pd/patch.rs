@@ -3,8 +3,10 @@
 //! never cloned per phase (a prompt of token ids can be tens of MiB as a JSON
 //! tree); each phase writes its bytes from the one copy the session keeps.
 
+use super::client_body::ClientBody;
 use bytes::Bytes;
 use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 /// A replaced value.
@@ -17,6 +19,8 @@ pub enum Set<'a> {
 /// The client's object with `remove` keys dropped and `set` keys replaced.
 pub struct Patch<'a> {
     base: &'a Map<String, Value>,
+    /// The body's large fields, written as the client sent them.
+    raw: Vec<(&'a str, &'a RawValue)>,
     remove: &'a [&'a str],
     set: Vec<(&'static str, Set<'a>)>,
 }
@@ -24,9 +28,21 @@ pub struct Patch<'a> {
 static EMPTY: std::sync::LazyLock<Map<String, Value>> = std::sync::LazyLock::new(Map::new);
 
 impl<'a> Patch<'a> {
-    pub fn new(body: &'a Value, remove: &'a [&'a str]) -> Self {
+    /// A patch of a client's body.
+    pub fn new(body: &'a ClientBody, remove: &'a [&'a str]) -> Self {
+        Self {
+            base: body.fields(),
+            raw: body.raw_fields().map(|(k, v)| (k.as_str(), v)).collect(),
+            remove,
+            set: Vec::new(),
+        }
+    }
+
+    /// A patch of a JSON object value (an engine's answer).
+    pub fn of_value(body: &'a Value, remove: &'a [&'a str]) -> Self {
         Self {
             base: body.as_object().unwrap_or(&EMPTY),
+            raw: Vec::new(),
             remove,
             set: Vec::new(),
         }
@@ -51,9 +67,15 @@ impl<'a> Patch<'a> {
 impl Serialize for Patch<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let mut map = serializer.serialize_map(None)?;
+        let kept =
+            |key: &str| !self.set.iter().any(|(k, _)| *k == key) && !self.remove.contains(&key);
         for (key, value) in self.base {
-            let replaced = self.set.iter().any(|(k, _)| k == key);
-            if !replaced && !self.remove.contains(&key.as_str()) {
+            if kept(key) {
+                map.serialize_entry(key, value)?;
+            }
+        }
+        for (key, value) in &self.raw {
+            if kept(key) {
                 map.serialize_entry(key, value)?;
             }
         }
@@ -86,7 +108,7 @@ mod tests {
 
     #[test]
     fn keys_are_removed_replaced_and_added_once() {
-        let body = json!({"model": "m", "stream": false, "drop": 1, "prompt": "x"});
+        let body = ClientBody::of(json!({"model": "m", "stream": false, "drop": 1, "prompt": "x"}));
         let bytes = Patch::new(&body, &["drop"])
             .value("stream", json!(true))
             .set("prompt", Set::Ids(&[1, 2], &[3]))
@@ -99,5 +121,21 @@ mod tests {
         );
         let text = String::from_utf8_lossy(&bytes);
         assert_eq!(text.matches("\"stream\"").count(), 1);
+    }
+
+    #[test]
+    fn large_fields_are_written_as_the_client_sent_them() {
+        let messages: Vec<Value> = (0..2_000)
+            .map(|i| json!({"role": "user", "content": format!("m{i}")}))
+            .collect();
+        let sent = json!({"model": "m", "messages": messages, "drop": [1]});
+        let body = ClientBody::parse(sent.to_string().as_bytes()).expect("body");
+        assert!(body.raw("messages").is_some());
+        let out: Value =
+            serde_json::from_slice(&Patch::new(&body, &["drop"]).to_bytes()).expect("JSON");
+        assert_eq!(out, json!({"model": "m", "messages": sent["messages"]}));
+        let removed: Value =
+            serde_json::from_slice(&Patch::new(&body, &["messages"]).to_bytes()).expect("JSON");
+        assert_eq!(removed, json!({"model": "m", "drop": [1]}));
     }
 }

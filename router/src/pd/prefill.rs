@@ -3,6 +3,7 @@
 //! the prompt token ids. A connect error, 5xx or unusable answer is retried once
 //! elsewhere.
 
+use super::client_body::ClientBody;
 use super::flow::Flow;
 use super::patch::{Patch, Set};
 use super::request::{RequestInfo, Route};
@@ -27,7 +28,7 @@ pub struct Prefilled {
 }
 
 /// The body sent to a prefill instance.
-pub fn prefill_body(route: Route, body: &Value) -> Bytes {
+pub fn prefill_body(route: Route, body: &ClientBody) -> Bytes {
     let mut patch = Patch::new(
         body,
         &["stream_options", "min_tokens", "min_completion_tokens"],
@@ -51,7 +52,7 @@ pub fn prefill_body(route: Route, body: &Value) -> Bytes {
 /// first token, else completions on prompt + generated (the continuation).
 pub fn continuation_body(
     route: Route,
-    body: &Value,
+    body: &ClientBody,
     prompt_token_ids: &[u32],
     generated: &[u32],
 ) -> (Route, Bytes) {

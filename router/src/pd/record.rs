@@ -7,6 +7,7 @@
 
 use crate::journal::EntryReader;
 use crate::logs::ACCESS_TARGET;
+use crate::tenants::Caller;
 use std::time::{Duration, Instant};
 use tracing::field::Empty;
 use tracing::Span;
@@ -23,13 +24,26 @@ pub struct RequestRecord {
     status: Option<u16>,
     /// The request's journal entry, once it has one (after validation).
     entry: Option<EntryReader>,
+    /// The request body's share of the router's budget of body bytes in
+    /// flight: the body is kept (a resume sends it again) until the request
+    /// ends, and so is its share.
+    body_share: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// Who called (set when the client routes take keys, or always: the
+    /// `default` tenant): its usage is written here at the end.
+    caller: Option<Caller>,
 }
 
 impl RequestRecord {
     pub fn new(route: &'static str, request_id: String) -> Self {
         // At ERROR level so that no filter that lets a request's warning
         // through leaves its span (and so its request id) out.
-        let span = tracing::error_span!("request", request_id = %request_id, route, model = Empty);
+        let span = tracing::error_span!(
+            "request",
+            request_id = %request_id,
+            route,
+            model = Empty,
+            tenant = Empty
+        );
         Self {
             span,
             request_id,
@@ -38,7 +52,20 @@ impl RequestRecord {
             started: Instant::now(),
             status: None,
             entry: None,
+            body_share: None,
+            caller: None,
         }
+    }
+
+    /// Keeps the body's share of the budget until the request ends.
+    pub fn hold_body_share(&mut self, share: Option<tokio::sync::OwnedSemaphorePermit>) {
+        self.body_share = share;
+    }
+
+    /// The caller (its tenant in the span and the access line).
+    pub fn set_caller(&mut self, caller: Caller) {
+        self.span.record("tenant", &*caller.tenant);
+        self.caller = Some(caller);
     }
 
     /// The span that every step of the request runs in.
@@ -116,9 +143,17 @@ impl Drop for RequestRecord {
                 })
             })
             .unwrap_or_default();
+        if let Some(caller) = &self.caller {
+            if self.entry.is_some() {
+                caller
+                    .usage
+                    .record(served.prompt_tokens as u64, served.completion_tokens as u64);
+            }
+        }
         tracing::info!(
             target: ACCESS_TARGET,
             request_id = %self.request_id,
+            tenant = self.caller.as_ref().map(|c| &*c.tenant),
             model,
             route = self.route,
             status,

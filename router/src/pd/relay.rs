@@ -48,6 +48,14 @@ const HANDOFF_TURNS: usize = 4;
 /// engine withholds at most a few tokens; past this bound the chunks are relayed
 /// as they are (the bound on memory matters more than the split character).
 pub const MAX_WITHHELD: usize = 16;
+/// Bytes of events a decoder may send per token it sent (plus
+/// [`FREE_TOKENS`] of slack: the role chunk, the finish, a tool call's
+/// flushed arguments): a token's chunk with its text, 20 alternatives'
+/// logprobs and a tool call's markup is a few KiB. A decoder that sends text
+/// without tokens past it has failed (cause `protocol`): what it relays is
+/// bounded by the tokens asked for, and so is the journal's text.
+pub const EVENT_BYTES_PER_TOKEN: usize = 16 * 1024;
+pub const FREE_TOKENS: usize = 8;
 
 /// The relay of one request, across every decoder that serves it.
 pub struct Relay {
@@ -61,8 +69,8 @@ pub struct Relay {
     /// brings the text; a resume drops them and continues after the last token
     /// whose text the client has, since the next decoder sees those tokens only
     /// in its prompt and would never emit the held bytes.
-    withheld: Vec<Bytes>,
-    withheld_tokens: usize,
+    /// By choice: each choice's chunks come in its own order.
+    withheld: Vec<Withheld>,
     /// The request's stop strings, matched here (see [`super::stops`]).
     stops: Option<Matcher>,
     /// Whether chunks may be withheld (single-choice requests that can resume).
@@ -70,6 +78,9 @@ pub struct Relay {
     choices: usize,
     /// Most tokens a choice may get: what the client asked for.
     max_tokens: usize,
+    /// Event bytes and tokens the current decoder sent.
+    attempt_bytes: usize,
+    attempt_tokens: usize,
     timing: Timing,
 }
 
@@ -96,8 +107,9 @@ impl Relay {
             output: Output::new(info),
             journal,
             out: VecDeque::new(),
-            withheld: Vec::new(),
-            withheld_tokens: 0,
+            withheld: (0..usize::try_from(info.n).unwrap_or(1).max(1))
+                .map(|_| Withheld::default())
+                .collect(),
             may_withhold,
             choices: usize::try_from(info.n).unwrap_or(1).max(1),
             stops: info
@@ -105,6 +117,8 @@ impl Relay {
                 .clone()
                 .map(|s| Matcher::new(s, usize::try_from(info.n).unwrap_or(1))),
             max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
+            attempt_bytes: 0,
+            attempt_tokens: 0,
             timing: Timing {
                 route: info.route.path(),
                 model: info.model.clone(),
@@ -130,21 +144,26 @@ impl Relay {
     /// A new decoder's stream starts.
     pub fn on_attempt(&mut self, decoder: &str) {
         self.timing.inter_token = Some(crate::metrics::inter_token(decoder));
+        self.attempt_bytes = 0;
+        self.attempt_tokens = 0;
         // A resumed decoder counts text offsets from the end of what the
         // client has.
-        let had = self
+        let had: Vec<usize> = self
             .journal
-            .read(|e| e.choices.first().map_or(0, |c| c.text.chars().count()));
-        let held = self.stops.as_ref().map_or(0, |m| m.held_chars(0));
-        self.output.set_text_base(had + held);
+            .read(|e| e.choices.iter().map(|c| c.text.chars().count()).collect());
+        let bases = had
+            .into_iter()
+            .enumerate()
+            .map(|(index, had)| had + self.stops.as_ref().map_or(0, |m| m.held_chars(index)))
+            .collect();
+        self.output.set_text_bases(bases);
     }
 
     /// A decoder failed: chunks withheld from it are dropped (the next decoder
     /// continues after the last token whose text the client has), and the
     /// resume latency runs until the next token.
     pub fn on_failure(&mut self) {
-        self.withheld.clear();
-        self.withheld_tokens = 0;
+        self.withheld.iter_mut().for_each(Withheld::clear);
         self.timing
             .failure_detected
             .get_or_insert_with(Instant::now);
@@ -287,12 +306,23 @@ impl Relay {
             .iter()
             .map(|c| c.token_ids.as_ref().map_or(0, Vec::len))
             .sum();
+        self.attempt_bytes = self.attempt_bytes.saturating_add(data.len());
+        self.attempt_tokens = self.attempt_tokens.saturating_add(tokens);
+        let allowed = (self.attempt_tokens + FREE_TOKENS * self.choices)
+            .saturating_mul(EVENT_BYTES_PER_TOKEN);
+        if self.attempt_bytes > allowed {
+            return Err(protocol(format!(
+                "decoder {decoder} sent {} bytes for {} tokens (at most {} bytes a token)",
+                self.attempt_bytes, self.attempt_tokens, EVENT_BYTES_PER_TOKEN
+            )));
+        }
         if tokens > 0 {
             let over = self.journal.read(|e| {
                 parsed.choices.iter().any(|c| {
                     let had = e.choices.get(c.index).map_or(0, |s| s.token_ids.len());
                     let new = c.token_ids.as_ref().map_or(0, Vec::len);
-                    had + self.withheld_tokens + new > self.max_tokens
+                    let held = self.withheld.get(c.index).map_or(0, |w| w.tokens);
+                    had + held + new > self.max_tokens
                 })
             });
             if over {
@@ -308,15 +338,25 @@ impl Relay {
             }
             self.on_tokens(decoder);
         }
-        if self.may_withhold && self.withheld.len() < MAX_WITHHELD && text_withheld(&parsed) {
-            self.withheld.push(data.clone());
-            self.withheld_tokens += tokens;
+        if let Some(held) = text_withheld(&parsed)
+            .filter(|_| self.may_withhold)
+            .and_then(|index| self.withheld.get_mut(index))
+            .filter(|held| held.chunks.len() < MAX_WITHHELD)
+        {
+            held.chunks.push(data.clone());
+            held.tokens += tokens;
             return Ok(tokens);
         }
-        self.withheld_tokens = 0;
-        for held in std::mem::take(&mut self.withheld) {
-            if let Some(parsed) = chunk::parse(&held) {
-                self.relay(&parsed, &held, source);
+        // The chunks this one's choices withheld go first.
+        for choice in &parsed.choices {
+            let Some(held) = self.withheld.get_mut(choice.index) else {
+                continue;
+            };
+            held.tokens = 0;
+            for chunk in std::mem::take(&mut held.chunks) {
+                if let Some(parsed) = chunk::parse(&chunk) {
+                    self.relay(&parsed, &chunk, source);
+                }
             }
         }
         self.relay(&parsed, data, source);
@@ -328,12 +368,16 @@ impl Relay {
     /// their tokens (a character split across tokens), and all are kept.
     fn merged_stop(&self, parsed: &chunk::Chunk<'_>, data: &Bytes) -> Option<Split> {
         let matcher = self.stops.as_ref()?;
-        if !self.withheld.is_empty() {
-            return None;
-        }
         let [choice] = parsed.choices.as_slice() else {
             return None;
         };
+        if self
+            .withheld
+            .get(choice.index)
+            .is_some_and(|held| !held.chunks.is_empty())
+        {
+            return None;
+        }
         let ids = choice.token_ids.as_ref().filter(|ids| ids.len() > 1)?;
         let text = choice.text();
         let through = matcher.stop_end(choice.index, text)?;
@@ -398,8 +442,21 @@ fn record(entry: &mut Entry, parsed: &chunk::Chunk<'_>) {
             continue;
         };
         state.text.push_str(choice.text());
-        if let Some(ids) = &choice.token_ids {
+        if let Some(ids) = choice.token_ids.as_ref().filter(|ids| !ids.is_empty()) {
             state.token_ids.extend_from_slice(ids);
+            state
+                .chunk_lens
+                .push(u32::try_from(ids.len()).unwrap_or(u32::MAX));
+        }
+        state.parsed_output |= choice.has_other_output();
+        // As vLLM's derenderer pins them: a call's id is the first one seen
+        // at its index.
+        for call in choice.tool_calls() {
+            if let Some(id) = &call.id {
+                if call.index >= state.tool_call_ids.len() {
+                    state.tool_call_ids.push(id.to_string());
+                }
+            }
         }
         if let Some(reason) = &choice.finish_reason {
             state.finish_reason = Some(reason.to_string());
@@ -410,17 +467,33 @@ fn record(entry: &mut Entry, parsed: &chunk::Chunk<'_>) {
     }
 }
 
-/// Whether a chunk brings token ids but not yet their text (and no finish):
-/// one choice, as only single-choice requests are resumed mid-stream.
-fn text_withheld(parsed: &chunk::Chunk<'_>) -> bool {
+/// The choice of a chunk that brings token ids but not yet their text (and
+/// no finish): a chunk of one choice, as engines stream them.
+fn text_withheld(parsed: &chunk::Chunk<'_>) -> Option<usize> {
     match parsed.choices.as_slice() {
-        [choice] => {
-            choice.token_ids.as_ref().is_some_and(|ids| !ids.is_empty())
+        [choice]
+            if choice.token_ids.as_ref().is_some_and(|ids| !ids.is_empty())
                 && choice.text().is_empty()
                 && !choice.has_other_output()
-                && choice.finish_reason.is_none()
+                && choice.finish_reason.is_none() =>
+        {
+            Some(choice.index)
         }
-        _ => false,
+        _ => None,
+    }
+}
+
+/// One choice's chunks withheld for their text, and their tokens.
+#[derive(Debug, Default)]
+struct Withheld {
+    chunks: Vec<Bytes>,
+    tokens: usize,
+}
+
+impl Withheld {
+    fn clear(&mut self) {
+        self.chunks.clear();
+        self.tokens = 0;
     }
 }
 
@@ -477,6 +550,8 @@ mod tests {
             chat_top_logprobs: None,
             stop: None,
             echo_text: None,
+            hide_reasoning: false,
+            forced_tool_call: false,
         }
     }
 
@@ -578,10 +653,10 @@ mod tests {
                 .on_data(&chunk(0, "", &[id]), Source::Native, "d0")
                 .ok();
         }
-        assert!(relay.withheld.len() <= MAX_WITHHELD);
+        assert!(relay.withheld[0].chunks.len() <= MAX_WITHHELD);
         // A failure drops what was withheld: the resume continues before it.
         relay.on_failure();
-        assert!(relay.withheld.is_empty());
+        assert!(relay.withheld[0].chunks.is_empty());
     }
 
     #[test]

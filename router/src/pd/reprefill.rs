@@ -3,6 +3,7 @@
 //! its holder gone) it prefills prompt + generated again on a healthy prefill
 //! instance (`--on-hold-lost reprefill`), or fails the request (`fail`).
 
+use super::client_body::ClientBody;
 use super::flow::Flow;
 use super::prefill::{self, Prefilled};
 use super::request::RequestInfo;
@@ -10,14 +11,13 @@ use crate::config::OnHoldLost;
 use crate::error::ApiError;
 use crate::holds::{Hold, HoldState};
 use crate::journal::{JournalHandle, Phase};
-use serde_json::Value;
 
 /// A new hold from a re-prefill, or `None` when the current one still holds
 /// (or the connector has no holds to check).
 pub async fn ensure_hold(
     state: &Flow,
     info: &RequestInfo,
-    body: &Value,
+    body: &ClientBody,
     hold: Option<&Hold>,
     journal: &JournalHandle,
 ) -> Result<Option<Prefilled>, ApiError> {

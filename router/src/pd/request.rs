@@ -3,7 +3,9 @@
 //! The body stays a JSON value: fields the router does not know pass through to
 //! the engines untouched.
 
+use super::client_body::ClientBody;
 use crate::error::ApiError;
+use serde_json::value::RawValue;
 use serde_json::Value;
 
 /// The two generation routes.
@@ -50,18 +52,22 @@ pub struct RequestInfo {
     /// The router asks decoders for token ids, and vLLM then echoes no prompt
     /// text (only the ids), so the router puts the text back itself.
     pub echo_text: Option<String>,
+    /// Chat `include_reasoning: false`: the router asks decoders for the
+    /// reasoning anyway (vLLM then streams no token ids, and the journal
+    /// could not follow the answer) and hides it from the client itself.
+    pub hide_reasoning: bool,
+    /// Chat with a required or named tool choice (see [`super::resume::forces_tool_call`]).
+    pub forced_tool_call: bool,
 }
 
 /// Checks the body of a generation request; returns what the flow needs.
 pub fn validate(
     route: Route,
-    body: &Value,
+    body: &ClientBody,
     request_id: String,
     max_tokens_limit: u64,
 ) -> Result<RequestInfo, ApiError> {
-    let object = body
-        .as_object()
-        .ok_or_else(|| ApiError::bad_request("request body must be a JSON object", None))?;
+    let object = body.fields();
     let model = match object.get("model") {
         Some(Value::String(model)) if !model.is_empty() => model.clone(),
         Some(_) => {
@@ -72,9 +78,11 @@ pub fn validate(
         }
         None => return Err(ApiError::bad_request("`model` is required", Some("model"))),
     };
-    match route {
-        Route::Completions => check_prompt(object.get("prompt"))?,
-        Route::Chat => check_messages(object.get("messages"))?,
+    match (route, body.raw("prompt"), body.raw("messages")) {
+        (Route::Completions, Some(raw), _) => check_raw_prompt(raw)?,
+        (Route::Completions, None, _) => check_prompt(object.get("prompt"))?,
+        (Route::Chat, _, Some(raw)) => check_raw_messages(raw)?,
+        (Route::Chat, _, None) => check_messages(object.get("messages"))?,
     }
     let stream = optional_bool(object, "stream")?.unwrap_or(false);
     for key in ["max_tokens", "max_completion_tokens"] {
@@ -117,30 +125,27 @@ pub fn validate(
             usize::try_from(top).unwrap_or(usize::MAX)
         }),
         stop: checked_stops(body)?,
-        echo_text: echo_text(route, object)?,
+        echo_text: echo_text(route, body)?,
+        hide_reasoning: route == Route::Chat
+            && optional_bool(object, "include_reasoning")? == Some(false),
+        forced_tool_call: route == Route::Chat && super::resume::forces_tool_call(body),
     })
 }
 
 /// The prompt text a completions client with `echo` (and without
 /// `return_token_ids`, with which vLLM echoes no text either) gets back.
-fn echo_text(
-    route: Route,
-    object: &serde_json::Map<String, Value>,
-) -> Result<Option<String>, ApiError> {
+fn echo_text(route: Route, body: &ClientBody) -> Result<Option<String>, ApiError> {
+    let object = body.fields();
     if route != Route::Completions
         || optional_bool(object, "echo")? != Some(true)
         || optional_bool(object, "return_token_ids")? == Some(true)
     {
         return Ok(None);
     }
-    Ok(match object.get("prompt") {
-        Some(Value::String(text)) => Some(text.clone()),
-        Some(Value::Array(one)) => match one.as_slice() {
-            [Value::String(text)] => Some(text.clone()),
-            _ => None,
-        },
-        _ => None,
-    })
+    // A text, or a list of one text.
+    Ok(body
+        .typed::<String>("prompt")
+        .or_else(|| body.typed::<(String,)>("prompt").map(|(text,)| text)))
 }
 
 /// Most stop strings a request may have, and longest: the router matches
@@ -148,7 +153,7 @@ fn echo_text(
 const MAX_STOPS: usize = 64;
 const MAX_STOP_CHARS: usize = 1024;
 
-fn checked_stops(body: &Value) -> Result<Option<super::stops::StopStrings>, ApiError> {
+fn checked_stops(body: &ClientBody) -> Result<Option<super::stops::StopStrings>, ApiError> {
     let stops = super::stops::StopStrings::of(body);
     if let Some(given) = &stops {
         if given.stops.len() > MAX_STOPS
@@ -249,6 +254,188 @@ fn check_messages(messages: Option<&Value>) -> Result<(), ApiError> {
         }
     }
     Ok(())
+}
+
+/// [`check_prompt`] for a prompt kept raw (a large array): read element by
+/// element, nothing kept.
+fn check_raw_prompt(raw: &RawValue) -> Result<(), ApiError> {
+    let invalid = || {
+        ApiError::bad_request(
+            "`prompt` must be a string or a list of token ids",
+            Some("prompt"),
+        )
+    };
+    let shape: ArrayShape = serde_json::from_str(raw.get()).map_err(|_| invalid())?;
+    match shape {
+        ArrayShape { len: 0, .. } => Err(invalid()),
+        ArrayShape { all_ids: true, .. } => Ok(()),
+        ArrayShape {
+            len: 1,
+            only: Some(Element::Text { empty: true }),
+            ..
+        } => Err(ApiError::bad_request(
+            "`prompt` must not be empty",
+            Some("prompt"),
+        )),
+        ArrayShape {
+            len: 1,
+            only: Some(Element::Text { empty: false } | Element::Ids),
+            ..
+        } => Ok(()),
+        ArrayShape {
+            all_numbers: true, ..
+        } => Err(ApiError::bad_request(
+            "prompt token ids must be integers from 0 to 4294967295",
+            Some("prompt"),
+        )),
+        ArrayShape { len: 1, .. } => Err(invalid()),
+        ArrayShape { .. } => Err(ApiError::bad_request(
+            "batched prompts are not supported: send one request per prompt",
+            Some("prompt"),
+        )),
+    }
+}
+
+/// [`check_messages`] for messages kept raw (a long history): each message's
+/// `role` is read, nothing else.
+fn check_raw_messages(raw: &RawValue) -> Result<(), ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Role<'a> {
+        #[serde(borrow, default)]
+        role: Option<&'a RawValue>,
+    }
+    let bad_role = || {
+        ApiError::bad_request(
+            "each message must be an object with a string `role`",
+            Some("messages"),
+        )
+    };
+    let messages: Vec<Role<'_>> = serde_json::from_str(raw.get()).map_err(|_| bad_role())?;
+    if messages.is_empty() {
+        return Err(ApiError::bad_request(
+            "`messages` must be a non-empty list",
+            Some("messages"),
+        ));
+    }
+    if messages
+        .iter()
+        .any(|m| !m.role.is_some_and(|r| r.get().starts_with('"')))
+    {
+        return Err(bad_role());
+    }
+    Ok(())
+}
+
+/// What a JSON array holds, as [`check_raw_prompt`] needs to know it.
+struct ArrayShape {
+    len: usize,
+    /// Every element is a token id (an integer that fits a `u32`).
+    all_ids: bool,
+    /// Every element is a number.
+    all_numbers: bool,
+    /// The element, when there is exactly one.
+    only: Option<Element>,
+}
+
+/// One element of a prompt array.
+#[derive(Clone, Copy)]
+enum Element {
+    Id,
+    Number,
+    Text {
+        empty: bool,
+    },
+    /// A non-empty list of token ids.
+    Ids,
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for ArrayShape {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = ArrayShape;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an array")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<ArrayShape, A::Error> {
+                let mut shape = ArrayShape {
+                    len: 0,
+                    all_ids: true,
+                    all_numbers: true,
+                    only: None,
+                };
+                while let Some(element) = seq.next_element::<Element>()? {
+                    shape.all_ids &= matches!(element, Element::Id);
+                    shape.all_numbers &= matches!(element, Element::Id | Element::Number);
+                    shape.only = (shape.len == 0).then_some(element);
+                    shape.len += 1;
+                }
+                Ok(shape)
+            }
+        }
+        deserializer.deserialize_seq(Visit)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Element {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Element;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a prompt element")
+            }
+            fn visit_u64<E>(self, id: u64) -> Result<Element, E> {
+                Ok(if id <= u64::from(u32::MAX) {
+                    Element::Id
+                } else {
+                    Element::Number
+                })
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Element, E> {
+                Ok(Element::Number)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Element, E> {
+                Ok(Element::Number)
+            }
+            fn visit_str<E>(self, text: &str) -> Result<Element, E> {
+                Ok(Element::Text {
+                    empty: text.is_empty(),
+                })
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Element, E> {
+                Ok(Element::Other)
+            }
+            fn visit_unit<E>(self) -> Result<Element, E> {
+                Ok(Element::Other)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Element, A::Error> {
+                while map
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(Element::Other)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<Element, A::Error> {
+                let inner = <ArrayShape as serde::Deserialize>::deserialize(
+                    serde::de::value::SeqAccessDeserializer::new(seq),
+                )?;
+                Ok(if inner.len > 0 && inner.all_ids {
+                    Element::Ids
+                } else {
+                    Element::Other
+                })
+            }
+        }
+        deserializer.deserialize_any(Visit)
+    }
 }
 
 fn check_max_tokens(value: Option<&Value>, key: &'static str, limit: u64) -> Result<(), ApiError> {

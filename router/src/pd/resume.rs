@@ -1,17 +1,25 @@
-//! Phase 4: resume. What a request that lost its decoder is continued with: the
-//! client's sampling parameters on `/v1/completions`, prompt ids + generated ids as
-//! the prompt, `max_tokens` reduced by what was generated, and the hold's
-//! `kv_transfer_params` with a bumped `resume_epoch`. The new decoder pulls the
-//! prompt KV from the hold and computes only the generated suffix.
+//! Phase 4: resume. What a request that lost its decoder is continued with,
+//! after the tokens the client has:
 //!
-//! Some requests carry state that a resumed completions request cannot: `n > 1`,
-//! guided or structured output, prompt logprobs, tool calls, echo. Those fail
+//! - a completions request: on `/v1/completions`, prompt ids + generated ids
+//!   as the prompt, the client's sampling parameters, `max_tokens` reduced by
+//!   what was generated, and the hold's `kv_transfer_params` with a bumped
+//!   `resume_epoch`. The new decoder pulls the prompt KV from the hold and
+//!   computes only the generated suffix;
+//! - a chat: the same tokens through the engine's tokens API (`derender.rs`),
+//!   so that the engine's reasoning and tool parsers continue what they
+//!   made of the first decoder's tokens. A chat that asks logprobs continues
+//!   on `/v1/completions` as a completions request does (vLLM's derender
+//!   gives no logprobs yet), its chunks re-wrapped as chat chunks.
+//!
+//! Some requests carry state that no continuation can: `n > 1` (one stream
+//! per choice), guided or structured output (the grammar would restart at the
+//! continuation; docs/resume.md), logprobs together with tools. Those fail
 //! over only before their first token (when nothing has reached the client
-//! yet). Logprobs of generated tokens do resume: a chat request's `logprobs` +
-//! `top_logprobs` become the completions `logprobs`, and the output re-bases
-//! and re-shapes what the resumed decoder gives.
+//! yet).
 
 use super::attempt::Failure;
+use super::client_body::{ClientBody, TypeOnly};
 use super::patch::{Patch, Set};
 use super::request::Route;
 use bytes::Bytes;
@@ -39,15 +47,20 @@ pub const CHAT_ONLY: &[&str] = &[
     "audio",
 ];
 
+/// A chat with tools and a required or named `tool_choice`: vLLM serves it with
+/// structured output (and answers it with empty content, not null, beside the call).
+pub fn forces_tool_call(body: &ClientBody) -> bool {
+    let forced = match body.get("tool_choice") {
+        Some(Value::String(choice)) => choice == "required",
+        Some(Value::Object(_)) => true,
+        _ => false,
+    };
+    forced && offers_tools(body)
+}
+
 /// Why a request cannot be continued from its generated tokens, if it cannot.
-pub fn mid_stream_blocker(route: Route, body: &Value) -> Option<&'static str> {
-    let set = |key: &str| body.get(key).is_some_and(|v| !v.is_null() && v != false);
-    if body.get("n").and_then(Value::as_u64).unwrap_or(1) > 1 {
-        return Some("n > 1");
-    }
-    if body.get("best_of").and_then(Value::as_u64).unwrap_or(1) > 1 {
-        return Some("best_of > 1");
-    }
+pub fn mid_stream_blocker(route: Route, body: &ClientBody) -> Option<&'static str> {
+    let set = |key: &str| body.is_set(key);
     let guided = [
         "guided_json",
         "guided_regex",
@@ -56,32 +69,51 @@ pub fn mid_stream_blocker(route: Route, body: &Value) -> Option<&'static str> {
         "structured_outputs",
     ];
     if guided.iter().any(|k| set(k))
+        || (route == Route::Chat && forces_tool_call(body))
         || body
-            .pointer("/response_format/type")
-            .and_then(Value::as_str)
-            .is_some_and(|t| t != "text")
+            .typed::<TypeOnly>("response_format")
+            .is_some_and(|format| format.kind != "text")
     {
         return Some("guided or structured output");
     }
-    // Logprobs of generated tokens continue (the resumed decoder gives those of
-    // the new tokens); the prompt's are computed once, by the first decoder.
-    if set("prompt_logprobs") {
-        return Some("prompt_logprobs");
-    }
-    if route == Route::Chat && (set("tools") || set("functions")) {
-        return Some("tool calls");
-    }
-    if set("echo") {
-        return Some("echo");
+    if route == Route::Chat
+        && offers_tools(body)
+        && chat_continuation(body) == ChatContinuation::Completions
+    {
+        return Some("logprobs and tools");
     }
     None
 }
 
+/// Whether a chat request offers tools.
+pub fn offers_tools(body: &ClientBody) -> bool {
+    ["tools", "functions"].iter().any(|key| body.has_items(key))
+}
+
+/// How a chat continues after its first token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatContinuation {
+    /// Through the engine's tokens API, its chat parsers replayed.
+    Tokens,
+    /// Through `/v1/completions`, re-wrapped as chat chunks: a chat asking
+    /// logprobs (the tokens API's derender gives none yet).
+    Completions,
+}
+
+/// How a chat request continues after its first token.
+pub fn chat_continuation(body: &ClientBody) -> ChatContinuation {
+    if body.get("logprobs") == Some(&Value::Bool(true)) {
+        ChatContinuation::Completions
+    } else {
+        ChatContinuation::Tokens
+    }
+}
+
 /// The `max_tokens` the client asked for, from either key.
-pub fn requested_max_tokens(body: &Value) -> Option<u64> {
+pub fn requested_max_tokens(body: &ClientBody) -> Option<u64> {
     ["max_completion_tokens", "max_tokens"]
         .iter()
-        .find_map(|key| body.get(*key).and_then(Value::as_u64))
+        .find_map(|key| body.get(key).and_then(Value::as_u64))
 }
 
 /// `kv_transfer_params` for resume `epoch`.
@@ -93,10 +125,21 @@ pub fn with_epoch(kv_transfer_params: &Value, epoch: u64) -> Value {
     kv
 }
 
+/// `kv_transfer_params` that ask the decoder not to release the hold when
+/// its request finishes (`release_on_finish: false`): several requests
+/// continue from it, and the router releases it when the last one ends.
+pub fn keeping_hold(kv_transfer_params: &Value) -> Value {
+    let mut kv = kv_transfer_params.clone();
+    if let Some(map) = kv.as_object_mut() {
+        map.insert("release_on_finish".into(), Value::Bool(false));
+    }
+    kv
+}
+
 /// The `/v1/completions` body that continues a request after `generated` tokens.
 pub fn resume_body(
     route: Route,
-    body: &Value,
+    body: &ClientBody,
     prompt_token_ids: &[u32],
     generated: &[u32],
     kv_transfer_params: &Value,
@@ -138,7 +181,9 @@ pub fn resume_body(
         .value("return_token_ids", Value::Bool(true))
         .value("stream_options", json!({"include_usage": true}))
         .value("n", json!(1))
+        // The first decoder sent the echoed prompt and its logprobs.
         .value("echo", Value::Bool(false))
+        .value("prompt_logprobs", Value::Null)
         .value("kv_transfer_params", kv_transfer_params.clone())
         .to_bytes()
 }
@@ -217,8 +262,10 @@ mod tests {
 
     #[test]
     fn chat_resumes_as_completions_on_prompt_plus_generated() {
-        let body = json!({"model":"m","messages":[{"role":"user","content":"hi"}],
-            "max_completion_tokens":10,"temperature":0,"seed":7,"min_tokens":4,"stream":false});
+        let body = ClientBody::of(
+            json!({"model":"m","messages":[{"role":"user","content":"hi"}],
+            "max_completion_tokens":10,"temperature":0,"seed":7,"min_tokens":4,"stream":false}),
+        );
         let kv = with_epoch(&json!({"transfer_id":"t","resume_epoch":0}), 1);
         let out: Value =
             serde_json::from_slice(&resume_body(Route::Chat, &body, &[1, 2], &[9, 8, 7], &kv))
@@ -233,7 +280,8 @@ mod tests {
         assert!(out.get("messages").is_none());
         assert!(out.get("max_completion_tokens").is_none());
         assert_eq!(out["logprobs"], Value::Null);
-        let with_logprobs = json!({"model":"m","messages":[],"logprobs":true,"top_logprobs":3});
+        let with_logprobs =
+            ClientBody::of(json!({"model":"m","messages":[],"logprobs":true,"top_logprobs":3}));
         let out: Value =
             serde_json::from_slice(&resume_body(Route::Chat, &with_logprobs, &[1], &[2], &kv))
                 .expect("JSON");
@@ -243,26 +291,57 @@ mod tests {
 
     #[test]
     fn requests_with_uncarried_state_are_not_resumable_mid_stream() {
-        let blocked = |body: Value| mid_stream_blocker(Route::Completions, &body);
-        assert_eq!(blocked(json!({"n": 2})), Some("n > 1"));
+        let blocked = |body: Value| mid_stream_blocker(Route::Completions, &ClientBody::of(body));
+        let chat = |body: Value| mid_stream_blocker(Route::Chat, &ClientBody::of(body));
+        // Each choice continues as its own sequence.
+        assert_eq!(blocked(json!({"n": 2})), None);
+        // vLLM 0.32 has no best_of (accepted and ignored): one sequence.
+        assert_eq!(blocked(json!({"best_of": 3})), None);
         assert_eq!(blocked(json!({"logprobs": 2})), None);
-        assert_eq!(
-            blocked(json!({"prompt_logprobs": 1})),
-            Some("prompt_logprobs")
-        );
+        // The first decoder sends the prompt's logprobs and the echo.
+        assert_eq!(blocked(json!({"prompt_logprobs": 1})), None);
+        assert_eq!(blocked(json!({"echo": true})), None);
         assert_eq!(
             blocked(json!({"guided_json": {"type":"object"}})),
             Some("guided or structured output")
         );
         assert_eq!(
-            mid_stream_blocker(
-                Route::Chat,
-                &json!({"response_format": {"type": "json_object"}})
-            ),
+            chat(json!({"response_format": {"type": "json_object"}})),
             Some("guided or structured output")
         );
         assert_eq!(blocked(json!({"n": 1, "temperature": 0.5})), None);
         assert_eq!(blocked(json!({"logprobs": null, "echo": false})), None);
+        // Tools continue through the tokens API; a tool choice vLLM serves
+        // with structured output does not, nor do tools with logprobs.
+        let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+        assert_eq!(chat(json!({"tools": tools})), None);
+        assert_eq!(chat(json!({"tools": tools, "tool_choice": "auto"})), None);
+        assert_eq!(
+            chat(json!({"tools": tools, "tool_choice": "required"})),
+            Some("guided or structured output")
+        );
+        assert_eq!(
+            chat(
+                json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+            ),
+            Some("guided or structured output")
+        );
+        assert_eq!(
+            chat(json!({"tools": tools, "logprobs": true})),
+            Some("logprobs and tools")
+        );
+        assert_eq!(
+            chat_continuation(&ClientBody::of(json!({"logprobs": true}))),
+            ChatContinuation::Completions
+        );
+        assert_eq!(
+            chat_continuation(&ClientBody::of(json!({"logprobs": false}))),
+            ChatContinuation::Tokens
+        );
+        assert_eq!(
+            chat_continuation(&ClientBody::of(json!({}))),
+            ChatContinuation::Tokens
+        );
     }
 
     const POLICY: ResumePolicy = ResumePolicy {

@@ -9,7 +9,9 @@
 //! stream or one response, or a clear error: never a silent truncation.
 
 use super::attempt::{Attempt, Cause, Failure};
-use super::decode::{self, OpenError};
+use super::client_body::ClientBody;
+use super::decode::{self, LanePlan, OpenError};
+use super::derender::{self, Derender, DerenderTarget, RenderError};
 use super::flow::Flow;
 use super::merged::{self, Detokenizer, Split};
 use super::output::Source;
@@ -18,10 +20,10 @@ use super::record::RequestRecord;
 use super::relay::{Batch, Relay, Stop};
 use super::reprefill;
 use super::request::{RequestInfo, Route};
-use super::resume::{self, Next, Progress, ResumePolicy};
+use super::resume::{self, ChatContinuation, Next, Progress, ResumePolicy};
 use crate::error::ApiError;
 use crate::holds::{Hold, HoldLease};
-use crate::journal::{JournalHandle, Phase};
+use crate::journal::{ChoiceProgress, JournalHandle, Phase};
 use crate::registry::Instance;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
@@ -31,6 +33,23 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::Instrument;
 
+/// What the next attempt sends, and how its chunks are read.
+struct Planned {
+    source: Source,
+    path: &'static str,
+    lanes: Vec<LanePlan>,
+}
+
+impl Planned {
+    fn one(source: Source, path: &'static str, payload: Bytes) -> Self {
+        Self {
+            source,
+            path,
+            lanes: vec![LanePlan::only(payload)],
+        }
+    }
+}
+
 /// Failed connects one request may go through (they are not resumes: the
 /// decoders never had the request) before it fails.
 pub const MAX_CONNECT_FAILURES: u32 = 8;
@@ -39,7 +58,7 @@ pub const MAX_CONNECT_FAILURES: u32 = 8;
 pub struct Session {
     state: Arc<Flow>,
     info: RequestInfo,
-    body: Value,
+    body: ClientBody,
     /// The prefill's `kv_transfer_params` the next attempt pulls with
     /// (replaced by a re-prefill).
     kv_transfer_params: Value,
@@ -65,7 +84,7 @@ impl Session {
     pub async fn start(
         state: Arc<Flow>,
         info: RequestInfo,
-        body: Value,
+        body: ClientBody,
         prefilled: Prefilled,
         journal: JournalHandle,
     ) -> Result<Self, ApiError> {
@@ -130,6 +149,11 @@ impl Session {
             .unwrap_or_default()
     }
 
+    /// A reader of the request's journal entry.
+    pub fn journal_reader(&self) -> crate::journal::EntryReader {
+        self.relay.journal().reader()
+    }
+
     /// The request's record: the session says how the request ended.
     pub fn set_record(&mut self, record: RequestRecord) {
         self.record = Some(record);
@@ -162,16 +186,23 @@ impl Session {
                     self.info.model
                 )));
             };
-            let (source, path, payload) = self.next_body();
+            let planned = match self.plan(&decoder).await {
+                Ok(planned) => planned,
+                Err(OpenError::Failed(failure)) => {
+                    self.after_failure(failure).await?;
+                    continue;
+                }
+                Err(OpenError::Rejected(error)) => return Err(error),
+            };
             let epoch = self.epoch;
             self.relay.journal().update(|e| e.epoch = epoch);
             match decode::open(
                 &self.state,
                 decoder.clone(),
-                path,
+                planned.path,
                 &self.info.request_id,
-                payload,
-                source,
+                planned.lanes,
+                planned.source,
             )
             .await
             {
@@ -248,24 +279,121 @@ impl Session {
         Ok(())
     }
 
-    /// The route and body of the next attempt: the client's own before the first
-    /// token, the completions continuation after it.
-    fn next_body(&self) -> (Source, &'static str, Bytes) {
+    /// What the next attempt sends `decoder`: the client's own body before
+    /// the first token; after it, the continuation: a completions request on
+    /// prompt + generated ids, or for a chat, the engine's tokens API
+    /// (`derender.rs`), which keeps reasoning and tool calls what they are.
+    /// A request of several choices continues each unfinished one as its own
+    /// sequence (one lane each, see [`super::attempt::Lane`]).
+    async fn plan(&mut self, decoder: &Arc<Instance>) -> Result<Planned, OpenError> {
         let kv = resume::with_epoch(&self.kv_transfer_params, self.epoch);
-        self.relay.journal().read(|e| {
-            if e.generated() == 0 {
-                let body = decode::decode_body(&self.body, &kv);
-                (Source::Native, self.info.route.path(), body)
-            } else {
-                let body = resume::resume_body(
-                    self.info.route,
-                    &self.body,
-                    &e.prompt_token_ids,
-                    &e.choices[0].token_ids,
-                    &kv,
-                );
-                (Source::Resumed, Route::Completions.path(), body)
+        let journal = self.relay.journal();
+        if journal.read(|e| e.generated()) == 0 {
+            let body = decode::decode_body(&self.body, &kv);
+            return Ok(Planned::one(Source::Native, self.info.route.path(), body));
+        }
+        let (prompt, choices) = journal.read(|e| (e.prompt_token_ids.clone(), e.choices.clone()));
+        let several = choices.len() > 1;
+        // Several choices continue from one hold: the first to finish must
+        // not release it under the others (the router releases it at the end).
+        let kv = if several {
+            resume::keeping_hold(&kv)
+        } else {
+            kv
+        };
+        let open: Vec<(usize, ChoiceProgress)> = choices
+            .into_iter()
+            .enumerate()
+            .filter(|(_, c)| c.finish_reason.is_none())
+            .collect();
+        let completions = || Planned {
+            source: Source::Resumed,
+            path: Route::Completions.path(),
+            lanes: open
+                .iter()
+                .map(|(index, choice)| LanePlan {
+                    choice: several.then_some(*index),
+                    payload: resume::resume_body(
+                        self.info.route,
+                        &self.body,
+                        &prompt,
+                        &choice.token_ids,
+                        &kv,
+                    ),
+                    derender: None,
+                })
+                .collect(),
+        };
+        if self.info.route != Route::Chat {
+            return Ok(completions());
+        }
+        let blocked = |message: String| OpenError::Rejected(ApiError::Unavailable(message));
+        let parsed_output = open.iter().any(|(_, c)| c.parsed_output);
+        if resume::chat_continuation(&self.body) == ChatContinuation::Completions {
+            if parsed_output {
+                return Err(blocked(
+                    "a chat asking logprobs whose answer has reasoning or tool calls cannot be resumed after its first token".into(),
+                ));
             }
+            return Ok(completions());
+        }
+        let upstream = self.state.upstream.as_ref();
+        let request_id = &self.info.request_id;
+        let rendered = match derender::render(
+            upstream,
+            &decoder.id,
+            &decoder.url,
+            request_id,
+            derender::render_body(&self.body),
+        )
+        .await
+        {
+            Ok(rendered) => rendered,
+            Err(RenderError::Failed(failure)) => return Err(OpenError::Failed(failure)),
+            Err(RenderError::Call(error)) => {
+                return Err(OpenError::Failed(decode::call_failure(
+                    &self.state,
+                    decoder,
+                    error,
+                )))
+            }
+            Err(RenderError::Unsupported(message)) => {
+                if parsed_output || resume::offers_tools(&self.body) {
+                    return Err(blocked(format!(
+                        "{message}; a chat with tools, or whose answer has reasoning, cannot be resumed after its first token without it"
+                    )));
+                }
+                tracing::warn!(decoder = %decoder.id, "{message}: the chat continues through /v1/completions");
+                return Ok(completions());
+            }
+        };
+        let target = DerenderTarget {
+            upstream: self.state.upstream.clone(),
+            decoder: decoder.id.clone(),
+            url: decoder.url.clone(),
+            request_id: request_id.clone(),
+            model: self.info.model.clone(),
+            timeout: self.state.limits.stream.stall,
+        };
+        let mut lanes = Vec::with_capacity(open.len());
+        for (index, choice) in &open {
+            let payload = derender::generate_body(&rendered, &prompt, &choice.token_ids, &kv)
+                .map_err(|message| {
+                    OpenError::Failed(Failure::new(&decoder.id, Cause::Protocol, message))
+                })?;
+            let derender = Derender::start(target.clone(), &self.body, &prompt, choice)
+                .await
+                .map_err(OpenError::Failed)?;
+            lanes.push(LanePlan {
+                choice: several.then_some(*index),
+                payload,
+                derender: Some(derender),
+            });
+        }
+        Ok(Planned {
+            source: Source::Derendered,
+            path: derender::GENERATE_PATH,
+            lanes,
         })
     }
 

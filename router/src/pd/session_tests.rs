@@ -4,6 +4,7 @@
 
 use crate::config::{self, Command, RouterConfig};
 use crate::error::ApiError;
+use crate::pd::client_body::ClientBody;
 use crate::pd::flow::Flow;
 use crate::pd::record::RequestRecord;
 use crate::pd::request::{validate, Route};
@@ -267,6 +268,7 @@ async fn complete(state: &Arc<Flow>) -> Result<(String, u32), ApiError> {
 
 /// Runs the non-stream completions request `body`; the response and resumes.
 async fn answer(state: &Arc<Flow>, body: Value) -> Result<(Value, u32), ApiError> {
+    let body = ClientBody::of(body);
     let info = validate(Route::Completions, &body, "r".into(), 1 << 20)?;
     let response = crate::pd::run(
         state.clone(),

@@ -11,6 +11,7 @@
 //! stop string as `stop_reason`. Chunks of a stopped choice are dropped; when
 //! every choice stopped, the relay ends the decoder's stream (which aborts it).
 
+use super::client_body::ClientBody;
 use serde_json::{json, Map, Value};
 
 /// The stop strings of a request.
@@ -27,7 +28,7 @@ pub struct StopStrings {
 impl StopStrings {
     /// The request's stop strings, when it has any the router can own (a
     /// string or a list of strings; anything else is left to the engine).
-    pub fn of(body: &Value) -> Option<Self> {
+    pub fn of(body: &ClientBody) -> Option<Self> {
         let stops: Vec<String> = match body.get("stop")? {
             Value::String(stop) => vec![stop.clone()],
             Value::Array(items) => items
@@ -263,10 +264,10 @@ mod tests {
     use super::*;
 
     fn matcher(stops: &[&str], include: bool) -> Matcher {
-        let strings = StopStrings::of(&json!({
+        let strings = StopStrings::of(&ClientBody::of(json!({
             "stop": stops,
             "include_stop_str_in_output": include,
-        }))
+        })))
         .expect("stops");
         Matcher::new(strings, 1)
     }
@@ -347,10 +348,12 @@ mod tests {
 
     #[test]
     fn only_strings_are_owned() {
-        assert!(StopStrings::of(&json!({"stop": 5})).is_none());
-        assert!(StopStrings::of(&json!({"stop": ""})).is_none());
+        assert!(StopStrings::of(&ClientBody::of(json!({"stop": 5}))).is_none());
+        assert!(StopStrings::of(&ClientBody::of(json!({"stop": ""}))).is_none());
         assert_eq!(
-            StopStrings::of(&json!({"stop": ["a", "bc"], "include_stop_str_in_output": true})),
+            StopStrings::of(&ClientBody::of(
+                json!({"stop": ["a", "bc"], "include_stop_str_in_output": true})
+            )),
             Some(StopStrings {
                 stops: vec!["a".into(), "bc".into()],
                 include: true,

@@ -26,6 +26,12 @@ use tokio::sync::Semaphore;
 /// byte-level BPE, measured), far longer than a request's other work on the
 /// runtime between two awaits.
 const INLINE_BYTES: usize = 1024;
+/// Longest prompt tokenized here, in bytes (about 250 k tokens of English):
+/// an encoding costs tens of bytes a token (ids, offsets, token strings) and
+/// cannot be stopped half-way, so a 32 MB prompt would hold a permit and
+/// half a GB for seconds, its caller long gone. A longer prompt is routed by
+/// load alone (`cache_aware` misses nothing it could have found cheaply).
+pub const MAX_TOKENIZED_BYTES: usize = 1024 * 1024;
 
 /// Why the tokenizers could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -122,7 +128,12 @@ impl Tokenizers {
     /// included).
     pub async fn encode(&self, model: &str, text: &str, special_tokens: bool) -> Option<Vec<u32>> {
         let tokenizer = self.by_model.get(model)?.clone();
-        // Held until the encoding is done, even when the caller gave up.
+        if text.len() > MAX_TOKENIZED_BYTES {
+            tracing::debug!(bytes = text.len(), "prompt too long to tokenize here");
+            return None;
+        }
+        // Held until the encoding is done, even when the caller gave up
+        // (bounded: at most MAX_TOKENIZED_BYTES of text).
         let turn = self.permits.clone().acquire_owned().await.ok()?;
         if text.len() <= INLINE_BYTES {
             return encode(&tokenizer, text, special_tokens);
@@ -210,6 +221,15 @@ mod tests {
             "on a blocking thread"
         );
         assert_eq!(tokenizers.encode("other", "x", true).await, None);
+        // Past the bound, nothing is tokenized here (and no permit is taken).
+        let huge = "x".repeat(MAX_TOKENIZED_BYTES + 1);
+        let tokenizers = tokenizers.with_permits(0);
+        let encoded = tokio::time::timeout(
+            std::time::Duration::from_secs(1),
+            tokenizers.encode("mock", &huge, true),
+        )
+        .await;
+        assert_eq!(encoded, Ok(None));
     }
 
     /// One prompt per permit: while every permit is taken (long prompts being

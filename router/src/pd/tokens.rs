@@ -7,11 +7,15 @@
 //! bounded in time and size; on any failure the choice falls back to load
 //! alone.
 
+use super::client_body::ClientBody;
 use super::flow::Flow;
+use super::patch::Patch;
 use super::request::Route;
 use super::upstream::ask_tokenizer;
 use crate::registry::Instance;
+use bytes::Bytes;
 use serde_json::{json, Value};
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// The token ids of the prompt of `body`, or `None` when they cannot be had
@@ -19,7 +23,7 @@ use std::sync::Arc;
 pub async fn prompt_ids(
     state: &Flow,
     route: Route,
-    body: &Value,
+    body: &ClientBody,
     engines: &[Arc<Instance>],
 ) -> Option<Vec<u32>> {
     if let Some(ids) = literal_ids(route, body) {
@@ -33,7 +37,7 @@ pub async fn prompt_ids(
     let request = tokenize_request(route, body)?;
     let limit = state.settings.tokenize_timeout;
     let started = std::time::Instant::now();
-    let ids = tokio::time::timeout(limit, tokenize(state, &engine.url, &request))
+    let ids = tokio::time::timeout(limit, tokenize(state, &engine.url, request))
         .await
         .ok()
         .flatten();
@@ -43,25 +47,30 @@ pub async fn prompt_ids(
 
 /// A completions text prompt, and its model, when the model has a
 /// tokenizer here.
-fn text_for_here<'b>(state: &Flow, route: Route, body: &'b Value) -> Option<(&'b str, &'b str)> {
+fn text_for_here(state: &Flow, route: Route, body: &ClientBody) -> Option<(String, String)> {
     let model = body.get("model").and_then(Value::as_str)?;
     if route != Route::Completions || !state.tokenizers.has(model) {
         return None;
     }
-    Some((model, text_prompt(body)?))
+    Some((model.to_string(), text_prompt(body)?.into_owned()))
 }
 
 /// `text`'s ids from the router's own tokenizer of the model, within the
 /// tokenize time limit (else the choice is by load: the engines are not
 /// asked as well, which would double the wait).
-async fn tokenize_here(state: &Flow, body: &Value, model: &str, text: &str) -> Option<Vec<u32>> {
+async fn tokenize_here(
+    state: &Flow,
+    body: &ClientBody,
+    model: String,
+    text: String,
+) -> Option<Vec<u32>> {
     // vLLM's completions add the model's special tokens unless told not to.
     let special_tokens = body
         .get("add_special_tokens")
         .and_then(Value::as_bool)
         .unwrap_or(true);
     let started = std::time::Instant::now();
-    let encode = state.tokenizers.encode(model, text, special_tokens);
+    let encode = state.tokenizers.encode(&model, &text, special_tokens);
     let ids = tokio::time::timeout(state.settings.tokenize_timeout, encode)
         .await
         .ok()
@@ -70,56 +79,64 @@ async fn tokenize_here(state: &Flow, body: &Value, model: &str, text: &str) -> O
     ids
 }
 
-/// A completions prompt that is one text.
-fn text_prompt(body: &Value) -> Option<&str> {
-    match body.get("prompt")? {
-        Value::String(text) => Some(text),
-        Value::Array(items) if items.len() == 1 => items[0].as_str(),
-        _ => None,
+/// A completions prompt that is one text (or a list of one text).
+fn text_prompt(body: &ClientBody) -> Option<Cow<'_, str>> {
+    match body.get("prompt") {
+        Some(Value::String(text)) => Some(Cow::Borrowed(text)),
+        Some(Value::Array(items)) if items.len() == 1 => items[0].as_str().map(Cow::Borrowed),
+        Some(_) => None,
+        // A list of one text longer than the raw threshold.
+        None => body
+            .typed::<(String,)>("prompt")
+            .map(|(text,)| Cow::Owned(text)),
     }
 }
 
-/// A completions prompt that is already one list of token ids.
-fn literal_ids(route: Route, body: &Value) -> Option<Vec<u32>> {
+/// A completions prompt that is already one list of token ids (read as
+/// `u32`s, 4 bytes an id, even from a large raw prompt).
+fn literal_ids(route: Route, body: &ClientBody) -> Option<Vec<u32>> {
     if route != Route::Completions {
         return None;
     }
-    let items = match body.get("prompt")? {
-        Value::Array(items) if items.len() == 1 && items[0].is_array() => items[0].as_array()?,
-        Value::Array(items) => items,
-        _ => return None,
-    };
-    items
-        .iter()
-        .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
-        .collect()
+    body.typed::<Vec<u32>>("prompt")
+        .or_else(|| body.typed::<(Vec<u32>,)>("prompt").map(|(ids,)| ids))
 }
 
-/// vLLM's /tokenize body for the prompt of `body` (the fields that change
-/// what the chat template renders are passed along).
-fn tokenize_request(route: Route, body: &Value) -> Option<Value> {
+/// The fields of a chat body that change what the chat template renders:
+/// vLLM's /tokenize gets them with the messages.
+const TEMPLATE_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+];
+
+/// vLLM's /tokenize body for the prompt of `body` (written from the client's
+/// body: its large fields as the client sent them).
+fn tokenize_request(route: Route, body: &ClientBody) -> Option<Bytes> {
     let model = body.get("model")?.clone();
     match route {
-        Route::Completions => Some(json!({"model": model, "prompt": text_prompt(body)?})),
+        Route::Completions => {
+            let request = json!({"model": model, "prompt": text_prompt(body)?});
+            Some(Bytes::from(serde_json::to_vec(&request).ok()?))
+        }
         Route::Chat => {
-            let mut request = json!({"model": model, "messages": body.get("messages")?.clone()});
-            for key in [
-                "chat_template",
-                "chat_template_kwargs",
-                "add_generation_prompt",
-                "continue_final_message",
-                "tools",
-            ] {
-                if let Some(value) = body.get(key) {
-                    request[key] = value.clone();
-                }
-            }
-            Some(request)
+            let others: Vec<&str> = body
+                .fields()
+                .keys()
+                .map(String::as_str)
+                .chain(body.raw_fields().map(|(k, _)| k.as_str()))
+                .filter(|k| !TEMPLATE_FIELDS.contains(k))
+                .collect();
+            Some(Patch::new(body, &others).to_bytes())
         }
     }
 }
 
-async fn tokenize(state: &Flow, url: &str, request: &Value) -> Option<Vec<u32>> {
+async fn tokenize(state: &Flow, url: &str, request: Bytes) -> Option<Vec<u32>> {
     #[derive(serde::Deserialize)]
     struct Answer {
         tokens: Vec<u32>,
@@ -129,24 +146,39 @@ async fn tokenize(state: &Flow, url: &str, request: &Value) -> Option<Vec<u32>> 
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
     #[test]
     fn only_a_single_id_prompt_needs_no_tokenizer() {
-        let ids = |prompt: Value| literal_ids(Route::Completions, &json!({"prompt": prompt}));
+        let ids = |prompt: Value| {
+            literal_ids(
+                Route::Completions,
+                &ClientBody::of(json!({"prompt": prompt})),
+            )
+        };
         assert_eq!(ids(json!([1, 2, 3])), Some(vec![1, 2, 3]));
         assert_eq!(ids(json!([[4, 5]])), Some(vec![4, 5]));
         assert_eq!(ids(json!("text")), None);
         assert_eq!(ids(json!([[1], [2]])), None);
-        assert_eq!(literal_ids(Route::Chat, &json!({"prompt": [1]})), None);
+        assert_eq!(
+            literal_ids(Route::Chat, &ClientBody::of(json!({"prompt": [1]}))),
+            None
+        );
         let chat = tokenize_request(
             Route::Chat,
-            &json!({"model": "m", "messages": [], "tools": [], "max_tokens": 3}),
-        );
+            &ClientBody::of(json!({"model": "m", "messages": [], "tools": [], "max_tokens": 3})),
+        )
+        .unwrap();
         assert_eq!(
-            chat,
-            Some(json!({"model": "m", "messages": [], "tools": []}))
+            serde_json::from_slice::<Value>(&chat).unwrap(),
+            json!({"model": "m", "messages": [], "tools": []})
         );
+        // A long prompt of ids is read as ids, however it is held.
+        let long: Vec<u32> = (0..20_000).collect();
+        let raw = ClientBody::parse(json!({"prompt": long}).to_string().as_bytes()).unwrap();
+        assert!(raw.raw("prompt").is_some());
+        assert_eq!(literal_ids(Route::Completions, &raw), Some(long));
     }
 }

@@ -108,14 +108,14 @@ pub async fn ask_tokenizer<T: serde::de::DeserializeOwned>(
     upstream: &dyn Upstream,
     url: &str,
     path: &'static str,
-    request: &serde_json::Value,
+    request: Bytes,
 ) -> Option<T> {
     let call = Call {
         url,
         path,
         request_id: "",
         trace: Vec::new(),
-        body: Bytes::from(serde_json::to_vec(request).ok()?),
+        body: request,
     };
     let reply = upstream.tokenizer(call).await.ok()?;
     if !(200..300).contains(&reply.status) {

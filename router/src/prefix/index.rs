@@ -5,6 +5,49 @@
 use super::events::{EngineHash, KvEvent};
 use super::hash;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock};
+
+/// The blocks all instances' indexes may hold together
+/// (`--prefix-index-total-blocks`): each registrant's index has its own cap,
+/// and this bounds them all, however many instances register (at 16,384 a
+/// piece, 1,024 registrants' KV events could hold 16 M blocks, about 1.3 GB).
+/// An index that would pass it forgets its own oldest block first; one with
+/// none to forget indexes nothing new until others' blocks go.
+#[derive(Debug)]
+pub struct BlockBudget {
+    held: AtomicUsize,
+    cap: AtomicUsize,
+}
+
+impl BlockBudget {
+    pub fn new(cap: usize) -> Self {
+        Self {
+            held: AtomicUsize::new(0),
+            cap: AtomicUsize::new(cap),
+        }
+    }
+
+    /// The process's budget, which every index shares (its cap set at start).
+    pub fn process() -> Arc<Self> {
+        static PROCESS: LazyLock<Arc<BlockBudget>> =
+            LazyLock::new(|| Arc::new(BlockBudget::new(usize::MAX)));
+        PROCESS.clone()
+    }
+
+    pub fn set_cap(&self, cap: usize) {
+        self.cap.store(cap, Ordering::Relaxed);
+    }
+
+    /// Blocks held by all indexes.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    fn full(&self) -> bool {
+        self.held() > self.cap.load(Ordering::Relaxed)
+    }
+}
 
 #[derive(Debug, Clone, Copy)]
 struct Entry {
@@ -13,7 +56,7 @@ struct Entry {
 }
 
 /// Block chain hashes (the router's, [`hash::chain`]) an instance holds.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct BlockIndex {
     /// The engine's block size, from its events.
     block_size: Option<usize>,
@@ -28,9 +71,38 @@ pub struct BlockIndex {
     /// own record of the prompts it sent there ([`BlockIndex::remember`]) is
     /// not wanted.
     reported: bool,
+    /// What all indexes hold together.
+    budget: Arc<BlockBudget>,
+}
+
+impl Default for BlockIndex {
+    fn default() -> Self {
+        Self::with_budget(BlockBudget::process())
+    }
+}
+
+impl Drop for BlockIndex {
+    fn drop(&mut self) {
+        self.budget
+            .held
+            .fetch_sub(self.entries.len(), Ordering::Relaxed);
+    }
 }
 
 impl BlockIndex {
+    /// An empty index counted in `budget`.
+    pub fn with_budget(budget: Arc<BlockBudget>) -> Self {
+        Self {
+            block_size: None,
+            entries: HashMap::new(),
+            by_engine: HashMap::new(),
+            order: BTreeMap::new(),
+            next_stamp: 0,
+            reported: false,
+            budget,
+        }
+    }
+
     /// Blocks indexed.
     pub fn len(&self) -> usize {
         self.entries.len()
@@ -47,7 +119,7 @@ impl BlockIndex {
 
     /// Forgets everything, events or not (a new registration).
     pub fn clear(&mut self) {
-        *self = Self::default();
+        *self = Self::with_budget(self.budget.clone());
     }
 
     /// Whether the index comes from the engine's KV events (else from the
@@ -98,6 +170,7 @@ impl BlockIndex {
                     if let Some(chain) = self.by_engine.remove(engine) {
                         if let Some(entry) = self.entries.remove(&chain) {
                             self.order.remove(&entry.stamp);
+                            self.budget.held.fetch_sub(1, Ordering::Relaxed);
                         }
                     }
                 }
@@ -137,21 +210,29 @@ impl BlockIndex {
     }
 
     fn insert(&mut self, chain: u64, engine: EngineHash, cap: usize) {
-        if let Some(old) = self.entries.remove(&chain) {
-            self.order.remove(&old.stamp);
-            self.by_engine.remove(&old.engine);
+        match self.entries.remove(&chain) {
+            Some(old) => {
+                self.order.remove(&old.stamp);
+                self.by_engine.remove(&old.engine);
+            }
+            None => {
+                self.budget.held.fetch_add(1, Ordering::Relaxed);
+            }
         }
         let stamp = self.next_stamp;
         self.next_stamp += 1;
         self.entries.insert(chain, Entry { stamp, engine });
         self.by_engine.insert(engine, chain);
         self.order.insert(stamp, chain);
-        while self.entries.len() > cap {
+        // Past its own cap, or past what all indexes may hold: its own
+        // oldest go (the new block last of all).
+        while self.entries.len() > cap || (self.budget.full() && !self.entries.is_empty()) {
             let Some((_, oldest)) = self.order.pop_first() else {
                 break;
             };
             if let Some(entry) = self.entries.remove(&oldest) {
                 self.by_engine.remove(&entry.engine);
+                self.budget.held.fetch_sub(1, Ordering::Relaxed);
             }
         }
     }
@@ -213,6 +294,28 @@ mod tests {
         assert_eq!(index.matched_blocks(&hash::chain(&ids, 4)), 0);
         index.remember(&ids, 4, 64);
         assert_eq!(index.len(), 1, "an engine that reports is not guessed");
+    }
+
+    #[test]
+    fn all_indexes_together_keep_at_most_the_total() {
+        let budget = Arc::new(BlockBudget::new(6));
+        let mut first = BlockIndex::with_budget(budget.clone());
+        let mut second = BlockIndex::with_budget(budget.clone());
+        let tokens: Vec<u32> = (0..20).collect();
+        let hashes: Vec<u64> = (0..10).collect();
+        // Each under its own cap of 100; together at most 6.
+        first.apply(&stored(&hashes, None, &tokens, 2), 100);
+        assert_eq!((first.len(), budget.held()), (6, 6));
+        let other: Vec<u64> = (50..60).collect();
+        second.apply(&stored(&other, None, &tokens, 2), 100);
+        // The second has none of its own to forget: it indexes nothing new.
+        assert_eq!((second.len(), budget.held()), (0, 6));
+        first.apply(&KvEvent::AllBlocksCleared {}, 100);
+        assert_eq!(budget.held(), 0);
+        second.apply(&stored(&other, None, &tokens, 2), 100);
+        assert_eq!((second.len(), budget.held()), (6, 6));
+        drop(second);
+        assert_eq!(budget.held(), 0, "a removed instance gives its blocks back");
     }
 
     #[test]

@@ -14,4 +14,4 @@ pub mod hash;
 pub mod index;
 
 pub use events::{BadEvents, KvEvent, KvEventBatch};
-pub use index::BlockIndex;
+pub use index::{BlockBudget, BlockIndex};

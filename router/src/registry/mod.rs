@@ -128,6 +128,16 @@ pub struct Registration {
     pub credential: Option<String>,
 }
 
+/// Whether `id` may name an instance: it goes into URL paths (heartbeat,
+/// drain) and etcd keys unescaped. Registrations through the API and records
+/// read from etcd are held to it alike.
+pub fn valid_id(id: &str) -> bool {
+    (1..=128).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b))
+}
+
 impl Registration {
     /// The id the instance asked for, or a new one.
     pub fn id_or_new(&self) -> String {
@@ -483,6 +493,9 @@ pub struct EtcdConfig {
     pub identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
     /// User and password for etcd's own authentication.
     pub user: Option<(String, String)>,
+    /// Where instances may live: a record in etcd that names another place is
+    /// refused, as its registration through the API would have been.
+    pub upstreams: crate::upstreams::UpstreamPolicy,
 }
 
 /// Who asks to (re-)register or remove an id.
@@ -565,7 +578,9 @@ impl Registry {
         #[cfg(feature = "etcd")]
         {
             let view = Arc::new(View::new(None));
-            let store = etcd::EtcdStore::connect(etcd, config.ttl, view.clone()).await?;
+            let store =
+                etcd::EtcdStore::connect(etcd, config.ttl, config.max_instances, view.clone())
+                    .await?;
             Ok(Self {
                 view,
                 store: Arc::new(store),
@@ -668,14 +683,28 @@ impl Registry {
         batch: &KvEventBatch,
         cap: usize,
     ) -> Result<bool, RegistryError> {
-        let Some(instance) = self.view.get(id) else {
+        let Some(instance) = self.registrant(id, credential)? else {
             return Ok(false);
+        };
+        instance.apply_kv_events(batch, cap);
+        Ok(true)
+    }
+
+    /// The instance `id` if `credential` is its own; `None` when unknown. A
+    /// handler asks before it reads a body, so that a caller without the
+    /// credential costs no body read.
+    pub fn registrant(
+        &self,
+        id: &str,
+        credential: Option<&str>,
+    ) -> Result<Option<Arc<Instance>>, RegistryError> {
+        let Some(instance) = self.view.get(id) else {
+            return Ok(None);
         };
         if !instance.credential_matches(credential) {
             return Err(RegistryError::WrongCredential(id.to_string()));
         }
-        instance.apply_kv_events(batch, cap);
-        Ok(true)
+        Ok(Some(instance))
     }
 
     /// Removes an instance on behalf of `claim`. `false` when unknown.

@@ -19,6 +19,9 @@ pub const EVENTS: &str = "connex_registry_events_total";
 pub const RECONNECTS: &str = "connex_registry_reconnects_total";
 /// Counter: membership records ignored because their id disagrees with their key.
 pub const MISMATCHED: &str = "connex_registry_mismatched_records_total";
+/// Counter: membership records refused because their registration would have
+/// been, by `reason` (`id`, `url`, `ctrl`, `full`).
+pub const REFUSED: &str = "connex_registry_refused_records_total";
 
 /// The `# HELP` text of the membership's families (after the recorder is
 /// installed).
@@ -39,6 +42,10 @@ pub fn describe_metrics() {
     metrics::describe_counter!(
         MISMATCHED,
         "Membership records ignored because their id disagrees with their key."
+    );
+    metrics::describe_counter!(
+        REFUSED,
+        "Membership records refused because their registration would have been (reason: id, url, ctrl, full)."
     );
 }
 
@@ -113,6 +120,10 @@ impl Connectivity {
 
     pub fn mismatched(&self) {
         counter!(MISMATCHED).increment(1);
+    }
+
+    pub fn refused(&self, reason: &'static str) {
+        counter!(REFUSED, "reason" => reason).increment(1);
     }
 
     pub fn reconnecting(&self) {

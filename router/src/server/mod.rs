@@ -2,8 +2,8 @@
 //! header-read timeout (slowloris), a connection limit and graceful shutdown,
 //! speaking HTTP/1.1 and, with `--http2`, HTTP/2 without TLS (told apart by a
 //! connection's first bytes; an idle HTTP/2 connection is closed);
-//! the client listener's gate (a concurrency limit past which requests get 429
-//! with `Retry-After`, the instance headers, the end of streams at shutdown).
+//! the client listener's gate (the caller's key and admission, see
+//! `crate::tenants`; the instance headers; the end of streams at shutdown).
 //!
 //! Shutdown (SIGTERM/SIGINT, or [`crate::Router::stop`]): `/ready` answers
 //! 503 at once and the listeners close (no new connections); in-flight
@@ -13,10 +13,11 @@
 mod connection;
 
 use crate::error::ApiError;
+use crate::tenants::{Admission, Tenants};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use bytes::Bytes;
 use connection::{drive, service, sniff, Activity, Protocol};
 use futures_util::future::BoxFuture;
@@ -28,7 +29,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -161,20 +162,23 @@ pub async fn serve(
 /// The client listener's gate on the OpenAI routes.
 #[derive(Debug)]
 pub struct Gate {
-    permits: Arc<Semaphore>,
-    limit: usize,
+    tenants: Arc<Tenants>,
     expose_instance_headers: bool,
     shutdown: Shutdown,
 }
 
 impl Gate {
-    pub fn new(limit: usize, expose_instance_headers: bool, shutdown: Shutdown) -> Self {
+    pub fn new(tenants: Arc<Tenants>, expose_instance_headers: bool, shutdown: Shutdown) -> Self {
         Self {
-            permits: Arc::new(Semaphore::new(limit.max(1))),
-            limit: limit.max(1),
+            tenants,
             expose_instance_headers,
             shutdown,
         }
+    }
+
+    /// The callers and their admission.
+    pub fn tenants(&self) -> &Arc<Tenants> {
+        &self.tenants
     }
 }
 
@@ -183,15 +187,16 @@ impl Gate {
 /// operator says so.
 const INSTANCE_HEADERS: [&str; 2] = [crate::pd::PREFILL_HEADER, crate::pd::DECODER_HEADER];
 
-/// `route_layer` of the OpenAI routes.
-pub async fn gate(State(gate): State<Arc<Gate>>, request: Request, next: Next) -> Response {
-    let Ok(permit) = gate.permits.clone().try_acquire_owned() else {
-        return ApiError::Overloaded {
-            limit: gate.limit,
-            retry_after_s: 1,
-        }
-        .into_response();
+/// `route_layer` of the OpenAI routes: the caller's key and admission (its
+/// tenant's limits, a slot), held until the response ends.
+pub async fn gate(State(gate): State<Arc<Gate>>, mut request: Request, next: Next) -> Response {
+    let (admission, caller) = match gate.tenants.admit(request.headers()).await {
+        Ok(admitted) => admitted,
+        Err(error) => return error.response_for(request.uri().path()),
     };
+    let admission = AdmissionSlot(Arc::new(std::sync::Mutex::new(Some(admission))));
+    request.extensions_mut().insert(caller);
+    request.extensions_mut().insert(admission.clone());
     let mut response = next.run(request).await;
     if !gate.expose_instance_headers {
         for name in INSTANCE_HEADERS {
@@ -206,18 +211,29 @@ pub async fn gate(State(gate): State<Arc<Gate>>, request: Request, next: Next) -
     response.map(|inner| {
         Body::new(GatedBody {
             inner,
-            _permit: permit,
+            _admission: admission,
             cut: stream.then(|| Box::pin(cut.cancelled_owned()) as BoxFuture<'static, ()>),
             ended: false,
         })
     })
 }
 
-/// A response body that holds its concurrency permit until it ends and, for
-/// a stream, ends with an error event when the shutdown grace is over.
+/// A request's admission, held by its response body unless a handler takes it
+/// to hold it longer (a background generation outlives its answer).
+#[derive(Debug, Clone)]
+pub struct AdmissionSlot(Arc<std::sync::Mutex<Option<Admission>>>);
+
+impl AdmissionSlot {
+    pub fn take(&self) -> Option<Admission> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// A response body that holds its admission (its slot) until it ends and,
+/// for a stream, ends with an error event when the shutdown grace is over.
 struct GatedBody {
     inner: Body,
-    _permit: OwnedSemaphorePermit,
+    _admission: AdmissionSlot,
     cut: Option<BoxFuture<'static, ()>>,
     ended: bool,
 }

@@ -42,7 +42,8 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from http.client import HTTPMessage
+from typing import IO, Any
 
 from .credentials import REGISTER_TOKEN_ENV, read_secret
 
@@ -237,7 +238,7 @@ class Agent:
             )
             self.instance_id = None
             return 2.0
-        if status >= 400:
+        if status >= 300:
             logger.warning("heartbeat of %s failed (HTTP %s)", self.instance_id, status)
             return min(1.0, self.lease_ttl_s / 3)
         self.heartbeats += 1
@@ -255,7 +256,7 @@ class Agent:
         except OSError as err:
             logger.debug("KV events not forwarded: %s", err)
             return False
-        if status == 404 or status >= 500:
+        if status == 404 or status >= 500 or 300 <= status < 400:
             return False  # not registered there yet, or the router is failing: later
         if status >= 400:
             # Refused for good (a bad or too large batch): dropped, and the
@@ -271,7 +272,7 @@ class Agent:
             return
         try:
             status, reply = self._call("DELETE", f"/v1/instances/{self.instance_id}", None)
-            if status >= 400 and status != 404:
+            if status >= 300 and status != 404:
                 logger.warning(
                     "router refused to deregister %s (HTTP %s): %s", self.instance_id, status, reply
                 )
@@ -289,6 +290,8 @@ class Agent:
             return False
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, object]:
+        """One request to the router: its status (a redirect is not followed,
+        and counts as a refusal) and its JSON body."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(f"{self.router}{path}", data=data, method=method)
         if data is not None:
@@ -298,7 +301,7 @@ class Agent:
         if self.credential:
             request.add_header(CREDENTIAL_HEADER, self.credential)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+            with _NO_REDIRECTS.open(request, timeout=self.timeout_s) as reply:
                 status, raw = reply.status, reply.read(MAX_REPLY_BYTES)
         except urllib.error.HTTPError as err:
             status, raw = err.code, err.read(MAX_REPLY_BYTES)
@@ -306,6 +309,26 @@ class Agent:
             return status, json.loads(raw) if raw else None
         except ValueError:
             return status, raw.decode(errors="replace")
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows no redirect: urllib would send the register token
+    (`Authorization`) and the instance credential along to wherever the
+    redirect points. The router never redirects; a 3xx is answered as an error."""
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: IO[bytes],
+        code: int,
+        msg: str,
+        headers: HTTPMessage,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        return None
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
 
 
 def metrics_load(url: str, timeout_s: float = 5.0) -> dict[str, Any]:

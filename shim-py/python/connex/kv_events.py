@@ -19,6 +19,7 @@ pyzmq and msgspec are vLLM's own dependencies; they are imported only here.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -82,6 +83,33 @@ def connect_endpoint(endpoint: str) -> str:
     return endpoint.replace("://*", "://127.0.0.1").replace("://0.0.0.0", "://127.0.0.1")
 
 
+def loopback_bind(endpoint: str) -> str:
+    """The endpoint the forwarder binds for a publisher that connects to
+    `endpoint`, on loopback only: whatever reaches it feeds this engine's entry
+    in the router's prefix index (with the agent's credential), so it must not
+    listen on the network. `tcp://0.0.0.0:PORT` (a publisher connecting there
+    reaches loopback) binds `tcp://127.0.0.1:PORT`; another host that is not
+    loopback is refused (ValueError)."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    host = host.strip("[]")
+    if host in ("0.0.0.0", ""):
+        return f"tcp://127.0.0.1:{port}"
+    if host == "localhost":
+        return endpoint
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(
+            f"KV event endpoint {endpoint}: the publisher connects there, so the forwarder "
+            "would bind it and listen on the network; use tcp://127.0.0.1:PORT"
+        )
+    return endpoint
+
+
 class KvEventForwarder:
     """Subscribes to a ZMQ KV event publisher and forwards its events, on a daemon
     thread, every `flush_s` or `batch` events, through `send` (False: keep them
@@ -101,7 +129,7 @@ class KvEventForwarder:
         # binds, bind where it connects (`tcp://127.0.0.1:5557`, which keeps
         # the feed on loopback).
         self.bind = not publisher_binds(endpoint)
-        self.endpoint = endpoint if self.bind else connect_endpoint(endpoint)
+        self.endpoint = loopback_bind(endpoint) if self.bind else connect_endpoint(endpoint)
         self.send = send
         self.decode = decode or vllm_decoder()
         self.topic = topic

@@ -17,6 +17,8 @@ pub struct Proc {
     /// A router's internal listener (registration, admin, metrics); for other
     /// processes, their one URL.
     pub internal: String,
+    /// Every line the process wrote to its stdout so far.
+    pub stdout: LogLines,
 }
 
 /// The lines a process wrote to its stderr so far (see [`Proc::start_logged`]).
@@ -62,10 +64,25 @@ impl Proc {
         }
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
+        let stdout_lines = LogLines::default();
+        let seen = stdout_lines.clone();
         std::thread::spawn(move || {
-            // A router prints its internal address first, then "listening on".
+            // A router prints its internal address first, then "listening on";
+            // with `--log-format json`, one JSON line with `url` and
+            // `internal_url`.
             let mut internal = None;
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                seen.0
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(line.clone());
+                if let Ok(json) = serde_json::from_str::<Value>(&line) {
+                    if let Some(url) = json["url"].as_str() {
+                        let internal = json["internal_url"].as_str().map(str::to_string);
+                        let _ = tx.send((url.to_string(), internal));
+                    }
+                    continue;
+                }
                 if let Some(url) = line.split("internal API on ").nth(1) {
                     internal = Some(url.trim().to_string());
                 }
@@ -82,6 +99,7 @@ impl Proc {
             child,
             url,
             internal,
+            stdout: stdout_lines,
         }
     }
 
@@ -804,5 +822,232 @@ impl TrackedStreams {
             results.push(handle.await.unwrap());
         }
         results
+    }
+}
+
+/// A router (round robin over decoders, `router_flags`), a prefill, a decoder
+/// `d0` (`d0_flags`) and a decoder `d1`, both with the tokens API
+/// (`--enable-scale-out`: the resume path of reasoning and tool calls); the
+/// router first, then the engines in that order.
+pub async fn scale_out_cluster(router_flags: &[&str], d0_flags: &[&str]) -> (Proc, Vec<Proc>) {
+    let mut flags = vec!["--decode-policy", "round_robin"];
+    flags.extend_from_slice(router_flags);
+    let router = router(&flags);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let mut first = vec!["--id", "d0", "--enable-scale-out"];
+    first.extend_from_slice(d0_flags);
+    let d0 = engine(Some(&router), "decode", &first);
+    let d1 = engine(
+        Some(&router),
+        "decode",
+        &["--id", "d1", "--enable-scale-out"],
+    );
+    wait_ready(&router, 3).await;
+    (router, vec![prefill, d0, d1])
+}
+
+/// A real Redis server (Debian `redis-server`) on a free loopback port,
+/// without persistence; it can be killed and started again on the same port
+/// (empty), and is killed on drop. [`Redis::start_tls`]: TLS and a password.
+pub struct Redis {
+    child: Option<Child>,
+    pub port: u16,
+    pub url: String,
+    /// Arguments of the server besides its port.
+    server_args: Vec<String>,
+    /// Arguments of `redis-cli` to reach it.
+    cli_args: Vec<String>,
+}
+
+impl Redis {
+    pub fn start() -> Redis {
+        let port = free_port();
+        let mut redis = Redis {
+            child: None,
+            port,
+            url: format!("redis://127.0.0.1:{port}"),
+            server_args: args(&["--port", &port.to_string()]),
+            cli_args: args(&["-p", &port.to_string()]),
+        };
+        redis.spawn();
+        redis
+    }
+
+    /// Redis on TLS only (a certificate for 127.0.0.1 from a CA made in
+    /// `dir`, whose certificate is `dir/ca.crt`), asking `password`.
+    pub fn start_tls(dir: &std::path::Path, password: &str) -> Redis {
+        let openssl = |argv: &[&str]| {
+            let status = Command::new("openssl")
+                .args(argv)
+                .current_dir(dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .expect("openssl");
+            assert!(status.success(), "openssl {argv:?}");
+        };
+        openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=connex-test-ca",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+        ]);
+        openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ]);
+        std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").expect("san");
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.crt",
+        ]);
+        let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
+        let port = free_port();
+        let mut redis = Redis {
+            child: None,
+            port,
+            url: format!("rediss://127.0.0.1:{port}"),
+            server_args: args(&[
+                "--port",
+                "0",
+                "--tls-port",
+                &port.to_string(),
+                "--tls-cert-file",
+                &file("server.crt"),
+                "--tls-key-file",
+                &file("server.key"),
+                "--tls-ca-cert-file",
+                &file("ca.crt"),
+                "--tls-auth-clients",
+                "no",
+                "--requirepass",
+                password,
+            ]),
+            cli_args: args(&[
+                "-p",
+                &port.to_string(),
+                "--tls",
+                "--cacert",
+                &file("ca.crt"),
+                "--no-auth-warning",
+                "-a",
+                password,
+            ]),
+        };
+        redis.spawn();
+        redis
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args(&self.server_args)
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server (Debian package redis-server; tests/run installs it)");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.cli(&["PING"]) != "PONG" {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not answer PING"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// What `redis-cli` prints for `command` against this server.
+    pub fn cli(&self, command: &[&str]) -> String {
+        Command::new("redis-cli")
+            .args(&self.cli_args)
+            .args(command)
+            .output()
+            .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
+            .unwrap_or_default()
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The events the store holds of background response `id` (its stream's
+    /// length, under the router's default key prefix).
+    pub fn events_of(&self, id: &str) -> u64 {
+        self.cli(&["XLEN", &format!("connex:{{{id}}}:events")])
+            .parse()
+            .expect("XLEN")
+    }
+
+    /// Starts it again on the same port (with nothing in it).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Runs `connex-router serve ARGS` expecting it to refuse to start: returns its
+/// stderr. Fails if it is still running after 10 s.
+pub fn refused_start(args: &[&str]) -> String {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_connex-router"))
+        .arg("serve")
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(!status.success(), "router exited 0 with {args:?}");
+            let mut stderr = String::new();
+            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+            return stderr;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("router started with {args:?}; it must refuse");
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -30,6 +30,9 @@ pub struct EngineState {
     pub inflight: AtomicU64,
     /// `GET /v1/models` calls answered (the router's model list reads them).
     pub model_list_calls: AtomicU64,
+    /// Tokens-API calls answered: render and (streaming) derender.
+    pub render_calls: AtomicU64,
+    pub derender_calls: AtomicU64,
     /// Prompt KV: held as a prefill, pulled as a decoder (see [`crate::kv`]).
     pub kv: crate::kv::KvState,
     /// Set by [`crate::MockEngine::crash_now`]: the next token of every decode
@@ -69,6 +72,8 @@ impl EngineState {
             log: RequestLog::default(),
             inflight: AtomicU64::new(0),
             model_list_calls: AtomicU64::new(0),
+            render_calls: AtomicU64::new(0),
+            derender_calls: AtomicU64::new(0),
             prefix,
             events_ready: tokio::sync::Notify::new(),
             published_ready: tokio::sync::Notify::new(),
@@ -121,11 +126,18 @@ pub fn routes(state: Arc<EngineState>) -> Router {
     let router = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route(crate::tokens::RENDER_PATH, post(crate::tokens::render))
+        .route(crate::tokens::GENERATE_PATH, post(tokens_generate))
+        .route(crate::tokens::DERENDER_PATH, post(crate::tokens::derender))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/mock/stats", get(stats));
     // /tokenize is served with the other non-generation routes (pooling.rs).
-    crate::pooling::routes(router).with_state(state)
+    // vLLM takes bodies of any size (a prompt of a million token ids): so
+    // does the mock, up to what a router forwards.
+    crate::pooling::routes(router)
+        .layer(axum::extract::DefaultBodyLimit::max(64 * 1024 * 1024))
+        .with_state(state)
 }
 
 async fn health(State(state): State<Arc<EngineState>>) -> Response {
@@ -156,6 +168,8 @@ async fn stats(State(state): State<Arc<EngineState>>) -> Json<Value> {
         }),
         "requests": state.log.snapshot(),
         "model_list_calls": state.model_list_calls.load(Ordering::Relaxed),
+        "render_calls": state.render_calls.load(Ordering::Relaxed),
+        "derender_calls": state.derender_calls.load(Ordering::Relaxed),
     }))
 }
 
@@ -175,10 +189,24 @@ async fn chat_completions(
     generate(state, Kind::Chat, &headers, &body).await
 }
 
+/// `POST /inference/v1/generate`: token ids in, token ids out (streamed).
+async fn tokens_generate(
+    State(state): State<Arc<EngineState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(refused) = crate::tokens::refused(&state) {
+        return refused;
+    }
+    generate(state, Kind::Tokens, &headers, &body).await
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Completion,
     Chat,
+    /// vLLM's tokens API (`/inference/v1/generate`).
+    Tokens,
 }
 
 /// An error answer of `bytes` bytes of `x`, streamed in 64 KiB pieces.
@@ -204,7 +232,7 @@ fn huge_body(status: StatusCode, bytes: u64) -> Response {
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
-fn error(status: StatusCode, message: &str) -> Response {
+pub(crate) fn error(status: StatusCode, message: &str) -> Response {
     let body = json!({"error":{"message":message,"type":"BadRequestError","param":null,"code":status.as_u16()}});
     (status, Json(body)).into_response()
 }
@@ -274,6 +302,7 @@ async fn generate(
             path: match kind {
                 Kind::Completion => "/v1/completions".into(),
                 Kind::Chat => "/v1/chat/completions".into(),
+                Kind::Tokens => crate::tokens::GENERATE_PATH.into(),
             },
             request_id: request_id.clone(),
             traceparent: header(headers, "traceparent"),
@@ -380,19 +409,24 @@ fn plan(
     let prompt_ids = match kind {
         Kind::Completion => completion_prompt(request.get("prompt").ok_or("missing prompt")?)
             .ok_or("prompt must be a string or a list of token ids")?,
-        Kind::Chat => model::tokenize(
-            &model::apply_chat_template(request.get("messages").ok_or("missing messages")?)
-                .ok_or("messages must be a list of {role, content}")?,
-        ),
+        Kind::Chat => crate::tokens::chat_prompt(request)?,
+        Kind::Tokens => completion_prompt(request.get("token_ids").ok_or("missing token_ids")?)
+            .ok_or("token_ids must be a list of token ids")?,
     };
+    if kind == Kind::Tokens && request.get("stream").and_then(Value::as_bool) != Some(true) {
+        return Err("this mock serves /inference/v1/generate streamed only");
+    }
     if prompt_ids.is_empty() {
         // As vLLM refuses it.
         return Err("Either prompt or prompt_embeds must be provided and non-empty.");
     }
-    let max_tokens = ["max_completion_tokens", "max_tokens"]
-        .iter()
-        .find_map(|key| request.get(*key).and_then(Value::as_u64))
-        .unwrap_or(16);
+    let max_tokens = match kind {
+        Kind::Tokens => request
+            .pointer("/sampling_params/max_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(16),
+        _ => crate::tokens::max_tokens(request),
+    };
     let max_tokens = u32::try_from(max_tokens).map_err(|_| "max_tokens too large")?;
     let kv_in = request.get("kv_transfer_params");
     let flag = |key: &str| {
@@ -434,6 +468,7 @@ fn plan(
     let prefix = match kind {
         Kind::Completion => "cmpl",
         Kind::Chat => "chatcmpl",
+        Kind::Tokens => "generate-tokens",
     };
     let suffix = request_id.unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
     Ok(Plan {
@@ -579,7 +614,15 @@ impl Run {
     fn finish(&mut self) {
         if !self.finished {
             self.finished = true;
-            if let Some(pulled) = &self.plan.pulled {
+            // As the connector: a router that continues several choices
+            // from one hold releases it itself.
+            let keep = self
+                .plan
+                .kv_pull
+                .as_ref()
+                .and_then(|kv| kv.get("release_on_finish"))
+                == Some(&Value::Bool(false));
+            if let (Some(pulled), false) = (&self.plan.pulled, keep) {
                 self.state.kv.release_later(pulled);
             }
             self.state
@@ -596,7 +639,7 @@ impl Run {
 
     fn object(&self, stream: bool) -> &'static str {
         match (self.plan.kind, stream) {
-            (Kind::Completion, _) => "text_completion",
+            (Kind::Completion | Kind::Tokens, _) => "text_completion",
             (Kind::Chat, true) => "chat.completion.chunk",
             (Kind::Chat, false) => "chat.completion",
         }
@@ -690,6 +733,13 @@ impl Run {
             self.sent_done = true;
             return Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
         }
+        if self.plan.kv_out.is_none() && self.state.config.text_flood_after_tokens == count {
+            let text = "x".repeat(512 * 1024);
+            let chunk = json!({"id":self.plan.id,"object":self.object(true),"created":self.plan.created,
+                "model":self.plan.model,"choices":[{"index":0,"text":text,"logprobs":null,
+                "finish_reason":null,"stop_reason":null}]});
+            return Some(Ok(Bytes::from(sse_event(&chunk))));
+        }
         if let Some(end) = self.injected_end() {
             self.sent_done = true;
             return end.map(Ok);
@@ -717,6 +767,13 @@ impl Run {
         if model::is_split(token) && !last && self.plan.shape.is_plain() {
             self.held_text = std::mem::take(&mut text);
         }
+        if self.plan.kind == Kind::Tokens {
+            return Some(Ok(Bytes::from(self.tokens_event(
+                token,
+                finish_reason,
+                last,
+            ))));
+        }
         let mut choice = self.plan.shape.stream_choice(
             generated - 1,
             token,
@@ -732,15 +789,23 @@ impl Run {
             if first {
                 match self.plan.kind {
                     Kind::Completion => choice["prompt_token_ids"] = json!(self.plan.prompt_ids),
-                    Kind::Chat => chunk["prompt_token_ids"] = json!(self.plan.prompt_ids),
+                    Kind::Chat | Kind::Tokens => {
+                        chunk["prompt_token_ids"] = json!(self.plan.prompt_ids)
+                    }
                 }
             }
         }
         if last {
             chunk["system_fingerprint"] = json!(SYSTEM_FINGERPRINT);
         }
-        chunk["choices"] = self.choices(choice);
-        let mut out = sse_event(&chunk);
+        // One event per choice, as vLLM streams a request of several.
+        let mut out = Vec::new();
+        if let Value::Array(choices) = self.choices(choice) {
+            for choice in choices {
+                chunk["choices"] = json!([choice]);
+                out.extend_from_slice(&sse_event(&chunk));
+            }
+        }
         if last {
             self.finish();
             if self.plan.include_usage {
@@ -749,6 +814,24 @@ impl Run {
             }
         }
         Some(Ok(Bytes::from(out)))
+    }
+
+    /// The event of one token of a `/inference/v1/generate` stream, as vLLM
+    /// sends it (with the usage chunk after the last, when asked for).
+    fn tokens_event(&mut self, token: u32, finish_reason: Value, last: bool) -> Vec<u8> {
+        let chunk = json!({"request_id": self.plan.id, "choices": [{"index": 0,
+            "finish_reason": finish_reason, "stop_reason": null, "token_ids": [token],
+            "logprobs": null, "routed_experts": null}]});
+        let mut out = sse_event(&chunk);
+        if last {
+            self.finish();
+            if self.plan.include_usage {
+                let usage =
+                    json!({"request_id": self.plan.id, "choices": [], "usage": self.usage()});
+                out.extend_from_slice(&sse_event(&usage));
+            }
+        }
+        out
     }
 
     /// The whole non-streaming response body.
@@ -783,7 +866,7 @@ impl Run {
             "metrics":null});
         match self.plan.kind {
             Kind::Completion => choice["prompt_token_ids"] = Value::Null,
-            Kind::Chat => {
+            Kind::Chat | Kind::Tokens => {
                 response["prompt_logprobs"] = Value::Null;
                 response["prompt_token_ids"] = Value::Null;
                 response["prompt_text"] = Value::Null;
@@ -793,7 +876,9 @@ impl Run {
             choice["token_ids"] = json!(self.emitted);
             match self.plan.kind {
                 Kind::Completion => choice["prompt_token_ids"] = json!(self.plan.prompt_ids),
-                Kind::Chat => response["prompt_token_ids"] = json!(self.plan.prompt_ids),
+                Kind::Chat | Kind::Tokens => {
+                    response["prompt_token_ids"] = json!(self.plan.prompt_ids)
+                }
             }
         }
         response["choices"] = self.choices(choice);

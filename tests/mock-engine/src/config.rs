@@ -101,6 +101,10 @@ pub struct MockConfig {
     /// index 7 (text " evil"), then goes on: a protocol violation.
     #[arg(long)]
     pub bad_chunk_after_tokens: Option<u32>,
+    /// After this many tokens, each decode stream sends chunks of 512 KiB of
+    /// text without token ids, without end (a decoder flooding its router).
+    #[arg(long)]
+    pub text_flood_after_tokens: Option<u32>,
     /// Writes the model's tokenizer (a Hugging Face tokenizer.json, for a
     /// router's `--tokenizer mock=PATH`) to this path and exits.
     #[arg(long)]
@@ -109,6 +113,11 @@ pub struct MockConfig {
     /// API server does when it lags behind its engine.
     #[arg(long, default_value_t = 1)]
     pub tokens_per_chunk: usize,
+    /// Serve vLLM's tokens API for routers (`/v1/chat/completions/render`,
+    /// `/inference/v1/generate`, `/v1/chat/completions/derender`), as vLLM
+    /// does only when started with `--enable-scale-out` (403 otherwise).
+    #[arg(long)]
+    pub enable_scale_out: bool,
     /// A prefill whose answers name this holder (`remote_ctrl`) instead of its
     /// own: a lying or compromised prefill.
     #[arg(long)]
@@ -165,6 +174,11 @@ pub struct MockConfig {
     /// 127.0.0.1: a benchmark with thousands of pulls at once raises it.
     #[arg(long, default_value_t = 512)]
     pub holder_max_connections_per_peer: usize,
+    /// Port of the KV holder's control listener (what vLLM's `kv_port` is to
+    /// the connector: TP rank 0's), on the engine's listen address; 0: any
+    /// free port.
+    #[arg(long, default_value_t = 0)]
+    pub kv_port: u16,
     /// Transport for KV pulls: tcp | ucx | mooncake (the last two need the
     /// cargo features of connex-transfer).
     #[arg(long, default_value = "tcp")]

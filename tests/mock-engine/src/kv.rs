@@ -62,11 +62,11 @@ pub struct KvState {
 }
 
 impl KvState {
-    /// Starts the holder on the engine's host (any free port).
+    /// Starts the holder on the engine's host (`--kv-port`, else any free port).
     pub async fn start(config: &MockConfig) -> Result<Self, TransferError> {
         let secret = config.transfer_secret.clone().and_then(Secret::new);
         let holder = Holder::start(HolderConfig {
-            listen: SocketAddr::new(config.listen.ip(), 0),
+            listen: SocketAddr::new(config.listen.ip(), config.kv_port),
             backend: config.transfer_backend,
             retain: Duration::from_secs(config.retain_s),
             release: config.hold_release,

@@ -17,6 +17,7 @@ pub mod publish;
 pub mod register;
 pub mod shape;
 pub mod stats;
+pub mod tokens;
 
 pub use config::{CrashAction, MockConfig, Role};
 

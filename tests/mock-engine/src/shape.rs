@@ -169,17 +169,11 @@ impl Shape {
         self.logprobs.is_none() && self.echo.is_none() && self.tools.is_empty()
     }
 
-    /// Whether a finished answer ends with tool calls.
-    fn calls_tools(&self, generated: usize) -> bool {
-        (0..generated).any(|i| matches!(self.part(i), Part::Tool(_)))
-    }
-
-    pub fn finish_reason(&self, generated: usize) -> &'static str {
-        if self.calls_tools(generated) {
-            "tool_calls"
-        } else {
-            "length"
-        }
+    /// The mock's answers end at `max_tokens`: `length`, tool calls or not
+    /// (vLLM turns only a `stop` into `tool_calls`; an answer cut by
+    /// `max_tokens` inside or after its calls stays `length`).
+    pub fn finish_reason(&self, _generated: usize) -> &'static str {
+        "length"
     }
 
     fn call_id(n: usize) -> String {

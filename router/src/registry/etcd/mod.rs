@@ -36,6 +36,8 @@ pub struct EtcdStore {
     timeout: Duration,
     view: Arc<View>,
     connectivity: Arc<Connectivity>,
+    /// What the watch holds every record to (a registration's checks).
+    admission: watch::Admission,
 }
 
 impl EtcdStore {
@@ -45,6 +47,7 @@ impl EtcdStore {
     pub async fn connect(
         config: &EtcdConfig,
         ttl: Duration,
+        max_instances: usize,
         view: Arc<View>,
     ) -> Result<Self, RegistryError> {
         let (prefix, timeout) = (config.prefix.as_str(), config.timeout);
@@ -76,6 +79,10 @@ impl EtcdStore {
             timeout,
             view,
             connectivity: Arc::new(Connectivity::new("etcd", false)),
+            admission: watch::Admission {
+                upstreams: config.upstreams.clone(),
+                max_instances,
+            },
         })
     }
 
@@ -163,6 +170,16 @@ impl EtcdStore {
         let fresh = reg.credential.clone().unwrap_or_default();
         let ttl = i64::try_from(self.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         let mut client = self.client.clone();
+        // "Taken" is decided before a lease is granted: a refused registration
+        // (a flood of them, say) costs etcd one read, not a lease grant and
+        // its revoke. The loop below decides again on what it reads.
+        let reply = self.call("get", client.get(key.clone(), None)).await?;
+        if replace
+            .resolve(held_credential(reply.kvs().first()).as_deref(), &fresh)
+            .is_none()
+        {
+            return Err(RegistryError::Taken(id));
+        }
         // A static instance sends no heartbeats: its key has no lease.
         let lease = if reg.persistent {
             0
@@ -177,11 +194,7 @@ impl EtcdStore {
             // registering the same id at the same moment).
             let reply = self.call("get", client.get(key.clone(), None)).await?;
             let current = reply.kvs().first().cloned();
-            let held = current
-                .as_ref()
-                .and_then(|kv| serde_json::from_slice::<Record>(kv.value()).ok())
-                .filter(|record| record.state != State::Removed)
-                .map(|record| record.credential.unwrap_or_default());
+            let held = held_credential(current.as_ref());
             let Some(credential) = replace.resolve(held.as_deref(), &fresh) else {
                 self.revoke_unused(lease).await;
                 return Err(RegistryError::Taken(id));
@@ -385,6 +398,7 @@ impl Store for EtcdStore {
             timeout: self.timeout,
             view: self.view.clone(),
             connectivity: self.connectivity.clone(),
+            admission: self.admission.clone(),
         };
         tasks.spawn(watcher.run(shutdown.clone()));
         // Instances this replica marked dead on its own come back if their lease
@@ -399,4 +413,12 @@ impl Store for EtcdStore {
     fn status(&self) -> StoreStatus {
         self.connectivity.status(true)
     }
+}
+
+/// The credential of the live registration stored in `kv`, if one is (a
+/// removed record holds its id no more).
+fn held_credential(kv: Option<&KeyValue>) -> Option<String> {
+    kv.and_then(|kv| serde_json::from_slice::<Record>(kv.value()).ok())
+        .filter(|record| record.state != State::Removed)
+        .map(|record| record.credential.unwrap_or_default())
 }

@@ -13,7 +13,10 @@ KV cache's memory, and measured slower on the CPU with many live holds,
 docs/bench.md "stage"), `pull_timeout_s` (30), `idle_step_ms` (10: how long an engine
 step that computes nothing waits while holds keep it stepping), and for
 self-registration `router` (the router's registration URL: its internal
-listener where it has one), `url` (this engine's HTTP base URL), `instance_id`.
+listener where it has one), `url` (this engine's HTTP base URL; `{host}` in
+it is replaced by `host`, in brackets when that is an IPv6 address, so that one
+form, e.g. the chart's `http://{host}:8000` with `host` the pod's IP, is a URL
+on IPv4 and IPv6 pods alike), `instance_id`.
 
 Secrets stay out of `--kv-transfer-config` (which `ps` and vLLM's startup log
 show): the register token comes from the environment's CONNEX_REGISTER_TOKEN or
@@ -25,6 +28,7 @@ Inline `register_token` / `transfer_secret` values still work, with a warning.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from collections.abc import MutableMapping
@@ -90,7 +94,7 @@ class ConnexConfig:
                 pull_timeout_s=float(values.get("pull_timeout_s", 30.0)),
                 idle_step_ms=float(values.get("idle_step_ms", 10.0)),
                 router=values.get("router"),
-                url=values.get("url"),
+                url=_fill_host(values.get("url"), str(values.get("host", "127.0.0.1"))),
                 instance_id=values.get("instance_id"),
                 register_token=read_secret(
                     values.get("register_token"),
@@ -132,7 +136,7 @@ class ConnexConfig:
         return cfg
 
     def ctrl_addr(self, tp_rank: int = 0) -> str:
-        return f"{self.host}:{self.ctrl_port + tp_rank}"
+        return f"{url_host(self.host)}:{self.ctrl_port + tp_rank}"
 
     def publish_mooncake_host(self, environ: MutableMapping[str, str] = os.environ) -> str | None:
         """Gives the Mooncake engine this engine's configured `host` (the address
@@ -153,3 +157,24 @@ class ConnexConfig:
             return None
         environ[MOONCAKE_HOST_ENV] = self.host.strip()
         return self.host.strip()
+
+
+def url_host(host: str) -> str:
+    """`host` as it goes before `:port`: an IPv6 address in brackets."""
+    host = host.strip()
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]"
+    except ValueError:
+        pass
+    return host
+
+
+def _fill_host(url: object, host: str) -> str | None:
+    """`url` with `{host}` filled in (bracketed when an IPv6 address); a
+    missing url stays missing, and any other value is the config's error."""
+    if url is None:
+        return None
+    if not isinstance(url, str):
+        raise ConfigError("`url` must be a string")
+    return url.replace("{host}", url_host(host))

@@ -148,8 +148,13 @@ class ConnexScheduler:
         if self.keeper is not None and (req_id in self._consumed or self.keeper.keeps(req_id)):
             # Only a normal finish releases: after an abort or error the router may
             # resume the request elsewhere from the same hold (it releases the hold
-            # itself when the client is gone).
-            self.keeper.finish(req_id, release=request.status in NORMAL_FINISH)
+            # itself when the client is gone). A router that continues several
+            # choices from one hold asks that none of them release it
+            # (`release_on_finish: false`): it releases the hold itself.
+            params = getattr(request, "kv_transfer_params", None) or {}
+            keep = params.get("release_on_finish") is False
+            release = request.status in NORMAL_FINISH and not keep
+            self.keeper.finish(req_id, release=release)
         self._consumed.discard(req_id)
         self._checked.pop(req_id, None)
         if req_id not in self._producing:

@@ -29,12 +29,14 @@ class StagedPull:
         block_ids: list[int],
         buffer: torch.Tensor,
         region_id: int,
+        refs: list[tuple[int, int, int]],
         pull: _transfer.Pull,
     ) -> None:
         self._reader, self._stream, self._layers = reader, stream, layers
         self._block_ids = block_ids
         self._buffer: torch.Tensor | None = buffer
         self._region: int | None = region_id
+        self._refs = refs
         self._pull = pull
         self._fence: Fence | None = None
         self._stats: dict[str, Any] | None = None
@@ -42,28 +44,38 @@ class StagedPull:
 
     def _advance(self, wait: bool) -> None:
         """Moves on as far as it can (waiting for the pull when `wait`)."""
-        if self._fence is None and self._error is None and (wait or self._pull.done()):
+        if self._stats is None and self._error is None and (wait or self._pull.done()):
             try:
                 self._stats = self._pull.result()
-            except Exception as err:  # nothing writes into the buffer any more
+            except Exception as err:
                 self._error = err
-            if self._region is not None:
-                self._reader.unregister_region(self._region)
-                self._region = None
-            buffer = self._buffer
-            if self._error is None and buffer is not None:
+        if self._region is not None and (self._stats is not None or self._error is not None):
+            # A failed Mooncake pull may return with reads still queued: the
+            # buffer (and its registration) stays until they have ended, or
+            # a late read would land in freed memory.
+            if self._error is not None and self._reader.writing_into(self._refs):
+                return
+            self._reader.unregister_region(self._region)
+            self._region = None
+        buffer = self._buffer
+        if self._fence is None and self._error is None and self._stats is not None:
+            if buffer is not None:
                 try:
                     self._fence = self._stream.run(
                         lambda: scatter_blocks(self._layers, self._block_ids, buffer)
                     )
                 except Exception as err:
                     self._error = err
-        if self._error is not None or (self._fence is not None and self._fence.done()):
-            self._buffer = None  # no copy reads it any more
+        if self._region is None and (
+            self._error is not None or (self._fence is not None and self._fence.done())
+        ):
+            self._buffer = None  # no copy reads it, no read writes it any more
 
     def done(self) -> bool:
         self._advance(wait=False)
-        return self._error is not None or (self._fence is not None and self._fence.done())
+        if self._error is not None:
+            return self._region is None
+        return self._fence is not None and self._fence.done()
 
     def result(self) -> dict[str, Any]:
         """Waits for the pull and the device copy; their stats, or the error."""
@@ -97,16 +109,14 @@ class StagedReads:
     ) -> StagedPull:
         buffer = host_buffer(hold_bytes(self._layers, len(block_ids)), self._stream.device)
         region = self._reader.register_region(buffer.data_ptr(), buffer.numel())
+        refs = hold_refs(region, self._layers, len(block_ids))
         try:
             pull = self._reader.pull_async(
-                remote_ctrl,
-                transfer_id,
-                epoch,
-                hold_refs(region, self._layers, len(block_ids)),
-                timeout_s=timeout_s,
-                select=select,
+                remote_ctrl, transfer_id, epoch, refs, timeout_s=timeout_s, select=select
             )
         except Exception:
             self._reader.unregister_region(region)
             raise
-        return StagedPull(self._reader, self._stream, self._layers, block_ids, buffer, region, pull)
+        return StagedPull(
+            self._reader, self._stream, self._layers, block_ids, buffer, region, refs, pull
+        )

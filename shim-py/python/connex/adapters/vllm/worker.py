@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("connex.vllm.worker")
 
+# Blocks as the transfer library takes them: (region, offset, length).
+Refs = list[tuple[int, int, int]]
+
 # Seconds between two reads of the holder's counters (a call into the
 # transfer runtime), for the holds gauges.
 HOLDER_SAMPLE_S = 0.2
@@ -146,7 +149,12 @@ class ConnexWorker:
         self._freed: set[str] = set()
         self._finished: set[str] = set()
         # Loads in flight: request id -> (pending pull, spec).
-        self._pulls: dict[str, tuple[_transfer.Pull | StagedPull, LoadSpec]] = {}
+        self._pulls: dict[str, tuple[_transfer.Pull | StagedPull, LoadSpec, Refs | None]] = {}
+        # Failed loads whose reads may still write into their blocks (a
+        # Mooncake read cannot be cancelled): request id -> (blocks, since).
+        # Reported to vLLM only once nothing can write there any more: until
+        # then the blocks stay the request's, never another's.
+        self._draining: dict[str, tuple[Refs, float]] = {}
         self._recved: set[str] = set()
         self._failed: set[str] = set()
         self._meta: ConnexMetadata | None = None
@@ -252,8 +260,8 @@ class ConnexWorker:
         if host is not None:
             logger.info("mooncake: this engine publishes %s (the connector's host)", host)
 
-    def _refs(self, rids: list[int], block_ids: list[int]) -> list[tuple[int, int, int]]:
-        refs: list[tuple[int, int, int]] = []
+    def _refs(self, rids: list[int], block_ids: list[int]) -> Refs:
+        refs: Refs = []
         for rid, layer in zip(rids, self.layers, strict=True):
             refs += layer.refs(rid, block_ids)
         return refs
@@ -336,20 +344,21 @@ class ConnexWorker:
             load.error = "this engine is not a KV consumer (kv_role)"
         if load.error is None and self.reader is not None:
             try:
-                pull = self._pull(load)
+                pull, dest = self._pull(load)
             except Exception as err:
                 load.error = str(err) or type(err).__name__
             else:
-                self._pulls[load.req_id] = (pull, load)
+                self._pulls[load.req_id] = (pull, load, dest)
                 return
         logger.error("kv load failed: request %s: %s", load.req_id, load.error)
         self.counters.pull_failures += 1
         self._recved.add(load.req_id)
         self._failed.add(load.req_id)
 
-    def _pull(self, load: LoadSpec) -> _transfer.Pull | StagedPull:
-        """Starts the pull of `load` into its local blocks, directly or through
-        host memory, after checking its arguments (the scheduler checked them
+    def _pull(self, load: LoadSpec) -> tuple[_transfer.Pull | StagedPull, Refs | None]:
+        """Starts the pull of `load` into its local blocks, directly (with the
+        blocks it writes) or through host memory (the staged pull watches its
+        own buffer), after checking its arguments (the scheduler checked them
         too; this side must not trust a pickle)."""
         assert self.reader is not None
         check_transfer_id(load.transfer_id)
@@ -363,13 +372,15 @@ class ConnexWorker:
         select = self._select(load)
         timeout_s = self.cfg.pull_timeout_s
         if self.staged_reads is not None:
-            return self.staged_reads.pull_async(
+            staged = self.staged_reads.pull_async(
                 ctrl, load.transfer_id, load.epoch, ids, timeout_s=timeout_s, select=select
             )
+            return staged, None
         dest = self._refs(self._reader_rids, ids)
-        return self.reader.pull_async(
+        pull = self.reader.pull_async(
             ctrl, load.transfer_id, load.epoch, dest, timeout_s=timeout_s, select=select
         )
+        return pull, dest
 
     def _select(self, load: LoadSpec) -> list[int] | None:
         """The hold's block refs to pull when `load` needs only some of its
@@ -395,11 +406,10 @@ class ConnexWorker:
             sending = self._freed & self._finished
             self._freed -= sending
             self._finished -= sending
-        for req_id, (pull, load) in list(self._pulls.items()):
+        for req_id, (pull, load, dest) in list(self._pulls.items()):
             if not pull.done():
                 continue
             del self._pulls[req_id]
-            self._recved.add(req_id)
             try:
                 self.counters.pulled(pull.result())
             except Exception as err:
@@ -412,10 +422,34 @@ class ConnexWorker:
                     load.epoch,
                     err,
                 )
+                if dest is not None and self._writing_into(dest):
+                    logger.warning(
+                        "kv load of request %s failed with reads still queued: its blocks "
+                        "stay with it until those reads end",
+                        req_id,
+                    )
+                    self._draining[req_id] = (dest, time.monotonic())
+                    continue
                 self._failed.add(req_id)
+            self._recved.add(req_id)
+        for req_id, (dest, since) in list(self._draining.items()):
+            if self._writing_into(dest):
+                continue
+            del self._draining[req_id]
+            logger.info(
+                "queued reads of request %s ended after %.1f s: its failed load is reported",
+                req_id,
+                time.monotonic() - since,
+            )
+            self._recved.add(req_id)
+            self._failed.add(req_id)
         recving, failed = self._recved, self._failed
         self._recved, self._failed = set(), set()
         return sending, recving, failed
+
+    def _writing_into(self, dest: Refs) -> bool:
+        """Whether a pull may still write into `dest` (see `_draining`)."""
+        return self.reader is not None and self.reader.writing_into(dest)
 
     def take_stats(self) -> dict[str, Any] | None:
         """What changed since the last call, as ConnexKVStats data; None when

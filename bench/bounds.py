@@ -1,0 +1,278 @@
+"""bench/run bounds: what abuse costs a router's memory, beside healthy streams.
+
+A router with its default flags, one mock prefill and two mock decoders, under
+each of three abuses, while 100 healthy streamed completions run beside it:
+  bodies     8 concurrent 30 MB request bodies (prompts of 15 M token ids) to
+             the served model, sent 3 times over;
+  kv_events  1,000 registrants, each reporting 16,384 prompt blocks as KV
+             events (16 M blocks offered to the prefix index);
+  flood      a decoder that answers one token and then 512 KiB events of text
+             without tokens, without end (every healthy stream it serves is
+             resumed on the other decoder).
+For each: the router's peak RSS above its idle RSS (VmHWM, /proc), the healthy
+streams that failed (must be 0) and how the abuse was answered. Last line
+`router_peak_rss_mib_under_abuse=<the largest of the three>`.
+
+Usage: python3 bench/bounds.py BIN_DIR
+"""
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+HEALTHY = 100
+HEALTHY_TOKENS = 200
+DECODE_US = "10000"
+BODY_IDS = 15_000_000
+REGISTRANTS = 1000
+BLOCKS_PER_REGISTRANT = 16_384
+
+
+class Cluster:
+    """A router with its default flags, a prefill and decoders d0, d1."""
+
+    def __init__(self, bin_dir, logs, name, d0_flags=()):
+        self.procs = []
+        self.logs = logs
+        try:
+            self.router, self.internal = self.start(
+                f"{name}-router",
+                [f"{bin_dir}/connex-router", "serve", "--listen", "127.0.0.1:0"]
+                + ["--internal-listen", "127.0.0.1:0", "--admin-token", "bench"],
+            )
+            self.router_pid = self.procs[0].pid
+            engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", self.internal]
+            # 1 byte of KV a token: the prefill holds the 15 M-token prompts.
+            self.start(
+                f"{name}-prefill", engine + ["--role", "prefill", "--kv-bytes-per-token", "1"]
+            )
+            decoder = engine + ["--role", "decode", "--decode-us-per-token", DECODE_US]
+            decoder += ["--kv-bytes-per-token", "1"]
+            self.start(f"{name}-d0", decoder + ["--id", "d0", *d0_flags])
+            self.start(f"{name}-d1", decoder + ["--id", "d1"])
+            self.wait_ready(3)
+        except BaseException:
+            self.stop()
+            raise
+
+    def start(self, name, argv):
+        log = open(os.path.join(self.logs, f"{name}.log"), "w")
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**os.environ, "CONNEX_LOG": "warn"},
+        )
+        self.procs.append(proc)
+        internal = ""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if "internal API on " in line:
+                internal = line.split("internal API on ", 1)[1].strip()
+            if "listening on " in line:
+                return line.split("listening on ", 1)[1].strip(), internal
+        raise RuntimeError(f"{name} did not start; see {log.name}")
+
+    def wait_ready(self, count):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            req = urllib.request.Request(
+                f"{self.internal}/admin/instances", headers={"authorization": "Bearer bench"}
+            )
+            with urllib.request.urlopen(req) as reply:
+                ready = [i for i in json.load(reply)["data"] if i["state"] == "ready"]
+            if len(ready) >= count:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("engines did not register")
+
+    def rss_kib(self, field):
+        with open(f"/proc/{self.router_pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+        raise RuntimeError(f"no {field}")
+
+    def stop(self):
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def post(url, path, body, headers=None, timeout=120):
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, data, {"content-type": "application/json", **(headers or {})})
+    reply = conn.getresponse()
+    answer = reply.read()
+    conn.close()
+    return reply.status, answer
+
+
+class Healthy:
+    """HEALTHY streamed completions, each run again as soon as it ends, until
+    stopped; counts those that failed."""
+
+    def __init__(self, router):
+        self.router = router
+        self.stopping = threading.Event()
+        self.done = 0
+        self.failed = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(HEALTHY)]
+        for thread in self.threads:
+            thread.start()
+
+    def run(self, i):
+        while not self.stopping.is_set():
+            body = {
+                "model": "mock",
+                "prompt": f"healthy {i} {self.done}",
+                "max_tokens": HEALTHY_TOKENS,
+            }
+            body.update({"stream": True, "return_token_ids": True})
+            try:
+                status, answer = post(self.router, "/v1/completions", body)
+                tokens = answer.count(b'"token_ids":[') if status == 200 else 0
+                ok = status == 200 and b'"error"' not in answer and tokens >= 1
+                ok = ok and answer.rstrip().endswith(b"data: [DONE]")
+            except OSError as err:
+                ok, answer = False, str(err).encode()
+            with self.lock:
+                if ok:
+                    self.done += 1
+                else:
+                    self.failed.append(answer[:300])
+
+    def stop(self):
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join()
+
+
+def id_body(ids):
+    return b'{"model":"mock","max_tokens":4,"prompt":[' + b",".join([b"7"] * ids) + b"]}"
+
+
+def abuse_bodies(cluster):
+    body = id_body(BODY_IDS)
+    answers = {}
+    for _ in range(3):
+        results = []
+
+        def send(results=results):
+            try:
+                results.append(post(cluster.router, "/v1/completions", body))
+            except OSError:
+                # Refused before the body was sent (503 past the budget):
+                # the router closed the upload.
+                results.append(("refused mid-upload", b""))
+
+        threads = [threading.Thread(target=send) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for status, _ in results:
+            answers[status] = answers.get(status, 0) + 1
+    return "answers " + ", ".join(f"{n} x {s}" for s, n in sorted(answers.items(), key=str))
+
+
+def abuse_kv_events(cluster):
+    stored = 0
+    for n in range(REGISTRANTS):
+        url = f"http://127.0.0.1:{20000 + n}"
+        status, answer = post(
+            cluster.internal, "/v1/instances", {"role": "decode", "url": url, "model": "abuse"}
+        )
+        if status >= 300:
+            return f"registration {n} refused: {status} {answer[:200]}"
+        registered = json.loads(answer)
+        path = f"/v1/instances/{registered['id']}/kv-events"
+        credential = {"x-connex-credential": registered["credential"]}
+        for batch in range(2):
+            half = BLOCKS_PER_REGISTRANT // 2
+            first = n * BLOCKS_PER_REGISTRANT + batch * half
+            hashes = list(range(first, first + half))
+            parent = None if batch == 0 else first - 1
+            events = {
+                "events": [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": hashes,
+                        "parent_block_hash": parent,
+                        "token_ids": [(n + i) % 1000 for i in range(half)],
+                        "block_size": 1,
+                    }
+                ]
+            }
+            status, _ = post(cluster.internal, path, events, credential)
+            stored += half if status == 204 else 0
+    req = urllib.request.Request(
+        f"{cluster.internal}/admin/instances", headers={"authorization": "Bearer bench"}
+    )
+    with urllib.request.urlopen(req) as reply:
+        held = sum(i.get("prefix_index_blocks", 0) for i in json.load(reply)["data"])
+    return f"{stored} blocks reported, {held} indexed"
+
+
+def abuse_flood(cluster):
+    # d0 floods every stream it serves; the healthy load goes through it.
+    time.sleep(15)
+    with urllib.request.urlopen(f"{cluster.internal}/metrics") as reply:
+        text = reply.read().decode()
+    resumes = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("connex_resumes_total") and 'cause="protocol"' in line
+    )
+    return f"{resumes:.0f} streams cut from the flooding decoder and resumed"
+
+
+CASES = [
+    ("bodies", (), abuse_bodies),
+    ("kv_events", (), abuse_kv_events),
+    ("flood", ("--text-flood-after-tokens", "1"), abuse_flood),
+]
+
+
+def main():
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    bin_dir = sys.argv[1]
+    logs = tempfile.mkdtemp(prefix="connex-bench-bounds-")
+    print(f"bounds: router peak RSS above idle under abuse, beside {HEALTHY} healthy streams")
+    columns = ("idle_mib", "peak_mib", "above_mib", "failed", "served")
+    print(f"  {'case':<10} " + " ".join(f"{c:>9}" for c in columns) + "  abuse")
+    worst = 0.0
+    for name, d0_flags, abuse in CASES:
+        cluster = Cluster(bin_dir, logs, name, d0_flags)
+        try:
+            time.sleep(0.5)
+            idle = cluster.rss_kib("VmRSS") / 1024
+            healthy = Healthy(cluster.router)
+            outcome = abuse(cluster)
+            healthy.stop()
+            peak = cluster.rss_kib("VmHWM") / 1024
+        finally:
+            cluster.stop()
+        above = peak - idle
+        worst = max(worst, above)
+        values = (f"{idle:.1f}", f"{peak:.1f}", f"{above:.1f}", len(healthy.failed), healthy.done)
+        print(f"  {name:<10} " + " ".join(f"{v:>9}" for v in values) + f"  {outcome}")
+        for failure in healthy.failed[:3]:
+            print(f"    failed: {failure!r}")
+    print(f"router_peak_rss_mib_under_abuse={worst:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+//! `/v1/messages` (Anthropic's Messages API), streamed or not: a chat run
+//! through prefill/decode (`translated.rs`; `crate::protocols::messages`
+//! translates both ways). Every error of the route is in Anthropic's shape.
+
+use super::translated::{serve, Prepared, Translation};
+use crate::error::{ApiError, ANTHROPIC_PATH};
+use crate::protocols::messages::request::chat_body;
+use crate::protocols::messages::stream::Events;
+use crate::protocols::segments::ChatChunk;
+use crate::state::AppState;
+use crate::tenants::Caller;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde_json::Value;
+use std::sync::Arc;
+
+pub async fn create(
+    State(state): State<Arc<AppState>>,
+    caller: Option<Extension<Caller>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let caller = caller.map(|c| c.0);
+    let served = serve(
+        state,
+        ANTHROPIC_PATH,
+        caller,
+        None,
+        headers,
+        body,
+        async |_, request, _| {
+            let (echo, chat) = chat_body(&request)?;
+            let stream = echo.stream;
+            let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+            Ok(Prepared {
+                chat,
+                translation: MessageTranslation(Events::new(id, echo)),
+                stream,
+                background: None,
+            })
+        },
+    )
+    .await;
+    served.unwrap_or_else(|error| error.response_for(ANTHROPIC_PATH))
+}
+
+/// A message being made from its chat.
+struct MessageTranslation(Events);
+
+impl Translation for MessageTranslation {
+    fn start(&mut self) -> Vec<Value> {
+        self.0.start()
+    }
+
+    fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
+        self.0.chunk_typed(chunk)
+    }
+
+    fn finish(&mut self) -> (Vec<Value>, Value) {
+        self.0.finish()
+    }
+
+    fn fail(&mut self, error: &Value) -> (Vec<Value>, Value) {
+        self.0.fail(error)
+    }
+
+    fn answer(&self, whole: Value, failed: bool) -> Response {
+        if failed {
+            return ApiError::Unavailable("the generation failed".into())
+                .response_for(ANTHROPIC_PATH);
+        }
+        Json(whole).into_response()
+    }
+}

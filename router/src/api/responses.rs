@@ -1,0 +1,353 @@
+//! `/v1/responses`: create (streamed or not), retrieve and delete. A
+//! response is a chat run through prefill/decode (`translated.rs`;
+//! `crate::protocols::responses` translates both ways); stored ones live in
+//! the router's store, each its tenant's alone.
+
+use super::translated::{follow, follow_shared, serve, Prepared, Translation};
+use crate::error::ApiError;
+use crate::protocols::responses::mirror::CANCEL_POLL;
+use crate::protocols::responses::new_id;
+use crate::protocols::responses::output::as_input;
+use crate::protocols::responses::redis_store::{LogState, RedisStore};
+use crate::protocols::responses::request::{chat_body, check};
+use crate::protocols::responses::store::{StoreError, Stored};
+use crate::protocols::responses::stream::Events;
+use crate::protocols::segments::ChatChunk;
+use crate::server::AdmissionSlot;
+use crate::state::AppState;
+use crate::tenants::Caller;
+use axum::body::Body;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use futures_util::future::BoxFuture;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::Duration;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+pub async fn create(
+    State(state): State<Arc<AppState>>,
+    caller: Option<Extension<Caller>>,
+    admission: Option<Extension<AdmissionSlot>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let caller = caller.map(|c| c.0);
+    let admission = admission.map(|a| a.0);
+    serve(
+        state,
+        "/v1/responses",
+        caller,
+        admission,
+        headers,
+        body,
+        async |state, request, tenant| {
+            let (echo, input) = check(&request)?;
+            let mut items = match &echo.previous_response_id {
+                None => Vec::new(),
+                Some(id) => stored(state, id, tenant).await?.conversation,
+            };
+            items.extend(input);
+            let chat = chat_body(&echo, &items)?;
+            let created_at = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            let (stream, store, background) = (echo.stream, echo.store, echo.background);
+            let id = new_id("resp");
+            let events = Events::new(id.clone(), created_at, echo);
+            let background = if background {
+                let first = events.response("queued", Value::Null);
+                let live = state
+                    .live
+                    .open(&id, tenant, first)
+                    .ok_or(ApiError::Overloaded {
+                        limit: state.config.max_background_responses,
+                        retry_after_s: 1,
+                    })?;
+                Some(live)
+            } else {
+                None
+            };
+            Ok(Prepared {
+                chat,
+                translation: ResponseTranslation {
+                    state: state.clone(),
+                    events,
+                    store,
+                    items,
+                    tenant: tenant.to_string(),
+                    keeping: None,
+                },
+                stream,
+                background,
+            })
+        },
+    )
+    .await
+}
+
+/// A response being made from its chat.
+pub(super) struct ResponseTranslation {
+    state: Arc<AppState>,
+    events: Events,
+    store: bool,
+    /// The conversation up to this response (stored with its output).
+    items: Vec<Value>,
+    tenant: String,
+    /// The response to store once it has ended (by `keep`).
+    keeping: Option<(String, Stored)>,
+}
+
+impl Translation for ResponseTranslation {
+    fn start(&mut self) -> Vec<Value> {
+        self.events.start()
+    }
+
+    fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
+        self.events.chunk_typed(chunk)
+    }
+
+    fn finish(&mut self) -> (Vec<Value>, Value) {
+        let (events, whole) = self.events.finish();
+        if self.store {
+            let mut conversation = std::mem::take(&mut self.items);
+            conversation.extend(as_input(self.events.items()));
+            self.keep_as(&whole, conversation);
+        }
+        (events, whole)
+    }
+
+    fn fail(&mut self, error: &Value) -> (Vec<Value>, Value) {
+        self.events.fail(error)
+    }
+
+    fn cancel(&mut self) -> (Vec<Value>, Value) {
+        let (events, whole) = self.events.cancel();
+        // A cancelled background response stays readable as cancelled.
+        self.keep_as(&whole, Vec::new());
+        (events, whole)
+    }
+
+    fn keep(&mut self) -> Option<BoxFuture<'static, ()>> {
+        let (id, stored) = self.keeping.take()?;
+        let state = self.state.clone();
+        Some(Box::pin(async move {
+            match state.responses.put(&id, stored).await {
+                Ok(true) => {}
+                Ok(false) => tracing::warn!(id, "response larger than the whole store; not stored"),
+                Err(err) => tracing::warn!(id, %err, "response not stored"),
+            }
+        }))
+    }
+
+    fn origin(&self) -> Value {
+        json!({"store": self.store, "items": self.items})
+    }
+
+    fn checkpoint(&self) -> Value {
+        serde_json::to_value(&self.events).unwrap_or_default()
+    }
+
+    fn answer(&self, whole: Value, failed: bool) -> Response {
+        if failed {
+            let message = whole["error"]["message"].as_str().unwrap_or_default();
+            return ApiError::Unavailable(message.to_string()).into_response();
+        }
+        Json(whole).into_response()
+    }
+}
+
+impl ResponseTranslation {
+    /// The translation of a generation taken over from another replica:
+    /// `origin` and `checkpoint` as that replica wrote them.
+    pub(super) fn resumed(
+        state: Arc<AppState>,
+        origin: &Value,
+        checkpoint: Value,
+        tenant: &str,
+    ) -> Result<Self, serde_json::Error> {
+        Ok(Self {
+            state,
+            events: serde_json::from_value(checkpoint)?,
+            store: origin["store"].as_bool().unwrap_or(true),
+            items: serde_json::from_value(origin["items"].clone())?,
+            tenant: tenant.to_string(),
+            keeping: None,
+        })
+    }
+
+    /// Keeps `whole` (with `conversation`) once the last events are made.
+    fn keep_as(&mut self, whole: &Value, conversation: Vec<Value>) {
+        let id = whole["id"].as_str().unwrap_or_default().to_string();
+        let stored = Stored {
+            response: whole.clone(),
+            conversation,
+            tenant: self.tenant.clone(),
+        };
+        self.keeping = Some((id, stored));
+    }
+}
+
+/// The stored response `id` of `tenant`; another tenant's is not found.
+async fn stored(state: &AppState, id: &str, tenant: &str) -> Result<Stored, ApiError> {
+    state
+        .responses
+        .get(id)
+        .await
+        .map_err(store_unavailable)?
+        .filter(|stored| stored.tenant == tenant)
+        .ok_or_else(|| ApiError::NotFound(format!("response `{id}`")))
+}
+
+fn store_unavailable(err: StoreError) -> ApiError {
+    ApiError::Unavailable(err.to_string())
+}
+
+/// Background response `id` of `tenant` as the shared store has it, when it
+/// is another replica's (this one's are in `state.live`).
+async fn shared_log(
+    state: &AppState,
+    id: &str,
+    tenant: &str,
+) -> Option<(Arc<RedisStore>, LogState)> {
+    let shared = state.shared_responses.as_ref()?;
+    // The store down: no other replica's log can be read; what this replica
+    // stored meanwhile is still found (`stored`), or the caller is told the
+    // store is unavailable.
+    let log = shared.log_state(id).await.unwrap_or_default();
+    log.filter(|log| log.tenant == tenant)
+        .map(|log| (shared.clone(), log))
+}
+
+/// The tenant a caller is ("" without the gate's caller).
+fn tenant_of(caller: Option<Extension<Caller>>) -> String {
+    caller.map(|c| c.0.tenant.to_string()).unwrap_or_default()
+}
+
+/// `GET /v1/responses/{id}`: `stream=true` reads a background response's
+/// events again after `starting_after` and follows the rest.
+#[derive(Debug, serde::Deserialize)]
+pub struct Retrieve {
+    #[serde(default)]
+    stream: bool,
+    starting_after: Option<u64>,
+}
+
+pub async fn retrieve(
+    State(state): State<Arc<AppState>>,
+    caller: Option<Extension<Caller>>,
+    Path(id): Path<String>,
+    query: Result<Query<Retrieve>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text(), None))?;
+    let tenant = tenant_of(caller);
+    let live = state.live.get(&id, &tenant);
+    let shared = match live {
+        Some(_) => None,
+        None => shared_log(&state, &id, &tenant).await,
+    };
+    if query.stream {
+        if let Some(live) = live {
+            return Ok(follow(live, query.starting_after));
+        }
+        if let Some((store, _)) = shared {
+            return Ok(follow_shared(store, id, query.starting_after));
+        }
+        // A stored (not background) response, or none: nothing to stream.
+        stored(&state, &id, &tenant).await?;
+        return Err(ApiError::bad_request(
+            "only a background response can be streamed again",
+            Some("stream"),
+        ));
+    }
+    match (live, shared) {
+        (Some(live), _) if !live.done() => Ok(Json(live.response()).into_response()),
+        (None, Some((_, log))) if !log.done => Ok(Json(log.response).into_response()),
+        _ => Ok(Json(stored(&state, &id, &tenant).await?.response).into_response()),
+    }
+}
+
+/// `POST /v1/responses/{id}/cancel`: stops a background response's generation.
+pub async fn cancel(
+    State(state): State<Arc<AppState>>,
+    caller: Option<Extension<Caller>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let tenant = tenant_of(caller);
+    let Some(live) = state.live.get(&id, &tenant) else {
+        if let Some((store, log)) = shared_log(&state, &id, &tenant).await {
+            return cancel_elsewhere(&store, &id, log).await.map(Json);
+        }
+        stored(&state, &id, &tenant).await?;
+        return Err(ApiError::bad_request(
+            "only a background response can be cancelled",
+            None,
+        ));
+    };
+    if !live.done() {
+        live.cancel.cancel();
+        let mut changes = live.follow();
+        let waited = tokio::time::timeout(CANCEL_WAIT, async {
+            while !live.done() {
+                if changes.changed().await.is_err() {
+                    break;
+                }
+            }
+        })
+        .await;
+        if waited.is_err() {
+            tracing::warn!(
+                id,
+                "a cancelled background response did not stop within 5 s"
+            );
+        }
+    }
+    Ok(Json(live.response()))
+}
+
+/// How long a cancel waits for the generation to stop.
+const CANCEL_WAIT: Duration = Duration::from_secs(5);
+
+/// Cancels a background response that another replica generates: asks it
+/// through the store, and waits (bounded) for the store to say it is done.
+async fn cancel_elsewhere(store: &RedisStore, id: &str, log: LogState) -> Result<Value, ApiError> {
+    if log.done {
+        return Ok(log.response);
+    }
+    store.request_cancel(id).await.map_err(store_unavailable)?;
+    let deadline = tokio::time::Instant::now() + CANCEL_WAIT + 2 * CANCEL_POLL;
+    let mut last = log.response;
+    while tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(CANCEL_POLL / 2).await;
+        match store.log_state(id).await.map_err(store_unavailable)? {
+            Some(log) if log.done => return Ok(log.response),
+            Some(log) => last = log.response,
+            None => break,
+        }
+    }
+    tracing::warn!(
+        id,
+        "a background response cancelled through the store did not stop in time"
+    );
+    Ok(last)
+}
+
+pub async fn delete(
+    State(state): State<Arc<AppState>>,
+    caller: Option<Extension<Caller>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    stored(&state, &id, &tenant_of(caller)).await?;
+    state
+        .responses
+        .delete(&id)
+        .await
+        .map_err(store_unavailable)?;
+    Ok(Json(
+        json!({"id": id, "object": "response.deleted", "deleted": true}),
+    ))
+}

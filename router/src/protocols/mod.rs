@@ -1,0 +1,46 @@
+//! Client protocols beyond OpenAI's chat and completions wire formats, each
+//! translated to and from a chat completion run through prefill/decode (so a
+//! decoder failure resumes them as it resumes chat): OpenAI's Responses and
+//! Anthropic's Messages, both cut into the same segments (`segments.rs`).
+
+pub mod messages;
+pub mod responses;
+pub mod segments;
+
+use crate::error::ApiError;
+use serde_json::{Map, Value};
+
+/// A request field checked for its JSON type: its name, what it must be (for
+/// the error) and the check.
+pub type Shape = (&'static str, &'static str, fn(&Value) -> bool);
+
+/// A 400 about `param`.
+pub fn bad(message: impl Into<String>, param: &'static str) -> ApiError {
+    ApiError::bad_request(message, Some(param))
+}
+
+/// The checks every translated request starts with: no field outside
+/// `known` (400 naming it: never dropped in silence), the fields of `shapes`
+/// of their JSON type when set, and a `model`; returns the model.
+pub fn check_fields(
+    body: &Map<String, Value>,
+    protocol: &str,
+    known: &[&str],
+    shapes: &[Shape],
+) -> Result<String, ApiError> {
+    if let Some(unknown) = body.keys().find(|k| !known.contains(&k.as_str())) {
+        return Err(ApiError::bad_request(
+            format!("`{unknown}` is not a {protocol} request field this router serves"),
+            None,
+        ));
+    }
+    for (key, kind, fits) in shapes {
+        if body.get(*key).is_some_and(|v| !v.is_null() && !fits(v)) {
+            return Err(bad(format!("`{key}` must be {kind}"), key));
+        }
+    }
+    match body.get("model") {
+        Some(Value::String(model)) if !model.is_empty() => Ok(model.clone()),
+        _ => Err(bad("`model` must be a non-empty string", "model")),
+    }
+}

@@ -1,0 +1,25 @@
+//! OpenAI's Responses API (`/v1/responses`) on the router's chat path.
+//!
+//! A request is translated to a chat completion (`request.rs`): its input
+//! items (and, with `previous_response_id`, the stored conversation before
+//! them) become chat messages, its tools chat tools. The chat runs through
+//! prefill and decode like any other, resumed on a decoder failure; its
+//! answer becomes output items (`output.rs`), or its stream Responses events
+//! with sequence numbers (`stream.rs`). Responses are kept in a bounded store
+//! (`store.rs`) unless `store: false`, so the next turn can be served by any
+//! prefill and decoder: in this process, or in Redis, which every replica
+//! shares (`redis_store.rs`; a background response's events are copied
+//! there as they come, `mirror.rs`).
+
+pub mod live;
+pub mod mirror;
+pub mod output;
+pub mod redis_store;
+pub mod request;
+pub mod store;
+pub mod stream;
+
+/// A new item or response id with its OpenAI prefix.
+pub fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
+}

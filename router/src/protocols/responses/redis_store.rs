@@ -1,0 +1,734 @@
+//! The response store every router replica shares: Redis (`--response-store
+//! redis://...`). Stored responses, and each background response's event log,
+//! live there, so that any replica answers `GET /v1/responses/{id}` (and its
+//! `?stream=true&starting_after=N`), `previous_response_id`, `DELETE` and
+//! `cancel`, whichever replica made the response.
+//!
+//! Keys (each with the store's TTL, so that nothing outlives it; one Redis
+//! or a Sentinel-managed primary: the scripts touch a response's keys and the
+//! set of running ones together, which Redis Cluster does not allow):
+//! - `PREFIX{ID}:stored`: the stored response and its conversation (JSON).
+//! - `PREFIX{ID}:bg`: a background response's tenant, response as it stands,
+//!   and whether it is done (a hash).
+//! - `PREFIX{ID}:events`: its events, a Redis Stream whose entry ids are
+//!   `0-(sequence_number + 1)`: any replica reads after any sequence number
+//!   (`XREAD` is exclusive of the id given) and blocks for the live tail.
+//! - `PREFIX{ID}:cancel`: set by a `cancel` on any replica; the replica
+//!   generating the response polls it.
+//! - `PREFIX{ID}:origin`: the request as translated (the chat, the tenant,
+//!   the conversation), and `PREFIX{ID}:checkpoint`: the generation's
+//!   progress as of the last events written (`pd::checkpoint`, and the
+//!   Responses events' state), written with them: what another replica
+//!   continues from.
+//! - `PREFIX{ID}:lease`: the generating replica's claim (a token of its own,
+//!   renewed with every write, `--response-lease-ms`), and `PREFIXrunning`:
+//!   the ids of running responses by lease expiry. A replica whose lease was
+//!   taken can no longer write (its appends are fenced by the token).
+//!
+//! Redis down: what a replica stores goes to its own memory (found again by
+//! it alone, never by another), every call is bounded by the store's timeout,
+//! and `/ready` says `response_store: unavailable`; serving goes on.
+
+use super::store::{MemoryStore, ResponseStore, StoreError, StoreResult, Stored};
+use futures_util::future::BoxFuture;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::streams::StreamReadReply;
+use redis::AsyncCommands;
+use serde_json::Value;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// How to reach the store.
+#[derive(Debug, Clone)]
+pub struct RedisSettings {
+    /// `redis://HOST:PORT[/DB]` or `rediss://...` (TLS).
+    pub url: String,
+    pub password: Option<String>,
+    /// CA certificate (PEM) the server's certificate must chain to
+    /// (`rediss://`; without it, the system's roots).
+    pub ca_file: Option<PathBuf>,
+    /// Prefix of every key (replicas of one cluster share it).
+    pub prefix: String,
+    /// Time every key lives (refreshed as a background response is written).
+    pub ttl: Duration,
+    /// Bound of each call (and of each connection attempt).
+    pub timeout: Duration,
+    /// How long a replica's claim on a background response it generates
+    /// lasts unrenewed: past it, another replica takes the generation over.
+    pub lease: Duration,
+    /// Most bytes of one stored response (larger ones are not stored).
+    pub max_bytes: usize,
+    /// Bounds of the memory that holds what is stored while Redis is down.
+    pub fallback_count: usize,
+}
+
+/// Why the store could not be set up (a start error).
+#[derive(Debug, thiserror::Error)]
+pub enum RedisSetupError {
+    #[error("--response-store {0}: give redis://HOST:PORT[/DB] or rediss://...")]
+    Scheme(String),
+    #[error("--response-store: {0}")]
+    Url(redis::RedisError),
+    #[error(
+        "--response-store carries a password: give it with --response-store-password-file \
+         or CONNEX_RESPONSE_STORE_PASSWORD (a URL shows in `ps` and in logs)"
+    )]
+    PasswordInUrl,
+    #[error("cannot read --response-store-ca-file {path}: {source}")]
+    CaFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("--response-store-ca-file needs a rediss:// URL")]
+    CaWithoutTls,
+}
+
+/// A background response as the store has it.
+#[derive(Debug, Clone)]
+pub struct LogState {
+    pub tenant: String,
+    pub response: Value,
+    pub done: bool,
+}
+
+/// Appends a background response's events past those already there (so that
+/// a retried append writes each event once), sets its state and checkpoint
+/// (and its origin, once), and renews the writer's lease on it; all at once,
+/// and only while the lease is the writer's (another replica that took the
+/// generation over has it: -1, and nothing is written). Done: the lease and
+/// the response's place among the running ones go. Returns whether a cancel
+/// was asked (1) or not (0): the writer needs no call of its own to know.
+/// KEYS: state hash, events stream, checkpoint, lease, running set, cancel,
+/// origin.
+/// ARGV: ttl seconds, tenant, response, done (0/1), lease token, lease ms,
+/// checkpoint ('' keeps the last), response id, origin ('' none), then
+/// sequence number and event, pairs.
+const APPEND: &str = r"
+local holder = redis.call('GET', KEYS[4])
+if holder and holder ~= ARGV[5] then return -1 end
+local last = 0
+local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+if #top > 0 then last = tonumber(string.match(top[1][1], '%-(%d+)$')) end
+for i = 10, #ARGV, 2 do
+  local n = tonumber(ARGV[i]) + 1
+  if n > last then
+    redis.call('XADD', KEYS[2], '0-' .. n, 'e', ARGV[i + 1])
+    last = n
+  end
+end
+redis.call('HSET', KEYS[1], 'tenant', ARGV[2], 'response', ARGV[3], 'done', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if last > 0 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+if ARGV[7] ~= '' then redis.call('SET', KEYS[3], ARGV[7], 'EX', ARGV[1]) end
+if ARGV[9] ~= '' then redis.call('SET', KEYS[7], ARGV[9], 'EX', ARGV[1]) end
+if ARGV[4] == '1' then
+  redis.call('DEL', KEYS[4])
+  redis.call('ZREM', KEYS[5], ARGV[8])
+else
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('SET', KEYS[4], ARGV[5], 'PX', ARGV[6])
+  redis.call('ZADD', KEYS[5], now + tonumber(ARGV[6]), ARGV[8])
+end
+return redis.call('EXISTS', KEYS[6])
+";
+
+/// Claims running responses whose lease expired (their replica is gone): for
+/// each, a lease of the claimer's, set only where none is (one winner).
+/// KEYS: running set. ARGV: token, lease ms, key prefix, most to claim.
+/// Returns the ids won.
+const CLAIM: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[4]))
+local won = {}
+for _, id in ipairs(due) do
+  local lease = ARGV[3] .. '{' .. id .. '}:lease'
+  if redis.call('SET', lease, ARGV[1], 'NX', 'PX', ARGV[2]) then
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
+    table.insert(won, id)
+  end
+end
+return won
+";
+
+/// Lets a lease go (its holder stops): the response is due at once.
+/// KEYS: lease, running set. ARGV: token, response id.
+const RELEASE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('ZADD', KEYS[2], 0, ARGV[2])
+end
+return 1
+";
+
+/// Why an append wrote nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum AppendError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// Another replica holds the lease: it took the generation over.
+    #[error("another replica took the response over")]
+    Fenced,
+}
+
+/// What a replica that takes a background response over starts from.
+#[derive(Debug)]
+pub struct Taken {
+    pub state: LogState,
+    /// What the generating replica wrote once, at the start (`publish`).
+    pub origin: Value,
+    /// The last checkpoint (with the last events written).
+    pub checkpoint: Option<Value>,
+    pub events: Vec<Value>,
+}
+
+/// Most events one read returns.
+const READ_COUNT: usize = 512;
+
+pub struct RedisStore {
+    client: redis::Client,
+    claim: redis::Script,
+    release: redis::Script,
+    /// Connected on first use (a router starts while Redis is down) and
+    /// reconnecting by itself after.
+    manager: tokio::sync::Mutex<Option<ConnectionManager>>,
+    settings: RedisSettings,
+    append: redis::Script,
+    /// What was stored while Redis could not be reached.
+    fallback: MemoryStore,
+    /// Whether the last call reached Redis.
+    up: AtomicBool,
+    /// When connecting last failed: calls fail at once for a while after
+    /// (each would otherwise wait its timeout, one after the other, on the
+    /// connection lock).
+    connect_failed: std::sync::Mutex<Option<tokio::time::Instant>>,
+}
+
+/// How long after a failed connect calls fail without trying again.
+const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.settings.prefix)
+            .field("up", &self.up.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// The store at `settings.url`; nothing is connected yet.
+    pub fn new(settings: RedisSettings) -> Result<Self, RedisSetupError> {
+        let tls = match settings.url.split_once("://").map(|(scheme, _)| scheme) {
+            Some("redis") => false,
+            Some("rediss") => true,
+            _ => return Err(RedisSetupError::Scheme(settings.url.clone())),
+        };
+        let info = redis::IntoConnectionInfo::into_connection_info(settings.url.as_str())
+            .map_err(RedisSetupError::Url)?;
+        if info.redis_settings().password().is_some() {
+            return Err(RedisSetupError::PasswordInUrl);
+        }
+        let info = match &settings.password {
+            Some(password) => {
+                let redis = info.redis_settings().clone().set_password(password);
+                info.set_redis_settings(redis)
+            }
+            None => info,
+        };
+        let client = match &settings.ca_file {
+            None => redis::Client::open(info),
+            Some(_) if !tls => return Err(RedisSetupError::CaWithoutTls),
+            Some(path) => {
+                let root_cert = std::fs::read(path).map_err(|source| RedisSetupError::CaFile {
+                    path: path.clone(),
+                    source,
+                })?;
+                let certs = redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(root_cert),
+                };
+                redis::Client::build_with_tls(info, certs)
+            }
+        }
+        .map_err(RedisSetupError::Url)?;
+        Ok(Self {
+            client,
+            manager: tokio::sync::Mutex::new(None),
+            fallback: MemoryStore::new(settings.fallback_count, settings.max_bytes),
+            append: redis::Script::new(APPEND),
+            claim: redis::Script::new(CLAIM),
+            release: redis::Script::new(RELEASE),
+            settings,
+            up: AtomicBool::new(true),
+            connect_failed: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// Whether the last call reached Redis.
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Relaxed)
+    }
+
+    /// Whether Redis answers: the last call's word, or, when that failed, a
+    /// `PING` now (so that a store back up is seen without traffic).
+    pub async fn check(&self) -> bool {
+        self.is_up()
+            || self
+                .call("ping", async |conn| {
+                    redis::cmd("PING").query_async::<String>(conn).await
+                })
+                .await
+                .is_ok()
+    }
+
+    fn key(&self, id: &str, what: &str) -> String {
+        format!("{}{{{id}}}:{what}", self.settings.prefix)
+    }
+
+    fn manager_config(&self) -> ConnectionManagerConfig {
+        ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.settings.timeout))
+            .set_response_timeout(Some(self.settings.timeout))
+            .set_number_of_retries(1)
+    }
+
+    /// The shared connection, connecting it first if need be.
+    async fn conn(&self) -> StoreResult<ConnectionManager> {
+        let failed_lately = || {
+            self.connect_failed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some_and(|at| at.elapsed() < RECONNECT_BACKOFF)
+        };
+        let backing_off = || StoreError::Unavailable("cannot connect (retrying shortly)".into());
+        if failed_lately() {
+            return Err(backing_off());
+        }
+        let mut manager = self.manager.lock().await;
+        if let Some(manager) = manager.as_ref() {
+            return Ok(manager.clone());
+        }
+        // Another caller failed while this one waited for the lock.
+        if failed_lately() {
+            return Err(backing_off());
+        }
+        let connecting = self
+            .client
+            .get_connection_manager_with_config(self.manager_config());
+        let made = self
+            .bounded("connect", self.settings.timeout, connecting)
+            .await;
+        *self
+            .connect_failed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = made.is_err().then(tokio::time::Instant::now);
+        let made = made?;
+        *manager = Some(made.clone());
+        Ok(made)
+    }
+
+    /// A connection of its own, for blocking reads (one blocked on a shared
+    /// connection would hold up every call behind it).
+    pub async fn reader(&self) -> StoreResult<MultiplexedConnection> {
+        // Each read bounds itself (the store's timeout plus its block).
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.settings.timeout))
+            .set_response_timeout(None);
+        let connecting = self
+            .client
+            .get_multiplexed_async_connection_with_config(&config);
+        self.bounded("connect", self.settings.timeout, connecting)
+            .await
+    }
+
+    /// Runs `call` on the shared connection within the store's timeout.
+    async fn call<T, F>(&self, op: &'static str, call: F) -> StoreResult<T>
+    where
+        F: AsyncFnOnce(&mut ConnectionManager) -> redis::RedisResult<T>,
+    {
+        let mut conn = self.conn().await?;
+        self.bounded(op, self.settings.timeout, call(&mut conn))
+            .await
+    }
+
+    /// `work` within `bound`: its failure, or its taking longer, is the store
+    /// being unavailable; observed as `op`.
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        bound: Duration,
+        work: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> StoreResult<T> {
+        let result = tokio::time::timeout(bound, work)
+            .await
+            .map_err(|_| StoreError::Unavailable(format!("{op} timed out")))
+            .and_then(|r| r.map_err(|err| StoreError::Unavailable(err.to_string())));
+        self.observe(op, result)
+    }
+
+    /// Notes whether Redis answered, and counts the failures.
+    fn observe<T>(&self, op: &'static str, result: StoreResult<T>) -> StoreResult<T> {
+        let up = result.is_ok();
+        if self.up.swap(up, Ordering::Relaxed) != up {
+            if up {
+                tracing::info!("the response store is reachable again");
+            } else if let Err(err) = &result {
+                tracing::warn!(op, %err, "the response store is unreachable; degraded to this replica's memory");
+            }
+        }
+        metrics::gauge!(crate::metrics::RESPONSE_STORE_UP).set(if up { 1.0 } else { 0.0 });
+        if !up {
+            metrics::counter!(crate::metrics::RESPONSE_STORE_ERRORS, "op" => op).increment(1);
+        }
+        result
+    }
+
+    fn ttl_s(&self) -> u64 {
+        self.settings.ttl.as_secs().max(1)
+    }
+
+    async fn put_shared(&self, id: &str, stored: &Stored) -> StoreResult<()> {
+        let key = self.key(id, "stored");
+        let text =
+            serde_json::to_string(stored).map_err(|err| StoreError::Malformed(err.to_string()))?;
+        let ttl = self.ttl_s();
+        self.call("put", async |conn| conn.set_ex(key, text, ttl).await)
+            .await
+    }
+
+    async fn get_shared(&self, id: &str) -> StoreResult<Option<Stored>> {
+        let key = self.key(id, "stored");
+        let text: Option<Vec<u8>> = self.call("get", async |conn| conn.get(key).await).await?;
+        text.map(|text| {
+            serde_json::from_slice(&text).map_err(|err| StoreError::Malformed(err.to_string()))
+        })
+        .transpose()
+    }
+
+    pub fn lease(&self) -> Duration {
+        self.settings.lease
+    }
+
+    fn running_key(&self) -> String {
+        format!("{}running", self.settings.prefix)
+    }
+
+    /// Appends `events` of background response `id` (those already there are
+    /// skipped), sets its state and `checkpoint` (None: the last one stays)
+    /// and `origin` (given once), and renews the lease `token` holds on it.
+    /// Returns whether a cancel was asked for it (on any replica).
+    pub async fn append(
+        &self,
+        id: &str,
+        token: &str,
+        state: &LogState,
+        events: &[Value],
+        checkpoint: Option<&Value>,
+        origin: Option<&Value>,
+    ) -> Result<bool, AppendError> {
+        let mut invocation = self.append.prepare_invoke();
+        invocation
+            .key(self.key(id, "bg"))
+            .key(self.key(id, "events"))
+            .key(self.key(id, "checkpoint"))
+            .key(self.key(id, "lease"))
+            .key(self.running_key())
+            .key(self.key(id, "cancel"))
+            .key(self.key(id, "origin"))
+            .arg(self.ttl_s())
+            .arg(&state.tenant)
+            .arg(state.response.to_string())
+            .arg(u8::from(state.done))
+            .arg(token)
+            .arg(self.lease_ms())
+            .arg(checkpoint.map(Value::to_string).unwrap_or_default())
+            .arg(id)
+            .arg(origin.map(Value::to_string).unwrap_or_default());
+        for event in events {
+            let Some(n) = event["sequence_number"].as_u64() else {
+                continue;
+            };
+            invocation.arg(n).arg(event.to_string());
+        }
+        let answer: i64 = self
+            .call("append", async |conn| invocation.invoke_async(conn).await)
+            .await?;
+        match answer {
+            -1 => Err(AppendError::Fenced),
+            cancelled => Ok(cancelled == 1),
+        }
+    }
+
+    fn lease_ms(&self) -> u64 {
+        u64::try_from(self.settings.lease.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
+    /// Claims up to `most` running responses whose lease expired, for
+    /// `token`; returns the ids won (no other replica wins them).
+    pub async fn claim_expired(&self, token: &str, most: usize) -> StoreResult<Vec<String>> {
+        let mut invocation = self.claim.prepare_invoke();
+        invocation
+            .key(self.running_key())
+            .arg(token)
+            .arg(self.lease_ms())
+            .arg(&self.settings.prefix)
+            .arg(most);
+        self.call("claim", async |conn| invocation.invoke_async(conn).await)
+            .await
+    }
+
+    /// Lets the lease `token` holds on `id` go, for another replica to claim.
+    pub async fn release_lease(&self, id: &str, token: &str) -> StoreResult<()> {
+        let mut invocation = self.release.prepare_invoke();
+        invocation
+            .key(self.key(id, "lease"))
+            .key(self.running_key())
+            .arg(token)
+            .arg(id);
+        self.call("release", async |conn| {
+            invocation.invoke_async::<i64>(conn).await.map(|_| ())
+        })
+        .await
+    }
+
+    /// Removes `id` from the running responses (its keys are gone).
+    pub async fn forget_running(&self, id: &str) -> StoreResult<()> {
+        let (running, lease) = (self.running_key(), self.key(id, "lease"));
+        self.call("forget", async |conn| {
+            redis::pipe()
+                .zrem(running, id)
+                .del(lease)
+                .query_async::<()>(conn)
+                .await
+        })
+        .await
+    }
+
+    /// What a replica that won background response `id` continues from.
+    pub async fn taken(&self, id: &str) -> StoreResult<Option<Taken>> {
+        let Some(state) = self.log_state(id).await? else {
+            return Ok(None);
+        };
+        let keys = [self.key(id, "origin"), self.key(id, "checkpoint")];
+        let [origin, checkpoint]: [Option<String>; 2] = self
+            .call("taken", async |conn| conn.mget(&keys).await)
+            .await?;
+        let parse = |text: String| {
+            serde_json::from_str::<Value>(&text)
+                .map_err(|err| StoreError::Malformed(err.to_string()))
+        };
+        let Some(origin) = origin.map(parse).transpose()? else {
+            return Ok(None);
+        };
+        let checkpoint = checkpoint.map(parse).transpose()?;
+        let mut conn = self.reader().await?;
+        let mut events: Vec<Value> = Vec::new();
+        loop {
+            let after = events.last().and_then(|e| e["sequence_number"].as_u64());
+            let more = self.read_events(&mut conn, id, after, None).await?;
+            if more.is_empty() {
+                break;
+            }
+            events.extend(more);
+        }
+        Ok(Some(Taken {
+            state,
+            origin,
+            checkpoint,
+            events,
+        }))
+    }
+
+    /// Background response `id` as the store has it (None: no such one, or
+    /// its keys expired).
+    pub async fn log_state(&self, id: &str) -> StoreResult<Option<LogState>> {
+        let key = self.key(id, "bg");
+        let fields: std::collections::HashMap<String, String> = self
+            .call("state", async |conn| conn.hgetall(key).await)
+            .await?;
+        let (Some(tenant), Some(response)) = (fields.get("tenant"), fields.get("response")) else {
+            return Ok(None);
+        };
+        let response =
+            serde_json::from_str(response).map_err(|err| StoreError::Malformed(err.to_string()))?;
+        Ok(Some(LogState {
+            tenant: tenant.clone(),
+            response,
+            done: fields.get("done").is_some_and(|d| d == "1"),
+        }))
+    }
+
+    /// Events of background response `id` after sequence number `after` (all,
+    /// without one), at most READ_COUNT; waits up to `block` for one when
+    /// there are none yet (on `conn`, a connection of the caller's).
+    pub async fn read_events(
+        &self,
+        conn: &mut MultiplexedConnection,
+        id: &str,
+        after: Option<u64>,
+        block: Option<Duration>,
+    ) -> StoreResult<Vec<Value>> {
+        let from = after.map_or_else(|| "0-0".to_string(), |n| format!("0-{}", n + 1));
+        let mut options = redis::streams::StreamReadOptions::default().count(READ_COUNT);
+        if let Some(block) = block {
+            options = options.block(block.as_millis().try_into().unwrap_or(usize::MAX));
+        }
+        let bound = self.settings.timeout + block.unwrap_or_default();
+        let key = self.key(id, "events");
+        let (keys, ids) = ([key], [from]);
+        let reading = conn.xread_options::<_, _, Option<StreamReadReply>>(&keys, &ids, &options);
+        let reply = self.bounded("read", bound, reading).await?;
+        let mut events = Vec::new();
+        for stream in reply.map(|r| r.keys).unwrap_or_default() {
+            for entry in stream.ids {
+                let Some(redis::Value::BulkString(bytes)) = entry.map.get("e") else {
+                    continue;
+                };
+                events.push(
+                    serde_json::from_slice(bytes)
+                        .map_err(|err| StoreError::Malformed(err.to_string()))?,
+                );
+            }
+        }
+        Ok(events)
+    }
+
+    /// Asks the replica generating background response `id` to stop it.
+    pub async fn request_cancel(&self, id: &str) -> StoreResult<()> {
+        let key = self.key(id, "cancel");
+        let ttl = self.ttl_s();
+        self.call("cancel", async |conn| conn.set_ex(key, 1u8, ttl).await)
+            .await
+    }
+
+    /// Whether some replica asked to stop background response `id`.
+    pub async fn cancel_requested(&self, id: &str) -> StoreResult<bool> {
+        let key = self.key(id, "cancel");
+        self.call("cancel", async |conn| conn.exists(key).await)
+            .await
+    }
+}
+
+impl ResponseStore for RedisStore {
+    fn put<'a>(&'a self, id: &'a str, stored: Stored) -> BoxFuture<'a, StoreResult<bool>> {
+        Box::pin(async move {
+            if stored.bytes() > self.settings.max_bytes {
+                return Ok(false);
+            }
+            match self.put_shared(id, &stored).await {
+                Ok(()) => Ok(true),
+                Err(err) => {
+                    tracing::warn!(id, %err, "response kept in this replica's memory only");
+                    Ok(self.fallback.put_now(id, stored))
+                }
+            }
+        })
+    }
+
+    fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, StoreResult<Option<Stored>>> {
+        Box::pin(async move {
+            match self.get_shared(id).await {
+                Ok(Some(stored)) => Ok(Some(stored)),
+                // Stored here while Redis was down (no other replica has it).
+                Ok(None) => Ok(self.fallback.get_now(id)),
+                Err(err) => self.fallback.get_now(id).map(Some).ok_or(err),
+            }
+        })
+    }
+
+    fn delete<'a>(&'a self, id: &'a str) -> BoxFuture<'a, StoreResult<bool>> {
+        Box::pin(async move {
+            let local = self.fallback.delete_now(id);
+            let keys = [self.key(id, "stored")];
+            match self
+                .call("delete", async |conn| conn.del::<_, u64>(&keys).await)
+                .await
+            {
+                Ok(n) => Ok(n > 0 || local),
+                Err(_) if local => Ok(true),
+                Err(err) => Err(err),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(url: &str) -> RedisSettings {
+        RedisSettings {
+            url: url.into(),
+            password: None,
+            ca_file: None,
+            prefix: "t:".into(),
+            ttl: Duration::from_secs(60),
+            timeout: Duration::from_millis(200),
+            lease: Duration::from_secs(1),
+            max_bytes: 1 << 20,
+            fallback_count: 8,
+        }
+    }
+
+    #[test]
+    fn urls_that_cannot_be_a_store_are_refused_at_start() {
+        let refused = |s: RedisSettings| RedisStore::new(s).err().map(|e| e.to_string());
+        assert!(refused(settings("http://127.0.0.1:6379")).is_some_and(|e| e.contains("redis://")));
+        assert!(refused(settings("redis://:pw@127.0.0.1:6379"))
+            .is_some_and(|e| e.contains("--response-store-password-file")));
+        let mut ca = settings("redis://127.0.0.1:6379");
+        ca.ca_file = Some("/nonexistent/ca.crt".into());
+        assert!(refused(ca).is_some_and(|e| e.contains("rediss://")));
+        assert!(RedisStore::new(settings("redis://127.0.0.1:6379/2")).is_ok());
+    }
+
+    /// A store that accepts connections and never answers (packets dropped
+    /// after the handshake): every call ends within its bound, and for a while
+    /// after a failed connect calls fail at once instead of each waiting.
+    #[tokio::test]
+    async fn a_silent_store_costs_each_call_its_timeout_and_then_nothing() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                open.push(socket);
+            }
+        });
+        let store = RedisStore::new(settings(&format!("redis://127.0.0.1:{port}")))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let started = tokio::time::Instant::now();
+        assert!(store.get("a").await.is_err());
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(!store.is_up());
+        let again = tokio::time::Instant::now();
+        let err = store.get("a").await.err().map(|e| e.to_string());
+        assert!(
+            again.elapsed() < Duration::from_millis(50),
+            "{:?}",
+            again.elapsed()
+        );
+        assert!(err.is_some_and(|e| e.contains("retrying shortly")));
+        // What is stored meanwhile stays in this replica's memory.
+        let stored = Stored {
+            response: serde_json::json!({"id": "b"}),
+            conversation: Vec::new(),
+            tenant: "t".into(),
+        };
+        tokio::time::sleep(RECONNECT_BACKOFF).await;
+        assert!(matches!(store.put("b", stored).await, Ok(true)));
+        assert!(matches!(store.get("b").await, Ok(Some(_))));
+        held.abort();
+    }
+}

@@ -1,0 +1,435 @@
+//! A Responses request, checked and translated to a chat completion body.
+
+use crate::error::ApiError;
+use crate::protocols::{bad, check_fields, Shape};
+use serde_json::{json, Map, Value};
+
+/// Fields a Responses request may carry. Anything else is refused (400), never
+/// dropped in silence.
+const KNOWN: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "stream",
+    "store",
+    "previous_response_id",
+    "reasoning",
+    "metadata",
+    "user",
+    "truncation",
+    "include",
+    "background",
+    "service_tier",
+    "top_logprobs",
+    "safety_identifier",
+    "prompt_cache_key",
+    "stream_options",
+];
+
+/// Fields checked for their JSON type (null is their absence).
+const SHAPES: &[Shape] = &[
+    ("include", "an array", Value::is_array),
+    ("text", "an object", Value::is_object),
+    ("reasoning", "an object", Value::is_object),
+    ("metadata", "an object", Value::is_object),
+    ("tools", "an array", Value::is_array),
+    ("user", "a string", Value::is_string),
+    ("parallel_tool_calls", "a boolean", Value::is_boolean),
+    ("temperature", "a number", Value::is_number),
+    ("top_p", "a number", Value::is_number),
+    (
+        "max_output_tokens",
+        "a positive integer",
+        is_positive_integer,
+    ),
+];
+
+fn is_positive_integer(value: &Value) -> bool {
+    value.as_u64().is_some_and(|n| n > 0)
+}
+
+/// What the response object echoes of its request, and how the router
+/// serves it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Echo {
+    pub model: String,
+    pub stream: bool,
+    pub store: bool,
+    /// Run apart from the request: its events kept for any reader (`live.rs`).
+    pub background: bool,
+    pub previous_response_id: Option<String>,
+    /// Request fields the response object repeats as they were asked.
+    pub fields: Map<String, Value>,
+}
+
+/// Checks `body` and returns its echo and its input items (as given).
+pub fn check(body: &Map<String, Value>) -> Result<(Echo, Vec<Value>), ApiError> {
+    let model = check_fields(body, "Responses", KNOWN, SHAPES)?;
+    let flag = |key: &'static str, default: bool| match body.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(bad(format!("`{key}` must be a boolean"), key)),
+    };
+    let background = flag("background", false)?;
+    if background && !flag("store", true)? {
+        return Err(bad(
+            "`background: true` needs `store` (not false)",
+            "background",
+        ));
+    }
+    match body.get("truncation") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(t)) if t == "disabled" => {}
+        Some(_) => {
+            return Err(bad(
+                "only `truncation: \"disabled\"` is served",
+                "truncation",
+            ))
+        }
+    }
+    let input = match body.get("input") {
+        Some(Value::String(text)) => {
+            vec![json!({"type": "message", "role": "user", "content": text})]
+        }
+        Some(Value::Array(items)) if !items.is_empty() => items.clone(),
+        _ => {
+            return Err(bad(
+                "`input` must be a string or a non-empty array of items",
+                "input",
+            ))
+        }
+    };
+    let previous_response_id = match body.get("previous_response_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(id)) if !id.is_empty() => Some(id.clone()),
+        Some(_) => {
+            return Err(bad(
+                "`previous_response_id` must be a response id",
+                "previous_response_id",
+            ))
+        }
+    };
+    let mut fields = Map::new();
+    for key in [
+        "instructions",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "text",
+        "reasoning",
+        "metadata",
+        "user",
+        "truncation",
+    ] {
+        if let Some(value) = body.get(key) {
+            fields.insert(key.into(), value.clone());
+        }
+    }
+    let echo = Echo {
+        model,
+        stream: flag("stream", false)?,
+        store: flag("store", true)?,
+        background,
+        previous_response_id,
+        fields,
+    };
+    Ok((echo, input))
+}
+
+/// The chat completion body for `echo`'s request over `items` (the stored
+/// conversation first, then this request's input). Always streamed with
+/// usage: the router turns the chunks into events or one response.
+pub fn chat_body(echo: &Echo, items: &[Value]) -> Result<Value, ApiError> {
+    let mut messages = Vec::new();
+    if let Some(instructions) = echo.fields.get("instructions").filter(|v| !v.is_null()) {
+        let Value::String(text) = instructions else {
+            return Err(bad("`instructions` must be a string", "instructions"));
+        };
+        messages.push(json!({"role": "system", "content": text}));
+    }
+    for item in items {
+        add_item(&mut messages, item)?;
+    }
+    let mut chat = json!({
+        "model": echo.model,
+        "messages": messages,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let fields = &echo.fields;
+    let map = chat
+        .as_object_mut()
+        .ok_or_else(|| bad("internal", "input"))?;
+    if let Some(max) = fields.get("max_output_tokens").filter(|v| !v.is_null()) {
+        map.insert("max_tokens".into(), max.clone());
+    }
+    for key in ["temperature", "top_p", "parallel_tool_calls", "user"] {
+        if let Some(value) = fields.get(key).filter(|v| !v.is_null()) {
+            map.insert(key.into(), value.clone());
+        }
+    }
+    if let Some(tools) = fields.get("tools").filter(|v| !v.is_null()) {
+        map.insert("tools".into(), chat_tools(tools)?);
+    }
+    if let Some(choice) = fields.get("tool_choice").filter(|v| !v.is_null()) {
+        map.insert("tool_choice".into(), chat_tool_choice(choice)?);
+    }
+    if let Some(format) = fields.get("text").and_then(|t| t.get("format")) {
+        if let Some(response_format) = chat_response_format(format)? {
+            map.insert("response_format".into(), response_format);
+        }
+    }
+    if let Some(effort) = fields.get("reasoning").and_then(|r| r.get("effort")) {
+        if !effort.is_null() {
+            map.insert("reasoning_effort".into(), effort.clone());
+        }
+    }
+    Ok(chat)
+}
+
+/// The text of a content given as a string or as parts.
+fn content_text(content: &Value, param: &'static str) -> Result<String, ApiError> {
+    match content {
+        Value::String(text) => Ok(text.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for part in parts {
+                match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                    (Some("input_text" | "output_text" | "text"), Some(Value::String(t))) => {
+                        text.push_str(t)
+                    }
+                    (Some(kind), _) => {
+                        return Err(bad(
+                            format!("content parts of type `{kind}` are not served (text only)"),
+                            param,
+                        ))
+                    }
+                    (None, _) => return Err(bad("a content part needs a `type`", param)),
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(bad(
+            "`content` must be a string or an array of parts",
+            param,
+        )),
+    }
+}
+
+/// Appends one input item to the chat messages.
+fn add_item(messages: &mut Vec<Value>, item: &Value) -> Result<(), ApiError> {
+    let Some(object) = item.as_object() else {
+        return Err(bad("every input item must be an object", "input"));
+    };
+    let kind = object.get("type").and_then(Value::as_str);
+    match kind {
+        None | Some("message") => {
+            let role = match object.get("role").and_then(Value::as_str) {
+                Some("developer" | "system") => "system",
+                Some(role @ ("user" | "assistant")) => role,
+                _ => {
+                    return Err(bad(
+                        "a message item's `role` must be user, assistant, system or developer",
+                        "input",
+                    ))
+                }
+            };
+            let content = object
+                .get("content")
+                .ok_or_else(|| bad("a message item needs `content`", "input"))?;
+            messages.push(json!({"role": role, "content": content_text(content, "input")?}));
+        }
+        Some("function_call") => {
+            let field = |key: &str| object.get(key).and_then(Value::as_str);
+            let (Some(call_id), Some(name)) = (field("call_id"), field("name")) else {
+                return Err(bad(
+                    "a function_call item needs `call_id` and `name`",
+                    "input",
+                ));
+            };
+            let call = json!({"id": call_id, "type": "function",
+                "function": {"name": name, "arguments": field("arguments").unwrap_or("{}")}});
+            // Calls made in one turn are one assistant message.
+            let previous = messages.last_mut().filter(|m| {
+                m["role"] == "assistant" && m.get("tool_calls").is_some() && m["content"].is_null()
+            });
+            match previous.and_then(|m| m["tool_calls"].as_array_mut()) {
+                Some(calls) => calls.push(call),
+                None => messages
+                    .push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+            }
+        }
+        Some("function_call_output") => {
+            let Some(call_id) = object.get("call_id").and_then(Value::as_str) else {
+                return Err(bad("a function_call_output item needs `call_id`", "input"));
+            };
+            let output = match object.get("output") {
+                Some(Value::String(text)) => text.clone(),
+                Some(other @ Value::Array(_)) => content_text(other, "input")?,
+                _ => return Err(bad("a function_call_output item needs `output`", "input")),
+            };
+            messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
+        }
+        // The model's reasoning of an earlier turn: chat templates drop it.
+        Some("reasoning") => {}
+        Some(other) => {
+            return Err(bad(
+                format!("input items of type `{other}` are not served"),
+                "input",
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// Responses function tools (flat) as chat tools (nested under `function`).
+fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
+    let Value::Array(tools) = tools else {
+        return Err(bad("`tools` must be an array", "tools"));
+    };
+    let mut out = Vec::with_capacity(tools.len());
+    for tool in tools {
+        if tool.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad("only function tools are served", "tools"));
+        }
+        let Some(name) = tool.get("name").and_then(Value::as_str) else {
+            return Err(bad("a function tool needs a `name`", "tools"));
+        };
+        let mut function = json!({"name": name});
+        for key in ["description", "parameters", "strict"] {
+            if let Some(value) = tool.get(key).filter(|v| !v.is_null()) {
+                function[key] = value.clone();
+            }
+        }
+        out.push(json!({"type": "function", "function": function}));
+    }
+    Ok(Value::Array(out))
+}
+
+fn chat_tool_choice(choice: &Value) -> Result<Value, ApiError> {
+    match choice {
+        Value::String(mode) if ["auto", "none", "required"].contains(&mode.as_str()) => {
+            Ok(choice.clone())
+        }
+        Value::Object(named) if named.get("type").and_then(Value::as_str) == Some("function") => {
+            match named.get("name").and_then(Value::as_str) {
+                Some(name) => Ok(json!({"type": "function", "function": {"name": name}})),
+                None => Err(bad("a function tool choice needs a `name`", "tool_choice")),
+            }
+        }
+        _ => Err(bad(
+            "`tool_choice` must be auto, none, required or a function",
+            "tool_choice",
+        )),
+    }
+}
+
+/// `text.format` as chat's `response_format` (None for plain text).
+fn chat_response_format(format: &Value) -> Result<Option<Value>, ApiError> {
+    match format.get("type").and_then(Value::as_str) {
+        None | Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "json_object"}))),
+        Some("json_schema") => {
+            let mut schema = json!({
+                "name": format.get("name").cloned().unwrap_or(json!("response")),
+                "schema": format.get("schema").cloned().unwrap_or(json!({})),
+            });
+            if let Some(strict) = format.get("strict") {
+                schema["strict"] = strict.clone();
+            }
+            Ok(Some(json!({"type": "json_schema", "json_schema": schema})))
+        }
+        Some(other) => Err(bad(
+            format!("`text.format` of type `{other}` is not served"),
+            "text",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: Value) -> Result<Value, ApiError> {
+        let (echo, items) = check(body.as_object().unwrap_or(&Map::new()))?;
+        chat_body(&echo, &items)
+    }
+
+    #[test]
+    fn a_conversation_with_tool_calls_becomes_chat_messages() {
+        let body = chat(json!({
+            "model": "m", "instructions": "be brief", "max_output_tokens": 9,
+            "reasoning": {"effort": "low"},
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "function", "name": "f"},
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{\"a\":1}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                {"type": "message", "role": "developer", "content": "more"}
+            ]
+        }))
+        .unwrap_or_default();
+        assert_eq!(
+            body["messages"],
+            json!([
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                    {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}}
+                ]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                {"role": "system", "content": "more"}
+            ])
+        );
+        assert_eq!(body["max_tokens"], 9);
+        assert_eq!(body["reasoning_effort"], "low");
+        assert_eq!(body["tools"][0]["function"]["name"], "f");
+        assert_eq!(
+            body["tool_choice"],
+            json!({"type": "function", "function": {"name": "f"}})
+        );
+        assert_eq!(body["stream"], true);
+    }
+
+    #[test]
+    fn unknown_and_unserved_fields_are_refused_by_name() {
+        for (body, said) in [
+            (
+                json!({"model": "m", "input": "x", "temprature": 1}),
+                "temprature",
+            ),
+            (
+                json!({"model": "m", "input": "x", "background": true, "store": false}),
+                "background",
+            ),
+            (json!({"model": "m", "input": []}), "input"),
+            (
+                json!({"model": "m", "input": [{"type": "web_search_call"}]}),
+                "web_search_call",
+            ),
+            (
+                json!({"model": "m", "input": "x", "tools": [{"type": "file_search"}]}),
+                "function tools",
+            ),
+            (json!({"input": "x"}), "model"),
+        ] {
+            let error = chat(body.clone()).map(|_| ()).expect_err("refused");
+            assert_eq!(error.status(), axum::http::StatusCode::BAD_REQUEST);
+            assert!(error.to_string().contains(said), "{body}: {error}");
+        }
+    }
+}

@@ -1,0 +1,364 @@
+//! A chat completion's stream as Responses events: each chunk's reasoning,
+//! text and tool-call deltas open, grow and close output items, every event
+//! numbered (`sequence_number`), and the last one carries the whole response.
+
+use super::new_id;
+use super::output::{
+    function_call_item, message_item, reasoning_item, response, status_of, text_part, usage,
+};
+use super::request::Echo;
+use crate::protocols::segments::{ChatChunk, Segment, Segmenter, Step};
+use serde_json::{json, Value};
+
+/// One response's events, built from its chat chunks. Serializable: a
+/// background response's checkpoint carries it to the replica that takes the
+/// generation over, which goes on numbering from where it stopped.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct Events {
+    id: String,
+    created_at: u64,
+    echo: Echo,
+    sequence: u64,
+    items: Vec<Value>,
+    segments: Segmenter,
+    /// The item being streamed: its id and segment.
+    open_id: String,
+    open_segment: Option<Segment>,
+}
+
+impl Events {
+    pub fn new(id: String, created_at: u64, echo: Echo) -> Self {
+        Self {
+            id,
+            created_at,
+            echo,
+            sequence: 0,
+            items: Vec::new(),
+            segments: Segmenter::default(),
+            open_id: String::new(),
+            open_segment: None,
+        }
+    }
+
+    fn emit(&mut self, out: &mut Vec<Value>, kind: &str, mut event: Value) {
+        event["type"] = json!(kind);
+        event["sequence_number"] = json!(self.sequence);
+        self.sequence += 1;
+        out.push(event);
+    }
+
+    /// The response as it stands (`status` given).
+    pub fn response(&self, status: &str, incomplete: Value) -> Value {
+        let usage = usage(self.segments.usage.as_ref().unwrap_or(&Value::Null));
+        response(
+            &self.id,
+            self.created_at,
+            &self.echo,
+            status,
+            self.items.clone(),
+            usage,
+            incomplete,
+        )
+    }
+
+    /// `response.created` and `response.in_progress`.
+    pub fn start(&mut self) -> Vec<Value> {
+        let mut out = Vec::new();
+        let now = self.response("in_progress", Value::Null);
+        self.emit(&mut out, "response.created", json!({"response": now}));
+        self.emit(&mut out, "response.in_progress", json!({"response": now}));
+        out
+    }
+
+    /// The events of one chat chunk.
+    pub fn chunk(&mut self, chunk: &Value) -> Vec<Value> {
+        let steps = self.segments.chunk(chunk);
+        self.render(steps)
+    }
+
+    /// `chunk`, of a chunk parsed as the segments need it.
+    pub fn chunk_typed(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
+        let steps = self.segments.chunk_typed(chunk);
+        self.render(steps)
+    }
+
+    fn render(&mut self, steps: Vec<Step>) -> Vec<Value> {
+        let mut out = Vec::new();
+        for step in steps {
+            let index = self.items.len();
+            match step {
+                Step::Open(segment) => self.open(&mut out, index, &segment),
+                Step::Delta(delta) => self.delta(&mut out, index, &delta),
+                Step::Close(segment, text) => self.close(&mut out, index, &segment, &text),
+            }
+        }
+        out
+    }
+
+    fn current(&self) -> Option<&Segment> {
+        // The segmenter's open segment is the item being streamed.
+        self.open_segment.as_ref()
+    }
+
+    fn open(&mut self, out: &mut Vec<Value>, index: usize, segment: &Segment) {
+        let (id, item) = match segment {
+            Segment::Reasoning => {
+                let id = new_id("rs");
+                let item = json!({"type": "reasoning", "id": id, "summary": [], "content": [],
+                                  "status": "in_progress"});
+                (id, item)
+            }
+            Segment::Text => {
+                let id = new_id("msg");
+                let item = json!({"type": "message", "id": id, "status": "in_progress",
+                                  "role": "assistant", "content": []});
+                (id, item)
+            }
+            Segment::Call { call_id, name, .. } => {
+                let id = new_id("fc");
+                let mut item = function_call_item(&id, call_id, name, "");
+                item["status"] = json!("in_progress");
+                (id, item)
+            }
+        };
+        self.emit(
+            out,
+            "response.output_item.added",
+            json!({"output_index": index, "item": item}),
+        );
+        let part = match segment {
+            Segment::Reasoning => Some(json!({"type": "reasoning_text", "text": ""})),
+            Segment::Text => Some(text_part("")),
+            Segment::Call { .. } => None,
+        };
+        if let Some(part) = part {
+            self.emit(
+                out,
+                "response.content_part.added",
+                json!({"item_id": id,
+                "output_index": index, "content_index": 0, "part": part}),
+            );
+        }
+        self.open_id = id;
+        self.open_segment = Some(segment.clone());
+    }
+
+    fn delta(&mut self, out: &mut Vec<Value>, index: usize, delta: &str) {
+        let id = self.open_id.clone();
+        let (kind, event) = match self.current() {
+            Some(Segment::Reasoning) => (
+                "response.reasoning_text.delta",
+                json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta}),
+            ),
+            Some(Segment::Text) => (
+                "response.output_text.delta",
+                json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta,
+                       "logprobs": []}),
+            ),
+            Some(Segment::Call { .. }) => (
+                "response.function_call_arguments.delta",
+                json!({"item_id": id, "output_index": index, "delta": delta}),
+            ),
+            None => return,
+        };
+        self.emit(out, kind, event);
+    }
+
+    /// Ends an item: its `.done` events, and it joins the output.
+    fn close(&mut self, out: &mut Vec<Value>, index: usize, segment: &Segment, text: &str) {
+        let id = std::mem::take(&mut self.open_id);
+        self.open_segment = None;
+        let item = match segment {
+            Segment::Reasoning => {
+                self.emit(
+                    out,
+                    "response.reasoning_text.done",
+                    json!({"item_id": id,
+                    "output_index": index, "content_index": 0, "text": text}),
+                );
+                self.emit(
+                    out,
+                    "response.content_part.done",
+                    json!({"item_id": id,
+                    "output_index": index, "content_index": 0,
+                    "part": {"type": "reasoning_text", "text": text}}),
+                );
+                reasoning_item(&id, text)
+            }
+            Segment::Text => {
+                self.emit(
+                    out,
+                    "response.output_text.done",
+                    json!({"item_id": id,
+                    "output_index": index, "content_index": 0, "text": text, "logprobs": []}),
+                );
+                self.emit(
+                    out,
+                    "response.content_part.done",
+                    json!({"item_id": id,
+                    "output_index": index, "content_index": 0, "part": text_part(text)}),
+                );
+                message_item(&id, text)
+            }
+            Segment::Call { call_id, name, .. } => {
+                self.emit(
+                    out,
+                    "response.function_call_arguments.done",
+                    json!({"item_id": id,
+                    "output_index": index, "name": name, "arguments": text}),
+                );
+                function_call_item(&id, call_id, name, text)
+            }
+        };
+        self.emit(
+            out,
+            "response.output_item.done",
+            json!({"output_index": index, "item": item}),
+        );
+        self.items.push(item);
+    }
+
+    /// The last events of a chat that ended: the open item closed, then
+    /// `response.completed` with the whole response (also returned), whose
+    /// status says `incomplete` when the chat stopped at its length. As vLLM's
+    /// own stream ends, and what the OpenAI SDK's stream helper waits for.
+    pub fn finish(&mut self) -> (Vec<Value>, Value) {
+        let steps = self.segments.end();
+        let mut out = self.render(steps);
+        let (status, incomplete) = status_of(self.segments.finish_reason.as_deref());
+        let whole = self.response(status, incomplete);
+        self.emit(&mut out, "response.completed", json!({"response": whole}));
+        (out, whole)
+    }
+
+    /// The last events of a chat that failed: `error`, then `response.failed`.
+    pub fn fail(&mut self, error: &Value) -> (Vec<Value>, Value) {
+        let steps = self.segments.end();
+        let mut out = self.render(steps);
+        let message = error["message"].as_str().unwrap_or("the generation failed");
+        let code = error.get("code").cloned().unwrap_or(Value::Null);
+        self.emit(
+            &mut out,
+            "error",
+            json!({"code": code, "message": message, "param": null}),
+        );
+        let mut whole = self.response("failed", Value::Null);
+        super::output::fail(&mut whole, message);
+        self.emit(&mut out, "response.failed", json!({"response": whole}));
+        (out, whole)
+    }
+
+    /// The last events of a generation cancelled (`POST .../cancel`): the
+    /// open item closed; the response's status `cancelled`, and no terminal
+    /// event (the stream just ends, as vLLM's).
+    pub fn cancel(&mut self) -> (Vec<Value>, Value) {
+        let steps = self.segments.end();
+        let out = self.render(steps);
+        (out, self.response("cancelled", Value::Null))
+    }
+
+    /// What the response repeats of its request.
+    pub fn echo(&self) -> &Echo {
+        &self.echo
+    }
+
+    /// The output items so far (the finished ones).
+    pub fn items(&self) -> &[Value] {
+        &self.items
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn echo() -> Echo {
+        Echo {
+            model: "m".into(),
+            stream: true,
+            store: true,
+            background: false,
+            previous_response_id: None,
+            fields: serde_json::Map::new(),
+        }
+    }
+
+    fn chunk(delta: Value, finish: Option<&str>) -> Value {
+        json!({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    }
+
+    #[test]
+    fn reasoning_text_and_a_call_become_three_items_with_numbered_events() {
+        let mut events = Events::new("resp_1".into(), 7, echo());
+        let mut all = events.start();
+        for c in [
+            chunk(json!({"role": "assistant", "content": ""}), None),
+            chunk(json!({"reasoning": "let me "}), None),
+            chunk(json!({"reasoning": "think"}), None),
+            chunk(json!({"content": "Hi"}), None),
+            chunk(json!({"content": "!"}), None),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                "function": {"name": "f", "arguments": "{\"a\""}}]}),
+                None,
+            ),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}),
+                Some("tool_calls"),
+            ),
+            json!({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}}),
+        ] {
+            all.extend(events.chunk(&c));
+        }
+        let (last, whole) = events.finish();
+        all.extend(last);
+        let numbers: Vec<u64> = all
+            .iter()
+            .filter_map(|e| e["sequence_number"].as_u64())
+            .collect();
+        assert_eq!(numbers, (0..all.len() as u64).collect::<Vec<_>>());
+        let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+        for e in &all {
+            *kinds
+                .entry(e["type"].as_str().unwrap_or_default())
+                .or_default() += 1;
+        }
+        assert_eq!(kinds["response.output_item.added"], 3);
+        assert_eq!(kinds["response.output_item.done"], 3);
+        assert_eq!(kinds["response.reasoning_text.delta"], 2);
+        assert_eq!(kinds["response.output_text.delta"], 2);
+        assert_eq!(kinds["response.function_call_arguments.delta"], 2);
+        assert_eq!(
+            all.last().map(|e| e["type"].clone()),
+            Some(json!("response.completed"))
+        );
+        assert_eq!(whole["status"], "completed");
+        assert_eq!(whole["output"][0]["content"][0]["text"], "let me think");
+        assert_eq!(whole["output"][1]["content"][0]["text"], "Hi!");
+        assert_eq!(whole["output"][2]["arguments"], "{\"a\": 1}");
+        assert_eq!(whole["output"][2]["call_id"], "call_a");
+        assert_eq!(whole["usage"]["output_tokens"], 6);
+        // Each item's events name its output index.
+        let done: Vec<u64> = all
+            .iter()
+            .filter(|e| e["type"] == "response.output_item.done")
+            .filter_map(|e| e["output_index"].as_u64())
+            .collect();
+        assert_eq!(done, [0, 1, 2]);
+    }
+
+    #[test]
+    fn a_chat_cut_at_its_length_is_incomplete() {
+        let mut events = Events::new("resp_2".into(), 7, echo());
+        events.start();
+        events.chunk(&chunk(json!({"content": "abc"}), Some("length")));
+        let (last, whole) = events.finish();
+        assert_eq!(
+            last.last().map(|e| e["type"].clone()),
+            Some(json!("response.completed"))
+        );
+        assert_eq!(whole["status"], "incomplete");
+        assert_eq!(whole["incomplete_details"]["reason"], "max_output_tokens");
+    }
+}

@@ -1,0 +1,278 @@
+//! A chat completion's stream cut into segments: the reasoning, the text and
+//! each tool call, in the order the model produced them, each opened, grown
+//! by deltas and closed with its whole text. Responses' output items and
+//! Messages' content blocks are these segments in their own wire formats.
+
+use serde::Deserialize;
+use serde_json::Value;
+use std::borrow::Cow;
+
+/// One chat chunk, as far as the segments need it: parsed from the chunk's
+/// bytes without building a JSON value (this is per token), its strings
+/// borrowed where they have no escapes.
+#[derive(Debug, Default, Deserialize)]
+pub struct ChatChunk<'a> {
+    #[serde(default, borrow, deserialize_with = "null_as_default")]
+    pub choices: Vec<ChunkChoice<'a>>,
+    #[serde(default)]
+    pub usage: Option<Value>,
+    /// The chat's error event.
+    #[serde(default)]
+    pub error: Option<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ChunkChoice<'a> {
+    #[serde(default, borrow, deserialize_with = "null_as_default")]
+    pub delta: ChunkDelta<'a>,
+    #[serde(default, borrow)]
+    pub finish_reason: Option<Cow<'a, str>>,
+    #[serde(default)]
+    pub stop_reason: Option<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ChunkDelta<'a> {
+    #[serde(default, borrow)]
+    pub content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    pub reasoning: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    pub reasoning_content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    pub tool_calls: Option<Vec<CallDelta<'a>>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct CallDelta<'a> {
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub index: u64,
+    #[serde(default, borrow)]
+    pub id: Option<Cow<'a, str>>,
+    #[serde(default, borrow, deserialize_with = "null_as_default")]
+    pub function: FunctionDelta<'a>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct FunctionDelta<'a> {
+    #[serde(default, borrow)]
+    pub name: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    pub arguments: Option<Cow<'a, str>>,
+}
+
+/// A field that may be `null`, read as its default then.
+fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
+/// What a segment is.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Segment {
+    Reasoning,
+    Text,
+    /// A tool call: chat's index of it, its id and function name.
+    Call {
+        chat_index: u64,
+        call_id: String,
+        name: String,
+    },
+}
+
+/// One step of the segments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    Open(Segment),
+    /// More of the open segment (a tool call's: more of its arguments).
+    Delta(String),
+    /// The open segment ended; its whole text (a call's: its arguments).
+    Close(Segment, String),
+}
+
+/// The segmenter of one chat stream (its first choice: these protocols have
+/// no `n`), and what the chat said of its end.
+/// Serializable: a background response's checkpoint carries it to the replica
+/// that takes the generation over.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Segmenter {
+    open: Option<(Segment, String)>,
+    /// Chat's `finish_reason`, and its `stop_reason` (the stop string matched).
+    pub finish_reason: Option<String>,
+    pub stop_reason: Option<Value>,
+    /// The chat's usage, once its usage chunk came.
+    pub usage: Option<Value>,
+}
+
+impl Segmenter {
+    /// The steps of one chat chunk given as a JSON value.
+    pub fn chunk(&mut self, chunk: &Value) -> Vec<Step> {
+        match ChatChunk::deserialize(chunk) {
+            Ok(chunk) => self.chunk_typed(&chunk),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// The steps of one chat chunk.
+    pub fn chunk_typed(&mut self, chunk: &ChatChunk<'_>) -> Vec<Step> {
+        let mut steps = Vec::new();
+        if let Some(usage) = chunk.usage.as_ref().filter(|u| !u.is_null()) {
+            self.usage = Some(usage.clone());
+        }
+        let Some(choice) = chunk.choices.first() else {
+            return steps;
+        };
+        let delta = &choice.delta;
+        let reasoning = delta
+            .reasoning
+            .as_deref()
+            .or(delta.reasoning_content.as_deref())
+            .unwrap_or_default();
+        if !reasoning.is_empty() {
+            self.grow(&mut steps, Segment::Reasoning, reasoning);
+        }
+        let text = delta.content.as_deref().unwrap_or_default();
+        if !text.is_empty() {
+            self.grow(&mut steps, Segment::Text, text);
+        }
+        for call in delta.tool_calls.iter().flatten() {
+            let chat_index = call.index;
+            let same = matches!(&self.open,
+                Some((Segment::Call { chat_index: open, .. }, _)) if *open == chat_index);
+            let segment = if same {
+                self.open
+                    .as_ref()
+                    .map(|(s, _)| s.clone())
+                    .unwrap_or(Segment::Text)
+            } else {
+                Segment::Call {
+                    chat_index,
+                    call_id: call.id.as_deref().unwrap_or_default().to_string(),
+                    name: call
+                        .function
+                        .name
+                        .as_deref()
+                        .unwrap_or_default()
+                        .to_string(),
+                }
+            };
+            let piece = call.function.arguments.as_deref().unwrap_or_default();
+            self.grow(&mut steps, segment, piece);
+        }
+        if let Some(reason) = &choice.finish_reason {
+            self.finish_reason = Some(reason.to_string());
+            self.stop_reason = choice.stop_reason.clone().filter(|r| !r.is_null());
+        }
+        steps
+    }
+
+    /// Opens `segment` unless it is the open one, then adds `piece` to it.
+    fn grow(&mut self, steps: &mut Vec<Step>, segment: Segment, piece: &str) {
+        if self.open.as_ref().is_none_or(|(open, _)| *open != segment) {
+            self.close(steps);
+            steps.push(Step::Open(segment.clone()));
+            self.open = Some((segment, String::new()));
+        }
+        if let (false, Some((_, text))) = (piece.is_empty(), &mut self.open) {
+            text.push_str(piece);
+            steps.push(Step::Delta(piece.to_string()));
+        }
+    }
+
+    fn close(&mut self, steps: &mut Vec<Step>) {
+        if let Some((segment, text)) = self.open.take() {
+            steps.push(Step::Close(segment, text));
+        }
+    }
+
+    /// The last steps: the open segment closed.
+    pub fn end(&mut self) -> Vec<Step> {
+        let mut steps = Vec::new();
+        self.close(&mut steps);
+        steps
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn chunk(delta: Value, finish: Option<&str>) -> Value {
+        json!({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    }
+
+    #[test]
+    fn reasoning_text_and_calls_open_grow_and_close_in_order() {
+        let mut s = Segmenter::default();
+        let mut steps = Vec::new();
+        for c in [
+            chunk(json!({"role": "assistant", "content": ""}), None),
+            chunk(json!({"reasoning": "hm"}), None),
+            chunk(json!({"content": "Hi"}), None),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "id": "a", "function": {"name": "f", "arguments": "{"}}]}),
+                None,
+            ),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}),
+                None,
+            ),
+            chunk(
+                json!({"tool_calls": [{"index": 1, "id": "b", "function": {"name": "g", "arguments": ""}}]}),
+                Some("tool_calls"),
+            ),
+        ] {
+            steps.extend(s.chunk(&c));
+        }
+        steps.extend(s.end());
+        let a = Segment::Call {
+            chat_index: 0,
+            call_id: "a".into(),
+            name: "f".into(),
+        };
+        let b = Segment::Call {
+            chat_index: 1,
+            call_id: "b".into(),
+            name: "g".into(),
+        };
+        assert_eq!(
+            steps,
+            [
+                Step::Open(Segment::Reasoning),
+                Step::Delta("hm".into()),
+                Step::Close(Segment::Reasoning, "hm".into()),
+                Step::Open(Segment::Text),
+                Step::Delta("Hi".into()),
+                Step::Close(Segment::Text, "Hi".into()),
+                Step::Open(a.clone()),
+                Step::Delta("{".into()),
+                Step::Delta("}".into()),
+                Step::Close(a, "{}".into()),
+                Step::Open(b.clone()),
+                Step::Close(b, String::new()),
+            ]
+        );
+        assert_eq!(s.finish_reason.as_deref(), Some("tool_calls"));
+    }
+
+    #[test]
+    fn nulls_where_chat_chunks_may_have_them_read_as_absent() {
+        let mut s = Segmenter::default();
+        let chunk: ChatChunk<'_> = serde_json::from_str(
+            r#"{"choices": [{"index": 0, "delta": {"content": "a\"b", "reasoning": null,
+                "tool_calls": [{"index": null, "id": "c", "function": null}]},
+                "finish_reason": null}], "usage": null}"#,
+        )
+        .unwrap_or_else(|err| panic!("{err}"));
+        let steps = s.chunk_typed(&chunk);
+        assert_eq!(steps[1], Step::Delta("a\"b".into()));
+        let none: ChatChunk<'_> = serde_json::from_str(r#"{"choices": null, "usage": {"x": 1}}"#)
+            .unwrap_or_else(|err| panic!("{err}"));
+        assert!(s.chunk_typed(&none).is_empty());
+        assert_eq!(s.usage, Some(json!({"x": 1})));
+    }
+}

@@ -1,0 +1,375 @@
+//! Who calls the client routes, and how they share the router.
+//!
+//! - **Keys** (`keys`): with `--api-key` or a tenants file, every client route
+//!   but the probes takes a key (`Authorization: Bearer`, or `x-api-key`);
+//!   401 without a known one. Without any key configured the endpoint is
+//!   open, and every caller is the tenant `default`.
+//! - **Tenants** (`file`): each key belongs to a tenant with optional limits,
+//!   applied on admission: `max_concurrent` (429 at once past it) and
+//!   `tokens_per_minute` (`bucket`: charged an estimate on admission,
+//!   settled from the request's usage when it ends).
+//! - **Fair admission** (`queue`): past `--max-concurrent-requests`, requests
+//!   wait in per-tenant queues served by priority, then weight; bounded in
+//!   length and wait, then 429 with `Retry-After`.
+//! - **Reload** (`reload`): the file is read again on SIGHUP and when it
+//!   changes; a bad file keeps the tenants the router has. A tenant's
+//!   counters and balance survive a reload (by name), so nothing in flight is
+//!   touched.
+
+mod bucket;
+pub mod file;
+mod keys;
+pub mod queue;
+mod reload;
+
+use crate::error::ApiError;
+use axum::http::HeaderMap;
+use bucket::TokenBucket;
+use file::{TenantSpec, TenantsError};
+use keys::KeyRing;
+use queue::{FairQueue, Refusal, Share};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+pub use reload::spawn_reloader;
+
+/// The tenant of `--api-key`, and of every caller when no key is configured.
+pub const DEFAULT_TENANT: &str = "default";
+/// Bytes of request body taken for one token in a request's estimate.
+const BYTES_PER_TOKEN_ESTIMATE: u64 = 4;
+
+/// How the router admits callers (from its flags).
+#[derive(Debug, Clone, Default)]
+pub struct TenantsConfig {
+    pub api_key: Option<String>,
+    pub tenants_file: Option<PathBuf>,
+    pub max_concurrent: usize,
+    pub max_queued_per_tenant: usize,
+    pub max_queue_wait: Duration,
+}
+
+/// A tenant as the current file says, with its counters.
+#[derive(Debug)]
+pub struct Tenant {
+    pub name: Arc<str>,
+    spec: TenantSpec,
+    counters: Arc<Counters>,
+}
+
+/// What a tenant carries across reloads.
+#[derive(Debug)]
+struct Counters {
+    /// Requests admitted or queued.
+    active: AtomicUsize,
+    bucket: Mutex<Option<TokenBucket>>,
+}
+
+/// The tenants of one reading of the configuration.
+#[derive(Debug)]
+struct Directory {
+    keys: KeyRing,
+    tenants: Vec<Arc<Tenant>>,
+}
+
+/// Everything the client routes' admission needs.
+#[derive(Debug)]
+pub struct Tenants {
+    config: TenantsConfig,
+    directory: RwLock<Arc<Directory>>,
+    counters: Mutex<HashMap<String, Arc<Counters>>>,
+    queue: Arc<FairQueue>,
+}
+
+/// What an admitted request's handlers learn of its caller (a request
+/// extension): the tenant's name for logs and traces, its priority for the
+/// engines, and where the request's usage is written for the settlement.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub tenant: Arc<str>,
+    pub priority: Option<i32>,
+    pub usage: Arc<Usage>,
+}
+
+impl Caller {
+    /// A caller of `tenant`, with a fresh usage.
+    pub fn of(tenant: &Tenant) -> Self {
+        Self {
+            tenant: tenant.name.clone(),
+            priority: tenant.spec.priority,
+            usage: Arc::new(Usage::default()),
+        }
+    }
+}
+
+/// Tokens a request used, written by its record when it ends.
+#[derive(Debug, Default)]
+pub struct Usage {
+    prompt: AtomicU64,
+    completion: AtomicU64,
+    known: std::sync::atomic::AtomicBool,
+}
+
+impl Usage {
+    pub fn record(&self, prompt: u64, completion: u64) {
+        self.prompt.store(prompt, Ordering::Relaxed);
+        self.completion.store(completion, Ordering::Relaxed);
+        self.known.store(true, Ordering::Release);
+    }
+
+    fn read(&self) -> Option<(u64, u64)> {
+        self.known.load(Ordering::Acquire).then(|| {
+            (
+                self.prompt.load(Ordering::Relaxed),
+                self.completion.load(Ordering::Relaxed),
+            )
+        })
+    }
+}
+
+/// An admitted request: its slot, its place in its tenant's count and its
+/// charge; all given back when it drops (the end of its response).
+#[derive(Debug)]
+pub struct Admission {
+    _slot: queue::Slot,
+    tenant: Arc<Tenant>,
+    estimate: u64,
+    usage: Arc<Usage>,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.tenant.counters.active.fetch_sub(1, Ordering::Relaxed);
+        let used = self.usage.read();
+        if let Some((prompt, completion)) = used {
+            crate::metrics::tenant_tokens(&self.tenant.name, prompt, completion);
+        }
+        if self.tenant.spec.tokens_per_minute.is_some() {
+            let used = used.map_or(self.estimate, |(p, c)| p + c);
+            let mut bucket = self.tenant.counters.lock_bucket();
+            if let Some(bucket) = bucket.as_mut() {
+                bucket.settle(self.estimate, used, Instant::now());
+            }
+        }
+    }
+}
+
+impl Counters {
+    fn lock_bucket(&self) -> std::sync::MutexGuard<'_, Option<TokenBucket>> {
+        self.bucket.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Gives back a tenant's count if admission stops before it succeeds.
+struct Counted<'a>(&'a Counters);
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Tenants {
+    /// The tenants of `config` (its file read now: a bad one stops the start).
+    pub fn new(config: TenantsConfig) -> Result<Self, TenantsError> {
+        let queue = Arc::new(FairQueue::new(
+            config.max_concurrent,
+            config.max_queued_per_tenant,
+            config.max_queue_wait,
+        ));
+        let tenants = Self {
+            directory: RwLock::new(Arc::new(Directory {
+                keys: KeyRing::default(),
+                tenants: Vec::new(),
+            })),
+            counters: Mutex::new(HashMap::new()),
+            queue,
+            config,
+        };
+        tenants.reload()?;
+        Ok(tenants)
+    }
+
+    /// Reads the configuration again; on error the current tenants stay.
+    pub fn reload(&self) -> Result<usize, TenantsError> {
+        let mut specs = match &self.config.tenants_file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| TenantsError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                file::parse(&text)?
+            }
+            None => Vec::new(),
+        };
+        if let Some(key) = &self.config.api_key {
+            match specs.iter_mut().find(|t| t.name == DEFAULT_TENANT) {
+                Some(tenant) => tenant.keys.push(key.clone()),
+                None => specs.push(TenantSpec::unlimited(DEFAULT_TENANT, vec![key.clone()])),
+            }
+            file::check(&specs)?;
+        }
+        if specs.is_empty() {
+            specs.push(TenantSpec::unlimited(DEFAULT_TENANT, Vec::new()));
+        }
+        let count = specs.len();
+        let now = Instant::now();
+        let mut counters = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tenants = Vec::with_capacity(count);
+        let mut keys = Vec::new();
+        for (index, spec) in specs.into_iter().enumerate() {
+            let shared = counters
+                .entry(spec.name.clone())
+                .or_insert_with(|| {
+                    Arc::new(Counters {
+                        active: AtomicUsize::new(0),
+                        bucket: Mutex::new(None),
+                    })
+                })
+                .clone();
+            {
+                let mut bucket = shared.lock_bucket();
+                match (spec.tokens_per_minute, bucket.as_mut()) {
+                    (None, _) => *bucket = None,
+                    (Some(rate), Some(current)) => current.set_rate(rate, now),
+                    (Some(rate), None) => *bucket = Some(TokenBucket::new(rate, now)),
+                }
+            }
+            keys.extend(spec.keys.iter().map(|key| (key.clone(), index)));
+            tenants.push(Arc::new(Tenant {
+                name: spec.name.as_str().into(),
+                spec,
+                counters: shared,
+            }));
+        }
+        // Counters of tenants no longer named go once nothing holds them.
+        counters.retain(|name, shared| {
+            Arc::strong_count(shared) > 1 || tenants.iter().any(|t| &*t.name == name)
+        });
+        let directory = Arc::new(Directory {
+            keys: KeyRing::new(keys),
+            tenants,
+        });
+        *self.directory.write().unwrap_or_else(|e| e.into_inner()) = directory;
+        Ok(count)
+    }
+
+    fn directory(&self) -> Arc<Directory> {
+        self.directory
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Whether the client routes take a key.
+    pub fn keyed(&self) -> bool {
+        !self.directory().keys.is_empty()
+    }
+
+    /// The tenant whose key `headers` present (or `default` when no key is
+    /// configured); 401 otherwise.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Arc<Tenant>, ApiError> {
+        let directory = self.directory();
+        if directory.keys.is_empty() {
+            return directory
+                .tenants
+                .first()
+                .cloned()
+                .ok_or(ApiError::Unauthorized("no tenant is configured"));
+        }
+        let Some(given) = keys::presented(headers) else {
+            return Err(ApiError::Unauthorized(
+                "this endpoint takes an API key: `Authorization: Bearer <key>`",
+            ));
+        };
+        directory
+            .keys
+            .find(given)
+            .and_then(|index| directory.tenants.get(index).cloned())
+            .ok_or(ApiError::Unauthorized("the API key is not valid"))
+    }
+
+    /// Authenticates and admits a request: the tenant's own limits first
+    /// (429 at once), then a slot (at once, or after a fair wait).
+    pub async fn admit(&self, headers: &HeaderMap) -> Result<(Admission, Caller), ApiError> {
+        let tenant = self.authenticate(headers)?;
+        let counters = &tenant.counters;
+        let active = counters.active.fetch_add(1, Ordering::Relaxed) + 1;
+        let counted = Counted(counters);
+        if let Some(max) = tenant.spec.max_concurrent.filter(|max| active > *max) {
+            crate::metrics::tenant_rejected(&tenant.name, "max_concurrent");
+            return Err(ApiError::RateLimited {
+                message: format!(
+                    "tenant `{}` has its limit of {max} requests in flight; retry later",
+                    tenant.name
+                ),
+                retry_after_s: 1,
+            });
+        }
+        let estimate = estimate(headers);
+        if let Some(wait) = counters
+            .lock_bucket()
+            .as_mut()
+            .and_then(|bucket| bucket.take(estimate, Instant::now()).err())
+        {
+            crate::metrics::tenant_rejected(&tenant.name, "tokens_per_minute");
+            return Err(ApiError::RateLimited {
+                message: format!(
+                    "tenant `{}` has used its tokens per minute; retry later",
+                    tenant.name
+                ),
+                retry_after_s: wait.as_secs().max(1),
+            });
+        }
+        let share = Share {
+            tenant: tenant.name.clone(),
+            weight: tenant.spec.weight,
+            priority: tenant.spec.priority.unwrap_or(0),
+        };
+        let queued = Instant::now();
+        let slot = self.queue.acquire(&share).await;
+        let slot = match slot {
+            Ok(slot) => slot,
+            Err(refusal) => {
+                // Nothing was used: the charge goes back.
+                if let Some(bucket) = counters.lock_bucket().as_mut() {
+                    bucket.settle(estimate, 0, Instant::now());
+                }
+                let reason = match refusal {
+                    Refusal::QueueFull => "queue_full",
+                    Refusal::Waited => "queue_wait",
+                };
+                crate::metrics::tenant_rejected(&tenant.name, reason);
+                return Err(ApiError::Overloaded {
+                    limit: self.queue.limit(),
+                    retry_after_s: 1,
+                });
+            }
+        };
+        std::mem::forget(counted);
+        crate::metrics::tenant_admitted(&tenant.name, queued.elapsed());
+        let caller = Caller::of(&tenant);
+        let usage = caller.usage.clone();
+        Ok((
+            Admission {
+                _slot: slot,
+                tenant,
+                estimate,
+                usage,
+            },
+            caller,
+        ))
+    }
+}
+
+/// A request's tokens before its body is read: its body's length at about
+/// four bytes a token (settled from its usage when it ends).
+fn estimate(headers: &HeaderMap) -> u64 {
+    headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(1, |bytes| (bytes / BYTES_PER_TOKEN_ESTIMATE).max(1))
+}

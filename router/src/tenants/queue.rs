@@ -1,0 +1,363 @@
+//! Admission to the router's slots (`--max-concurrent-requests`): at once
+//! while one is free and nobody waits; otherwise in per-tenant queues, served
+//! by priority (lower first), then by weighted fair share (virtual time: a
+//! tenant's next request finishes at its last one's tag plus `1 / weight`,
+//! a tenant that starts waiting starts at the clock, the lowest tag goes
+//! first), each queue bounded in length and wait.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// Who asks for a slot, as the queue sees it.
+#[derive(Debug, Clone)]
+pub struct Share {
+    pub tenant: Arc<str>,
+    pub weight: u32,
+    pub priority: i32,
+}
+
+/// Why no slot was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The tenant's queue is at its length (or queueing is off).
+    QueueFull,
+    /// The wait reached its bound.
+    Waited,
+}
+
+#[derive(Debug)]
+pub struct FairQueue {
+    limit: usize,
+    max_queued: usize,
+    max_wait: Duration,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    in_flight: usize,
+    /// The tag of the request admitted last from a queue.
+    clock: f64,
+    flows: HashMap<Arc<str>, Flow>,
+    queued: usize,
+    next_ticket: u64,
+}
+
+#[derive(Debug, Default)]
+struct Flow {
+    waiting: VecDeque<(u64, oneshot::Sender<()>)>,
+    /// The finish tag of the flow's last admitted request.
+    finish: f64,
+    weight: u32,
+    priority: i32,
+}
+
+/// One admitted request's slot; given back (to the next in line) on drop.
+#[derive(Debug)]
+pub struct Slot {
+    queue: Arc<FairQueue>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut inner = self.queue.lock();
+        inner.in_flight = inner.in_flight.saturating_sub(1);
+        dispatch(&mut inner, self.queue.limit);
+    }
+}
+
+impl FairQueue {
+    pub fn new(limit: usize, max_queued: usize, max_wait: Duration) -> Self {
+        Self {
+            limit: limit.max(1),
+            max_queued,
+            max_wait,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Requests waiting now.
+    pub fn queued(&self) -> usize {
+        self.lock().queued
+    }
+
+    /// A slot for `share`: at once, after a wait in its queue, or refused.
+    pub async fn acquire(self: &Arc<Self>, share: &Share) -> Result<Slot, Refusal> {
+        let (ticket, granted) = {
+            let mut inner = self.lock();
+            if inner.in_flight < self.limit && inner.queued == 0 {
+                inner.in_flight += 1;
+                return Ok(Slot {
+                    queue: self.clone(),
+                });
+            }
+            let id = inner.next_ticket;
+            inner.next_ticket += 1;
+            let clock = inner.clock;
+            let flow = inner.flows.entry(share.tenant.clone()).or_default();
+            if self.max_wait.is_zero() || flow.waiting.len() >= self.max_queued {
+                return Err(Refusal::QueueFull);
+            }
+            flow.weight = share.weight.max(1);
+            flow.priority = share.priority;
+            // A flow that starts waiting starts at the clock: time it spent
+            // idle is no credit.
+            if flow.waiting.is_empty() {
+                flow.finish = flow.finish.max(clock);
+            }
+            let (tx, rx) = oneshot::channel();
+            flow.waiting.push_back((id, tx));
+            inner.queued += 1;
+            // A slot may have freed between the check above and now.
+            dispatch(&mut inner, self.limit);
+            (
+                Ticket {
+                    queue: self,
+                    tenant: &share.tenant,
+                    id,
+                    open: true,
+                },
+                rx,
+            )
+        };
+        let mut ticket = ticket;
+        let waited = tokio::time::timeout(self.max_wait, granted).await;
+        ticket.open = false;
+        match waited {
+            Ok(Ok(())) => Ok(Slot {
+                queue: self.clone(),
+            }),
+            // Timed out: still queued (refused), or given a slot just now.
+            _ => match self.withdraw(&share.tenant, ticket.id) {
+                Withdrawn::WasQueued => Err(Refusal::Waited),
+                Withdrawn::HadSlot => Ok(Slot {
+                    queue: self.clone(),
+                }),
+            },
+        }
+    }
+
+    /// Takes a waiting request out of its queue, or says it was given a slot.
+    fn withdraw(&self, tenant: &Arc<str>, id: u64) -> Withdrawn {
+        let mut inner = self.lock();
+        let removed = inner.flows.get_mut(tenant).and_then(|flow| {
+            let at = flow.waiting.iter().position(|(ticket, _)| *ticket == id)?;
+            flow.waiting.remove(at)
+        });
+        if removed.is_some() {
+            inner.queued -= 1;
+            forget_idle(&mut inner, tenant);
+            Withdrawn::WasQueued
+        } else {
+            Withdrawn::HadSlot
+        }
+    }
+}
+
+enum Withdrawn {
+    WasQueued,
+    HadSlot,
+}
+
+/// A waiting request: a caller that goes away while it waits (its future
+/// dropped) leaves the queue, and gives back a slot it was given meanwhile.
+struct Ticket<'a> {
+    queue: &'a Arc<FairQueue>,
+    tenant: &'a Arc<str>,
+    id: u64,
+    open: bool,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            if let Withdrawn::HadSlot = self.queue.withdraw(self.tenant, self.id) {
+                drop(Slot {
+                    queue: self.queue.clone(),
+                });
+            }
+        }
+    }
+}
+
+/// A flow with no one waiting and a tag behind the clock carries nothing a
+/// newcomer would not get: dropped, so that the map holds active tenants only.
+fn forget_idle(inner: &mut Inner, tenant: &Arc<str>) {
+    let clock = inner.clock;
+    if inner
+        .flows
+        .get(tenant)
+        .is_some_and(|flow| flow.waiting.is_empty() && flow.finish <= clock)
+    {
+        inner.flows.remove(tenant);
+    }
+}
+
+/// Gives free slots to the waiting requests, best first.
+fn dispatch(inner: &mut Inner, limit: usize) {
+    while inner.in_flight < limit && inner.queued > 0 {
+        let next = inner
+            .flows
+            .iter()
+            .filter(|(_, flow)| !flow.waiting.is_empty())
+            .map(|(tenant, flow)| {
+                let start = flow.finish;
+                (
+                    flow.priority,
+                    start + 1.0 / f64::from(flow.weight),
+                    start,
+                    tenant,
+                )
+            })
+            .min_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
+        let Some((_, finish, start, tenant)) = next else {
+            return;
+        };
+        let tenant = tenant.clone();
+        let Some(flow) = inner.flows.get_mut(&tenant) else {
+            return;
+        };
+        let Some((_, waiter)) = flow.waiting.pop_front() else {
+            return;
+        };
+        flow.finish = finish;
+        inner.queued -= 1;
+        inner.clock = inner.clock.max(start);
+        // A waiter whose caller is gone takes no slot.
+        if waiter.send(()).is_ok() {
+            inner.in_flight += 1;
+        }
+        forget_idle(inner, &tenant);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn share(tenant: &str, weight: u32, priority: i32) -> Share {
+        Share {
+            tenant: tenant.into(),
+            weight,
+            priority,
+        }
+    }
+
+    #[tokio::test]
+    async fn backlogged_tenants_are_served_by_weight() {
+        let queue = Arc::new(FairQueue::new(1, 1000, Duration::from_secs(30)));
+        let first = queue
+            .acquire(&share("a", 3, 0))
+            .await
+            .unwrap_or_else(|_| unreachable!());
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut waiting = tokio::task::JoinSet::new();
+        for (tenant, weight) in [("a", 3), ("b", 1)] {
+            for _ in 0..40 {
+                let (queue, order) = (queue.clone(), order.clone());
+                waiting.spawn(async move {
+                    let slot = queue.acquire(&share(tenant, weight, 0)).await;
+                    order.lock().unwrap_or_else(|e| e.into_inner()).push(tenant);
+                    tokio::task::yield_now().await;
+                    drop(slot);
+                });
+                tokio::task::yield_now().await;
+            }
+        }
+        while queue.queued() < 80 {
+            tokio::task::yield_now().await;
+        }
+        drop(first);
+        while waiting.join_next().await.is_some() {}
+        let order = order.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        // While both wait (the first 40 admissions), a gets three of every four.
+        let a = order[..40].iter().filter(|t| **t == "a").count();
+        assert!((28..=32).contains(&a), "{a} of 40: {order:?}");
+    }
+
+    #[tokio::test]
+    async fn a_lower_priority_value_goes_first() {
+        let queue = Arc::new(FairQueue::new(1, 10, Duration::from_secs(30)));
+        let first = queue
+            .acquire(&share("a", 1, 0))
+            .await
+            .unwrap_or_else(|_| unreachable!());
+        let low = tokio::spawn({
+            let queue = queue.clone();
+            async move { queue.acquire(&share("batch", 100, 5)).await.map(drop) }
+        });
+        while queue.queued() < 1 {
+            tokio::task::yield_now().await;
+        }
+        let urgent = {
+            let queue = queue.clone();
+            tokio::spawn(async move {
+                let slot = queue.acquire(&share("urgent", 1, -1)).await;
+                (slot.is_ok(), queue.queued())
+            })
+        };
+        while queue.queued() < 2 {
+            tokio::task::yield_now().await;
+        }
+        drop(first);
+        // Urgent was admitted while batch still waited.
+        assert_eq!(urgent.await.ok(), Some((true, 1)));
+        assert!(low.await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn queues_are_bounded_in_length_and_wait() {
+        let queue = Arc::new(FairQueue::new(1, 1, Duration::from_millis(50)));
+        let _held = queue
+            .acquire(&share("a", 1, 0))
+            .await
+            .unwrap_or_else(|_| unreachable!());
+        let waiter = tokio::spawn({
+            let queue = queue.clone();
+            async move { queue.acquire(&share("a", 1, 0)).await.map(drop) }
+        });
+        while queue.queued() < 1 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            queue.acquire(&share("a", 1, 0)).await.map(drop),
+            Err(Refusal::QueueFull)
+        );
+        assert_eq!(waiter.await.ok(), Some(Err(Refusal::Waited)));
+        assert_eq!(queue.queued(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_caller_gone_while_waiting_takes_no_slot() {
+        let queue = Arc::new(FairQueue::new(1, 10, Duration::from_secs(30)));
+        let held = queue
+            .acquire(&share("a", 1, 0))
+            .await
+            .unwrap_or_else(|_| unreachable!());
+        let gone = tokio::spawn({
+            let queue = queue.clone();
+            async move { queue.acquire(&share("a", 1, 0)).await.map(drop) }
+        });
+        while queue.queued() < 1 {
+            tokio::task::yield_now().await;
+        }
+        gone.abort();
+        let _ = gone.await;
+        assert_eq!(queue.queued(), 0);
+        drop(held);
+        // The slot is free again, not leaked to the caller that left.
+        let again =
+            tokio::time::timeout(Duration::from_secs(1), queue.acquire(&share("b", 1, 0))).await;
+        assert!(matches!(again, Ok(Ok(_))));
+    }
+}

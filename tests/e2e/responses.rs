@@ -1,0 +1,440 @@
+//! `/v1/responses` through prefill/decode (issue 30): every event in order,
+//! the stored conversation behind `previous_response_id`, errors in the
+//! route's shape, the store's bounds, and a decoder killed mid-response.
+//! Part of the resume binary: a response is resumed as a chat is.
+
+use super::common::*;
+use serde_json::{json, Value};
+
+pub(super) async fn create(router: &Proc, body: &Value) -> (u16, String) {
+    let response = client()
+        .post(format!("{}/v1/responses", router.url))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    (response.status().as_u16(), response.text().await.unwrap())
+}
+
+pub(super) async fn get(router: &Proc, id: &str) -> (u16, Value) {
+    let response = client()
+        .get(format!("{}/v1/responses/{id}", router.url))
+        .send()
+        .await
+        .unwrap();
+    (response.status().as_u16(), response.json().await.unwrap())
+}
+
+fn tools() -> Value {
+    json!([{"type": "function", "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_response_has_every_event_in_order_and_is_stored() {
+    let (router, _engines) = scale_out_cluster(&[], &[]).await;
+    let body = json!({"model": "mock", "input": "What is the weather?", "stream": true,
+                      "max_output_tokens": 12, "reasoning": {"effort": "low"}, "tools": tools()});
+    let (status, text) = create(&router, &body).await;
+    assert_eq!(status, 200, "{text}");
+    let events = sse_events(&text);
+    let numbers: Vec<u64> = events
+        .iter()
+        .map(|e| e["sequence_number"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        numbers,
+        (0..events.len() as u64).collect::<Vec<_>>(),
+        "{text}"
+    );
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(&kinds[..2], ["response.created", "response.in_progress"]);
+    // The mock answers until max_output_tokens: an incomplete response, in a
+    // `response.completed` event as vLLM's own stream ends.
+    assert_eq!(kinds.last(), Some(&"response.completed"), "{text}");
+    for kind in [
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ] {
+        assert!(kinds.contains(&kind), "no {kind}: {kinds:?}");
+    }
+    let done = &events.last().unwrap()["response"];
+    assert_eq!(done["status"], "incomplete");
+    assert_eq!(done["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(done["usage"]["output_tokens"], 12);
+    let output = done["output"].as_array().unwrap();
+    assert_eq!(output[0]["type"], "reasoning");
+    let call = output
+        .iter()
+        .find(|i| i["type"] == "function_call")
+        .unwrap();
+    assert_eq!(call["name"], "get_weather");
+    // The deltas add up to the items.
+    let deltas: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.function_call_arguments.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(call["arguments"].as_str().unwrap(), deltas);
+    // Stored: GET gives the same response.
+    let (status, stored) = get(&router, done["id"].as_str().unwrap()).await;
+    assert_eq!(status, 200);
+    assert_eq!(&stored, done);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_turn_carries_the_stored_conversation_to_any_engine() {
+    let (router, engines) = scale_out_cluster(&[], &[]).await;
+    let first = json!({"model": "mock", "input": "Weather in Paris?", "max_output_tokens": 6,
+                       "tools": tools(), "instructions": "Use the tools."});
+    let (status, text) = create(&router, &first).await;
+    assert_eq!(status, 200, "{text}");
+    let first: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(first["object"], "response");
+    assert_eq!(first["status"], "incomplete");
+    let call = first["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["type"] == "function_call")
+        .cloned()
+        .unwrap();
+    let second = json!({"model": "mock", "previous_response_id": first["id"], "max_output_tokens": 4,
+        "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}]});
+    let (status, text) = create(&router, &second).await;
+    assert_eq!(status, 200, "{text}");
+    let second: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(second["previous_response_id"], first["id"]);
+    // The prefill saw the whole conversation: the first turn's question, its
+    // call, and the call's output (the instructions are not carried over).
+    let requests = engine_requests(&engines[0]).await;
+    let messages = &requests.last().unwrap()["body"]["messages"];
+    assert_eq!(
+        messages[0],
+        json!({"role": "user", "content": "Weather in Paris?"}),
+        "{messages}"
+    );
+    assert_eq!(messages[1]["tool_calls"][0]["id"], call["call_id"]);
+    assert_eq!(
+        messages[2],
+        json!({"role": "tool", "tool_call_id": call["call_id"], "content": "sunny"})
+    );
+    // Each turn on its own decoder (round robin): the conversation lives in
+    // the router, not in an engine.
+    assert_eq!(engine_requests(&engines[1]).await.len(), 1);
+    assert_eq!(engine_requests(&engines[2]).await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_come_in_the_routes_shape_and_the_store_is_bounded() {
+    let (router, _engines) = scale_out_cluster(&["--max-stored-responses", "2"], &[]).await;
+    for (body, status, said) in [
+        (
+            json!({"model": "mock", "input": "x", "temprature": 1}),
+            400,
+            "temprature",
+        ),
+        (json!({"model": "mock", "input": []}), 400, "input"),
+        (
+            json!({"model": "mock", "input": "x", "previous_response_id": "resp_nope"}),
+            404,
+            "resp_nope",
+        ),
+        (json!({"model": "nope", "input": "x"}), 404, "nope"),
+    ] {
+        let (got, text) = create(&router, &body).await;
+        assert_eq!(got, status, "{body}: {text}");
+        let error: Value = serde_json::from_str(&text).unwrap();
+        assert!(
+            error["error"]["message"].as_str().unwrap().contains(said),
+            "{text}"
+        );
+    }
+    // store: false keeps nothing.
+    let (_, text) = create(
+        &router,
+        &json!({"model": "mock", "input": "x", "store": false,
+                                             "max_output_tokens": 2}),
+    )
+    .await;
+    let unstored: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(get(&router, unstored["id"].as_str().unwrap()).await.0, 404);
+    // Three stored into a store of two: the oldest is gone.
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let (_, text) = create(
+            &router,
+            &json!({"model": "mock", "input": format!("turn {i}"),
+                                                 "max_output_tokens": 2}),
+        )
+        .await;
+        let response: Value = serde_json::from_str(&text).unwrap();
+        ids.push(response["id"].as_str().unwrap().to_string());
+    }
+    assert_eq!(get(&router, &ids[0]).await.0, 404);
+    assert_eq!(get(&router, &ids[2]).await.0, 200);
+    // Deleted: gone, and a second delete is 404.
+    let delete = || {
+        client()
+            .delete(format!("{}/v1/responses/{}", router.url, ids[2]))
+            .send()
+    };
+    let deleted: Value = delete().await.unwrap().json().await.unwrap();
+    assert_eq!(deleted["deleted"], true);
+    assert_eq!(delete().await.unwrap().status(), 404);
+    assert_eq!(get(&router, &ids[2]).await.0, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_killed_mid_response_is_resumed_into_one_response() {
+    // An uninterrupted run first, on a cluster of healthy decoders.
+    let body = json!({"model": "mock", "input": "Resume this response", "stream": true,
+                      "max_output_tokens": 24, "reasoning": {"effort": "low"}, "tools": tools()});
+    let (router, _engines) = scale_out_cluster(&[], &[]).await;
+    let (_, text) = create(&router, &body).await;
+    let whole = sse_events(&text).last().unwrap()["response"].clone();
+    drop(router);
+    // Then d0 dies after 10 tokens (inside the reasoning); d1 goes on.
+    let (router, _engines) = scale_out_cluster(
+        &[],
+        &[
+            "--crash-after-tokens",
+            "10",
+            "--decode-us-per-token",
+            "1000",
+        ],
+    )
+    .await;
+    let (status, text) = create(&router, &body).await;
+    assert_eq!(status, 200);
+    let events = sse_events(&text);
+    assert!(!events.iter().any(|e| e["type"] == "error"), "{text}");
+    let numbers: Vec<u64> = events
+        .iter()
+        .map(|e| e["sequence_number"].as_u64().unwrap())
+        .collect();
+    assert_eq!(numbers, (0..events.len() as u64).collect::<Vec<_>>());
+    let resumed = &events.last().unwrap()["response"];
+    assert_eq!(resumed["status"], "incomplete", "{text}");
+    // The same items as the uninterrupted run (ids aside).
+    let strip = |response: &Value| -> Vec<Value> {
+        response["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|item| {
+                let mut item = item.clone();
+                item.as_object_mut().unwrap().remove("id");
+                item.as_object_mut().unwrap().remove("call_id");
+                item
+            })
+            .collect()
+    };
+    assert_eq!(strip(resumed), strip(&whole));
+    // The call id the client saw when the call started is the one it ends with.
+    let added = events
+        .iter()
+        .find(|e| e["type"] == "response.output_item.added" && e["item"]["type"] == "function_call")
+        .unwrap();
+    let call = resumed["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["type"] == "function_call")
+        .unwrap();
+    assert_eq!(added["item"]["call_id"], call["call_id"]);
+    assert_eq!(resumed["usage"]["output_tokens"], 24);
+    let metrics = metrics_text(&router).await;
+    assert_eq!(
+        metric(&metrics, "connex_resumes_total", &[]),
+        1.0,
+        "{metrics}"
+    );
+}
+
+/// Reads a background response's events from `starting_after` until `take`
+/// events came (then lets go) or the stream ended.
+pub(super) async fn reattach(
+    router: &Proc,
+    id: &str,
+    starting_after: Option<u64>,
+    take: usize,
+) -> Vec<Value> {
+    let mut url = format!("{}/v1/responses/{id}?stream=true", router.url);
+    if let Some(n) = starting_after {
+        url.push_str(&format!("&starting_after={n}"));
+    }
+    let mut response = client().get(url).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut text = String::new();
+    while let Some(chunk) = response.chunk().await.unwrap() {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        if sse_events(&text).len() >= take {
+            break;
+        }
+    }
+    let mut got = sse_events(&text);
+    got.truncate(take);
+    got
+}
+
+/// `POST /v1/responses/{id}/cancel` through `router`: the response it answers.
+pub(super) async fn cancel(router: &Proc, id: &str) -> Value {
+    client()
+        .post(format!("{}/v1/responses/{id}/cancel", router.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// `decoder`'s last request stopped (its stream closed) short of `tokens`.
+pub(super) async fn assert_stopped_short(decoder: &Proc, tokens: u64) {
+    eventually(
+        std::time::Duration::from_secs(5),
+        "the decoder stopped",
+        || async {
+            let requests = engine_requests(decoder).await;
+            requests.last().is_some_and(|r| r["outcome"] != "running")
+        },
+    )
+    .await;
+    let emitted = engine_requests(decoder).await.last().unwrap()["tokens_emitted"]
+        .as_u64()
+        .unwrap();
+    assert!(emitted < tokens, "{emitted}");
+}
+
+/// The events of background response `id` through `router`: the first
+/// `first` of them, then (after `between`) the rest through `then`, read
+/// after the last one seen. Asserts each came once, in order.
+pub(super) async fn read_across(
+    router: &Proc,
+    then: &Proc,
+    id: &str,
+    first: usize,
+    between: impl std::future::Future<Output = ()>,
+) -> Vec<Value> {
+    let mut all = reattach(router, id, None, first).await;
+    let last_seen = all.last().unwrap()["sequence_number"].as_u64().unwrap();
+    between.await;
+    all.extend(reattach(then, id, Some(last_seen), usize::MAX).await);
+    let numbers: Vec<u64> = all
+        .iter()
+        .map(|e| e["sequence_number"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        numbers,
+        (0..all.len() as u64).collect::<Vec<_>>(),
+        "each event exactly once"
+    );
+    all
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_response_is_read_again_from_any_event() {
+    let (router, _engines) = scale_out_cluster(&[], &["--decode-us-per-token", "20000"]).await;
+    let body = json!({"model": "mock", "input": "Run in the background", "background": true,
+                      "max_output_tokens": 40});
+    let (status, text) = create(&router, &body).await;
+    assert_eq!(status, 200, "{text}");
+    let queued: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(queued["background"], true);
+    assert!(
+        ["queued", "in_progress"].contains(&queued["status"].as_str().unwrap()),
+        "{queued}"
+    );
+    let id = queued["id"].as_str().unwrap();
+    // A reader that leaves after 6 events, then one that comes back after them.
+    let all = read_across(&router, &router, id, 6, async {}).await;
+    let numbers: Vec<u64> = all
+        .iter()
+        .map(|e| e["sequence_number"].as_u64().unwrap())
+        .collect();
+    assert_eq!(all.last().unwrap()["type"], "response.completed");
+    let done = &all.last().unwrap()["response"];
+    assert_eq!(done["usage"]["output_tokens"], 40);
+    // From the start again: the same events; past the end: none, at once.
+    assert_eq!(reattach(&router, id, None, usize::MAX).await, all);
+    let last = *numbers.last().unwrap();
+    assert!(reattach(&router, id, Some(last), usize::MAX)
+        .await
+        .is_empty());
+    // And the stored response is the finished one.
+    let (status, stored) = get(&router, id).await;
+    assert_eq!(status, 200);
+    assert_eq!(&stored, done);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_response_can_be_cancelled_and_a_stored_one_cannot_be_streamed() {
+    let (router, engines) = scale_out_cluster(&[], &["--decode-us-per-token", "50000"]).await;
+    let body = json!({"model": "mock", "input": "Cancel me", "background": true,
+                      "max_output_tokens": 400});
+    let (_, text) = create(&router, &body).await;
+    let id = serde_json::from_str::<Value>(&text).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // Some tokens first.
+    let seen = reattach(&router, &id, None, 8).await;
+    assert_eq!(seen.len(), 8);
+    let cancelled = cancel(&router, &id).await;
+    assert_eq!(cancelled["status"], "cancelled", "{cancelled}");
+    assert_eq!(get(&router, &id).await.1["status"], "cancelled");
+    // The decoder's stream was closed: the decoder stops well short of 400.
+    assert_stopped_short(&engines[1], 400).await;
+    // A response made without background is stored, not streamed again,
+    // and cannot be cancelled.
+    let (_, text) = create(
+        &router,
+        &json!({"model": "mock", "input": "x", "max_output_tokens": 2}),
+    )
+    .await;
+    let plain = serde_json::from_str::<Value>(&text).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let streamed = client()
+        .get(format!("{}/v1/responses/{plain}?stream=true", router.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(streamed.status(), 400);
+    let cancel = client()
+        .post(format!("{}/v1/responses/{plain}/cancel", router.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cancel.status(), 400);
+    // background needs store.
+    let (status, _) = create(
+        &router,
+        &json!({"model": "mock", "input": "x", "background": true,
+                                               "store": false}),
+    )
+    .await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_response_that_cannot_start_takes_no_place() {
+    // One place for background responses: one that failed to start (no such
+    // model) must not hold it.
+    let (router, _engines) = scale_out_cluster(&["--max-background-responses", "1"], &[]).await;
+    let (status, _) = create(
+        &router,
+        &json!({"model": "nope", "input": "x", "background": true}),
+    )
+    .await;
+    assert_eq!(status, 404);
+    let body = json!({"model": "mock", "input": "x", "background": true, "max_output_tokens": 2});
+    let (status, text) = create(&router, &body).await;
+    assert_eq!(status, 200, "{text}");
+}

@@ -1,0 +1,420 @@
+//! A shared endpoint (issue 32): client keys on every client route, tenants
+//! with their own limits, fair admission past the router's slots, and a
+//! tenants file reloaded under load. Part of the security binary (keys are
+//! its edge), on real processes.
+
+use super::common::*;
+use connex_router::api::{route_table, Listener};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const KEY_A: &str = "sk-tenant-a-0001";
+const KEY_B: &str = "sk-tenant-b-0001";
+
+/// A tenants file in a directory of the test's own.
+struct TenantsFile {
+    path: PathBuf,
+}
+
+impl TenantsFile {
+    fn new(text: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "connex-tenants-{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = Self {
+            path: dir.join("tenants.toml"),
+        };
+        file.write(text);
+        file
+    }
+
+    /// Replaced whole, as a Secret's update or an editor's save would.
+    fn write(&self, text: &str) {
+        let next = self.path.with_extension("next");
+        std::fs::write(&next, text).unwrap();
+        std::fs::rename(&next, &self.path).unwrap();
+    }
+
+    fn arg(&self) -> String {
+        self.path.to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for TenantsFile {
+    fn drop(&mut self) {
+        if let Some(dir) = self.path.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+fn completion(max_tokens: u32, stream: bool) -> Value {
+    json!({"model":"mock","prompt":"tenant test","max_tokens":max_tokens,"stream":stream})
+}
+
+async fn post_as(router: &Proc, key: Option<&str>, body: &Value) -> reqwest::Response {
+    let mut request = client()
+        .post(format!("{}/v1/completions", router.url))
+        .json(body);
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    request.send().await.unwrap()
+}
+
+/// A router with `extra` flags, one mock prefill and one mock decoder whose
+/// tokens take `decode_us` each.
+async fn cluster(extra: &[&str], decode_us: &str) -> (Proc, Proc, Proc) {
+    let router = router(extra);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let decode = engine(
+        Some(&router),
+        "decode",
+        &["--decode-us-per-token", decode_us],
+    );
+    wait_ready(&router, 2).await;
+    (router, prefill, decode)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_client_route_but_the_probes_takes_the_key() {
+    let (router, _prefill, _decode) = cluster(&["--api-key", KEY_A], "0").await;
+    let routes: Vec<_> = route_table()
+        .into_iter()
+        .filter(|(_, _, listener)| *listener == Listener::Client)
+        .collect();
+    assert!(routes.len() >= 5, "{routes:?}");
+    let body = json!({"model":"mock","prompt":"x","max_tokens":2,
+                      "messages":[{"role":"user","content":"x"}]});
+    for (method, path, _) in routes {
+        let call = |key: Option<(&'static str, String)>| {
+            let mut request = client().request(method.clone(), format!("{}{path}", router.url));
+            if method == reqwest::Method::POST {
+                request = request.json(&body);
+            }
+            if let Some((header, value)) = key {
+                request = request.header(header, value);
+            }
+            request.send()
+        };
+        let open = ["/health", "/ready"].contains(&path);
+        for key in [
+            None,
+            Some(("authorization", "Bearer sk-wrong-key-0001".to_string())),
+            Some(("authorization", format!("Bearer {KEY_A}x"))),
+            Some(("authorization", KEY_A.to_string())),
+        ] {
+            let response = call(key.clone()).await.unwrap();
+            if open {
+                assert_eq!(response.status(), 200, "{path} is a probe");
+                continue;
+            }
+            assert_eq!(response.status(), 401, "{method} {path} with {key:?}");
+            let error: Value = response.json().await.unwrap();
+            assert_eq!(error["error"]["type"], "authentication_error", "{error}");
+        }
+        for header in [
+            ("authorization", format!("Bearer {KEY_A}")),
+            ("x-api-key", KEY_A.to_string()),
+        ] {
+            let status = call(Some(header)).await.unwrap().status();
+            assert_ne!(status, 401, "{method} {path} with the key");
+            if ["/v1/completions", "/v1/chat/completions", "/v1/models"].contains(&path) {
+                assert_eq!(status, 200, "{method} {path}");
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_key_is_ever_logged() {
+    let (router, logs) = router_logged(&["--api-key", KEY_A, "--log-level", "debug"]);
+    let _prefill = engine(Some(&router), "prefill", &[]);
+    let _decode = engine(Some(&router), "decode", &[]);
+    wait_ready(&router, 2).await;
+    let served = post_as(&router, Some(KEY_A), &completion(2, false)).await;
+    assert_eq!(served.status(), 200);
+    let refused = post_as(&router, Some("sk-guessed-key-01"), &completion(2, false)).await;
+    assert_eq!(refused.status(), 401);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let lines = logs.lines();
+    assert!(
+        lines.iter().any(|l| l.contains("tenant")),
+        "access line names the tenant"
+    );
+    for line in lines {
+        assert!(
+            !line.contains(KEY_A) && !line.contains("sk-guessed"),
+            "a key in the logs: {line}"
+        );
+    }
+}
+
+/// Two tenants whose clients keep `workers` requests each waiting: returns
+/// how many each got served until `total` were.
+async fn served_under_contention(router: &Proc, workers: usize, total: usize) -> (usize, usize) {
+    let done = Arc::new(AtomicBool::new(false));
+    let counts = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
+    let mut tasks = tokio::task::JoinSet::new();
+    for (tenant, key) in [(0, KEY_A), (1, KEY_B)] {
+        for _ in 0..workers {
+            let (done, counts, url) = (done.clone(), counts.clone(), router.url.clone());
+            tasks.spawn(async move {
+                let client = client();
+                while !done.load(Ordering::Relaxed) {
+                    let response = client
+                        .post(format!("{url}/v1/completions"))
+                        .bearer_auth(key)
+                        .json(&completion(4, false))
+                        .send()
+                        .await
+                        .unwrap();
+                    assert_eq!(response.status(), 200);
+                    let _ = response.bytes().await;
+                    if done.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let served = counts[tenant].fetch_add(1, Ordering::Relaxed) + 1;
+                    if served + counts[1 - tenant].load(Ordering::Relaxed) >= total {
+                        done.store(true, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+    (
+        counts[0].load(Ordering::Relaxed),
+        counts[1].load(Ordering::Relaxed),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_weighted_three_to_one_are_served_three_to_one() {
+    let file = TenantsFile::new(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\nweight = 3\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\nweight = 1\n"
+    ));
+    // Two slots, each request ~4 tokens of 2 ms on one decoder: both
+    // tenants keep 8 waiting all the time.
+    let (router, _prefill, _decode) = cluster(
+        &[
+            "--tenants-file",
+            &file.arg(),
+            "--max-concurrent-requests",
+            "2",
+        ],
+        "2000",
+    )
+    .await;
+    let (a, b) = served_under_contention(&router, 8, 320).await;
+    let ratio = a as f64 / b.max(1) as f64;
+    assert!(
+        (2.2..=3.8).contains(&ratio),
+        "a {a}, b {b}: ratio {ratio:.2}"
+    );
+    // Both waited: the queue-time histogram has their samples.
+    let text = metrics_text(&router).await;
+    for tenant in ["a", "b"] {
+        let admitted = metric(
+            &text,
+            "connex_tenant_requests_total",
+            &[&format!("tenant=\"{tenant}\"")],
+        );
+        assert!(admitted >= 50.0, "{tenant}: {admitted}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_max_concurrent_gets_429_while_the_other_is_served() {
+    let file = TenantsFile::new(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\nmax_concurrent = 2\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\n"
+    ));
+    let (router, _prefill, _decode) = cluster(&["--tenants-file", &file.arg()], "20000").await;
+    let first = post_as(&router, Some(KEY_A), &completion(100, true)).await;
+    let second = post_as(&router, Some(KEY_A), &completion(100, true)).await;
+    assert_eq!(
+        (first.status().as_u16(), second.status().as_u16()),
+        (200, 200)
+    );
+    let started = Instant::now();
+    let third = post_as(&router, Some(KEY_A), &completion(2, false)).await;
+    assert_eq!(third.status(), 429);
+    assert!(third.headers().get("retry-after").is_some());
+    let error: Value = third.json().await.unwrap();
+    assert_eq!(error["error"]["type"], "rate_limit_error", "{error}");
+    assert!(started.elapsed() < Duration::from_secs(2), "429 at once");
+    // The other tenant is served at once, beside a's two streams.
+    let started = Instant::now();
+    let other = post_as(&router, Some(KEY_B), &completion(2, false)).await;
+    assert_eq!(other.status(), 200);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    // A stream that ends gives its place back.
+    drop(first);
+    eventually(
+        Duration::from_secs(5),
+        "a is under its limit again",
+        || async {
+            post_as(&router, Some(KEY_A), &completion(2, false))
+                .await
+                .status()
+                == 200
+        },
+    )
+    .await;
+    let text = metrics_text(&router).await;
+    let rejected = metric(
+        &text,
+        "connex_tenant_rejections_total",
+        &["tenant=\"a\"", "reason=\"max_concurrent\""],
+    );
+    assert!(rejected >= 1.0, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_per_minute_are_enforced_from_usage() {
+    // 60 tokens a minute: one a second comes back.
+    let file = TenantsFile::new(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\ntokens_per_minute = 60\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\n"
+    ));
+    let (router, _prefill, _decode) = cluster(&["--tenants-file", &file.arg()], "0").await;
+    // 80 completion tokens: more than the minute's 60, settled from usage.
+    let big = post_as(&router, Some(KEY_A), &completion(80, false)).await;
+    assert_eq!(big.status(), 200);
+    let usage: Value = big.json().await.unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 80);
+    // The settlement runs as the response ends, just after its last byte.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let next = post_as(&router, Some(KEY_A), &completion(1, false)).await;
+    assert_eq!(next.status(), 429);
+    let retry: u64 = next.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    // 20-odd tokens of debt at one a second.
+    assert!((15..=60).contains(&retry), "retry after {retry}");
+    let error: Value = next.json().await.unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("tokens per minute"),
+        "{error}"
+    );
+    // The other tenant is not charged for it.
+    assert_eq!(
+        post_as(&router, Some(KEY_B), &completion(80, false))
+            .await
+            .status(),
+        200
+    );
+    let text = metrics_text(&router).await;
+    let completion_tokens = metric(
+        &text,
+        "connex_tenant_tokens_total",
+        &["tenant=\"a\"", "kind=\"completion\""],
+    );
+    assert_eq!(completion_tokens, 80.0, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_applies_without_dropping_a_stream() {
+    let file = TenantsFile::new(&format!("[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\n"));
+    let (router, _prefill, _decode) = cluster(&["--tenants-file", &file.arg()], "20000").await;
+    // 300 tokens of 20 ms: the stream spans both reloads.
+    let mut body = completion(300, true);
+    body["return_token_ids"] = json!(true);
+    let stream = post_as(&router, Some(KEY_A), &body).await;
+    assert_eq!(stream.status(), 200);
+    // a's key is rotated, b arrives; the change is picked up without a signal.
+    file.write(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"sk-tenant-a-0002\"]\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\n"
+    ));
+    eventually(Duration::from_secs(10), "the new file applies", || async {
+        post_as(&router, Some(KEY_B), &completion(1, false))
+            .await
+            .status()
+            == 200
+    })
+    .await;
+    assert_eq!(
+        post_as(&router, Some(KEY_A), &completion(1, false))
+            .await
+            .status(),
+        401
+    );
+    // A bad file is refused on SIGHUP: the tenants in force stay.
+    file.write("[[tenant]]\nname = \"a\"\nkeys = [\"short\"]\n");
+    router.signal("HUP");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        post_as(&router, Some(KEY_B), &completion(1, false))
+            .await
+            .status(),
+        200
+    );
+    // The stream admitted under the old key ran to its end.
+    let text = stream.text().await.unwrap();
+    let chunks = sse_events(&text);
+    assert!(text.contains("[DONE]"), "{text}");
+    assert_eq!(streamed_token_ids(&chunks).len(), 300, "{text}");
+    assert!(!text.contains("\"error\""), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_response_is_its_tenants_alone() {
+    let file = TenantsFile::new(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\n"
+    ));
+    let (router, _prefill, _decode) = cluster(&["--tenants-file", &file.arg()], "0").await;
+    let created: Value = client()
+        .post(format!("{}/v1/responses", router.url))
+        .bearer_auth(KEY_A)
+        .json(&json!({"model": "mock", "input": "a's secret question", "max_output_tokens": 3}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = created["id"].as_str().unwrap();
+    let url = format!("{}/v1/responses/{id}", router.url);
+    // Another tenant cannot read, continue or delete it: not found.
+    let read = client().get(&url).bearer_auth(KEY_B).send().await.unwrap();
+    assert_eq!(read.status(), 404);
+    let continued = client()
+        .post(format!("{}/v1/responses", router.url))
+        .bearer_auth(KEY_B)
+        .json(&json!({"model": "mock", "input": "and?", "previous_response_id": id}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(continued.status(), 404);
+    let deleted = client()
+        .delete(&url)
+        .bearer_auth(KEY_B)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 404);
+    // Its own tenant can.
+    let read = client().get(&url).bearer_auth(KEY_A).send().await.unwrap();
+    assert_eq!(read.status(), 200);
+    let again: Value = read.json().await.unwrap();
+    assert_eq!(again["id"], created["id"]);
+}
