@@ -318,6 +318,15 @@ class Router:
         )
         reply.raise_for_status()
 
+    def admin_delete(self, path: str) -> None:
+        """DELETEs through the admin API (`instances/{id}`: removes it)."""
+        reply = httpx.delete(
+            f"{self.internal}/admin/{path}",
+            headers={"Authorization": f"Bearer {self.ADMIN_TOKEN}"},
+            timeout=5,
+        )
+        reply.raise_for_status()
+
     def instances(self) -> list[dict]:
         return self.admin("instances")
 

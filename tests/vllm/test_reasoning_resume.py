@@ -26,9 +26,12 @@ leaves such requests alone), which saves a fourth engine.
   from the prefill's hold, which is pulled again and not recomputed.
 
 Responses and Messages without a failure come after the kill tests (on the
-decoder left), each against the plain engine's own answer. The kill tests
-leave a decoder dead. The cluster's engines serve
-this module only and are stopped at its end.
+decoder left), each against the plain engine's own answer. Then the killed
+decoder is started again and the official openai and anthropic clients'
+Responses and Messages streams (mid-reasoning, inside a call's arguments) are
+cut by the other decoder's kill: each equals the plain engine's answer, each
+resumed once from the hold. The cluster's engines serve this module only and
+are stopped at its end.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ import test_pd
 from conftest import connex_kv
 
 PREFILL, D1, D2 = "rz_prefill", "rz_d1", "rz_d2"
+# Each engine's connector role and CPU core.
+ROLES = {PREFILL: ("kv_producer", 0), D1: ("kv_consumer", 1), D2: ("kv_consumer", 0)}
 ENGINE_ARGS = [*rm.PARSER_ARGS, "--enable-scale-out"]
 MODES = ("stream", "non-stream")
 # How long one batch may run before the kill test gives up on it (seconds).
@@ -81,34 +86,50 @@ class ReasoningCluster:
             "--stall-timeout-ms",
             "300000",
         )
-        wanted = {}
-        for name, role, core in (
-            (PREFILL, "kv_producer", 0),
-            (D1, "kv_consumer", 1),
-            (D2, "kv_consumer", 0),
-        ):
-            engine = harness.Engine(
-                name,
-                core=core,
-                model=model,
-                served_model_name=rm.MODEL_NAME,
-                extra_args=list(ENGINE_ARGS),
-            )
-            engine.kv_config = connex_kv(
-                role,
-                engine,
-                retain_s=self.RETAIN_S,
-                router=self.router.internal,
-                url=engine.url,
-                instance_id=name,
-            )
-            wanted[name] = engine
+        self.fleet, self.model = fleet, model
+        wanted = {name: self.engine(name) for name in ROLES}
         try:
             self.engines = fleet.ensure(wanted)
             self.router.wait_instances(set(wanted))
         except BaseException:
             self.router.stop()
             raise
+
+    def engine(self, name: str) -> harness.Engine:
+        role, core = ROLES[name]
+        engine = harness.Engine(
+            name,
+            core=core,
+            model=self.model,
+            served_model_name=rm.MODEL_NAME,
+            extra_args=list(ENGINE_ARGS),
+        )
+        engine.kv_config = connex_kv(
+            role,
+            engine,
+            retain_s=self.RETAIN_S,
+            router=self.router.internal,
+            url=engine.url,
+            instance_id=name,
+        )
+        return engine
+
+    def restart(self, name: str) -> None:
+        """A new engine in place of `name` (killed), registered under its name.
+        The dead one is removed through the admin API first, as an operator
+        would: its id stays taken until its heartbeat expires (five minutes
+        here), and a registrant without its credential cannot replace it."""
+        self.fleet.engines.pop(name).stop()
+        self.router.admin_delete(f"instances/{name}")
+        engine = self.engines[name] = self.fleet.ensure({name: self.engine(name)})[name]
+        harness.wait_for(
+            lambda: any(
+                i["id"] == name and i["url"] == engine.url and i["state"] == "ready"
+                for i in self.router.instances()
+            ),
+            60,
+            f"the new {name} to register",
+        )
 
     def __getitem__(self, name: str) -> harness.Engine:
         return self.engines[name]
@@ -616,9 +637,18 @@ def test_the_tokens_api_continues_a_chat_cut_at_its_kill_point(cluster, case):
 # stream cut inside a call's arguments. (Responses and Messages streams in the
 # same batch, 13 requests, lined up in two runs out of three on this machine:
 # the batch's first decode steps at a new size are slow to come, and a step
-# can jump past a narrow kill region. They are resumed through the same chat
-# path; their decoder kill is tested on the mocks, tests/e2e/responses.rs.)
+# can jump past a narrow kill region: they have a batch of their own, at the
+# end of this module.)
 KILLED = [(case, mode) for case in rm.CASES for mode in MODES] + [("arguments", "openai")]
+
+# Each request mode's client: (url, case, request id) to the answer as compared.
+CLIENTS = {
+    "stream": stream,
+    "non-stream": complete,
+    "openai": openai_stream,
+    "responses": responses_stream,
+    "messages": messages_stream,
+}
 
 
 def journal(router: harness.Router, ids: dict[str, tuple]) -> dict[str, dict]:
@@ -641,11 +671,13 @@ def signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def kill_batch(cluster) -> dict | None:
-    """Streams every request of KILLED from d1 at once, lines them up on their
-    kill points and SIGKILLs d1; returns each request's answer and where the
-    router had it when d1 died (its journal's generated tokens: what the
-    continuation starts from). None if the batch could not be lined up.
+def kill_batch(
+    cluster, requests: list[tuple[str, str]] = KILLED, victim: str = D1, heir: str = D2
+) -> dict | None:
+    """Streams every request (case, mode) from `victim` (d1) at once, lines them
+    up on their kill points and SIGKILLs it, `heir` taking over; returns each
+    request's answer and where the router had it when d1 died (its journal's
+    generated tokens: what the continuation starts from). None if the batch could not be lined up.
 
     d1's EngineCore and worker are frozen (SIGSTOP; its API server runs on)
     while the router prefills the batch and opens it on d1, so that d1's
@@ -657,13 +689,13 @@ def kill_batch(cluster) -> dict | None:
     no text (a tool call's markup before it parses), so a request can be cut
     only where its chunks are relayed: between the two calls, right after the
     first call's `'),`."""
-    d1, regions = cluster[D1], rm.kill_regions()
+    d1, regions = cluster[victim], rm.kill_regions()
     tag = uuid.uuid4().hex[:8]
-    ids = {f"kill-{tag}-{case}-{mode}": (case, mode) for case, mode in KILLED}
+    ids = {f"kill-{tag}-{case}-{mode}": (case, mode) for case, mode in requests}
     answers: dict[tuple, dict] = {}
 
     def run(request_id: str, case: str, mode: str) -> None:
-        client = {"stream": stream, "non-stream": complete, "openai": openai_stream}[mode]
+        client = CLIENTS[mode]
         try:
             answers[case, mode] = client(cluster.router.url, case, request_id)
         except Exception as err:  # reported by the request's test
@@ -683,7 +715,7 @@ def kill_batch(cluster) -> dict | None:
                 break
         return reads[-1]
 
-    cluster.only(D1)
+    cluster.only(victim)
     threads = [
         threading.Thread(target=run, args=(rid, case, mode), daemon=True)
         for rid, (case, mode) in ids.items()
@@ -713,18 +745,18 @@ def kill_batch(cluster) -> dict | None:
             gap = max(regions[k[0]][0] - cut.get(k, 0) for k in ids.values())
             if gap <= 12:
                 cut = where(3)
-            print(f"d1 frozen (thawed {step * 1000:.0f} ms) at {sorted(set(cut.values()))}")
+            print(f"{victim} frozen (thawed {step * 1000:.0f} ms) at {sorted(set(cut.values()))}")
             if len(cut) < len(ids) or any(cut[k] > regions[k[0]][1] for k in cut):
                 print(f"missed the kill points at {sorted(cut.items())} (regions {regions})")
                 break
             if not checked and min(cut.values(), default=0) > 0:
                 decoders = {ids[r]: e["decoder"] for r, e in journal(cluster.router, ids).items()}
-                assert set(decoders.values()) == {D1}, decoders
+                assert set(decoders.values()) == {victim}, decoders
                 checked = True
             if all(cut[k] >= regions[k[0]][0] for k in cut):
-                print(f"killing d1 with the router at {sorted(cut.items())}")
+                print(f"killing {victim} with the router at {sorted(cut.items())}")
                 # Every request is at its kill point: the other decoder takes over.
-                cluster.router.admin_post(f"instances/{D2}/activate")
+                cluster.router.admin_post(f"instances/{heir}/activate")
                 d1.kill(signal.SIGKILL)
                 frozen, killed = False, True
                 break
@@ -875,3 +907,73 @@ def test_messages_through_pd_equal_the_plain_engines(cluster, case):
     streamed = messages_stream(cluster.router.url, case)
     assert streamed["blocks"] == message_blocks(want)
     assert streamed["stop_reason"] == want["stop_reason"]
+
+
+# ---- Responses and Messages streams across a decoder kill ------------------------------
+# The official clients' streams, cut mid-reasoning and inside a function call's
+# arguments: d1 (killed above) is started again, d2 streams the four and is
+# killed, d1 takes over. Each answer must equal the plain engine's own.
+
+KILLED_TRANSLATED = [
+    (case, mode) for case in ("reasoning", "arguments") for mode in ("responses", "messages")
+]
+
+
+@pytest.fixture(scope="module")
+def killed_translated(cluster, killed) -> dict:
+    # After the chat kill batch (`killed`), which leaves d1 dead.
+    cluster.restart(D1)
+    before = {
+        "resumes": cluster.router.metric("connex_resumes_total", absent=0.0),
+        "reprefills": cluster.router.metric("connex_reprefills_total", absent=0.0),
+    }
+    for _ in range(3):
+        outcome = kill_batch(cluster, KILLED_TRANSLATED, victim=D2, heir=D1)
+        if outcome is not None:
+            break
+    else:
+        pytest.fail("could not line the Responses/Messages batch up on its kill points, 3 times")
+    harness.wait_for(lambda: not cluster[D2].alive(), 10, "the killed decoder to exit")
+    outcome["before"] = before
+    print(f"cut at {outcome['cut']}")
+    return outcome
+
+
+@pytest.mark.parametrize("case", ["reasoning", "arguments"])
+def test_a_responses_stream_cut_by_a_decoder_kill_equals_the_plain_engines(
+    cluster, killed_translated, case
+):
+    low, high = rm.kill_regions()[case]
+    assert low <= killed_translated["cut"][case, "responses"] <= high, killed_translated["cut"]
+    got = killed_translated["answers"][case, "responses"]
+    assert not got["errors"], got["errors"]
+    want = post_json(cluster.plain.url, "/v1/responses", responses_body(case))
+    assert got["items"] == response_items(want)
+    assert got["status"] == want["status"] == "completed"
+
+
+@pytest.mark.parametrize("case", ["reasoning", "arguments"])
+def test_a_messages_stream_cut_by_a_decoder_kill_equals_the_plain_engines(
+    cluster, killed_translated, case
+):
+    low, high = rm.kill_regions()[case]
+    assert low <= killed_translated["cut"][case, "messages"] <= high, killed_translated["cut"]
+    got = killed_translated["answers"][case, "messages"]
+    assert not got["errors"], got["errors"]
+    want = httpx.post(
+        f"{cluster.plain.url}/v1/messages",
+        json=messages_body(case),
+        headers={"anthropic-version": "2023-06-01"},
+        timeout=BATCH_S,
+    ).json()
+    assert got["blocks"] == message_blocks(want)
+    assert got["stop_reason"] == want["stop_reason"]
+
+
+def test_every_cut_responses_and_messages_stream_was_resumed_once_from_the_hold(
+    cluster, killed_translated
+):
+    before = killed_translated["before"]
+    resumed = cluster.router.metric("connex_resumes_total") - before["resumes"]
+    assert resumed == len(KILLED_TRANSLATED)
+    assert cluster.router.metric("connex_reprefills_total", absent=0.0) == before["reprefills"]
