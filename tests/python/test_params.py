@@ -179,3 +179,28 @@ def test_a_kv_dtype_mismatch_is_named_and_an_unknown_one_is_not_compared():
     assert bf16.mismatch(dataclasses.replace(LAYOUT, dtype="bfloat16")) is None
     with pytest.raises(ParamsError, match="kv_dtype"):
         remote_hold(valid(kv_dtype=16))
+
+
+def test_a_compat_mismatch_is_named_and_a_name_one_side_lacks_is_not_compared():
+    """Equal page bytes and dtype, other attention layout: the fingerprint
+    names what differs; a prefill of an older Connex sends none."""
+    mine = dataclasses.replace(
+        LAYOUT, compat=(("attn_backend", "auto"), ("kv_cache_layout", "NHD"), ("vllm", "0.32.0"))
+    )
+    hold = remote_hold(valid(compat={"kv_cache_layout": "HND", "vllm": "0.32.0"}))
+    assert hold is not None
+    error = mine.mismatch(hold.layout)
+    assert error is not None and "kv_cache_layout prefill=HND decode=NHD" in error
+    assert "vllm" not in error.split("(")[1].split(")")[0]
+    assert mine.mismatch(remote_hold(valid(compat={"vllm": "0.32.0"})).layout) is None
+    old = remote_hold({k: v for k, v in valid().items() if k != "compat"})
+    assert old is not None and mine.mismatch(old.layout) is None
+
+
+@pytest.mark.parametrize(
+    "compat",
+    [[], "NHD", {"kv_cache_layout": 1}, {"color": "red"}, {"model": "m" * 300}],
+)
+def test_a_compat_that_is_not_a_fingerprint_is_refused(compat):
+    with pytest.raises(ParamsError, match="compat"):
+        remote_hold(valid(compat=compat))

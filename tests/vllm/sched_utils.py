@@ -89,6 +89,8 @@ def make_scheduler(
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
+        # As the engine core resolves it for this model on CPU (NHD pages).
+        kv_cache_layout="LBNHC",
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(

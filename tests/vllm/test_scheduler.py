@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
+import harness
 import pytest
+import vllm
 from connex.adapters.vllm import scheduler as scheduler_module
 from connex.adapters.vllm.params import Layout, hold_params
 from sched_utils import (
@@ -275,6 +278,32 @@ def test_layout_mismatch_fails_the_load_with_a_clear_error():
     assert "block_size prefill=16 decode=32" in load.error
     # Same page bytes, other element type: named too (never copied into garbage).
     assert "dtype prefill=float16 decode=bfloat16" in load.error
+
+
+def test_a_prefill_with_another_attention_layout_is_a_failed_load_naming_it():
+    """Same page bytes, dtype and TP, but the prefill's engine lays its pages out
+    HND (LBHNC) under another attention backend (FlashInfer) and runs another
+    vLLM: the
+    decoder's real scheduler refuses the hold with what differs, never copies."""
+    sched = make_scheduler("kv_consumer")
+    mine = dict(sched.connector.scheduler.layout.compat)
+    # The fingerprint vLLM's own config gives this engine.
+    assert mine["vllm"] == vllm.__version__
+    assert mine["model"] == str(harness.model_dir())
+    assert mine["kv_heads"] == "2" and mine["head_size"] == "32"
+    assert mine["kv_cache_dtype"] == "auto" and mine["kv_cache_layout"] == "LBNHC"
+    theirs = dict(mine, attn_backend="FLASHINFER", kv_cache_layout="LBHNC", vllm="0.0.1")
+    other = dataclasses.replace(
+        sched.connector.scheduler.layout, compat=tuple(sorted(theirs.items()))
+    )
+    request = make_request(prompt_of(70), max_tokens=2, kv_transfer_params=remote(70, 0, other))
+    sched.add_request(request)
+    out, _ = step(sched)
+    (load,) = out.kv_connector_metadata.loads
+    assert load.error is not None
+    assert f"attn_backend prefill=FLASHINFER decode={mine['attn_backend']}" in load.error
+    assert "kv_cache_layout prefill=LBHNC decode=LBNHC" in load.error
+    assert f"vllm prefill=0.0.1 decode={vllm.__version__}" in load.error
 
 
 def test_aborted_decode_keeps_the_hold_for_a_resume():

@@ -33,6 +33,18 @@ MAX_PAGE_BYTES = 1 << 40
 MAX_LEASE_S = 7 * 24 * 3600.0
 MAX_TOKENS = MAX_BLOCKS * MAX_BLOCK_SIZE
 BACKENDS = ("tcp", "ucx", "mooncake")
+# The names of a layout's compatibility fingerprint (`Layout.compat`), each a
+# short string; a prefill's params may carry these and no others.
+COMPAT_KEYS = (
+    "vllm",
+    "model",
+    "attn_backend",
+    "kv_cache_layout",
+    "kv_cache_dtype",
+    "kv_heads",
+    "head_size",
+)
+MAX_COMPAT_VALUE_LEN = 256
 
 
 class ParamsError(ValueError):
@@ -51,6 +63,12 @@ class Layout:
     # the same page bytes and would be copied one to one into garbage. Empty when
     # unknown (a prefill of an older Connex): not compared then.
     dtype: str = ""
+    # What else decides what a block's bytes mean, by name (`COMPAT_KEYS`):
+    # two engines whose pages have the same size but another vLLM, model,
+    # attention backend, KV cache layout (NHD/HND) or cache dtype would copy
+    # bytes that mean something else. A name one side lacks (a prefill of an
+    # older Connex) is not compared.
+    compat: tuple[tuple[str, str], ...] = ()
 
     def mismatch(self, remote: Layout) -> str | None:
         """A clear error when `remote` (the prefill's) differs from this (local) one."""
@@ -61,12 +79,19 @@ class Layout:
         ]
         if remote.dtype and self.dtype and remote.dtype != self.dtype:
             diffs.append(f"dtype prefill={remote.dtype} decode={self.dtype}")
+        mine = dict(self.compat)
+        diffs += [
+            f"{name} prefill={theirs} decode={mine[name]}"
+            for name, theirs in remote.compat
+            if name in mine and mine[name] != theirs
+        ]
         if not diffs:
             return None
         return (
             "prefill and decode KV layouts differ ("
             + ", ".join(diffs)
-            + "); both sides need the same model, TP size, --block-size and --kv-cache-dtype"
+            + "); both sides need the same vLLM, model, TP size, --block-size, "
+            "--kv-cache-dtype and attention backend"
         )
 
 
@@ -160,6 +185,7 @@ def hold_params(
         "num_layers": layout.num_layers,
         "page_bytes": layout.page_bytes,
         "kv_dtype": layout.dtype,
+        "compat": dict(layout.compat),
     }
 
 
@@ -197,6 +223,7 @@ def remote_hold(params: object) -> RemoteHold | None:
         num_layers=_int(params.get("num_layers"), "num_layers", 1, MAX_LAYERS),
         page_bytes=_int(params.get("page_bytes"), "page_bytes", 1, MAX_PAGE_BYTES),
         dtype=_dtype(params.get("kv_dtype", "")),
+        compat=_compat(params.get("compat", {})),
     )
     remote_ctrl = params["remote_ctrl"]
     split_ctrl(remote_ctrl, layout.tp_size)
@@ -244,6 +271,19 @@ def _dtype(value: object) -> str:
     if not isinstance(value, str) or len(value) > 32 or not value.isascii():
         raise ParamsError(f"kv_dtype must be a dtype name, not {_show(value)}")
     return value
+
+
+def _compat(value: object) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, Mapping):
+        raise ParamsError(f"compat must be an object, not {_show(value)}")
+    out = []
+    for name, item in value.items():
+        if name not in COMPAT_KEYS:
+            raise ParamsError(f"compat has an unknown entry {_show(name)}")
+        if not isinstance(item, str) or len(item) > MAX_COMPAT_VALUE_LEN:
+            raise ParamsError(f"compat[{name!r}] must be a short string, not {_show(item)}")
+        out.append((name, item))
+    return tuple(sorted(out))
 
 
 def _seconds(value: object, name: str) -> float:

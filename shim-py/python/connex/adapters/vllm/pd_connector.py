@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .config import ConnexConfig
-from .params import Layout
+from .params import MAX_COMPAT_VALUE_LEN, Layout
 from .scheduler import ConnexMetadata, ConnexScheduler
 from .stats import ConnexKVStats, ConnexPromMetrics
 from .worker import ConnexWorker
@@ -68,7 +68,38 @@ def local_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Lay
         num_layers=len(groups[0].layer_names),
         page_bytes=spec.page_size_bytes,
         dtype=str(getattr(spec, "dtype", "")).removeprefix("torch."),
+        compat=compat_fingerprint(vllm_config, kv_cache_config),
     )
+
+
+def compat_fingerprint(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[tuple[str, str], ...]:
+    """What decides what a block's bytes mean beyond its size, by name (as
+    NixlConnector's compatibility hash, but named, so that a refusal says what
+    differs): the vLLM version, the model, the attention backend asked for
+    (`auto`: the platform picks the same one for the same model), the KV cache
+    layout the engine core resolved (NHD or HND pages), the cache dtype asked
+    for (two fp8 formats have the same bytes) and the heads a page holds."""
+    import vllm
+
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None)
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        vllm_config.cache_config, "kv_cache_layout", None
+    )
+    values = {
+        "vllm": vllm.__version__,
+        "model": str(vllm_config.model_config.model),
+        "attn_backend": getattr(backend, "name", None) or str(backend or "auto"),
+        "kv_cache_layout": str(layout or ""),
+        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "kv_heads": str(getattr(spec, "num_kv_heads", "")),
+        "head_size": str(getattr(spec, "head_size", "")),
+    }
+    # An empty value is unknown here: left out, so never compared.
+    return tuple(sorted((k, v[:MAX_COMPAT_VALUE_LEN]) for k, v in values.items() if v))
 
 
 def kv_events_endpoint(vllm_config: VllmConfig) -> str | None:
