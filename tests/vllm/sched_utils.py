@@ -17,6 +17,7 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -55,6 +56,7 @@ def make_scheduler(
     extra: dict | None = None,
     num_blocks: int = 1000,
     ctrl: FakeCtrl | None = None,
+    parallel: ParallelConfig | None = None,
 ) -> Scheduler:
     from connex.adapters.vllm import pd_connector
     from connex.adapters.vllm.keeper import HoldKeeper
@@ -85,6 +87,7 @@ def make_scheduler(
             kv_load_failure_policy=policy,
         ),
         device_config=DeviceConfig("cpu"),
+        parallel_config=parallel or ParallelConfig(),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(

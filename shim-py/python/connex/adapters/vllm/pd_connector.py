@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from .config import ConnexConfig
+from .config import ConfigError, ConnexConfig
 from .params import MAX_COMPAT_VALUE_LEN, Layout
 from .scheduler import ConnexMetadata, ConnexScheduler
 from .stats import ConnexKVStats, ConnexPromMetrics
@@ -70,6 +70,51 @@ def local_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Lay
         dtype=str(getattr(spec, "dtype", "")).removeprefix("torch."),
         compat=compat_fingerprint(vllm_config, kv_cache_config),
     )
+
+
+def check_parallelism(parallel_config: object) -> None:
+    """Refuses, at start, the parallel layouts whose ranks would collide on the
+    hold control ports (TP rank r of an engine listens on ctrl_port + r, and a
+    decoder's rank r pulls from the prefill's rank r): pipeline parallelism
+    (each stage holds other layers, on the same TP ranks) and several data
+    parallel engines in one server (each with its own ranks 0..TP-1, and its
+    own scheduler registering the same instance). Data parallel ranks that
+    are servers of their own (`--data-parallel-rank`, one per pod) are not
+    refused: each is an engine like any other."""
+    pp = getattr(parallel_config, "pipeline_parallel_size", 1) or 1
+    dp_local = getattr(parallel_config, "data_parallel_size_local", 1) or 1
+    if pp > 1:
+        raise ConfigError(
+            f"ConnexConnector does not support pipeline parallelism "
+            f"(--pipeline-parallel-size {pp}): its stages' ranks would serve holds "
+            "on the same control ports; use tensor parallelism"
+        )
+    if dp_local > 1:
+        raise ConfigError(
+            f"ConnexConnector does not support {dp_local} data parallel engines in "
+            "one server (--data-parallel-size-local): their ranks would serve holds "
+            "on the same control ports and register as one instance; run one server "
+            "per data parallel rank (--data-parallel-rank), each its own instance"
+        )
+
+
+def sleep_mode_safe(hold_mode: str) -> bool:
+    """Whether holds survive the engine sleeping (vLLM's sleep mode frees or
+    offloads the KV cache): staged holds serve copies in the connector's own
+    host memory, which sleep leaves alone; holds in place serve the KV cache's
+    blocks themselves, which a sleeping engine no longer has."""
+    return hold_mode == "staged"
+
+
+def check_sleep_mode(model_config: object, hold_mode: str) -> None:
+    """Refuses, at start, sleep mode with holds in place (vLLM 0.32 has no
+    connector declaration for it; 0.33 reads `supports_sleep_mode`)."""
+    if getattr(model_config, "enable_sleep_mode", False) and not sleep_mode_safe(hold_mode):
+        raise ConfigError(
+            "ConnexConnector's holds in place (hold=in_place) serve the KV cache's "
+            "blocks, which sleep mode frees: use staged holds (hold=staged) with "
+            "--enable-sleep-mode"
+        )
 
 
 def compat_fingerprint(
@@ -139,6 +184,7 @@ class ConnexConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         log_like_vllm()
+        check_parallelism(vllm_config.parallel_config)
         ktc = self._kv_transfer_config
         self.cfg = ConnexConfig.from_extra(dict(ktc.kv_connector_extra_config), ktc.kv_port)
         self.engine_id = str(ktc.engine_id)
@@ -146,6 +192,7 @@ class ConnexConnector(KVConnectorBase_V1):
         is_consumer = bool(ktc.is_kv_consumer)
         # Staged or in place: the same answer in the scheduler and the workers.
         self.hold_mode = self.cfg.hold
+        check_sleep_mode(vllm_config.model_config, self.hold_mode)
         logger.info("ConnexConnector (%s): %s holds", role.name.lower(), self.hold_mode)
         self.scheduler: ConnexScheduler | None = None
         self.worker: ConnexWorker | None = None
@@ -176,6 +223,12 @@ class ConnexConnector(KVConnectorBase_V1):
                 is_consumer,
                 hold_mode=self.hold_mode,
             )
+
+    @property
+    def supports_sleep_mode(self) -> bool:
+        """vLLM 0.33's question to a connector (it assumes yes): only staged
+        holds outlive a sleeping engine's KV cache."""
+        return sleep_mode_safe(self.hold_mode)
 
     def _make_keeper(self) -> HoldKeeper:
         from connex import _transfer

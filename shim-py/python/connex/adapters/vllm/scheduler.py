@@ -120,6 +120,14 @@ class ConnexScheduler:
         self.inflight += 1
         if self.is_producer and wants_hold(request.kv_transfer_params):
             self._producing[request.request_id] = request
+        # A decoder renews the hold it will pull from as soon as the request
+        # arrives, not once it is scheduled: a request that waits in a full
+        # queue longer than the lease would otherwise find its hold expired
+        # (NixlConnector heartbeats from here too).
+        if self.keeper is not None:
+            hold = self._remote(request)
+            if isinstance(hold, RemoteHold):
+                self._keep(request.request_id, hold)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnexMetadata:
         if self._producing:
@@ -237,6 +245,10 @@ class ConnexScheduler:
 
     # ---- consumer ----------------------------------------------------------------
 
+    def _keep(self, req_id: str, hold: RemoteHold) -> None:
+        assert self.keeper is not None
+        self.keeper.keep(req_id, hold.all_ctrls(), hold.transfer_id, hold.epoch, hold.lease_s)
+
     def _remote(self, request: Request) -> RemoteHold | BadParams | None:
         """The hold this request pulls from, `BadParams` when its kv_transfer_params
         claim a hold this decoder cannot read, None when there is nothing to pull."""
@@ -290,8 +302,8 @@ class ConnexScheduler:
             if num_external_tokens > 0:
                 self._meta.loads.append(LoadSpec(req_id, "", "", 0, [], [], error=hold.error))
             return
-        if self.keeper is not None:
-            self.keeper.keep(req_id, hold.all_ctrls(), hold.transfer_id, hold.epoch, hold.lease_s)
+        if self.keeper is not None and not self.keeper.keeps(req_id):
+            self._keep(req_id, hold)
         if num_external_tokens <= 0:
             # Full local prefix hit: nothing to pull, nothing to report; the hold is
             # still renewed and released like any other.
