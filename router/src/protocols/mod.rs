@@ -14,6 +14,14 @@ use serde_json::{Map, Value};
 /// the error) and the check.
 pub type Shape = (&'static str, &'static str, fn(&Value) -> bool);
 
+/// `{key: value}`, with `value` moved in (`json!` would copy it through
+/// `to_value`: a whole response, three times a request).
+pub fn object_of(key: &str, value: Value) -> Value {
+    let mut object = Map::new();
+    object.insert(key.to_string(), value);
+    Value::Object(object)
+}
+
 /// A 400 about `param`.
 pub fn bad(message: impl Into<String>, param: &'static str) -> ApiError {
     ApiError::bad_request(message, Some(param))

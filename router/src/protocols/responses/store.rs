@@ -21,13 +21,29 @@ pub struct Stored {
 
 impl Stored {
     pub fn bytes(&self) -> usize {
-        // Serialized size: what the store holds, within a small factor.
-        self.response.to_string().len()
-            + self
-                .conversation
-                .iter()
-                .map(|item| item.to_string().len())
-                .sum::<usize>()
+        // Serialized size: what the store holds, within a small factor;
+        // counted as written, never held as a string.
+        let mut count = ByteCount(0);
+        // Writing into a counter cannot fail.
+        let _ = serde_json::to_writer(&mut count, &self.response);
+        for item in &self.conversation {
+            let _ = serde_json::to_writer(&mut count, item);
+        }
+        count.0
+    }
+}
+
+/// A writer that only counts.
+struct ByteCount(usize);
+
+impl std::io::Write for ByteCount {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -96,16 +112,20 @@ impl MemoryStore {
         if size > self.max_bytes {
             return false;
         }
+        // What is evicted is dropped after the lock (a response's tree).
+        let mut evicted = Vec::new();
         let mut inner = self.lock();
-        if let Some((_, old)) = inner.entries.remove(id) {
+        if let Some((gone, old)) = inner.entries.remove(id) {
             inner.bytes -= old;
+            evicted.push(gone);
         }
         while inner.entries.len() >= self.max_count || inner.bytes + size > self.max_bytes {
             let Some(oldest) = inner.order.pop_front() else {
                 break;
             };
-            if let Some((_, old)) = inner.entries.remove(&oldest) {
+            if let Some((gone, old)) = inner.entries.remove(&oldest) {
                 inner.bytes -= old;
+                evicted.push(gone);
             }
         }
         inner.bytes += size;
@@ -116,6 +136,8 @@ impl MemoryStore {
             let Inner { entries, order, .. } = &mut *inner;
             order.retain(|id| entries.contains_key(id));
         }
+        drop(inner);
+        drop(evicted);
         true
     }
 

@@ -7,8 +7,9 @@ use super::output::{
     function_call_item, message_item, reasoning_item, response, status_of, text_part, usage,
 };
 use super::request::Echo;
+use crate::protocols::object_of;
 use crate::protocols::segments::{ChatChunk, Segment, Segmenter, Step};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 /// One response's events, built from its chat chunks. Serializable: a
 /// background response's checkpoint carries it to the replica that takes the
@@ -41,8 +42,8 @@ impl Events {
     }
 
     fn emit(&mut self, out: &mut Vec<Value>, kind: &str, mut event: Value) {
-        event["type"] = json!(kind);
-        event["sequence_number"] = json!(self.sequence);
+        event["type"] = Value::String(kind.to_string());
+        event["sequence_number"] = self.sequence.into();
         self.sequence += 1;
         out.push(event);
     }
@@ -65,8 +66,12 @@ impl Events {
     pub fn start(&mut self) -> Vec<Value> {
         let mut out = Vec::new();
         let now = self.response("in_progress", Value::Null);
-        self.emit(&mut out, "response.created", json!({"response": now}));
-        self.emit(&mut out, "response.in_progress", json!({"response": now}));
+        self.emit(
+            &mut out,
+            "response.created",
+            object_of("response", now.clone()),
+        );
+        self.emit(&mut out, "response.in_progress", object_of("response", now));
         out
     }
 
@@ -88,7 +93,7 @@ impl Events {
             let index = self.items.len();
             match step {
                 Step::Open(segment) => self.open(&mut out, index, &segment),
-                Step::Delta(delta) => self.delta(&mut out, index, &delta),
+                Step::Delta(delta) => self.delta(&mut out, index, delta),
                 Step::Close(segment, text) => self.close(&mut out, index, &segment, &text),
             }
         }
@@ -143,25 +148,26 @@ impl Events {
         self.open_segment = Some(segment.clone());
     }
 
-    fn delta(&mut self, out: &mut Vec<Value>, index: usize, delta: &str) {
-        let id = self.open_id.clone();
-        let (kind, event) = match self.current() {
-            Some(Segment::Reasoning) => (
-                "response.reasoning_text.delta",
-                json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta}),
-            ),
-            Some(Segment::Text) => (
-                "response.output_text.delta",
-                json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta,
-                       "logprobs": []}),
-            ),
-            Some(Segment::Call { .. }) => (
-                "response.function_call_arguments.delta",
-                json!({"item_id": id, "output_index": index, "delta": delta}),
-            ),
+    /// One delta event: per token, so its object is built by hand (the
+    /// delta moved in, no `json!` copies).
+    fn delta(&mut self, out: &mut Vec<Value>, index: usize, delta: String) {
+        let (kind, has_content_index, has_logprobs) = match self.current() {
+            Some(Segment::Reasoning) => ("response.reasoning_text.delta", true, false),
+            Some(Segment::Text) => ("response.output_text.delta", true, true),
+            Some(Segment::Call { .. }) => ("response.function_call_arguments.delta", false, false),
             None => return,
         };
-        self.emit(out, kind, event);
+        let mut event = Map::new();
+        event.insert("item_id".into(), Value::String(self.open_id.clone()));
+        event.insert("output_index".into(), index.into());
+        if has_content_index {
+            event.insert("content_index".into(), 0.into());
+        }
+        event.insert("delta".into(), Value::String(delta));
+        if has_logprobs {
+            event.insert("logprobs".into(), Value::Array(Vec::new()));
+        }
+        self.emit(out, kind, Value::Object(event));
     }
 
     /// Ends an item: its `.done` events, and it joins the output.
@@ -227,7 +233,11 @@ impl Events {
         let mut out = self.render(steps);
         let (status, incomplete) = status_of(self.segments.finish_reason.as_deref());
         let whole = self.response(status, incomplete);
-        self.emit(&mut out, "response.completed", json!({"response": whole}));
+        self.emit(
+            &mut out,
+            "response.completed",
+            object_of("response", whole.clone()),
+        );
         (out, whole)
     }
 
@@ -244,7 +254,11 @@ impl Events {
         );
         let mut whole = self.response("failed", Value::Null);
         super::output::fail(&mut whole, message);
-        self.emit(&mut out, "response.failed", json!({"response": whole}));
+        self.emit(
+            &mut out,
+            "response.failed",
+            object_of("response", whole.clone()),
+        );
         (out, whole)
     }
 
