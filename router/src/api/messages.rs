@@ -56,7 +56,7 @@ impl Translation for MessageTranslation {
     }
 
     fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
-        self.0.chunk_typed(chunk)
+        self.0.chunk(chunk)
     }
 
     fn finish(&mut self) -> (Vec<Value>, Value) {

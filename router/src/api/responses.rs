@@ -108,7 +108,7 @@ impl Translation for ResponseTranslation {
     }
 
     fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
-        self.events.chunk_typed(chunk)
+        self.events.chunk(chunk)
     }
 
     fn finish(&mut self) -> (Vec<Value>, Value) {

@@ -108,16 +108,8 @@ pub struct Segmenter {
 }
 
 impl Segmenter {
-    /// The steps of one chat chunk given as a JSON value.
-    pub fn chunk(&mut self, chunk: &Value) -> Vec<Step> {
-        match ChatChunk::deserialize(chunk) {
-            Ok(chunk) => self.chunk_typed(&chunk),
-            Err(_) => Vec::new(),
-        }
-    }
-
     /// The steps of one chat chunk.
-    pub fn chunk_typed(&mut self, chunk: &ChatChunk<'_>) -> Vec<Step> {
+    pub fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Step> {
         let mut steps = Vec::new();
         if let Some(usage) = chunk.usage.as_ref().filter(|u| !u.is_null()) {
             self.usage = Some(usage.clone());
@@ -196,6 +188,13 @@ impl Segmenter {
     }
 }
 
+/// A chat chunk given as a JSON value, parsed as the segments read it (tests
+/// write their chunks with `json!`).
+#[cfg(test)]
+pub fn parsed(chunk: &Value) -> ChatChunk<'_> {
+    ChatChunk::deserialize(chunk).unwrap_or_else(|err| panic!("not a chat chunk: {err}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,7 +225,7 @@ mod tests {
                 Some("tool_calls"),
             ),
         ] {
-            steps.extend(s.chunk(&c));
+            steps.extend(s.chunk(&parsed(&c)));
         }
         steps.extend(s.end());
         let a = Segment::Call {
@@ -268,11 +267,11 @@ mod tests {
                 "finish_reason": null}], "usage": null}"#,
         )
         .unwrap_or_else(|err| panic!("{err}"));
-        let steps = s.chunk_typed(&chunk);
+        let steps = s.chunk(&chunk);
         assert_eq!(steps[1], Step::Delta("a\"b".into()));
         let none: ChatChunk<'_> = serde_json::from_str(r#"{"choices": null, "usage": {"x": 1}}"#)
             .unwrap_or_else(|err| panic!("{err}"));
-        assert!(s.chunk_typed(&none).is_empty());
+        assert!(s.chunk(&none).is_empty());
         assert_eq!(s.usage, Some(json!({"x": 1})));
     }
 }

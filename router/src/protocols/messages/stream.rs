@@ -49,14 +49,9 @@ impl Events {
         vec![json!({"type": "message_start", "message": message})]
     }
 
-    pub fn chunk(&mut self, chunk: &Value) -> Vec<Value> {
+    /// The events of one chat chunk.
+    pub fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
         let steps = self.segments.chunk(chunk);
-        self.render(steps)
-    }
-
-    /// `chunk`, of a chunk parsed as the segments need it.
-    pub fn chunk_typed(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
-        let steps = self.segments.chunk_typed(chunk);
         self.render(steps)
     }
 
@@ -159,6 +154,7 @@ impl Events {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocols::segments::parsed;
 
     fn chunk(delta: Value, finish: Option<&str>) -> Value {
         json!({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
@@ -184,7 +180,7 @@ mod tests {
             ),
             json!({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}),
         ] {
-            all.extend(events.chunk(&c));
+            all.extend(events.chunk(&parsed(&c)));
         }
         let (last, message) = events.finish();
         all.extend(last);

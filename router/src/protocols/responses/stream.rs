@@ -76,14 +76,8 @@ impl Events {
     }
 
     /// The events of one chat chunk.
-    pub fn chunk(&mut self, chunk: &Value) -> Vec<Value> {
+    pub fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
         let steps = self.segments.chunk(chunk);
-        self.render(steps)
-    }
-
-    /// `chunk`, of a chunk parsed as the segments need it.
-    pub fn chunk_typed(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
-        let steps = self.segments.chunk_typed(chunk);
         self.render(steps)
     }
 
@@ -285,6 +279,7 @@ impl Events {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocols::segments::parsed;
     use std::collections::BTreeMap;
 
     fn echo() -> Echo {
@@ -323,7 +318,7 @@ mod tests {
             ),
             json!({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}}),
         ] {
-            all.extend(events.chunk(&c));
+            all.extend(events.chunk(&parsed(&c)));
         }
         let (last, whole) = events.finish();
         all.extend(last);
@@ -366,7 +361,7 @@ mod tests {
     fn a_chat_cut_at_its_length_is_incomplete() {
         let mut events = Events::new("resp_2".into(), 7, echo());
         events.start();
-        events.chunk(&chunk(json!({"content": "abc"}), Some("length")));
+        events.chunk(&parsed(&chunk(json!({"content": "abc"}), Some("length"))));
         let (last, whole) = events.finish();
         assert_eq!(
             last.last().map(|e| e["type"].clone()),
