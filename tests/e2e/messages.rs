@@ -182,21 +182,14 @@ async fn a_decoder_killed_mid_message_is_resumed_into_one_message() {
     let body = json!({"model": "mock", "max_tokens": 24, "stream": true, "tools": tools(),
                       "output_config": {"effort": "low"},
                       "messages": [{"role": "user", "content": "Resume this message"}]});
-    let (router, _engines) = scale_out_cluster(&[], &[]).await;
-    let (_, text) = create(&router, &body).await;
+    let Resumed {
+        uninterrupted: (_, text),
+        resumed: (status, resumed_text),
+        router,
+        engines: _engines,
+    } = uninterrupted_then_resumed(async |router| create(router, &body).await).await;
     let mut whole = accumulate(&sse_events(&text));
-    drop(router);
-    let (router, _engines) = scale_out_cluster(
-        &[],
-        &[
-            "--crash-after-tokens",
-            "10",
-            "--decode-us-per-token",
-            "1000",
-        ],
-    )
-    .await;
-    let (status, text) = create(&router, &body).await;
+    let text = resumed_text;
     assert_eq!(status, 200);
     let events = sse_events(&text);
     assert!(!events.iter().any(|e| e["type"] == "error"), "{text}");

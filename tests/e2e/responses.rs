@@ -194,22 +194,15 @@ async fn a_decoder_killed_mid_response_is_resumed_into_one_response() {
     // An uninterrupted run first, on a cluster of healthy decoders.
     let body = json!({"model": "mock", "input": "Resume this response", "stream": true,
                       "max_output_tokens": 24, "reasoning": {"effort": "low"}, "tools": tools()});
-    let (router, _engines) = scale_out_cluster(&[], &[]).await;
-    let (_, text) = create(&router, &body).await;
+    // The second time d0 dies after 10 tokens (inside the reasoning); d1 goes on.
+    let Resumed {
+        uninterrupted: (_, text),
+        resumed: (status, resumed_text),
+        router,
+        engines: _engines,
+    } = uninterrupted_then_resumed(async |router| create(router, &body).await).await;
     let whole = sse_events(&text).last().unwrap()["response"].clone();
-    drop(router);
-    // Then d0 dies after 10 tokens (inside the reasoning); d1 goes on.
-    let (router, _engines) = scale_out_cluster(
-        &[],
-        &[
-            "--crash-after-tokens",
-            "10",
-            "--decode-us-per-token",
-            "1000",
-        ],
-    )
-    .await;
-    let (status, text) = create(&router, &body).await;
+    let text = resumed_text;
     assert_eq!(status, 200);
     let events = sse_events(&text);
     assert!(!events.iter().any(|e| e["type"] == "error"), "{text}");

@@ -846,6 +846,38 @@ pub async fn scale_out_cluster(router_flags: &[&str], d0_flags: &[&str]) -> (Pro
     (router, vec![prefill, d0, d1])
 }
 
+/// What [`uninterrupted_then_resumed`] got: each answer's status and body,
+/// and the second cluster, kept running for what the test reads of it after.
+pub struct Resumed {
+    pub uninterrupted: (u16, String),
+    pub resumed: (u16, String),
+    pub router: Proc,
+    pub engines: Vec<Proc>,
+}
+
+/// One request sent twice by `send`: through a fresh [`scale_out_cluster`],
+/// then through one whose first decoder crashes after 10 tokens (1 ms each)
+/// so that the second takes over.
+pub async fn uninterrupted_then_resumed(send: impl AsyncFn(&Proc) -> (u16, String)) -> Resumed {
+    let (router, _engines) = scale_out_cluster(&[], &[]).await;
+    let uninterrupted = send(&router).await;
+    drop(router);
+    let crashing = [
+        "--crash-after-tokens",
+        "10",
+        "--decode-us-per-token",
+        "1000",
+    ];
+    let (router, engines) = scale_out_cluster(&[], &crashing).await;
+    let resumed = send(&router).await;
+    Resumed {
+        uninterrupted,
+        resumed,
+        router,
+        engines,
+    }
+}
+
 /// A real Redis server (Debian `redis-server`) on a free loopback port,
 /// without persistence; it can be killed and started again on the same port
 /// (empty), and is killed on drop. [`Redis::start_tls`]: TLS and a password.
