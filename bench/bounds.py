@@ -18,14 +18,14 @@ Usage: python3 bench/bounds.py BIN_DIR
 
 import http.client
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
+
+from procs import Procs
 
 HEALTHY = 100
 HEALTHY_TOKENS = 200
@@ -35,14 +35,13 @@ REGISTRANTS = 1000
 BLOCKS_PER_REGISTRANT = 16_384
 
 
-class Cluster:
+class Cluster(Procs):
     """A router with its default flags, a prefill and decoders d0, d1."""
 
     def __init__(self, bin_dir, logs, name, d0_flags=()):
-        self.procs = []
-        self.logs = logs
+        super().__init__(logs)
         try:
-            self.router, self.internal = self.start(
+            _, self.router = self.start(
                 f"{name}-router",
                 [f"{bin_dir}/connex-router", "serve", "--listen", "127.0.0.1:0"]
                 + ["--internal-listen", "127.0.0.1:0", "--admin-token", "bench"],
@@ -62,50 +61,12 @@ class Cluster:
             self.stop()
             raise
 
-    def start(self, name, argv):
-        log = open(os.path.join(self.logs, f"{name}.log"), "w")
-        proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env={**os.environ, "CONNEX_LOG": "warn"},
-        )
-        self.procs.append(proc)
-        internal = ""
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if "internal API on " in line:
-                internal = line.split("internal API on ", 1)[1].strip()
-            if "listening on " in line:
-                return line.split("listening on ", 1)[1].strip(), internal
-        raise RuntimeError(f"{name} did not start; see {log.name}")
-
-    def wait_ready(self, count):
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            req = urllib.request.Request(
-                f"{self.internal}/admin/instances", headers={"authorization": "Bearer bench"}
-            )
-            with urllib.request.urlopen(req) as reply:
-                ready = [i for i in json.load(reply)["data"] if i["state"] == "ready"]
-            if len(ready) >= count:
-                return
-            time.sleep(0.05)
-        raise RuntimeError("engines did not register")
-
     def rss_kib(self, field):
         with open(f"/proc/{self.router_pid}/status") as status:
             for line in status:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
         raise RuntimeError(f"no {field}")
-
-    def stop(self):
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
 
 
 def post(url, path, body, headers=None, timeout=120):

@@ -37,6 +37,8 @@ import threading
 import time
 import urllib.request
 
+from procs import Procs
+
 TOKENS = 200
 KILL_AFTER = 20
 DECODE_US = "20000"
@@ -50,36 +52,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Procs:
-    def __init__(self, logs):
-        self.logs = logs
-        self.procs = []
-
-    def start(self, name, argv, env=None):
-        log = open(os.path.join(self.logs, f"{name}.log"), "w")
-        proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env={**os.environ, "CONNEX_LOG": "warn", **(env or {})},
-        )
-        self.procs.append(proc)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if "listening on " in line:
-                # The rest of stdout is drained so that the process never blocks.
-                threading.Thread(target=proc.stdout.read, daemon=True).start()
-                return proc, line.split("listening on ", 1)[1].strip()
-        raise RuntimeError(f"{name} did not start; see {log.name}")
-
-    def stop(self):
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
 
 
 def get_json(url):

@@ -25,11 +25,11 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+
+from procs import Procs
 
 PROMPTS = [512, 2048, 8192, 32768]
 CRASH_AT = 64
@@ -39,23 +39,21 @@ DECODE_US = "1000"
 KV_BYTES = os.environ.get("CONNEX_BENCH_KV_BYTES", "1024")
 
 
-class Cluster:
+class Cluster(Procs):
     """A router, a prefill and two decoders (d0 crashes at token 64)."""
 
     def __init__(self, bin_dir, logs, reprefill, scale_out=False):
-        self.procs = []
-        self.logs = logs
-        self.internal_url = ""
+        super().__init__(logs, log_prefix="resume-")
         # Half-started (a failure or a signal on the way): stop what runs.
         try:
-            self.router = self.start(
+            _, self.router = self.start(
                 "router",
                 [f"{bin_dir}/connex-router", "serve", "--listen", "127.0.0.1:0"]
                 + ["--internal-listen", "127.0.0.1:0"]
                 + ["--decode-policy", "round_robin", "--admin-token", "bench"],
             )
-            # Registration and admin: the internal listener, printed first.
-            self.internal = self.internal_url
+            # Registration and admin: the internal listener (self.internal),
+            # printed first.
             engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", self.internal]
             engine += ["--prefill-us-per-token", PREFILL_US, "--kv-bytes-per-token", KV_BYTES]
             hold = ["--hold-release", "after_pull"] if reprefill else []
@@ -69,43 +67,6 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
-
-    def start(self, name, argv):
-        log = open(os.path.join(self.logs, f"resume-{name}.log"), "w")
-        proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env={**os.environ, "CONNEX_LOG": "warn"},
-        )
-        self.procs.append(proc)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if "internal API on " in line:
-                self.internal_url = line.split("internal API on ", 1)[1].strip()
-            if "listening on " in line:
-                return line.split("listening on ", 1)[1].strip()
-        raise RuntimeError(f"{name} did not start; see {log.name}")
-
-    def wait_ready(self, count):
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            req = urllib.request.Request(
-                f"{self.internal}/admin/instances", headers={"authorization": "Bearer bench"}
-            )
-            with urllib.request.urlopen(req) as reply:
-                ready = [i for i in json.load(reply)["data"] if i["state"] == "ready"]
-            if len(ready) >= count:
-                return
-            time.sleep(0.05)
-        raise RuntimeError("engines did not register")
-
-    def stop(self):
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
 
 
 def prompt_ids(length, seed):

@@ -27,6 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bounds import Cluster  # noqa: E402
+from procs import Procs  # noqa: E402
 
 SLOTS = 4
 DECODE_US = 5000
@@ -50,10 +51,9 @@ class TenantCluster(Cluster):
     """A router with the tenants file `tenants`, a prefill and one decoder."""
 
     def __init__(self, bin_dir, logs, name, tenants):
-        self.procs = []
-        self.logs = logs
+        Procs.__init__(self, logs)
         try:
-            self.router, self.internal = self.start(
+            _, self.router = self.start(
                 f"{name}-router",
                 [f"{bin_dir}/connex-router", "serve", "--listen", "127.0.0.1:0"]
                 + ["--internal-listen", "127.0.0.1:0", "--admin-token", "bench"]
