@@ -39,7 +39,6 @@ cached in a folder keyed by `RECIPE`.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -359,23 +358,14 @@ def train(dest: Path, fast, cases) -> None:
 
 def ensure(dest: Path = DEFAULT_DEST) -> Path:
     """Returns the model folder, building it first if it is missing."""
-    if (dest / "DONE").exists():
-        return dest
-    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    fast = build_tokenizer(tmp)
-    for name, (low, high) in kill_regions(tmp).items():
-        assert low <= KILL_AT <= high, f"{name}: token {KILL_AT} is not in {low}..{high}"
-    train(tmp, fast, encode_cases(fast))
-    (tmp / "DONE").write_text(RECIPE + "\n")
-    try:
-        tmp.rename(dest)
-    except OSError:
-        # Another process built it first; theirs is as good as ours.
-        import shutil
 
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    def build(tmp: Path) -> None:
+        fast = build_tokenizer(tmp)
+        for name, (low, high) in kill_regions(tmp).items():
+            assert low <= KILL_AT <= high, f"{name}: token {KILL_AT} is not in {low}..{high}"
+        train(tmp, fast, encode_cases(fast))
+
+    return tiny_model.build_once(dest, RECIPE, build)
 
 
 if __name__ == "__main__":

@@ -88,13 +88,24 @@ def build_model(dest: Path) -> None:
 
 def ensure(dest: Path = DEFAULT_DEST) -> Path:
     """Returns the model folder, building it first if it is missing."""
+
+    def build(tmp: Path) -> None:
+        build_tokenizer(tmp)
+        build_model(tmp)
+
+    return build_once(dest, RECIPE, build)
+
+
+def build_once(dest: Path, recipe: str, build) -> Path:
+    """`dest`, built by `build` into a folder of this process's first and
+    renamed into place when whole (marked DONE with `recipe`), unless it is
+    there already: concurrent builders never see half a model."""
     if (dest / "DONE").exists():
         return dest
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(tmp)
-    build_model(tmp)
-    (tmp / "DONE").write_text(RECIPE + "\n")
+    build(tmp)
+    (tmp / "DONE").write_text(recipe + "\n")
     try:
         tmp.rename(dest)
     except OSError:
