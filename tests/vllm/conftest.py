@@ -35,6 +35,18 @@ class Fleet:
             engine.stop()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the log tail of every engine running
+    then: what the engines said is most often why (a refused pull, a load that
+    failed), and CI keeps nothing else of them."""
+    report = yield
+    if report.failed:
+        for name, engine in list(harness.RUNNING.items()):
+            report.sections.append((f"engine {name} log (tail)", engine.log_tail(60)))
+    return report
+
+
 @pytest.fixture(scope="session")
 def fleet():
     harness.model_dir()

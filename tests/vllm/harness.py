@@ -62,6 +62,11 @@ def model_dir() -> Path:
     return tiny_model.ensure()
 
 
+# Engines started and not yet stopped: a failed test's report shows their log
+# tails (conftest.py), since CI keeps nothing else of them.
+RUNNING: dict[str, Engine] = {}
+
+
 @dataclass
 class Engine:
     """One `vllm serve` process group on a loopback port."""
@@ -136,6 +141,7 @@ class Engine:
             args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         log.close()
+        RUNNING[self.name] = self
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
@@ -187,6 +193,7 @@ class Engine:
     def stop(self) -> None:
         if self.proc is None:
             return
+        RUNNING.pop(self.name, None)
         self.kill(signal.SIGTERM)
         try:
             self.proc.wait(timeout=20)
