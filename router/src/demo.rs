@@ -4,7 +4,7 @@
 
 use crate::config::{Cli, Command, DemoArgs, RouterConfig};
 use crate::pd::{DECODER_HEADER, PREFILL_HEADER};
-use crate::sse::{self, SseParser};
+use crate::protocols::sse::{self, SseParser};
 use crate::Router;
 use clap::Parser;
 use connex_mock_engine::{CrashAction, MockConfig, MockEngine, Role};

@@ -17,10 +17,10 @@
 //! leave fewer than half of its kind (role and model) in rotation, the router
 //! keeps routing to all (Envoy's `max_ejection_percent` and panic threshold).
 
-use crate::metrics;
+use crate::engines::addresses::{ProbeClient, ProbeError};
+use crate::membership::{Instance, Lifecycle, Registry};
+use crate::observe::metrics;
 use crate::policy::outlier::{ejection_allowed, Outliers};
-use crate::registry::{Instance, Lifecycle, Registry};
-use crate::upstreams::{ProbeClient, ProbeError};
 use futures_util::future::join_all;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -150,16 +150,16 @@ fn same_kind(a: &Instance, b: &Instance) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::{Registration, Role};
+    use crate::membership::{Registration, Role};
 
     fn probe_client() -> ProbeClient {
-        let policy = crate::upstreams::UpstreamPolicy::parse(None).expect("policy");
+        let policy = crate::engines::addresses::UpstreamPolicy::parse(None).expect("policy");
         ProbeClient::new(reqwest::Client::new(), Arc::new(policy))
     }
 
     /// Two decoders whose probes fail (nothing listens at their address).
     async fn registry() -> Registry {
-        let registry = Registry::new(&crate::registry::RegistryConfig::memory(
+        let registry = Registry::new(&crate::membership::RegistryConfig::memory(
             Duration::from_secs(60),
         ));
         for id in ["d0", "d1"] {
@@ -174,7 +174,7 @@ mod tests {
                         persistent: false,
                         credential: None,
                     },
-                    crate::registry::Claim::Admin,
+                    crate::membership::Claim::Admin,
                 )
                 .await
                 .expect("register");

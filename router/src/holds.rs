@@ -216,7 +216,7 @@ impl Holds {
         };
         if let Err(mpsc::error::TrySendError::Full(_)) = self.commands.try_send(track) {
             tracing::debug!(transfer_id = %hold.transfer_id, "hold keeper's queue full: hold not tracked");
-            crate::metrics::hold_renewed("untracked");
+            crate::observe::metrics::hold_renewed("untracked");
         }
         HoldLease {
             hold,
@@ -472,7 +472,7 @@ impl Schedule {
                 if due >= tracked.expires {
                     // Retrying past the hold's own expiry renews nothing and
                     // keeps one of its holder's call slots busy.
-                    crate::metrics::hold_renewed("expired");
+                    crate::observe::metrics::hold_renewed("expired");
                     return;
                 }
                 due
@@ -652,7 +652,7 @@ impl Keeper {
             };
             tracing::debug!(%holder, holds = given_up.len(), "too many releases waiting for this holder: their leases free them");
             for _ in &given_up {
-                crate::metrics::hold_released("dropped");
+                crate::observe::metrics::hold_released("dropped");
             }
         }
         self.pump(&holder);
@@ -680,7 +680,7 @@ impl Keeper {
                         });
                     }
                     Turn::Release(hold) => released.push(hold),
-                    Turn::Expired => crate::metrics::hold_renewed("expired"),
+                    Turn::Expired => crate::observe::metrics::hold_renewed("expired"),
                     Turn::Untracked => {}
                 }
             } else if let Some(ids) = calls.releases.pop_front() {
@@ -818,11 +818,11 @@ where
 fn count_release(holder: &str, outcome: Result<bool, &TransferError>) {
     match outcome {
         Ok(was_held) => {
-            crate::metrics::hold_released(if was_held { "released" } else { "gone" });
+            crate::observe::metrics::hold_released(if was_held { "released" } else { "gone" });
         }
         Err(err) => {
             tracing::debug!(%holder, %err, "hold release failed");
-            crate::metrics::hold_released("failed");
+            crate::observe::metrics::hold_released("failed");
         }
     }
 }
@@ -847,16 +847,16 @@ async fn renew(ctrl: CtrlClient, hold: Hold, epoch: u32, limit: Duration) -> Ren
     };
     match outcome {
         Ok(_) => {
-            crate::metrics::hold_renewed("renewed");
+            crate::observe::metrics::hold_renewed("renewed");
             Renewal::Renewed
         }
         Err(err) => {
             tracing::debug!(transfer_id = %hold.transfer_id, %err, "hold renew failed");
             if err.is_hold_lost() {
-                crate::metrics::hold_renewed("gone");
+                crate::observe::metrics::hold_renewed("gone");
                 Renewal::Gone
             } else {
-                crate::metrics::hold_renewed("failed");
+                crate::observe::metrics::hold_renewed("failed");
                 Renewal::Failed
             }
         }

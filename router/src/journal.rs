@@ -106,6 +106,7 @@ pub struct Journal {
 impl Journal {
     /// Opens an entry for a request of `choices` choices; it is removed when the
     /// returned handle drops.
+    #[cfg(test)]
     pub fn open(
         self: &Arc<Self>,
         request_id: &str,
@@ -172,10 +173,7 @@ impl Journal {
         out
     }
 
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }

@@ -1,38 +1,70 @@
 //! Connex router: the cluster's OpenAI endpoint for prefill/decode disaggregated
-//! vLLM serving. Data flows one way: `api` -> `pd` -> (`policy`, `registry`) -> engines.
+//! vLLM serving, its control plane, and request resume.
+//!
+//! # Layout
+//!
+//! The folders are the layers; a request goes down through them, and no
+//! module imports one above it (the test `module_graph` below fails on any
+//! cycle between them):
+//!
+//! - `edge/`: the listeners and the routes (`edge/server`, `edge/routes`),
+//!   who may call what (`edge/secrets.rs`, `tenants/` for client keys);
+//!   `body_budget.rs`: how many request body bytes may be in flight.
+//! - `protocols/`: wire formats. SSE, and the client protocols translated to
+//!   and from a chat (Responses, Messages).
+//! - `pd/`: a request's phases: tokens, prefill, decode, relay, resume,
+//!   re-prefill, continuation; the OpenAI chat and completions helpers those
+//!   phases write with (chunks, stops, output, assembly).
+//! - `journal.rs` (every request in flight and its progress), `holds.rs` (the
+//!   router's side of the KV holds), `policy/` (choosing an instance),
+//!   `prefix/` (which prefixes each engine caches), `tenants/` (keys, fair
+//!   queueing, rate limits).
+//! - `membership/`: which engines exist, registration, static instances;
+//!   memory or etcd. `health.rs`: the probes that take an engine out of
+//!   rotation (it feeds both membership and `policy/`'s outliers).
+//! - `engines/`: the one HTTP client toward engines and the address policy.
+//! - `observe/`: logs, metrics, traces.
+//! - `config.rs` (the flags), `error.rs` (the OpenAI error body), `state.rs`
+//!   (the subsystems assembled), and here: [`Router`], which starts them all.
+//!
+//! Only what the binaries and the tests outside the crate use is exported;
+//! `docs/architecture.md` is the longer map.
 
-pub mod api;
-pub mod body_budget;
+mod body_budget;
 pub mod config;
 #[cfg(feature = "demo")]
-pub mod demo;
-pub mod engine_http;
-pub mod error;
-pub mod health;
-pub mod holds;
-pub mod journal;
-pub mod logs;
-pub mod metrics;
-pub mod model_list;
-pub mod pd;
-pub mod policy;
-pub mod prefix;
-pub mod protocols;
-pub mod registry;
-pub mod secrets;
-pub mod server;
-pub mod sse;
-pub mod state;
-pub mod statics;
-pub mod tenants;
-pub mod traces;
-pub mod upstreams;
+mod demo;
+mod edge;
+mod engines;
+mod error;
+mod health;
+mod holds;
+mod journal;
+mod membership;
+mod observe;
+mod pd;
+mod policy;
+mod prefix;
+mod protocols;
+mod state;
+mod tenants;
 
-use api::access::Access;
-use api::{Edge, Listener};
+#[cfg(feature = "demo")]
+pub use demo::run as run_demo;
+pub use edge::routes::{route_list, route_table, Listener};
+pub use edge::server::terminate_signal;
+pub use observe::logs;
+pub use protocols::responses::redis_store::{LogState, RedisSettings, RedisStore};
+pub use protocols::sse::SseParser;
+
 use config::RouterConfig;
-use registry::{EtcdConfig, RegistryConfig};
-use server::{Gate, Http2Limits, ServerLimits, Shutdown};
+use edge::routes::access::Access;
+use edge::routes::Edge;
+use edge::secrets;
+use edge::server::{self as server, Gate, Http2Limits, ServerLimits, Shutdown};
+use engines::addresses as upstreams;
+use membership::{static_instances as statics, EtcdConfig, RegistryConfig};
+use observe::metrics;
 use state::AppState;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -51,13 +83,13 @@ pub enum StartError {
     #[error("cannot build the HTTP client: {0}")]
     Client(#[from] reqwest::Error),
     #[error("membership: {0}")]
-    Registry(#[from] registry::RegistryError),
+    Registry(#[from] membership::RegistryError),
     #[error(transparent)]
-    Secret(#[from] secrets::SecretError),
+    Secret(#[from] edge::secrets::SecretError),
     #[error(transparent)]
     Tenants(#[from] tenants::file::TenantsError),
     #[error(transparent)]
-    Upstreams(#[from] upstreams::BadCidr),
+    Upstreams(#[from] engines::addresses::BadCidr),
     #[error(
         "the internal listener {0} is not on loopback and no register token is set: anyone \
          who reaches it could register an instance and receive requests. Set \
@@ -66,7 +98,7 @@ pub enum StartError {
     )]
     OpenRegistration(SocketAddr),
     #[error(transparent)]
-    Static(#[from] statics::StaticError),
+    Static(#[from] membership::static_instances::StaticError),
     #[error(transparent)]
     Tokenizer(#[from] pd::tokenizer::TokenizerError),
     #[error(transparent)]
@@ -79,7 +111,7 @@ pub struct Router {
     pub addr: SocketAddr,
     /// The internal listener (registration, admin, metrics).
     pub internal_addr: SocketAddr,
-    pub state: Arc<AppState>,
+    pub(crate) state: Arc<AppState>,
     shutdown: Shutdown,
     grace: Duration,
     /// The two servers; they end once their connections have.
@@ -177,7 +209,7 @@ impl Router {
         metrics::install(idle);
         let tokenizers = pd::tokenizer::Tokenizers::load(&config.tokenizer)?;
         let statics = statics::instances(&config, &upstreams).await?;
-        let registry = registry::Registry::open(&registry_config(&config, &upstreams)).await?;
+        let registry = membership::Registry::open(&registry_config(&config, &upstreams)).await?;
         // With --static-model they serve from the start; otherwise each is
         // registered once it says which models it serves (below).
         let (named, unnamed): (Vec<_>, Vec<_>) =
@@ -231,7 +263,7 @@ impl Router {
             (listener, Listener::Client),
             (internal_listener, Listener::Internal),
         ] {
-            let app = api::routes(audience, state.clone(), &edge);
+            let app = edge::routes::routes(audience, state.clone(), &edge);
             // HTTP/2 is for clients; registration and admin speak HTTP/1.1.
             let limits = match audience {
                 Listener::Client => limits,
@@ -256,7 +288,7 @@ impl Router {
             .holds
             .spawn_keeper(releases, &mut tasks, background.clone());
         tenants::spawn_reloader(&tenants, &mut tasks, background.clone());
-        api::takeover::spawn(&state, &mut tasks, background.clone());
+        edge::routes::takeover::spawn(&state, &mut tasks, background.clone());
         for instance in unnamed {
             let (state, stop) = (state.clone(), background.clone());
             tasks.spawn(async move {
@@ -401,7 +433,7 @@ mod module_graph {
     #[test]
     fn the_top_level_modules_have_no_import_cycle() {
         let graph = graph();
-        assert!(graph.contains_key("config") && graph.contains_key("registry"));
+        assert!(graph.contains_key("config") && graph.contains_key("membership"));
         assert!(
             graph["config"].is_empty(),
             "config must be a leaf: {:?}",

@@ -46,7 +46,7 @@ async fn main() -> ExitCode {
     match cli.command {
         Command::Serve(config) => serve(config).await,
         #[cfg(feature = "demo")]
-        Command::Demo(args) => match connex_router::demo::run(args).await {
+        Command::Demo(args) => match connex_router::run_demo(args).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("demo failed: {err}");
@@ -90,7 +90,7 @@ async fn serve(config: config::RouterConfig) -> ExitCode {
         }
     };
     announce(format, &router);
-    connex_router::server::terminate_signal().await;
+    connex_router::terminate_signal().await;
     router.stop().await;
     ExitCode::SUCCESS
 }

@@ -1,14 +1,14 @@
 //! The state every handler shares.
 
 use crate::config::RouterConfig;
-use crate::engine_http::EngineClient;
+use crate::engines::addresses::{CtrlResolver, ProbeClient, UpstreamPolicy};
+use crate::engines::http::EngineClient;
 use crate::holds::ReleaseQueue;
+use crate::membership::Registry;
 use crate::pd::flow::{Flow, RequestLimits};
 use crate::pd::tokenizer::Tokenizers;
 use crate::pd::upstream::HttpUpstream;
 use crate::protocols::responses::redis_store::RedisStore;
-use crate::registry::Registry;
-use crate::upstreams::{CtrlResolver, ProbeClient, UpstreamPolicy};
 use connex_transfer::Resolver;
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::sync::Arc;
@@ -21,10 +21,10 @@ pub struct AppState {
     pub flow: Arc<Flow>,
     /// The client of the health probes and the admin's calls to engines
     /// (the flow's engine calls go through its `upstream`).
-    pub client: crate::upstreams::ProbeClient,
+    pub client: crate::engines::addresses::ProbeClient,
     pub metrics: Option<PrometheusHandle>,
     /// `/v1/models`: each model's entry as its engines last described it.
-    pub models: crate::model_list::ModelCache,
+    pub models: crate::membership::model_list::ModelCache,
     /// Request body bytes in flight, over all clients (`--max-inflight-body-bytes`).
     pub body_budget: crate::body_budget::BodyBudget,
     /// Stored responses (`/v1/responses`): the conversations behind
@@ -58,12 +58,15 @@ impl AppState {
         upstreams: Arc<UpstreamPolicy>,
         shared_responses: Option<Arc<RedisStore>>,
     ) -> Result<(Self, ReleaseQueue), reqwest::Error> {
-        let client = ProbeClient::new(crate::upstreams::client(&config)?, upstreams.clone());
+        let client = ProbeClient::new(
+            crate::engines::addresses::client(&config)?,
+            upstreams.clone(),
+        );
         // Every connect to an engine or a holder checks the addresses it
         // resolves against the upstream policy again (DNS rebinding).
         let engines = EngineClient::guarded(
             Duration::from_millis(config.connect_timeout_ms),
-            crate::upstreams::ENGINE_POOL_IDLE_PER_HOST,
+            crate::engines::addresses::ENGINE_POOL_IDLE_PER_HOST,
             crate::pd::upstream::POOL_IDLE_TIMEOUT,
             upstreams.clone(),
         );
@@ -79,9 +82,9 @@ impl AppState {
         let flow = flow.with_tokenizers(tokenizers);
         let idle = (config.metrics_idle_timeout_s > 0)
             .then(|| Duration::from_secs(config.metrics_idle_timeout_s));
-        let metrics = crate::metrics::install(idle);
-        crate::registry::status::describe_metrics();
-        crate::metrics::set_resume_causes(
+        let metrics = crate::observe::metrics::install(idle);
+        crate::membership::status::describe_metrics();
+        crate::observe::metrics::set_resume_causes(
             crate::pd::attempt::Cause::ALL
                 .into_iter()
                 .filter(|c| c.reached_decoder())
@@ -92,7 +95,7 @@ impl AppState {
             flow: Arc::new(flow),
             client,
             metrics,
-            models: crate::model_list::ModelCache::default(),
+            models: crate::membership::model_list::ModelCache::default(),
             body_budget: crate::body_budget::BodyBudget::new(config.max_inflight_body_bytes),
             responses: match &shared_responses {
                 Some(shared) => shared.clone(),

@@ -241,8 +241,8 @@ async fn a_drain_on_b_stops_new_traffic_on_a_and_migrate_reaches_a() {
     }
     // The in-flight stream on the drained decoder finishes normally.
     let text = stream.text().await.expect("stream body");
-    let chunks = connex_router::sse::SseParser::default()
-        .push(bytes::Bytes::copy_from_slice(text.as_bytes()));
+    let chunks =
+        connex_router::SseParser::default().push(bytes::Bytes::copy_from_slice(text.as_bytes()));
     assert!(text.contains("\"finish_reason\":\"length\""), "{text}");
     assert_eq!(chunks.last().map(|c| c.as_ref()), Some(&b"[DONE]"[..]));
 
@@ -609,7 +609,7 @@ async fn stream_tokens(router: String, max_tokens: usize) -> (Vec<u32>, String) 
         .expect("stream");
     assert_eq!(response.status().as_u16(), 200);
     let text = response.text().await.expect("stream body");
-    let chunks: Vec<Value> = connex_router::sse::SseParser::default()
+    let chunks: Vec<Value> = connex_router::SseParser::default()
         .push(bytes::Bytes::copy_from_slice(text.as_bytes()))
         .iter()
         .filter_map(|data| serde_json::from_slice(data).ok())

@@ -365,7 +365,7 @@ async fn drained_decoder_finishes_in_flight_and_gets_no_new_requests() {
     assert_eq!(engine_requests(&other).await.len(), 4);
 
     let text = in_flight.await.unwrap();
-    let mut parser = connex_router::sse::SseParser::default();
+    let mut parser = connex_router::SseParser::default();
     let chunks: Vec<Value> = parser
         .push(bytes::Bytes::copy_from_slice(text.as_bytes()))
         .iter()

@@ -280,7 +280,7 @@ async fn a_stopping_replica_hands_its_generations_over() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_wins_an_expired_lease() {
-    use connex_router::protocols::responses::redis_store::{LogState, RedisSettings, RedisStore};
+    use connex_router::{LogState, RedisSettings, RedisStore};
     let redis = Redis::start();
     // The dead writer's leases are short; the claimers' long, so that a
     // slow second claim cannot find the first one's expired.

@@ -89,7 +89,7 @@ async fn one_stream(url: String, i: usize, hang_up: bool, tally: Arc<Tally>) {
         tally.clear_errors.fetch_add(1, Ordering::Relaxed);
         return;
     }
-    let mut parser = connex_router::sse::SseParser::default();
+    let mut parser = connex_router::SseParser::default();
     let mut chunks: Vec<Value> = Vec::new();
     while let Some(bytes) = response.chunk().await.unwrap() {
         chunks.extend(parser.push(bytes).iter().map(|d| event_value(d)));

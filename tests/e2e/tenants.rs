@@ -4,7 +4,7 @@
 //! its edge), on real processes.
 
 use super::common::*;
-use connex_router::api::{route_table, Listener};
+use connex_router::{route_table, Listener};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -37,7 +37,7 @@ fn the_spec_and_the_router_have_the_same_routes() {
         .into_iter()
         .map(|(method, path, _)| (method, path))
         .collect();
-    let served: BTreeSet<(String, String)> = connex_router::api::route_list()
+    let served: BTreeSet<(String, String)> = connex_router::route_list()
         .into_iter()
         .map(|(method, path)| (method.to_string(), path.to_string()))
         .collect();
@@ -93,7 +93,7 @@ fn every_operation_that_takes_input_documents_openai_error_bodies() {
 #[test]
 fn each_operation_names_the_listener_that_serves_it() {
     let spec = spec();
-    let served: BTreeSet<(String, String, String)> = connex_router::api::route_table()
+    let served: BTreeSet<(String, String, String)> = connex_router::route_table()
         .into_iter()
         .map(|(method, path, listener)| {
             (

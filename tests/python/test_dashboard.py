@@ -52,7 +52,7 @@ def scraped_families(internal: str) -> dict[str, str]:
 def declared_families() -> set[str]:
     """The names the router's sources declare as metric names."""
     names: set[str] = set()
-    for source in ("router/src/metrics.rs", "router/src/registry/status.rs"):
+    for source in ("router/src/observe/metrics.rs", "router/src/membership/status.rs"):
         names |= set(
             re.findall(r'pub const \w+: &str = "(connex_[a-z0-9_]+)";', (ROOT / source).read_text())
         )

@@ -11,9 +11,9 @@
 use super::derender::{self, Derender};
 use super::output::Source;
 use super::upstream::ByteStream;
+use crate::membership::{Instance, Lifecycle, LoadGuard};
 use crate::policy::outlier::DeliveryClock;
-use crate::registry::{Instance, Lifecycle, LoadGuard};
-use crate::sse::{self, SseParser};
+use crate::protocols::sse::{self, SseParser};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use std::collections::VecDeque;
@@ -187,22 +187,6 @@ pub struct Attempt {
 }
 
 impl Attempt {
-    pub fn new(
-        upstream: ByteStream,
-        guard: LoadGuard,
-        source: Source,
-        limits: StreamLimits,
-        clock: DeliveryClock,
-    ) -> Self {
-        Self::of_lanes(
-            vec![Lane::new(upstream, None, None)],
-            guard,
-            source,
-            limits,
-            clock,
-        )
-    }
-
     /// An attempt of several lanes (see [`Lane`]).
     pub fn of_lanes(
         lanes: Vec<Lane>,
@@ -231,10 +215,6 @@ impl Attempt {
     pub fn in_span(mut self, span: tracing::Span) -> Self {
         self.span = span;
         self
-    }
-
-    pub fn span(&self) -> &tracing::Span {
-        &self.span
     }
 
     pub fn decoder(&self) -> &Arc<Instance> {

@@ -62,7 +62,7 @@ impl DecodeCheckpoint {
 /// a batch is being gathered (its first chunks are journaled, then a few
 /// scheduler turns wait for more before the batch goes out), so a checkpoint
 /// taken apart from a read of the stream must first see that the journal
-/// still has what the reader had (`api/translated.rs`).
+/// still has what the reader had (`edge/routes/translated.rs`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DecodeMark {
     tokens: usize,

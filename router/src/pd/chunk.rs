@@ -215,8 +215,12 @@ fn splice(data: &[u8], id: &str, strip: &[Field]) -> Option<Vec<u8>> {
     out.extend_from_slice(id.as_bytes());
     out.extend_from_slice(&data[old_id.end..]);
     for field in strip {
-        while let Some(range) = field_range(&out, *field)? {
-            out.drain(range);
+        loop {
+            match field_range(&out, *field) {
+                FieldAt::Absent => break,
+                FieldAt::Range(range) => drop(out.drain(range)),
+                FieldAt::Unexpected => return None,
+            }
         }
     }
     out.extend_from_slice(b"\n\n");
@@ -258,15 +262,28 @@ fn top_level_id(data: &[u8]) -> Option<std::ops::Range<usize>> {
     None
 }
 
-/// The byte range of the first field `key` whose value is an array of numbers or
-/// null, with one separating comma. `Some(None)` when there is no such key; `None`
-/// when it holds another kind of value.
-fn field_range(data: &[u8], field: Field) -> Option<Option<std::ops::Range<usize>>> {
+/// Where a field to strip is in a chunk.
+enum FieldAt {
+    /// The chunk has no such key.
+    Absent,
+    /// The key and its value (an array of numbers or null), with one
+    /// separating comma.
+    Range(std::ops::Range<usize>),
+    /// The key holds another kind of value: not the shape the fast path edits.
+    Unexpected,
+}
+
+/// Where the first field `key` is, if its value is an array of numbers or null.
+fn field_range(data: &[u8], field: Field) -> FieldAt {
+    field_value_range(data, field).unwrap_or(FieldAt::Unexpected)
+}
+
+fn field_value_range(data: &[u8], field: Field) -> Option<FieldAt> {
     let pattern = field.pattern();
     let mut from = 0;
     let start = loop {
         let Some(at) = field.finder().find(&data[from..]) else {
-            return Some(None);
+            return Some(FieldAt::Absent);
         };
         let at = from + at;
         if at > 0 && matches!(data[at - 1], b',' | b'{') {
@@ -291,7 +308,7 @@ fn field_range(data: &[u8], field: Field) -> Option<Option<std::ops::Range<usize
         _ => return None,
     };
     let end = value + len;
-    Some(Some(if data[start - 1] == b',' {
+    Some(FieldAt::Range(if data[start - 1] == b',' {
         start - 1..end
     } else if data.get(end) == Some(&b',') {
         start..end + 1

@@ -12,7 +12,7 @@ use super::patch::Patch;
 use super::stops::StopStrings;
 use super::upstream::{ByteStream, Call, CallError, Opened};
 use crate::error::ApiError;
-use crate::registry::{Instance, LoadGuard, Phase};
+use crate::membership::{Instance, LoadGuard, Pick};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -66,14 +66,18 @@ pub fn choose(
     failed: &[String],
     prompt: Option<&[u32]>,
 ) -> Option<Arc<Instance>> {
-    let candidates = state.registry.eligible(model, Phase::Decode);
+    let candidates = state.registry.eligible(model, Pick::Decode);
     let mut avoid = state
         .outliers
         .avoid(candidates.iter().map(|c| c.id.as_str()));
     let select = |exclude: &[String]| {
         let decision = state.decode.select_for(&candidates, exclude, prompt)?;
         if let Some(reason) = decision.reason {
-            crate::metrics::routing_decision("decode", reason.as_str(), decision.hit_tokens);
+            crate::observe::metrics::routing_decision(
+                "decode",
+                reason.as_str(),
+                decision.hit_tokens,
+            );
         }
         if let Some(prompt) = prompt {
             // The decoder is about to load (pull) this prompt.
@@ -123,7 +127,7 @@ pub async fn open(
     source: Source,
 ) -> Result<Attempt, OpenError> {
     let guard = LoadGuard::new(decoder.clone());
-    crate::metrics::upstream_request(&decoder.id, &decoder.model, "decode");
+    crate::observe::metrics::upstream_request(&decoder.id, &decoder.model, "decode");
     // One span per attempt, from the call to the end of its stream; the
     // decoder continues the trace from it.
     let span =
@@ -134,7 +138,7 @@ pub async fn open(
             url: &decoder.url,
             path,
             request_id,
-            trace: crate::traces::headers(&span),
+            trace: crate::observe::traces::headers(&span),
             body: plan.payload,
         };
         let opened = state.upstream.decode(call).instrument(span.clone()).await;
@@ -162,7 +166,7 @@ fn opened_stream(
         // A redirect is not followed (it could send the request anywhere): like
         // a 5xx, the decoder failed and another may serve the request.
         Ok(Opened::Status(reply)) if reply.status >= 500 || reply.status < 400 => {
-            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "5xx");
+            crate::observe::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "5xx");
             let error = ApiError::upstream(reply.status, &reply.body);
             Err(failed(
                 Cause::ServerError,
@@ -170,7 +174,7 @@ fn opened_stream(
             ))
         }
         Ok(Opened::Status(reply)) => {
-            crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "4xx");
+            crate::observe::metrics::upstream_error(&decoder.id, &decoder.model, "decode", "4xx");
             Err(OpenError::Rejected(ApiError::upstream(
                 reply.status,
                 &reply.body,
@@ -187,7 +191,8 @@ fn opened_stream(
 /// alone).
 pub fn call_failure(state: &Flow, decoder: &Instance, error: CallError) -> Failure {
     let failed = |cause, message: String| Failure::new(&decoder.id, cause, message);
-    let count = |kind| crate::metrics::upstream_error(&decoder.id, &decoder.model, "decode", kind);
+    let count =
+        |kind| crate::observe::metrics::upstream_error(&decoder.id, &decoder.model, "decode", kind);
     match error {
         CallError::Connect { refused, message } => {
             count("connect");

@@ -7,13 +7,13 @@
 use crate::config::{OnHoldLost, RouterConfig};
 use crate::holds::{Holds, ReleaseQueue};
 use crate::journal::Journal;
+use crate::membership::Registry;
 use crate::pd::attempt::StreamLimits;
 use crate::pd::tokenizer::Tokenizers;
 use crate::pd::upstream::{Limits, Upstream};
 use crate::policy::cache::Thresholds;
 use crate::policy::outlier::Outliers;
 use crate::policy::Selector;
-use crate::registry::Registry;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::task::TaskTracker;

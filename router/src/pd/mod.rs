@@ -157,7 +157,7 @@ async fn start(
     let prompt = if state.prefill.wants_prompt() {
         let engines = state
             .registry
-            .eligible(&info.model, crate::registry::Phase::Prefill);
+            .eligible(&info.model, crate::membership::Pick::Prefill);
         tokens::prompt_ids(&state, info.route, &body, &engines).await
     } else {
         None

@@ -14,7 +14,7 @@ use super::chunk::{self, Chunk, Field};
 use super::request::{RequestInfo, Route};
 use crate::error::ApiError;
 use crate::journal::Entry;
-use crate::sse;
+use crate::protocols::sse;
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
 use std::time::{SystemTime, UNIX_EPOCH};

@@ -10,7 +10,7 @@ use super::request::{RequestInfo, Route};
 use super::upstream::{Call, CallError, Reply};
 use crate::error::ApiError;
 use crate::holds::Hold;
-use crate::registry::{Instance, Phase};
+use crate::membership::{Instance, Pick};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use tracing::Instrument;
@@ -97,21 +97,25 @@ pub async fn run(
     let mut tried: Vec<String> = Vec::new();
     let mut last_error = None;
     for attempt in 0..2 {
-        let candidates = state.registry.eligible(&info.model, Phase::Prefill);
+        let candidates = state.registry.eligible(&info.model, Pick::Prefill);
         let Some(decision) = state.prefill.select_for(&candidates, &tried, prompt) else {
             break;
         };
         if let Some(reason) = decision.reason {
-            crate::metrics::routing_decision("prefill", reason.as_str(), decision.hit_tokens);
+            crate::observe::metrics::routing_decision(
+                "prefill",
+                reason.as_str(),
+                decision.hit_tokens,
+            );
         }
         let instance = decision.instance;
         if attempt > 0 {
-            crate::metrics::prefill_retry();
+            crate::observe::metrics::prefill_retry();
             tracing::warn!(instance = %instance.id, "retrying prefill on another instance");
         }
         tried.push(instance.id.clone());
-        let _load = crate::registry::LoadGuard::new(instance.clone());
-        crate::metrics::upstream_request(&instance.id, &instance.model, "prefill");
+        let _load = crate::membership::LoadGuard::new(instance.clone());
+        crate::observe::metrics::upstream_request(&instance.id, &instance.model, "prefill");
         let bad_gateway = |message: String| ApiError::BadGateway {
             instance: instance.id.clone(),
             message,
@@ -129,7 +133,12 @@ pub async fn run(
                     CallError::TooLarge(_) => "too_large",
                     CallError::Transport(_) => "body",
                 };
-                crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", kind);
+                crate::observe::metrics::upstream_error(
+                    &instance.id,
+                    &instance.model,
+                    "prefill",
+                    kind,
+                );
                 tracing::warn!(instance = %instance.id, error = %err, "prefill failed");
                 last_error = Some(bad_gateway(err.to_string()));
                 continue;
@@ -137,19 +146,33 @@ pub async fn run(
         };
         // A redirect is not followed: like a 5xx, this prefill failed.
         if reply.status >= 500 || reply.status < 200 || (300..400).contains(&reply.status) {
-            crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", "5xx");
+            crate::observe::metrics::upstream_error(
+                &instance.id,
+                &instance.model,
+                "prefill",
+                "5xx",
+            );
             let error = ApiError::upstream(reply.status, &reply.body);
             tracing::warn!(instance = %instance.id, status = reply.status, %error, "prefill failed");
             last_error = Some(bad_gateway(format!("HTTP {}: {error}", reply.status)));
             continue;
         }
         if !(200..300).contains(&reply.status) {
-            crate::metrics::upstream_error(&instance.id, &instance.model, "prefill", "4xx");
+            crate::observe::metrics::upstream_error(
+                &instance.id,
+                &instance.model,
+                "prefill",
+                "4xx",
+            );
             return Err(ApiError::upstream(reply.status, &reply.body));
         }
         match parse_answer(route, &instance, &reply.body) {
             Ok(prefilled) => {
-                crate::metrics::prefill_duration(&instance.id, &instance.model, called.elapsed());
+                crate::observe::metrics::prefill_duration(
+                    &instance.id,
+                    &instance.model,
+                    called.elapsed(),
+                );
                 if state.prefill.wants_prompt() {
                     instance.remember_prompt(
                         &prefilled.prompt_token_ids,
@@ -160,7 +183,7 @@ pub async fn run(
                 return Ok(prefilled);
             }
             Err(invalid) => {
-                crate::metrics::upstream_error(
+                crate::observe::metrics::upstream_error(
                     &instance.id,
                     &instance.model,
                     "prefill",
@@ -193,7 +216,7 @@ async fn call_owning_the_hold(
     let (upstream, holds) = (state.upstream.clone(), state.holds.clone());
     let (url, request_id) = (url.to_string(), info.request_id.clone());
     let span = tracing::Span::current();
-    let trace = crate::traces::headers(&span);
+    let trace = crate::observe::traces::headers(&span);
     tokio::spawn({
         let holds = holds.clone();
         async move {

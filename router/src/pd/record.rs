@@ -3,10 +3,10 @@
 //! metrics, and its access-log line (target `connex::access`, at INFO).
 //!
 //! A client that goes away before the end is recorded as
-//! [`CLIENT_CLOSED`](crate::metrics::CLIENT_CLOSED).
+//! [`CLIENT_CLOSED`](crate::observe::metrics::CLIENT_CLOSED).
 
 use crate::journal::EntryReader;
-use crate::logs::ACCESS_TARGET;
+use crate::observe::logs::ACCESS_TARGET;
 use crate::tenants::Caller;
 use std::time::{Duration, Instant};
 use tracing::field::Empty;
@@ -118,16 +118,18 @@ fn millis(duration: Duration) -> f64 {
 impl Drop for RequestRecord {
     fn drop(&mut self) {
         let _entered = self.span.enter();
-        let status = self.status.unwrap_or(crate::metrics::CLIENT_CLOSED);
+        let status = self
+            .status
+            .unwrap_or(crate::observe::metrics::CLIENT_CLOSED);
         let duration = self.started.elapsed();
         let model = self.model.as_deref().unwrap_or("");
-        crate::metrics::request_ended(self.route, model, status, duration);
+        crate::observe::metrics::request_ended(self.route, model, status, duration);
         if let Some(decoder) = self
             .entry
             .as_ref()
             .and_then(|entry| entry.read(|e| e.decoders.last().cloned()))
         {
-            crate::metrics::instance_request_ended(&decoder, model, duration);
+            crate::observe::metrics::instance_request_ended(&decoder, model, duration);
         }
         let served = self
             .entry

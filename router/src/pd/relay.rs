@@ -23,7 +23,7 @@ use std::time::Instant;
 
 /// Why the relay stopped taking events from a decoder.
 #[derive(Debug)]
-pub enum Stop {
+pub enum Halt {
     /// The stream ended: cleanly (`None`, `[DONE]`) or not.
     Ended(Option<Failure>),
     /// A chunk said the decoder failed, or broke the protocol.
@@ -58,6 +58,16 @@ pub const EVENT_BYTES_PER_TOKEN: usize = 16 * 1024;
 pub const FREE_TOKENS: usize = 8;
 
 /// The relay of one request, across every decoder that serves it.
+/// What [`Relay::take_ready`] found.
+pub enum Ready {
+    /// No event came within the few turns it waits.
+    Nothing,
+    /// An event came and was relayed; the relay goes on.
+    Taken,
+    /// An event came that halts the relay of this attempt.
+    Halted(Halt),
+}
+
 pub struct Relay {
     output: Output,
     journal: JournalHandle,
@@ -143,7 +153,7 @@ impl Relay {
 
     /// A new decoder's stream starts.
     pub fn on_attempt(&mut self, decoder: &str) {
-        self.timing.inter_token = Some(crate::metrics::inter_token(decoder));
+        self.timing.inter_token = Some(crate::observe::metrics::inter_token(decoder));
         self.attempt_bytes = 0;
         self.attempt_tokens = 0;
         // A resumed decoder counts text offsets from the end of what the
@@ -196,39 +206,42 @@ impl Relay {
 
     /// Waits for the next event of `attempt` and relays it; `Some` when the
     /// relay stops taking events from it.
-    pub async fn next(&mut self, attempt: &mut Attempt) -> Option<Stop> {
+    pub async fn next(&mut self, attempt: &mut Attempt) -> Option<Halt> {
         let event = attempt.next().await;
         self.take(attempt, event)
     }
 
     /// Takes an event `attempt` already has, waiting a few scheduler turns for
-    /// it and no more: `None` when none came.
-    pub async fn take_ready(&mut self, attempt: &mut Attempt) -> Option<Option<Stop>> {
+    /// it and no more.
+    pub async fn take_ready(&mut self, attempt: &mut Attempt) -> Ready {
         for _ in 0..HANDOFF_TURNS {
             tokio::task::yield_now().await;
             if let Some(event) = attempt.next().now_or_never() {
-                return Some(self.take(attempt, event));
+                return match self.take(attempt, event) {
+                    None => Ready::Taken,
+                    Some(halt) => Ready::Halted(halt),
+                };
             }
         }
-        None
+        Ready::Nothing
     }
 
-    fn take(&mut self, attempt: &mut Attempt, event: Event) -> Option<Stop> {
+    fn take(&mut self, attempt: &mut Attempt, event: Event) -> Option<Halt> {
         let data = match event {
             Event::Data(data) => data,
-            Event::Done => return Some(Stop::Ended(None)),
-            Event::Failed(failure) => return Some(Stop::Ended(Some(failure))),
+            Event::Done => return Some(Halt::Ended(None)),
+            Event::Failed(failure) => return Some(Halt::Ended(Some(failure))),
         };
         self.take_data(attempt, &data, true)
     }
 
-    /// Relays the chunk of a [`Stop::Split`], cut to the tokens an engine
+    /// Relays the chunk of a [`Halt::Split`], cut to the tokens an engine
     /// checking each token for the stop would have kept.
-    pub fn take_cut(&mut self, attempt: &mut Attempt, data: &Bytes) -> Option<Stop> {
+    pub fn take_cut(&mut self, attempt: &mut Attempt, data: &Bytes) -> Option<Halt> {
         self.take_data(attempt, data, false)
     }
 
-    fn take_data(&mut self, attempt: &mut Attempt, data: &Bytes, may_split: bool) -> Option<Stop> {
+    fn take_data(&mut self, attempt: &mut Attempt, data: &Bytes, may_split: bool) -> Option<Halt> {
         let decoder = attempt.decoder().id.clone();
         let result = self.on_chunk(data, attempt.source, &decoder, may_split);
         if result.as_ref().is_ok_and(|tokens| *tokens > 0) {
@@ -238,7 +251,7 @@ impl Relay {
             // Every choice ended (a stop string, here): the decoder, which
             // does not know the stop strings, is cut off.
             Ok(_) if self.stops.is_some() && self.journal.read(|e| e.all_finished()) => {
-                Some(Stop::Ended(None))
+                Some(Halt::Ended(None))
             }
             Ok(_) => None,
             Err(stop) => Some(stop),
@@ -246,21 +259,22 @@ impl Relay {
     }
 
     /// Checks, journals and relays one chunk; returns its tokens.
-    pub fn on_data(&mut self, data: &Bytes, source: Source, decoder: &str) -> Result<usize, Stop> {
+    #[cfg(test)]
+    pub fn on_data(&mut self, data: &Bytes, source: Source, decoder: &str) -> Result<usize, Halt> {
         self.on_chunk(data, source, decoder, true)
     }
 
     /// [`Self::on_data`]; with `may_split`, a chunk of several tokens in which
-    /// a stop string ends is handed back as [`Stop::Split`] instead.
+    /// a stop string ends is handed back as [`Halt::Split`] instead.
     fn on_chunk(
         &mut self,
         data: &Bytes,
         source: Source,
         decoder: &str,
         may_split: bool,
-    ) -> Result<usize, Stop> {
+    ) -> Result<usize, Halt> {
         let protocol =
-            |message: String| Stop::Failed(Failure::new(decoder, Cause::Protocol, message));
+            |message: String| Halt::Failed(Failure::new(decoder, Cause::Protocol, message));
         let Some(parsed) = chunk::parse(data) else {
             return Err(protocol(format!(
                 "decoder {decoder} sent an invalid chunk (not JSON, or token ids that are not integers)"
@@ -269,14 +283,14 @@ impl Relay {
         if let Some(raw) = parsed.error {
             let error = ErrorEvent::parse(raw);
             if error.is_server_error() {
-                return Err(Stop::Failed(Failure::new(
+                return Err(Halt::Failed(Failure::new(
                     decoder,
                     Cause::ServerError,
                     format!("decoder {decoder} failed: {}", error.message),
                 )));
             }
             // The engine refused the request itself: retrying will not help.
-            return Err(Stop::Refused(ApiError::BadGateway {
+            return Err(Halt::Refused(ApiError::BadGateway {
                 instance: decoder.to_string(),
                 message: error.message,
             }));
@@ -295,7 +309,7 @@ impl Relay {
             .iter()
             .any(|c| c.finish_reason.as_deref() == Some("error"))
         {
-            return Err(Stop::Failed(Failure::new(
+            return Err(Halt::Failed(Failure::new(
                 decoder,
                 Cause::ServerError,
                 format!("decoder {decoder} finished the request with an error"),
@@ -334,7 +348,7 @@ impl Relay {
             // After the checks (a chunk past max_tokens is refused whole, not
             // cut), before anything of it is taken.
             if let Some(split) = may_split.then(|| self.merged_stop(&parsed, data)).flatten() {
-                return Err(Stop::Split(split));
+                return Err(Halt::Split(split));
             }
             self.on_tokens(decoder);
         }
@@ -420,7 +434,12 @@ impl Relay {
             None => {
                 let ttft = now - self.timing.started;
                 self.journal.update(|e| e.ttft = Some(ttft));
-                crate::metrics::first_token(self.timing.route, decoder, &self.timing.model, ttft)
+                crate::observe::metrics::first_token(
+                    self.timing.route,
+                    decoder,
+                    &self.timing.model,
+                    ttft,
+                )
             }
             Some(last) => {
                 if let Some(histogram) = &self.timing.inter_token {
@@ -429,7 +448,7 @@ impl Relay {
             }
         }
         if let Some(detected) = self.timing.failure_detected.take() {
-            crate::metrics::resume_latency(now - detected);
+            crate::observe::metrics::resume_latency(now - detected);
         }
         self.timing.last_token = Some(now);
     }
@@ -571,9 +590,9 @@ mod tests {
         )
     }
 
-    fn cause(stop: Stop) -> Cause {
+    fn cause(stop: Halt) -> Cause {
         match stop {
-            Stop::Failed(failure) => failure.cause,
+            Halt::Failed(failure) => failure.cause,
             other => panic!("not a failure: {other:?}"),
         }
     }
@@ -667,7 +686,7 @@ mod tests {
             Source::Native,
             "d0",
         );
-        assert!(matches!(refused, Err(Stop::Refused(_))));
+        assert!(matches!(refused, Err(Halt::Refused(_))));
         let failed = relay
             .on_data(
                 &Bytes::from_static(br#"{"error":{"message":"boom","code":500}}"#),

@@ -33,7 +33,7 @@ pub async fn ensure_hold(
             "{reason}; not prefilling again (--on-hold-lost fail)"
         )));
     }
-    crate::metrics::reprefill();
+    crate::observe::metrics::reprefill();
     journal.set_phase(Phase::Reprefill);
     // The whole context so far becomes the new hold's prompt.
     let (route, payload, context) = journal.read(|e| {

@@ -17,14 +17,14 @@ use super::merged::{self, Detokenizer, Split};
 use super::output::Source;
 use super::prefill::Prefilled;
 use super::record::RequestRecord;
-use super::relay::{Batch, Relay, Stop};
+use super::relay::{Batch, Halt, Ready, Relay};
 use super::reprefill;
 use super::request::{RequestInfo, Route};
 use super::resume::{self, ChatContinuation, Next, Progress, ResumePolicy};
 use crate::error::ApiError;
 use crate::holds::{Hold, HoldLease};
 use crate::journal::{ChoiceProgress, JournalHandle, Phase};
-use crate::registry::Instance;
+use crate::membership::Instance;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -74,7 +74,7 @@ pub struct Session {
     epoch: u64,
     first_decoder: Option<String>,
     /// Why the relay stopped, handled by the next call (after a batch went out).
-    deferred: Option<Stop>,
+    deferred: Option<Halt>,
     error: Option<ApiError>,
     record: Option<RequestRecord>,
 }
@@ -247,7 +247,7 @@ impl Session {
                     lease.set_epoch(self.epoch);
                 }
                 let cause = failure.cause.as_str();
-                crate::metrics::resume(cause, &self.info.model);
+                crate::observe::metrics::resume(cause, &self.info.model);
                 let resumes = self.progress.resumes;
                 self.relay.journal().update(|e| {
                     e.resumes = resumes;
@@ -414,7 +414,7 @@ impl Session {
                     }
                 }
             };
-            self.on_stop(stop).await;
+            self.on_halt(stop).await;
         }
     }
 
@@ -434,22 +434,22 @@ impl Session {
                 break;
             };
             match self.relay.take_ready(attempt).await {
-                None => break,
-                Some(None) => {}
+                Ready::Nothing => break,
+                Ready::Taken => {}
                 // The end, or a failure: handled (with its async work) by the
                 // next call, after this batch went out.
-                Some(Some(stop)) => self.deferred = Some(stop),
+                Ready::Halted(halt) => self.deferred = Some(halt),
             }
         }
         Some(batch.finish())
     }
 
-    async fn on_stop(&mut self, stop: Stop) {
-        match stop {
-            Stop::Ended(failure) => self.on_end(failure).await,
-            Stop::Failed(failure) => self.recover(failure).await,
-            Stop::Refused(error) => self.end_with_error(error),
-            Stop::Split(split) => self.cut_merged(split).await,
+    async fn on_halt(&mut self, halt: Halt) {
+        match halt {
+            Halt::Ended(failure) => self.on_end(failure).await,
+            Halt::Failed(failure) => self.recover(failure).await,
+            Halt::Refused(error) => self.end_with_error(error),
+            Halt::Split(split) => self.cut_merged(split).await,
         }
     }
 
@@ -543,7 +543,7 @@ impl Session {
         };
         if let Err(error) = result {
             if self.progress.resumes > 0 {
-                crate::metrics::failed_after_resume(&self.info.model);
+                crate::observe::metrics::failed_after_resume(&self.info.model);
             }
             self.end_with_error(error);
         }

@@ -4,12 +4,12 @@
 
 use crate::config::{self, Command, RouterConfig};
 use crate::error::ApiError;
+use crate::membership::{Lifecycle, Registration, Registry, Role};
 use crate::pd::client_body::ClientBody;
 use crate::pd::flow::Flow;
 use crate::pd::record::RequestRecord;
 use crate::pd::request::{validate, Route};
 use crate::pd::upstream::{ByteStream, Call, CallError, Opened, Reply, Upstream};
-use crate::registry::{Lifecycle, Registration, Registry, Role};
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
@@ -226,7 +226,7 @@ async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Ar
 
 /// [`cluster`]'s flow, before it is shared.
 async fn cluster_flow(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Flow {
-    let registry = Registry::new(&crate::registry::RegistryConfig::memory(
+    let registry = Registry::new(&crate::membership::RegistryConfig::memory(
         Duration::from_secs(60),
     ));
     let mut instances = vec![("p0".to_string(), Role::Prefill)];
@@ -243,7 +243,7 @@ async fn cluster_flow(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) 
                     persistent: false,
                     credential: None,
                 },
-                crate::registry::Claim::Admin,
+                crate::membership::Claim::Admin,
             )
             .await
             .expect("register");

@@ -131,6 +131,7 @@ impl Matcher {
     }
 
     /// Whether every choice stopped on a stop string.
+    #[cfg(test)]
     pub fn all_stopped(&self) -> bool {
         self.choices.iter().all(|c| c.stopped)
     }

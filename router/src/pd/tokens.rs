@@ -12,7 +12,7 @@ use super::flow::Flow;
 use super::patch::Patch;
 use super::request::Route;
 use super::upstream::ask_tokenizer;
-use crate::registry::Instance;
+use crate::membership::Instance;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::borrow::Cow;
@@ -41,7 +41,7 @@ pub async fn prompt_ids(
         .await
         .ok()
         .flatten();
-    crate::metrics::tokenize(started.elapsed(), "engine", ids.is_some());
+    crate::observe::metrics::tokenize(started.elapsed(), "engine", ids.is_some());
     ids
 }
 
@@ -75,7 +75,7 @@ async fn tokenize_here(
         .await
         .ok()
         .flatten();
-    crate::metrics::tokenize(started.elapsed(), "router", ids.is_some());
+    crate::observe::metrics::tokenize(started.elapsed(), "router", ids.is_some());
     ids
 }
 

@@ -7,12 +7,12 @@
 //! `max_upstream_body_bytes`, an error body up to [`MAX_ERROR_BODY`]).
 //!
 //! The engines are called with the router's own HTTP/1.1 client
-//! (`engine_http`): a decode stream holds its connection for the whole
+//! (`engines::http`): a decode stream holds its connection for the whole
 //! generation, and that client keeps a connection to a few hundred bytes of
 //! state where hyper's took ~23 KiB (memory per in-flight stream,
 //! docs/bench.md).
 
-use crate::engine_http::{Body, ClientError, EngineClient, Response};
+use crate::engines::http::{Body, ClientError, EngineClient, Response};
 use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use futures_util::stream::BoxStream;
@@ -142,6 +142,7 @@ pub struct Limits {
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// The client [`HttpUpstream`] calls engines with.
+#[cfg(test)]
 pub fn engine_client(connect_timeout: Duration, max_idle_per_host: usize) -> EngineClient {
     EngineClient::new(connect_timeout, max_idle_per_host, POOL_IDLE_TIMEOUT)
 }

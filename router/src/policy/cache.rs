@@ -11,8 +11,8 @@
 //! Cached prefixes come from each instance's [`crate::prefix::BlockIndex`]
 //! (fed by its KV events); load from [`super::load::score`].
 
+use crate::membership::Instance;
 use crate::prefix::hash;
-use crate::registry::Instance;
 use std::sync::Arc;
 
 /// `--cache-threshold`, `--balance-abs-threshold`, `--balance-rel-threshold`.

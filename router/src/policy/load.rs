@@ -7,7 +7,7 @@
 //! just sent nor another replica's traffic goes unseen; a full KV cache adds
 //! to it, since an engine out of blocks queues (or preempts) what comes next.
 
-use crate::registry::Instance;
+use crate::membership::Instance;
 use std::time::Duration;
 
 /// What a completely full KV cache weighs, in queued requests.

@@ -5,7 +5,7 @@ pub mod cache;
 pub mod load;
 pub mod outlier;
 
-use crate::registry::Instance;
+use crate::membership::Instance;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -103,10 +103,6 @@ impl Selector {
         })
     }
 
-    pub fn kind(&self) -> PolicyKind {
-        self.kind
-    }
-
     /// The load score of `instance` (see [`load::score`]).
     pub fn load(&self, instance: &Instance) -> f64 {
         load::score(instance, self.report_max_age)
@@ -168,8 +164,8 @@ impl Selector {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::registry::load::EngineLoad;
-    use crate::registry::{Claim, Phase, Registration, Registry, RegistryConfig, Role};
+    use crate::membership::load::EngineLoad;
+    use crate::membership::{Claim, Pick, Registration, Registry, RegistryConfig, Role};
 
     /// `n` instances of `role` named `{prefix}0..`, with their credentials.
     pub(super) async fn registered(role: Role, prefix: &str, n: usize) -> (Registry, Vec<String>) {
@@ -211,14 +207,14 @@ mod tests {
             .await
             .unwrap();
         let selector = Selector::new(PolicyKind::LoadAware, Duration::from_secs(10));
-        let candidates = registry.eligible("m", Phase::Decode);
+        let candidates = registry.eligible("m", Pick::Decode);
         for _ in 0..4 {
             assert_eq!(selector.select(&candidates, &[]).unwrap().id, "d1");
         }
         // This replica's own requests count too: eleven in flight on d1 weigh
         // more than d0's reported ten.
         let _held: Vec<_> = (0..11)
-            .map(|_| crate::registry::LoadGuard::new(candidates[1].clone()))
+            .map(|_| crate::membership::LoadGuard::new(candidates[1].clone()))
             .collect();
         assert_eq!(selector.select(&candidates, &[]).unwrap().id, "d0");
         // A stale report is ignored.
@@ -232,8 +228,8 @@ mod tests {
 mod cache_tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::membership::{Claim, Pick, Registration, Registry, Role};
     use crate::prefix::KvEventBatch;
-    use crate::registry::{Claim, Phase, Registration, Registry, Role};
 
     /// Two prefills, `p0` holding the first 4 blocks (of 4 tokens) of 0..32.
     async fn prefills() -> (Registry, Vec<String>) {
@@ -250,7 +246,7 @@ mod cache_tests {
     }
 
     fn choose(selector: &Selector, registry: &Registry, prompt: &[u32]) -> (String, cache::Reason) {
-        let candidates = registry.eligible("m", Phase::Prefill);
+        let candidates = registry.eligible("m", Pick::Prefill);
         let d = selector.select_for(&candidates, &[], Some(prompt)).unwrap();
         (d.instance.id.clone(), d.reason.unwrap())
     }
@@ -269,7 +265,7 @@ mod cache_tests {
         // 16 of 80 tokens cached is under the 0.3 threshold: least loaded.
         let long: Vec<u32> = (0..80).collect();
         let p0 = registry.get("p0").unwrap();
-        let _busy = crate::registry::LoadGuard::new(p0.clone());
+        let _busy = crate::membership::LoadGuard::new(p0.clone());
         assert_eq!(
             choose(&selector, &registry, &long),
             ("p1".into(), cache::Reason::Fallback)
@@ -286,7 +282,7 @@ mod cache_tests {
             ("p1".into(), cache::Reason::Load)
         );
         // Without prompt ids: by load.
-        let candidates = registry.eligible("m", Phase::Prefill);
+        let candidates = registry.eligible("m", Pick::Prefill);
         let d = selector.select_for(&candidates, &[], None).unwrap();
         assert_eq!(d.instance.id, "p1");
     }

@@ -13,5 +13,5 @@ pub mod events;
 pub mod hash;
 pub mod index;
 
-pub use events::{BadEvents, KvEvent, KvEventBatch};
+pub use events::KvEventBatch;
 pub use index::{BlockBudget, BlockIndex};

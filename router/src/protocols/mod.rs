@@ -1,11 +1,14 @@
-//! Client protocols beyond OpenAI's chat and completions wire formats, each
-//! translated to and from a chat completion run through prefill/decode (so a
-//! decoder failure resumes them as it resumes chat): OpenAI's Responses and
-//! Anthropic's Messages, both cut into the same segments (`segments.rs`).
+//! Wire formats. `sse.rs` is the one SSE parser and emitter (engine streams
+//! in, client streams out). The client protocols beyond OpenAI's chat and
+//! completions are each translated to and from a chat completion run through
+//! prefill/decode (so a decoder failure resumes them as it resumes chat):
+//! OpenAI's Responses and Anthropic's Messages, both cut into the same
+//! segments (`segments.rs`).
 
 pub mod messages;
 pub mod responses;
 pub mod segments;
+pub mod sse;
 
 use crate::error::ApiError;
 use serde_json::{Map, Value};

@@ -144,7 +144,7 @@ impl Drop for Admission {
         self.tenant.counters.active.fetch_sub(1, Ordering::Relaxed);
         let used = self.usage.read();
         if let Some((prompt, completion)) = used {
-            crate::metrics::tenant_tokens(&self.tenant.name, prompt, completion);
+            crate::observe::metrics::tenant_tokens(&self.tenant.name, prompt, completion);
         }
         if self.tenant.spec.tokens_per_minute.is_some() {
             let used = used.map_or(self.estimate, |(p, c)| p + c);
@@ -299,7 +299,7 @@ impl Tenants {
         let active = counters.active.fetch_add(1, Ordering::Relaxed) + 1;
         let counted = Counted(counters);
         if let Some(max) = tenant.spec.max_concurrent.filter(|max| active > *max) {
-            crate::metrics::tenant_rejected(&tenant.name, "max_concurrent");
+            crate::observe::metrics::tenant_rejected(&tenant.name, "max_concurrent");
             return Err(ApiError::RateLimited {
                 message: format!(
                     "tenant `{}` has its limit of {max} requests in flight; retry later",
@@ -314,7 +314,7 @@ impl Tenants {
             .as_mut()
             .and_then(|bucket| bucket.take(estimate, Instant::now()).err())
         {
-            crate::metrics::tenant_rejected(&tenant.name, "tokens_per_minute");
+            crate::observe::metrics::tenant_rejected(&tenant.name, "tokens_per_minute");
             return Err(ApiError::RateLimited {
                 message: format!(
                     "tenant `{}` has used its tokens per minute; retry later",
@@ -341,7 +341,7 @@ impl Tenants {
                     Refusal::QueueFull => "queue_full",
                     Refusal::Waited => "queue_wait",
                 };
-                crate::metrics::tenant_rejected(&tenant.name, reason);
+                crate::observe::metrics::tenant_rejected(&tenant.name, reason);
                 return Err(ApiError::Overloaded {
                     limit: self.queue.limit(),
                     retry_after_s: 1,
@@ -349,7 +349,7 @@ impl Tenants {
             }
         };
         std::mem::forget(counted);
-        crate::metrics::tenant_admitted(&tenant.name, queued.elapsed());
+        crate::observe::metrics::tenant_admitted(&tenant.name, queued.elapsed());
         let caller = Caller::of(&tenant);
         let usage = caller.usage.clone();
         Ok((

@@ -87,6 +87,7 @@ impl FairQueue {
     }
 
     /// Requests waiting now.
+    #[cfg(test)]
     pub fn queued(&self) -> usize {
         self.lock().queued
     }

@@ -289,7 +289,7 @@ pub async fn stream(router: &Proc, path: &str, body: &Value) -> Vec<Value> {
 /// Every `data:` payload of an SSE body, parsed (one that is not JSON, such as
 /// the final `[DONE]`, as its text).
 pub fn sse_events(text: &str) -> Vec<Value> {
-    connex_router::sse::SseParser::default()
+    connex_router::SseParser::default()
         .push(bytes::Bytes::copy_from_slice(text.as_bytes()))
         .iter()
         .map(|data| event_value(data))
@@ -767,7 +767,7 @@ impl TrackedStreams {
                     let mut response = open_completion(&url, &body, Duration::from_secs(90)).await;
                     // Parsed as the bytes come (each event once, a character
                     // split across chunks kept whole).
-                    let mut parser = connex_router::sse::SseParser::default();
+                    let mut parser = connex_router::SseParser::default();
                     let mut events: Vec<Value> = Vec::new();
                     while let Some(bytes) = response.chunk().await.unwrap() {
                         let new: Vec<Value> =

@@ -379,9 +379,10 @@ impl RedisStore {
                 tracing::warn!(op, %err, "the response store is unreachable; degraded to this replica's memory");
             }
         }
-        metrics::gauge!(crate::metrics::RESPONSE_STORE_UP).set(if up { 1.0 } else { 0.0 });
+        metrics::gauge!(crate::observe::metrics::RESPONSE_STORE_UP).set(if up { 1.0 } else { 0.0 });
         if !up {
-            metrics::counter!(crate::metrics::RESPONSE_STORE_ERRORS, "op" => op).increment(1);
+            metrics::counter!(crate::observe::metrics::RESPONSE_STORE_ERRORS, "op" => op)
+                .increment(1);
         }
         result
     }

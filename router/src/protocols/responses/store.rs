@@ -101,6 +101,7 @@ impl MemoryStore {
     }
 
     /// Responses and bytes held now.
+    #[cfg(test)]
     pub fn held(&self) -> (usize, usize) {
         let inner = self.lock();
         (inner.entries.len(), inner.bytes)

@@ -265,11 +265,6 @@ impl Events {
         (out, self.response("cancelled", Value::Null))
     }
 
-    /// What the response repeats of its request.
-    pub fn echo(&self) -> &Echo {
-        &self.echo
-    }
-
     /// The output items so far (the finished ones).
     pub fn items(&self) -> &[Value] {
         &self.items

@@ -1,8 +1,8 @@
 //! Probes and metrics: `/health`, `/ready`, `/metrics`, and the 404 fallback.
 
+use crate::edge::server::Shutdown;
 use crate::error::ApiError;
-use crate::metrics::InstanceSample;
-use crate::server::Shutdown;
+use crate::observe::metrics::InstanceSample;
 use crate::state::AppState;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -53,8 +53,9 @@ pub async fn ready(
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     let models = state.registry.models();
-    crate::metrics::declare_zero_series(models.iter().map(String::as_str));
-    metrics::gauge!(crate::metrics::BODY_BYTES_IN_FLIGHT).set(state.body_budget.held() as f64);
+    crate::observe::metrics::declare_zero_series(models.iter().map(String::as_str));
+    metrics::gauge!(crate::observe::metrics::BODY_BYTES_IN_FLIGHT)
+        .set(state.body_budget.held() as f64);
     let mut text = state
         .metrics
         .as_ref()
@@ -77,7 +78,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
             inflight: i.inflight(),
         })
         .collect();
-    text.push_str(&crate::metrics::render_instances(&samples));
+    text.push_str(&crate::observe::metrics::render_instances(&samples));
     ([("content-type", "text/plain; version=0.0.4")], text)
 }
 

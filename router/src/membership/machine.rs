@@ -2,7 +2,7 @@
 //! decided (ready, draining, migrating), and on top of it this replica's own
 //! verdict that the instance is dead for now (unreachable, failing its probes,
 //! silent past its TTL) or gone for good. Every change of an instance's state
-//! is an [`Event`] applied here; the effective [`Lifecycle`] is derived.
+//! is a [`Change`] applied here; the effective [`Lifecycle`] is derived.
 
 use super::Lifecycle;
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ pub enum Verdict {
 
 /// A change of what is known about an instance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Event {
+pub enum Change {
     /// The store's state (registration, drain, activate, an etcd record):
     /// it also ends a temporary verdict.
     Stored(Lifecycle),
@@ -43,6 +43,7 @@ pub enum Event {
     Expired,
     /// A sweep at `now`: an `Unreachable` mark older than `after` ends (the
     /// instance is still in the store, so something keeps it alive).
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // etcd's only
     Revive { now: Instant, after: Duration },
     /// It left the membership.
     Gone,
@@ -77,28 +78,28 @@ impl Machine {
 
     /// The state after `event`. Only ready instances get a new dead verdict:
     /// a drained one keeps its drain (nothing new goes there anyway).
-    pub fn next(self, event: Event) -> Self {
+    pub fn next(self, event: Change) -> Self {
         use Verdict as V;
         let verdict = match (self.verdict, event) {
             (V::Gone, _) => V::Gone,
-            (_, Event::Gone) => V::Gone,
-            (_, Event::Stored(stored)) => {
+            (_, Change::Gone) => V::Gone,
+            (_, Change::Stored(stored)) => {
                 return Self {
                     stored,
                     verdict: V::None,
                 }
             }
-            (V::None, Event::Unreachable(at)) if self.stored == Lifecycle::Ready => {
+            (V::None, Change::Unreachable(at)) if self.stored == Lifecycle::Ready => {
                 V::Unreachable(at)
             }
-            (V::None, Event::Unhealthy) if self.stored == Lifecycle::Ready => V::Unhealthy,
-            (V::None, Event::Expired) => V::Expired,
+            (V::None, Change::Unhealthy) if self.stored == Lifecycle::Ready => V::Unhealthy,
+            (V::None, Change::Expired) => V::Expired,
             // A probe that succeeds ends a dead verdict it can contradict; the
             // health checker probes an unreachable instance only when nothing
             // else would revive it (a static one, which sends no heartbeats).
-            (V::Unhealthy | V::Unreachable(_), Event::Healthy) => V::None,
-            (V::Unreachable(_) | V::Expired, Event::Heartbeat) => V::None,
-            (V::Unreachable(at), Event::Revive { now, after })
+            (V::Unhealthy | V::Unreachable(_), Change::Healthy) => V::None,
+            (V::Unreachable(_) | V::Expired, Change::Heartbeat) => V::None,
+            (V::Unreachable(at), Change::Revive { now, after })
                 if now.saturating_duration_since(at) > after =>
             {
                 V::None
@@ -118,20 +119,20 @@ mod tests {
         Machine::new(Ready)
     }
 
-    fn after(machine: Machine, events: &[Event]) -> Machine {
+    fn after(machine: Machine, events: &[Change]) -> Machine {
         events.iter().fold(machine, |m, e| m.next(*e))
     }
 
     #[test]
     fn stored_states_apply_and_end_temporary_verdicts() {
         for stored in [Ready, Draining, Migrating] {
-            assert_eq!(ready().next(Event::Stored(stored)).lifecycle(), stored);
+            assert_eq!(ready().next(Change::Stored(stored)).lifecycle(), stored);
         }
         let now = Instant::now();
-        for verdict in [Event::Unreachable(now), Event::Unhealthy, Event::Expired] {
+        for verdict in [Change::Unreachable(now), Change::Unhealthy, Change::Expired] {
             let dead = ready().next(verdict);
             assert_eq!(dead.lifecycle(), Dead, "{verdict:?}");
-            let back = dead.next(Event::Stored(Draining));
+            let back = dead.next(Change::Stored(Draining));
             assert_eq!(back.lifecycle(), Draining);
             assert_eq!(back.verdict(), Verdict::None);
         }
@@ -141,23 +142,26 @@ mod tests {
     fn only_ready_instances_are_judged_unreachable_or_unhealthy() {
         let now = Instant::now();
         let drained = Machine::new(Draining);
-        assert_eq!(drained.next(Event::Unreachable(now)).lifecycle(), Draining);
-        assert_eq!(drained.next(Event::Unhealthy).lifecycle(), Draining);
+        assert_eq!(drained.next(Change::Unreachable(now)).lifecycle(), Draining);
+        assert_eq!(drained.next(Change::Unhealthy).lifecycle(), Draining);
         // Silence past the TTL kills any state.
-        assert_eq!(drained.next(Event::Expired).lifecycle(), Dead);
+        assert_eq!(drained.next(Change::Expired).lifecycle(), Dead);
     }
 
     #[test]
     fn a_heartbeat_ends_unreachable_and_expired_but_not_unhealthy() {
         let now = Instant::now();
-        for verdict in [Event::Unreachable(now), Event::Expired] {
-            let back = after(Machine::new(Ready), &[verdict, Event::Heartbeat]);
+        for verdict in [Change::Unreachable(now), Change::Expired] {
+            let back = after(Machine::new(Ready), &[verdict, Change::Heartbeat]);
             assert_eq!(back.lifecycle(), Ready, "{verdict:?}");
         }
         // A drained instance that expired comes back drained, not ready.
-        let drained = after(Machine::new(Draining), &[Event::Expired, Event::Heartbeat]);
+        let drained = after(
+            Machine::new(Draining),
+            &[Change::Expired, Change::Heartbeat],
+        );
         assert_eq!(drained.lifecycle(), Draining);
-        let sick = after(ready(), &[Event::Unhealthy, Event::Heartbeat]);
+        let sick = after(ready(), &[Change::Unhealthy, Change::Heartbeat]);
         assert_eq!(sick.lifecycle(), Dead);
         assert_eq!(sick.verdict(), Verdict::Unhealthy);
     }
@@ -165,24 +169,24 @@ mod tests {
     #[test]
     fn only_a_successful_probe_ends_unhealthy() {
         let now = Instant::now();
-        let sick = ready().next(Event::Unhealthy);
+        let sick = ready().next(Change::Unhealthy);
         for event in [
-            Event::Heartbeat,
-            Event::Expired,
-            Event::Unreachable(now),
-            Event::Revive {
+            Change::Heartbeat,
+            Change::Expired,
+            Change::Unreachable(now),
+            Change::Revive {
                 now,
                 after: Duration::ZERO,
             },
         ] {
             assert_eq!(sick.next(event).verdict(), Verdict::Unhealthy, "{event:?}");
         }
-        assert_eq!(sick.next(Event::Healthy).lifecycle(), Ready);
+        assert_eq!(sick.next(Change::Healthy).lifecycle(), Ready);
         // A probe that succeeds does not undo other verdicts.
         assert_eq!(
             ready()
-                .next(Event::Expired)
-                .next(Event::Healthy)
+                .next(Change::Expired)
+                .next(Change::Healthy)
                 .lifecycle(),
             Dead
         );
@@ -191,19 +195,19 @@ mod tests {
     #[test]
     fn an_unreachable_mark_ends_once_it_is_older_than_the_revive_delay() {
         let marked = Instant::now();
-        let dead = ready().next(Event::Unreachable(marked));
-        let early = dead.next(Event::Revive {
+        let dead = ready().next(Change::Unreachable(marked));
+        let early = dead.next(Change::Revive {
             now: marked + Duration::from_secs(1),
             after: Duration::from_secs(5),
         });
         assert_eq!(early.lifecycle(), Dead);
-        let late = dead.next(Event::Revive {
+        let late = dead.next(Change::Revive {
             now: marked + Duration::from_secs(6),
             after: Duration::from_secs(5),
         });
         assert_eq!(late.lifecycle(), Ready);
         // Revive touches no other verdict.
-        let expired = ready().next(Event::Expired).next(Event::Revive {
+        let expired = ready().next(Change::Expired).next(Change::Revive {
             now: marked + Duration::from_secs(60),
             after: Duration::ZERO,
         });
@@ -213,12 +217,12 @@ mod tests {
     #[test]
     fn gone_is_final() {
         let now = Instant::now();
-        let gone = ready().next(Event::Gone);
+        let gone = ready().next(Change::Gone);
         for event in [
-            Event::Stored(Ready),
-            Event::Heartbeat,
-            Event::Healthy,
-            Event::Revive {
+            Change::Stored(Ready),
+            Change::Heartbeat,
+            Change::Healthy,
+            Change::Revive {
                 now,
                 after: Duration::ZERO,
             },
@@ -233,10 +237,10 @@ mod tests {
         let later = first + Duration::from_secs(3);
         let dead = after(
             ready(),
-            &[Event::Unreachable(first), Event::Unreachable(later)],
+            &[Change::Unreachable(first), Change::Unreachable(later)],
         );
         assert_eq!(dead.verdict(), Verdict::Unreachable(first));
-        let sick = after(ready(), &[Event::Unhealthy, Event::Expired]);
+        let sick = after(ready(), &[Change::Unhealthy, Change::Expired]);
         assert_eq!(sick.verdict(), Verdict::Unhealthy);
     }
 }

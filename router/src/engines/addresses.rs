@@ -138,6 +138,7 @@ impl UpstreamPolicy {
     }
 
     /// Resolves names with `resolver` instead of the system's.
+    #[cfg(test)]
     pub fn with_resolver(mut self, resolver: Arc<dyn NameResolver>) -> Self {
         self.resolver = resolver;
         self
@@ -146,7 +147,7 @@ impl UpstreamPolicy {
     /// Checks a registered `url`; returns it as a bare origin (no trailing `/`).
     pub async fn check_url(&self, url: &str) -> Result<String, String> {
         let parsed = Url::parse(url).map_err(|err| format!("`{url}` is not a URL: {err}"))?;
-        // Engines are called over plain HTTP/1.1 (`engine_http`): an https
+        // Engines are called over plain HTTP/1.1 (`engines::http`): an https
         // engine would fail every request after registering.
         if parsed.scheme() != "http" {
             return Err("must be an http:// URL (engines are called over plain HTTP; TLS to an engine belongs to a sidecar or mesh)".into());
@@ -268,7 +269,7 @@ pub const ENGINE_POOL_IDLE_PER_HOST: usize = 1024;
 /// The HTTP client of engines' probes and admin calls: registered URLs are
 /// fetched as they are, so it follows no redirect (a registered engine must
 /// not send the router, its requests or its probes elsewhere; the engine
-/// client of `engine_http` follows none either).
+/// client of `engines::http` follows none either).
 pub fn client(config: &crate::config::RouterConfig) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
         .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
@@ -336,7 +337,7 @@ impl ProbeClient {
 }
 
 /// A registrant that controls its DNS names, for the DNS-rebinding tests here
-/// and in `engine_http`.
+/// and in `engines::http`.
 #[cfg(test)]
 pub(crate) mod testing {
     #![allow(clippy::unwrap_used)]
@@ -521,7 +522,7 @@ mod tests {
     /// points inside the allowed range, then re-points the name. The
     /// router's probes and model-list calls (ProbeClient) and hold calls (the
     /// control client) must not reach the new address (its requests:
-    /// `engine_http`'s tests). Before, each connect resolved the name again
+    /// `engines::http`'s tests). Before, each connect resolved the name again
     /// with no check.
     #[tokio::test]
     async fn probes_and_hold_calls_do_not_follow_a_rebound_name() {

@@ -8,9 +8,9 @@
 
 use super::body::{read_budgeted, BodyLimits, BudgetedBody};
 use crate::error::ApiError;
+use crate::membership::{Instance, LoadGuard, Pick};
 use crate::pd::record::RequestRecord;
 use crate::pd::upstream::{Call, CallError};
-use crate::registry::{Instance, LoadGuard, Phase};
 use crate::state::AppState;
 use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode};
@@ -42,7 +42,7 @@ pub async fn forward(
     body: Body,
 ) -> Result<Response, ApiError> {
     let mut record = RequestRecord::new(path, super::openai::request_id(&headers));
-    crate::traces::continue_trace(record.span(), &headers);
+    crate::observe::traces::continue_trace(record.span(), &headers);
     let span = record.span().clone();
     let result = run(&state, path, &headers, body, &mut record)
         .instrument(span)
@@ -82,7 +82,7 @@ async fn run(
             url: &instance.url,
             path,
             request_id: &request_id,
-            trace: crate::traces::headers(record.span()),
+            trace: crate::observe::traces::headers(record.span()),
             body: bytes.clone(),
         };
         match state.upstream.prefill(call).await {
@@ -168,8 +168,8 @@ fn model_of(state: &AppState, bytes: &[u8]) -> Result<String, ApiError> {
 /// The least loaded instance of `model` that may take a request, any role,
 /// not one of `tried`.
 pub(crate) fn choose(state: &AppState, model: &str, tried: &[String]) -> Option<Arc<Instance>> {
-    let mut candidates = state.registry.eligible(model, Phase::Prefill);
-    for decoder in state.registry.eligible(model, Phase::Decode) {
+    let mut candidates = state.registry.eligible(model, Pick::Prefill);
+    for decoder in state.registry.eligible(model, Pick::Decode) {
         if !candidates.iter().any(|c| c.id == decoder.id) {
             candidates.push(decoder);
         }

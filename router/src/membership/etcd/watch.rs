@@ -12,10 +12,10 @@
 //! decides what a write can make the router do.
 
 use super::record::{Record, State};
-use crate::registry::status::Connectivity;
-use crate::registry::valid_id;
-use crate::registry::view::View;
-use crate::upstreams::UpstreamPolicy;
+use crate::engines::addresses::UpstreamPolicy;
+use crate::membership::status::Connectivity;
+use crate::membership::valid_id;
+use crate::membership::view::View;
 use etcd_client::{Client, EventType, GetOptions, KeyValue, WatchOptions};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -313,9 +313,9 @@ mod tests {
     //! registration's checks by the watch and by a re-list alike.
 
     use super::super::EtcdStore;
-    use crate::registry::view::View;
-    use crate::registry::EtcdConfig;
-    use crate::upstreams::UpstreamPolicy;
+    use crate::engines::addresses::UpstreamPolicy;
+    use crate::membership::view::View;
+    use crate::membership::EtcdConfig;
     use etcd_client::Client;
     use serde_json::json;
     use std::process::{Child, Command};
@@ -412,7 +412,7 @@ mod tests {
         let store = EtcdStore::connect(&config, Duration::from_secs(10), 3, view.clone())
             .await
             .expect("connect");
-        crate::registry::Store::spawn(&store, tasks, stop.clone());
+        crate::membership::Store::spawn(&store, tasks, stop.clone());
         view
     }
 

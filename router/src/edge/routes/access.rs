@@ -2,11 +2,11 @@
 //! API takes the admin bearer token; registration takes the register token
 //! or, when none is configured, only loopback peers (fail closed).
 
+use crate::edge::secrets::bearer_matches;
+use crate::edge::server::Gate;
+use crate::engines::addresses::UpstreamPolicy;
 use crate::error::ApiError;
-use crate::secrets::bearer_matches;
-use crate::server::Gate;
 use crate::tenants::Caller;
-use crate::upstreams::UpstreamPolicy;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::HeaderMap;
 use axum::middleware::Next;

@@ -71,6 +71,7 @@ pub struct Connectivity {
     revision: AtomicI64,
 }
 
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))] // most of it etcd's only
 impl Connectivity {
     /// Starts disconnected (stale) until the first successful list.
     pub fn new(backend: &'static str, connected: bool) -> Self {

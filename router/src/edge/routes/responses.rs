@@ -4,6 +4,7 @@
 //! the router's store, each its tenant's alone.
 
 use super::translated::{follow, follow_shared, serve, Prepared, Translation};
+use crate::edge::server::AdmissionSlot;
 use crate::error::ApiError;
 use crate::protocols::responses::mirror::CANCEL_POLL;
 use crate::protocols::responses::new_id;
@@ -13,7 +14,6 @@ use crate::protocols::responses::request::{chat_body, check};
 use crate::protocols::responses::store::{StoreError, Stored};
 use crate::protocols::responses::stream::Events;
 use crate::protocols::segments::ChatChunk;
-use crate::server::AdmissionSlot;
 use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;

@@ -19,7 +19,7 @@ pub mod responses;
 pub mod takeover;
 pub mod translated;
 
-use crate::server::{self, Gate, Shutdown};
+use crate::edge::server::{self, Gate, Shutdown};
 use crate::state::AppState;
 use access::Access;
 use axum::body::Body;

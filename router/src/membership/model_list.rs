@@ -29,7 +29,7 @@ pub enum ModelListError {
 /// The entries of the engine's model list that have a string `id`, in its
 /// order, within `timeout` (the whole call: connect, headers and body).
 pub async fn fetch(
-    client: &crate::upstreams::ProbeClient,
+    client: &crate::engines::addresses::ProbeClient,
     base_url: &str,
     timeout: Duration,
 ) -> Result<Vec<Map<String, Value>>, ModelListError> {

@@ -4,7 +4,7 @@
 use super::access::Access;
 use super::instances::registration;
 use crate::error::ApiError;
-use crate::registry::{Claim, Lifecycle};
+use crate::membership::{Claim, Lifecycle};
 use crate::state::AppState;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};

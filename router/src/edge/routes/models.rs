@@ -7,7 +7,7 @@
 //! number of callers (concurrent callers of a stale model wait for the one
 //! read, bounded by [`READ_TIMEOUT`]). Models no longer served leave the cache.
 
-use crate::model_list::{self, Cached};
+use crate::membership::model_list::{self, Cached};
 use crate::state::AppState;
 use axum::extract::State;
 use axum::http::HeaderMap;

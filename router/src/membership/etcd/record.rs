@@ -1,6 +1,6 @@
 //! What an instance's key under the etcd prefix holds, as JSON.
 
-use super::super::{Instance, Lifecycle, Registration, Role};
+use super::super::{Lifecycle, Registration, Role};
 use serde::{Deserialize, Serialize};
 
 /// The stored state. `removed` is written just before a deliberate removal so
@@ -65,19 +65,6 @@ impl Record {
             credential: reg.credential.clone(),
             state,
             persistent: reg.persistent,
-        }
-    }
-
-    pub fn of_instance(instance: &Instance, state: State) -> Self {
-        Self {
-            id: instance.id.clone(),
-            role: instance.role,
-            url: instance.url.clone(),
-            model: instance.model.clone(),
-            ctrl: instance.ctrl.clone(),
-            credential: Some(instance.credential().to_string()),
-            state,
-            persistent: instance.persistent,
         }
     }
 

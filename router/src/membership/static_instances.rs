@@ -11,9 +11,9 @@
 //! and its engines may start in any order.
 
 use crate::config::RouterConfig;
-use crate::model_list::{self, ModelListError};
-use crate::registry::{Claim, Registration, Registry, RegistryError, Role};
-use crate::upstreams::UpstreamPolicy;
+use crate::engines::addresses::UpstreamPolicy;
+use crate::membership::model_list::{self, ModelListError};
+use crate::membership::{Claim, Registration, Registry, RegistryError, Role};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -123,7 +123,7 @@ pub async fn register(registry: &Registry, reg: Registration) -> Result<(), Regi
 /// registers it under each. Owned by the router's background tasks.
 pub async fn discover(
     registry: &Registry,
-    client: &crate::upstreams::ProbeClient,
+    client: &crate::engines::addresses::ProbeClient,
     instance: StaticInstance,
     stop: CancellationToken,
 ) {
@@ -175,7 +175,7 @@ pub async fn discover(
 /// The id of a static instance: the same on every replica given the same
 /// flags, so that (with etcd) they name one instance.
 /// The prefix of the ids the router gives its static instances; registrants
-/// may not take them (`api/instances.rs`).
+/// may not take them (`edge/routes/instances.rs`).
 pub const STATIC_ID_PREFIX: &str = "static-";
 
 fn static_id(role: Role, url: &str) -> String {

@@ -1,4 +1,6 @@
-//! Membership: which engine instances exist, their role, model, lifecycle and load.
+//! Membership: which engine instances exist, their role, model, lifecycle and load;
+//! how the router learns of them (self-registration, static instances
+//! `static_instances.rs`, each engine's own model list `membership/model_list.rs`).
 //!
 //! One abstraction, two backends. Every router keeps a local [`view::View`] that
 //! the routing hot path reads (never a network round trip per request); writes
@@ -19,13 +21,15 @@ pub mod etcd;
 pub mod load;
 pub mod machine;
 pub mod memory;
+pub mod model_list;
+pub mod static_instances;
 pub mod status;
 pub mod view;
 
 use crate::prefix::{BlockIndex, KvEventBatch};
 use futures_util::future::BoxFuture;
 use load::{EngineLoad, Reported};
-use machine::{Event, Machine, Verdict};
+use machine::{Change, Machine, Verdict};
 use serde::{Deserialize, Serialize};
 use status::StoreStatus;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
@@ -47,17 +51,17 @@ pub enum Role {
 
 impl Role {
     /// Whether an instance of this role can serve `phase`.
-    pub fn serves(self, phase: Phase) -> bool {
+    pub fn serves(self, pick: Pick) -> bool {
         matches!(
-            (self, phase),
-            (Role::Both, _) | (Role::Prefill, Phase::Prefill) | (Role::Decode, Phase::Decode)
+            (self, pick),
+            (Role::Both, _) | (Role::Prefill, Pick::Prefill) | (Role::Decode, Pick::Decode)
         )
     }
 }
 
-/// The step of a request an instance is chosen for.
+/// What an instance is picked for: the step of a request it will serve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
+pub enum Pick {
     Prefill,
     Decode,
 }
@@ -68,15 +72,6 @@ impl Role {
             Role::Prefill => "prefill",
             Role::Decode => "decode",
             Role::Both => "both",
-        }
-    }
-}
-
-impl Phase {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Phase::Prefill => "prefill",
-            Phase::Decode => "decode",
         }
     }
 }
@@ -219,7 +214,7 @@ impl Instance {
     /// Applies `event` to the instance's state machine; returns the lifecycle
     /// before and after. A change is published to the watchers and to the
     /// view's candidate cache.
-    fn apply(&self, event: Event) -> (Lifecycle, Lifecycle) {
+    fn apply(&self, event: Change) -> (Lifecycle, Lifecycle) {
         let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
         let before = machine.lifecycle();
         *machine = machine.next(event);
@@ -284,6 +279,7 @@ impl Instance {
     }
 
     /// The etcd lease of the instance's key (0 when none).
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // etcd's only
     pub fn lease(&self) -> i64 {
         self.lease.load(Ordering::Relaxed)
     }
@@ -470,6 +466,7 @@ pub struct RegistryConfig {
 
 impl RegistryConfig {
     /// The in-memory membership with defaults, for tests and tools.
+    #[cfg(test)]
     pub fn memory(ttl: Duration) -> Self {
         Self {
             ttl,
@@ -482,6 +479,7 @@ impl RegistryConfig {
 
 /// How to reach etcd (`--etcd*`).
 #[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))] // etcd's only
 pub struct EtcdConfig {
     /// Comma-separated endpoint URLs (`https://` with TLS).
     pub endpoints: String,
@@ -495,7 +493,7 @@ pub struct EtcdConfig {
     pub user: Option<(String, String)>,
     /// Where instances may live: a record in etcd that names another place is
     /// refused, as its registration through the API would have been.
-    pub upstreams: crate::upstreams::UpstreamPolicy,
+    pub upstreams: crate::engines::addresses::UpstreamPolicy,
 }
 
 /// Who asks to (re-)register or remove an id.
@@ -758,8 +756,8 @@ impl Registry {
 
     /// Instances that may take a new `phase` request for `model`, sorted by id so
     /// that round-robin is stable.
-    pub fn eligible(&self, model: &str, phase: Phase) -> Vec<Arc<Instance>> {
-        self.view.eligible(model, phase)
+    pub fn eligible(&self, model: &str, pick: Pick) -> Vec<Arc<Instance>> {
+        self.view.eligible(model, pick)
     }
 
     /// Whether any instance (in any state) serves `model`.

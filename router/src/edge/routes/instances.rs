@@ -5,11 +5,11 @@
 use super::access::{credential, require_json, Access};
 use super::body::{read_json, read_optional_json, BodyLimits};
 use crate::error::ApiError;
+use crate::membership::load::EngineLoad;
+use crate::membership::static_instances::STATIC_ID_PREFIX;
+use crate::membership::{valid_id, Claim, Registration};
 use crate::prefix::KvEventBatch;
-use crate::registry::load::EngineLoad;
-use crate::registry::{valid_id, Claim, Registration};
 use crate::state::AppState;
-use crate::statics::STATIC_ID_PREFIX;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};

@@ -204,14 +204,6 @@ pub const SCRAPE_TIME_FAMILIES: &[(&str, Kind, &str)] = &[
     (INSTANCES, Kind::Gauge, "Instances known to this router, by role, model and state (ready, draining, migrating, dead, unhealthy)."),
 ];
 
-/// Every metric name, for the test that checks they are all emitted.
-pub fn all() -> impl Iterator<Item = &'static str> {
-    FAMILIES
-        .iter()
-        .chain(SCRAPE_TIME_FAMILIES)
-        .map(|(name, _, _)| *name)
-}
-
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// Installs the process-wide recorder once and returns its render handle.

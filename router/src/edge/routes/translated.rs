@@ -5,6 +5,7 @@
 
 use super::body::{read_budgeted, BodyLimits};
 use super::openai::{engine_request_id, request_id};
+use crate::edge::server::AdmissionSlot;
 use crate::error::ApiError;
 use crate::journal::EntryReader;
 use crate::pd::client_body::ClientBody;
@@ -14,8 +15,7 @@ use crate::protocols::responses::live::Live;
 use crate::protocols::responses::redis_store::RedisStore;
 use crate::protocols::responses::store::StoreError;
 use crate::protocols::segments::ChatChunk;
-use crate::server::AdmissionSlot;
-use crate::sse::SseParser;
+use crate::protocols::sse::SseParser;
 use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;
@@ -85,7 +85,7 @@ pub async fn serve<T: Translation>(
     prepare: impl AsyncFnOnce(&Arc<AppState>, Map<String, Value>, &str) -> Result<Prepared<T>, ApiError>,
 ) -> Result<Response, ApiError> {
     let mut record = RequestRecord::new(path, request_id(&headers));
-    crate::traces::continue_trace(record.span(), &headers);
+    crate::observe::traces::continue_trace(record.span(), &headers);
     let span = record.span().clone();
     let priority = caller.as_ref().and_then(|c| c.priority);
     let tenant = caller
@@ -204,7 +204,7 @@ impl<T: Translation> Driver<T> {
             if self.ended {
                 break;
             }
-            if data.as_ref() == crate::sse::DONE {
+            if data.as_ref() == crate::protocols::sse::DONE {
                 return self.end(out, None);
             }
             let chunk = match serde_json::from_slice::<ChatChunk<'_>>(&data) {

@@ -467,8 +467,8 @@ async fn a_connect_still_running_on_its_task_ends_with_the_client() {
 /// again with no check.
 #[tokio::test]
 async fn requests_do_not_follow_a_rebound_name() {
-    let places = crate::upstreams::testing::places().await;
-    let (policy, names) = crate::upstreams::testing::rebindable();
+    let places = crate::engines::addresses::testing::places().await;
+    let (policy, names) = crate::engines::addresses::testing::rebindable();
     names.point("engine.test", "127.0.0.2");
     let url = format!("http://engine.test:{}", places.port);
     let engines = EngineClient::guarded(Duration::from_secs(1), 8, Duration::from_secs(4), policy);

@@ -22,7 +22,7 @@ mod head;
 pub use framing::FramingError;
 pub use head::HeadError;
 
-use crate::upstreams::UpstreamPolicy;
+use crate::engines::addresses::UpstreamPolicy;
 use bytes::{Bytes, BytesMut};
 use connex_transfer::net::{IdlePool, KeyedLimit};
 use framing::Framing;
@@ -134,6 +134,7 @@ struct Conn {
 impl EngineClient {
     /// `max_idle_per_host` idle connections kept per engine for
     /// `idle_timeout`.
+    #[cfg(test)]
     pub fn new(
         connect_timeout: Duration,
         max_idle_per_host: usize,
@@ -176,6 +177,7 @@ impl EngineClient {
     }
 
     /// Idle pooled connections (for tests).
+    #[cfg(test)]
     pub fn idle_connections(&self) -> usize {
         self.inner.pool.idle_count()
     }
@@ -366,7 +368,7 @@ async fn open(
             Ok(Ok(stream)) => {
                 // Every token is its own small write; see `server.rs`.
                 stream.set_nodelay(true)?;
-                crate::metrics::engine_connection_opened(authority);
+                crate::observe::metrics::engine_connection_opened(authority);
                 return Ok(stream);
             }
             Ok(Err(err)) => last = err,

@@ -76,7 +76,7 @@ async fn generate(
     if let Some(caller) = caller {
         record.set_caller(caller);
     }
-    crate::traces::continue_trace(record.span(), &headers);
+    crate::observe::traces::continue_trace(record.span(), &headers);
     let span = record.span().clone();
     let client_id = HeaderValue::from_str(record.request_id()).ok();
     let answered = async move {

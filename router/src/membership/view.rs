@@ -6,8 +6,8 @@
 //! so that a local write and the watch echo of it (or a late event) can arrive
 //! in any order. State changes update the instance's `Arc` in place.
 
-use super::machine::Event;
-use super::{Instance, Lifecycle, Phase, Registration};
+use super::machine::Change;
+use super::{Instance, Lifecycle, Pick, Registration};
 use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
 use std::collections::{HashMap, HashSet};
@@ -38,10 +38,10 @@ struct Candidates {
     lists: [HashMap<String, Arc<[Arc<Instance>]>>; 2],
 }
 
-fn slot(phase: Phase) -> usize {
-    match phase {
-        Phase::Prefill => 0,
-        Phase::Decode => 1,
+fn slot(pick: Pick) -> usize {
+    match pick {
+        Pick::Prefill => 0,
+        Pick::Decode => 1,
     }
 }
 
@@ -67,10 +67,6 @@ impl View {
 
     pub fn len(&self) -> usize {
         self.instances.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.instances.is_empty()
     }
 
     /// Applies a registration (or a record of one) at `revision`: a new instance
@@ -99,13 +95,13 @@ impl View {
                     if current.lifecycle() != lifecycle {
                         tracing::info!(id = %current.id, state = ?lifecycle, "instance state changed");
                     }
-                    current.apply(Event::Stored(lifecycle));
+                    current.apply(Change::Stored(lifecycle));
                     return current;
                 }
                 tracing::info!(id = %current.id, url = %fresh.url, "instance re-registered as a new incarnation");
                 let fresh = Arc::new(with_state(fresh, lifecycle, lease, revision));
                 entry.insert(fresh.clone());
-                current.apply(Event::Gone);
+                current.apply(Change::Gone);
                 self.changed();
                 fresh
             }
@@ -128,7 +124,7 @@ impl View {
         if state == Lifecycle::Ready {
             instance.touch();
         }
-        instance.apply(Event::Stored(state));
+        instance.apply(Change::Stored(state));
         tracing::info!(%id, ?state, "instance state changed");
         true
     }
@@ -139,7 +135,7 @@ impl View {
             return;
         };
         let now = std::time::Instant::now();
-        if instance.apply(Event::Unreachable(now)) == (Lifecycle::Ready, Lifecycle::Dead) {
+        if instance.apply(Change::Unreachable(now)) == (Lifecycle::Ready, Lifecycle::Dead) {
             tracing::warn!(%id, "instance unreachable; marked dead");
         }
     }
@@ -150,7 +146,7 @@ impl View {
         let Some(instance) = self.get(id) else {
             return;
         };
-        if instance.apply(Event::Unhealthy) == (Lifecycle::Ready, Lifecycle::Dead) {
+        if instance.apply(Change::Unhealthy) == (Lifecycle::Ready, Lifecycle::Dead) {
             tracing::warn!(%id, "instance fails its health checks; marked dead");
         }
     }
@@ -161,7 +157,7 @@ impl View {
         let Some(instance) = self.get(id) else {
             return;
         };
-        let (before, after) = instance.apply(Event::Healthy);
+        let (before, after) = instance.apply(Change::Healthy);
         if before != after {
             tracing::info!(%id, state = ?after, "instance passes its health checks again");
         }
@@ -170,10 +166,11 @@ impl View {
     /// Gives instances marked dead by `mark_dead` more than `after` ago their
     /// stored state back (etcd: they are still in the view, so their lease is
     /// being kept alive by heartbeats; a dead one's key would have expired).
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // etcd's only
     pub fn revive(&self, after: Duration) {
         let now = std::time::Instant::now();
         for entry in self.instances.iter() {
-            let (before, state) = entry.apply(Event::Revive { now, after });
+            let (before, state) = entry.apply(Change::Revive { now, after });
             if before != state {
                 tracing::info!(id = %entry.id, ?state, "instance still heartbeats; back from a local dead mark");
             }
@@ -185,7 +182,7 @@ impl View {
     pub fn heartbeat(&self, id: &str) -> Option<Arc<Instance>> {
         let instance = self.get(id)?;
         instance.touch();
-        let (before, after) = instance.apply(Event::Heartbeat);
+        let (before, after) = instance.apply(Change::Heartbeat);
         if before != after {
             tracing::info!(%id, state = ?after, "instance is alive again");
         }
@@ -205,7 +202,7 @@ impl View {
         self.changed();
         if dead {
             tracing::warn!(%id, "instance is gone from the membership; marked dead");
-            instance.apply(Event::Gone);
+            instance.apply(Change::Gone);
         } else {
             tracing::info!(%id, "instance removed");
         }
@@ -214,6 +211,7 @@ impl View {
 
     /// After a full re-list at `revision`: instances the list did not have (and
     /// that did not change since) are gone, and marked dead.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // etcd's only
     pub fn retain_listed(&self, listed: &HashSet<String>, revision: i64) {
         let gone: Vec<String> = self
             .instances
@@ -245,8 +243,8 @@ impl View {
     }
 
     /// Instances that may take a new `phase` request for `model`, sorted by id.
-    pub fn eligible(&self, model: &str, phase: Phase) -> Vec<Arc<Instance>> {
-        let ready = self.ready(model, phase);
+    pub fn eligible(&self, model: &str, pick: Pick) -> Vec<Arc<Instance>> {
+        let ready = self.ready(model, pick);
         match self.expiry {
             // The local heartbeat TTL can lapse between two changes.
             Some(_) => ready
@@ -259,12 +257,12 @@ impl View {
     }
 
     /// Ready instances for (model, phase), from the cache when it is current.
-    fn ready(&self, model: &str, phase: Phase) -> Arc<[Arc<Instance>]> {
+    fn ready(&self, model: &str, pick: Pick) -> Arc<[Arc<Instance>]> {
         let generation = self.generation.load(Ordering::Acquire);
         {
             let cache = self.candidates.read().unwrap_or_else(|e| e.into_inner());
             if cache.generation == generation {
-                if let Some(list) = cache.lists[slot(phase)].get(model) {
+                if let Some(list) = cache.lists[slot(pick)].get(model) {
                     return list.clone();
                 }
             }
@@ -273,7 +271,7 @@ impl View {
             .instances
             .iter()
             .filter(|e| {
-                e.model == model && e.role.serves(phase) && e.lifecycle() == Lifecycle::Ready
+                e.model == model && e.role.serves(pick) && e.lifecycle() == Lifecycle::Ready
             })
             .map(|e| e.value().clone())
             .collect();
@@ -288,7 +286,7 @@ impl View {
         }
         // A list computed before a newer change is returned but not cached.
         if cache.generation == generation {
-            cache.lists[slot(phase)].insert(model.to_string(), list.clone());
+            cache.lists[slot(pick)].insert(model.to_string(), list.clone());
         }
         list
     }
@@ -314,8 +312,8 @@ impl View {
     /// Whether some model has both a prefill and a decode instance eligible.
     pub fn is_ready(&self) -> bool {
         self.models().iter().any(|m| {
-            !self.eligible(m, Phase::Prefill).is_empty()
-                && !self.eligible(m, Phase::Decode).is_empty()
+            !self.eligible(m, Pick::Prefill).is_empty()
+                && !self.eligible(m, Pick::Decode).is_empty()
         })
     }
 
@@ -339,7 +337,7 @@ impl View {
         let mut evicted = Vec::new();
         for entry in self.instances.iter().filter(|e| !e.persistent) {
             let age = entry.heartbeat_age();
-            if age > ttl && entry.apply(Event::Expired).0 != Lifecycle::Dead {
+            if age > ttl && entry.apply(Change::Expired).0 != Lifecycle::Dead {
                 tracing::warn!(id = %entry.id, "instance missed heartbeats for its TTL; marked dead");
             }
             if age > ttl + grace {
@@ -361,7 +359,7 @@ impl View {
 fn with_state(instance: Instance, lifecycle: Lifecycle, lease: i64, revision: i64) -> Instance {
     instance.lease.store(lease, Ordering::Relaxed);
     instance.revision.store(revision, Ordering::Relaxed);
-    instance.apply(Event::Stored(lifecycle));
+    instance.apply(Change::Stored(lifecycle));
     instance
 }
 
@@ -369,7 +367,7 @@ fn with_state(instance: Instance, lifecycle: Lifecycle, lease: i64, revision: i6
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::registry::Role;
+    use crate::membership::Role;
 
     fn reg(url: &str) -> Registration {
         Registration {
@@ -387,20 +385,20 @@ mod tests {
     fn state_changes_update_the_same_arc_and_notify_watchers() {
         let view = View::new(None);
         let first = view.put("a".into(), reg("http://x"), Lifecycle::Ready, 7, 10);
-        assert_eq!(view.eligible("m", Phase::Decode).len(), 1);
+        assert_eq!(view.eligible("m", Pick::Decode).len(), 1);
         let mut watcher = first.subscribe();
         let again = view.put("a".into(), reg("http://x"), Lifecycle::Migrating, 7, 11);
         assert!(Arc::ptr_eq(&first, &again));
         assert!(watcher.has_changed().unwrap());
         assert_eq!(*watcher.borrow_and_update(), Lifecycle::Migrating);
-        assert!(view.eligible("m", Phase::Decode).is_empty());
+        assert!(view.eligible("m", Pick::Decode).is_empty());
     }
 
     #[test]
     fn cached_candidates_follow_every_change() {
         let view = View::new(None);
         let ids = |v: &View| -> Vec<String> {
-            v.eligible("m", Phase::Decode)
+            v.eligible("m", Pick::Decode)
                 .iter()
                 .map(|i| i.id.clone())
                 .collect()
@@ -417,7 +415,7 @@ mod tests {
         assert_eq!(ids(&view), ["a", "b", "c"]);
         view.remove("b", None, false);
         assert_eq!(ids(&view), ["a", "c"]);
-        assert!(view.eligible("m", Phase::Prefill).is_empty());
+        assert!(view.eligible("m", Pick::Prefill).is_empty());
     }
 
     #[test]
@@ -439,7 +437,7 @@ mod tests {
         let new = view.put("a".into(), reg("http://y"), Lifecycle::Ready, 8, 2);
         assert!(!Arc::ptr_eq(&old, &new));
         assert_eq!(old.lifecycle(), Lifecycle::Dead);
-        assert_eq!(view.eligible("m", Phase::Decode).len(), 1);
+        assert_eq!(view.eligible("m", Pick::Decode).len(), 1);
     }
 
     #[test]
@@ -463,7 +461,7 @@ mod tests {
         let instance = view.put("a".into(), reg("http://x"), Lifecycle::Ready, 7, 1);
         view.mark_unhealthy("a");
         assert_eq!(instance.lifecycle(), Lifecycle::Dead);
-        assert!(view.eligible("m", Phase::Decode).is_empty());
+        assert!(view.eligible("m", Pick::Decode).is_empty());
         // Its agent still heartbeats; etcd would still hold its key.
         view.heartbeat("a");
         view.revive(Duration::ZERO);
@@ -472,7 +470,7 @@ mod tests {
         view.mark_healthy("a");
         assert_eq!(instance.lifecycle(), Lifecycle::Ready);
         assert!(!instance.is_unhealthy());
-        assert_eq!(view.eligible("m", Phase::Decode).len(), 1);
+        assert_eq!(view.eligible("m", Pick::Decode).len(), 1);
         // A drained instance keeps its drain: probes only take ready ones out.
         view.set_lifecycle("a", Lifecycle::Draining, 2);
         view.mark_unhealthy("a");

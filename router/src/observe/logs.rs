@@ -28,7 +28,7 @@ pub enum LogError {
     #[error("cannot install the log subscriber: {0}")]
     Install(#[from] tracing_subscriber::util::TryInitError),
     #[error(transparent)]
-    Traces(#[from] crate::traces::TraceError),
+    Traces(#[from] crate::observe::traces::TraceError),
 }
 
 /// The installed logs and traces; dropping it flushes the spans not yet
@@ -108,7 +108,7 @@ pub fn init(
     default: &str,
     otlp_endpoint: Option<&str>,
 ) -> Result<Telemetry, LogError> {
-    let provider = crate::traces::provider(otlp_endpoint)?;
+    let provider = crate::observe::traces::provider(otlp_endpoint)?;
     let exporter = otlp_endpoint.is_some().then_some(&provider);
     subscriber(format, filter(level, default)?, exporter).try_init()?;
     Ok(Telemetry { provider })
@@ -117,7 +117,7 @@ pub fn init(
 /// The process's subscriber: log lines through `logs`, and the request path's
 /// spans traced whatever the log level, by the OpenTelemetry layer of
 /// `exporter` when spans are exported, else given their trace ids alone
-/// (crate::traces says why).
+/// (crate::observe::traces says why).
 fn subscriber(
     format: LogFormat,
     logs: EnvFilter,
@@ -135,10 +135,12 @@ fn subscriber(
     .with_max_level_hint(tracing_subscriber::filter::LevelFilter::INFO);
     let lines = tracing_subscriber::registry().with(format_layer(format).with_filter(logs));
     match exporter {
-        Some(provider) => {
-            tracing::Dispatch::new(lines.with(crate::traces::layer(provider).with_filter(spans)))
+        Some(provider) => tracing::Dispatch::new(
+            lines.with(crate::observe::traces::layer(provider).with_filter(spans)),
+        ),
+        None => {
+            tracing::Dispatch::new(lines.with(crate::observe::traces::IdLayer.with_filter(spans)))
         }
-        None => tracing::Dispatch::new(lines.with(crate::traces::IdLayer.with_filter(spans))),
     }
 }
 
@@ -156,8 +158,11 @@ mod tests {
         tracing::dispatcher::with_default(&dispatch, || {
             let request = tracing::error_span!("request");
             let call = tracing::info_span!(parent: &request, "decode");
-            assert!(crate::traces::has_ids(&call), "not traced by the id layer");
-            let headers = crate::traces::headers(&call);
+            assert!(
+                crate::observe::traces::has_ids(&call),
+                "not traced by the id layer"
+            );
+            let headers = crate::observe::traces::headers(&call);
             assert!(
                 headers.iter().any(|(name, _)| *name == "traceparent"),
                 "{headers:?}"
