@@ -2,7 +2,7 @@
 //! (`--max-inflight-body-bytes`). A request holds its body's share until it
 //! ends (its body is kept: a resume sends it again); a client past the
 //! budget is told to come back (503 with `Retry-After`) before more of its
-//! body is read. With bodies kept at about their size (`pd::client_body`),
+//! body is read. With bodies kept at about their size (`protocols::openai::client_body`),
 //! this bounds what clients' bodies can cost the router's memory.
 
 use crate::error::ApiError;

@@ -9,10 +9,10 @@
 //! engine's request.
 
 use super::derender::{self, Derender};
-use super::output::Source;
 use super::upstream::ByteStream;
 use crate::membership::{Instance, Lifecycle, LoadGuard};
 use crate::policy::outlier::DeliveryClock;
+use crate::protocols::openai::output::Source;
 use crate::protocols::sse::{self, SseParser};
 use bytes::Bytes;
 use futures_util::StreamExt;

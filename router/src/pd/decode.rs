@@ -4,15 +4,15 @@
 //! every token as it comes.
 
 use super::attempt::{Attempt, Cause, Failure, Lane};
-use super::client_body::ClientBody;
 use super::derender::Derender;
 use super::flow::Flow;
-use super::output::Source;
-use super::patch::Patch;
-use super::stops::StopStrings;
 use super::upstream::{ByteStream, Call, CallError, Opened};
 use crate::error::ApiError;
 use crate::membership::{Instance, LoadGuard, Pick};
+use crate::protocols::openai::client_body::ClientBody;
+use crate::protocols::openai::output::Source;
+use crate::protocols::openai::patch::Patch;
+use crate::protocols::openai::stops::StopStrings;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;

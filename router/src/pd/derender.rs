@@ -31,11 +31,11 @@
 //! work by `max_model_len`).
 
 use super::attempt::{Cause, Failure};
-use super::client_body::ClientBody;
-use super::patch::{Patch, Set};
-use super::stops::StopStrings;
 use super::upstream::{Call, CallError, Upstream};
 use crate::journal::ChoiceProgress;
+use crate::protocols::openai::client_body::ClientBody;
+use crate::protocols::openai::patch::{Patch, Set};
+use crate::protocols::openai::stops::StopStrings;
 use bytes::{BufMut, Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use serde::Deserialize;

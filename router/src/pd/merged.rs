@@ -4,7 +4,7 @@
 //! behind its engine (often a stream's first tokens). An engine that matches a
 //! stop string itself checks after every token, and keeps the token ids up to
 //! the one that completed the stop. The router matches the stop strings (see
-//! [`super::stops`]) on chunks, whose text is not split by token: when a stop
+//! [`crate::protocols::openai::stops`]) on chunks, whose text is not split by token: when a stop
 //! ends inside a chunk of several tokens, it asks the decoder's `/detokenize`
 //! how much text the output makes through each of the chunk's tokens (a
 //! binary search: a few calls, at most once per choice, again only after a

@@ -10,37 +10,30 @@
 //! Engines are reached through the [`upstream::Upstream`] seam, so that every
 //! phase is tested against scripted engines as well as real processes.
 
-pub mod assemble;
 pub mod attempt;
 pub mod checkpoint;
-pub mod chunk;
-pub mod client_body;
 pub mod decode;
 pub mod derender;
 pub mod flow;
 pub mod merged;
-pub mod output;
-pub mod patch;
 pub mod prefill;
 pub mod record;
 pub mod relay;
 pub mod reprefill;
-pub mod request;
 pub mod resume;
 pub mod session;
-pub mod stops;
 pub mod tokenizer;
 pub mod tokens;
 pub mod upstream;
 
 use crate::error::ApiError;
 use crate::journal::{EntryReader, JournalHandle};
+use crate::protocols::openai::client_body::ClientBody;
+use crate::protocols::openai::request::RequestInfo;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
-use client_body::ClientBody;
 use flow::Flow;
 use record::RequestRecord;
-use request::RequestInfo;
 use session::Session;
 use std::sync::Arc;
 

@@ -3,14 +3,14 @@
 //! the prompt token ids. A connect error, 5xx or unusable answer is retried once
 //! elsewhere.
 
-use super::client_body::ClientBody;
 use super::flow::Flow;
-use super::patch::{Patch, Set};
-use super::request::{RequestInfo, Route};
 use super::upstream::{Call, CallError, Reply};
 use crate::error::ApiError;
 use crate::holds::Hold;
 use crate::membership::{Instance, Pick};
+use crate::protocols::openai::client_body::ClientBody;
+use crate::protocols::openai::patch::{Patch, Set};
+use crate::protocols::openai::request::{RequestInfo, Route};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use tracing::Instrument;

@@ -9,13 +9,13 @@
 //! resume latency) is measured here, where tokens pass.
 
 use super::attempt::{Attempt, Cause, Event, Failure};
-use super::chunk::{self, ErrorEvent};
 use super::merged::Split;
-use super::output::{Output, Source};
-use super::request::RequestInfo;
-use super::stops::Matcher;
 use crate::error::ApiError;
 use crate::journal::{Entry, JournalHandle};
+use crate::protocols::openai::chunk::{self, ErrorEvent};
+use crate::protocols::openai::output::{Output, Source};
+use crate::protocols::openai::request::RequestInfo;
+use crate::protocols::openai::stops::Matcher;
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
 use std::collections::VecDeque;
@@ -81,7 +81,7 @@ pub struct Relay {
     /// in its prompt and would never emit the held bytes.
     /// By choice: each choice's chunks come in its own order.
     withheld: Vec<Withheld>,
-    /// The request's stop strings, matched here (see [`super::stops`]).
+    /// The request's stop strings, matched here (see [`crate::protocols::openai::stops`]).
     stops: Option<Matcher>,
     /// Whether chunks may be withheld (single-choice requests that can resume).
     may_withhold: bool,
@@ -554,7 +554,7 @@ impl Batch {
 mod tests {
     use super::*;
     use crate::journal::Journal;
-    use crate::pd::request::Route;
+    use crate::protocols::openai::request::Route;
     use std::sync::Arc;
 
     fn info(n: u64, stream: bool) -> RequestInfo {

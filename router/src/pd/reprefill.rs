@@ -3,14 +3,14 @@
 //! its holder gone) it prefills prompt + generated again on a healthy prefill
 //! instance (`--on-hold-lost reprefill`), or fails the request (`fail`).
 
-use super::client_body::ClientBody;
 use super::flow::Flow;
 use super::prefill::{self, Prefilled};
-use super::request::RequestInfo;
 use crate::config::OnHoldLost;
 use crate::error::ApiError;
 use crate::holds::{Hold, HoldState};
 use crate::journal::{JournalHandle, Phase};
+use crate::protocols::openai::client_body::ClientBody;
+use crate::protocols::openai::request::RequestInfo;
 
 /// A new hold from a re-prefill, or `None` when the current one still holds
 /// (or the connector has no holds to check).

@@ -19,9 +19,9 @@
 //! yet).
 
 use super::attempt::Failure;
-use super::client_body::{ClientBody, TypeOnly};
-use super::patch::{Patch, Set};
-use super::request::Route;
+use crate::protocols::openai::client_body::{ClientBody, TypeOnly};
+use crate::protocols::openai::patch::{Patch, Set};
+use crate::protocols::openai::request::{forces_tool_call, offers_tools, Route};
 use bytes::Bytes;
 use serde_json::{json, Value};
 
@@ -46,17 +46,6 @@ pub const CHAT_ONLY: &[&str] = &[
     "modalities",
     "audio",
 ];
-
-/// A chat with tools and a required or named `tool_choice`: vLLM serves it with
-/// structured output (and answers it with empty content, not null, beside the call).
-pub fn forces_tool_call(body: &ClientBody) -> bool {
-    let forced = match body.get("tool_choice") {
-        Some(Value::String(choice)) => choice == "required",
-        Some(Value::Object(_)) => true,
-        _ => false,
-    };
-    forced && offers_tools(body)
-}
 
 /// Why a request cannot be continued from its generated tokens, if it cannot.
 pub fn mid_stream_blocker(route: Route, body: &ClientBody) -> Option<&'static str> {
@@ -83,11 +72,6 @@ pub fn mid_stream_blocker(route: Route, body: &ClientBody) -> Option<&'static st
         return Some("logprobs and tools");
     }
     None
-}
-
-/// Whether a chat request offers tools.
-pub fn offers_tools(body: &ClientBody) -> bool {
-    ["tools", "functions"].iter().any(|key| body.has_items(key))
 }
 
 /// How a chat continues after its first token.
@@ -150,7 +134,7 @@ pub fn resume_body(
         Vec::new()
     };
     // Stop strings are the router's (`stops.rs`).
-    if super::stops::StopStrings::of(body).is_some() {
+    if crate::protocols::openai::stops::StopStrings::of(body).is_some() {
         remove.push("stop");
     }
     let done = generated.len() as u64;

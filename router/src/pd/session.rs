@@ -9,22 +9,22 @@
 //! stream or one response, or a clear error: never a silent truncation.
 
 use super::attempt::{Attempt, Cause, Failure};
-use super::client_body::ClientBody;
 use super::decode::{self, LanePlan, OpenError};
 use super::derender::{self, Derender, DerenderTarget, RenderError};
 use super::flow::Flow;
 use super::merged::{self, Detokenizer, Split};
-use super::output::Source;
 use super::prefill::Prefilled;
 use super::record::RequestRecord;
 use super::relay::{Batch, Halt, Ready, Relay};
 use super::reprefill;
-use super::request::{RequestInfo, Route};
 use super::resume::{self, ChatContinuation, Next, Progress, ResumePolicy};
 use crate::error::ApiError;
 use crate::holds::{Hold, HoldLease};
 use crate::journal::{ChoiceProgress, JournalHandle, Phase};
 use crate::membership::Instance;
+use crate::protocols::openai::client_body::ClientBody;
+use crate::protocols::openai::output::Source;
+use crate::protocols::openai::request::{RequestInfo, Route};
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -358,7 +358,7 @@ impl Session {
                 )))
             }
             Err(RenderError::Unsupported(message)) => {
-                if parsed_output || resume::offers_tools(&self.body) {
+                if parsed_output || crate::protocols::openai::request::offers_tools(&self.body) {
                     return Err(blocked(format!(
                         "{message}; a chat with tools, or whose answer has reasoning, cannot be resumed after its first token without it"
                     )));

@@ -5,11 +5,11 @@
 use crate::config::{self, Command, RouterConfig};
 use crate::error::ApiError;
 use crate::membership::{Lifecycle, Registration, Registry, Role};
-use crate::pd::client_body::ClientBody;
 use crate::pd::flow::Flow;
 use crate::pd::record::RequestRecord;
-use crate::pd::request::{validate, Route};
 use crate::pd::upstream::{ByteStream, Call, CallError, Opened, Reply, Upstream};
+use crate::protocols::openai::client_body::ClientBody;
+use crate::protocols::openai::request::{validate, Route};
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use futures_util::StreamExt;

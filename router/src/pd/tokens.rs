@@ -7,12 +7,12 @@
 //! bounded in time and size; on any failure the choice falls back to load
 //! alone.
 
-use super::client_body::ClientBody;
 use super::flow::Flow;
-use super::patch::Patch;
-use super::request::Route;
 use super::upstream::ask_tokenizer;
 use crate::membership::Instance;
+use crate::protocols::openai::client_body::ClientBody;
+use crate::protocols::openai::patch::Patch;
+use crate::protocols::openai::request::Route;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::borrow::Cow;

@@ -6,6 +6,7 @@
 //! segments (`segments.rs`).
 
 pub mod messages;
+pub mod openai;
 pub mod responses;
 pub mod segments;
 pub mod sse;

@@ -3,9 +3,9 @@
 
 use super::body::{read_budgeted, BodyLimits};
 use crate::error::ApiError;
-use crate::pd::client_body::ClientBody;
 use crate::pd::record::RequestRecord;
-use crate::pd::request::{validate, Route};
+use crate::protocols::openai::client_body::ClientBody;
+use crate::protocols::openai::request::{validate, Route};
 use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;

@@ -56,7 +56,7 @@ pub struct RequestInfo {
     /// reasoning anyway (vLLM then streams no token ids, and the journal
     /// could not follow the answer) and hides it from the client itself.
     pub hide_reasoning: bool,
-    /// Chat with a required or named tool choice (see [`super::resume::forces_tool_call`]).
+    /// Chat with a required or named tool choice (see [`forces_tool_call`]).
     pub forced_tool_call: bool,
 }
 
@@ -128,7 +128,7 @@ pub fn validate(
         echo_text: echo_text(route, body)?,
         hide_reasoning: route == Route::Chat
             && optional_bool(object, "include_reasoning")? == Some(false),
-        forced_tool_call: route == Route::Chat && super::resume::forces_tool_call(body),
+        forced_tool_call: route == Route::Chat && forces_tool_call(body),
     })
 }
 
@@ -457,4 +457,20 @@ fn check_max_tokens(value: Option<&Value>, key: &'static str, limit: u64) -> Res
             Some(key),
         )),
     }
+}
+
+/// A chat with tools and a required or named `tool_choice`: vLLM serves it with
+/// structured output (and answers it with empty content, not null, beside the call).
+pub fn forces_tool_call(body: &ClientBody) -> bool {
+    let forced = match body.get("tool_choice") {
+        Some(Value::String(choice)) => choice == "required",
+        Some(Value::Object(_)) => true,
+        _ => false,
+    };
+    forced && offers_tools(body)
+}
+
+/// Whether a chat request offers tools.
+pub fn offers_tools(body: &ClientBody) -> bool {
+    ["tools", "functions"].iter().any(|key| body.has_items(key))
 }
