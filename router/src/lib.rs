@@ -15,7 +15,7 @@
 //! - `pd/`: a request's phases: tokens, prefill, decode, relay, resume,
 //!   re-prefill, continuation; the OpenAI chat and completions helpers those
 //!   phases write with (chunks, stops, output, assembly).
-//! - `journal.rs` (every request in flight and its progress), `holds.rs` (the
+//! - `journal.rs` (every request in flight and its progress), `hold_leases.rs` (the
 //!   router's side of the KV holds), `policy/` (choosing an instance),
 //!   `prefix/` (which prefixes each engine caches), `tenants/` (keys, fair
 //!   queueing, rate limits).
@@ -38,7 +38,7 @@ mod edge;
 mod engines;
 mod error;
 mod health;
-mod holds;
+mod hold_leases;
 mod journal;
 mod membership;
 mod observe;

@@ -3,7 +3,7 @@
 use crate::config::RouterConfig;
 use crate::engines::addresses::{CtrlResolver, ProbeClient, UpstreamPolicy};
 use crate::engines::http::EngineClient;
-use crate::holds::ReleaseQueue;
+use crate::hold_leases::ReleaseQueue;
 use crate::membership::Registry;
 use crate::pd::flow::{Flow, RequestLimits};
 use crate::pd::tokenizer::Tokenizers;

@@ -41,15 +41,6 @@ impl BackendKind {
             _ => None,
         }
     }
-
-    /// Whether this build includes the backend.
-    pub fn is_built(self) -> bool {
-        match self {
-            Self::Tcp => true,
-            Self::Ucx => cfg!(feature = "ucx"),
-            Self::Mooncake => cfg!(feature = "mooncake"),
-        }
-    }
 }
 
 impl std::fmt::Display for BackendKind {

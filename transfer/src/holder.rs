@@ -5,7 +5,7 @@
 use crate::backend::{self, Role};
 use crate::config::{BackendKind, HolderConfig};
 use crate::error::{Result, TransferError};
-use crate::hold::HoldTable;
+use crate::hold_table::HoldTable;
 use crate::region::{BlockRef, Region, RegionId, RegionTable};
 use crate::server::{self, Shared};
 use crate::stats::{ConnectionCounts, HoldInfo, HolderStats};

@@ -5,7 +5,7 @@
 //! and tested without the HTTP app, its metrics recorder or its listeners.
 
 use crate::config::{OnHoldLost, RouterConfig};
-use crate::holds::{Holds, ReleaseQueue};
+use crate::hold_leases::{Holds, ReleaseQueue};
 use crate::journal::Journal;
 use crate::membership::Registry;
 use crate::pd::attempt::StreamLimits;

@@ -6,7 +6,7 @@
 use super::flow::Flow;
 use super::upstream::{Call, CallError, Reply};
 use crate::error::ApiError;
-use crate::holds::Hold;
+use crate::hold_leases::Hold;
 use crate::membership::{Instance, Pick};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::patch::{Patch, Set};
@@ -249,7 +249,7 @@ async fn call_owning_the_hold(
 /// abandoned (see [`release_abandoned`]).
 struct PendingAnswer {
     rx: tokio::sync::oneshot::Receiver<Result<Reply, CallError>>,
-    holds: crate::holds::Holds,
+    holds: crate::hold_leases::Holds,
 }
 
 impl Drop for PendingAnswer {
@@ -262,7 +262,7 @@ impl Drop for PendingAnswer {
 
 /// Releases the hold of a prefill answer nobody will use: a lease dropped at
 /// once, so the keeper releases it.
-fn release_abandoned(holds: &crate::holds::Holds, abandoned: &Reply) {
+fn release_abandoned(holds: &crate::hold_leases::Holds, abandoned: &Reply) {
     let hold = serde_json::from_slice::<Value>(&abandoned.body)
         .ok()
         .and_then(|answer| Hold::from_params(answer.get("kv_transfer_params")?));

@@ -19,7 +19,7 @@ use super::relay::{Batch, Halt, Ready, Relay};
 use super::reprefill;
 use super::resume::{self, ChatContinuation, Next, Progress, ResumePolicy};
 use crate::error::ApiError;
-use crate::holds::{Hold, HoldLease};
+use crate::hold_leases::{Hold, HoldLease};
 use crate::journal::{ChoiceProgress, JournalHandle, Phase};
 use crate::membership::Instance;
 use crate::protocols::openai::client_body::ClientBody;
