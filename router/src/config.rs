@@ -4,6 +4,12 @@
 //! TOML file given with `--config` (snake_case flag names). Precedence: command
 //! line, then environment, then file, then defaults.
 //!
+//! A duration takes its unit (`30s`, `250ms`, `5m`, `1h`); a bare number is in
+//! the unit its flag had when its name said it (`--stall-timeout-ms` is now
+//! `--stall-timeout`, and both `--stall-timeout-ms 500` and
+//! `--stall-timeout 500ms` still mean half a second): the old flag names, env
+//! vars and file keys are kept, so nothing a user wrote breaks.
+//!
 //! A leaf: it imports nothing from the crate, so that every subsystem can be
 //! built and tested from its own small config (assembled in `lib.rs`).
 use clap::parser::ValueSource;
@@ -45,47 +51,78 @@ pub struct DemoArgs {
 #[derive(Debug, Clone, Args, PartialEq)]
 pub struct RouterConfig {
     /// TOML file with any of these settings (snake_case keys).
-    #[arg(long, env = "CONNEX_CONFIG")]
+    #[arg(help_heading = "Listeners and logs", long, env = "CONNEX_CONFIG")]
     pub config: Option<PathBuf>,
     /// Address to listen on (port 0 picks a free port; the bound address is printed).
-    #[arg(long, env = "CONNEX_LISTEN", default_value = "127.0.0.1:8000")]
+    #[arg(
+        help_heading = "Listeners and logs",
+        long,
+        env = "CONNEX_LISTEN",
+        default_value = "127.0.0.1:8000"
+    )]
     pub listen: SocketAddr,
     /// Host (IP address) of the client listener, as vLLM and vllm-router users
     /// type it; the port is --port's or --listen's default. Not with --listen.
     // No env var for --host and --port: Kubernetes sets CONNEX_PORT
     // (tcp://...) in every pod of a namespace with a Service named `connex`.
-    #[arg(long, conflicts_with = "listen")]
+    #[arg(help_heading = "Listeners and logs", long, conflicts_with = "listen")]
     pub host: Option<IpAddr>,
     /// Port of the client listener (with --host, or on --listen's default
     /// host). Not with --listen.
-    #[arg(long, conflicts_with = "listen")]
+    #[arg(help_heading = "Listeners and logs", long, conflicts_with = "listen")]
     pub port: Option<u16>,
     /// Log line format: `text` for people, `json` (one object a line) for log
     /// pipelines.
-    #[arg(long, env = "CONNEX_LOG_FORMAT", value_enum, default_value = "text")]
+    #[arg(
+        help_heading = "Listeners and logs",
+        long,
+        env = "CONNEX_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
     pub log_format: LogFormat,
     /// What is logged: a level (`info`, `debug`...) or a tracing filter
     /// (`info,connex::access=off`). Unset: CONNEX_LOG, else `info`.
-    #[arg(long, env = "CONNEX_LOG_LEVEL")]
+    #[arg(help_heading = "Listeners and logs", long, env = "CONNEX_LOG_LEVEL")]
     pub log_level: Option<String>,
     /// OTLP/HTTP collector (protobuf) the request spans are exported to, e.g.
     /// http://otel-collector:4318 (`/v1/traces` is added to a URL without a
     /// path). Unset: no export; trace context still reaches the engines.
-    #[arg(long, env = "CONNEX_OTLP_ENDPOINT")]
+    #[arg(
+        help_heading = "Listeners and logs",
+        long,
+        env = "CONNEX_OTLP_ENDPOINT"
+    )]
     pub otlp_endpoint: Option<String>,
     /// Bearer token for /admin routes. Without it the admin API refuses every call.
-    #[arg(long, env = "CONNEX_ADMIN_TOKEN", hide_env_values = true)]
+    #[arg(
+        help_heading = "Secrets and access",
+        long,
+        env = "CONNEX_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
     pub admin_token: Option<String>,
     /// Bearer token instances must send to register and heartbeat (open when unset).
-    #[arg(long, env = "CONNEX_REGISTER_TOKEN", hide_env_values = true)]
+    #[arg(
+        help_heading = "Secrets and access",
+        long,
+        env = "CONNEX_REGISTER_TOKEN",
+        hide_env_values = true
+    )]
     pub register_token: Option<String>,
     /// Secret that the engines' KV holders require on their control listeners
     /// (the same CONNEX_TRANSFER_SECRET as theirs): the router needs it to
     /// renew, check and release holds.
-    #[arg(long, env = "CONNEX_TRANSFER_SECRET", hide_env_values = true)]
+    #[arg(
+        help_heading = "Secrets and access",
+        long,
+        env = "CONNEX_TRANSFER_SECRET",
+        hide_env_values = true
+    )]
     pub transfer_secret: Option<String>,
     /// Policy choosing a prefill instance.
     #[arg(
+        help_heading = "Routing",
         long,
         env = "CONNEX_PREFILL_POLICY",
         value_enum,
@@ -94,6 +131,7 @@ pub struct RouterConfig {
     pub prefill_policy: PolicyKind,
     /// Policy choosing a decode instance.
     #[arg(
+        help_heading = "Routing",
         long,
         env = "CONNEX_DECODE_POLICY",
         value_enum,
@@ -102,42 +140,68 @@ pub struct RouterConfig {
     pub decode_policy: PolicyKind,
     /// `cache_aware`: the prompt's cached fraction on the best instance past
     /// which that instance is chosen (below it, the least loaded is).
-    #[arg(long, env = "CONNEX_CACHE_THRESHOLD", default_value_t = 0.3)]
+    #[arg(
+        help_heading = "Routing",
+        long,
+        env = "CONNEX_CACHE_THRESHOLD",
+        default_value_t = 0.3
+    )]
     pub cache_threshold: f64,
     /// `cache_aware`: load balancing overrides the cache when the most and
     /// least loaded candidates differ by more than this many requests...
-    #[arg(long, env = "CONNEX_BALANCE_ABS_THRESHOLD", default_value_t = 64.0)]
+    #[arg(
+        help_heading = "Routing",
+        long,
+        env = "CONNEX_BALANCE_ABS_THRESHOLD",
+        default_value_t = 64.0
+    )]
     pub balance_abs_threshold: f64,
     /// ...and the most loaded has more than this many times the least's load.
-    #[arg(long, env = "CONNEX_BALANCE_REL_THRESHOLD", default_value_t = 1.5)]
+    #[arg(
+        help_heading = "Routing",
+        long,
+        env = "CONNEX_BALANCE_REL_THRESHOLD",
+        default_value_t = 1.5
+    )]
     pub balance_rel_threshold: f64,
     /// Most KV blocks indexed per instance from its KV events (the oldest are
     /// forgotten past it).
-    #[arg(long, env = "CONNEX_PREFIX_INDEX_BLOCKS", default_value_t = 16_384)]
+    #[arg(
+        help_heading = "Routing",
+        long,
+        env = "CONNEX_PREFIX_INDEX_BLOCKS",
+        default_value_t = 16_384
+    )]
     pub prefix_index_blocks: usize,
     /// Most KV blocks all instances' prefix indexes hold together (about 80
     /// bytes each): registrants cannot grow the router past it, however
     /// many register. An index past it forgets its own oldest blocks.
-    #[arg(long, env = "CONNEX_PREFIX_INDEX_TOTAL_BLOCKS", default_value_t = 1 << 20)]
+    #[arg(help_heading = "Routing", long, env = "CONNEX_PREFIX_INDEX_TOTAL_BLOCKS", default_value_t = 1 << 20)]
     pub prefix_index_total_blocks: usize,
     /// `cache_aware` with engines that send no KV events: the block size of
     /// the router's own record of the prompts it sent each one (an
     /// approximate index; an engine's first event replaces it).
-    #[arg(long, env = "CONNEX_KV_BLOCK_SIZE", default_value_t = 16)]
+    #[arg(
+        help_heading = "Routing",
+        long,
+        env = "CONNEX_KV_BLOCK_SIZE",
+        default_value_t = 16
+    )]
     pub kv_block_size: usize,
     /// Time limit of a call to an engine's tokenizer, in milliseconds: the
     /// `/tokenize` that gets a text prompt's token ids for `cache_aware`
     /// prefill choice (past it, the choice is by load alone), and the
     /// `/detokenize` calls that find which token of a merged chunk completed a
     /// stop string (past it, the chunk keeps all its tokens).
-    #[arg(long, env = "CONNEX_TOKENIZE_TIMEOUT_MS", default_value_t = 2000)]
-    pub tokenize_timeout_ms: u64,
+    #[arg(help_heading = "Routing", long, alias = "tokenize-timeout-ms", env = "CONNEX_TOKENIZE_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
+    pub tokenize_timeout: Duration,
     /// A tokenizer the router runs itself, `MODEL=PATH`: the model's Hugging
     /// Face `tokenizer.json`, the same file the engines load. Completions
     /// text prompts of that model are tokenized here for `cache_aware`
     /// instead of by an engine's `/tokenize` (chat prompts still are, for
     /// the chat template). Repeatable; in the environment, comma-separated.
     #[arg(
+        help_heading = "Routing",
         long,
         env = "CONNEX_TOKENIZER",
         value_delimiter = ',',
@@ -145,52 +209,63 @@ pub struct RouterConfig {
     )]
     pub tokenizer: Vec<String>,
     /// Seconds without a heartbeat after which an instance gets no traffic.
-    #[arg(long, env = "CONNEX_HEARTBEAT_TTL_S", default_value_t = 10)]
-    pub heartbeat_ttl_s: u64,
+    #[arg(help_heading = "Membership", long, alias = "heartbeat-ttl-s", env = "CONNEX_HEARTBEAT_TTL_S", default_value = "10s", value_parser = secs)]
+    pub heartbeat_ttl: Duration,
     /// Largest accepted request body, in bytes (larger: 413).
-    #[arg(long, env = "CONNEX_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
+    #[arg(help_heading = "Timeouts and bounds", long, env = "CONNEX_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
     /// Request body bytes all clients' requests may hold at once (a request
     /// holds its body until it ends: a resume sends it again); past it, 503
     /// with Retry-After before more is read. Bounds what client bodies can
     /// cost the router's memory (a body is kept at about its size).
-    #[arg(long, env = "CONNEX_MAX_INFLIGHT_BODY_BYTES", default_value_t = 128 * 1024 * 1024)]
+    #[arg(help_heading = "Timeouts and bounds", long, env = "CONNEX_MAX_INFLIGHT_BODY_BYTES", default_value_t = 128 * 1024 * 1024)]
     pub max_inflight_body_bytes: usize,
     /// Time a client has to send a request's whole body, in milliseconds
     /// (past it: 408).
-    #[arg(long, env = "CONNEX_BODY_READ_TIMEOUT_MS", default_value_t = 60_000)]
-    pub body_read_timeout_ms: u64,
+    #[arg(help_heading = "Timeouts and bounds", long, alias = "body-read-timeout-ms", env = "CONNEX_BODY_READ_TIMEOUT_MS", default_value = "60s", value_parser = millis)]
+    pub body_read_timeout: Duration,
     /// Largest accepted max_tokens.
-    #[arg(long, env = "CONNEX_MAX_TOKENS_LIMIT", default_value_t = 1 << 20)]
+    #[arg(help_heading = "Timeouts and bounds", long, env = "CONNEX_MAX_TOKENS_LIMIT", default_value_t = 1 << 20)]
     pub max_tokens_limit: u64,
     /// Timeout for connecting to an engine, in milliseconds.
-    #[arg(long, env = "CONNEX_CONNECT_TIMEOUT_MS", default_value_t = 2000)]
-    pub connect_timeout_ms: u64,
+    #[arg(help_heading = "Timeouts and bounds", long, alias = "connect-timeout-ms", env = "CONNEX_CONNECT_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
+    pub connect_timeout: Duration,
     /// Timeout for a whole prefill call, in milliseconds.
-    #[arg(long, env = "CONNEX_PREFILL_TIMEOUT_MS", default_value_t = 600_000)]
-    pub prefill_timeout_ms: u64,
+    #[arg(help_heading = "Timeouts and bounds", long, alias = "prefill-timeout-ms", env = "CONNEX_PREFILL_TIMEOUT_MS", default_value = "600s", value_parser = millis)]
+    pub prefill_timeout: Duration,
     /// etcd endpoints (comma-separated URLs, e.g. http://127.0.0.1:2379) holding
     /// the membership shared by router replicas. Unset: in-memory membership of
     /// this router alone. Needs a build with the `etcd` cargo feature.
-    #[arg(long, env = "CONNEX_ETCD")]
+    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD")]
     pub etcd: Option<String>,
     /// Key prefix of this cluster's membership in etcd (replicas sharing a
     /// prefix share their instances).
-    #[arg(long, env = "CONNEX_ETCD_PREFIX", default_value = "/connex")]
+    #[arg(
+        help_heading = "etcd",
+        long,
+        env = "CONNEX_ETCD_PREFIX",
+        default_value = "/connex"
+    )]
     pub etcd_prefix: String,
     /// Timeout of each etcd call and connection attempt, in milliseconds.
-    #[arg(long, env = "CONNEX_ETCD_TIMEOUT_MS", default_value_t = 2000)]
-    pub etcd_timeout_ms: u64,
+    #[arg(help_heading = "etcd", long, alias = "etcd-timeout-ms", env = "CONNEX_ETCD_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
+    pub etcd_timeout: Duration,
     /// A decoder that sends no event for this long after its first token is
-    /// failed and the request resumed (before it: --first-token-timeout-ms).
-    #[arg(long, env = "CONNEX_STALL_TIMEOUT_MS", default_value_t = 10_000)]
-    pub stall_timeout_ms: u64,
+    /// failed and the request resumed (before it: --first-token-timeout).
+    #[arg(help_heading = "Timeouts and bounds", long, alias = "stall-timeout-ms", env = "CONNEX_STALL_TIMEOUT_MS", default_value = "10s", value_parser = millis)]
+    pub stall_timeout: Duration,
     /// Most times one request moves to another decoder; then it fails with an error.
-    #[arg(long, env = "CONNEX_MAX_RESUMES", default_value_t = 3)]
+    #[arg(
+        help_heading = "Resume",
+        long,
+        env = "CONNEX_MAX_RESUMES",
+        default_value_t = 3
+    )]
     pub max_resumes: u32,
     /// What a resume does when the prefill's hold is gone: prefill prompt +
     /// generated tokens again on a healthy prefill instance, or fail the request.
     #[arg(
+        help_heading = "Resume",
         long,
         env = "CONNEX_ON_HOLD_LOST",
         value_enum,
@@ -199,21 +274,21 @@ pub struct RouterConfig {
     pub on_hold_lost: OnHoldLost,
     /// Time limit of each call to a holder's control listener (hold check,
     /// release, renew), in milliseconds.
-    #[arg(long, env = "CONNEX_CTRL_TIMEOUT_MS", default_value_t = 1000)]
-    pub ctrl_timeout_ms: u64,
+    #[arg(help_heading = "Resume", long, alias = "ctrl-timeout-ms", env = "CONNEX_CTRL_TIMEOUT_MS", default_value = "1s", value_parser = millis)]
+    pub ctrl_timeout: Duration,
     /// How long a resume waits for a decoder to become eligible when none is.
-    #[arg(long, env = "CONNEX_RESUME_WAIT_MS", default_value_t = 2000)]
-    pub resume_wait_ms: u64,
+    #[arg(help_heading = "Resume", long, alias = "resume-wait-ms", env = "CONNEX_RESUME_WAIT_MS", default_value = "2s", value_parser = millis)]
+    pub resume_wait: Duration,
     /// How often the router probes every ready instance's `/health`, in
     /// milliseconds (0: no probes; heartbeats and stream errors only).
-    #[arg(long, env = "CONNEX_HEALTH_CHECK_INTERVAL_MS", default_value_t = 1000)]
-    pub health_check_interval_ms: u64,
+    #[arg(help_heading = "Health checks", long, alias = "health-check-interval-ms", env = "CONNEX_HEALTH_CHECK_INTERVAL_MS", default_value = "1s", value_parser = millis)]
+    pub health_check_interval: Duration,
     /// Time limit of one probe, in milliseconds.
-    #[arg(long, env = "CONNEX_HEALTH_CHECK_TIMEOUT_MS", default_value_t = 2000)]
-    pub health_check_timeout_ms: u64,
+    #[arg(help_heading = "Health checks", long, alias = "health-check-timeout-ms", env = "CONNEX_HEALTH_CHECK_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
+    pub health_check_timeout: Duration,
     /// Failed probes in a row after which an instance is declared dead (its
     /// streams resume elsewhere; a probe that succeeds brings it back).
-    #[arg(
+    #[arg(help_heading = "Health checks", 
         long,
         env = "CONNEX_HEALTH_CHECK_FAILURES",
         default_value_t = 3,
@@ -225,188 +300,266 @@ pub struct RouterConfig {
     /// How long a decoder may take to answer a decode request with its response
     /// headers, in milliseconds; past it the request resumes elsewhere (cause
     /// `no_headers`).
-    #[arg(long, env = "CONNEX_DECODE_OPEN_TIMEOUT_MS", default_value_t = 10_000)]
-    pub decode_open_timeout_ms: u64,
+    #[arg(help_heading = "Timeouts and bounds", long, alias = "decode-open-timeout-ms", env = "CONNEX_DECODE_OPEN_TIMEOUT_MS", default_value = "10s", value_parser = millis)]
+    pub decode_open_timeout: Duration,
     /// How long a decoder may take to send its first token, in milliseconds
     /// (it pulls the prompt's KV first: keep this above the connector's pull
     /// timeout, 30 s). The stall timeout applies after the first token.
-    #[arg(long, env = "CONNEX_FIRST_TOKEN_TIMEOUT_MS", default_value_t = 60_000)]
-    pub first_token_timeout_ms: u64,
+    #[arg(help_heading = "Timeouts and bounds", long, alias = "first-token-timeout-ms", env = "CONNEX_FIRST_TOKEN_TIMEOUT_MS", default_value = "60s", value_parser = millis)]
+    pub first_token_timeout: Duration,
     /// Largest SSE event accepted from a decoder, in bytes (larger: the decoder
     /// failed, cause `protocol`).
-    #[arg(long, env = "CONNEX_MAX_SSE_EVENT_BYTES", default_value_t = 1024 * 1024)]
+    #[arg(help_heading = "Timeouts and bounds", long, env = "CONNEX_MAX_SSE_EVENT_BYTES", default_value_t = 1024 * 1024)]
     pub max_sse_event_bytes: usize,
     /// Largest prefill answer read, in bytes (it carries the prompt's token ids).
-    #[arg(long, env = "CONNEX_MAX_UPSTREAM_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
+    #[arg(help_heading = "Timeouts and bounds", long, env = "CONNEX_MAX_UPSTREAM_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_upstream_body_bytes: usize,
     /// How long new requests avoid a decoder after a connect to it failed, in
     /// milliseconds (at most half the decoders are avoided at once).
-    #[arg(long, env = "CONNEX_SUSPECT_MS", default_value_t = 5_000)]
-    pub suspect_ms: u64,
+    #[arg(help_heading = "Routing", long, alias = "suspect-ms", env = "CONNEX_SUSPECT_MS", default_value = "5s", value_parser = millis)]
+    pub suspect_for: Duration,
 
     // ---- The edge: listeners, who may get in, the registry's bounds, the
     // server's lifecycle (docs/security.md, docs/operations.md).
     /// Address of the internal listener: registration, admin and /metrics
     /// (the client listener serves only the OpenAI routes and the probes).
-    #[arg(long, env = "CONNEX_INTERNAL_LISTEN", default_value = "127.0.0.1:8001")]
+    #[arg(
+        help_heading = "Listeners and logs",
+        long,
+        env = "CONNEX_INTERNAL_LISTEN",
+        default_value = "127.0.0.1:8001"
+    )]
     pub internal_listen: SocketAddr,
     /// File holding the admin token (instead of --admin-token).
-    #[arg(long, env = "CONNEX_ADMIN_TOKEN_FILE")]
+    #[arg(
+        help_heading = "Secrets and access",
+        long,
+        env = "CONNEX_ADMIN_TOKEN_FILE"
+    )]
     pub admin_token_file: Option<PathBuf>,
     /// File holding the register token (instead of --register-token).
-    #[arg(long, env = "CONNEX_REGISTER_TOKEN_FILE")]
+    #[arg(
+        help_heading = "Secrets and access",
+        long,
+        env = "CONNEX_REGISTER_TOKEN_FILE"
+    )]
     pub register_token_file: Option<PathBuf>,
     /// File holding the transfer secret (instead of --transfer-secret).
-    #[arg(long, env = "CONNEX_TRANSFER_SECRET_FILE")]
+    #[arg(
+        help_heading = "Secrets and access",
+        long,
+        env = "CONNEX_TRANSFER_SECRET_FILE"
+    )]
     pub transfer_secret_file: Option<PathBuf>,
     /// Accept registrations without a register token on a non-loopback
     /// internal listener (anyone who reaches it can add an instance).
-    #[arg(long, env = "CONNEX_ALLOW_OPEN_REGISTRATION", num_args = 0..=1,
+    #[arg(help_heading = "Secrets and access", long, env = "CONNEX_ALLOW_OPEN_REGISTRATION", num_args = 0..=1,
           default_value_t = false, default_missing_value = "true")]
     pub allow_open_registration: bool,
     /// Most instances the registry holds (further registrations: 503).
-    #[arg(long, env = "CONNEX_MAX_INSTANCES", default_value_t = 1024)]
+    #[arg(
+        help_heading = "Membership",
+        long,
+        env = "CONNEX_MAX_INSTANCES",
+        default_value_t = 1024
+    )]
     pub max_instances: usize,
     /// Seconds an expired (dead) instance stays listed before it is evicted.
-    #[arg(long, env = "CONNEX_DEAD_INSTANCE_GRACE_S", default_value_t = 60)]
-    pub dead_instance_grace_s: u64,
+    #[arg(help_heading = "Membership", long, alias = "dead-instance-grace-s", env = "CONNEX_DEAD_INSTANCE_GRACE_S", default_value = "1m", value_parser = secs)]
+    pub dead_instance_grace: Duration,
     /// Send the serving instances' ids to clients (`x-connex-prefill`,
     /// `x-connex-decoder`).
-    #[arg(long, env = "CONNEX_EXPOSE_INSTANCE_HEADERS", num_args = 0..=1,
+    #[arg(help_heading = "Secrets and access", long, env = "CONNEX_EXPOSE_INSTANCE_HEADERS", num_args = 0..=1,
           default_value_t = false, default_missing_value = "true")]
     pub expose_instance_headers: bool,
     /// Networks registered instances may live in (comma-separated CIDRs).
     /// Default: everything but link-local and cloud metadata addresses. The
     /// router's own listeners are always refused.
-    #[arg(long, env = "CONNEX_ALLOWED_UPSTREAMS")]
+    #[arg(
+        help_heading = "Secrets and access",
+        long,
+        env = "CONNEX_ALLOWED_UPSTREAMS"
+    )]
     pub allowed_upstreams: Option<String>,
     /// CA certificate (PEM) that etcd's server certificate must chain to (TLS).
-    #[arg(long, env = "CONNEX_ETCD_CA_FILE")]
+    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD_CA_FILE")]
     pub etcd_ca_file: Option<PathBuf>,
     /// Client certificate (PEM) for etcd mutual TLS (with --etcd-key-file).
-    #[arg(long, env = "CONNEX_ETCD_CERT_FILE")]
+    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD_CERT_FILE")]
     pub etcd_cert_file: Option<PathBuf>,
     /// Client key (PEM) for etcd mutual TLS.
-    #[arg(long, env = "CONNEX_ETCD_KEY_FILE")]
+    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD_KEY_FILE")]
     pub etcd_key_file: Option<PathBuf>,
     /// etcd user (with --etcd-password-file or CONNEX_ETCD_PASSWORD).
-    #[arg(long, env = "CONNEX_ETCD_USER")]
+    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD_USER")]
     pub etcd_user: Option<String>,
     /// etcd password (prefer CONNEX_ETCD_PASSWORD or --etcd-password-file).
-    #[arg(long, env = "CONNEX_ETCD_PASSWORD", hide_env_values = true)]
+    #[arg(
+        help_heading = "etcd",
+        long,
+        env = "CONNEX_ETCD_PASSWORD",
+        hide_env_values = true
+    )]
     pub etcd_password: Option<String>,
     /// File holding the etcd password.
-    #[arg(long, env = "CONNEX_ETCD_PASSWORD_FILE")]
+    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD_PASSWORD_FILE")]
     pub etcd_password_file: Option<PathBuf>,
     /// On SIGTERM/SIGINT: seconds in-flight streams get to finish before they
     /// end with an error event.
-    #[arg(long, env = "CONNEX_SHUTDOWN_GRACE_S", default_value_t = 30)]
-    pub shutdown_grace_s: u64,
+    #[arg(help_heading = "Listeners and logs", long, alias = "shutdown-grace-s", env = "CONNEX_SHUTDOWN_GRACE_S", default_value = "30s", value_parser = secs)]
+    pub shutdown_grace: Duration,
     /// Time a client has to send a request's headers, in milliseconds; it also
     /// bounds how long a kept-alive connection may idle between requests.
-    #[arg(long, env = "CONNEX_HEADER_READ_TIMEOUT_MS", default_value_t = 30_000)]
-    pub header_read_timeout_ms: u64,
+    #[arg(help_heading = "Listeners and logs", long, alias = "header-read-timeout-ms", env = "CONNEX_HEADER_READ_TIMEOUT_MS", default_value = "30s", value_parser = millis)]
+    pub header_read_timeout: Duration,
     /// Most open client connections (further ones wait in the accept backlog).
-    #[arg(long, env = "CONNEX_MAX_CONNECTIONS", default_value_t = 16_384)]
+    #[arg(
+        help_heading = "Listeners and logs",
+        long,
+        env = "CONNEX_MAX_CONNECTIONS",
+        default_value_t = 16_384
+    )]
     pub max_connections: usize,
     /// A counter or histogram series not updated for this many seconds is
     /// dropped from /metrics (those of removed and evicted instances; 0:
     /// never). The per-instance gauges follow the membership at once.
-    #[arg(long, env = "CONNEX_METRICS_IDLE_TIMEOUT_S", default_value_t = 600)]
-    pub metrics_idle_timeout_s: u64,
+    #[arg(help_heading = "Listeners and logs", long, alias = "metrics-idle-timeout-s", env = "CONNEX_METRICS_IDLE_TIMEOUT_S", default_value = "10m", value_parser = secs)]
+    pub metrics_idle_timeout: Duration,
     /// Also speak HTTP/2 without TLS (h2c with prior knowledge, RFC 9113
     /// 3.3) on the client listener: a front proxy or client then carries many
     /// requests on one connection, one socket for many streams. HTTP/1.1
     /// clients are served as before.
-    #[arg(long, env = "CONNEX_HTTP2", num_args = 0..=1,
+    #[arg(help_heading = "HTTP/2", long, env = "CONNEX_HTTP2", num_args = 0..=1,
           default_value_t = false, default_missing_value = "true")]
     pub http2: bool,
     /// Most requests in flight on one HTTP/2 connection (further ones are
     /// refused by the protocol until one ends).
-    #[arg(long, env = "CONNEX_HTTP2_MAX_STREAMS", default_value_t = 256,
+    #[arg(help_heading = "HTTP/2", long, env = "CONNEX_HTTP2_MAX_STREAMS", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub http2_max_streams: u32,
     /// An HTTP/2 connection with no request in flight for this many seconds
     /// is closed (GOAWAY), as HTTP/1.1's idle wait is bounded by
-    /// --header-read-timeout-ms; its peer is also pinged this often and
+    /// --header-read-timeout; its peer is also pinged this often and
     /// dropped when it does not answer within the same time.
-    #[arg(long, env = "CONNEX_HTTP2_IDLE_TIMEOUT_S", default_value_t = 60,
-          value_parser = clap::value_parser!(u64).range(1..=86_400))]
-    pub http2_idle_timeout_s: u64,
+    #[arg(help_heading = "HTTP/2", long, alias = "http2-idle-timeout-s", env = "CONNEX_HTTP2_IDLE_TIMEOUT_S", default_value = "1m", value_parser = within_a_day)]
+    pub http2_idle_timeout: Duration,
     /// Most OpenAI requests in flight; past it requests wait in per-tenant
-    /// queues (--max-queued-per-tenant, --max-queue-wait-ms), then 429 with
+    /// queues (--max-queued-per-tenant, --max-queue-wait), then 429 with
     /// Retry-After.
-    #[arg(long, env = "CONNEX_MAX_CONCURRENT_REQUESTS", default_value_t = 10_000)]
+    #[arg(
+        help_heading = "Tenants and admission",
+        long,
+        env = "CONNEX_MAX_CONCURRENT_REQUESTS",
+        default_value_t = 10_000
+    )]
     pub max_concurrent_requests: usize,
     /// Most requests of one tenant waiting for a slot (0: none wait, past the
     /// limit is 429 at once).
-    #[arg(long, env = "CONNEX_MAX_QUEUED_PER_TENANT", default_value_t = 1024)]
+    #[arg(
+        help_heading = "Tenants and admission",
+        long,
+        env = "CONNEX_MAX_QUEUED_PER_TENANT",
+        default_value_t = 1024
+    )]
     pub max_queued_per_tenant: usize,
     /// Longest a request waits for a slot before its 429, in milliseconds
     /// (0: none wait).
-    #[arg(long, env = "CONNEX_MAX_QUEUE_WAIT_MS", default_value_t = 10_000)]
-    pub max_queue_wait_ms: u64,
+    #[arg(help_heading = "Tenants and admission", long, alias = "max-queue-wait-ms", env = "CONNEX_MAX_QUEUE_WAIT_MS", default_value = "10s", value_parser = millis)]
+    pub max_queue_wait: Duration,
     /// The key clients must send on every client route but the probes
     /// (`Authorization: Bearer KEY`, or `x-api-key`), as vLLM's --api-key.
     /// Its tenant is `default`. Unset, and without --tenants-file: open.
-    #[arg(long, env = "CONNEX_API_KEY", hide_env_values = true)]
+    #[arg(
+        help_heading = "Secrets and access",
+        long,
+        env = "CONNEX_API_KEY",
+        hide_env_values = true
+    )]
     pub api_key: Option<String>,
     /// File holding the API key (instead of --api-key).
-    #[arg(long, env = "CONNEX_API_KEY_FILE")]
+    #[arg(help_heading = "Secrets and access", long, env = "CONNEX_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
     /// Most responses (`/v1/responses`, `store` not false) kept for
     /// `previous_response_id` and `GET /v1/responses/{id}`; past it the oldest go.
-    #[arg(long, env = "CONNEX_MAX_STORED_RESPONSES", default_value_t = 10_000)]
+    #[arg(
+        help_heading = "Responses",
+        long,
+        env = "CONNEX_MAX_STORED_RESPONSES",
+        default_value_t = 10_000
+    )]
     pub max_stored_responses: usize,
     /// Most background responses (`background: true`) whose events are kept
     /// for readers (`GET ...?stream=true&starting_after=N`); those finished
     /// longest ago are forgotten first, and past it with all in progress a
     /// new one gets 429.
-    #[arg(long, env = "CONNEX_MAX_BACKGROUND_RESPONSES", default_value_t = 1024)]
+    #[arg(
+        help_heading = "Responses",
+        long,
+        env = "CONNEX_MAX_BACKGROUND_RESPONSES",
+        default_value_t = 1024
+    )]
     pub max_background_responses: usize,
     /// Most bytes of stored responses (their objects and conversations);
     /// past it the oldest go.
-    #[arg(long, env = "CONNEX_MAX_STORED_RESPONSE_BYTES", default_value_t = 256 * 1024 * 1024)]
+    #[arg(help_heading = "Responses", long, env = "CONNEX_MAX_STORED_RESPONSE_BYTES", default_value_t = 256 * 1024 * 1024)]
     pub max_stored_response_bytes: usize,
     /// Redis that every replica shares for stored responses and background
     /// responses' events (`redis://HOST:PORT[/DB]`, `rediss://` for TLS), so
     /// that any replica serves them. Without it: this process's memory (one
     /// replica). The password goes in --response-store-password-file or
     /// CONNEX_RESPONSE_STORE_PASSWORD, never in the URL.
-    #[arg(long, env = "CONNEX_RESPONSE_STORE")]
+    #[arg(help_heading = "Responses", long, env = "CONNEX_RESPONSE_STORE")]
     pub response_store: Option<String>,
     /// Password of the response store (prefer CONNEX_RESPONSE_STORE_PASSWORD
     /// or --response-store-password-file).
-    #[arg(long, env = "CONNEX_RESPONSE_STORE_PASSWORD", hide_env_values = true)]
+    #[arg(
+        help_heading = "Responses",
+        long,
+        env = "CONNEX_RESPONSE_STORE_PASSWORD",
+        hide_env_values = true
+    )]
     pub response_store_password: Option<String>,
     /// File holding the response store's password.
-    #[arg(long, env = "CONNEX_RESPONSE_STORE_PASSWORD_FILE")]
+    #[arg(
+        help_heading = "Responses",
+        long,
+        env = "CONNEX_RESPONSE_STORE_PASSWORD_FILE"
+    )]
     pub response_store_password_file: Option<PathBuf>,
     /// CA certificate (PEM) the response store's server certificate must
     /// chain to (rediss://; without it, the system's roots).
-    #[arg(long, env = "CONNEX_RESPONSE_STORE_CA_FILE")]
+    #[arg(
+        help_heading = "Responses",
+        long,
+        env = "CONNEX_RESPONSE_STORE_CA_FILE"
+    )]
     pub response_store_ca_file: Option<PathBuf>,
     /// Prefix of the response store's keys (the replicas of one cluster share it).
-    #[arg(long, env = "CONNEX_RESPONSE_STORE_PREFIX", default_value = "connex:")]
+    #[arg(
+        help_heading = "Responses",
+        long,
+        env = "CONNEX_RESPONSE_STORE_PREFIX",
+        default_value = "connex:"
+    )]
     pub response_store_prefix: String,
     /// Seconds a response lives in the response store (its keys expire then).
-    #[arg(long, env = "CONNEX_RESPONSE_STORE_TTL_S", default_value_t = 7 * 24 * 3600)]
-    pub response_store_ttl_s: u64,
+    #[arg(help_heading = "Responses", long, alias = "response-store-ttl-s", env = "CONNEX_RESPONSE_STORE_TTL_S", default_value = "168h", value_parser = secs)]
+    pub response_store_ttl: Duration,
     /// Bound of each response store call and connection attempt, in
     /// milliseconds (past it the store counts as unavailable).
-    #[arg(long, env = "CONNEX_RESPONSE_STORE_TIMEOUT_MS", default_value_t = 1000)]
-    pub response_store_timeout_ms: u64,
+    #[arg(help_heading = "Responses", long, alias = "response-store-timeout-ms", env = "CONNEX_RESPONSE_STORE_TIMEOUT_MS", default_value = "1s", value_parser = millis)]
+    pub response_store_timeout: Duration,
     /// How long a replica's claim on a background response it generates
     /// lasts without renewal, in milliseconds (renewed three times as
     /// often): past it, another replica sharing the response store takes the
     /// generation over from its last checkpoint. Lower: a quicker takeover
     /// after a crash, more renewals.
-    #[arg(long, env = "CONNEX_RESPONSE_LEASE_MS", default_value_t = 3000)]
-    pub response_lease_ms: u64,
+    #[arg(help_heading = "Responses", long, alias = "response-lease-ms", env = "CONNEX_RESPONSE_LEASE_MS", default_value = "3s", value_parser = millis)]
+    pub response_lease: Duration,
     /// Tenants (TOML: `[[tenant]]` with name, keys, max_concurrent,
     /// tokens_per_minute, weight, priority; docs/operations.md). Read again
     /// on SIGHUP and when it changes; a bad file keeps the tenants in force.
-    #[arg(long, env = "CONNEX_TENANTS_FILE")]
+    #[arg(help_heading = "Secrets and access", long, env = "CONNEX_TENANTS_FILE")]
     pub tenants_file: Option<PathBuf>,
 
     // --- Static instances (engines without the agent) ---
@@ -414,22 +567,16 @@ pub struct RouterConfig {
     /// address, as the agent would register it). Repeatable. Static instances
     /// send no heartbeats: they are kept until removed and out of rotation
     /// while their health probes fail.
-    #[arg(long, value_name = "URL[,CTRL]")]
+    #[arg(help_heading = "Membership", long, value_name = "URL[,CTRL]")]
     pub prefill: Vec<String>,
     /// A static decode instance, `URL`. Repeatable.
-    #[arg(long, value_name = "URL")]
+    #[arg(help_heading = "Membership", long, value_name = "URL")]
     pub decode: Vec<String>,
     /// The model the static instances serve (`--prefill`, `--decode`).
     /// Without it, each is registered under the models its `/v1/models`
     /// lists, once it answers.
-    #[arg(long, env = "CONNEX_STATIC_MODEL")]
+    #[arg(help_heading = "Membership", long, env = "CONNEX_STATIC_MODEL")]
     pub static_model: Option<String>,
-}
-
-impl RouterConfig {
-    pub fn heartbeat_ttl(&self) -> Duration {
-        Duration::from_secs(self.heartbeat_ttl_s)
-    }
 }
 
 /// A selection policy (`--prefill-policy`, `--decode-policy`), set separately
@@ -489,6 +636,100 @@ pub enum ConfigError {
 
 /// Parses the router's command line, merging the `--config` TOML file of
 /// `serve` under the command line and the environment.
+/// A duration with its unit (`250ms`, `30s`, `5m`, `1h`, or a sum such as
+/// `1m30s`), or a bare number of `unit`s.
+fn duration(text: &str, unit: Duration) -> Result<Duration, String> {
+    let text = text.trim();
+    if let Ok(count) = text.parse::<u64>() {
+        return count
+            .checked_mul(unit.as_millis() as u64)
+            .map(Duration::from_millis)
+            .ok_or_else(|| format!("{text} is too long a duration"));
+    }
+    let bad =
+        || format!("`{text}` is not a duration: write it with a unit, as 250ms, 30s, 5m or 1h");
+    let mut total = Duration::ZERO;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        let count: u64 = rest[..digits].parse().map_err(|_| bad())?;
+        let after = &rest[digits..];
+        let letters = after
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(after.len());
+        let millis = match &after[..letters] {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            _ => return Err(bad()),
+        };
+        let part = count.checked_mul(millis).ok_or_else(bad)?;
+        total = total
+            .checked_add(Duration::from_millis(part))
+            .ok_or_else(bad)?;
+        rest = &after[letters..];
+    }
+    Ok(total)
+}
+
+/// A duration flag whose bare numbers are seconds (its old name ended `-s`).
+fn secs(text: &str) -> Result<Duration, String> {
+    duration(text, Duration::from_secs(1))
+}
+
+/// A duration flag whose bare numbers are milliseconds (its old name ended `-ms`).
+fn millis(text: &str) -> Result<Duration, String> {
+    duration(text, Duration::from_millis(1))
+}
+
+/// Seconds, from 1 s to a day (the HTTP/2 idle timeout).
+fn within_a_day(text: &str) -> Result<Duration, String> {
+    let value = secs(text)?;
+    if value < Duration::from_secs(1) || value > Duration::from_secs(86_400) {
+        return Err(format!("`{text}` is not between 1s and 24h"));
+    }
+    Ok(value)
+}
+
+/// The id of a file key: its flag's, or, for a duration flag's old name
+/// (`stall_timeout_ms`), the flag it became (`stall_timeout`).
+fn key_id(key: &str, serve: &ArgMatches) -> Option<String> {
+    let id = key.replace('-', "_");
+    if id != "config" && serve.try_get_raw(&id).is_ok() {
+        return Some(id);
+    }
+    let renamed = RENAMED.iter().find(|(old, _)| *old == id)?.1;
+    Some(renamed.to_string())
+}
+
+/// Flags renamed when durations took units: (old id, new id).
+const RENAMED: &[(&str, &str)] = &[
+    ("tokenize_timeout_ms", "tokenize_timeout"),
+    ("heartbeat_ttl_s", "heartbeat_ttl"),
+    ("body_read_timeout_ms", "body_read_timeout"),
+    ("connect_timeout_ms", "connect_timeout"),
+    ("prefill_timeout_ms", "prefill_timeout"),
+    ("etcd_timeout_ms", "etcd_timeout"),
+    ("stall_timeout_ms", "stall_timeout"),
+    ("ctrl_timeout_ms", "ctrl_timeout"),
+    ("resume_wait_ms", "resume_wait"),
+    ("health_check_interval_ms", "health_check_interval"),
+    ("health_check_timeout_ms", "health_check_timeout"),
+    ("decode_open_timeout_ms", "decode_open_timeout"),
+    ("first_token_timeout_ms", "first_token_timeout"),
+    ("suspect_ms", "suspect_for"),
+    ("dead_instance_grace_s", "dead_instance_grace"),
+    ("shutdown_grace_s", "shutdown_grace"),
+    ("header_read_timeout_ms", "header_read_timeout"),
+    ("metrics_idle_timeout_s", "metrics_idle_timeout"),
+    ("http2_idle_timeout_s", "http2_idle_timeout"),
+    ("max_queue_wait_ms", "max_queue_wait"),
+    ("response_store_ttl_s", "response_store_ttl"),
+    ("response_store_timeout_ms", "response_store_timeout"),
+    ("response_lease_ms", "response_lease"),
+];
+
 pub fn load(argv: Vec<OsString>) -> Result<Cli, ConfigError> {
     let command = Cli::command().args_override_self(true);
     let matches = command.clone().try_get_matches_from(&argv)?;
@@ -539,10 +780,9 @@ fn file_arguments(path: &PathBuf, serve: &ArgMatches) -> Result<Vec<String>, Con
     })?;
     let mut args = Vec::new();
     for (key, value) in &table {
-        let id = key.replace('-', "_");
-        if id == "config" || serve.try_get_raw(&id).is_err() {
+        let Some(id) = key_id(key, serve) else {
             return Err(ConfigError::UnknownKey(key.clone()));
-        }
+        };
         if matches!(
             serve.value_source(&id),
             Some(ValueSource::CommandLine | ValueSource::EnvVariable)
@@ -596,7 +836,7 @@ mod tests {
             "cli",
         ])
         .expect("parse");
-        assert_eq!(config.heartbeat_ttl_s, 3);
+        assert_eq!(config.heartbeat_ttl, Duration::from_secs(3));
         assert_eq!(config.decode_policy, PolicyKind::PowerOfTwo);
         assert_eq!(config.admin_token.as_deref(), Some("cli"));
     }
@@ -661,15 +901,17 @@ mod tests {
         let config = serve(&["connex-router", "serve"]).expect("parse");
         assert!(!config.http2);
         assert_eq!(
-            (config.http2_max_streams, config.http2_idle_timeout_s),
-            (256, 60)
+            (config.http2_max_streams, config.http2_idle_timeout),
+            (256, Duration::from_secs(60))
         );
         let config = serve(&["connex-router", "serve", "--http2"]).expect("parse");
         assert!(config.http2);
         for bad in [
             ["--http2-max-streams", "0"],
             ["--http2-idle-timeout-s", "0"],
-            ["--http2-idle-timeout-s", "100000000000000000000"],
+            ["--http2-idle-timeout", "500ms"],
+            ["--http2-idle-timeout", "25h"],
+            ["--http2-idle-timeout", "100000000000000000000"],
         ] {
             let mut args = vec!["connex-router", "serve"];
             args.extend(bad);
@@ -705,6 +947,86 @@ mod tests {
         ])
         .expect("parse");
         assert_eq!(config.decode, ["http://a:1", "http://b:2"]);
+    }
+
+    #[test]
+    fn durations_take_units_and_bare_numbers_keep_the_old_flags_unit() {
+        let config = serve(&["connex-router", "serve"]).expect("parse");
+        assert_eq!(config.stall_timeout, Duration::from_secs(10));
+        assert_eq!(config.heartbeat_ttl, Duration::from_secs(10));
+        assert_eq!(
+            config.response_store_ttl,
+            Duration::from_secs(7 * 24 * 3600)
+        );
+        let config = serve(&[
+            "connex-router",
+            "serve",
+            "--stall-timeout",
+            "250ms",
+            "--heartbeat-ttl",
+            "1m30s",
+            "--shutdown-grace",
+            "2h",
+        ])
+        .expect("parse");
+        assert_eq!(config.stall_timeout, Duration::from_millis(250));
+        assert_eq!(config.heartbeat_ttl, Duration::from_secs(90));
+        assert_eq!(config.shutdown_grace, Duration::from_secs(7200));
+        // What a user wrote before durations took units means what it did:
+        // the old names, a bare number in the unit the old name said.
+        let config = serve(&[
+            "connex-router",
+            "serve",
+            "--stall-timeout-ms",
+            "500",
+            "--heartbeat-ttl-s",
+            "3",
+            "--suspect-ms=40",
+        ])
+        .expect("parse");
+        assert_eq!(config.stall_timeout, Duration::from_millis(500));
+        assert_eq!(config.heartbeat_ttl, Duration::from_secs(3));
+        assert_eq!(config.suspect_for, Duration::from_millis(40));
+        for bad in [
+            "10 parsecs",
+            "ms",
+            "5x",
+            "-1s",
+            "1.5s",
+            "99999999999999999999h",
+        ] {
+            let flag = format!("--stall-timeout={bad}");
+            let err = serve(&["connex-router", "serve", &flag]).expect_err("not a duration");
+            assert!(err.to_string().contains("is not a duration"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_file_may_use_the_old_duration_keys_and_units() {
+        let dir = std::env::temp_dir().join(format!("connex-config-units-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("router.toml");
+        std::fs::write(
+            &path,
+            "stall_timeout_ms = 750\nresume_wait = \"3s\"\nshutdown_grace_s = 5\n",
+        )
+        .expect("write config");
+        let path = path.to_string_lossy().to_string();
+        let config = serve(&["connex-router", "serve", "--config", &path]).expect("parse");
+        assert_eq!(config.stall_timeout, Duration::from_millis(750));
+        assert_eq!(config.resume_wait, Duration::from_secs(3));
+        assert_eq!(config.shutdown_grace, Duration::from_secs(5));
+        // The command line still wins over the file, under either name.
+        let config = serve(&[
+            "connex-router",
+            "serve",
+            "--config",
+            &path,
+            "--stall-timeout",
+            "1s",
+        ])
+        .expect("parse");
+        assert_eq!(config.stall_timeout, Duration::from_secs(1));
     }
 
     #[test]

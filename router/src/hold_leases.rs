@@ -290,7 +290,7 @@ const RELEASE_BACKOFF: [Duration; 3] = [
     Duration::from_millis(1500),
 ];
 
-/// Time limits of the keeper's calls, from `--ctrl-timeout-ms` (which the
+/// Time limits of the keeper's calls, from `--ctrl-timeout` (which the
 /// control client applies to each connect, read and write on its own, so a
 /// call of several steps could otherwise last several times it).
 #[derive(Debug, Clone, Copy)]

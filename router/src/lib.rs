@@ -141,9 +141,9 @@ fn response_store(
         password: config.response_store_password.clone(),
         ca_file: config.response_store_ca_file.clone(),
         prefix: config.response_store_prefix.clone(),
-        ttl: Duration::from_secs(config.response_store_ttl_s),
-        timeout: Duration::from_millis(config.response_store_timeout_ms.max(1)),
-        lease: Duration::from_millis(config.response_lease_ms.max(100)),
+        ttl: config.response_store_ttl,
+        timeout: config.response_store_timeout.max(Duration::from_millis(1)),
+        lease: config.response_lease.max(Duration::from_millis(100)),
         max_bytes: config.max_stored_response_bytes,
         fallback_count: config.max_stored_responses,
     })?;
@@ -154,13 +154,13 @@ fn response_store(
 /// The membership's own configuration, from the router's flags.
 fn registry_config(config: &RouterConfig, upstreams: &upstreams::UpstreamPolicy) -> RegistryConfig {
     RegistryConfig {
-        ttl: Duration::from_secs(config.heartbeat_ttl_s),
+        ttl: config.heartbeat_ttl,
         max_instances: config.max_instances,
-        dead_grace: Duration::from_secs(config.dead_instance_grace_s),
+        dead_grace: config.dead_instance_grace,
         etcd: config.etcd.clone().map(|endpoints| EtcdConfig {
             endpoints,
             prefix: config.etcd_prefix.clone(),
-            timeout: Duration::from_millis(config.etcd_timeout_ms),
+            timeout: config.etcd_timeout,
             ca_file: config.etcd_ca_file.clone(),
             identity: config
                 .etcd_cert_file
@@ -175,8 +175,8 @@ fn registry_config(config: &RouterConfig, upstreams: &upstreams::UpstreamPolicy)
 /// The health probes' own configuration, from the router's flags.
 fn health_checks(config: &RouterConfig) -> health::HealthChecks {
     health::HealthChecks {
-        interval: Duration::from_millis(config.health_check_interval_ms),
-        timeout: Duration::from_millis(config.health_check_timeout_ms),
+        interval: config.health_check_interval,
+        timeout: config.health_check_timeout,
         failures: config.health_check_failures,
     }
 }
@@ -204,8 +204,7 @@ impl Router {
             .with_own_listeners(&[addr, internal_addr]);
         let upstreams = Arc::new(upstreams);
         // The recorder first: the membership sets its gauges as it opens.
-        let idle = (config.metrics_idle_timeout_s > 0)
-            .then(|| Duration::from_secs(config.metrics_idle_timeout_s));
+        let idle = (!config.metrics_idle_timeout.is_zero()).then_some(config.metrics_idle_timeout);
         metrics::install(idle);
         let tokenizers = pd::tokenizer::Tokenizers::load(&config.tokenizer)?;
         let statics = statics::instances(&config, &upstreams).await?;
@@ -223,7 +222,7 @@ impl Router {
             tenants_file: config.tenants_file.clone(),
             max_concurrent: config.max_concurrent_requests,
             max_queued_per_tenant: config.max_queued_per_tenant,
-            max_queue_wait: Duration::from_millis(config.max_queue_wait_ms),
+            max_queue_wait: config.max_queue_wait,
         })?);
         if !tenants.keyed() {
             tracing::info!(
@@ -246,14 +245,14 @@ impl Router {
             shutdown: shutdown.clone(),
         };
         let limits = ServerLimits {
-            header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
+            header_read_timeout: config.header_read_timeout,
             max_connections: config.max_connections,
-            http2: config.http2.then(|| Http2Limits {
+            http2: config.http2.then_some(Http2Limits {
                 max_streams: config.http2_max_streams,
-                idle_timeout: Duration::from_secs(config.http2_idle_timeout_s),
+                idle_timeout: config.http2_idle_timeout,
             }),
         };
-        let grace = Duration::from_secs(config.shutdown_grace_s);
+        let grace = config.shutdown_grace;
         let shared_responses = response_store(&config)?;
         let (state, releases) =
             AppState::new(config, registry, tokenizers, upstreams, shared_responses)?;
@@ -319,7 +318,7 @@ impl Router {
     }
 
     /// Shuts down gracefully: `/ready` 503 and no new connections at once;
-    /// in-flight requests get the grace period (`--shutdown-grace-s`); streams
+    /// in-flight requests get the grace period (`--shutdown-grace`); streams
     /// still open then end with an error event; then the background tasks stop.
     pub async fn stop(mut self) {
         self.shutdown.draining.cancel();

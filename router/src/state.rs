@@ -12,7 +12,6 @@ use crate::protocols::responses::redis_store::RedisStore;
 use connex_transfer::Resolver;
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::sync::Arc;
-use std::time::Duration;
 
 pub struct AppState {
     pub config: RouterConfig,
@@ -65,7 +64,7 @@ impl AppState {
         // Every connect to an engine or a holder checks the addresses it
         // resolves against the upstream policy again (DNS rebinding).
         let engines = EngineClient::guarded(
-            Duration::from_millis(config.connect_timeout_ms),
+            config.connect_timeout,
             crate::engines::addresses::ENGINE_POOL_IDLE_PER_HOST,
             crate::pd::upstream::POOL_IDLE_TIMEOUT,
             upstreams.clone(),
@@ -80,8 +79,7 @@ impl AppState {
             .holds
             .resolving_with(Resolver(Arc::new(CtrlResolver(upstreams))));
         let flow = flow.with_tokenizers(tokenizers);
-        let idle = (config.metrics_idle_timeout_s > 0)
-            .then(|| Duration::from_secs(config.metrics_idle_timeout_s));
+        let idle = (!config.metrics_idle_timeout.is_zero()).then_some(config.metrics_idle_timeout);
         let metrics = crate::observe::metrics::install(idle);
         crate::membership::status::describe_metrics();
         crate::observe::metrics::set_resume_causes(

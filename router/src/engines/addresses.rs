@@ -272,7 +272,7 @@ pub const ENGINE_POOL_IDLE_PER_HOST: usize = 1024;
 /// client of `engines::http` follows none either).
 pub fn client(config: &crate::config::RouterConfig) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
-        .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
+        .connect_timeout(config.connect_timeout)
         .redirect(reqwest::redirect::Policy::none())
         .tcp_nodelay(true)
         .pool_max_idle_per_host(ENGINE_POOL_IDLE_PER_HOST)

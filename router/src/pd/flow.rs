@@ -46,16 +46,15 @@ pub struct RequestLimits {
 
 impl RequestLimits {
     pub fn new(config: &RouterConfig) -> Self {
-        let ms = Duration::from_millis;
         Self {
             stream: StreamLimits {
-                first_token: ms(config.first_token_timeout_ms),
-                stall: ms(config.stall_timeout_ms),
+                first_token: config.first_token_timeout,
+                stall: config.stall_timeout,
                 max_event: config.max_sse_event_bytes,
             },
             upstream: Limits {
-                prefill_timeout: ms(config.prefill_timeout_ms),
-                decode_open_timeout: ms(config.decode_open_timeout_ms),
+                prefill_timeout: config.prefill_timeout,
+                decode_open_timeout: config.decode_open_timeout,
                 max_body: config.max_upstream_body_bytes,
             },
         }
@@ -86,11 +85,11 @@ impl Settings {
         Self {
             max_tokens_limit: config.max_tokens_limit,
             max_resumes: config.max_resumes,
-            resume_wait: Duration::from_millis(config.resume_wait_ms),
+            resume_wait: config.resume_wait,
             on_hold_lost: config.on_hold_lost,
             kv_block_size: config.kv_block_size,
             prefix_index_blocks: config.prefix_index_blocks,
-            tokenize_timeout: Duration::from_millis(config.tokenize_timeout_ms),
+            tokenize_timeout: config.tokenize_timeout,
         }
     }
 }
@@ -107,7 +106,7 @@ impl Flow {
             .transfer_secret
             .clone()
             .and_then(connex_transfer::Secret::new);
-        let (holds, releases) = Holds::new(Duration::from_millis(config.ctrl_timeout_ms), secret);
+        let (holds, releases) = Holds::new(config.ctrl_timeout, secret);
         let thresholds = Thresholds {
             cache: config.cache_threshold,
             balance_abs: config.balance_abs_threshold,
@@ -116,12 +115,12 @@ impl Flow {
         let flow = Self {
             registry: Arc::new(registry),
             journal: Arc::new(Journal::default()),
-            prefill: Selector::new(config.prefill_policy, config.heartbeat_ttl())
+            prefill: Selector::new(config.prefill_policy, config.heartbeat_ttl)
                 .with_thresholds(thresholds),
-            decode: Selector::new(config.decode_policy, config.heartbeat_ttl())
+            decode: Selector::new(config.decode_policy, config.heartbeat_ttl)
                 .with_thresholds(thresholds),
             upstream,
-            outliers: Arc::new(Outliers::new(Duration::from_millis(config.suspect_ms))),
+            outliers: Arc::new(Outliers::new(config.suspect_for)),
             limits: RequestLimits::new(config),
             holds,
             settings: Settings::new(config),

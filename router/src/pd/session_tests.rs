@@ -203,13 +203,13 @@ fn config(extra: &[&str]) -> RouterConfig {
     let mut args = vec![
         "connex-router",
         "serve",
-        "--stall-timeout-ms",
+        "--stall-timeout",
         "300",
-        "--first-token-timeout-ms",
+        "--first-token-timeout",
         "300",
-        "--resume-wait-ms",
+        "--resume-wait",
         "0",
-        "--health-check-interval-ms",
+        "--health-check-interval",
         "0",
     ];
     args.extend_from_slice(extra);
@@ -351,12 +351,7 @@ async fn no_first_token_fails_over_with_the_clients_own_body() {
     let state = cluster(
         upstream.clone(),
         2,
-        &[
-            "--stall-timeout-ms",
-            "50",
-            "--first-token-timeout-ms",
-            "400",
-        ],
+        &["--stall-timeout", "50", "--first-token-timeout", "400"],
     )
     .await;
     let started = std::time::Instant::now();
@@ -489,7 +484,7 @@ async fn a_decoder_declared_dead_or_migrated_resumes_its_streams() {
             ]),
             Script::Stream(vec![tokens(2, 6, true)]),
         ]);
-        let state = cluster(upstream.clone(), 2, &["--stall-timeout-ms", "60000"]).await;
+        let state = cluster(upstream.clone(), 2, &["--stall-timeout", "60000"]).await;
         let request = tokio::spawn({
             let state = state.clone();
             async move { complete(&state).await }
@@ -589,7 +584,7 @@ async fn a_merged_chunk_whose_tokens_are_not_its_text_keeps_them_all() {
 }
 
 /// The router's own tokenizer out of time (every permit taken by long
-/// prompts, past `--tokenize-timeout-ms`): the request is still served, its
+/// prompts, past `--tokenize-timeout`): the request is still served, its
 /// prefill chosen by load, and no engine is asked to tokenize it instead,
 /// which would double the wait.
 #[tokio::test]
@@ -609,7 +604,7 @@ async fn a_router_tokenizer_out_of_time_leaves_the_prefill_choice_to_load() {
     let extra = [
         "--prefill-policy",
         "cache_aware",
-        "--tokenize-timeout-ms",
+        "--tokenize-timeout",
         "100",
     ];
     let flow = cluster_flow(upstream.clone(), 1, &extra).await;

@@ -24,11 +24,11 @@ pub struct BodyLimits {
 
 impl BodyLimits {
     /// The limits of a client's request (`--max-body-bytes`,
-    /// `--body-read-timeout-ms`).
+    /// `--body-read-timeout`).
     pub fn client(config: &crate::config::RouterConfig) -> Self {
         Self {
             bytes: config.max_body_bytes,
-            within: Duration::from_millis(config.body_read_timeout_ms),
+            within: config.body_read_timeout,
         }
     }
 }

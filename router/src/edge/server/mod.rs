@@ -7,7 +7,7 @@
 //!
 //! Shutdown (SIGTERM/SIGINT, or [`crate::Router::stop`]): `/ready` answers
 //! 503 at once and the listeners close (no new connections); in-flight
-//! requests run on for `--shutdown-grace-s`; streams still open then end with
+//! requests run on for `--shutdown-grace`; streams still open then end with
 //! an OpenAI error event and `[DONE]`.
 
 mod connection;

@@ -21,7 +21,7 @@
 //!   Responses events' state), written with them: what another replica
 //!   continues from.
 //! - `PREFIX{ID}:lease`: the generating replica's claim (a token of its own,
-//!   renewed with every write, `--response-lease-ms`), and `PREFIXrunning`:
+//!   renewed with every write, `--response-lease`), and `PREFIXrunning`:
 //!   the ids of running responses by lease expiry. A replica whose lease was
 //!   taken can no longer write (its appends are fenced by the token).
 //!
