@@ -58,10 +58,11 @@ pub use protocols::responses::redis_store::{LogState, RedisSettings, RedisStore}
 pub use protocols::sse::SseParser;
 
 use config::RouterConfig;
+use edge::gate::ExposeInstances;
 use edge::routes::access::Access;
 use edge::routes::Edge;
 use edge::secrets;
-use edge::server::{self as server, Gate, Http2Limits, ServerLimits, Shutdown};
+use edge::server::{self as server, Http2Limits, ServerLimits, Shutdown};
 use engines::addresses as upstreams;
 use membership::{static_instances as statics, EtcdConfig, RegistryConfig};
 use observe::metrics;
@@ -237,11 +238,8 @@ impl Router {
                 register_token: config.register_token.clone(),
                 upstreams: (*upstreams).clone(),
             }),
-            gate: Arc::new(Gate::new(
-                tenants.clone(),
-                config.expose_instance_headers,
-                shutdown.clone(),
-            )),
+            tenants: tenants.clone(),
+            expose_instances: ExposeInstances(config.expose_instance_headers),
             shutdown: shutdown.clone(),
         };
         let limits = ServerLimits {

@@ -2,12 +2,7 @@
 //! processes on loopback; the engines report load with their heartbeats and
 //! (with a prefix cache) the KV blocks they store, as vLLM's agent does.
 
-// Tests fail loudly on anything unexpected; that is what unwrap is for here.
-#![allow(clippy::unwrap_used)]
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -148,13 +143,18 @@ async fn served_and_indexed<'e>(
 /// A router with `cache_aware` prefill choice, prefills `a` (with `a_extra`)
 /// and `b` with prefix caches, and one decoder.
 async fn cache_cluster(router_flags: &[&str], a_extra: &[&str]) -> (Proc, Proc, Proc, Proc) {
-    let mut flags = vec!["--prefill-policy", "cache_aware", "--heartbeat-ttl-s", "3"];
-    flags.extend_from_slice(router_flags);
-    let router = router(&flags);
-    let a = engine(Some(&router), "prefill", &[PREFIX_CACHE, a_extra].concat());
-    let b = engine(Some(&router), "prefill", PREFIX_CACHE);
-    let decode = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 3).await;
+    let flags = [
+        &["--prefill-policy", "cache_aware", "--heartbeat-ttl", "3s"],
+        router_flags,
+    ]
+    .concat();
+    let a = [PREFIX_CACHE, a_extra].concat();
+    let (router, engines) = pd_cluster(
+        &flags,
+        &[("prefill", &a), ("prefill", PREFIX_CACHE), ("decode", &[])],
+    )
+    .await;
+    let [a, b, decode] = <[Proc; 3]>::try_from(engines).ok().unwrap();
     (router, a, b, decode)
 }
 

@@ -4,12 +4,7 @@
 //! and a burst that overflows a decoder's accept backlog. Each fails on a router
 //! without the matching timeout, bound or detection rule.
 
-// Tests fail loudly on anything unexpected; that is what unwrap is for here.
-#![allow(clippy::unwrap_used)]
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use connex_mock_engine::model;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -48,16 +43,17 @@ async fn assert_token_exact(router: &Proc, prompt: &str, tokens: usize) {
 /// A router with a prefill, a faulty decoder `d0` (`faults`) and a healthy
 /// `d1`; round-robin sends the first request to `d0`.
 async fn cluster(router_flags: &[&str], faults: &[&str]) -> (Proc, Vec<Proc>) {
-    let mut flags = vec!["--decode-policy", "round_robin"];
-    flags.extend_from_slice(router_flags);
-    let router = router(&flags);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let mut d0 = vec!["--id", "d0"];
-    d0.extend_from_slice(faults);
-    let faulty = engine(Some(&router), "decode", &d0);
-    let healthy = engine(Some(&router), "decode", &["--id", "d1"]);
-    wait_ready(&router, 3).await;
-    (router, vec![prefill, faulty, healthy])
+    let flags = [&["--decode-policy", "round_robin"], router_flags].concat();
+    let d0 = [&["--id", "d0"], faults].concat();
+    pd_cluster(
+        &flags,
+        &[
+            ("prefill", &[]),
+            ("decode", &d0),
+            ("decode", &["--id", "d1"]),
+        ],
+    )
+    .await
 }
 
 fn resumes(text: &str, cause: &str) -> f64 {

@@ -2,12 +2,7 @@
 //! heartbeats, drain and removal through any replica are seen by all; an etcd
 //! outage fails no request and membership converges when etcd returns.
 
-// Tests fail loudly on anything unexpected; that is what unwrap is for here.
-#![allow(clippy::unwrap_used)]
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use reqwest::Method;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;

@@ -6,22 +6,15 @@
 //! answering the same request unstreamed, itself (the mock builds its
 //! non-stream answer independently of its stream, as vLLM does).
 
-// Tests fail loudly on anything unexpected; that is what unwrap is for here.
-#![allow(clippy::unwrap_used)]
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use std::time::Duration;
 
 /// A router with one prefill and one decode engine, and a lone engine of the
 /// same model as the reference.
 async fn cluster() -> (Proc, Proc, Proc, Proc) {
-    let router = router(&[]);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let decode = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 2).await;
+    let (router, engines) = pd_cluster(&[], &[("prefill", &[]), ("decode", &[])]).await;
+    let [prefill, decode] = <[Proc; 2]>::try_from(engines).ok().unwrap();
     let reference = engine(None, "both", &[]);
     (router, prefill, decode, reference)
 }

@@ -6,12 +6,7 @@
 //! connection are closed while a long stream keeps its connection, and a
 //! rapid-reset flood is cut. The raw-socket tests drive HTTP/2 frames by hand.
 
-// Tests fail loudly on anything unexpected; that is what unwrap is for here.
-#![allow(clippy::unwrap_used)]
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};

@@ -3,11 +3,7 @@
 //! the hold is freed when the request is done. Real router and engine
 //! processes on loopback.
 
-#![allow(clippy::unwrap_used)]
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use connex_mock_engine::model;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};

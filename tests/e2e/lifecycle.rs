@@ -2,12 +2,7 @@
 //! shutdown on SIGTERM, a slowloris client, a body that trickles, the
 //! concurrency limit.
 
-// Tests fail loudly on anything unexpected; that is what unwrap is for here.
-#![allow(clippy::unwrap_used)]
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! Anthropic's shape, and a decoder killed mid-message. Part of the resume
 //! binary: a message is resumed as a chat is.
 
-use super::common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 async fn create(router: &Proc, body: &Value) -> (u16, String) {

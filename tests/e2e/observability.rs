@@ -2,12 +2,7 @@
 //! its stderr as an operator's log pipeline would, with a real prefill and
 //! decoders as processes on loopback.
 
-// Tests fail loudly on anything unexpected; that is what unwrap is for here.
-#![allow(clippy::unwrap_used)]
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use std::time::Duration;
 

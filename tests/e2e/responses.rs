@@ -3,7 +3,7 @@
 //! route's shape, the store's bounds, and a decoder killed mid-response.
 //! Part of the resume binary: a response is resumed as a chat is.
 
-use super::common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 pub(super) async fn create(router: &Proc, body: &Value) -> (u16, String) {

@@ -3,15 +3,7 @@
 //! router recognises; the client must see exactly the tokens, text and usage of an
 //! uninterrupted run, in one stream or one response, with one resume counted.
 
-// Tests fail loudly on anything unexpected; that is what unwrap is for here.
-#![allow(clippy::unwrap_used)]
-
-mod common;
-mod messages;
-mod responses;
-mod shared_responses;
-
-use common::*;
+use crate::common::*;
 use connex_mock_engine::model;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -1328,7 +1320,7 @@ async fn a_request_of_several_choices_resumes_each_choice() {
             for chunk in chunks.iter().filter(|c| c.is_object()) {
                 for choice in chunk["choices"].as_array().into_iter().flatten() {
                     let index = choice["index"].as_u64().unwrap() as usize;
-                    ids[index].extend(common::ids(&choice["token_ids"]));
+                    ids[index].extend(crate::common::ids(&choice["token_ids"]));
                     let piece = choice["text"]
                         .as_str()
                         .or_else(|| choice["delta"]["content"].as_str());
@@ -1362,7 +1354,7 @@ async fn a_request_of_several_choices_resumes_each_choice() {
                         .unwrap()
                         .to_string();
                     (
-                        common::ids(&c["token_ids"]),
+                        crate::common::ids(&c["token_ids"]),
                         text,
                         c["finish_reason"].clone(),
                     )

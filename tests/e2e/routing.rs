@@ -1,12 +1,7 @@
 //! End-to-end routing: a real router and real mock-engine processes on
 //! loopback, checked from what a client sees and what each engine received.
 
-// Tests fail loudly on anything unexpected; that is what unwrap is for here.
-#![allow(clippy::unwrap_used)]
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use connex_mock_engine::model;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -15,10 +10,8 @@ const PROMPT: &str = "The quick brown fox";
 
 /// A router with one prefill and one decode engine, all ready.
 async fn cluster(router_flags: &[&str]) -> (Proc, Proc, Proc) {
-    let router = router(router_flags);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let decode = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 2).await;
+    let (router, engines) = pd_cluster(router_flags, &[("prefill", &[]), ("decode", &[])]).await;
+    let [prefill, decode] = <[Proc; 2]>::try_from(engines).ok().unwrap();
     (router, prefill, decode)
 }
 
@@ -734,7 +727,7 @@ async fn failed_prefill_is_retried_once_on_another_instance() {
     );
 
     // With only broken prefills the client gets an error, not a hang.
-    let router2 = common::router(&[]);
+    let router2 = crate::common::router(&[]);
     let _b = engine(Some(&router2), "prefill", &["--fail-status", "500"]);
     let _d = engine(Some(&router2), "decode", &[]);
     wait_ready(&router2, 2).await;

@@ -1,13 +1,7 @@
 //! The attack suite of the router's edge (issue 12), on real processes: each
 //! test is an attack that succeeded before the edge was closed.
 
-// Tests fail loudly on anything unexpected; that is what unwrap is for here.
-#![allow(clippy::unwrap_used)]
-
-mod common;
-mod tenants;
-
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -272,7 +266,7 @@ async fn urls_that_are_not_bare_origins_or_point_inward_are_refused() {
     assert_eq!(status, 400);
     assert!(instances(&router).await.is_empty());
     // A router limited to other networks refuses loopback engines.
-    let narrow = common::router(&["--allowed-upstreams", "10.0.0.0/8"]);
+    let narrow = crate::common::router(&["--allowed-upstreams", "10.0.0.0/8"]);
     let (status, _) = post_internal(
         &narrow,
         "/v1/instances",
@@ -368,7 +362,7 @@ async fn open_registration_on_a_non_loopback_listener_needs_consent() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instance_ids_reach_clients_only_when_exposed() {
-    let hidden = common::router(&["--expose-instance-headers=false"]);
+    let hidden = crate::common::router(&["--expose-instance-headers=false"]);
     let _p = engine(Some(&hidden), "prefill", &["--id", "secret-prefill"]);
     let _d = engine(Some(&hidden), "decode", &["--id", "secret-decoder"]);
     wait_ready(&hidden, 2).await;

@@ -4,8 +4,8 @@
 //! other; with Redis down both go on serving, degraded to their own memory.
 //! Part of the resume binary, beside the responses tests it builds on.
 
-use super::common::*;
-use super::responses::{assert_stopped_short, cancel, create, get, read_across, reattach};
+use crate::common::*;
+use crate::responses::{assert_stopped_short, cancel, create, get, read_across, reattach};
 use serde_json::{json, Value};
 use std::time::Duration;
 

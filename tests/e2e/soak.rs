@@ -8,12 +8,7 @@
 //! Bounded: `CONNEX_SOAK_S` seconds of chaos (default 20; CI keeps the whole
 //! test around a minute), at most 200 streams in flight.
 
-// Tests fail loudly on anything unexpected; that is what unwrap is for here.
-#![allow(clippy::unwrap_used)]
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use connex_mock_engine::model;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -3,7 +3,7 @@
 //! tenants file reloaded under load. Part of the security binary (keys are
 //! its edge), on real processes.
 
-use super::common::*;
+use crate::common::*;
 use connex_router::{route_table, Listener};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -71,14 +71,9 @@ async fn post_as(router: &Proc, key: Option<&str>, body: &Value) -> reqwest::Res
 /// A router with `extra` flags, one mock prefill and one mock decoder whose
 /// tokens take `decode_us` each.
 async fn cluster(extra: &[&str], decode_us: &str) -> (Proc, Proc, Proc) {
-    let router = router(extra);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let decode = engine(
-        Some(&router),
-        "decode",
-        &["--decode-us-per-token", decode_us],
-    );
-    wait_ready(&router, 2).await;
+    let decoder: &[&str] = &["--decode-us-per-token", decode_us];
+    let (router, engines) = pd_cluster(extra, &[("prefill", &[]), ("decode", decoder)]).await;
+    let [prefill, decode] = <[Proc; 2]>::try_from(engines).ok().unwrap();
     (router, prefill, decode)
 }
 

@@ -1,9 +1,10 @@
 //! The client's and the operator's side of the router: the listeners and
 //! their connection handling (`server/`: accept loops, HTTP/1.1 and HTTP/2,
-//! the gate every client request passes), the routes (`routes/`: OpenAI,
+//! the layers every client request passes, `gate.rs`), the routes (`routes/`: OpenAI,
 //! Responses, Messages, passthrough, registration, admin, probes), who may
 //! call what (`secrets.rs`: tokens compared in constant time).
 
+pub mod gate;
 pub mod routes;
 pub mod secrets;
 pub mod server;

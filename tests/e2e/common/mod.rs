@@ -825,25 +825,35 @@ impl TrackedStreams {
     }
 }
 
+/// A router (`router_flags`) and its engines (role and flags each), every one
+/// registered with it and all ready: the set-up most tests start from. The
+/// router starts first, then the engines in the order given.
+pub async fn pd_cluster(router_flags: &[&str], engines: &[(&str, &[&str])]) -> (Proc, Vec<Proc>) {
+    let router = router(router_flags);
+    let procs: Vec<Proc> = engines
+        .iter()
+        .map(|(role, flags)| engine(Some(&router), role, flags))
+        .collect();
+    wait_ready(&router, procs.len()).await;
+    (router, procs)
+}
+
 /// A router (round robin over decoders, `router_flags`), a prefill, a decoder
 /// `d0` (`d0_flags`) and a decoder `d1`, both with the tokens API
 /// (`--enable-scale-out`: the resume path of reasoning and tool calls); the
 /// router first, then the engines in that order.
 pub async fn scale_out_cluster(router_flags: &[&str], d0_flags: &[&str]) -> (Proc, Vec<Proc>) {
-    let mut flags = vec!["--decode-policy", "round_robin"];
-    flags.extend_from_slice(router_flags);
-    let router = router(&flags);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let mut first = vec!["--id", "d0", "--enable-scale-out"];
-    first.extend_from_slice(d0_flags);
-    let d0 = engine(Some(&router), "decode", &first);
-    let d1 = engine(
-        Some(&router),
-        "decode",
-        &["--id", "d1", "--enable-scale-out"],
-    );
-    wait_ready(&router, 3).await;
-    (router, vec![prefill, d0, d1])
+    let flags = [&["--decode-policy", "round_robin"], router_flags].concat();
+    let first = [&["--id", "d0", "--enable-scale-out"], d0_flags].concat();
+    pd_cluster(
+        &flags,
+        &[
+            ("prefill", &[]),
+            ("decode", &first),
+            ("decode", &["--id", "d1", "--enable-scale-out"]),
+        ],
+    )
+    .await
 }
 
 /// What [`uninterrupted_then_resumed`] got: each answer's status and body,

@@ -3,7 +3,6 @@
 //! or, when none is configured, only loopback peers (fail closed).
 
 use crate::edge::secrets::bearer_matches;
-use crate::edge::server::Gate;
 use crate::engines::addresses::UpstreamPolicy;
 use crate::error::ApiError;
 use crate::tenants::Caller;
@@ -73,11 +72,11 @@ pub async fn registrar(
 /// `route_layer` of the client routes that take a key but no slot: the
 /// caller's tenant goes with the request (whose stored responses it may see).
 pub async fn client_key(
-    State(gate): State<Arc<Gate>>,
+    State(tenants): State<Arc<crate::tenants::Tenants>>,
     mut request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    match gate.tenants().authenticate(request.headers()) {
+    match tenants.authenticate(request.headers()) {
         Ok(tenant) => {
             request.extensions_mut().insert(Caller::of(&tenant));
             Ok(next.run(request).await)

@@ -19,8 +19,10 @@ pub mod responses;
 pub mod takeover;
 pub mod translated;
 
-use crate::edge::server::{self, Gate, Shutdown};
+use crate::edge::gate::{self, ExposeInstances};
+use crate::edge::server::Shutdown;
 use crate::state::AppState;
+use crate::tenants::Tenants;
 use access::Access;
 use axum::body::Body;
 use axum::extract::State;
@@ -193,7 +195,9 @@ pub fn route_table() -> Vec<(Method, &'static str, Listener)> {
 #[derive(Clone)]
 pub struct Edge {
     pub access: Arc<Access>,
-    pub gate: Arc<Gate>,
+    /// The callers and their admission.
+    pub tenants: Arc<Tenants>,
+    pub expose_instances: ExposeInstances,
     pub shutdown: Shutdown,
 }
 
@@ -213,9 +217,18 @@ fn group(listener: Listener, guard: Guard, edge: &Edge) -> Router<Arc<AppState>>
     match guard {
         Guard::Open => router,
         Guard::Keyed => {
-            router.route_layer(from_fn_with_state(edge.gate.clone(), access::client_key))
+            router.route_layer(from_fn_with_state(edge.tenants.clone(), access::client_key))
         }
-        Guard::Gated => router.route_layer(from_fn_with_state(edge.gate.clone(), server::gate)),
+        Guard::Gated => router
+            .route_layer(from_fn_with_state(edge.tenants.clone(), gate::admit))
+            .route_layer(from_fn_with_state(
+                edge.expose_instances,
+                gate::strip_instance_headers,
+            ))
+            .route_layer(from_fn_with_state(
+                edge.shutdown.clone(),
+                gate::cut_at_shutdown,
+            )),
         Guard::Registrar => {
             router.route_layer(from_fn_with_state(edge.access.clone(), access::registrar))
         }

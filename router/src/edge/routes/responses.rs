@@ -4,7 +4,7 @@
 //! the router's store, each its tenant's alone.
 
 use super::translated::{follow, follow_shared, serve, Prepared, Translation};
-use crate::edge::server::AdmissionSlot;
+use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::protocols::responses::mirror::CANCEL_POLL;
 use crate::protocols::responses::new_id;

@@ -5,7 +5,7 @@
 
 use super::body::{read_budgeted, BodyLimits};
 use super::openai::{engine_request_id, request_id};
-use crate::edge::server::AdmissionSlot;
+use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::journal::EntryReader;
 use crate::pd::record::RequestRecord;

@@ -1,9 +1,9 @@
 //! The HTTP servers and their lifecycle: one accept loop per listener with a
 //! header-read timeout (slowloris), a connection limit and graceful shutdown,
 //! speaking HTTP/1.1 and, with `--http2`, HTTP/2 without TLS (told apart by a
-//! connection's first bytes; an idle HTTP/2 connection is closed);
-//! the client listener's gate (the caller's key and admission, see
-//! `crate::tenants`; the instance headers; the end of streams at shutdown).
+//! connection's first bytes; an idle HTTP/2 connection is closed). The
+//! client routes' layers (admission, instance headers, the cut of streams at
+//! shutdown) are `edge::gate`'s.
 //!
 //! Shutdown (SIGTERM/SIGINT, or [`crate::Router::stop`]): `/ready` answers
 //! 503 at once and the listeners close (no new connections); in-flight
@@ -12,21 +12,10 @@
 
 mod connection;
 
-use crate::error::ApiError;
-use crate::tenants::{Admission, Tenants};
-use axum::body::Body;
-use axum::extract::{Request, State};
-use axum::middleware::Next;
-use axum::response::Response;
-use bytes::Bytes;
 use connection::{drive, service, sniff, Activity, Protocol};
-use futures_util::future::BoxFuture;
-use http_body::Frame;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -61,7 +50,7 @@ pub struct Http2Limits {
 /// bytes; hyper's default, 400 KiB per stream, is a lot times 256 streams).
 const H2_SEND_BUF: usize = 64 * 1024;
 
-/// The phases of a shutdown, shared by the servers and the gate.
+/// The phases of a shutdown, shared by the servers and the client routes' layers (`edge::gate`).
 #[derive(Debug, Default, Clone)]
 pub struct Shutdown {
     /// Cancelled when shutdown begins: `/ready` 503, listeners closed.
@@ -157,130 +146,6 @@ pub async fn serve(
     drop(listener);
     connections.close();
     connections.wait().await;
-}
-
-/// The client listener's gate on the OpenAI routes.
-#[derive(Debug)]
-pub struct Gate {
-    tenants: Arc<Tenants>,
-    expose_instance_headers: bool,
-    shutdown: Shutdown,
-}
-
-impl Gate {
-    pub fn new(tenants: Arc<Tenants>, expose_instance_headers: bool, shutdown: Shutdown) -> Self {
-        Self {
-            tenants,
-            expose_instance_headers,
-            shutdown,
-        }
-    }
-
-    /// The callers and their admission.
-    pub fn tenants(&self) -> &Arc<Tenants> {
-        &self.tenants
-    }
-}
-
-/// Headers naming the instances that served a request: instance ids are what
-/// an attacker needs to act on an instance, so clients get them only when the
-/// operator says so.
-const INSTANCE_HEADERS: [&str; 2] = [crate::pd::PREFILL_HEADER, crate::pd::DECODER_HEADER];
-
-/// `route_layer` of the OpenAI routes: the caller's key and admission (its
-/// tenant's limits, a slot), held until the response ends.
-pub async fn gate(State(gate): State<Arc<Gate>>, mut request: Request, next: Next) -> Response {
-    let (admission, caller) = match gate.tenants.admit(request.headers()).await {
-        Ok(admitted) => admitted,
-        Err(error) => return error.response_for(request.uri().path()),
-    };
-    let admission = AdmissionSlot(Arc::new(std::sync::Mutex::new(Some(admission))));
-    request.extensions_mut().insert(caller);
-    request.extensions_mut().insert(admission.clone());
-    let mut response = next.run(request).await;
-    if !gate.expose_instance_headers {
-        for name in INSTANCE_HEADERS {
-            response.headers_mut().remove(name);
-        }
-    }
-    let stream = response
-        .headers()
-        .get(axum::http::header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    let cut = gate.shutdown.cut.clone();
-    response.map(|inner| {
-        Body::new(GatedBody {
-            inner,
-            _admission: admission,
-            cut: stream.then(|| Box::pin(cut.cancelled_owned()) as BoxFuture<'static, ()>),
-            ended: false,
-        })
-    })
-}
-
-/// A request's admission, held by its response body unless a handler takes it
-/// to hold it longer (a background generation outlives its answer).
-#[derive(Debug, Clone)]
-pub struct AdmissionSlot(Arc<std::sync::Mutex<Option<Admission>>>);
-
-impl AdmissionSlot {
-    pub fn take(&self) -> Option<Admission> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
-    }
-}
-
-/// A response body that holds its admission (its slot) until it ends and,
-/// for a stream, ends with an error event when the shutdown grace is over.
-struct GatedBody {
-    inner: Body,
-    _admission: AdmissionSlot,
-    cut: Option<BoxFuture<'static, ()>>,
-    ended: bool,
-}
-
-/// The last event of a stream cut by shutdown.
-fn shutdown_event() -> Bytes {
-    let error = ApiError::Unavailable(
-        "the router is shutting down; the stream was cut at the end of its grace period".into(),
-    );
-    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", error.body()))
-}
-
-impl http_body::Body for GatedBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        if self.ended {
-            return Poll::Ready(None);
-        }
-        if let Some(cut) = self.cut.as_mut() {
-            if cut.as_mut().poll(cx).is_ready() {
-                self.ended = true;
-                return Poll::Ready(Some(Ok(Frame::data(shutdown_event()))));
-            }
-        }
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(None) = polled {
-            self.ended = true;
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.ended || self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        if self.cut.is_some() {
-            http_body::SizeHint::default()
-        } else {
-            self.inner.size_hint()
-        }
-    }
 }
 
 /// Waits for SIGTERM (what Kubernetes sends) or SIGINT (Ctrl-C).

@@ -1,0 +1,182 @@
+//! The layers of the gated client routes (the OpenAI routes), one job each,
+//! applied outermost first in this order:
+//!
+//! - [`cut_at_shutdown`]: a stream still open when the shutdown grace is over
+//!   ends with an OpenAI error event and `[DONE]` (the server waits no longer
+//!   for it).
+//! - [`strip_instance_headers`]: the headers naming the instances that served
+//!   a request go only to clients of a router run with
+//!   `--expose-instance-headers`.
+//! - [`admit`]: the caller's key and admission (its tenant's limits, a slot,
+//!   see `crate::tenants`), held by the response body until it ends.
+
+use crate::error::ApiError;
+use crate::tenants::{Admission, Tenants};
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::Response;
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use http_body::Frame;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use super::server::Shutdown;
+
+/// Whether clients are told which instances served them (`--expose-instance-headers`).
+#[derive(Debug, Clone, Copy)]
+pub struct ExposeInstances(pub bool);
+
+/// Headers naming the instances that served a request: instance ids are what
+/// an attacker needs to act on an instance, so clients get them only when the
+/// operator says so.
+const INSTANCE_HEADERS: [&str; 2] = [crate::pd::PREFILL_HEADER, crate::pd::DECODER_HEADER];
+
+/// The caller's key and admission; a caller refused gets the error (401, 429,
+/// 503) at once. The admission goes into the request (a handler may take it
+/// to hold it longer: a background generation outlives its answer) and is
+/// otherwise held by the response body until it ends.
+pub async fn admit(
+    State(tenants): State<Arc<Tenants>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let (admission, caller) = match tenants.admit(request.headers()).await {
+        Ok(admitted) => admitted,
+        Err(error) => return error.response_for(request.uri().path()),
+    };
+    let admission = AdmissionSlot(Arc::new(std::sync::Mutex::new(Some(admission))));
+    request.extensions_mut().insert(caller);
+    request.extensions_mut().insert(admission.clone());
+    next.run(request).await.map(|inner| {
+        Body::new(AdmittedBody {
+            inner,
+            _admission: admission,
+        })
+    })
+}
+
+/// Removes the instance headers unless the operator exposes them.
+pub async fn strip_instance_headers(
+    State(expose): State<ExposeInstances>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let mut response = next.run(request).await;
+    if !expose.0 {
+        for name in INSTANCE_HEADERS {
+            response.headers_mut().remove(name);
+        }
+    }
+    response
+}
+
+/// Ends an event stream with an error event when the shutdown grace is over.
+pub async fn cut_at_shutdown(
+    State(shutdown): State<Shutdown>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let response = next.run(request).await;
+    let stream = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if !stream {
+        return response;
+    }
+    let cut = Box::pin(shutdown.cut.clone().cancelled_owned());
+    response.map(|inner| {
+        Body::new(CutBody {
+            inner,
+            cut,
+            ended: false,
+        })
+    })
+}
+
+/// A request's admission, held by its response body unless a handler takes it
+/// to hold it longer (a background generation outlives its answer).
+#[derive(Debug, Clone)]
+pub struct AdmissionSlot(Arc<std::sync::Mutex<Option<Admission>>>);
+
+impl AdmissionSlot {
+    pub fn take(&self) -> Option<Admission> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// A response body that holds its admission (its slot) until it is dropped.
+struct AdmittedBody {
+    inner: Body,
+    _admission: AdmissionSlot,
+}
+
+impl http_body::Body for AdmittedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// An event stream that ends with an error event once `cut` fires.
+struct CutBody {
+    inner: Body,
+    cut: BoxFuture<'static, ()>,
+    ended: bool,
+}
+
+/// The last event of a stream cut by shutdown.
+fn shutdown_event() -> Bytes {
+    let error = ApiError::Unavailable(
+        "the router is shutting down; the stream was cut at the end of its grace period".into(),
+    );
+    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", error.body()))
+}
+
+impl http_body::Body for CutBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        if self.cut.as_mut().poll(cx).is_ready() {
+            self.ended = true;
+            return Poll::Ready(Some(Ok(Frame::data(shutdown_event()))));
+        }
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(None) = polled {
+            self.ended = true;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        // Its length is not the inner body's once it may be cut.
+        http_body::SizeHint::default()
+    }
+}
