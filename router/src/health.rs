@@ -17,7 +17,7 @@
 //! leave fewer than half of its kind (role and model) in rotation, the router
 //! keeps routing to all (Envoy's `max_ejection_percent` and panic threshold).
 
-use crate::engines::addresses::{ProbeClient, ProbeError};
+use crate::engines::addresses::ProbeClient;
 use crate::membership::{Instance, Lifecycle, Registry};
 use crate::observe::metrics;
 use crate::policy::outlier::{ejection_allowed, Outliers};
@@ -132,16 +132,34 @@ impl HealthChecks {
 
     async fn probe(&self, client: &ProbeClient, instance: &Instance) -> Result<(), String> {
         let url = format!("{}/health", instance.url.trim_end_matches('/'));
-        match client.get(&url, self.timeout).await {
-            Ok(reply) if reply.status().is_success() => Ok(()),
-            Ok(reply) => Err(format!("HTTP {}", reply.status())),
-            Err(ProbeError::Http(err)) if err.is_timeout() => {
-                Err(format!("no answer in {:?}", self.timeout))
-            }
-            Err(err) => Err(err.to_string()),
+        let started = tokio::time::Instant::now();
+        let mut reply = client
+            .get(&url, self.timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        if !(200..300).contains(&reply.status) {
+            return Err(format!("HTTP {}", reply.status));
         }
+        // Its body read to the end (a few bytes, bounded) puts the connection
+        // back in the pool for the next probe; one that does not end in time
+        // or is long is left (and closed): the answer was a success anyway.
+        let rest = self.timeout.saturating_sub(started.elapsed());
+        let _ = tokio::time::timeout(rest, async {
+            let mut read = 0;
+            while let Ok(Some(chunk)) = reply.body.chunk().await {
+                read += chunk.len();
+                if read > MAX_HEALTH_BODY {
+                    break;
+                }
+            }
+        })
+        .await;
+        Ok(())
     }
 }
+
+/// Most bytes of a `/health` answer read (vLLM's is empty).
+const MAX_HEALTH_BODY: usize = 64 * 1024;
 
 fn same_kind(a: &Instance, b: &Instance) -> bool {
     a.role == b.role && a.model == b.model
@@ -154,7 +172,12 @@ mod tests {
 
     fn probe_client() -> ProbeClient {
         let policy = crate::engines::addresses::UpstreamPolicy::parse(None).expect("policy");
-        ProbeClient::new(reqwest::Client::new(), Arc::new(policy))
+        ProbeClient::new(crate::engines::http::EngineClient::guarded(
+            Duration::from_secs(1),
+            8,
+            Duration::from_secs(4),
+            Arc::new(policy),
+        ))
     }
 
     /// Two decoders whose probes fail (nothing listens at their address).

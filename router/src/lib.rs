@@ -81,8 +81,6 @@ pub enum StartError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-    #[error("cannot build the HTTP client: {0}")]
-    Client(#[from] reqwest::Error),
     #[error("membership: {0}")]
     Registry(#[from] membership::RegistryError),
     #[error(transparent)]
@@ -253,7 +251,7 @@ impl Router {
         let grace = config.shutdown_grace;
         let shared_responses = response_store(&config)?;
         let (state, releases) =
-            AppState::new(config, registry, tokenizers, upstreams, shared_responses)?;
+            AppState::new(config, registry, tokenizers, upstreams, shared_responses);
         let state = Arc::new(state);
         let mut servers = tokio::task::JoinSet::new();
         for (listener, audience) in [

@@ -56,11 +56,7 @@ impl AppState {
         tokenizers: Tokenizers,
         upstreams: Arc<UpstreamPolicy>,
         shared_responses: Option<Arc<RedisStore>>,
-    ) -> Result<(Self, ReleaseQueue), reqwest::Error> {
-        let client = ProbeClient::new(
-            crate::engines::addresses::client(&config)?,
-            upstreams.clone(),
-        );
+    ) -> (Self, ReleaseQueue) {
         // Every connect to an engine or a holder checks the addresses it
         // resolves against the upstream policy again (DNS rebinding).
         let engines = EngineClient::guarded(
@@ -69,6 +65,9 @@ impl AppState {
             crate::pd::upstream::POOL_IDLE_TIMEOUT,
             upstreams.clone(),
         );
+        // One engine client for every call to an engine: requests, probes
+        // and model lists share its pool and its address checks.
+        let client = ProbeClient::new(engines.clone());
         let upstream = Arc::new(HttpUpstream::new(
             engines,
             RequestLimits::new(&config).upstream,
@@ -108,6 +107,6 @@ impl AppState {
             ),
             config,
         };
-        Ok((state, releases))
+        (state, releases)
     }
 }

@@ -13,13 +13,14 @@
 //! name at 169.254.169.254 or at the router's own listeners after registering
 //! (DNS rebinding) gets refused connects, not a request to that address.
 
+use super::http::{ClientError, EngineClient, Response};
 use ipnet::IpNet;
-use reqwest::Url;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
+use url::Url;
 
 /// Ranges refused by default: link-local (where cloud metadata services live,
 /// 169.254.169.254, fd00:ec2::254) and Alibaba's metadata address.
@@ -266,73 +267,42 @@ impl connex_transfer::Resolve for CtrlResolver {
 /// Idle connections kept per engine, for reuse by the next calls.
 pub const ENGINE_POOL_IDLE_PER_HOST: usize = 1024;
 
-/// The HTTP client of engines' probes and admin calls: registered URLs are
-/// fetched as they are, so it follows no redirect (a registered engine must
-/// not send the router, its requests or its probes elsewhere; the engine
-/// client of `engines::http` follows none either).
-pub fn client(config: &crate::config::RouterConfig) -> Result<reqwest::Client, reqwest::Error> {
-    reqwest::Client::builder()
-        .connect_timeout(config.connect_timeout)
-        .redirect(reqwest::redirect::Policy::none())
-        .tcp_nodelay(true)
-        .pool_max_idle_per_host(ENGINE_POOL_IDLE_PER_HOST)
-        .build()
-}
-
-/// The probes' and admin calls' `GET`s of registered URLs, each sent to an
-/// address the policy allows, resolved just before, with the registered
-/// authority in `Host`. (reqwest's own resolver hook sees no port, so it
-/// could not refuse the router's own listeners.)
-#[derive(Debug, Clone)]
+/// The probes' and model-list calls' `GET`s of registered URLs, over the one
+/// engine client (`engines::http`): each connect goes to an address the
+/// policy allows, resolved just before, with the registered authority in
+/// `Host`, and no redirect is ever followed (a registered engine must not
+/// send the router, its requests or its probes elsewhere).
+#[derive(Clone)]
 pub struct ProbeClient {
-    http: reqwest::Client,
-    policy: Arc<UpstreamPolicy>,
+    engines: EngineClient,
 }
 
-/// Why a probe or admin call got no answer.
+/// Why a probe or model-list call got no answer.
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
-    #[error("`{0}` is not an http URL with a host")]
+    #[error("`{0}` is not an http://host:port URL")]
     NotUrl(String),
     #[error(transparent)]
-    Refused(#[from] Refused),
-    #[error(transparent)]
-    Http(#[from] reqwest::Error),
+    Engine(#[from] ClientError),
+    #[error("no answer in {0:?}")]
+    Timeout(Duration),
 }
 
 impl ProbeClient {
-    pub fn new(http: reqwest::Client, policy: Arc<UpstreamPolicy>) -> Self {
-        Self { http, policy }
+    pub fn new(engines: EngineClient) -> Self {
+        Self { engines }
     }
 
-    /// `GET url` within `timeout`, sent to the addresses of its host that the
-    /// policy allows, in order, until one connects.
-    pub async fn get(&self, url: &str, timeout: Duration) -> Result<reqwest::Response, ProbeError> {
+    /// `GET url` (a registered origin and a path), its head within `timeout`.
+    pub async fn get(&self, url: &str, timeout: Duration) -> Result<Response, ProbeError> {
         let not_url = || ProbeError::NotUrl(url.to_string());
-        let mut pinned = Url::parse(url).map_err(|_| not_url())?;
-        let host = pinned.host_str().ok_or_else(not_url)?.to_string();
-        let port = pinned.port_or_known_default().ok_or_else(not_url)?;
-        let addrs = self.policy.resolve(&host, port).await?;
-        let authority = match pinned.port() {
-            Some(port) => format!("{host}:{port}"),
-            None => host.clone(),
-        };
-        let mut refused = None;
-        for addr in addrs {
-            pinned.set_ip_host(addr.ip()).map_err(|()| not_url())?;
-            let sent = self
-                .http
-                .get(pinned.clone())
-                .header(reqwest::header::HOST, &authority)
-                .timeout(timeout)
-                .send()
-                .await;
-            match sent {
-                Err(err) if err.is_connect() => refused = Some(err),
-                sent => return Ok(sent?),
-            }
-        }
-        Err(refused.map_or(Refused::NoAddress(host).into(), ProbeError::Http))
+        let rest = url.strip_prefix("http://").ok_or_else(not_url)?;
+        let at = rest.find('/').ok_or_else(not_url)?;
+        let origin = &url[..("http://".len() + at)];
+        tokio::time::timeout(timeout, self.engines.get(origin, &rest[at..]))
+            .await
+            .map_err(|_| ProbeError::Timeout(timeout))?
+            .map_err(ProbeError::Engine)
     }
 }
 
@@ -531,7 +501,12 @@ mod tests {
         names.point("engine.test", "127.0.0.2");
         let url = format!("http://engine.test:{}", places.port);
         assert_eq!(policy.check_url(&url).await.unwrap(), url);
-        let probes = ProbeClient::new(reqwest::Client::new(), policy.clone());
+        let probes = ProbeClient::new(EngineClient::guarded(
+            Duration::from_secs(1),
+            8,
+            Duration::from_secs(4),
+            policy.clone(),
+        ));
         let holds = connex_transfer::CtrlClient::with_config(connex_transfer::ClientConfig {
             resolver: Some(connex_transfer::Resolver(Arc::new(CtrlResolver(
                 policy.clone(),
@@ -546,7 +521,7 @@ mod tests {
         // While the name points at the engine, everything reaches it.
         let health = format!("{url}/health");
         let probe = probes.get(&health, Duration::from_secs(1)).await.unwrap();
-        assert_eq!(probe.status(), 200);
+        assert_eq!(probe.status, 200);
         let _ = holds.stat(&ctrl, "t").await; // not a holder: any error, once connected
         let reached = places.engine.lock().unwrap().clone();
         assert_eq!(reached.len(), 2, "{reached:?}");
@@ -559,14 +534,16 @@ mod tests {
         );
 
         names.point("engine.test", "127.0.0.1");
-        let refused = probes
+        let Err(refused) = probes
             .get(&format!("{url}/health"), Duration::from_secs(1))
             .await
-            .unwrap_err();
-        assert!(matches!(
-            refused,
-            ProbeError::Refused(Refused::OutsideAllowed(_))
-        ));
+        else {
+            panic!("the probe reached the rebound address");
+        };
+        assert!(
+            refused.to_string().contains("outside --allowed-upstreams"),
+            "{refused}"
+        );
         let refused = holds.stat(&ctrl, "t").await.unwrap_err();
         assert!(
             refused.to_string().contains("outside --allowed-upstreams"),

@@ -39,11 +39,12 @@ pub async fn fetch(
             .get(&url, timeout)
             .await
             .map_err(|e| ModelListError::Transport(e.to_string()))?;
-        if !response.status().is_success() {
-            return Err(ModelListError::Status(response.status().as_u16()));
+        if !(200..300).contains(&response.status) {
+            return Err(ModelListError::Status(response.status));
         }
         let mut body = Vec::new();
         while let Some(chunk) = response
+            .body
             .chunk()
             .await
             .map_err(|e| ModelListError::Transport(e.to_string()))?

@@ -1,5 +1,5 @@
 //! The heads of an exchange with an engine: the request's (written by hand:
-//! a POST with a few headers) and the response's (parsed by `httparse`, the
+//! a POST with a few headers, or a bodiless GET) and the response's (parsed by `httparse`, the
 //! parser hyper uses), with the body's framing and whether the connection may
 //! be used again.
 
@@ -27,9 +27,20 @@ pub enum HeadError {
     ContentLength,
 }
 
-/// The request head of a POST of `content_length` bytes to `target` (a path)
-/// on `authority` (`host:port`), with `headers` (names in lower case).
+/// The methods the router calls engines with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    /// A JSON body (every request the router forwards).
+    Post,
+    /// No body (probes, model lists).
+    Get,
+}
+
+/// The request head of `method` to `target` (a path) on `authority`
+/// (`host:port`), with `headers` (names in lower case); a POST carries
+/// `content_length` bytes of JSON.
 pub fn request(
+    method: Method,
     authority: &str,
     target: &str,
     headers: &[(&'static str, &str)],
@@ -39,13 +50,19 @@ pub fn request(
     if target.bytes().any(|b| !b.is_ascii_graphic()) {
         return Err(HeadError::RequestHeader(":path"));
     }
-    head.extend_from_slice(b"POST ");
+    head.extend_from_slice(match method {
+        Method::Post => b"POST ",
+        Method::Get => b"GET ",
+    });
     head.extend_from_slice(target.as_bytes());
     head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     head.extend_from_slice(authority.as_bytes());
-    head.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
-    head.extend_from_slice(content_length.to_string().as_bytes());
     head.extend_from_slice(b"\r\n");
+    if method == Method::Post {
+        head.extend_from_slice(b"content-type: application/json\r\ncontent-length: ");
+        head.extend_from_slice(content_length.to_string().as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
     for (name, value) in headers {
         debug_assert!(
             !matches!(
@@ -164,6 +181,7 @@ mod tests {
     #[test]
     fn the_request_head_carries_its_headers() {
         let head = request(
+            Method::Post,
             "127.0.0.1:8100",
             "/v1/completions",
             &[("x-request-id", "abc"), ("traceparent", "00-1-2-01")],
@@ -176,18 +194,25 @@ mod tests {
              content-type: application/json\r\ncontent-length: 42\r\n\
              x-request-id: abc\r\ntraceparent: 00-1-2-01\r\n\r\n"
         );
+        // A GET has no body, so neither its type nor its length.
+        let head = request(Method::Get, "127.0.0.1:8100", "/health", &[], 0).expect("valid");
+        assert_eq!(
+            String::from_utf8(head).expect("ascii"),
+            "GET /health HTTP/1.1\r\nhost: 127.0.0.1:8100\r\n\r\n"
+        );
     }
 
     #[test]
     fn a_header_value_cannot_smuggle_a_header() {
         let head = request(
+            Method::Post,
             "h:1",
             "/v1/completions",
             &[("x-request-id", "a\r\nx-evil: 1")],
             0,
         );
         assert_eq!(head, Err(HeadError::RequestHeader("x-request-id")));
-        let head = request("h:1", "/v1/completions HTTP/1.1\r\n", &[], 0);
+        let head = request(Method::Get, "h:1", "/v1/models HTTP/1.1\r\n", &[], 0);
         assert_eq!(head, Err(HeadError::RequestHeader(":path")));
     }
 

@@ -1,6 +1,7 @@
-//! The router's HTTP/1.1 client for engines: one POST per exchange over pooled
-//! keep-alive connections, its response body read by the task that consumes
-//! it.
+//! The router's HTTP/1.1 client for engines, the one every call to an engine
+//! goes through (requests, health probes, model lists): one POST (or a
+//! bodiless GET) per exchange over pooled keep-alive connections, its
+//! response body read by the task that consumes it.
 //!
 //! Why not hyper's client (which the router used before): a decode stream
 //! holds its connection for the whole generation, and with 10k streams in
@@ -26,6 +27,7 @@ use crate::engines::addresses::UpstreamPolicy;
 use bytes::{Bytes, BytesMut};
 use connex_transfer::net::{IdlePool, KeyedLimit};
 use framing::Framing;
+use head::Method;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -193,11 +195,29 @@ impl EngineClient {
         headers: &[(&'static str, &str)],
         body: &Bytes,
     ) -> Result<Response, ClientError> {
+        self.send(Method::Post, url, path, headers, body).await
+    }
+
+    /// GETs `path` on the engine at `url` (probes, model lists), as
+    /// [`EngineClient::post`] does; read its body to the end and the
+    /// connection is pooled for the next call.
+    pub async fn get(&self, url: &str, path: &str) -> Result<Response, ClientError> {
+        self.send(Method::Get, url, path, &[], &Bytes::new()).await
+    }
+
+    async fn send(
+        &self,
+        method: Method,
+        url: &str,
+        path: &str,
+        headers: &[(&'static str, &str)],
+        body: &Bytes,
+    ) -> Result<Response, ClientError> {
         let authority = url
             .strip_prefix("http://")
             .filter(|a| !a.is_empty() && a.bytes().all(is_authority_byte))
             .ok_or_else(|| ClientError::Url(url.to_string()))?;
-        let request_head = head::request(authority, path, headers, body.len())?;
+        let request_head = head::request(method, authority, path, headers, body.len())?;
         // A reused connection (pooled, or given back by another request) that
         // the engine closed just as it was taken fails the write: the request
         // never reached it, and goes on a new connection. Once written it is
