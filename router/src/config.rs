@@ -193,7 +193,7 @@ pub struct RouterConfig {
     /// prefill choice (past it, the choice is by load alone), and the
     /// `/detokenize` calls that find which token of a merged chunk completed a
     /// stop string (past it, the chunk keeps all its tokens).
-    #[arg(help_heading = "Routing", long, alias = "tokenize-timeout-ms", env = "CONNEX_TOKENIZE_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Routing", long, alias = "tokenize-timeout-ms", env = "CONNEX_TOKENIZE_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
     pub tokenize_timeout: Duration,
     /// A tokenizer the router runs itself, `MODEL=PATH`: the model's Hugging
     /// Face `tokenizer.json`, the same file the engines load. Completions
@@ -209,7 +209,7 @@ pub struct RouterConfig {
     )]
     pub tokenizer: Vec<String>,
     /// Seconds without a heartbeat after which an instance gets no traffic.
-    #[arg(help_heading = "Membership", long, alias = "heartbeat-ttl-s", env = "CONNEX_HEARTBEAT_TTL_S", default_value = "10s", value_parser = secs)]
+    #[arg(value_name = "DURATION", help_heading = "Membership", long, alias = "heartbeat-ttl-s", env = "CONNEX_HEARTBEAT_TTL_S", default_value = "10s", value_parser = secs)]
     pub heartbeat_ttl: Duration,
     /// Largest accepted request body, in bytes (larger: 413).
     #[arg(help_heading = "Timeouts and bounds", long, env = "CONNEX_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
@@ -222,37 +222,20 @@ pub struct RouterConfig {
     pub max_inflight_body_bytes: usize,
     /// Time a client has to send a request's whole body, in milliseconds
     /// (past it: 408).
-    #[arg(help_heading = "Timeouts and bounds", long, alias = "body-read-timeout-ms", env = "CONNEX_BODY_READ_TIMEOUT_MS", default_value = "60s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Timeouts and bounds", long, alias = "body-read-timeout-ms", env = "CONNEX_BODY_READ_TIMEOUT_MS", default_value = "60s", value_parser = millis)]
     pub body_read_timeout: Duration,
     /// Largest accepted max_tokens.
     #[arg(help_heading = "Timeouts and bounds", long, env = "CONNEX_MAX_TOKENS_LIMIT", default_value_t = 1 << 20)]
     pub max_tokens_limit: u64,
     /// Timeout for connecting to an engine, in milliseconds.
-    #[arg(help_heading = "Timeouts and bounds", long, alias = "connect-timeout-ms", env = "CONNEX_CONNECT_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Timeouts and bounds", long, alias = "connect-timeout-ms", env = "CONNEX_CONNECT_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
     pub connect_timeout: Duration,
     /// Timeout for a whole prefill call, in milliseconds.
-    #[arg(help_heading = "Timeouts and bounds", long, alias = "prefill-timeout-ms", env = "CONNEX_PREFILL_TIMEOUT_MS", default_value = "600s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Timeouts and bounds", long, alias = "prefill-timeout-ms", env = "CONNEX_PREFILL_TIMEOUT_MS", default_value = "600s", value_parser = millis)]
     pub prefill_timeout: Duration,
-    /// etcd endpoints (comma-separated URLs, e.g. http://127.0.0.1:2379) holding
-    /// the membership shared by router replicas. Unset: in-memory membership of
-    /// this router alone. Needs a build with the `etcd` cargo feature.
-    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD")]
-    pub etcd: Option<String>,
-    /// Key prefix of this cluster's membership in etcd (replicas sharing a
-    /// prefix share their instances).
-    #[arg(
-        help_heading = "etcd",
-        long,
-        env = "CONNEX_ETCD_PREFIX",
-        default_value = "/connex"
-    )]
-    pub etcd_prefix: String,
-    /// Timeout of each etcd call and connection attempt, in milliseconds.
-    #[arg(help_heading = "etcd", long, alias = "etcd-timeout-ms", env = "CONNEX_ETCD_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
-    pub etcd_timeout: Duration,
     /// A decoder that sends no event for this long after its first token is
     /// failed and the request resumed (before it: --first-token-timeout).
-    #[arg(help_heading = "Timeouts and bounds", long, alias = "stall-timeout-ms", env = "CONNEX_STALL_TIMEOUT_MS", default_value = "10s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Timeouts and bounds", long, alias = "stall-timeout-ms", env = "CONNEX_STALL_TIMEOUT_MS", default_value = "10s", value_parser = millis)]
     pub stall_timeout: Duration,
     /// Most times one request moves to another decoder; then it fails with an error.
     #[arg(
@@ -274,38 +257,22 @@ pub struct RouterConfig {
     pub on_hold_lost: OnHoldLost,
     /// Time limit of each call to a holder's control listener (hold check,
     /// release, renew), in milliseconds.
-    #[arg(help_heading = "Resume", long, alias = "ctrl-timeout-ms", env = "CONNEX_CTRL_TIMEOUT_MS", default_value = "1s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Resume", long, alias = "ctrl-timeout-ms", env = "CONNEX_CTRL_TIMEOUT_MS", default_value = "1s", value_parser = millis)]
     pub ctrl_timeout: Duration,
     /// How long a resume waits for a decoder to become eligible when none is.
-    #[arg(help_heading = "Resume", long, alias = "resume-wait-ms", env = "CONNEX_RESUME_WAIT_MS", default_value = "2s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Resume", long, alias = "resume-wait-ms", env = "CONNEX_RESUME_WAIT_MS", default_value = "2s", value_parser = millis)]
     pub resume_wait: Duration,
-    /// How often the router probes every ready instance's `/health`, in
-    /// milliseconds (0: no probes; heartbeats and stream errors only).
-    #[arg(help_heading = "Health checks", long, alias = "health-check-interval-ms", env = "CONNEX_HEALTH_CHECK_INTERVAL_MS", default_value = "1s", value_parser = millis)]
-    pub health_check_interval: Duration,
-    /// Time limit of one probe, in milliseconds.
-    #[arg(help_heading = "Health checks", long, alias = "health-check-timeout-ms", env = "CONNEX_HEALTH_CHECK_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
-    pub health_check_timeout: Duration,
-    /// Failed probes in a row after which an instance is declared dead (its
-    /// streams resume elsewhere; a probe that succeeds brings it back).
-    #[arg(help_heading = "Health checks", 
-        long,
-        env = "CONNEX_HEALTH_CHECK_FAILURES",
-        default_value_t = 3,
-        value_parser = clap::value_parser!(u32).range(1..)
-    )]
-    pub health_check_failures: u32,
 
     // --- Request path: timeouts and bounds (issue 13) ---
     /// How long a decoder may take to answer a decode request with its response
     /// headers, in milliseconds; past it the request resumes elsewhere (cause
     /// `no_headers`).
-    #[arg(help_heading = "Timeouts and bounds", long, alias = "decode-open-timeout-ms", env = "CONNEX_DECODE_OPEN_TIMEOUT_MS", default_value = "10s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Timeouts and bounds", long, alias = "decode-open-timeout-ms", env = "CONNEX_DECODE_OPEN_TIMEOUT_MS", default_value = "10s", value_parser = millis)]
     pub decode_open_timeout: Duration,
     /// How long a decoder may take to send its first token, in milliseconds
     /// (it pulls the prompt's KV first: keep this above the connector's pull
     /// timeout, 30 s). The stall timeout applies after the first token.
-    #[arg(help_heading = "Timeouts and bounds", long, alias = "first-token-timeout-ms", env = "CONNEX_FIRST_TOKEN_TIMEOUT_MS", default_value = "60s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Timeouts and bounds", long, alias = "first-token-timeout-ms", env = "CONNEX_FIRST_TOKEN_TIMEOUT_MS", default_value = "60s", value_parser = millis)]
     pub first_token_timeout: Duration,
     /// Largest SSE event accepted from a decoder, in bytes (larger: the decoder
     /// failed, cause `protocol`).
@@ -316,7 +283,7 @@ pub struct RouterConfig {
     pub max_upstream_body_bytes: usize,
     /// How long new requests avoid a decoder after a connect to it failed, in
     /// milliseconds (at most half the decoders are avoided at once).
-    #[arg(help_heading = "Routing", long, alias = "suspect-ms", env = "CONNEX_SUSPECT_MS", default_value = "5s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Routing", long, alias = "suspect-ms", env = "CONNEX_SUSPECT_MS", default_value = "5s", value_parser = millis)]
     pub suspect_for: Duration,
 
     // ---- The edge: listeners, who may get in, the registry's bounds, the
@@ -365,7 +332,7 @@ pub struct RouterConfig {
     )]
     pub max_instances: usize,
     /// Seconds an expired (dead) instance stays listed before it is evicted.
-    #[arg(help_heading = "Membership", long, alias = "dead-instance-grace-s", env = "CONNEX_DEAD_INSTANCE_GRACE_S", default_value = "1m", value_parser = secs)]
+    #[arg(value_name = "DURATION", help_heading = "Membership", long, alias = "dead-instance-grace-s", env = "CONNEX_DEAD_INSTANCE_GRACE_S", default_value = "1m", value_parser = secs)]
     pub dead_instance_grace: Duration,
     /// Send the serving instances' ids to clients (`x-connex-prefill`,
     /// `x-connex-decoder`).
@@ -381,36 +348,13 @@ pub struct RouterConfig {
         env = "CONNEX_ALLOWED_UPSTREAMS"
     )]
     pub allowed_upstreams: Option<String>,
-    /// CA certificate (PEM) that etcd's server certificate must chain to (TLS).
-    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD_CA_FILE")]
-    pub etcd_ca_file: Option<PathBuf>,
-    /// Client certificate (PEM) for etcd mutual TLS (with --etcd-key-file).
-    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD_CERT_FILE")]
-    pub etcd_cert_file: Option<PathBuf>,
-    /// Client key (PEM) for etcd mutual TLS.
-    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD_KEY_FILE")]
-    pub etcd_key_file: Option<PathBuf>,
-    /// etcd user (with --etcd-password-file or CONNEX_ETCD_PASSWORD).
-    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD_USER")]
-    pub etcd_user: Option<String>,
-    /// etcd password (prefer CONNEX_ETCD_PASSWORD or --etcd-password-file).
-    #[arg(
-        help_heading = "etcd",
-        long,
-        env = "CONNEX_ETCD_PASSWORD",
-        hide_env_values = true
-    )]
-    pub etcd_password: Option<String>,
-    /// File holding the etcd password.
-    #[arg(help_heading = "etcd", long, env = "CONNEX_ETCD_PASSWORD_FILE")]
-    pub etcd_password_file: Option<PathBuf>,
     /// On SIGTERM/SIGINT: seconds in-flight streams get to finish before they
     /// end with an error event.
-    #[arg(help_heading = "Listeners and logs", long, alias = "shutdown-grace-s", env = "CONNEX_SHUTDOWN_GRACE_S", default_value = "30s", value_parser = secs)]
+    #[arg(value_name = "DURATION", help_heading = "Listeners and logs", long, alias = "shutdown-grace-s", env = "CONNEX_SHUTDOWN_GRACE_S", default_value = "30s", value_parser = secs)]
     pub shutdown_grace: Duration,
     /// Time a client has to send a request's headers, in milliseconds; it also
     /// bounds how long a kept-alive connection may idle between requests.
-    #[arg(help_heading = "Listeners and logs", long, alias = "header-read-timeout-ms", env = "CONNEX_HEADER_READ_TIMEOUT_MS", default_value = "30s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Listeners and logs", long, alias = "header-read-timeout-ms", env = "CONNEX_HEADER_READ_TIMEOUT_MS", default_value = "30s", value_parser = millis)]
     pub header_read_timeout: Duration,
     /// Most open client connections (further ones wait in the accept backlog).
     #[arg(
@@ -423,26 +367,8 @@ pub struct RouterConfig {
     /// A counter or histogram series not updated for this many seconds is
     /// dropped from /metrics (those of removed and evicted instances; 0:
     /// never). The per-instance gauges follow the membership at once.
-    #[arg(help_heading = "Listeners and logs", long, alias = "metrics-idle-timeout-s", env = "CONNEX_METRICS_IDLE_TIMEOUT_S", default_value = "10m", value_parser = secs)]
+    #[arg(value_name = "DURATION", help_heading = "Listeners and logs", long, alias = "metrics-idle-timeout-s", env = "CONNEX_METRICS_IDLE_TIMEOUT_S", default_value = "10m", value_parser = secs)]
     pub metrics_idle_timeout: Duration,
-    /// Also speak HTTP/2 without TLS (h2c with prior knowledge, RFC 9113
-    /// 3.3) on the client listener: a front proxy or client then carries many
-    /// requests on one connection, one socket for many streams. HTTP/1.1
-    /// clients are served as before.
-    #[arg(help_heading = "HTTP/2", long, env = "CONNEX_HTTP2", num_args = 0..=1,
-          default_value_t = false, default_missing_value = "true")]
-    pub http2: bool,
-    /// Most requests in flight on one HTTP/2 connection (further ones are
-    /// refused by the protocol until one ends).
-    #[arg(help_heading = "HTTP/2", long, env = "CONNEX_HTTP2_MAX_STREAMS", default_value_t = 256,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub http2_max_streams: u32,
-    /// An HTTP/2 connection with no request in flight for this many seconds
-    /// is closed (GOAWAY), as HTTP/1.1's idle wait is bounded by
-    /// --header-read-timeout; its peer is also pinged this often and
-    /// dropped when it does not answer within the same time.
-    #[arg(help_heading = "HTTP/2", long, alias = "http2-idle-timeout-s", env = "CONNEX_HTTP2_IDLE_TIMEOUT_S", default_value = "1m", value_parser = within_a_day)]
-    pub http2_idle_timeout: Duration,
     /// Most OpenAI requests in flight; past it requests wait in per-tenant
     /// queues (--max-queued-per-tenant, --max-queue-wait), then 429 with
     /// Retry-After.
@@ -464,7 +390,7 @@ pub struct RouterConfig {
     pub max_queued_per_tenant: usize,
     /// Longest a request waits for a slot before its 429, in milliseconds
     /// (0: none wait).
-    #[arg(help_heading = "Tenants and admission", long, alias = "max-queue-wait-ms", env = "CONNEX_MAX_QUEUE_WAIT_MS", default_value = "10s", value_parser = millis)]
+    #[arg(value_name = "DURATION", help_heading = "Tenants and admission", long, alias = "max-queue-wait-ms", env = "CONNEX_MAX_QUEUE_WAIT_MS", default_value = "10s", value_parser = millis)]
     pub max_queue_wait: Duration,
     /// The key clients must send on every client route but the probes
     /// (`Authorization: Bearer KEY`, or `x-api-key`), as vLLM's --api-key.
@@ -479,83 +405,6 @@ pub struct RouterConfig {
     /// File holding the API key (instead of --api-key).
     #[arg(help_heading = "Secrets and access", long, env = "CONNEX_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
-    /// Most responses (`/v1/responses`, `store` not false) kept for
-    /// `previous_response_id` and `GET /v1/responses/{id}`; past it the oldest go.
-    #[arg(
-        help_heading = "Responses",
-        long,
-        env = "CONNEX_MAX_STORED_RESPONSES",
-        default_value_t = 10_000
-    )]
-    pub max_stored_responses: usize,
-    /// Most background responses (`background: true`) whose events are kept
-    /// for readers (`GET ...?stream=true&starting_after=N`); those finished
-    /// longest ago are forgotten first, and past it with all in progress a
-    /// new one gets 429.
-    #[arg(
-        help_heading = "Responses",
-        long,
-        env = "CONNEX_MAX_BACKGROUND_RESPONSES",
-        default_value_t = 1024
-    )]
-    pub max_background_responses: usize,
-    /// Most bytes of stored responses (their objects and conversations);
-    /// past it the oldest go.
-    #[arg(help_heading = "Responses", long, env = "CONNEX_MAX_STORED_RESPONSE_BYTES", default_value_t = 256 * 1024 * 1024)]
-    pub max_stored_response_bytes: usize,
-    /// Redis that every replica shares for stored responses and background
-    /// responses' events (`redis://HOST:PORT[/DB]`, `rediss://` for TLS), so
-    /// that any replica serves them. Without it: this process's memory (one
-    /// replica). The password goes in --response-store-password-file or
-    /// CONNEX_RESPONSE_STORE_PASSWORD, never in the URL.
-    #[arg(help_heading = "Responses", long, env = "CONNEX_RESPONSE_STORE")]
-    pub response_store: Option<String>,
-    /// Password of the response store (prefer CONNEX_RESPONSE_STORE_PASSWORD
-    /// or --response-store-password-file).
-    #[arg(
-        help_heading = "Responses",
-        long,
-        env = "CONNEX_RESPONSE_STORE_PASSWORD",
-        hide_env_values = true
-    )]
-    pub response_store_password: Option<String>,
-    /// File holding the response store's password.
-    #[arg(
-        help_heading = "Responses",
-        long,
-        env = "CONNEX_RESPONSE_STORE_PASSWORD_FILE"
-    )]
-    pub response_store_password_file: Option<PathBuf>,
-    /// CA certificate (PEM) the response store's server certificate must
-    /// chain to (rediss://; without it, the system's roots).
-    #[arg(
-        help_heading = "Responses",
-        long,
-        env = "CONNEX_RESPONSE_STORE_CA_FILE"
-    )]
-    pub response_store_ca_file: Option<PathBuf>,
-    /// Prefix of the response store's keys (the replicas of one cluster share it).
-    #[arg(
-        help_heading = "Responses",
-        long,
-        env = "CONNEX_RESPONSE_STORE_PREFIX",
-        default_value = "connex:"
-    )]
-    pub response_store_prefix: String,
-    /// Seconds a response lives in the response store (its keys expire then).
-    #[arg(help_heading = "Responses", long, alias = "response-store-ttl-s", env = "CONNEX_RESPONSE_STORE_TTL_S", default_value = "168h", value_parser = secs)]
-    pub response_store_ttl: Duration,
-    /// Bound of each response store call and connection attempt, in
-    /// milliseconds (past it the store counts as unavailable).
-    #[arg(help_heading = "Responses", long, alias = "response-store-timeout-ms", env = "CONNEX_RESPONSE_STORE_TIMEOUT_MS", default_value = "1s", value_parser = millis)]
-    pub response_store_timeout: Duration,
-    /// How long a replica's claim on a background response it generates
-    /// lasts without renewal, in milliseconds (renewed three times as
-    /// often): past it, another replica sharing the response store takes the
-    /// generation over from its last checkpoint. Lower: a quicker takeover
-    /// after a crash, more renewals.
-    #[arg(help_heading = "Responses", long, alias = "response-lease-ms", env = "CONNEX_RESPONSE_LEASE_MS", default_value = "3s", value_parser = millis)]
-    pub response_lease: Duration,
     /// Tenants (TOML: `[[tenant]]` with name, keys, max_concurrent,
     /// tokens_per_minute, weight, priority; docs/operations.md). Read again
     /// on SIGHUP and when it changes; a bad file keeps the tenants in force.
@@ -577,6 +426,222 @@ pub struct RouterConfig {
     /// lists, once it answers.
     #[arg(help_heading = "Membership", long, env = "CONNEX_STATIC_MODEL")]
     pub static_model: Option<String>,
+    #[command(flatten, next_help_heading = "etcd")]
+    pub etcd: EtcdArgs,
+    #[command(flatten, next_help_heading = "Health checks")]
+    pub health: HealthArgs,
+    #[command(flatten, next_help_heading = "HTTP/2")]
+    pub http2: Http2Args,
+    #[command(flatten, next_help_heading = "Responses")]
+    pub responses: ResponsesArgs,
+}
+
+/// Membership in etcd (`--etcd`, several router replicas), and how to reach it.
+#[derive(Debug, Clone, Args, PartialEq)]
+pub struct EtcdArgs {
+    /// etcd endpoints (comma-separated URLs, e.g. http://127.0.0.1:2379) holding
+    /// the membership shared by router replicas. Unset: in-memory membership of
+    /// this router alone. Needs a build with the `etcd` cargo feature.
+    #[arg(long = "etcd", id = "etcd", value_name = "ETCD", env = "CONNEX_ETCD")]
+    pub endpoints: Option<String>,
+    /// Key prefix of this cluster's membership in etcd (replicas sharing a
+    /// prefix share their instances).
+    #[arg(
+        long = "etcd-prefix",
+        id = "etcd_prefix",
+        value_name = "ETCD_PREFIX",
+        env = "CONNEX_ETCD_PREFIX",
+        default_value = "/connex"
+    )]
+    pub prefix: String,
+    /// Timeout of each etcd call and connection attempt, in milliseconds.
+    #[arg(long = "etcd-timeout", id = "etcd_timeout", value_name = "DURATION", alias = "etcd-timeout-ms", env = "CONNEX_ETCD_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
+    pub timeout: Duration,
+    /// CA certificate (PEM) that etcd's server certificate must chain to (TLS).
+    #[arg(
+        long = "etcd-ca-file",
+        id = "etcd_ca_file",
+        value_name = "ETCD_CA_FILE",
+        env = "CONNEX_ETCD_CA_FILE"
+    )]
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate (PEM) for etcd mutual TLS (with --etcd-key-file).
+    #[arg(
+        long = "etcd-cert-file",
+        id = "etcd_cert_file",
+        value_name = "ETCD_CERT_FILE",
+        env = "CONNEX_ETCD_CERT_FILE"
+    )]
+    pub cert_file: Option<PathBuf>,
+    /// Client key (PEM) for etcd mutual TLS.
+    #[arg(
+        long = "etcd-key-file",
+        id = "etcd_key_file",
+        value_name = "ETCD_KEY_FILE",
+        env = "CONNEX_ETCD_KEY_FILE"
+    )]
+    pub key_file: Option<PathBuf>,
+    /// etcd user (with --etcd-password-file or CONNEX_ETCD_PASSWORD).
+    #[arg(
+        long = "etcd-user",
+        id = "etcd_user",
+        value_name = "ETCD_USER",
+        env = "CONNEX_ETCD_USER"
+    )]
+    pub user: Option<String>,
+    /// etcd password (prefer CONNEX_ETCD_PASSWORD or --etcd-password-file).
+    #[arg(
+        long = "etcd-password",
+        id = "etcd_password",
+        value_name = "ETCD_PASSWORD",
+        env = "CONNEX_ETCD_PASSWORD",
+        hide_env_values = true
+    )]
+    pub password: Option<String>,
+    /// File holding the etcd password.
+    #[arg(
+        long = "etcd-password-file",
+        id = "etcd_password_file",
+        value_name = "ETCD_PASSWORD_FILE",
+        env = "CONNEX_ETCD_PASSWORD_FILE"
+    )]
+    pub password_file: Option<PathBuf>,
+}
+
+/// The active `/health` probes of every ready instance (`health.rs`).
+#[derive(Debug, Clone, Args, PartialEq)]
+pub struct HealthArgs {
+    /// How often the router probes every ready instance's `/health`, in
+    /// milliseconds (0: no probes; heartbeats and stream errors only).
+    #[arg(long = "health-check-interval", id = "health_check_interval", value_name = "DURATION", alias = "health-check-interval-ms", env = "CONNEX_HEALTH_CHECK_INTERVAL_MS", default_value = "1s", value_parser = millis)]
+    pub interval: Duration,
+    /// Time limit of one probe, in milliseconds.
+    #[arg(long = "health-check-timeout", id = "health_check_timeout", value_name = "DURATION", alias = "health-check-timeout-ms", env = "CONNEX_HEALTH_CHECK_TIMEOUT_MS", default_value = "2s", value_parser = millis)]
+    pub timeout: Duration,
+    /// Failed probes in a row after which an instance is declared dead (its
+    /// streams resume elsewhere; a probe that succeeds brings it back).
+    #[arg(long = "health-check-failures", id = "health_check_failures", value_name = "HEALTH_CHECK_FAILURES",
+        env = "CONNEX_HEALTH_CHECK_FAILURES",
+        default_value_t = 3,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub failures: u32,
+}
+
+/// HTTP/2 on the client listener.
+#[derive(Debug, Clone, Args, PartialEq)]
+pub struct Http2Args {
+    /// Also speak HTTP/2 without TLS (h2c with prior knowledge, RFC 9113
+    /// 3.3) on the client listener: a front proxy or client then carries many
+    /// requests on one connection, one socket for many streams. HTTP/1.1
+    /// clients are served as before.
+    #[arg(long = "http2", id = "http2", value_name = "HTTP2", env = "CONNEX_HTTP2", num_args = 0..=1,
+          default_value_t = false, default_missing_value = "true")]
+    pub enabled: bool,
+    /// Most requests in flight on one HTTP/2 connection (further ones are
+    /// refused by the protocol until one ends).
+    #[arg(long = "http2-max-streams", id = "http2_max_streams", value_name = "HTTP2_MAX_STREAMS", env = "CONNEX_HTTP2_MAX_STREAMS", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_streams: u32,
+    /// An HTTP/2 connection with no request in flight for this many seconds
+    /// is closed (GOAWAY), as HTTP/1.1's idle wait is bounded by
+    /// --header-read-timeout; its peer is also pinged this often and
+    /// dropped when it does not answer within the same time.
+    #[arg(long = "http2-idle-timeout", id = "http2_idle_timeout", value_name = "DURATION", alias = "http2-idle-timeout-s", env = "CONNEX_HTTP2_IDLE_TIMEOUT_S", default_value = "1m", value_parser = within_a_day)]
+    pub idle_timeout: Duration,
+}
+
+/// Stored and background Responses, in memory or in the store every replica shares (`--response-store`).
+#[derive(Debug, Clone, Args, PartialEq)]
+pub struct ResponsesArgs {
+    /// Most responses (`/v1/responses`, `store` not false) kept for
+    /// `previous_response_id` and `GET /v1/responses/{id}`; past it the oldest go.
+    #[arg(
+        long = "max-stored-responses",
+        id = "max_stored_responses",
+        value_name = "MAX_STORED_RESPONSES",
+        env = "CONNEX_MAX_STORED_RESPONSES",
+        default_value_t = 10_000
+    )]
+    pub max_stored: usize,
+    /// Most background responses (`background: true`) whose events are kept
+    /// for readers (`GET ...?stream=true&starting_after=N`); those finished
+    /// longest ago are forgotten first, and past it with all in progress a
+    /// new one gets 429.
+    #[arg(
+        long = "max-background-responses",
+        id = "max_background_responses",
+        value_name = "MAX_BACKGROUND_RESPONSES",
+        env = "CONNEX_MAX_BACKGROUND_RESPONSES",
+        default_value_t = 1024
+    )]
+    pub max_background: usize,
+    /// Most bytes of stored responses (their objects and conversations);
+    /// past it the oldest go.
+    #[arg(long = "max-stored-response-bytes", id = "max_stored_response_bytes", value_name = "MAX_STORED_RESPONSE_BYTES", env = "CONNEX_MAX_STORED_RESPONSE_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub max_stored_bytes: usize,
+    /// Redis that every replica shares for stored responses and background
+    /// responses' events (`redis://HOST:PORT[/DB]`, `rediss://` for TLS), so
+    /// that any replica serves them. Without it: this process's memory (one
+    /// replica). The password goes in --response-store-password-file or
+    /// CONNEX_RESPONSE_STORE_PASSWORD, never in the URL.
+    #[arg(
+        long = "response-store",
+        id = "response_store",
+        value_name = "RESPONSE_STORE",
+        env = "CONNEX_RESPONSE_STORE"
+    )]
+    pub store: Option<String>,
+    /// Password of the response store (prefer CONNEX_RESPONSE_STORE_PASSWORD
+    /// or --response-store-password-file).
+    #[arg(
+        long = "response-store-password",
+        id = "response_store_password",
+        value_name = "RESPONSE_STORE_PASSWORD",
+        env = "CONNEX_RESPONSE_STORE_PASSWORD",
+        hide_env_values = true
+    )]
+    pub store_password: Option<String>,
+    /// File holding the response store's password.
+    #[arg(
+        long = "response-store-password-file",
+        id = "response_store_password_file",
+        value_name = "RESPONSE_STORE_PASSWORD_FILE",
+        env = "CONNEX_RESPONSE_STORE_PASSWORD_FILE"
+    )]
+    pub store_password_file: Option<PathBuf>,
+    /// CA certificate (PEM) the response store's server certificate must
+    /// chain to (rediss://; without it, the system's roots).
+    #[arg(
+        long = "response-store-ca-file",
+        id = "response_store_ca_file",
+        value_name = "RESPONSE_STORE_CA_FILE",
+        env = "CONNEX_RESPONSE_STORE_CA_FILE"
+    )]
+    pub store_ca_file: Option<PathBuf>,
+    /// Prefix of the response store's keys (the replicas of one cluster share it).
+    #[arg(
+        long = "response-store-prefix",
+        id = "response_store_prefix",
+        value_name = "RESPONSE_STORE_PREFIX",
+        env = "CONNEX_RESPONSE_STORE_PREFIX",
+        default_value = "connex:"
+    )]
+    pub store_prefix: String,
+    /// Seconds a response lives in the response store (its keys expire then).
+    #[arg(long = "response-store-ttl", id = "response_store_ttl", value_name = "DURATION", alias = "response-store-ttl-s", env = "CONNEX_RESPONSE_STORE_TTL_S", default_value = "168h", value_parser = secs)]
+    pub store_ttl: Duration,
+    /// Bound of each response store call and connection attempt, in
+    /// milliseconds (past it the store counts as unavailable).
+    #[arg(long = "response-store-timeout", id = "response_store_timeout", value_name = "DURATION", alias = "response-store-timeout-ms", env = "CONNEX_RESPONSE_STORE_TIMEOUT_MS", default_value = "1s", value_parser = millis)]
+    pub store_timeout: Duration,
+    /// How long a replica's claim on a background response it generates
+    /// lasts without renewal, in milliseconds (renewed three times as
+    /// often): past it, another replica sharing the response store takes the
+    /// generation over from its last checkpoint. Lower: a quicker takeover
+    /// after a crash, more renewals.
+    #[arg(long = "response-lease", id = "response_lease", value_name = "DURATION", alias = "response-lease-ms", env = "CONNEX_RESPONSE_LEASE_MS", default_value = "3s", value_parser = millis)]
+    pub lease: Duration,
 }
 
 /// A selection policy (`--prefill-policy`, `--decode-policy`), set separately
@@ -899,13 +964,13 @@ mod tests {
     #[test]
     fn http2_is_off_by_default_and_its_limits_are_checked() {
         let config = serve(&["connex-router", "serve"]).expect("parse");
-        assert!(!config.http2);
+        assert!(!config.http2.enabled);
         assert_eq!(
-            (config.http2_max_streams, config.http2_idle_timeout),
+            (config.http2.max_streams, config.http2.idle_timeout),
             (256, Duration::from_secs(60))
         );
         let config = serve(&["connex-router", "serve", "--http2"]).expect("parse");
-        assert!(config.http2);
+        assert!(config.http2.enabled);
         for bad in [
             ["--http2-max-streams", "0"],
             ["--http2-idle-timeout-s", "0"],
@@ -955,7 +1020,7 @@ mod tests {
         assert_eq!(config.stall_timeout, Duration::from_secs(10));
         assert_eq!(config.heartbeat_ttl, Duration::from_secs(10));
         assert_eq!(
-            config.response_store_ttl,
+            config.responses.store_ttl,
             Duration::from_secs(7 * 24 * 3600)
         );
         let config = serve(&[

@@ -129,55 +129,62 @@ async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartError>
 
 /// The response store every replica shares, when `--response-store` names one.
 fn response_store(
-    config: &RouterConfig,
+    args: &config::ResponsesArgs,
 ) -> Result<Option<Arc<protocols::responses::redis_store::RedisStore>>, StartError> {
     use protocols::responses::redis_store::{RedisSettings, RedisStore};
-    let Some(url) = &config.response_store else {
+    let Some(url) = &args.store else {
         return Ok(None);
     };
     let store = RedisStore::new(RedisSettings {
         url: url.clone(),
-        password: config.response_store_password.clone(),
-        ca_file: config.response_store_ca_file.clone(),
-        prefix: config.response_store_prefix.clone(),
-        ttl: config.response_store_ttl,
-        timeout: config.response_store_timeout.max(Duration::from_millis(1)),
-        lease: config.response_lease.max(Duration::from_millis(100)),
-        max_bytes: config.max_stored_response_bytes,
-        fallback_count: config.max_stored_responses,
+        password: args.store_password.clone(),
+        ca_file: args.store_ca_file.clone(),
+        prefix: args.store_prefix.clone(),
+        ttl: args.store_ttl,
+        timeout: args.store_timeout.max(Duration::from_millis(1)),
+        lease: args.lease.max(Duration::from_millis(100)),
+        max_bytes: args.max_stored_bytes,
+        fallback_count: args.max_stored,
     })?;
-    tracing::info!(prefix = %config.response_store_prefix, "responses stored in the shared response store");
+    tracing::info!(prefix = %args.store_prefix, "responses stored in the shared response store");
     Ok(Some(Arc::new(store)))
 }
 
-/// The membership's own configuration, from the router's flags.
+/// The membership's own configuration, from the router's flags (its etcd
+/// from their etcd group).
 fn registry_config(config: &RouterConfig, upstreams: &upstreams::UpstreamPolicy) -> RegistryConfig {
+    let etcd = &config.etcd;
     RegistryConfig {
         ttl: config.heartbeat_ttl,
         max_instances: config.max_instances,
         dead_grace: config.dead_instance_grace,
-        etcd: config.etcd.clone().map(|endpoints| EtcdConfig {
+        etcd: etcd.endpoints.clone().map(|endpoints| EtcdConfig {
             endpoints,
-            prefix: config.etcd_prefix.clone(),
-            timeout: config.etcd_timeout,
-            ca_file: config.etcd_ca_file.clone(),
-            identity: config
-                .etcd_cert_file
-                .clone()
-                .zip(config.etcd_key_file.clone()),
-            user: config.etcd_user.clone().zip(config.etcd_password.clone()),
+            prefix: etcd.prefix.clone(),
+            timeout: etcd.timeout,
+            ca_file: etcd.ca_file.clone(),
+            identity: etcd.cert_file.clone().zip(etcd.key_file.clone()),
+            user: etcd.user.clone().zip(etcd.password.clone()),
             upstreams: upstreams.clone(),
         }),
     }
 }
 
-/// The health probes' own configuration, from the router's flags.
-fn health_checks(config: &RouterConfig) -> health::HealthChecks {
+/// The health probes' own configuration, from their group of flags.
+fn health_checks(args: &config::HealthArgs) -> health::HealthChecks {
     health::HealthChecks {
-        interval: config.health_check_interval,
-        timeout: config.health_check_timeout,
-        failures: config.health_check_failures,
+        interval: args.interval,
+        timeout: args.timeout,
+        failures: args.failures,
     }
+}
+
+/// HTTP/2's limits, from its group of flags (None: HTTP/1.1 only).
+fn http2_limits(args: &config::Http2Args) -> Option<Http2Limits> {
+    args.enabled.then_some(Http2Limits {
+        max_streams: args.max_streams,
+        idle_timeout: args.idle_timeout,
+    })
 }
 
 impl Router {
@@ -243,13 +250,10 @@ impl Router {
         let limits = ServerLimits {
             header_read_timeout: config.header_read_timeout,
             max_connections: config.max_connections,
-            http2: config.http2.then_some(Http2Limits {
-                max_streams: config.http2_max_streams,
-                idle_timeout: config.http2_idle_timeout,
-            }),
+            http2: http2_limits(&config.http2),
         };
         let grace = config.shutdown_grace;
-        let shared_responses = response_store(&config)?;
+        let shared_responses = response_store(&config.responses)?;
         let (state, releases) =
             AppState::new(config, registry, tokenizers, upstreams, shared_responses);
         let state = Arc::new(state);
@@ -272,7 +276,7 @@ impl Router {
         let background = CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
         state.registry.spawn(&mut tasks, background.clone());
-        health_checks(&state.config).spawn(
+        health_checks(&state.config.health).spawn(
             state.registry.clone(),
             state.client.clone(),
             state.outliers.clone(),

@@ -97,13 +97,13 @@ impl AppState {
             responses: match &shared_responses {
                 Some(shared) => shared.clone(),
                 None => Arc::new(crate::protocols::responses::store::MemoryStore::new(
-                    config.max_stored_responses,
-                    config.max_stored_response_bytes,
+                    config.responses.max_stored,
+                    config.responses.max_stored_bytes,
                 )),
             },
             shared_responses,
             live: crate::protocols::responses::live::LiveResponses::new(
-                config.max_background_responses,
+                config.responses.max_background,
             ),
             config,
         };

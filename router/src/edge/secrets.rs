@@ -45,13 +45,13 @@ pub fn resolve(config: &mut RouterConfig) -> Result<(), SecretError> {
     )?;
     resolve_one(
         "etcd-password",
-        &mut config.etcd_password,
-        config.etcd_password_file.as_deref(),
+        &mut config.etcd.password,
+        config.etcd.password_file.as_deref(),
     )?;
     resolve_one(
         "response-store-password",
-        &mut config.response_store_password,
-        config.response_store_password_file.as_deref(),
+        &mut config.responses.store_password,
+        config.responses.store_password_file.as_deref(),
     )?;
     Ok(())
 }

@@ -65,7 +65,7 @@ pub async fn create(
                     .live
                     .open(&id, tenant, first)
                     .ok_or(ApiError::Overloaded {
-                        limit: state.config.max_background_responses,
+                        limit: state.config.responses.max_background,
                         retry_after_s: 1,
                     })?;
                 Some(live)
