@@ -118,7 +118,7 @@ fn demo_router_config() -> RouterConfig {
 
 async fn wait_registered(router: &Router, count: usize) -> Result<(), DemoError> {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while router.state.registry.list().len() < count {
+    while router.state.flow.registry.list().len() < count {
         if Instant::now() > deadline {
             return Err(DemoError::Registration);
         }

@@ -275,15 +275,16 @@ impl Router {
         }
         let background = CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
-        state.registry.spawn(&mut tasks, background.clone());
+        state.flow.registry.spawn(&mut tasks, background.clone());
         health_checks(&state.config.health).spawn(
-            state.registry.clone(),
+            state.flow.registry.clone(),
             state.client.clone(),
-            state.outliers.clone(),
+            state.flow.outliers.clone(),
             &mut tasks,
             background.clone(),
         );
         state
+            .flow
             .holds
             .spawn_keeper(releases, &mut tasks, background.clone());
         tenants::spawn_reloader(&tenants, &mut tasks, background.clone());
@@ -291,7 +292,7 @@ impl Router {
         for instance in unnamed {
             let (state, stop) = (state.clone(), background.clone());
             tasks.spawn(async move {
-                statics::discover(&state.registry, &state.client, instance, stop).await;
+                statics::discover(&state.flow.registry, &state.client, instance, stop).await;
             });
         }
         tracing::info!(%addr, %internal_addr, "connex-router listening");
@@ -344,8 +345,8 @@ impl Router {
             self.state.live.hand_over_all();
         }
         self.state.live.stop.cancel();
-        self.state.drains.close();
-        self.state.drains.wait().await;
+        self.state.flow.drains.close();
+        self.state.flow.drains.wait().await;
         self.background.cancel();
         while self.tasks.join_next().await.is_some() {}
     }

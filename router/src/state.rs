@@ -15,8 +15,9 @@ use std::sync::Arc;
 
 pub struct AppState {
     pub config: RouterConfig,
-    /// The request flow's subsystems; handlers reach them through the state
-    /// (`state.registry`, `state.journal`: see `Deref`).
+    /// The request flow's subsystems (`state.flow.registry`,
+    /// `state.flow.journal`): what a request's phases use, which they take
+    /// without the rest of the app's state.
     pub flow: Arc<Flow>,
     /// The client of the health probes and the admin's calls to engines
     /// (the flow's engine calls go through its `upstream`).
@@ -34,17 +35,6 @@ pub struct AppState {
     /// The store every replica shares (`--response-store`), which is also
     /// `responses`: other replicas' background responses are read there.
     pub shared_responses: Option<Arc<RedisStore>>,
-}
-
-/// The state is the flow plus what only the app has (its configuration, the
-/// probes' client, the metrics handle), so the flow's fields read as the
-/// state's own.
-impl std::ops::Deref for AppState {
-    type Target = Flow;
-
-    fn deref(&self) -> &Flow {
-        &self.flow
-    }
 }
 
 impl AppState {

@@ -15,7 +15,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub async fn list_instances(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
-    let data: Vec<Value> = state.registry.list().iter().map(|i| i.view()).collect();
+    let data: Vec<Value> = state
+        .flow
+        .registry
+        .list()
+        .iter()
+        .map(|i| i.view())
+        .collect();
     Ok(Json(json!({"data": data})))
 }
 
@@ -28,7 +34,7 @@ pub async fn add_instance(
     body: Body,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let reg = registration(&access, &headers, body).await?;
-    let (instance, credential) = state.registry.register(reg, Claim::Admin).await?;
+    let (instance, credential) = state.flow.registry.register(reg, Claim::Admin).await?;
     let mut view = instance.view();
     view["credential"] = json!(credential);
     Ok((StatusCode::CREATED, Json(view)))
@@ -39,12 +45,13 @@ async fn set_state(
     id: &str,
     lifecycle: Lifecycle,
 ) -> Result<Json<Value>, ApiError> {
-    if !state.registry.set_lifecycle(id, lifecycle).await? {
+    if !state.flow.registry.set_lifecycle(id, lifecycle).await? {
         return Err(ApiError::NotFound(format!(
             "instance `{id}` is not registered"
         )));
     }
     let view = state
+        .flow
         .registry
         .get(id)
         .map(|i| i.view())
@@ -92,7 +99,7 @@ pub async fn remove_instance(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    if state.registry.remove(&id, Claim::Admin).await? {
+    if state.flow.registry.remove(&id, Claim::Admin).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(
@@ -106,6 +113,6 @@ pub async fn requests(
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
     Ok(Json(
-        json!({"data": state.journal.view(flag(&query, "verbose")?)}),
+        json!({"data": state.flow.journal.view(flag(&query, "verbose")?)}),
     ))
 }

@@ -93,12 +93,12 @@ pub async fn register(
         ));
     }
     let claim = Claim::Registrant(credential(&headers));
-    let (instance, credential) = state.registry.register(reg, claim).await?;
+    let (instance, credential) = state.flow.registry.register(reg, claim).await?;
     Ok((
         StatusCode::CREATED,
         Json(json!({
             "id": instance.id,
-            "lease_ttl_s": state.registry.ttl().as_secs(),
+            "lease_ttl_s": state.flow.registry.ttl().as_secs(),
             "credential": credential,
         })),
     ))
@@ -117,12 +117,13 @@ pub async fn heartbeat(
     let load = EngineLoad::from_heartbeat(&stats)
         .map_err(|bad| ApiError::bad_request(bad.to_string(), Some(bad.field)))?;
     if state
+        .flow
         .registry
         .heartbeat(&id, credential(&headers), load)
         .await?
     {
         Ok(Json(
-            json!({"id": id, "lease_ttl_s": state.registry.ttl().as_secs()}),
+            json!({"id": id, "lease_ttl_s": state.flow.registry.ttl().as_secs()}),
         ))
     } else {
         Err(ApiError::NotFound(format!(
@@ -149,6 +150,7 @@ pub async fn kv_events(
     // The credential first: a caller without it must not have the router read
     // and parse a batch of up to 4 MiB before its 403.
     if state
+        .flow
         .registry
         .registrant(&id, credential(&headers))?
         .is_none()
@@ -166,6 +168,7 @@ pub async fn kv_events(
         .map_err(|bad| ApiError::bad_request(bad.to_string(), Some("events")))?;
     let cap = state.config.prefix_index_blocks;
     if state
+        .flow
         .registry
         .kv_events(&id, credential(&headers), &batch, cap)?
     {
@@ -183,7 +186,7 @@ pub async fn deregister(
     headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
     let claim = Claim::Registrant(credential(&headers));
-    if state.registry.remove(&id, claim).await? {
+    if state.flow.registry.remove(&id, claim).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(

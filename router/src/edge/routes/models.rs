@@ -24,7 +24,7 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// How long `/v1/models` waits for an engine's own entry of a model.
 const READ_TIMEOUT: Duration = Duration::from_secs(2);
 pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Json<Value> {
-    let served = state.registry.models();
+    let served = state.flow.registry.models();
     let entries = served.iter().map(|id| entry(&state, id, &served));
     let data: Vec<Value> = join_all(entries).await;
     if headers.contains_key("anthropic-version") {

@@ -85,7 +85,7 @@ async fn run(
             trace: crate::observe::traces::headers(record.span()),
             body: bytes.clone(),
         };
-        match state.upstream.prefill(call).await {
+        match state.flow.upstream.prefill(call).await {
             Ok(reply) if (200..300).contains(&reply.status) => {
                 let status = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::OK);
                 return Ok((
@@ -149,13 +149,13 @@ fn model_of(state: &AppState, bytes: &[u8]) -> Result<String, ApiError> {
     };
     match model {
         Some(model) => {
-            if state.registry.knows_model(&model) {
+            if state.flow.registry.knows_model(&model) {
                 Ok(model)
             } else {
                 Err(ApiError::ModelNotFound(model))
             }
         }
-        None => match state.registry.models().as_slice() {
+        None => match state.flow.registry.models().as_slice() {
             [only] => Ok(only.clone()),
             _ => Err(ApiError::bad_request(
                 "`model` is required when the router serves more than one model",
@@ -168,8 +168,8 @@ fn model_of(state: &AppState, bytes: &[u8]) -> Result<String, ApiError> {
 /// The least loaded instance of `model` that may take a request, any role,
 /// not one of `tried`.
 pub(crate) fn choose(state: &AppState, model: &str, tried: &[String]) -> Option<Arc<Instance>> {
-    let mut candidates = state.registry.eligible(model, Pick::Prefill);
-    for decoder in state.registry.eligible(model, Pick::Decode) {
+    let mut candidates = state.flow.registry.eligible(model, Pick::Prefill);
+    for decoder in state.flow.registry.eligible(model, Pick::Decode) {
         if !candidates.iter().any(|c| c.id == decoder.id) {
             candidates.push(decoder);
         }

@@ -22,7 +22,7 @@ pub async fn ready(
     // A router shutting down says so at once, so that load balancers stop
     // sending it new requests while its streams finish.
     let shutting_down = shutdown.draining.is_cancelled();
-    let ready = state.registry.is_ready() && !shutting_down;
+    let ready = state.flow.registry.is_ready() && !shutting_down;
     // Where responses are stored: `memory` (this replica), `shared`
     // (--response-store), or `unavailable` (the store cannot be reached:
     // serving goes on, what is stored stays on this replica). Not a reason
@@ -42,17 +42,17 @@ pub async fn ready(
         Json(json!({
             "ready": ready,
             "shutting_down": shutting_down,
-            "instances": state.registry.list().len(),
+            "instances": state.flow.registry.list().len(),
             // With etcd: whether this replica's view is current (`stale` while
             // etcd is unreachable; routing goes on from the last view).
-            "membership": state.registry.status(),
+            "membership": state.flow.registry.status(),
             "response_store": response_store,
         })),
     )
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let models = state.registry.models();
+    let models = state.flow.registry.models();
     crate::observe::metrics::declare_zero_series(models.iter().map(String::as_str));
     metrics::gauge!(crate::observe::metrics::BODY_BYTES_IN_FLIGHT)
         .set(state.body_budget.held() as f64);
@@ -63,7 +63,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         .unwrap_or_default();
     // The per-instance gauges, from the membership as it is now: a removed
     // instance has no series left.
-    let instances = state.registry.list();
+    let instances = state.flow.registry.list();
     let samples: Vec<InstanceSample<'_>> = instances
         .iter()
         .map(|i| InstanceSample {
