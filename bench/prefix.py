@@ -37,38 +37,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+from procs import Procs
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 TOKEN = "bench"
 VLLM_ROUTER = ROOT / ".venv" / "bin" / "vllm-router"
 BLOCK = 16
 PREFILLS = 4
-
-
-class Procs:
-    """Every process of one cluster, killed at the end."""
-
-    def __init__(self, bin_dir: Path) -> None:
-        self.bin = bin_dir
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def start(self, name: str, *args: str) -> tuple[str, str]:
-        log = open(OUT / f"prefix-{name}.log", "w")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True)
-        self.procs.append(proc)
-        assert proc.stdout is not None
-        internal = ""
-        for line in proc.stdout:
-            if "internal API on " in line:
-                internal = line.split("internal API on ", 1)[1].strip()
-            if "listening on " in line:
-                return line.split("listening on ", 1)[1].strip(), internal
-        raise SystemExit(f"{name} did not start; see bench/out/prefix-{name}.log")
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
 
 
 def get(url: str) -> dict:
@@ -102,56 +78,68 @@ def tokenizer_file(bin_dir: Path) -> Path:
 
 
 def cluster(
-    procs: Procs, policy: str, cache_blocks: int, events: bool, tokenizer: Path | None
+    procs: Procs,
+    bin_dir: Path,
+    policy: str,
+    cache_blocks: int,
+    events: bool,
+    tokenizer: Path | None,
 ) -> tuple[str, str, list[str]]:
     tokenizer_args = ["--tokenizer", f"mock={tokenizer}"] if tokenizer else []
-    url, internal = procs.start(
+    _, url = procs.start(
         f"router-{policy}-{events}",
-        str(procs.bin / "connex-router"),
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--internal-listen",
-        "127.0.0.1:0",
-        "--admin-token",
-        TOKEN,
-        "--prefill-policy",
-        policy,
-        "--heartbeat-ttl-s",
-        "3",
-        *tokenizer_args,
+        [
+            str(bin_dir / "connex-router"),
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--internal-listen",
+            "127.0.0.1:0",
+            "--admin-token",
+            TOKEN,
+            "--prefill-policy",
+            policy,
+            "--heartbeat-ttl",
+            "3s",
+            *tokenizer_args,
+        ],
     )
+    internal = procs.internal
     prefills = []
     for i in range(PREFILLS):
-        engine, _ = procs.start(
+        _, engine = procs.start(
             f"prefill{i}-{policy}-{events}",
-            str(procs.bin / "connex-mock-engine"),
-            "--role",
-            "prefill",
-            "--model",
-            "mock",
-            "--router",
-            internal,
-            "--prefix-cache-blocks",
-            str(cache_blocks),
-            "--block-size",
-            str(BLOCK),
-            "--prefill-us-per-token",
-            "100",
-            "--kv-events",
-            str(events).lower(),
+            [
+                str(bin_dir / "connex-mock-engine"),
+                "--role",
+                "prefill",
+                "--model",
+                "mock",
+                "--router",
+                internal,
+                "--prefix-cache-blocks",
+                str(cache_blocks),
+                "--block-size",
+                str(BLOCK),
+                "--prefill-us-per-token",
+                "100",
+                "--kv-events",
+                str(events).lower(),
+            ],
         )
         prefills.append(engine)
     for i in range(2):
         procs.start(
             f"decode{i}-{policy}-{events}",
-            str(procs.bin / "connex-mock-engine"),
-            "--role",
-            "decode",
-            "--model",
-            "mock",
-            "--router",
-            internal,
+            [
+                str(bin_dir / "connex-mock-engine"),
+                "--role",
+                "decode",
+                "--model",
+                "mock",
+                "--router",
+                internal,
+            ],
         )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -198,7 +186,9 @@ def workload(systems: int, users: int, prompt_tokens: int) -> list[str]:
     return [f"{heads[s]}\nUser {u}: question {u} for {s}?" for s, u in order]
 
 
-def vllm_router_cluster(procs: Procs, policy: str, cache_blocks: int) -> tuple[str, list[str]]:
+def vllm_router_cluster(
+    procs: Procs, bin_dir: Path, policy: str, cache_blocks: int
+) -> tuple[str, list[str]]:
     """The same mocks (not registering) behind vllm-router in P/D mode; for
     `kv_aware`, each prefill publishes its KV events on a ZMQ endpoint that
     vllm-router subscribes to."""
@@ -210,21 +200,23 @@ def vllm_router_cluster(procs: Procs, policy: str, cache_blocks: int) -> tuple[s
             publish = []
             if policy == "kv_aware" and role == "prefill":
                 publish = ["--kv-events-publish", f"tcp://127.0.0.1:{free_port()}"]
-            url = procs.start(
+            _, url = procs.start(
                 f"{role}{i}-vllm-router-{policy}",
-                str(procs.bin / "connex-mock-engine"),
-                "--role",
-                role,
-                "--model",
-                "mock",
-                "--prefix-cache-blocks",
-                str(cache_blocks),
-                "--block-size",
-                str(BLOCK),
-                "--prefill-us-per-token",
-                "100",
-                *publish,
-            )[0]
+                [
+                    str(bin_dir / "connex-mock-engine"),
+                    "--role",
+                    role,
+                    "--model",
+                    "mock",
+                    "--prefix-cache-blocks",
+                    str(cache_blocks),
+                    "--block-size",
+                    str(BLOCK),
+                    "--prefill-us-per-token",
+                    "100",
+                    *publish,
+                ],
+            )
             engines[role].append(url)
             if publish:
                 events[url] = publish[1]
@@ -261,18 +253,18 @@ def free_port() -> int:
 
 
 def run(bin_dir: Path, target: str, prompts: list[str], concurrency: int, blocks: int) -> dict:
-    procs = Procs(bin_dir)
+    procs = Procs(str(OUT), log_prefix="prefix-")
     policy, _, events = target.partition(" ")
     try:
         if policy.startswith("vllm_router:"):
-            url, prefills = vllm_router_cluster(procs, policy.split(":", 1)[1], blocks)
+            url, prefills = vllm_router_cluster(procs, bin_dir, policy.split(":", 1)[1], blocks)
             internal = ""
         else:
             # Connex asks an engine's /tokenize (its default) unless the
             # target runs the model's tokenizer in the router (--tokenizer).
             tokenizer = tokenizer_file(bin_dir) if events == "(router tokenizer)" else None
             on = events != "(events off)"
-            url, internal, prefills = cluster(procs, policy, blocks, on, tokenizer)
+            url, internal, prefills = cluster(procs, bin_dir, policy, blocks, on, tokenizer)
         results: list[float] = []
         lock = threading.Lock()
         queue = list(reversed(prompts))

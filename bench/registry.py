@@ -30,6 +30,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from procs import Procs
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = ROOT / "target" / "release"
 OUT = ROOT / "bench" / "out"
@@ -40,36 +42,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Procs:
-    """Every process the bench starts, killed at the end."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-        # The internal URL of the last router started.
-        self.internal = ""
-
-    def start(self, name: str, *args: str) -> str:
-        log = open(OUT / f"registry-{name}.log", "w")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True)
-        self.procs.append(proc)
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 30
-        for line in proc.stdout:
-            # A router prints its internal listener (registration, admin) first.
-            if "internal API on " in line:
-                self.internal = line.split("internal API on ", 1)[1].strip()
-            if "listening on " in line:
-                return line.split("listening on ", 1)[1].strip()
-            if time.monotonic() > deadline:
-                break
-        raise SystemExit(f"{name} did not start; see {log.name}")
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
 
 
 def start_etcd(procs: Procs, data: Path) -> str:
@@ -133,13 +105,13 @@ def request(base: str, method: str, path: str, body: dict | None = None) -> tupl
 
 def router(procs: Procs, name: str, etcd: str, prefix: str) -> tuple[str, str]:
     """A router replica: (client URL, internal URL)."""
-    url = procs.start(
-        name, str(BIN / "connex-router"), "serve", "--listen", "127.0.0.1:0",
+    _, url = procs.start(name, [
+        str(BIN / "connex-router"), "serve", "--listen", "127.0.0.1:0",
         "--internal-listen", "127.0.0.1:0",
         "--admin-token", TOKEN, "--etcd", etcd, "--etcd-prefix", prefix,
         # No heartbeats in the bench: leases outlive it.
-        "--heartbeat-ttl-s", "3600",
-    )  # fmt: skip
+        "--heartbeat-ttl", "1h",
+    ])  # fmt: skip
     return url, procs.internal
 
 
@@ -164,7 +136,8 @@ def pct(values: list[float], p: float) -> float:
 def propagation(procs: Procs, etcd: str, count: int) -> list[float]:
     _, a = router(procs, "a", etcd, "/propagation")
     b, _ = router(procs, "b", etcd, "/propagation")
-    both = procs.start("both", str(BIN / "connex-mock-engine"), "--role", "both", "--model", "m")
+    mock = str(BIN / "connex-mock-engine")
+    _, both = procs.start("both", [mock, "--role", "both", "--model", "m"])
     both_ctrl = engine_ctrl(both)
     on_a, on_b = Conn(a), Conn(b)
     times = []
@@ -187,8 +160,8 @@ def propagation(procs: Procs, etcd: str, count: int) -> list[float]:
 
 
 def overhead(procs: Procs, etcd: str, requests: int, concurrency: int, rounds: int) -> dict:
-    prefill = procs.start("prefill", str(BIN / "connex-mock-engine"), "--role", "prefill")
-    decode = procs.start("decode", str(BIN / "connex-mock-engine"), "--role", "decode")
+    _, prefill = procs.start("prefill", [str(BIN / "connex-mock-engine"), "--role", "prefill"])
+    _, decode = procs.start("decode", [str(BIN / "connex-mock-engine"), "--role", "decode"])
     prefill_ctrl = engine_ctrl(prefill)
     targets = {}
     for n in (10, 1000):
@@ -237,7 +210,7 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     if not shutil.which("etcd"):
         raise SystemExit("etcd is missing: apt-get install etcd-server")
-    procs = Procs()
+    procs = Procs(str(OUT), log_prefix="registry-")
     data = Path(tempfile.mkdtemp(prefix="connex-bench-etcd-"))
     try:
         etcd = start_etcd(procs, data)

@@ -10,11 +10,12 @@
 //! - `edge/`: the listeners and the routes (`edge/server`, `edge/routes`),
 //!   who may call what (`edge/secrets.rs`, `tenants/` for client keys);
 //!   `body_budget.rs`: how many request body bytes may be in flight.
-//! - `protocols/`: wire formats. SSE, and the client protocols translated to
-//!   and from a chat (Responses, Messages).
+//! - `protocols/`: wire formats. SSE; OpenAI's chat and completions as the
+//!   phases read and write them (`protocols/openai`: the client body, stop
+//!   strings, chunk edits, output, assembly); the client protocols translated
+//!   to and from a chat (Responses, Messages).
 //! - `pd/`: a request's phases: tokens, prefill, decode, relay, resume,
-//!   re-prefill, continuation; the OpenAI chat and completions helpers those
-//!   phases write with (chunks, stops, output, assembly).
+//!   re-prefill, continuation, and the engine calls they make.
 //! - `journal.rs` (every request in flight and its progress), `hold_leases.rs` (the
 //!   router's side of the KV holds), `policy/` (choosing an instance),
 //!   `prefix/` (which prefixes each engine caches), `tenants/` (keys, fair
@@ -63,8 +64,8 @@ use edge::routes::access::Access;
 use edge::routes::Edge;
 use edge::secrets;
 use edge::server::{self as server, Http2Limits, ServerLimits, Shutdown};
-use engines::addresses as upstreams;
-use membership::{static_instances as statics, EtcdConfig, RegistryConfig};
+use engines::addresses::UpstreamPolicy;
+use membership::{static_instances, EtcdConfig, RegistryConfig};
 use observe::metrics;
 use state::AppState;
 use std::net::SocketAddr;
@@ -152,7 +153,7 @@ fn response_store(
 
 /// The membership's own configuration, from the router's flags (its etcd
 /// from their etcd group).
-fn registry_config(config: &RouterConfig, upstreams: &upstreams::UpstreamPolicy) -> RegistryConfig {
+fn registry_config(config: &RouterConfig, upstreams: &UpstreamPolicy) -> RegistryConfig {
     let etcd = &config.etcd;
     RegistryConfig {
         ttl: config.heartbeat_ttl,
@@ -206,14 +207,14 @@ impl Router {
         }
         let (listener, addr) = bind(config.listen).await?;
         let (internal_listener, internal_addr) = bind(config.internal_listen).await?;
-        let upstreams = upstreams::UpstreamPolicy::parse(config.allowed_upstreams.as_deref())?
+        let upstreams = UpstreamPolicy::parse(config.allowed_upstreams.as_deref())?
             .with_own_listeners(&[addr, internal_addr]);
         let upstreams = Arc::new(upstreams);
         // The recorder first: the membership sets its gauges as it opens.
         let idle = (!config.metrics_idle_timeout.is_zero()).then_some(config.metrics_idle_timeout);
         metrics::install(idle);
         let tokenizers = pd::tokenizer::Tokenizers::load(&config.tokenizer)?;
-        let statics = statics::instances(&config, &upstreams).await?;
+        let statics = static_instances::instances(&config, &upstreams).await?;
         let registry = membership::Registry::open(&registry_config(&config, &upstreams)).await?;
         // With --static-model they serve from the start; otherwise each is
         // registered once it says which models it serves (below).
@@ -221,7 +222,7 @@ impl Router {
             statics.into_iter().partition(|s| s.model.is_some());
         for instance in named {
             let model = instance.model.clone().unwrap_or_default();
-            statics::register(&registry, instance.registration(&model, true)).await?;
+            static_instances::register(&registry, instance.registration(&model, true)).await?;
         }
         let tenants = Arc::new(tenants::Tenants::new(tenants::TenantsConfig {
             api_key: config.api_key.clone(),
@@ -292,7 +293,7 @@ impl Router {
         for instance in unnamed {
             let (state, stop) = (state.clone(), background.clone());
             tasks.spawn(async move {
-                statics::discover(&state.flow.registry, &state.client, instance, stop).await;
+                static_instances::discover(&state.flow.registry, &state.client, instance, stop).await;
             });
         }
         tracing::info!(%addr, %internal_addr, "connex-router listening");
