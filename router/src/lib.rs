@@ -293,7 +293,8 @@ impl Router {
         for instance in unnamed {
             let (state, stop) = (state.clone(), background.clone());
             tasks.spawn(async move {
-                static_instances::discover(&state.flow.registry, &state.client, instance, stop).await;
+                static_instances::discover(&state.flow.registry, &state.client, instance, stop)
+                    .await;
             });
         }
         tracing::info!(%addr, %internal_addr, "connex-router listening");
