@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-import socket
 
+import harness
 import pytest
 import torch
 from connex.adapters.vllm.config import ConnexConfig
@@ -81,7 +81,7 @@ def test_a_device_kv_cache_is_staged_through_host_memory_with_the_tcp_backend():
     """By default a device cache is held staged (host copies) and pulled into
     host memory first: no device address ever reaches the tcp backend."""
     device_cache = torch.empty(NB, H, BS, 2 * D, dtype=torch.bfloat16, device=OFF_HOST)
-    cfg = ConnexConfig(ctrl_port=free_port())
+    cfg = ConnexConfig(ctrl_port=harness.free_port())
     worker = ConnexWorker(cfg, 0, NB, ["l0"], is_producer=True, is_consumer=True)
     try:
         worker.register_kv_caches({"l0": device_cache})
@@ -95,7 +95,7 @@ def test_a_device_kv_cache_is_staged_through_host_memory_with_the_tcp_backend():
 
 
 def test_a_host_kv_cache_held_in_place_is_registered_as_it_is():
-    cfg = ConnexConfig(ctrl_port=free_port(), hold="in_place")
+    cfg = ConnexConfig(ctrl_port=harness.free_port(), hold="in_place")
     worker = ConnexWorker(cfg, 0, NB, ["l0"], is_producer=True, is_consumer=True)
     try:
         worker.register_kv_caches({"l0": torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)})
@@ -104,9 +104,3 @@ def test_a_host_kv_cache_held_in_place_is_registered_as_it_is():
         assert len(worker._holder_rids) == 1 and len(worker._reader_rids) == 1
     finally:
         worker.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -10,7 +10,6 @@ engine's own (same TP, so the same arithmetic), computed without P/D.
 from __future__ import annotations
 
 import random
-import socket
 from collections.abc import Iterator
 
 import harness
@@ -22,32 +21,12 @@ from test_pd import prefill
 TP = 2
 
 
-def free_ports(count: int) -> int:
-    """A port p such that p .. p + count - 1 are free on loopback (one hold
-    listener per TP rank)."""
-    for _ in range(100):
-        base = harness.free_port()
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, harness.Engine]]:
     args = ["--tensor-parallel-size", str(TP), "--distributed-executor-backend", "mp"]
     p = harness.Engine("tp2_prefill", extra_args=args, threads_bind="nobind")
     p.kv_config = connex_kv("kv_producer", p, hold="staged", retain_s=120)
-    p.kv_config["kv_connector_extra_config"]["ctrl_port"] = free_ports(TP)
+    p.kv_config["kv_connector_extra_config"]["ctrl_port"] = harness.free_port(TP)
     d = harness.Engine("tp2_decoder", extra_args=args, threads_bind="nobind")
     d.kv_config = connex_kv("kv_consumer", d)
     harness.start_all([p, d])
