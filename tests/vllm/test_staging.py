@@ -357,7 +357,7 @@ def test_the_worker_stages_a_hold_in_its_step_and_never_reports_it_as_a_send():
     from connex.adapters.vllm.config import ConnexConfig
     from connex.adapters.vllm.scheduler import ConnexMetadata, HoldSpec
     from connex.adapters.vllm.worker import ConnexWorker
-    from test_layout_tensors import free_port
+    from harness import free_port
 
     cache = random_like(make("cpu")[0], 50)
     cfg = ConnexConfig(ctrl_port=free_port(), transfer_secret=SECRET)
