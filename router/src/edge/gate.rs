@@ -23,6 +23,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use super::held_body::HeldBody;
 use super::server::Shutdown;
 
 /// Whether clients are told which instances served them (`--expose-instance-headers`).
@@ -51,10 +52,8 @@ pub async fn admit(
     request.extensions_mut().insert(caller);
     request.extensions_mut().insert(admission.clone());
     next.run(request).await.map(|inner| {
-        Body::new(AdmittedBody {
-            inner,
-            _admission: admission,
-        })
+        // Held by the body until it ends.
+        Body::new(HeldBody::new(inner, admission))
     })
 }
 
@@ -105,32 +104,6 @@ pub struct AdmissionSlot(Arc<std::sync::Mutex<Option<Admission>>>);
 impl AdmissionSlot {
     pub fn take(&self) -> Option<Admission> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
-    }
-}
-
-/// A response body that holds its admission (its slot) until it is dropped.
-struct AdmittedBody {
-    inner: Body,
-    _admission: AdmissionSlot,
-}
-
-impl http_body::Body for AdmittedBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
     }
 }
 

@@ -5,6 +5,7 @@
 //! call what (`secrets.rs`: tokens compared in constant time).
 
 pub mod gate;
+pub mod held_body;
 pub mod routes;
 pub mod secrets;
 pub mod server;

@@ -3,16 +3,14 @@
 //! gracefully when the server drains or, on HTTP/2, when no request has been
 //! in flight for the idle timeout.
 
+use crate::edge::held_body::HeldBody;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Request};
 use axum::response::Response;
 use bytes::Bytes;
-use http_body::Frame;
 use hyper_util::server::graceful::GracefulConnection;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
@@ -90,12 +88,8 @@ where
         async move {
             let response = response.await?;
             Ok(match in_flight {
-                Some(guard) => response.map(|inner| {
-                    Body::new(Counted {
-                        inner,
-                        _in_flight: guard,
-                    })
-                }),
+                // Counted in flight until its body is dropped.
+                Some(guard) => response.map(|inner| Body::new(HeldBody::new(inner, guard))),
                 None => response,
             })
         }
@@ -178,34 +172,6 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
         self.0.changed.notify_waiters();
-    }
-}
-
-/// A response body that keeps its request counted in flight until it is
-/// dropped (ended, or its stream reset).
-struct Counted {
-    inner: Body,
-    _in_flight: InFlight,
-}
-
-impl http_body::Body for Counted {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    // HTTP/2 sets content-length from an exact hint.
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
     }
 }
 
