@@ -254,6 +254,29 @@ class Engine:
         return sum_metric(text, name, absent)
 
 
+def concurrently(calls: dict) -> dict:
+    """Runs every call at once, each in a thread of its own, and returns each
+    one's result, or the exception it raised (`outcome` raises it again, in
+    the test the call is for). An engine batches requests that come together:
+    a set of answers costs little more than one, where the model's answers do
+    not depend on what they are batched with (reasoning_model.py's model is
+    trained to wide logit margins for that)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(calls))) as pool:
+        futures = {key: pool.submit(call) for key, call in calls.items()}
+    results = {}
+    for key, future in futures.items():
+        error = future.exception()
+        results[key] = error if error is not None else future.result()
+    return results
+
+
+def outcome(result):
+    """A result of `concurrently`: the value, or its exception raised."""
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 def wait_for(check, timeout_s: float, what: str):
     """Polls `check` until it returns something truthy (returned) or time runs out."""
     deadline = time.monotonic() + timeout_s

@@ -394,12 +394,17 @@ def assert_complete_equal(got: dict, want: dict, resumed: bool = False) -> None:
 
 @pytest.fixture(scope="module")
 def reference(cluster) -> dict:
-    """Each chat's plain answer (no P/D), streamed and not."""
-    out = {}
-    for case in rm.CASES:
-        out[case, "stream"] = stream(cluster.plain.url, case)
-        out[case, "non-stream"] = complete(cluster.plain.url, case)
-    return out
+    """Each chat's plain answer (no P/D), streamed and not: all asked at once
+    (the model's answers do not depend on their batch: reasoning_model.py)."""
+    clients = {"stream": stream, "non-stream": complete}
+    answers = harness.concurrently(
+        {
+            (case, mode): (lambda c=case, m=mode: clients[m](cluster.plain.url, c))
+            for case in rm.CASES
+            for mode in MODES
+        }
+    )
+    return {key: harness.outcome(answer) for key, answer in answers.items()}
 
 
 # ---- the model and vLLM's parsers -------------------------------------------------------
@@ -434,16 +439,30 @@ def test_the_plain_engine_parses_the_models_answer(reference, case):
 # ---- through P/D, no failure ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", list(rm.CASES))
-def test_chat_through_pd_equals_the_plain_engine(cluster, reference, case, mode):
+@pytest.fixture(scope="module")
+def through_pd(cluster) -> dict:
+    """Each chat through P/D, streamed and not, all at once."""
     # d1 serves, so that d2 has nothing of these prompts cached when the kill
     # test resumes on it: its resumes must pull the prompt from the hold.
     cluster.only(D1)
+    clients = {"stream": stream, "non-stream": complete}
+    return harness.concurrently(
+        {
+            (case, mode): (lambda c=case, m=mode: clients[m](cluster.router.url, c))
+            for case in rm.CASES
+            for mode in MODES
+        }
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(rm.CASES))
+def test_chat_through_pd_equals_the_plain_engine(through_pd, reference, case, mode):
+    got = harness.outcome(through_pd[case, mode])
     if mode == "stream":
-        assert_stream_equal(stream(cluster.router.url, case), reference[case, mode])
+        assert_stream_equal(got, reference[case, mode])
     else:
-        assert_complete_equal(complete(cluster.router.url, case), reference[case, mode])
+        assert_complete_equal(got, reference[case, mode])
 
 
 # ---- Responses and Messages through P/D, against the plain engine's own routes ----------
@@ -607,16 +626,13 @@ def continue_chat(url: str, case: str, seen: list[dict]) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("case", list(rm.CASES))
-def test_the_tokens_api_continues_a_chat_cut_at_its_kill_point(cluster, case):
-    """The mechanism the router resumes a chat with, by hand on one engine:
-    the chunks a client got up to the kill point, then a continuation through
-    render, generate and streaming derender, accumulate to the uninterrupted
-    answer (reasoning, content, tool calls with the ids already sent)."""
-    url = cluster.plain.url
+def continued_at_kill_points(url: str, case: str) -> tuple[dict, list[tuple]]:
+    """A chat's uninterrupted answer, and for each of its kill points (its
+    region's ends and KILL_AT): the cut, the chunks the client got up to it,
+    and the answer continued from there through the tokens API."""
     events = sse_events(url, "/v1/chat/completions", body(case, "stream"))
-    want = accumulate(events)
     low, high = rm.kill_regions()[case]
+    continued = []
     for cut in sorted({low, rm.KILL_AT, high}):
         count, seen = 0, []
         for event in events:
@@ -624,7 +640,26 @@ def test_the_tokens_api_continues_a_chat_cut_at_its_kill_point(cluster, case):
             if count > cut:
                 break
             seen.append(event)
-        got = accumulate(seen + continue_chat(url, case, seen))
+        continued.append((cut, seen, accumulate(seen + continue_chat(url, case, seen))))
+    return accumulate(events), continued
+
+
+@pytest.fixture(scope="module")
+def continuations(cluster) -> dict:
+    """`continued_at_kill_points` of every case, all at once."""
+    return harness.concurrently(
+        {case: (lambda c=case: continued_at_kill_points(cluster.plain.url, c)) for case in rm.CASES}
+    )
+
+
+@pytest.mark.parametrize("case", list(rm.CASES))
+def test_the_tokens_api_continues_a_chat_cut_at_its_kill_point(continuations, case):
+    """The mechanism the router resumes a chat with, by hand on one engine:
+    the chunks a client got up to the kill point, then a continuation through
+    render, generate and streaming derender, accumulate to the uninterrupted
+    answer (reasoning, content, tool calls with the ids already sent)."""
+    want, continued = harness.outcome(continuations[case])
+    for cut, seen, got in continued:
         for key in ("reasoning", "content", "finish_reason", "token_ids"):
             assert got[key] == want[key], (cut, key, got[key], want[key])
         assert streamed_calls(got) == streamed_calls(want), cut
@@ -736,10 +771,10 @@ def kill_batch(
     def where(settled: int) -> dict[tuple, int]:
         """Where the router has each request once d1's API server (slower than
         its core on a busy machine) has sent on all that the frozen core
-        computed: when `settled` + 1 reads 0.25 s apart agree."""
+        computed: when `settled` + 1 reads 0.1 s apart agree."""
         reads: list[dict] = []
-        for _ in range(60):
-            time.sleep(0.25)
+        for _ in range(150):
+            time.sleep(0.1)
             reads.append(
                 {ids[rid]: e["generated_tokens"] for rid, e in journal(cluster.router, ids).items()}
             )
@@ -768,7 +803,13 @@ def kill_batch(
             "the batch to be prefilled",
         )
         time.sleep(1.0)  # d1's API server hands the batch to its frozen core
-        step, last, checked = 0.01, None, False
+        thaw, checked = 0.01, False
+        # The most tokens per second of thaw the batch has made (measured on
+        # its leading request, over thaws that brought two tokens or more):
+        # thaws are sized from it, never from a slower rate (the first decode
+        # steps at a new batch size are slow; the decoder may speed up after,
+        # never past the fastest it has gone, and a thaw at most doubles).
+        fastest, lead, thawed = 0.0, 0, 0.0
         deadline = time.monotonic() + 240
         with stepped_precisely(core):
             while time.monotonic() < deadline:
@@ -779,7 +820,7 @@ def kill_batch(
                 if gap <= 12:
                     cut = where(3)
                 at = sorted(set(cut.values()))
-                print(f"{victim} frozen (thawed {step * 1000:.0f} ms) at {at}")
+                print(f"{victim} frozen (thawed {thaw * 1000:.0f} ms) at {at}")
                 if len(cut) < len(ids) or any(cut[k] > regions[k[0]][1] for k in cut):
                     print(f"missed the kill points at {sorted(cut.items())} (regions {regions})")
                     break
@@ -795,22 +836,24 @@ def kill_batch(
                     d1.kill(signal.SIGKILL)
                     frozen, killed = False, True
                     break
-                # Thawed longer while far from the kill points; near them, as long
-                # as brings a token or two (a busy machine runs d1 less), never
-                # more than 20 ms: a tiny model decodes the batch a token per
-                # few ms, and one long thaw would cross a kill region whole.
-                moved = max((cut[k] - last.get(k, 0) for k in cut), default=0) if last else 1
-                if gap > 20:
-                    step = 0.05
-                elif gap > 12:
-                    step = 0.02
-                elif moved == 0:
-                    step = min(step * 2, 0.02)
-                elif moved > 2:
-                    step = max(step / 2, 0.005)
-                last = cut
+                # The next thaw: long enough for a third of the tokens left
+                # before the first request would leave its kill region (and no
+                # more than all need to reach theirs), at the fastest rate seen;
+                # until two tokens have come, doubling up to 100 ms far from
+                # the kill points and 20 ms near them (a tiny model on a fast
+                # machine decodes a token per few ms).
+                if max(cut.values(), default=0) - lead >= 2:
+                    fastest = max(fastest, (max(cut.values()) - lead) / thawed)
+                    lead, thawed = max(cut.values()), 0.0
+                room = min(regions[k[0]][1] - cut[k] for k in cut)
+                if fastest > 0:
+                    tokens = max(1, min(gap, room // 3))
+                    thaw = min(max(tokens / fastest, 0.005), 2 * thaw, 0.5)
+                else:
+                    thaw = min(2 * thaw, 0.1 if gap > 20 else 0.02)
+                thawed += thaw
                 signal_all(core, signal.SIGCONT)
-                time.sleep(step)
+                time.sleep(thaw)
                 signal_all(core, signal.SIGSTOP)
     finally:
         if frozen:
@@ -913,35 +956,65 @@ def test_every_cut_chat_was_resumed_once_from_the_hold(cluster, killed):
 # answers. After the kill tests, so that d1 is left to the kill batch alone.
 
 
+def responses_and_messages(cluster) -> dict:
+    """Every case as Responses and as Messages: the plain engine's own answer
+    (`want`), the router's (`got`) and the router's stream through the
+    official client (`streamed`), all asked at once."""
+    headers = {"anthropic-version": "2023-06-01"}
+
+    def messages(url: str, case: str) -> dict:
+        reply = httpx.post(
+            f"{url}/v1/messages", json=messages_body(case), headers=headers, timeout=BATCH_S
+        )
+        return reply.json()
+
+    calls = {}
+    plain, router = cluster.plain.url, cluster.router.url
+    for case in rm.CASES:
+        calls["responses", case, "want"] = lambda c=case: post_json(
+            plain, "/v1/responses", responses_body(c)
+        )
+        calls["responses", case, "got"] = lambda c=case: post_json(
+            router, "/v1/responses", responses_body(c)
+        )
+        calls["responses", case, "streamed"] = lambda c=case: responses_stream(router, c)
+        calls["messages", case, "want"] = lambda c=case: messages(plain, c)
+        calls["messages", case, "got"] = lambda c=case: messages(router, c)
+        calls["messages", case, "streamed"] = lambda c=case: messages_stream(router, c)
+    return harness.concurrently(calls)
+
+
+@pytest.fixture(scope="module")
+def translated(cluster, killed) -> dict:
+    # After the chat kill batch, which leaves d1 dead: d2 serves. (Before it,
+    # d2 would have these prompts cached, and the kill test's resumes on d2
+    # must pull them from the hold.)
+    return responses_and_messages(cluster)
+
+
 @pytest.mark.parametrize("case", list(rm.CASES))
-def test_responses_through_pd_equal_the_plain_engines(cluster, case):
-    # d1 is dead (the kill tests): d2 serves.
-    want = post_json(cluster.plain.url, "/v1/responses", responses_body(case))
-    got = post_json(cluster.router.url, "/v1/responses", responses_body(case))
+def test_responses_through_pd_equal_the_plain_engines(translated, case):
+    want, got, streamed = (
+        harness.outcome(translated["responses", case, part]) for part in ("want", "got", "streamed")
+    )
     assert response_items(got) == response_items(want), (got, want)
     assert got["status"] == want["status"]
     assert got["usage"]["output_tokens"] == want["usage"]["output_tokens"]
     reasoning, content, calls = rm.EXPECTED[case]
     assert response_items(got)[0] == ("reasoning", reasoning)
     # Streamed through the official client: the same items.
-    assert responses_stream(cluster.router.url, case)["items"] == response_items(want)
+    assert streamed["items"] == response_items(want)
 
 
 @pytest.mark.parametrize("case", list(rm.CASES))
-def test_messages_through_pd_equal_the_plain_engines(cluster, case):
-    # d1 is dead (the kill tests): d2 serves.
-    headers = {"anthropic-version": "2023-06-01"}
-    want = httpx.post(
-        f"{cluster.plain.url}/v1/messages", json=messages_body(case), headers=headers, timeout=120
-    ).json()
-    got = httpx.post(
-        f"{cluster.router.url}/v1/messages", json=messages_body(case), headers=headers, timeout=120
-    ).json()
+def test_messages_through_pd_equal_the_plain_engines(translated, case):
+    want, got, streamed = (
+        harness.outcome(translated["messages", case, part]) for part in ("want", "got", "streamed")
+    )
     assert message_blocks(got) == message_blocks(want), (got, want)
     assert got["stop_reason"] == want["stop_reason"]
     assert got["usage"]["output_tokens"] == want["usage"]["output_tokens"]
     # Streamed through the official client: the same blocks.
-    streamed = messages_stream(cluster.router.url, case)
     assert streamed["blocks"] == message_blocks(want)
     assert streamed["stop_reason"] == want["stop_reason"]
 
@@ -978,31 +1051,26 @@ def killed_translated(cluster, killed) -> dict:
 
 @pytest.mark.parametrize("case", ["reasoning", "arguments"])
 def test_a_responses_stream_cut_by_a_decoder_kill_equals_the_plain_engines(
-    cluster, killed_translated, case
+    translated, killed_translated, case
 ):
     low, high = rm.kill_regions()[case]
     assert low <= killed_translated["cut"][case, "responses"] <= high, killed_translated["cut"]
     got = killed_translated["answers"][case, "responses"]
     assert not got["errors"], got["errors"]
-    want = post_json(cluster.plain.url, "/v1/responses", responses_body(case))
+    want = harness.outcome(translated["responses", case, "want"])
     assert got["items"] == response_items(want)
     assert got["status"] == want["status"] == "completed"
 
 
 @pytest.mark.parametrize("case", ["reasoning", "arguments"])
 def test_a_messages_stream_cut_by_a_decoder_kill_equals_the_plain_engines(
-    cluster, killed_translated, case
+    translated, killed_translated, case
 ):
     low, high = rm.kill_regions()[case]
     assert low <= killed_translated["cut"][case, "messages"] <= high, killed_translated["cut"]
     got = killed_translated["answers"][case, "messages"]
     assert not got["errors"], got["errors"]
-    want = httpx.post(
-        f"{cluster.plain.url}/v1/messages",
-        json=messages_body(case),
-        headers={"anthropic-version": "2023-06-01"},
-        timeout=BATCH_S,
-    ).json()
+    want = harness.outcome(translated["messages", case, "want"])
     assert got["blocks"] == message_blocks(want)
     assert got["stop_reason"] == want["stop_reason"]
 
