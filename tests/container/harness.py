@@ -65,8 +65,12 @@ def require_docker() -> None:
 
 
 def build_images() -> None:
-    """Router and engine images from the host's binaries, and the etcd image."""
-    subprocess.run([str(ROOT / "docker" / "build-images.sh")], check=True, cwd=ROOT)
+    """Router and engine images from the host's binaries (unless
+    CONNEX_IMAGES_BUILT says whoever started the tier has just built them:
+    tests/run does, then runs the tier beside its cargo steps, which the
+    script's own `cargo build` would wait for), and the etcd image."""
+    if not os.environ.get("CONNEX_IMAGES_BUILT"):
+        subprocess.run([str(ROOT / "docker" / "build-images.sh")], check=True, cwd=ROOT)
     host_binary_image(ETCD_IMAGE, "etcd.Dockerfile", "etcd", "etcd-server")
 
 
