@@ -149,12 +149,11 @@ async fn cache_cluster(router_flags: &[&str], a_extra: &[&str]) -> (Proc, Proc, 
     ]
     .concat();
     let a = [PREFIX_CACHE, a_extra].concat();
-    let (router, engines) = pd_cluster(
+    let (router, [a, b, decode]) = pd_cluster(
         &flags,
-        &[("prefill", &a), ("prefill", PREFIX_CACHE), ("decode", &[])],
+        [("prefill", &a), ("prefill", PREFIX_CACHE), ("decode", &[])],
     )
     .await;
-    let [a, b, decode] = <[Proc; 3]>::try_from(engines).ok().unwrap();
     (router, a, b, decode)
 }
 

@@ -13,8 +13,7 @@ use std::time::Duration;
 /// A router with one prefill and one decode engine, and a lone engine of the
 /// same model as the reference.
 async fn cluster() -> (Proc, Proc, Proc, Proc) {
-    let (router, engines) = pd_cluster(&[], &[("prefill", &[]), ("decode", &[])]).await;
-    let [prefill, decode] = <[Proc; 2]>::try_from(engines).ok().unwrap();
+    let (router, [prefill, decode]) = pd_cluster(&[], [("prefill", &[]), ("decode", &[])]).await;
     let reference = engine(None, "both", &[]);
     (router, prefill, decode, reference)
 }
@@ -251,11 +250,15 @@ async fn the_rest_of_the_openai_surface_passes_through_untouched() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn passthrough_goes_to_the_least_loaded_instance_of_any_role() {
-    let router = router(&[]);
-    let prefill = engine(Some(&router), "prefill", &[]);
     // A slow decoder: a stream keeps it busy for seconds.
-    let decode = engine(Some(&router), "decode", &["--decode-us-per-token", "20000"]);
-    wait_ready(&router, 2).await;
+    let (router, [prefill, decode]) = pd_cluster(
+        &[],
+        [
+            ("prefill", &[]),
+            ("decode", &["--decode-us-per-token", "20000"]),
+        ],
+    )
+    .await;
     // A model served by one decode-role instance only.
     let solo = engine(Some(&router), "decode", &["--model", "solo"]);
     wait_ready(&router, 3).await;
@@ -669,11 +672,15 @@ async fn stop_across(reference: &Proc, path: &str, body: &Value, at: usize) -> S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_strings_are_matched_by_the_router_as_the_engine_would() {
-    let router = router(&[]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
     // Paced, so that it is still generating when the stop is found.
-    let decode = engine(Some(&router), "decode", &["--decode-us-per-token", "5000"]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, decode]) = pd_cluster(
+        &[],
+        [
+            ("prefill", &[]),
+            ("decode", &["--decode-us-per-token", "5000"]),
+        ],
+    )
+    .await;
     let reference = engine(None, "both", &[]);
     let completion = json!({"model":"mock","prompt":"Stop strings","max_tokens":30});
     let chat = json!({"model":"mock","messages":[{"role":"user","content":"Stop"}],"max_completion_tokens":30});
@@ -723,10 +730,11 @@ async fn stop_strings_are_matched_by_the_router_as_the_engine_would() {
 /// token ids and usage included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_string_ending_inside_a_merged_chunk_keeps_the_engines_token_ids() {
-    let router = router(&[]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &["--tokens-per-chunk", "4"]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, _decode]) = pd_cluster(
+        &[],
+        [("prefill", &[]), ("decode", &["--tokens-per-chunk", "4"])],
+    )
+    .await;
     let reference = engine(None, "both", &[]);
     let completion =
         json!({"model":"mock","prompt":"Merged","max_tokens":20,"return_token_ids":true});
@@ -777,12 +785,16 @@ async fn a_decoder_dying_while_a_stop_string_is_held_back_loses_no_character() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_aborts_the_decoder_within_one_event() {
-    let router = router(&[]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
     // One token every 50 ms: an event the decoder sends after the router let go
     // of it would show.
-    let decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, decode]) = pd_cluster(
+        &[],
+        [
+            ("prefill", &[]),
+            ("decode", &["--decode-us-per-token", "50000"]),
+        ],
+    )
+    .await;
     let mut response = client()
         .post(format!("{}/v1/completions", router.url))
         .json(&json!({"model":"mock","prompt":"disconnect","max_tokens":400,"stream":true}))
@@ -812,10 +824,7 @@ async fn a_client_that_disconnects_aborts_the_decoder_within_one_event() {
 /// length are bounded, and a request past the bound is a clear 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn too_many_or_too_long_stop_strings_are_a_400() {
-    let router = router(&[]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _decoder = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, _decoder]) = pd_cluster(&[], [("prefill", &[]), ("decode", &[])]).await;
     let many: Vec<String> = (0..65).map(|i| format!("stop{i}")).collect();
     let long = "x".repeat(1025);
     for stop in [json!(many), json!([long])] {

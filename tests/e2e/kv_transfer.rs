@@ -53,10 +53,7 @@ async fn decode_with(decode: &Proc, prompt: &str, params: &Value) -> (u16, Value
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decoder_pulls_the_prefill_kv_verifies_it_and_releases_the_hold() {
-    let router = router(&[]);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let decode = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 2).await;
+    let (router, [prefill, decode]) = pd_cluster(&[], [("prefill", &[]), ("decode", &[])]).await;
     let prompt_len = model::tokenize(PROMPT).len() as u64;
 
     let (status, reply) = post(

@@ -207,10 +207,14 @@ async fn a_body_that_trickles_past_the_body_read_timeout_gets_408() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_past_the_concurrency_limit_get_429_with_retry_after() {
     // No queue: past the limit is 429 at once (tenants.rs tests the queue).
-    let router = router(&["--max-concurrent-requests", "2", "--max-queue-wait-ms", "0"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, _decode]) = pd_cluster(
+        &["--max-concurrent-requests", "2", "--max-queue-wait-ms", "0"],
+        [
+            ("prefill", &[]),
+            ("decode", &["--decode-us-per-token", "50000"]),
+        ],
+    )
+    .await;
     let first = open_stream(&router, 60).await;
     let second = open_stream(&router, 60).await;
     let third = client()

@@ -286,22 +286,25 @@ fn family_of<'a>(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_name_the_model_time_each_instance_and_all_have_help() {
-    let router = router(&["--decode-policy", "round_robin"]);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let _d0 = engine(
-        Some(&router),
-        "decode",
-        &[
-            "--id",
-            "d0",
-            "--crash-after-tokens",
-            "4",
-            "--decode-us-per-token",
-            "1000",
+    let (router, [prefill, _d0, _d1]) = pd_cluster(
+        &["--decode-policy", "round_robin"],
+        [
+            ("prefill", &[]),
+            (
+                "decode",
+                &[
+                    "--id",
+                    "d0",
+                    "--crash-after-tokens",
+                    "4",
+                    "--decode-us-per-token",
+                    "1000",
+                ],
+            ),
+            ("decode", &["--id", "d1"]),
         ],
-    );
-    let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
-    wait_ready(&router, 3).await;
+    )
+    .await;
     let prefill_id = instance_id(&router, &prefill).await;
     let body = json!({"model": "mock", "prompt": "count me", "max_tokens": 12, "stream": true});
     stream(&router, "/v1/completions", &body).await;
@@ -359,16 +362,20 @@ async fn metrics_name_the_model_time_each_instance_and_all_have_help() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn instance_gauges_follow_the_membership_and_removed_instances_leave_metrics() {
-    let router = router(&[
-        "--decode-policy",
-        "round_robin",
-        "--metrics-idle-timeout-s",
-        "1",
-    ]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let mut d0 = engine(Some(&router), "decode", &["--id", "d0"]);
-    let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
-    wait_ready(&router, 3).await;
+    let (router, [_prefill, mut d0, _d1]) = pd_cluster(
+        &[
+            "--decode-policy",
+            "round_robin",
+            "--metrics-idle-timeout-s",
+            "1",
+        ],
+        [
+            ("prefill", &[]),
+            ("decode", &["--id", "d0"]),
+            ("decode", &["--id", "d1"]),
+        ],
+    )
+    .await;
     let body = json!({"model": "mock", "prompt": "hi", "max_tokens": 4});
     assert_eq!(post(&router, "/v1/completions", &body).await.0, 200);
     let state = |text: &str, role: &str, state: &str| {
@@ -541,27 +548,30 @@ fn trace_parent(header: &str) -> (String, String) {
 #[tokio::test(flavor = "multi_thread")]
 async fn traces_continue_the_clients_trace_to_every_engine_call_and_are_exported() {
     let (collector, spans) = otlp_receiver().await;
-    let router = router(&[
-        "--decode-policy",
-        "round_robin",
-        "--otlp-endpoint",
-        &collector,
-    ]);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let d0 = engine(
-        Some(&router),
-        "decode",
+    let (router, [prefill, d0, d1]) = pd_cluster(
         &[
-            "--id",
-            "d0",
-            "--crash-after-tokens",
-            "4",
-            "--decode-us-per-token",
-            "1000",
+            "--decode-policy",
+            "round_robin",
+            "--otlp-endpoint",
+            &collector,
         ],
-    );
-    let d1 = engine(Some(&router), "decode", &["--id", "d1"]);
-    wait_ready(&router, 3).await;
+        [
+            ("prefill", &[]),
+            (
+                "decode",
+                &[
+                    "--id",
+                    "d0",
+                    "--crash-after-tokens",
+                    "4",
+                    "--decode-us-per-token",
+                    "1000",
+                ],
+            ),
+            ("decode", &["--id", "d1"]),
+        ],
+    )
+    .await;
     let (trace_id, client_span) = (TRACE_ID, CLIENT_SPAN);
     traced_stream(&router, 12).await;
     // d0's records (it crashed) are gone with it: what it got is checked
@@ -666,10 +676,7 @@ async fn traces_continue_the_clients_trace_to_every_engine_call_and_are_exported
 /// prefill and its decode.
 #[tokio::test(flavor = "multi_thread")]
 async fn without_an_exporter_the_engines_still_get_the_trace() {
-    let router = router(&[]);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let decoder = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 2).await;
+    let (router, [prefill, decoder]) = pd_cluster(&[], [("prefill", &[]), ("decode", &[])]).await;
     let (trace_id, client_span) = (TRACE_ID, CLIENT_SPAN);
     traced_stream(&router, 4).await;
     let traced = |call: &Value| trace_parent(call["traceparent"].as_str().expect("a traceparent"));
@@ -696,10 +703,7 @@ async fn without_an_exporter_the_engines_still_get_the_trace() {
 /// client sending made-up names must not grow the metric series.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn made_up_model_names_do_not_become_metric_series() {
-    let router = router(&[]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _decoder = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, _decoder]) = pd_cluster(&[], [("prefill", &[]), ("decode", &[])]).await;
     for i in 0..20 {
         let body = json!({"model": format!("made-up-{i}"), "prompt": "x", "max_tokens": 2});
         let (status, _) = post(&router, "/v1/completions", &body).await;
@@ -714,10 +718,7 @@ async fn made_up_model_names_do_not_become_metric_series() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sequential_streams_reuse_the_connection_to_their_decoder() {
-    let router = router(&[]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let decoder = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, decoder]) = pd_cluster(&[], [("prefill", &[]), ("decode", &[])]).await;
     let body = json!({"model": "mock", "prompt": "again", "max_tokens": 8, "stream": true});
     for _ in 0..20 {
         let chunks = stream(&router, "/v1/completions", &body).await;

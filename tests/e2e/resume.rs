@@ -532,34 +532,36 @@ async fn decoder_answering_5xx_is_failed_over() {
 async fn request_resumed_twice_in_a_row() {
     // Round-robin over the sorted ids, skipping failed decoders, picks d0, then
     // d2, then d1: the first two crash.
-    let router = router(&["--decode-policy", "round_robin"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _d0 = engine(
-        Some(&router),
-        "decode",
-        &[
-            "--id",
-            "d0",
-            "--crash-after-tokens",
-            "3",
-            "--decode-us-per-token",
-            PACE_US,
+    let (router, [_prefill, _d0, _d1, _d2]) = pd_cluster(
+        &["--decode-policy", "round_robin"],
+        [
+            ("prefill", &[]),
+            (
+                "decode",
+                &[
+                    "--id",
+                    "d0",
+                    "--crash-after-tokens",
+                    "3",
+                    "--decode-us-per-token",
+                    PACE_US,
+                ],
+            ),
+            ("decode", &["--id", "d1"]),
+            (
+                "decode",
+                &[
+                    "--id",
+                    "d2",
+                    "--crash-after-tokens",
+                    "4",
+                    "--decode-us-per-token",
+                    PACE_US,
+                ],
+            ),
         ],
-    );
-    let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
-    let _d2 = engine(
-        Some(&router),
-        "decode",
-        &[
-            "--id",
-            "d2",
-            "--crash-after-tokens",
-            "4",
-            "--decode-us-per-token",
-            PACE_US,
-        ],
-    );
-    wait_ready(&router, 4).await;
+    )
+    .await;
     let outcome = request(&router, SHAPES[0], json!({})).await;
     assert_uninterrupted(&outcome, SHAPES[0], "resumed twice");
     let text = metrics_text(&router).await;
@@ -573,33 +575,32 @@ async fn request_resumed_twice_in_a_row() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exceeding_max_resumes_ends_with_an_error() {
     for shape in SHAPES {
-        let router = router(&[
-            "--decode-policy",
-            "round_robin",
-            "--max-resumes",
-            "1",
-            "--resume-wait-ms",
-            "100",
-        ]);
-        let _prefill = engine(Some(&router), "prefill", &[]);
-        let _d0 = engine(
-            Some(&router),
-            "decode",
+        let (router, [_prefill, _d0, _d1]) = pd_cluster(
             &[
-                "--id",
-                "d0",
-                "--crash-after-tokens",
-                "3",
-                "--decode-us-per-token",
-                PACE_US,
+                "--decode-policy",
+                "round_robin",
+                "--max-resumes",
+                "1",
+                "--resume-wait-ms",
+                "100",
             ],
-        );
-        let _d1 = engine(
-            Some(&router),
-            "decode",
-            &["--id", "d1", "--truncate-after-tokens", "2"],
-        );
-        wait_ready(&router, 3).await;
+            [
+                ("prefill", &[]),
+                (
+                    "decode",
+                    &[
+                        "--id",
+                        "d0",
+                        "--crash-after-tokens",
+                        "3",
+                        "--decode-us-per-token",
+                        PACE_US,
+                    ],
+                ),
+                ("decode", &["--id", "d1", "--truncate-after-tokens", "2"]),
+            ],
+        )
+        .await;
         let outcome = request(&router, shape, json!({})).await;
         let error = outcome.error.clone().expect("an error, not a truncation");
         let expected = model::generate(&shape.prompt_ids(), MAX_TOKENS);
@@ -628,19 +629,22 @@ async fn exceeding_max_resumes_ends_with_an_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_decoder_left_ends_with_an_error() {
     for shape in SHAPES {
-        let router = router(&["--resume-wait-ms", "200"]);
-        let _prefill = engine(Some(&router), "prefill", &[]);
-        let _d0 = engine(
-            Some(&router),
-            "decode",
-            &[
-                "--crash-after-tokens",
-                "3",
-                "--decode-us-per-token",
-                PACE_US,
+        let (router, [_prefill, _d0]) = pd_cluster(
+            &["--resume-wait-ms", "200"],
+            [
+                ("prefill", &[]),
+                (
+                    "decode",
+                    &[
+                        "--crash-after-tokens",
+                        "3",
+                        "--decode-us-per-token",
+                        PACE_US,
+                    ],
+                ),
             ],
-        );
-        wait_ready(&router, 2).await;
+        )
+        .await;
         let outcome = request(&router, shape, json!({})).await;
         let error = outcome.error.expect("an error, not a truncation");
         if shape.stream {
@@ -733,22 +737,25 @@ async fn assert_no_holds_left(prefill: &Proc) {
 async fn cluster_losing_holds(router_flags: &[&str]) -> (Proc, Proc, Proc, Proc) {
     let mut flags = vec!["--decode-policy", "round_robin"];
     flags.extend_from_slice(router_flags);
-    let router = router(&flags);
-    let prefill = engine(Some(&router), "prefill", &["--hold-release", "after_pull"]);
-    let faulty = engine(
-        Some(&router),
-        "decode",
-        &[
-            "--id",
-            "d0",
-            "--crash-after-tokens",
-            "5",
-            "--decode-us-per-token",
-            PACE_US,
+    let (router, [prefill, faulty, healthy]) = pd_cluster(
+        &flags,
+        [
+            ("prefill", &["--hold-release", "after_pull"]),
+            (
+                "decode",
+                &[
+                    "--id",
+                    "d0",
+                    "--crash-after-tokens",
+                    "5",
+                    "--decode-us-per-token",
+                    PACE_US,
+                ],
+            ),
+            ("decode", &["--id", "d1"]),
         ],
-    );
-    let healthy = engine(Some(&router), "decode", &["--id", "d1"]);
-    wait_ready(&router, 3).await;
+    )
+    .await;
     (router, prefill, faulty, healthy)
 }
 
@@ -812,21 +819,21 @@ async fn lost_hold_with_the_fail_policy_ends_with_an_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_prefill_instance_is_replaced_by_a_prefill_elsewhere() {
-    let router = router(&[
-        "--decode-policy",
-        "round_robin",
-        "--prefill-policy",
-        "round_robin",
-    ]);
-    let mut p0 = engine(Some(&router), "prefill", &["--id", "p0"]);
-    let p1 = engine(Some(&router), "prefill", &["--id", "p1"]);
-    let faulty = engine(
-        Some(&router),
-        "decode",
-        &["--id", "d0", "--stall-after-tokens", "6"],
-    );
-    let _healthy = engine(Some(&router), "decode", &["--id", "d1"]);
-    wait_ready(&router, 4).await;
+    let (router, [mut p0, p1, faulty, _healthy]) = pd_cluster(
+        &[
+            "--decode-policy",
+            "round_robin",
+            "--prefill-policy",
+            "round_robin",
+        ],
+        [
+            ("prefill", &["--id", "p0"]),
+            ("prefill", &["--id", "p1"]),
+            ("decode", &["--id", "d0", "--stall-after-tokens", "6"]),
+            ("decode", &["--id", "d1"]),
+        ],
+    )
+    .await;
     let cluster = Cluster {
         router,
         _prefill: p1,
@@ -865,11 +872,15 @@ async fn dead_prefill_instance_is_replaced_by_a_prefill_elsewhere() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_releases_the_hold_and_aborts_the_decoder() {
-    let router = router(&[]);
     // A prefill that never frees a hold by itself within the test.
-    let prefill = engine(Some(&router), "prefill", &["--retain-s", "600"]);
-    let decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
-    wait_ready(&router, 2).await;
+    let (router, [prefill, decode]) = pd_cluster(
+        &[],
+        [
+            ("prefill", &["--retain-s", "600"]),
+            ("decode", &["--decode-us-per-token", "50000"]),
+        ],
+    )
+    .await;
     let mut response = client()
         .post(format!("{}/v1/completions", router.url))
         .json(&json!({"model":"mock","prompt":PROMPT,"max_tokens":200,"stream":true}))
@@ -920,22 +931,25 @@ async fn client_disconnect_releases_the_hold_and_aborts_the_decoder() {
 async fn a_long_request_keeps_its_hold_alive_for_a_late_resume() {
     // Leases of 1 s; the decode takes ~2.5 s before d0 dies at token 40. The
     // router renews the hold, so the resume pulls it: no second prefill.
-    let router = router(&["--decode-policy", "round_robin"]);
-    let prefill = engine(Some(&router), "prefill", &["--retain-s", "1"]);
-    let _d0 = engine(
-        Some(&router),
-        "decode",
-        &[
-            "--id",
-            "d0",
-            "--crash-after-tokens",
-            "40",
-            "--decode-us-per-token",
-            "60000",
+    let (router, [prefill, _d0, _d1]) = pd_cluster(
+        &["--decode-policy", "round_robin"],
+        [
+            ("prefill", &["--retain-s", "1"]),
+            (
+                "decode",
+                &[
+                    "--id",
+                    "d0",
+                    "--crash-after-tokens",
+                    "40",
+                    "--decode-us-per-token",
+                    "60000",
+                ],
+            ),
+            ("decode", &["--id", "d1"]),
         ],
-    );
-    let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
-    wait_ready(&router, 3).await;
+    )
+    .await;
     let body = json!({"model":"mock","prompt":PROMPT,"max_tokens":48,"stream":true,"return_token_ids":true});
     let chunks = stream(&router, "/v1/completions", &body).await;
     assert_eq!(

@@ -10,8 +10,8 @@ const PROMPT: &str = "The quick brown fox";
 
 /// A router with one prefill and one decode engine, all ready.
 async fn cluster(router_flags: &[&str]) -> (Proc, Proc, Proc) {
-    let (router, engines) = pd_cluster(router_flags, &[("prefill", &[]), ("decode", &[])]).await;
-    let [prefill, decode] = <[Proc; 2]>::try_from(engines).ok().unwrap();
+    let (router, [prefill, decode]) =
+        pd_cluster(router_flags, [("prefill", &[]), ("decode", &[])]).await;
     (router, prefill, decode)
 }
 

@@ -44,10 +44,8 @@ async fn a_client_of_the_openai_port_cannot_register_administer_or_scrape() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_instance_cannot_be_hijacked_by_re_registration() {
-    let router = router(&[]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let real = engine(Some(&router), "decode", &["--id", "d0"]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, real]) =
+        pd_cluster(&[], [("prefill", &[]), ("decode", &["--id", "d0"])]).await;
     let attacker = engine(None, "decode", &[]);
 
     // Re-registering d0 at another URL, without its credential: refused.
@@ -330,18 +328,14 @@ async fn tokens_come_from_files_and_engines_register_with_them() {
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("register-token");
     std::fs::write(&file, "file-token-5678\n").unwrap();
-    let router = router(&["--register-token-file", file.to_str().unwrap()]);
-    let _prefill = engine(
-        Some(&router),
-        "prefill",
-        &["--register-token", "file-token-5678"],
-    );
-    let _decode = engine(
-        Some(&router),
-        "decode",
-        &["--register-token", "file-token-5678"],
-    );
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, _decode]) = pd_cluster(
+        &["--register-token-file", file.to_str().unwrap()],
+        [
+            ("prefill", &["--register-token", "file-token-5678"]),
+            ("decode", &["--register-token", "file-token-5678"]),
+        ],
+    )
+    .await;
     let (status, _) = post_internal(
         &router,
         "/v1/instances",
@@ -388,9 +382,7 @@ async fn instance_ids_reach_clients_only_when_exposed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_events_without_the_credential_are_refused_before_their_body_is_read() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let router = router(&[]);
-    let _d0 = engine(Some(&router), "decode", &["--id", "d0"]);
-    wait_ready(&router, 1).await;
+    let (router, [_d0]) = pd_cluster(&[], [("decode", &["--id", "d0"])]).await;
     let addr = router.internal.trim_start_matches("http://").to_string();
     let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
     // A 4 MiB batch announced; its first bytes sent, the rest never.

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 /// Router A with the scale-out cluster registered, router B with the same
 /// engines as static instances; both on `redis`.
-async fn two_replicas(redis: &Redis, d0_flags: &[&str]) -> (Proc, Proc, Vec<Proc>) {
+async fn two_replicas(redis: &Redis, d0_flags: &[&str]) -> (Proc, Proc, [Proc; 3]) {
     replicas_with(redis, &[], d0_flags).await
 }
 
@@ -20,7 +20,7 @@ async fn replicas_with(
     redis: &Redis,
     router_flags: &[&str],
     d0_flags: &[&str],
-) -> (Proc, Proc, Vec<Proc>) {
+) -> (Proc, Proc, [Proc; 3]) {
     let mut store = vec!["--response-store", redis.url.as_str()];
     store.extend_from_slice(router_flags);
     let (a, engines) = scale_out_cluster(&store, d0_flags).await;

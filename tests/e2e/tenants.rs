@@ -72,8 +72,8 @@ async fn post_as(router: &Proc, key: Option<&str>, body: &Value) -> reqwest::Res
 /// tokens take `decode_us` each.
 async fn cluster(extra: &[&str], decode_us: &str) -> (Proc, Proc, Proc) {
     let decoder: &[&str] = &["--decode-us-per-token", decode_us];
-    let (router, engines) = pd_cluster(extra, &[("prefill", &[]), ("decode", decoder)]).await;
-    let [prefill, decode] = <[Proc; 2]>::try_from(engines).ok().unwrap();
+    let (router, [prefill, decode]) =
+        pd_cluster(extra, [("prefill", &[]), ("decode", decoder)]).await;
     (router, prefill, decode)
 }
 

@@ -828,13 +828,13 @@ impl TrackedStreams {
 /// A router (`router_flags`) and its engines (role and flags each), every one
 /// registered with it and all ready: the set-up most tests start from. The
 /// router starts first, then the engines in the order given.
-pub async fn pd_cluster(router_flags: &[&str], engines: &[(&str, &[&str])]) -> (Proc, Vec<Proc>) {
+pub async fn pd_cluster<const N: usize>(
+    router_flags: &[&str],
+    engines: [(&str, &[&str]); N],
+) -> (Proc, [Proc; N]) {
     let router = router(router_flags);
-    let procs: Vec<Proc> = engines
-        .iter()
-        .map(|(role, flags)| engine(Some(&router), role, flags))
-        .collect();
-    wait_ready(&router, procs.len()).await;
+    let procs = engines.map(|(role, flags)| engine(Some(&router), role, flags));
+    wait_ready(&router, N).await;
     (router, procs)
 }
 
@@ -842,12 +842,12 @@ pub async fn pd_cluster(router_flags: &[&str], engines: &[(&str, &[&str])]) -> (
 /// `d0` (`d0_flags`) and a decoder `d1`, both with the tokens API
 /// (`--enable-scale-out`: the resume path of reasoning and tool calls); the
 /// router first, then the engines in that order.
-pub async fn scale_out_cluster(router_flags: &[&str], d0_flags: &[&str]) -> (Proc, Vec<Proc>) {
+pub async fn scale_out_cluster(router_flags: &[&str], d0_flags: &[&str]) -> (Proc, [Proc; 3]) {
     let flags = [&["--decode-policy", "round_robin"], router_flags].concat();
     let first = [&["--id", "d0", "--enable-scale-out"], d0_flags].concat();
     pd_cluster(
         &flags,
-        &[
+        [
             ("prefill", &[]),
             ("decode", &first),
             ("decode", &["--id", "d1", "--enable-scale-out"]),
@@ -862,7 +862,7 @@ pub struct Resumed {
     pub uninterrupted: (u16, String),
     pub resumed: (u16, String),
     pub router: Proc,
-    pub engines: Vec<Proc>,
+    pub engines: [Proc; 3],
 }
 
 /// One request sent twice by `send`: through a fresh [`scale_out_cluster`],
