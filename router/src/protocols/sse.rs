@@ -101,21 +101,6 @@ pub fn event(data: &[u8]) -> Bytes {
 /// The stream terminator.
 pub const DONE: &[u8] = b"[DONE]";
 
-/// Events (JSON objects with their `type`) as SSE into `out`: `event:` the
-/// type, `data:` the event, as Responses and Messages frame theirs.
-pub fn write_typed(out: &mut Vec<u8>, events: &[serde_json::Value]) {
-    out.reserve(256 * events.len());
-    for event in events {
-        let kind = event["type"].as_str().unwrap_or("message");
-        out.extend_from_slice(b"event: ");
-        out.extend_from_slice(kind.as_bytes());
-        out.extend_from_slice(b"\ndata: ");
-        // Writing a Value into a Vec cannot fail.
-        let _ = serde_json::to_writer(&mut *out, event);
-        out.extend_from_slice(b"\n\n");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -111,10 +111,6 @@ impl Translation for ResponseTranslation {
         self.events.chunk(chunk)
     }
 
-    fn write_chunk(&mut self, chunk: &ChatChunk<'_>, out: &mut Vec<u8>) {
-        self.events.write_chunk(chunk, out)
-    }
-
     fn finish(&mut self) -> (Vec<Value>, Value) {
         let (events, whole) = self.events.finish();
         if self.store {

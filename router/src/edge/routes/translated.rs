@@ -15,7 +15,7 @@ use crate::protocols::responses::live::Live;
 use crate::protocols::responses::redis_store::RedisStore;
 use crate::protocols::responses::store::StoreError;
 use crate::protocols::segments::ChatChunk;
-use crate::protocols::sse::{self, SseParser};
+use crate::protocols::sse::SseParser;
 use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;
@@ -34,11 +34,6 @@ pub trait Translation: Send + 'static {
     fn start(&mut self) -> Vec<Value>;
     /// The events of one chat chunk.
     fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value>;
-    /// `chunk`'s events as SSE into `out`: a stream's per-token path, where a
-    /// translation may write its events without building JSON values.
-    fn write_chunk(&mut self, chunk: &ChatChunk<'_>, out: &mut Vec<u8>) {
-        sse::write_typed(out, &self.chunk(chunk));
-    }
     /// The last events of a chat that ended, and the whole answer.
     fn finish(&mut self) -> (Vec<Value>, Value);
     /// The last events of a chat that failed (`error` as the chat said it),
@@ -196,33 +191,11 @@ struct Driver<T> {
     ended: bool,
 }
 
-/// Where a driver's events go: kept as values, or written as SSE (a
-/// stream's, which go out as they come).
-enum Events<'a> {
-    Values(&'a mut Vec<Value>),
-    Sse(&'a mut Vec<u8>),
-}
-
-impl Events<'_> {
-    fn extend(&mut self, events: Vec<Value>) {
-        match self {
-            Events::Values(out) => out.extend(events),
-            Events::Sse(out) => sse::write_typed(out, &events),
-        }
-    }
-}
-
 impl<T: Translation> Driver<T> {
     /// The events of the chat bytes `chunk` (or of the chat's end, `None`);
     /// the whole answer once the chat has ended, and whether it failed.
     fn feed(&mut self, chunk: Option<Bytes>) -> (Vec<Value>, Option<(Value, bool)>) {
         let mut out = Vec::new();
-        let whole = self.feed_into(chunk, Events::Values(&mut out));
-        (out, whole)
-    }
-
-    /// `feed`, its events into `out`.
-    fn feed_into(&mut self, chunk: Option<Bytes>, mut out: Events<'_>) -> Option<(Value, bool)> {
         let at_end = chunk.is_none();
         let payloads = chunk
             .map(|bytes| self.parser.push(bytes))
@@ -231,8 +204,8 @@ impl<T: Translation> Driver<T> {
             if self.ended {
                 break;
             }
-            if data.as_ref() == sse::DONE {
-                return Some(self.end(&mut out, None));
+            if data.as_ref() == crate::protocols::sse::DONE {
+                return self.end(out, None);
             }
             let chunk = match serde_json::from_slice::<ChatChunk<'_>>(&data) {
                 Ok(chunk) => chunk,
@@ -242,19 +215,16 @@ impl<T: Translation> Driver<T> {
                 }
             };
             if let Some(error) = chunk.error {
-                return Some(self.end(&mut out, Some(error)));
+                return self.end(out, Some(error));
             }
-            match &mut out {
-                Events::Values(values) => values.extend(self.translation.chunk(&chunk)),
-                Events::Sse(bytes) => self.translation.write_chunk(&chunk, bytes),
-            }
+            out.extend(self.translation.chunk(&chunk));
         }
         if at_end && !self.ended {
             // The chat stream stopped without `[DONE]`: a failure.
             let error = json!({"message": "the generation ended before its end"});
-            return Some(self.end(&mut out, Some(error)));
+            return self.end(out, Some(error));
         }
-        None
+        (out, None)
     }
 
     /// Keeps what the translation keeps (once it has ended).
@@ -265,19 +235,15 @@ impl<T: Translation> Driver<T> {
     }
 
     fn broke(&mut self, err: axum::Error) -> (Vec<Value>, Option<(Value, bool)>) {
-        let mut out = Vec::new();
-        let whole = self.broke_into(err, Events::Values(&mut out));
-        (out, Some(whole))
-    }
-
-    /// `broke`, its events into `out`.
-    fn broke_into(&mut self, err: axum::Error, mut out: Events<'_>) -> (Value, bool) {
         let error = json!({"message": format!("the stream broke: {err}")});
-        self.end(&mut out, Some(error))
+        self.end(Vec::new(), Some(error))
     }
 
-    /// The last events into `out`; the whole answer, and whether it failed.
-    fn end(&mut self, out: &mut Events<'_>, error: Option<Value>) -> (Value, bool) {
+    fn end(
+        &mut self,
+        mut out: Vec<Value>,
+        error: Option<Value>,
+    ) -> (Vec<Value>, Option<(Value, bool)>) {
         self.ended = true;
         let failed = error.is_some();
         let (last, whole) = match error {
@@ -285,7 +251,7 @@ impl<T: Translation> Driver<T> {
             Some(error) => self.translation.fail(&error),
         };
         out.extend(last);
-        (whole, failed)
+        (out, Some((whole, failed)))
     }
 }
 
@@ -295,10 +261,19 @@ fn sse_event(event: &Value) -> Bytes {
     sse_events(std::slice::from_ref(event))
 }
 
-/// Events as SSE, written into one buffer.
+/// Events as SSE, written into one buffer (this is per token: no string
+/// per event).
 fn sse_events(events: &[Value]) -> Bytes {
-    let mut out = Vec::new();
-    sse::write_typed(&mut out, events);
+    let mut out = Vec::with_capacity(256 * events.len());
+    for event in events {
+        let kind = event["type"].as_str().unwrap_or("message");
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(kind.as_bytes());
+        out.extend_from_slice(b"\ndata: ");
+        // Writing a Value into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut out, event);
+        out.extend_from_slice(b"\n\n");
+    }
     Bytes::from(out)
 }
 
@@ -347,17 +322,16 @@ fn event_stream<T: Translation>(
             if driver.ended {
                 return None;
             }
-            let mut out = Vec::new();
-            let whole = match chat.next().await {
-                Some(Ok(bytes)) => driver.feed_into(Some(bytes), Events::Sse(&mut out)),
-                Some(Err(err)) => Some(driver.broke_into(err, Events::Sse(&mut out))),
-                None => driver.feed_into(None, Events::Sse(&mut out)),
+            let (events, whole) = match chat.next().await {
+                Some(Ok(bytes)) => driver.feed(Some(bytes)),
+                Some(Err(err)) => driver.broke(err),
+                None => driver.feed(None),
             };
             if whole.is_some() {
                 driver.keep().await;
             }
-            if !out.is_empty() {
-                return Some((Ok(Bytes::from(out)), (driver, chat)));
+            if !events.is_empty() {
+                return Some((Ok(sse_events(&events)), (driver, chat)));
             }
         }
     });

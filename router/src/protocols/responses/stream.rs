@@ -9,16 +9,7 @@ use super::output::{
 use super::request::Echo;
 use crate::protocols::object_of;
 use crate::protocols::segments::{ChatChunk, Segment, Segmenter, Step};
-use serde_json::{json, Value};
-
-/// A delta event of the open item: its type, and whether it has a
-/// `content_index` and `logprobs`.
-#[derive(Debug, Clone, Copy)]
-struct DeltaShape {
-    kind: &'static str,
-    content_index: bool,
-    logprobs: bool,
-}
+use serde_json::{json, Map, Value};
 
 /// One response's events, built from its chat chunks. Serializable: a
 /// background response's checkpoint carries it to the replica that takes the
@@ -90,26 +81,6 @@ impl Events {
         self.render(steps)
     }
 
-    /// The events of one chat chunk as SSE into `out`: `chunk`'s events, but
-    /// a delta (one per token: nearly every chunk) written straight from its
-    /// parts, with no JSON value built and serialized.
-    pub fn write_chunk(&mut self, chunk: &ChatChunk<'_>, out: &mut Vec<u8>) {
-        for step in self.segments.chunk(chunk) {
-            let index = self.items.len();
-            match (step, self.delta_shape()) {
-                (Step::Delta(delta), Some(shape)) => {
-                    out.extend_from_slice(b"event: ");
-                    out.extend_from_slice(shape.kind.as_bytes());
-                    out.extend_from_slice(b"\ndata: ");
-                    self.write_delta(out, shape, index, &delta);
-                    out.extend_from_slice(b"\n\n");
-                }
-                (Step::Delta(_), None) => {}
-                (step, _) => crate::protocols::sse::write_typed(out, &self.render(vec![step])),
-            }
-        }
-    }
-
     fn render(&mut self, steps: Vec<Step>) -> Vec<Value> {
         let mut out = Vec::new();
         for step in steps {
@@ -171,57 +142,26 @@ impl Events {
         self.open_segment = Some(segment.clone());
     }
 
-    /// One delta event as a JSON value: the one `write_delta` writes, read
-    /// back (the events kept of a background response, and a non-stream
-    /// answer's, which never go out one by one).
+    /// One delta event: per token, so its object is built by hand (the
+    /// delta moved in, no `json!` copies).
     fn delta(&mut self, out: &mut Vec<Value>, index: usize, delta: String) {
-        let Some(shape) = self.delta_shape() else {
-            return;
+        let (kind, has_content_index, has_logprobs) = match self.current() {
+            Some(Segment::Reasoning) => ("response.reasoning_text.delta", true, false),
+            Some(Segment::Text) => ("response.output_text.delta", true, true),
+            Some(Segment::Call { .. }) => ("response.function_call_arguments.delta", false, false),
+            None => return,
         };
-        let mut written = Vec::with_capacity(128 + delta.len());
-        self.write_delta(&mut written, shape, index, &delta);
-        match serde_json::from_slice(&written) {
-            Ok(event) => out.push(event),
-            Err(err) => tracing::error!(%err, "a delta event written as no JSON"),
+        let mut event = Map::new();
+        event.insert("item_id".into(), Value::String(self.open_id.clone()));
+        event.insert("output_index".into(), index.into());
+        if has_content_index {
+            event.insert("content_index".into(), 0.into());
         }
-    }
-
-    /// What a delta of the open item looks like; None when none is open.
-    fn delta_shape(&self) -> Option<DeltaShape> {
-        let (kind, content_index, logprobs) = match self.current()? {
-            Segment::Reasoning => ("response.reasoning_text.delta", true, false),
-            Segment::Text => ("response.output_text.delta", true, true),
-            Segment::Call { .. } => ("response.function_call_arguments.delta", false, false),
-        };
-        Some(DeltaShape {
-            kind,
-            content_index,
-            logprobs,
-        })
-    }
-
-    /// Writes one delta event (its JSON object) into `out` and numbers it:
-    /// per token, so from its parts, nothing allocated but `out`'s growth.
-    fn write_delta(&mut self, out: &mut Vec<u8>, shape: DeltaShape, index: usize, delta: &str) {
-        use std::io::Write;
-        // Writing into a Vec cannot fail.
-        let _ = write!(
-            out,
-            r#"{{"type":"{}","sequence_number":{},"item_id":"#,
-            shape.kind, self.sequence
-        );
-        let _ = serde_json::to_writer(&mut *out, &self.open_id);
-        let _ = write!(out, r#","output_index":{index}"#);
-        if shape.content_index {
-            out.extend_from_slice(br#","content_index":0"#);
+        event.insert("delta".into(), Value::String(delta));
+        if has_logprobs {
+            event.insert("logprobs".into(), Value::Array(Vec::new()));
         }
-        out.extend_from_slice(br#","delta":"#);
-        let _ = serde_json::to_writer(&mut *out, delta);
-        if shape.logprobs {
-            out.extend_from_slice(br#","logprobs":[]"#);
-        }
-        out.push(b'}');
-        self.sequence += 1;
+        self.emit(out, kind, Value::Object(event));
     }
 
     /// Ends an item: its `.done` events, and it joins the output.
@@ -410,82 +350,6 @@ mod tests {
             .filter_map(|e| e["output_index"].as_u64())
             .collect();
         assert_eq!(done, [0, 1, 2]);
-    }
-
-    /// An SSE stream's events as (type, event), every item id (`rs_`,
-    /// `msg_`, `fc_`: each `Events` draws its own) as `ID`.
-    fn read_sse(bytes: &[u8]) -> Vec<(String, Value)> {
-        fn ids_out(value: &mut Value) {
-            match value {
-                Value::String(s) if ["rs_", "msg_", "fc_"].iter().any(|p| s.starts_with(p)) => {
-                    *s = "ID".into()
-                }
-                Value::Array(items) => items.iter_mut().for_each(ids_out),
-                Value::Object(map) => map.values_mut().for_each(ids_out),
-                _ => {}
-            }
-        }
-        let text = std::str::from_utf8(bytes).unwrap_or_else(|err| panic!("{err}"));
-        let mut out = Vec::new();
-        for frame in text.split_terminator("\n\n") {
-            let (kind, data) = frame
-                .strip_prefix("event: ")
-                .and_then(|rest| rest.split_once("\ndata: "))
-                .unwrap_or_else(|| panic!("not an SSE event: {frame:?}"));
-            let mut event: Value =
-                serde_json::from_str(data).unwrap_or_else(|err| panic!("{err}: {data}"));
-            ids_out(&mut event);
-            out.push((kind.to_string(), event));
-        }
-        out
-    }
-
-    #[test]
-    fn events_written_per_chunk_are_the_events_as_values() {
-        let chunks = [
-            chunk(json!({"role": "assistant", "content": ""}), None),
-            chunk(json!({"reasoning": "a \"quoted\"\n"}), None),
-            chunk(json!({"reasoning": "think"}), None),
-            chunk(json!({"content": "Hi"}), None),
-            chunk(json!({"content": "\u{e9}!"}), None),
-            chunk(
-                json!({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
-                "function": {"name": "f", "arguments": "{\"a\""}}]}),
-                None,
-            ),
-            chunk(
-                json!({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}),
-                Some("tool_calls"),
-            ),
-        ];
-        let mut as_values = Events::new("resp_1".into(), 7, echo());
-        let mut written = Events::new("resp_1".into(), 7, echo());
-        let mut want = as_values.start();
-        let mut out = Vec::new();
-        crate::protocols::sse::write_typed(&mut out, &written.start());
-        for c in &chunks {
-            want.extend(as_values.chunk(&parsed(c)));
-            written.write_chunk(&parsed(c), &mut out);
-        }
-        want.extend(as_values.finish().0);
-        crate::protocols::sse::write_typed(&mut out, &written.finish().0);
-        let want: Vec<(String, Value)> = read_sse(&{
-            let mut bytes = Vec::new();
-            crate::protocols::sse::write_typed(&mut bytes, &want);
-            bytes
-        });
-        let got = read_sse(&out);
-        assert_eq!(got.len(), 22, "{got:?}");
-        assert_eq!(got, want);
-        let deltas: Vec<&Value> = got
-            .iter()
-            .filter(|(kind, _)| kind.ends_with(".delta"))
-            .map(|(_, event)| &event["delta"])
-            .collect();
-        assert_eq!(
-            deltas,
-            ["a \"quoted\"\n", "think", "Hi", "\u{e9}!", "{\"a\"", ": 1}"]
-        );
     }
 
     #[test]
