@@ -842,7 +842,7 @@ def kill_batch(
                 # until two tokens have come, doubling up to 100 ms far from
                 # the kill points and 20 ms near them (a tiny model on a fast
                 # machine decodes a token per few ms).
-                if max(cut.values(), default=0) - lead >= 2:
+                if thawed > 0 and max(cut.values(), default=0) - lead >= 2:
                     fastest = max(fastest, (max(cut.values()) - lead) / thawed)
                     lead, thawed = max(cut.values()), 0.0
                 room = min(regions[k[0]][1] - cut[k] for k in cut)
