@@ -43,17 +43,7 @@ async fn assert_token_exact(router: &Proc, prompt: &str, tokens: usize) {
 /// A router with a prefill, a faulty decoder `d0` (`faults`) and a healthy
 /// `d1`; round-robin sends the first request to `d0`.
 async fn cluster(router_flags: &[&str], faults: &[&str]) -> (Proc, [Proc; 3]) {
-    let flags = [&["--decode-policy", "round_robin"], router_flags].concat();
-    let d0 = [&["--id", "d0"], faults].concat();
-    pd_cluster(
-        &flags,
-        [
-            ("prefill", &[]),
-            ("decode", &d0),
-            ("decode", &["--id", "d1"]),
-        ],
-    )
-    .await
+    failover_cluster(router_flags, faults, &[]).await
 }
 
 fn resumes(text: &str, cause: &str) -> f64 {

@@ -286,23 +286,10 @@ fn family_of<'a>(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_name_the_model_time_each_instance_and_all_have_help() {
-    let (router, [prefill, _d0, _d1]) = pd_cluster(
-        &["--decode-policy", "round_robin"],
-        [
-            ("prefill", &[]),
-            (
-                "decode",
-                &[
-                    "--id",
-                    "d0",
-                    "--crash-after-tokens",
-                    "4",
-                    "--decode-us-per-token",
-                    "1000",
-                ],
-            ),
-            ("decode", &["--id", "d1"]),
-        ],
+    let (router, [prefill, _d0, _d1]) = failover_cluster(
+        &[],
+        &["--crash-after-tokens", "4", "--decode-us-per-token", "1000"],
+        &[],
     )
     .await;
     let prefill_id = instance_id(&router, &prefill).await;
@@ -362,20 +349,8 @@ async fn metrics_name_the_model_time_each_instance_and_all_have_help() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn instance_gauges_follow_the_membership_and_removed_instances_leave_metrics() {
-    let (router, [_prefill, mut d0, _d1]) = pd_cluster(
-        &[
-            "--decode-policy",
-            "round_robin",
-            "--metrics-idle-timeout-s",
-            "1",
-        ],
-        [
-            ("prefill", &[]),
-            ("decode", &["--id", "d0"]),
-            ("decode", &["--id", "d1"]),
-        ],
-    )
-    .await;
+    let (router, [_prefill, mut d0, _d1]) =
+        failover_cluster(&["--metrics-idle-timeout-s", "1"], &[], &[]).await;
     let body = json!({"model": "mock", "prompt": "hi", "max_tokens": 4});
     assert_eq!(post(&router, "/v1/completions", &body).await.0, 200);
     let state = |text: &str, role: &str, state: &str| {
@@ -548,28 +523,10 @@ fn trace_parent(header: &str) -> (String, String) {
 #[tokio::test(flavor = "multi_thread")]
 async fn traces_continue_the_clients_trace_to_every_engine_call_and_are_exported() {
     let (collector, spans) = otlp_receiver().await;
-    let (router, [prefill, d0, d1]) = pd_cluster(
-        &[
-            "--decode-policy",
-            "round_robin",
-            "--otlp-endpoint",
-            &collector,
-        ],
-        [
-            ("prefill", &[]),
-            (
-                "decode",
-                &[
-                    "--id",
-                    "d0",
-                    "--crash-after-tokens",
-                    "4",
-                    "--decode-us-per-token",
-                    "1000",
-                ],
-            ),
-            ("decode", &["--id", "d1"]),
-        ],
+    let (router, [prefill, d0, d1]) = failover_cluster(
+        &["--otlp-endpoint", &collector],
+        &["--crash-after-tokens", "4", "--decode-us-per-token", "1000"],
+        &[],
     )
     .await;
     let (trace_id, client_span) = (TRACE_ID, CLIENT_SPAN);

@@ -111,17 +111,10 @@ struct Cluster {
 }
 
 async fn cluster(fault: Fault, k: usize, router_flags: &[&str]) -> Cluster {
-    let mut flags = vec!["--decode-policy", "round_robin"];
-    flags.extend(fault.router_flags());
-    flags.extend_from_slice(router_flags);
-    let router = router(&flags);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let mut faulty_flags = vec!["--id".to_string(), "d0".to_string()];
-    faulty_flags.extend(fault.decoder_flags(k));
+    let flags = [fault.router_flags().as_slice(), router_flags].concat();
+    let faulty_flags = fault.decoder_flags(k);
     let faulty_flags: Vec<&str> = faulty_flags.iter().map(String::as_str).collect();
-    let faulty = engine(Some(&router), "decode", &faulty_flags);
-    let healthy = engine(Some(&router), "decode", &["--id", "d1"]);
-    wait_ready(&router, 3).await;
+    let (router, [prefill, faulty, healthy]) = failover_cluster(&flags, &faulty_flags, &[]).await;
     Cluster {
         router,
         _prefill: prefill,
@@ -575,30 +568,15 @@ async fn request_resumed_twice_in_a_row() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exceeding_max_resumes_ends_with_an_error() {
     for shape in SHAPES {
-        let (router, [_prefill, _d0, _d1]) = pd_cluster(
+        let (router, [_prefill, _d0, _d1]) = failover_cluster(
+            &["--max-resumes", "1", "--resume-wait-ms", "100"],
             &[
-                "--decode-policy",
-                "round_robin",
-                "--max-resumes",
-                "1",
-                "--resume-wait-ms",
-                "100",
+                "--crash-after-tokens",
+                "3",
+                "--decode-us-per-token",
+                PACE_US,
             ],
-            [
-                ("prefill", &[]),
-                (
-                    "decode",
-                    &[
-                        "--id",
-                        "d0",
-                        "--crash-after-tokens",
-                        "3",
-                        "--decode-us-per-token",
-                        PACE_US,
-                    ],
-                ),
-                ("decode", &["--id", "d1", "--truncate-after-tokens", "2"]),
-            ],
+            &["--truncate-after-tokens", "2"],
         )
         .await;
         let outcome = request(&router, shape, json!({})).await;
@@ -1164,21 +1142,13 @@ async fn reasoning_chat(router: &Proc, shape: Shape, tools: bool) -> Value {
 /// A router with a prefill and two decoders that serve vLLM's tokens API; d0
 /// crashes after `k` tokens when `k` is set.
 async fn tokens_api_cluster(k: Option<usize>, scale_out: bool) -> Cluster {
-    let router = router(&["--decode-policy", "round_robin"]);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let mut flags = vec!["--id".to_string(), "d0".into()];
-    if let Some(k) = k {
-        flags.extend(Fault::Crash.decoder_flags(k));
-    }
-    let mut healthy_flags = vec!["--id", "d1"];
-    if scale_out {
-        flags.push("--enable-scale-out".into());
-        healthy_flags.push("--enable-scale-out");
-    }
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let faulty = engine(Some(&router), "decode", &flags);
-    let healthy = engine(Some(&router), "decode", &healthy_flags);
-    wait_ready(&router, 3).await;
+    let crash = k.map(|k| Fault::Crash.decoder_flags(k)).unwrap_or_default();
+    let crash: Vec<&str> = crash.iter().map(String::as_str).collect();
+    let (router, [prefill, faulty, healthy]) = if scale_out {
+        scale_out_cluster(&[], &crash).await
+    } else {
+        failover_cluster(&[], &crash, &[]).await
+    };
     Cluster {
         router,
         _prefill: prefill,

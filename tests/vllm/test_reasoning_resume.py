@@ -394,17 +394,22 @@ def assert_complete_equal(got: dict, want: dict, resumed: bool = False) -> None:
 
 @pytest.fixture(scope="module")
 def reference(cluster) -> dict:
-    """Each chat's plain answer (no P/D), streamed and not: all asked at once
-    (the model's answers do not depend on their batch: reasoning_model.py)."""
-    clients = {"stream": stream, "non-stream": complete}
-    answers = harness.concurrently(
+    """Each chat's plain answer (no P/D), streamed and not."""
+    answers = every_chat(cluster.plain.url)
+    return {key: harness.outcome(answer) for key, answer in answers.items()}
+
+
+def every_chat(url: str) -> dict:
+    """Each case's chat, streamed and not, all asked of `url` at once (the
+    model's answers do not depend on their batch: reasoning_model.py); the
+    results as `harness.concurrently` gives them."""
+    return harness.concurrently(
         {
-            (case, mode): (lambda c=case, m=mode: clients[m](cluster.plain.url, c))
+            (case, mode): (lambda c=case, m=mode: CLIENTS[m](url, c))
             for case in rm.CASES
             for mode in MODES
         }
     )
-    return {key: harness.outcome(answer) for key, answer in answers.items()}
 
 
 # ---- the model and vLLM's parsers -------------------------------------------------------
@@ -445,14 +450,7 @@ def through_pd(cluster) -> dict:
     # d1 serves, so that d2 has nothing of these prompts cached when the kill
     # test resumes on it: its resumes must pull the prompt from the hold.
     cluster.only(D1)
-    clients = {"stream": stream, "non-stream": complete}
-    return harness.concurrently(
-        {
-            (case, mode): (lambda c=case, m=mode: clients[m](cluster.router.url, c))
-            for case in rm.CASES
-            for mode in MODES
-        }
-    )
+    return every_chat(cluster.router.url)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -839,21 +839,25 @@ pub async fn pd_cluster<const N: usize>(
 }
 
 /// A router (round robin over decoders, `router_flags`), a prefill, a decoder
-/// `d0` (`d0_flags`) and a decoder `d1`, both with the tokens API
-/// (`--enable-scale-out`: the resume path of reasoning and tool calls); the
-/// router first, then the engines in that order.
-pub async fn scale_out_cluster(router_flags: &[&str], d0_flags: &[&str]) -> (Proc, [Proc; 3]) {
+/// `d0` (`d0_flags`: most often its fault) and a decoder `d1` (`d1_flags`):
+/// round robin over the sorted ids sends the first request to d0, and d1 takes
+/// over what d0 drops. The router first, then the engines in that order.
+pub async fn failover_cluster(
+    router_flags: &[&str],
+    d0_flags: &[&str],
+    d1_flags: &[&str],
+) -> (Proc, [Proc; 3]) {
     let flags = [&["--decode-policy", "round_robin"], router_flags].concat();
-    let first = [&["--id", "d0", "--enable-scale-out"], d0_flags].concat();
-    pd_cluster(
-        &flags,
-        [
-            ("prefill", &[]),
-            ("decode", &first),
-            ("decode", &["--id", "d1", "--enable-scale-out"]),
-        ],
-    )
-    .await
+    let d0 = [&["--id", "d0"], d0_flags].concat();
+    let d1 = [&["--id", "d1"], d1_flags].concat();
+    pd_cluster(&flags, [("prefill", &[]), ("decode", &d0), ("decode", &d1)]).await
+}
+
+/// A [`failover_cluster`] whose decoders both have the tokens API
+/// (`--enable-scale-out`: the resume path of reasoning and tool calls).
+pub async fn scale_out_cluster(router_flags: &[&str], d0_flags: &[&str]) -> (Proc, [Proc; 3]) {
+    let d0 = [&["--enable-scale-out"], d0_flags].concat();
+    failover_cluster(router_flags, &d0, &["--enable-scale-out"]).await
 }
 
 /// What [`uninterrupted_then_resumed`] got: each answer's status and body,
