@@ -343,10 +343,10 @@ impl Router {
         // Background generations stop (their status says cancelled); the
         // drains of the last responses end within their bound.
         // With a shared store, another replica goes on with them.
-        if self.state.shared_responses.is_some() {
-            self.state.live.hand_over_all();
+        if self.state.responses.shared.is_some() {
+            self.state.responses.live.hand_over_all();
         }
-        self.state.live.stop.cancel();
+        self.state.responses.live.stop.cancel();
         self.state.flow.drains.close();
         self.state.flow.drains.wait().await;
         self.background.cancel();

@@ -1,14 +1,22 @@
-//! The state every handler shares.
+//! The state every handler shares, and the parts of it a handler can take
+//! alone (axum's `FromRef`): a handler names what it needs (`State<Arc<Registry>>`
+//! for the membership routes, `State<Arc<Journal>>` for the journal's), and only
+//! the routes that run a request through the whole pipeline take `AppState`.
 
+use crate::body_budget::BodyBudget;
 use crate::config::RouterConfig;
 use crate::engines::addresses::{CtrlResolver, ProbeClient, UpstreamPolicy};
 use crate::engines::http::EngineClient;
 use crate::hold_leases::ReleaseQueue;
+use crate::journal::Journal;
+use crate::membership::model_list::{ModelCache, ModelLists};
 use crate::membership::Registry;
 use crate::pd::flow::{Flow, RequestLimits};
 use crate::pd::tokenizer::Tokenizers;
 use crate::pd::upstream::HttpUpstream;
 use crate::protocols::responses::redis_store::RedisStore;
+use crate::protocols::responses::ResponseStores;
+use axum::extract::FromRef;
 use connex_transfer::Resolver;
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::sync::Arc;
@@ -24,17 +32,11 @@ pub struct AppState {
     pub client: crate::engines::addresses::ProbeClient,
     pub metrics: Option<PrometheusHandle>,
     /// `/v1/models`: each model's entry as its engines last described it.
-    pub models: crate::membership::model_list::ModelCache,
+    pub models: Arc<ModelLists>,
     /// Request body bytes in flight, over all clients (`--max-inflight-body-bytes`).
-    pub body_budget: crate::body_budget::BodyBudget,
-    /// Stored responses (`/v1/responses`): the conversations behind
-    /// `previous_response_id`, whatever engines serve the next turn.
-    pub responses: Arc<dyn crate::protocols::responses::store::ResponseStore>,
-    /// Background responses' event logs (`--max-background-responses`).
-    pub live: crate::protocols::responses::live::LiveResponses,
-    /// The store every replica shares (`--response-store`), which is also
-    /// `responses`: other replicas' background responses are read there.
-    pub shared_responses: Option<Arc<RedisStore>>,
+    pub body_budget: BodyBudget,
+    /// Stored and background responses (`/v1/responses`).
+    pub responses: Arc<ResponseStores>,
 }
 
 impl AppState {
@@ -78,25 +80,92 @@ impl AppState {
                 .map(|c| c.as_str())
                 .collect(),
         );
+        let flow = Arc::new(flow);
+        let models = Arc::new(ModelLists {
+            cache: ModelCache::default(),
+            client: client.clone(),
+            registry: flow.registry.clone(),
+        });
         let state = Self {
-            flow: Arc::new(flow),
+            flow: flow.clone(),
             client,
             metrics,
-            models: crate::membership::model_list::ModelCache::default(),
-            body_budget: crate::body_budget::BodyBudget::new(config.max_inflight_body_bytes),
-            responses: match &shared_responses {
-                Some(shared) => shared.clone(),
-                None => Arc::new(crate::protocols::responses::store::MemoryStore::new(
-                    config.responses.max_stored,
-                    config.responses.max_stored_bytes,
-                )),
-            },
-            shared_responses,
-            live: crate::protocols::responses::live::LiveResponses::new(
-                config.responses.max_background,
-            ),
+            models,
+            body_budget: BodyBudget::new(config.max_inflight_body_bytes),
+            responses: Arc::new(ResponseStores {
+                stored: match &shared_responses {
+                    Some(shared) => shared.clone(),
+                    None => Arc::new(crate::protocols::responses::store::MemoryStore::new(
+                        config.responses.max_stored,
+                        config.responses.max_stored_bytes,
+                    )),
+                },
+                live: crate::protocols::responses::live::LiveResponses::new(
+                    config.responses.max_background,
+                ),
+                shared: shared_responses,
+            }),
             config,
         };
         (state, releases)
+    }
+}
+
+/// The routes' state: the app's, behind one pointer, from which each handler
+/// takes the part it needs (a type of this crate, so that the parts'
+/// `FromRef` may be written here).
+#[derive(Clone)]
+pub struct HandlerState(pub Arc<AppState>);
+
+impl FromRef<HandlerState> for Arc<AppState> {
+    fn from_ref(HandlerState(state): &HandlerState) -> Self {
+        state.clone()
+    }
+}
+
+impl FromRef<HandlerState> for Arc<Flow> {
+    fn from_ref(HandlerState(state): &HandlerState) -> Self {
+        state.flow.clone()
+    }
+}
+
+impl FromRef<HandlerState> for Arc<Registry> {
+    fn from_ref(HandlerState(state): &HandlerState) -> Self {
+        state.flow.registry.clone()
+    }
+}
+
+impl FromRef<HandlerState> for Arc<Journal> {
+    fn from_ref(HandlerState(state): &HandlerState) -> Self {
+        state.flow.journal.clone()
+    }
+}
+
+impl FromRef<HandlerState> for Arc<ModelLists> {
+    fn from_ref(HandlerState(state): &HandlerState) -> Self {
+        state.models.clone()
+    }
+}
+
+/// What `/metrics` renders beyond the membership: the recorder's series and
+/// the body bytes in flight.
+#[derive(Clone)]
+pub struct Scrape {
+    pub recorder: Option<PrometheusHandle>,
+    pub body_budget: BodyBudget,
+}
+
+impl FromRef<HandlerState> for Scrape {
+    fn from_ref(HandlerState(state): &HandlerState) -> Self {
+        Self {
+            recorder: state.metrics.clone(),
+            body_budget: state.body_budget.clone(),
+        }
+    }
+}
+
+impl FromRef<HandlerState> for Arc<ResponseStores> {
+    fn from_ref(HandlerState(state): &HandlerState) -> Self {
+        state.responses.clone()
     }
 }

@@ -89,8 +89,16 @@ pub struct Cached {
 
 pub type Slot = Arc<tokio::sync::Mutex<Option<Cached>>>;
 
+/// What `/v1/models` needs: the membership (which models are served, by
+/// whom), the cache of their entries, and the engine client that reads them.
+pub struct ModelLists {
+    pub cache: ModelCache,
+    pub client: crate::engines::addresses::ProbeClient,
+    pub registry: Arc<crate::membership::Registry>,
+}
+
 /// The router's `/v1/models` cache: each served model's entry, as its
-/// engines last described it (filled by `api::models`).
+/// engines last described it (filled by `edge::routes::models`).
 #[derive(Default)]
 pub struct ModelCache {
     slots: Mutex<HashMap<String, Slot>>,

@@ -4,8 +4,8 @@
 use super::access::Access;
 use super::instances::registration;
 use crate::error::ApiError;
-use crate::membership::{Claim, Lifecycle};
-use crate::state::AppState;
+use crate::journal::Journal;
+use crate::membership::{Claim, Lifecycle, Registry};
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -14,55 +14,46 @@ use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-pub async fn list_instances(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
-    let data: Vec<Value> = state
-        .flow
-        .registry
-        .list()
-        .iter()
-        .map(|i| i.view())
-        .collect();
+pub async fn list_instances(
+    State(registry): State<Arc<Registry>>,
+) -> Result<Json<Value>, ApiError> {
+    let data: Vec<Value> = registry.list().iter().map(|i| i.view()).collect();
     Ok(Json(json!({"data": data})))
 }
 
 /// Adds an instance, or replaces a live one under the same id (its old
 /// credential stops working; the answer carries the new one).
 pub async fn add_instance(
-    State(state): State<Arc<AppState>>,
+    State(registry): State<Arc<Registry>>,
     Extension(access): Extension<Arc<Access>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let reg = registration(&access, &headers, body).await?;
-    let (instance, credential) = state.flow.registry.register(reg, Claim::Admin).await?;
+    let (instance, credential) = registry.register(reg, Claim::Admin).await?;
     let mut view = instance.view();
     view["credential"] = json!(credential);
     Ok((StatusCode::CREATED, Json(view)))
 }
 
 async fn set_state(
-    state: &AppState,
+    registry: &Registry,
     id: &str,
     lifecycle: Lifecycle,
 ) -> Result<Json<Value>, ApiError> {
-    if !state.flow.registry.set_lifecycle(id, lifecycle).await? {
+    if !registry.set_lifecycle(id, lifecycle).await? {
         return Err(ApiError::NotFound(format!(
             "instance `{id}` is not registered"
         )));
     }
-    let view = state
-        .flow
-        .registry
-        .get(id)
-        .map(|i| i.view())
-        .unwrap_or(Value::Null);
+    let view = registry.get(id).map(|i| i.view()).unwrap_or(Value::Null);
     Ok(Json(view))
 }
 
 /// `POST /admin/instances/{id}/drain[?migrate=true]`: no new requests; with
 /// `migrate`, the instance's live decode streams move to other decoders now.
 pub async fn drain(
-    State(state): State<Arc<AppState>>,
+    State(registry): State<Arc<Registry>>,
     Path(id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
@@ -71,7 +62,7 @@ pub async fn drain(
     } else {
         Lifecycle::Draining
     };
-    set_state(&state, &id, lifecycle).await
+    set_state(&registry, &id, lifecycle).await
 }
 
 /// A boolean query parameter: `true` or `1`, `false` or `0`, absent (false).
@@ -89,17 +80,17 @@ fn flag(query: &HashMap<String, String>, key: &'static str) -> Result<bool, ApiE
 }
 
 pub async fn activate(
-    State(state): State<Arc<AppState>>,
+    State(registry): State<Arc<Registry>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    set_state(&state, &id, Lifecycle::Ready).await
+    set_state(&registry, &id, Lifecycle::Ready).await
 }
 
 pub async fn remove_instance(
-    State(state): State<Arc<AppState>>,
+    State(registry): State<Arc<Registry>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    if state.flow.registry.remove(&id, Claim::Admin).await? {
+    if registry.remove(&id, Claim::Admin).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(
@@ -109,10 +100,10 @@ pub async fn remove_instance(
 }
 
 pub async fn requests(
-    State(state): State<Arc<AppState>>,
+    State(journal): State<Arc<Journal>>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
     Ok(Json(
-        json!({"data": state.flow.journal.view(flag(&query, "verbose")?)}),
+        json!({"data": journal.view(flag(&query, "verbose")?)}),
     ))
 }

@@ -7,9 +7,9 @@ use super::body::{read_json, read_optional_json, BodyLimits};
 use crate::error::ApiError;
 use crate::membership::load::EngineLoad;
 use crate::membership::static_instances::STATIC_ID_PREFIX;
-use crate::membership::{valid_id, Claim, Registration};
+use crate::membership::{valid_id, Claim, Registration, Registry};
+use crate::pd::flow::Flow;
 use crate::prefix::KvEventBatch;
-use crate::state::AppState;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -66,7 +66,7 @@ pub async fn registration(
 }
 
 pub async fn register(
-    State(state): State<Arc<AppState>>,
+    State(registry): State<Arc<Registry>>,
     Extension(access): Extension<Arc<Access>>,
     headers: HeaderMap,
     body: Body,
@@ -93,19 +93,19 @@ pub async fn register(
         ));
     }
     let claim = Claim::Registrant(credential(&headers));
-    let (instance, credential) = state.flow.registry.register(reg, claim).await?;
+    let (instance, credential) = registry.register(reg, claim).await?;
     Ok((
         StatusCode::CREATED,
         Json(json!({
             "id": instance.id,
-            "lease_ttl_s": state.flow.registry.ttl().as_secs(),
+            "lease_ttl_s": registry.ttl().as_secs(),
             "credential": credential,
         })),
     ))
 }
 
 pub async fn heartbeat(
-    State(state): State<Arc<AppState>>,
+    State(registry): State<Arc<Registry>>,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Body,
@@ -116,14 +116,9 @@ pub async fn heartbeat(
     }
     let load = EngineLoad::from_heartbeat(&stats)
         .map_err(|bad| ApiError::bad_request(bad.to_string(), Some(bad.field)))?;
-    if state
-        .flow
-        .registry
-        .heartbeat(&id, credential(&headers), load)
-        .await?
-    {
+    if registry.heartbeat(&id, credential(&headers), load).await? {
         Ok(Json(
-            json!({"id": id, "lease_ttl_s": state.flow.registry.ttl().as_secs()}),
+            json!({"id": id, "lease_ttl_s": registry.ttl().as_secs()}),
         ))
     } else {
         Err(ApiError::NotFound(format!(
@@ -141,7 +136,7 @@ const EVENTS_BODY_LIMIT: BodyLimits = BodyLimits {
 /// KV cache events of an instance (forwarded by its agent), into its prefix
 /// index: same caller and credential as its heartbeats.
 pub async fn kv_events(
-    State(state): State<Arc<AppState>>,
+    State(flow): State<Arc<Flow>>,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Body,
@@ -149,8 +144,7 @@ pub async fn kv_events(
     require_json(&headers)?;
     // The credential first: a caller without it must not have the router read
     // and parse a batch of up to 4 MiB before its 403.
-    if state
-        .flow
+    if flow
         .registry
         .registrant(&id, credential(&headers))?
         .is_none()
@@ -166,9 +160,8 @@ pub async fn kv_events(
     batch
         .check()
         .map_err(|bad| ApiError::bad_request(bad.to_string(), Some("events")))?;
-    let cap = state.config.prefix_index_blocks;
-    if state
-        .flow
+    let cap = flow.settings.prefix_index_blocks;
+    if flow
         .registry
         .kv_events(&id, credential(&headers), &batch, cap)?
     {
@@ -181,12 +174,12 @@ pub async fn kv_events(
 }
 
 pub async fn deregister(
-    State(state): State<Arc<AppState>>,
+    State(registry): State<Arc<Registry>>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
     let claim = Claim::Registrant(credential(&headers));
-    if state.flow.registry.remove(&id, claim).await? {
+    if registry.remove(&id, claim).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(

@@ -21,7 +21,7 @@ pub mod translated;
 
 use crate::edge::gate::{self, ExposeInstances};
 use crate::edge::server::Shutdown;
-use crate::state::AppState;
+use crate::state::{AppState, HandlerState};
 use crate::tenants::Tenants;
 use access::Access;
 use axum::body::Body;
@@ -72,7 +72,7 @@ pub struct Endpoint {
     pub path: &'static str,
     pub listener: Listener,
     guard: Guard,
-    handler: MethodRouter<Arc<AppState>>,
+    handler: MethodRouter<HandlerState>,
 }
 
 /// The HTTP methods the router uses.
@@ -85,7 +85,7 @@ enum Verb {
 
 fn at<H, T>(verb: Verb, path: &'static str, guard: Guard, handler: H) -> Endpoint
 where
-    H: Handler<T, Arc<AppState>>,
+    H: Handler<T, HandlerState>,
     T: 'static,
 {
     let (method, filter) = match verb {
@@ -202,7 +202,7 @@ pub struct Edge {
 }
 
 /// Routes of `listener` guarded by `guard`, with the guard's layer.
-fn group(listener: Listener, guard: Guard, edge: &Edge) -> Router<Arc<AppState>> {
+fn group(listener: Listener, guard: Guard, edge: &Edge) -> Router<HandlerState> {
     let routes: Vec<Endpoint> = endpoints()
         .into_iter()
         .filter(|e| e.listener == listener && e.guard == guard)
@@ -252,5 +252,5 @@ pub fn routes(listener: Listener, state: Arc<AppState>, edge: &Edge) -> Router {
     .fallback(probes::not_found)
     .layer(Extension(edge.access.clone()))
     .layer(Extension(edge.shutdown.clone()))
-    .with_state(state)
+    .with_state(HandlerState(state))
 }

@@ -7,8 +7,7 @@
 //! number of callers (concurrent callers of a stale model wait for the one
 //! read, bounded by [`READ_TIMEOUT`]). Models no longer served leave the cache.
 
-use crate::membership::model_list::{self, Cached};
-use crate::state::AppState;
+use crate::membership::model_list::{self, Cached, ModelLists};
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::Json;
@@ -23,9 +22,9 @@ pub const FRESH_FOR: Duration = Duration::from_secs(5);
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// How long `/v1/models` waits for an engine's own entry of a model.
 const READ_TIMEOUT: Duration = Duration::from_secs(2);
-pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Json<Value> {
-    let served = state.flow.registry.models();
-    let entries = served.iter().map(|id| entry(&state, id, &served));
+pub async fn models(State(lists): State<Arc<ModelLists>>, headers: HeaderMap) -> Json<Value> {
+    let served = lists.registry.models();
+    let entries = served.iter().map(|id| entry(&lists, id, &served));
     let data: Vec<Value> = join_all(entries).await;
     if headers.contains_key("anthropic-version") {
         return Json(anthropic_list(data));
@@ -74,15 +73,15 @@ fn rfc3339(secs: u64) -> String {
 
 /// Model `id`'s entry: cached, else read from an instance of it (the last
 /// entry read, or a plain one, when none answers in time).
-async fn entry(state: &AppState, id: &str, served: &[String]) -> Value {
-    let Some(slot) = state.models.slot(id, served) else {
+async fn entry(lists: &ModelLists, id: &str, served: &[String]) -> Value {
+    let Some(slot) = lists.cache.slot(id, served) else {
         return plain(id);
     };
     let mut cached = slot.lock().await;
     if let Some(cached) = cached.as_ref().filter(|c| c.until > Instant::now()) {
         return cached.entry.clone();
     }
-    let (entry, fresh_for) = match read(state, id).await {
+    let (entry, fresh_for) = match read(lists, id).await {
         Some(entry) => (entry, FRESH_FOR),
         None => {
             let last = cached.take().map(|c| c.entry);
@@ -97,9 +96,9 @@ async fn entry(state: &AppState, id: &str, served: &[String]) -> Value {
 }
 
 /// The entry of `id` in the model list of an instance that serves it.
-async fn read(state: &AppState, id: &str) -> Option<Value> {
-    let instance = super::passthrough::choose(state, id, &[])?;
-    let list = model_list::fetch(&state.client, &instance.url, READ_TIMEOUT)
+async fn read(lists: &ModelLists, id: &str) -> Option<Value> {
+    let instance = super::passthrough::choose(&lists.registry, id, &[])?;
+    let list = model_list::fetch(&lists.client, &instance.url, READ_TIMEOUT)
         .await
         .inspect_err(|error| {
             tracing::debug!(instance = %instance.id, %error, "model list not read");

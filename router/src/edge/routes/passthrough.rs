@@ -8,7 +8,7 @@
 
 use super::body::{read_budgeted, BodyLimits, BudgetedBody};
 use crate::error::ApiError;
-use crate::membership::{Instance, LoadGuard, Pick};
+use crate::membership::{Instance, LoadGuard, Pick, Registry};
 use crate::pd::record::RequestRecord;
 use crate::pd::upstream::{Call, CallError};
 use crate::state::AppState;
@@ -72,7 +72,7 @@ async fn run(
     let request_id = super::openai::engine_request_id(record.request_id());
     let mut tried: Vec<String> = Vec::new();
     loop {
-        let Some(instance) = choose(state, &model, &tried) else {
+        let Some(instance) = choose(&state.flow.registry, &model, &tried) else {
             return Err(ApiError::Unavailable(format!(
                 "no instance is ready for model `{model}`"
             )));
@@ -167,9 +167,9 @@ fn model_of(state: &AppState, bytes: &[u8]) -> Result<String, ApiError> {
 
 /// The least loaded instance of `model` that may take a request, any role,
 /// not one of `tried`.
-pub(crate) fn choose(state: &AppState, model: &str, tried: &[String]) -> Option<Arc<Instance>> {
-    let mut candidates = state.flow.registry.eligible(model, Pick::Prefill);
-    for decoder in state.flow.registry.eligible(model, Pick::Decode) {
+pub(crate) fn choose(registry: &Registry, model: &str, tried: &[String]) -> Option<Arc<Instance>> {
+    let mut candidates = registry.eligible(model, Pick::Prefill);
+    for decoder in registry.eligible(model, Pick::Decode) {
         if !candidates.iter().any(|c| c.id == decoder.id) {
             candidates.push(decoder);
         }

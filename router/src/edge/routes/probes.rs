@@ -2,8 +2,10 @@
 
 use crate::edge::server::Shutdown;
 use crate::error::ApiError;
+use crate::membership::Registry;
 use crate::observe::metrics::InstanceSample;
-use crate::state::AppState;
+use crate::protocols::responses::ResponseStores;
+use crate::state::Scrape;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
@@ -16,18 +18,19 @@ pub async fn health() -> Json<serde_json::Value> {
 }
 
 pub async fn ready(
-    State(state): State<Arc<AppState>>,
+    State(registry): State<Arc<Registry>>,
+    State(responses): State<Arc<ResponseStores>>,
     Extension(shutdown): Extension<Shutdown>,
 ) -> impl IntoResponse {
     // A router shutting down says so at once, so that load balancers stop
     // sending it new requests while its streams finish.
     let shutting_down = shutdown.draining.is_cancelled();
-    let ready = state.flow.registry.is_ready() && !shutting_down;
+    let ready = registry.is_ready() && !shutting_down;
     // Where responses are stored: `memory` (this replica), `shared`
     // (--response-store), or `unavailable` (the store cannot be reached:
     // serving goes on, what is stored stays on this replica). Not a reason
     // to be unready: the replica still serves.
-    let response_store = match &state.shared_responses {
+    let response_store = match &responses.shared {
         None => "memory",
         Some(store) if store.check().await => "shared",
         Some(_) => "unavailable",
@@ -42,28 +45,31 @@ pub async fn ready(
         Json(json!({
             "ready": ready,
             "shutting_down": shutting_down,
-            "instances": state.flow.registry.list().len(),
+            "instances": registry.list().len(),
             // With etcd: whether this replica's view is current (`stale` while
             // etcd is unreachable; routing goes on from the last view).
-            "membership": state.flow.registry.status(),
+            "membership": registry.status(),
             "response_store": response_store,
         })),
     )
 }
 
-pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let models = state.flow.registry.models();
+pub async fn metrics(
+    State(registry): State<Arc<Registry>>,
+    State(scrape): State<Scrape>,
+) -> impl IntoResponse {
+    let models = registry.models();
     crate::observe::metrics::declare_zero_series(models.iter().map(String::as_str));
     metrics::gauge!(crate::observe::metrics::BODY_BYTES_IN_FLIGHT)
-        .set(state.body_budget.held() as f64);
-    let mut text = state
-        .metrics
+        .set(scrape.body_budget.held() as f64);
+    let mut text = scrape
+        .recorder
         .as_ref()
         .map(|h| h.render())
         .unwrap_or_default();
     // The per-instance gauges, from the membership as it is now: a removed
     // instance has no series left.
-    let instances = state.flow.registry.list();
+    let instances = registry.list();
     let samples: Vec<InstanceSample<'_>> = instances
         .iter()
         .map(|i| InstanceSample {

@@ -7,12 +7,12 @@ use super::translated::{follow, follow_shared, serve, Prepared, Translation};
 use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::protocols::responses::mirror::CANCEL_POLL;
-use crate::protocols::responses::new_id;
 use crate::protocols::responses::output::as_input;
 use crate::protocols::responses::redis_store::{LogState, RedisStore};
 use crate::protocols::responses::request::{chat_body, check};
 use crate::protocols::responses::store::{StoreError, Stored};
 use crate::protocols::responses::stream::Events;
+use crate::protocols::responses::{new_id, ResponseStores};
 use crate::protocols::segments::ChatChunk;
 use crate::state::AppState;
 use crate::tenants::Caller;
@@ -48,7 +48,7 @@ pub async fn create(
             let (echo, input) = check(&request)?;
             let mut items = match &echo.previous_response_id {
                 None => Vec::new(),
-                Some(id) => stored(state, id, tenant).await?.conversation,
+                Some(id) => stored(&state.responses, id, tenant).await?.conversation,
             };
             items.extend(input);
             let chat = chat_body(&echo, &items)?;
@@ -59,23 +59,23 @@ pub async fn create(
             let (stream, store, background) = (echo.stream, echo.store, echo.background);
             let id = new_id("resp");
             let events = Events::new(id.clone(), created_at, echo);
-            let background = if background {
-                let first = events.response("queued", Value::Null);
-                let live = state
-                    .live
-                    .open(&id, tenant, first)
-                    .ok_or(ApiError::Overloaded {
-                        limit: state.config.responses.max_background,
-                        retry_after_s: 1,
-                    })?;
-                Some(live)
-            } else {
-                None
-            };
+            let background =
+                if background {
+                    let first = events.response("queued", Value::Null);
+                    let live = state.responses.live.open(&id, tenant, first).ok_or(
+                        ApiError::Overloaded {
+                            limit: state.config.responses.max_background,
+                            retry_after_s: 1,
+                        },
+                    )?;
+                    Some(live)
+                } else {
+                    None
+                };
             Ok(Prepared {
                 chat,
                 translation: ResponseTranslation {
-                    state: state.clone(),
+                    stores: state.responses.clone(),
                     events,
                     store,
                     items,
@@ -92,7 +92,7 @@ pub async fn create(
 
 /// A response being made from its chat.
 pub(super) struct ResponseTranslation {
-    state: Arc<AppState>,
+    stores: Arc<ResponseStores>,
     events: Events,
     store: bool,
     /// The conversation up to this response (stored with its output).
@@ -134,9 +134,9 @@ impl Translation for ResponseTranslation {
 
     fn keep(&mut self) -> Option<BoxFuture<'static, ()>> {
         let (id, stored) = self.keeping.take()?;
-        let state = self.state.clone();
+        let stores = self.stores.clone();
         Some(Box::pin(async move {
-            match state.responses.put(&id, stored).await {
+            match stores.stored.put(&id, stored).await {
                 Ok(true) => {}
                 Ok(false) => tracing::warn!(id, "response larger than the whole store; not stored"),
                 Err(err) => tracing::warn!(id, %err, "response not stored"),
@@ -165,13 +165,13 @@ impl ResponseTranslation {
     /// The translation of a generation taken over from another replica:
     /// `origin` and `checkpoint` as that replica wrote them.
     pub(super) fn resumed(
-        state: Arc<AppState>,
+        stores: Arc<ResponseStores>,
         origin: &Value,
         checkpoint: Value,
         tenant: &str,
     ) -> Result<Self, serde_json::Error> {
         Ok(Self {
-            state,
+            stores,
             events: serde_json::from_value(checkpoint)?,
             store: origin["store"].as_bool().unwrap_or(true),
             items: serde_json::from_value(origin["items"].clone())?,
@@ -193,9 +193,9 @@ impl ResponseTranslation {
 }
 
 /// The stored response `id` of `tenant`; another tenant's is not found.
-async fn stored(state: &AppState, id: &str, tenant: &str) -> Result<Stored, ApiError> {
-    state
-        .responses
+async fn stored(stores: &ResponseStores, id: &str, tenant: &str) -> Result<Stored, ApiError> {
+    stores
+        .stored
         .get(id)
         .await
         .map_err(store_unavailable)?
@@ -208,13 +208,13 @@ fn store_unavailable(err: StoreError) -> ApiError {
 }
 
 /// Background response `id` of `tenant` as the shared store has it, when it
-/// is another replica's (this one's are in `state.live`).
+/// is another replica's (this one's are in `stores.live`).
 async fn shared_log(
-    state: &AppState,
+    stores: &ResponseStores,
     id: &str,
     tenant: &str,
 ) -> Option<(Arc<RedisStore>, LogState)> {
-    let shared = state.shared_responses.as_ref()?;
+    let shared = stores.shared.as_ref()?;
     // The store down: no other replica's log can be read; what this replica
     // stored meanwhile is still found (`stored`), or the caller is told the
     // store is unavailable.
@@ -238,17 +238,17 @@ pub struct Retrieve {
 }
 
 pub async fn retrieve(
-    State(state): State<Arc<AppState>>,
+    State(stores): State<Arc<ResponseStores>>,
     caller: Option<Extension<Caller>>,
     Path(id): Path<String>,
     query: Result<Query<Retrieve>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text(), None))?;
     let tenant = tenant_of(caller);
-    let live = state.live.get(&id, &tenant);
+    let live = stores.live.get(&id, &tenant);
     let shared = match live {
         Some(_) => None,
-        None => shared_log(&state, &id, &tenant).await,
+        None => shared_log(&stores, &id, &tenant).await,
     };
     if query.stream {
         if let Some(live) = live {
@@ -258,7 +258,7 @@ pub async fn retrieve(
             return Ok(follow_shared(store, id, query.starting_after));
         }
         // A stored (not background) response, or none: nothing to stream.
-        stored(&state, &id, &tenant).await?;
+        stored(&stores, &id, &tenant).await?;
         return Err(ApiError::bad_request(
             "only a background response can be streamed again",
             Some("stream"),
@@ -267,22 +267,22 @@ pub async fn retrieve(
     match (live, shared) {
         (Some(live), _) if !live.done() => Ok(Json(live.response()).into_response()),
         (None, Some((_, log))) if !log.done => Ok(Json(log.response).into_response()),
-        _ => Ok(Json(stored(&state, &id, &tenant).await?.response).into_response()),
+        _ => Ok(Json(stored(&stores, &id, &tenant).await?.response).into_response()),
     }
 }
 
 /// `POST /v1/responses/{id}/cancel`: stops a background response's generation.
 pub async fn cancel(
-    State(state): State<Arc<AppState>>,
+    State(stores): State<Arc<ResponseStores>>,
     caller: Option<Extension<Caller>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let tenant = tenant_of(caller);
-    let Some(live) = state.live.get(&id, &tenant) else {
-        if let Some((store, log)) = shared_log(&state, &id, &tenant).await {
+    let Some(live) = stores.live.get(&id, &tenant) else {
+        if let Some((store, log)) = shared_log(&stores, &id, &tenant).await {
             return cancel_elsewhere(&store, &id, log).await.map(Json);
         }
-        stored(&state, &id, &tenant).await?;
+        stored(&stores, &id, &tenant).await?;
         return Err(ApiError::bad_request(
             "only a background response can be cancelled",
             None,
@@ -337,16 +337,12 @@ async fn cancel_elsewhere(store: &RedisStore, id: &str, log: LogState) -> Result
 }
 
 pub async fn delete(
-    State(state): State<Arc<AppState>>,
+    State(stores): State<Arc<ResponseStores>>,
     caller: Option<Extension<Caller>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    stored(&state, &id, &tenant_of(caller)).await?;
-    state
-        .responses
-        .delete(&id)
-        .await
-        .map_err(store_unavailable)?;
+    stored(&stores, &id, &tenant_of(caller)).await?;
+    stores.stored.delete(&id).await.map_err(store_unavailable)?;
     Ok(Json(
         json!({"id": id, "object": "response.deleted", "deleted": true}),
     ))

@@ -33,7 +33,7 @@ const CLAIM_BATCH: usize = 16;
 
 /// Looks for expired leases until `stop`, with a shared store.
 pub fn spawn(state: &Arc<AppState>, tasks: &mut tokio::task::JoinSet<()>, stop: CancellationToken) {
-    let Some(store) = state.shared_responses.clone() else {
+    let Some(store) = state.responses.shared.clone() else {
         return;
     };
     let state = state.clone();
@@ -47,7 +47,7 @@ pub fn spawn(state: &Arc<AppState>, tasks: &mut tokio::task::JoinSet<()>, stop: 
                 _ = stop.cancelled() => return,
             }
             // This replica stops: it takes nothing more over.
-            if state.live.stop.is_cancelled() {
+            if state.responses.live.stop.is_cancelled() {
                 return;
             }
             let token = crate::protocols::responses::new_id("lease");
@@ -126,7 +126,7 @@ async fn continue_taken(
     let decode: Option<DecodeCheckpoint> = serde_json::from_value(checkpoint["decode"].clone())
         .map_err(|err| TakeoverError::Checkpoint(err.to_string()))?;
     let translation = ResponseTranslation::resumed(
-        state.clone(),
+        state.responses.clone(),
         &origin["translation"],
         checkpoint["translation"].clone(),
         &log.tenant,
@@ -141,6 +141,7 @@ async fn continue_taken(
         state.config.max_tokens_limit,
     )?;
     let live = state
+        .responses
         .live
         .adopt(id, &log.tenant, log.response, events)
         .ok_or(TakeoverError::Full)?;
@@ -156,7 +157,7 @@ async fn continue_taken(
     let (chat_response, entry) = match started {
         Ok(started) => started,
         Err(error) => {
-            state.live.forget(id);
+            state.responses.live.forget(id);
             return Err(error.into());
         }
     };

@@ -130,7 +130,7 @@ pub async fn serve<T: Translation>(
             chat_value["priority"] = priority.into();
         }
         // What a replica taking the generation over needs of the request.
-        let origin = (background.is_some() && state.shared_responses.is_some()).then(|| {
+        let origin = (background.is_some() && state.responses.shared.is_some()).then(|| {
             json!({"chat": chat_value, "tenant": tenant,
                    "request_id": record.request_id(), "translation": translation.origin()})
         });
@@ -401,7 +401,7 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
     if !started {
         live.push(driver.translation.start(), None);
     }
-    let shared = state.shared_responses.clone();
+    let shared = state.responses.shared.clone();
     let keeps_checkpoints = shared.is_some();
     // The journal as of the last batch the driver was fed: a checkpoint must
     // pair the translation with the decode it has seen, never with chunks
@@ -444,7 +444,7 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
                 token,
                 live.clone(),
                 origin,
-                state.live.stop.clone(),
+                state.responses.live.stop.clone(),
             ));
     }
     state.flow.drains.spawn(async move {

@@ -19,6 +19,20 @@ pub mod request;
 pub mod store;
 pub mod stream;
 
+/// Where the router keeps responses: what `/v1/responses/{id}` reads, and
+/// what a response's translation writes when it ends.
+pub struct ResponseStores {
+    /// Stored responses: the conversations behind `previous_response_id`,
+    /// whatever engines serve the next turn (in memory, or `shared`).
+    pub stored: std::sync::Arc<dyn store::ResponseStore>,
+    /// This replica's background responses' event logs
+    /// (`--max-background-responses`).
+    pub live: live::LiveResponses,
+    /// The store every replica shares (`--response-store`), which is also
+    /// `stored`: other replicas' background responses are read there.
+    pub shared: Option<std::sync::Arc<redis_store::RedisStore>>,
+}
+
 /// A new item or response id with its OpenAI prefix.
 pub fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
