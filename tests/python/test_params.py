@@ -88,6 +88,10 @@ def test_params_without_a_hold_are_not_a_hold():
         ({"backend": "rdma"}, "backend must be one of"),
         ({"remote_engine_id": ["x"]}, "remote_engine_id must be a string"),
         ({"do_remote_prefill": "yes"}, "do_remote_prefill must be true or false"),
+        ({"kv_groups": 0}, "kv_groups must be in 1.."),
+        ({"kv_groups": 65}, "kv_groups must be in 1.."),
+        ({"kv_groups": "2"}, "kv_groups must be an integer"),
+        ({"kv_groups": 2}, "3 block ids for 2 KV cache groups"),
     ],
 )
 def test_each_bad_field_is_named_in_a_params_error(changes, message):
@@ -204,3 +208,17 @@ def test_a_compat_mismatch_is_named_and_a_name_one_side_lacks_is_not_compared():
 def test_a_compat_that_is_not_a_fingerprint_is_refused(compat):
     with pytest.raises(ParamsError, match="compat"):
         remote_hold(valid(compat=compat))
+
+
+def test_kv_cache_groups_round_trip_and_a_prefill_without_them_had_one():
+    """A hold of a hybrid model carries each group's blocks, one group after
+    another; a decoder that groups otherwise names the difference, and a
+    prefill of an older Connex (no `kv_groups`) had one group."""
+    two = dataclasses.replace(LAYOUT, kv_groups=2)
+    hold = remote_hold(valid(kv_groups=2, remote_block_ids=[7, 8, 0, 9]))
+    assert hold is not None and hold.layout == two and hold.block_ids == [7, 8, 0, 9]
+    assert two.mismatch(hold.layout) is None
+    error = LAYOUT.mismatch(hold.layout)
+    assert error is not None and "kv_groups prefill=2 decode=1" in error
+    old = remote_hold({k: v for k, v in valid().items() if k != "kv_groups"})
+    assert old is not None and old.layout.kv_groups == 1

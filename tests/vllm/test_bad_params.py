@@ -271,7 +271,7 @@ def test_a_failed_load_is_reported_only_once_nothing_writes_into_its_blocks(work
     worker.reader = queued
     try:
         load = LoadSpec("req-q", "t-5f3c9a1e7b2d4086a9c1e3f5b7d90246", "127.0.0.1:9", 0, [], [1, 2])
-        load.first_block, load.hold_blocks = 0, 2
+        load.hold_indices, load.hold_blocks = [0, 1], 2
         worker.bind(ConnexMetadata(loads=[load]))
         worker.start_load_kv()
         for _ in range(3):

@@ -12,7 +12,7 @@ import vllm
 from connex.adapters.vllm import pd_connector
 from connex.adapters.vllm import scheduler as scheduler_module
 from connex.adapters.vllm.config import ConfigError
-from connex.adapters.vllm.params import Layout, hold_params
+from connex.adapters.vllm.params import Layout, hold_params, remote_hold
 from sched_utils import (
     BLOCK,
     assert_empty,
@@ -256,7 +256,7 @@ def test_partial_local_hit_pulls_only_the_missing_blocks():
     (load,) = out.kv_connector_metadata.loads
     assert load.remote_block_ids == [502, 503]
     # The worker pulls blocks 2 and 3 of the hold's 4 (not the whole hold).
-    assert (load.first_block, load.hold_blocks) == (2, 4)
+    assert (load.hold_indices, load.hold_blocks) == ([2, 3], 4)
     blocks = sched.kv_cache_manager.get_block_ids(request.request_id)[0]
     assert load.local_block_ids == blocks[2:4]
 
@@ -399,3 +399,55 @@ def test_a_freed_hold_reaches_the_connector_and_ends_idle_pacing(monkeypatch):
     monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(sleep=sleeps.append))
     step(sched)
     assert sleeps == []
+
+
+def two_group_hold(block_ids: list[int]):
+    layout = Layout(tp_size=1, block_size=16, num_layers=2, page_bytes=4096, kv_groups=2)
+    params = hold_params(
+        transfer_id="p-1-5f3c9a1e7b2d4086a9c1e3f5b7d90246",
+        remote_ctrl="127.0.0.1:9",
+        engine_id="p",
+        block_ids=block_ids,
+        num_tokens=64,
+        backend="tcp",
+        lease_s=30.0,
+        layout=layout,
+    )
+    return remote_hold(params)
+
+
+def test_a_sliding_window_group_pulls_only_the_blocks_its_table_has():
+    """Two groups of four blocks: the full group's blocks all, the sliding
+    group's from its window on (the decoder's table has vLLM's null block
+    before it), each from the same position of the group in the hold."""
+    hold = two_group_hold([11, 12, 13, 14, 0, 0, 23, 24])
+    load = scheduler_module.LoadSpec("r", hold.transfer_id, hold.remote_ctrl, 0, [], [])
+    local = ([31, 32, 33, 34], [0, 0, 0, 44])
+    assert scheduler_module.pair_blocks(load, hold, local, 0, 4) is None
+    assert load.hold_indices == [0, 1, 2, 3, 7]
+    assert load.remote_block_ids == [11, 12, 13, 14, 24]
+    assert load.local_block_ids == [31, 32, 33, 34, 44]
+
+
+def test_a_block_the_prefill_freed_that_the_decoder_reads_fails_the_load_by_name():
+    hold = two_group_hold([11, 12, 13, 14, 0, 0, 0, 24])
+    load = scheduler_module.LoadSpec("r", hold.transfer_id, hold.remote_ctrl, 0, [], [])
+    error = scheduler_module.pair_blocks(load, hold, ([31, 32, 33, 34], [0, 0, 43, 44]), 0, 4)
+    assert error is not None and "lacks block 2 of KV cache group 1" in error
+
+
+def test_kv_cache_groups_that_are_not_token_positions_are_refused_at_start():
+    """A hold pairs blocks position by position: attention groups (full,
+    sliding window) are moved; a Mamba state group is refused, named."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=64
+    )
+    pd_connector.check_group_kind(0, full)
+    pd_connector.check_group_kind(1, window)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+    with pytest.raises(ValueError, match="KV cache group 2 is MambaSpec"):
+        pd_connector.check_group_kind(2, mamba)

@@ -180,7 +180,7 @@ def test_a_decoder_with_the_first_blocks_cached_pulls_only_the_rest(name, direct
     layers = [kv_layer(t) for t in srcs]
     staged = StagedHolds(holder, layers)  # owns the buffer: kept while held
     staged.create(transfer_id := tid("partial"), [5, 0, 3, 1])
-    select = hold_select(layers, 4, 2, 2)
+    select = hold_select(layers, 4, [2, 3])
     if direct:
         regions = [layer_region(t, NB, "tcp") for t in dsts]
         refs = [
@@ -205,9 +205,19 @@ def test_a_decoder_with_the_first_blocks_cached_pulls_only_the_rest(name, direct
 
 def test_a_block_range_outside_the_hold_is_refused():
     layers = [kv_layer(make("cpu")[0])]
-    for first, count in ((3, 2), (-1, 1), (0, 0)):
+    for indices in ([3, 4], [-1], []):
         with pytest.raises(ValueError):
-            hold_select(layers, 4, first, count)
+            hold_select(layers, 4, indices)
+
+
+def test_blocks_are_selected_in_the_order_the_decoder_takes_them():
+    """A sliding-window group's blocks skip the positions before its window:
+    the selection follows the given positions, layer by layer."""
+    layers = [kv_layer(make("cpu")[0]), kv_layer(make("cpu")[0])]
+    pieces = len(layers[0].layout.pieces)
+    select = hold_select(layers, 6, [1, 4, 5])
+    per_layer = [i * pieces + k for i in (1, 4, 5) for k in range(pieces)]
+    assert select == per_layer + [6 * pieces + i for i in per_layer]
 
 
 def test_a_staged_hold_reads_like_one_in_place_for_a_direct_reader(holder, reader):

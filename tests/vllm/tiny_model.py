@@ -62,7 +62,9 @@ def build_tokenizer(dest: Path) -> None:
     fast.save_pretrained(dest)
 
 
-def build_model(dest: Path) -> None:
+def build_model(dest: Path, **layers) -> None:
+    """The tiny Llama; `layers` adds to its config (the sliding-window model's
+    `layer_types` and `sliding_window`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -81,6 +83,7 @@ def build_model(dest: Path) -> None:
         pad_token_id=3,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
+        **layers,
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(dest, safe_serialization=True)
@@ -94,6 +97,27 @@ def ensure(dest: Path = DEFAULT_DEST) -> Path:
         build_model(tmp)
 
     return build_once(dest, RECIPE, build)
+
+
+SLIDING_RECIPE = "tiny-llama-sliding-v1"
+# Its second layer attends to the last SLIDING_WINDOW tokens only: with vLLM's
+# hybrid KV cache manager, two KV cache groups (full and sliding window).
+SLIDING_WINDOW = 64
+
+
+def ensure_sliding(dest: Path = ROOT / ".cache" / SLIDING_RECIPE) -> Path:
+    """The tiny Llama with one full-attention and one sliding-window layer
+    (Llama's `layer_types`, as vLLM reads them), same tokenizer recipe."""
+
+    def build(tmp: Path) -> None:
+        build_tokenizer(tmp)
+        build_model(
+            tmp,
+            layer_types=["full_attention", "sliding_attention"],
+            sliding_window=SLIDING_WINDOW,
+        )
+
+    return build_once(dest, SLIDING_RECIPE, build)
 
 
 def build_once(dest: Path, recipe: str, build) -> Path:
@@ -118,3 +142,4 @@ def build_once(dest: Path, recipe: str, build) -> Path:
 
 if __name__ == "__main__":
     print(ensure(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_DEST))
+    print(ensure_sliding())

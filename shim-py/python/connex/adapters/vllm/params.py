@@ -2,7 +2,7 @@
 
 A prefill emits them for every hold; a decoder reads them back, verbatim except
 `resume_epoch`, which the router bumps on every resume. The layout keys
-(`tp_size`, `block_size`, `num_layers`, `page_bytes`) let a decoder refuse, with a
+(`tp_size`, `block_size`, `num_layers`, `page_bytes`, `kv_groups`) let a decoder refuse, with a
 clear message, a hold it cannot read block for block.
 
 They arrive in a client's request body, so every field is checked here, once,
@@ -30,6 +30,9 @@ MAX_TP_SIZE = 1024
 MAX_BLOCK_SIZE = 1 << 20
 MAX_LAYERS = 1 << 16
 MAX_PAGE_BYTES = 1 << 40
+# KV cache groups of one model (vLLM's hybrid KV cache manager: one per kind
+# of attention, e.g. full and sliding-window layers).
+MAX_KV_GROUPS = 64
 MAX_LEASE_S = 7 * 24 * 3600.0
 MAX_TOKENS = MAX_BLOCKS * MAX_BLOCK_SIZE
 BACKENDS = ("tcp", "ucx", "mooncake")
@@ -43,6 +46,7 @@ COMPAT_KEYS = (
     "kv_cache_dtype",
     "kv_heads",
     "head_size",
+    "kv_groups",
 )
 MAX_COMPAT_VALUE_LEN = 256
 
@@ -69,12 +73,15 @@ class Layout:
     # bytes that mean something else. A name one side lacks (a prefill of an
     # older Connex) is not compared.
     compat: tuple[tuple[str, str], ...] = ()
+    # KV cache groups (vLLM's hybrid KV cache manager): a hold's blocks are
+    # each group's, one group after another, every group as long.
+    kv_groups: int = 1
 
     def mismatch(self, remote: Layout) -> str | None:
         """A clear error when `remote` (the prefill's) differs from this (local) one."""
         diffs = [
             f"{name} prefill={getattr(remote, name)} decode={getattr(self, name)}"
-            for name in ("tp_size", "block_size", "num_layers", "page_bytes")
+            for name in ("tp_size", "block_size", "num_layers", "page_bytes", "kv_groups")
             if getattr(remote, name) != getattr(self, name)
         ]
         if remote.dtype and self.dtype and remote.dtype != self.dtype:
@@ -186,6 +193,7 @@ def hold_params(
         "page_bytes": layout.page_bytes,
         "kv_dtype": layout.dtype,
         "compat": dict(layout.compat),
+        "kv_groups": layout.kv_groups,
     }
 
 
@@ -224,6 +232,8 @@ def remote_hold(params: object) -> RemoteHold | None:
         page_bytes=_int(params.get("page_bytes"), "page_bytes", 1, MAX_PAGE_BYTES),
         dtype=_dtype(params.get("kv_dtype", "")),
         compat=_compat(params.get("compat", {})),
+        # A prefill of an older Connex had one group.
+        kv_groups=_int(params.get("kv_groups", 1), "kv_groups", 1, MAX_KV_GROUPS),
     )
     remote_ctrl = params["remote_ctrl"]
     split_ctrl(remote_ctrl, layout.tp_size)
@@ -234,6 +244,11 @@ def remote_hold(params: object) -> RemoteHold | None:
             f"not {_show(block_ids)}"
         )
     checked_ids = [_int(b, "remote_block_ids[]", 0, MAX_EPOCH) for b in block_ids]
+    if len(checked_ids) % layout.kv_groups:
+        raise ParamsError(
+            f"remote_block_ids has {len(checked_ids)} block ids for {layout.kv_groups} "
+            "KV cache groups of equal length"
+        )
     # Whether the blocks cover the tokens is checked against the local layout
     # later, so that a layout mismatch is reported as such.
     num_tokens = _int(params["remote_num_tokens"], "remote_num_tokens", 0, MAX_TOKENS)

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from .config import ConfigError, ConnexConfig
@@ -55,21 +56,62 @@ logger = logging.getLogger("connex.vllm")
 
 
 def local_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Layout:
+    """This engine's KV layout, as a hold carries it. Several KV cache groups
+    (vLLM's hybrid KV cache manager: full and sliding-window layers, each kind
+    its group) share the KV tensors, one layer of each group per tensor, with
+    one page size: a block of any group is that many bytes of every tensor."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(
-            "ConnexConnector supports full-attention models with one KV cache group; "
-            f"this model has {len(groups)}"
-        )
+    if not groups:
+        raise ValueError("ConnexConnector needs a KV cache (this model has no KV cache group)")
+    for index, group in enumerate(groups):
+        check_group_kind(index, group.kv_cache_spec)
     spec = groups[0].kv_cache_spec
+    sizes = {(g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(
+            "ConnexConnector needs one block size and page size over the KV cache groups; "
+            f"this model's groups have {sorted(sizes)} (block size, page bytes)"
+        )
     return Layout(
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         block_size=spec.block_size,
-        num_layers=len(groups[0].layer_names),
+        num_layers=max(len(g.layer_names) for g in groups),
         page_bytes=spec.page_size_bytes,
         dtype=str(getattr(spec, "dtype", "")).removeprefix("torch."),
         compat=compat_fingerprint(vllm_config, kv_cache_config),
+        kv_groups=len(groups),
     )
+
+
+def check_group_kind(index: int, spec: object) -> None:
+    """Refuses, at start, a KV cache group whose blocks are not the KV of
+    token positions with a prefix of them freed: a hold pairs the prefill's
+    and the decoder's blocks position by position, which would copy a Mamba
+    state, a ring buffer or a window with a gap in the middle into the wrong
+    place. Full attention (MLA too), sliding-window and chunked local
+    attention groups are moved."""
+    from vllm.v1 import kv_cache_interface as kinds
+
+    moved = (kinds.FullAttentionSpec, kinds.SlidingWindowSpec, kinds.ChunkedLocalAttentionSpec)
+    gapped = getattr(kinds, "RSWASpec", ())
+    if not isinstance(spec, moved) or (gapped and isinstance(spec, gapped)):
+        raise ValueError(
+            f"ConnexConnector moves KV blocks by token position; KV cache group {index} is "
+            f"{type(spec).__name__}, whose blocks are not (full, sliding-window and chunked "
+            "local attention are supported)"
+        )
+
+
+def group_kinds(kv_cache_config: KVCacheConfig) -> str:
+    """The KV cache groups by kind, in order ("FullAttentionSpec,
+    SlidingWindowSpec(16)"): a prefill and a decoder must group alike."""
+    kinds = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        kind = type(spec).__name__
+        kinds.append(f"{kind}({window})" if window else kind)
+    return ",".join(kinds)
 
 
 def check_parallelism(parallel_config: object) -> None:
@@ -134,6 +176,7 @@ def compat_fingerprint(
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
         vllm_config.cache_config, "kv_cache_layout", None
     )
+    several = len(kv_cache_config.kv_cache_groups) > 1
     values = {
         "vllm": vllm.__version__,
         "model": str(vllm_config.model_config.model),
@@ -142,6 +185,9 @@ def compat_fingerprint(
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "kv_heads": str(getattr(spec, "num_kv_heads", "")),
         "head_size": str(getattr(spec, "head_size", "")),
+        # Only with several groups: a decoder of an older Connex refuses
+        # names it does not know, and one group is what it assumed.
+        "kv_groups": group_kinds(kv_cache_config) if several else "",
     }
     # An empty value is unknown here: left out, so never compared.
     return tuple(sorted((k, v[:MAX_COMPAT_VALUE_LEN]) for k, v in values.items() if v))
@@ -175,7 +221,12 @@ def log_like_vllm() -> None:
         ours.propagate = False
 
 
-class ConnexConnector(KVConnectorBase_V1):
+class ConnexConnector(KVConnectorBase_V1, SupportsHMA):
+    """Declares `SupportsHMA`: with vLLM's hybrid KV cache manager on (its
+    default where the model has sliding-window or other layer kinds), a hold
+    carries every KV cache group's blocks and a decoder pulls, per group, the
+    blocks its attention still reads (a sliding-window group's last window)."""
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -208,6 +259,12 @@ class ConnexConnector(KVConnectorBase_V1):
                 keeper,
                 hold_mode=self.hold_mode,
             )
+            if len(kv_cache_config.kv_cache_groups) > 1:
+                logger.info(
+                    "ConnexConnector: %d KV cache groups (%s): holds carry every group's blocks",
+                    len(kv_cache_config.kv_cache_groups),
+                    group_kinds(kv_cache_config),
+                )
             if self.cfg.router:
                 self._start_agent(vllm_config, is_producer, is_consumer)
         else:
@@ -218,7 +275,9 @@ class ConnexConnector(KVConnectorBase_V1):
                 self.cfg,
                 get_tensor_model_parallel_rank(),
                 kv_cache_config.num_blocks,
-                list(groups[0].layer_names) if groups else [],
+                # Layers of several groups share tensors (the worker moves each
+                # tensor once): in order, so both sides list them alike.
+                [name for group in groups for name in group.layer_names],
                 is_producer,
                 is_consumer,
                 hold_mode=self.hold_mode,
@@ -303,6 +362,15 @@ class ConnexConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call with the hybrid KV cache manager on (`SupportsHMA`): the
+        hold was taken of every group's blocks when the prompt was computed;
+        these only say whether the request kept any."""
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, [b for ids in block_ids for b in ids])
 
     # ---- worker side -------------------------------------------------------------
 

@@ -15,6 +15,13 @@ local prefix hit pulls nothing and reports nothing, and the hold is still renewe
 while the request runs and released when it finishes normally. One transfer per
 request: a load that failed is not retried (vLLM's `kv_load_failure_policy`
 decides between recompute and fail).
+
+With several KV cache groups (vLLM's hybrid KV cache manager), a hold is every
+group's prompt blocks, one group after another. A sliding-window group's blocks
+before the window are freed when the prompt's request finishes (vLLM replaces
+them with its null block, id 0): the hold leaves them out (holds block 0, which
+vLLM never hands to a request), and a decoder, whose own table has the null
+block at the same positions (it skips the same tokens), pulls the rest.
 """
 
 from __future__ import annotations
@@ -57,12 +64,52 @@ class LoadSpec:
     epoch: int
     remote_block_ids: list[int]
     local_block_ids: list[int]
-    # Where remote_block_ids start in the hold, and the hold's block count: a
-    # decoder with the prompt's first blocks cached pulls only the rest.
-    first_block: int = 0
+    # The positions, among the hold's blocks, that local_block_ids take (in
+    # order), and the hold's block count: a decoder with the prompt's first
+    # blocks cached, or with sliding-window groups (whose blocks before the
+    # window it never reads), pulls only those.
+    hold_indices: list[int] = field(default_factory=list)
     hold_blocks: int = 0
     # Set when the load must fail without a pull (e.g. a layout mismatch).
     error: str | None = None
+
+
+# vLLM's null block: the placeholder of a block its attention no longer reads
+# (a sliding-window group's before the window). Never handed to a request.
+NULL_BLOCK = 0
+
+
+def pair_blocks(
+    load: LoadSpec, hold: RemoteHold, local: tuple[list[int], ...], first: int, last: int
+) -> str | None:
+    """Fills `load` with the blocks to pull: for each KV cache group, its
+    blocks `first .. last` that this decoder's table has (not the null block),
+    each from the same position of the group in the hold. An error when the
+    hold lacks one of them."""
+    per_group = len(hold.block_ids) // len(local)
+    if last > per_group:
+        return (
+            f"hold {hold.transfer_id} has {per_group} blocks per KV cache group for "
+            f"{hold.num_tokens} tokens; blocks {first}..{last} are needed"
+        )
+    for group, ids in enumerate(local):
+        if len(ids) < last:
+            return f"KV cache group {group} has {len(ids)} blocks here; {last} are needed"
+        for position in range(first, last):
+            mine = ids[position]
+            if mine == NULL_BLOCK:
+                continue  # before this group's window: never read here
+            index = group * per_group + position
+            theirs = hold.block_ids[index]
+            if theirs == NULL_BLOCK:
+                return (
+                    f"hold {hold.transfer_id} lacks block {position} of KV cache group "
+                    f"{group} (the prefill freed it: its window had moved past it)"
+                )
+            load.hold_indices.append(index)
+            load.remote_block_ids.append(theirs)
+            load.local_block_ids.append(mine)
+    return None
 
 
 @dataclass(frozen=True)
@@ -194,12 +241,30 @@ class ConnexScheduler:
         from connex._transfer import new_transfer_id  # 128 random bits; holders refuse fewer
 
         transfer_id = f"{self.engine_id}-{self._hold_seq}-{new_transfer_id()}"
-        block_ids = list(self._kv_cache_manager.get_block_ids(request.request_id)[0])
+        groups = self._kv_cache_manager.get_block_ids(request.request_id)
         needed = -(-request.num_prompt_tokens // self.layout.block_size)
-        hold = HoldSpec(request.request_id, transfer_id, block_ids[:needed])
+        block_ids: list[int] = []
+        for group, ids in enumerate(groups):
+            ids = list(ids[:needed])
+            ids += [NULL_BLOCK] * (needed - len(ids))
+            # Blocks the finish frees (before the window): not held.
+            freed = self._freed_at_finish(group, request.num_prompt_tokens)
+            block_ids += [NULL_BLOCK] * min(freed, needed) + ids[freed:]
+        hold = HoldSpec(request.request_id, transfer_id, block_ids)
         self._held[request.request_id] = hold
         self._meta.holds.append(hold)
         return hold
+
+    def _freed_at_finish(self, group: int, num_tokens: int) -> int:
+        """The blocks of KV cache group `group` that vLLM frees as a request of
+        `num_tokens` computed tokens finishes (a sliding-window group's blocks
+        before its window; none of a full-attention group), as its own
+        manager of the group counts them. With the hybrid KV cache manager on,
+        a model whose layers all slide is one such group."""
+        assert self._kv_cache_manager is not None
+        managers = self._kv_cache_manager.coordinator.single_type_managers
+        skipped = managers[group].get_num_skipped_tokens(num_tokens)
+        return max(skipped, 0) // self.layout.block_size
 
     def _finish_hold(
         self, request: Request, block_ids: list[int]
@@ -312,25 +377,18 @@ class ConnexScheduler:
         end = min(hold.num_tokens, request.num_prompt_tokens)
         first = (end - num_external_tokens) // bs
         last = -(-end // bs)
-        local = list(blocks.get_block_ids()[0][first:last])
         load = LoadSpec(
             req_id=req_id,
             transfer_id=hold.transfer_id,
             remote_ctrl=hold.remote_ctrl,
             epoch=hold.epoch,
-            remote_block_ids=hold.block_ids[first:last],
-            local_block_ids=local,
-            first_block=first,
+            remote_block_ids=[],
+            local_block_ids=[],
             hold_blocks=len(hold.block_ids),
         )
-        load.error = self.layout.mismatch(hold.layout)
-        if load.error is None and (
-            len(load.remote_block_ids) != last - first or len(local) != last - first
-        ):
-            load.error = (
-                f"hold {hold.transfer_id} has {len(hold.block_ids)} blocks for "
-                f"{hold.num_tokens} tokens; blocks {first}..{last} are needed"
-            )
+        load.error = self.layout.mismatch(hold.layout) or pair_blocks(
+            load, hold, blocks.get_block_ids(), first, last
+        )
         if load.error is not None:
             logger.error("kv load failed: request %s: %s", req_id, load.error)
         self._meta.loads.append(load)

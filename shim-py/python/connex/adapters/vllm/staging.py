@@ -117,17 +117,21 @@ def hold_refs(region_id: int, layers: list[KVLayer], num_blocks: int) -> list[tu
     return refs
 
 
-def hold_select(layers: list[KVLayer], hold_blocks: int, first: int, count: int) -> list[int]:
+def hold_select(layers: list[KVLayer], hold_blocks: int, indices: list[int]) -> list[int]:
     """Indices, among a hold's block refs (the order of `hold_refs`), of its
-    blocks `first .. first + count` of every layer: what a decoder that has
-    the hold's first blocks cached already pulls."""
-    if not (0 <= first and count > 0 and first + count <= hold_blocks):
-        raise ValueError(f"blocks {first}..{first + count} of a hold of {hold_blocks} blocks")
+    blocks at `indices` (positions in the hold, in the order the decoder's
+    blocks take them) of every layer: what a decoder pulls when it needs only
+    some of the hold's blocks (the prompt's first blocks cached here, or a
+    sliding-window group's blocks before its window)."""
+    if not indices or not all(0 <= i < hold_blocks for i in indices):
+        shown = indices if len(indices) <= 8 else [*indices[:8], "..."]
+        raise ValueError(f"blocks {shown} of a hold of {hold_blocks} blocks")
     select: list[int] = []
     base = 0
     for layer in layers:
         pieces = len(layer.layout.pieces)
-        select += range(base + first * pieces, base + (first + count) * pieces)
+        for index in indices:
+            select += range(base + index * pieces, base + (index + 1) * pieces)
         base += hold_blocks * pieces
     return select
 

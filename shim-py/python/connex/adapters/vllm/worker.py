@@ -384,14 +384,24 @@ class ConnexWorker:
 
     def _select(self, load: LoadSpec) -> list[int] | None:
         """The hold's block refs to pull when `load` needs only some of its
-        blocks (the prompt's first blocks are cached here): None for all."""
-        first, total, count = load.first_block, load.hold_blocks, len(load.local_block_ids)
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (first, total)):
-            raise ParamsError("hold block range is not integers")
-        if first == 0 and count == total:
+        blocks (the prompt's first blocks are cached here, or a sliding-window
+        group's blocks before its window are never read): None for all."""
+        indices, total = load.hold_indices, load.hold_blocks
+        if (
+            not isinstance(indices, list)
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices)
+            or not isinstance(total, int)
+            or isinstance(total, bool)
+        ):
+            raise ParamsError("hold block positions are not integers")
+        if len(indices) != len(load.local_block_ids):
+            raise ParamsError(
+                f"{len(indices)} hold blocks for {len(load.local_block_ids)} local blocks"
+            )
+        if indices == list(range(total)):
             return None
         try:
-            return hold_select(self.kv_layers, total, first, count)
+            return hold_select(self.kv_layers, total, indices)
         except ValueError as err:
             raise ParamsError(f"blocks to load: {err}") from err
 
