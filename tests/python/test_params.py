@@ -222,3 +222,20 @@ def test_kv_cache_groups_round_trip_and_a_prefill_without_them_had_one():
     assert error is not None and "kv_groups prefill=2 decode=1" in error
     old = remote_hold({k: v for k, v in valid().items() if k != "kv_groups"})
     assert old is not None and old.layout.kv_groups == 1
+
+
+def test_another_tp_size_is_read_when_the_sizes_divide_and_split_the_same_heads():
+    """A TP 1 prefill's page holds all the heads, a TP 2 decoder's half: read by
+    runs of heads. Sizes that do not divide, or pages that do not split the
+    same heads, stay a named mismatch."""
+    one = Layout(tp_size=1, block_size=32, num_layers=2, page_bytes=8192)
+    one = dataclasses.replace(one, compat=(("kv_heads", "4"),))
+    two = dataclasses.replace(one, tp_size=2, page_bytes=4096, compat=(("kv_heads", "2"),))
+    assert two.mismatch(one) is None and one.mismatch(two) is None
+    three = dataclasses.replace(two, tp_size=3)
+    error = three.mismatch(one)
+    assert error is not None and "tp_size prefill=1 decode=3" in error
+    error = dataclasses.replace(two, page_bytes=8192).mismatch(one)
+    assert error is not None and "tp_size prefill=1 decode=2" in error
+    wrong_heads = dataclasses.replace(two, compat=(("kv_heads", "4"),))
+    assert wrong_heads.mismatch(one) is not None

@@ -19,18 +19,21 @@ import torch
 from connex import _transfer
 from connex.adapters.vllm.layout import BlockLayout, block_layout_of
 from connex.adapters.vllm.staged_holds import StagedHolds
-from connex.adapters.vllm.staged_reads import StagedReads
+from connex.adapters.vllm.staged_reads import PullAll, StagedReads
 from connex.adapters.vllm.staging import (
+    HeadShare,
     KVLayer,
     gather_blocks,
+    heads_lead,
     hold_bytes,
     hold_refs,
     hold_select,
     host_buffer,
+    rank_shares,
     scatter_blocks,
 )
 from connex.adapters.vllm.worker import layer_region
-from test_layout_tensors import CASES, NB
+from test_layout_tensors import BS, CASES, NB, D, H
 
 SECRET = "staging-test-secret"
 DEVICE = torch.device(os.environ.get("CONNEX_TEST_KV_DEVICE", "cpu"))
@@ -420,3 +423,71 @@ def test_copies_move_the_widest_words_the_layout_allows_and_stay_exact(shape, dt
     gather_blocks([kv_layer(src)], [5, 2], buf)
     scatter_blocks([kv_layer(dst)], [0, 1], buf)
     assert block(dst, 0, 0) == block(src, 0, 5) and block(dst, 0, 1) == block(src, 0, 2)
+
+
+def test_each_decoder_rank_reads_the_prefill_ranks_that_hold_its_heads():
+    assert rank_shares(1, 2, 2) == [(1, HeadShare())]
+    # TP 1 -> 2: both decoder ranks read rank 0, each its half of the heads.
+    assert rank_shares(0, 2, 1) == [(0, HeadShare(source_parts=2, source_index=0))]
+    assert rank_shares(1, 2, 1) == [(0, HeadShare(source_parts=2, source_index=1))]
+    # TP 2 -> 1: the one decoder rank reads both, rank 0's heads first.
+    assert rank_shares(0, 1, 2) == [
+        (0, HeadShare(local_parts=2, local_index=0)),
+        (1, HeadShare(local_parts=2, local_index=1)),
+    ]
+    # TP 2 -> 4: decoder rank 3 takes the second half of rank 1's heads.
+    assert rank_shares(3, 4, 2) == [(1, HeadShare(source_parts=2, source_index=1))]
+    with pytest.raises(ValueError, match="divide"):
+        rank_shares(0, 2, 3)
+
+
+def test_heads_lead_the_pieces_of_the_cpu_cache_and_hnd_pages_only():
+    assert heads_lead(kv_layer(make("cpu")[0]), H)
+    assert heads_lead(kv_layer(make("flash_attn_hnd")[0]), H)
+    assert not heads_lead(kv_layer(make("flash_attn_nhd")[0]), H)
+
+
+def cpu_cache(heads: int) -> torch.Tensor:
+    """vLLM's CPU KV cache of one layer: [blocks, heads, block_size, 2 * head_dim]."""
+    return torch.zeros(NB, heads, BS, 2 * D, dtype=torch.bfloat16, device=DEVICE)
+
+
+@pytest.mark.parametrize(("remote_tp", "tp"), [(1, 2), (2, 1)])
+def test_a_decoder_of_another_tp_size_gets_exactly_its_heads(remote_tp, tp, reader):
+    """Four KV heads split over the prefill's ranks (each holding its blocks
+    5, 0 and 3 staged), read into blocks 1, 4 and 2 of each decoder rank:
+    every rank ends with exactly its run of the heads of those blocks, and
+    nothing else is written."""
+    heads = 4
+    holders = [
+        _transfer.Holder(backend="tcp", listen="127.0.0.1:0", retain_s=30, secret=SECRET)
+        for _ in range(remote_tp)
+    ]
+    try:
+        srcs = [random_like(cpu_cache(heads // remote_tp), 50 + r) for r in range(remote_tp)]
+        transfer_id = tid("hetero")
+        kept = [StagedHolds(h, [kv_layer(t)]) for h, t in zip(holders, srcs, strict=True)]
+        for staged in kept:
+            staged.create(transfer_id, [5, 0, 3])
+        whole = torch.cat(srcs, dim=1)  # every head, in rank order
+        for rank in range(tp):
+            dst = cpu_cache(heads // tp)
+            reads = StagedReads(reader, [kv_layer(dst)])
+            pulls = [
+                reads.pull_share_async(
+                    holders[source].ctrl_addr, transfer_id, 0, [1, 4, 2], share, timeout_s=10
+                )
+                for source, share in rank_shares(rank, tp, remote_tp)
+            ]
+            stats = PullAll(pulls).result()
+            assert stats["bytes"] == 3 * whole[0].numel() * 2 // min(tp, remote_tp)
+            mine = whole[:, rank * heads // tp : (rank + 1) * heads // tp]
+            for f, t in zip([5, 0, 3], [1, 4, 2], strict=True):
+                # As bits: random bytes make NaNs, which equal nothing.
+                got, want = (x.contiguous().view(torch.int16) for x in (dst[t], mine[f]))
+                assert torch.equal(got, want), f"rank {rank} block {t}"
+            for b in set(range(NB)) - {1, 4, 2}:
+                assert not dst[b].any(), f"rank {rank} block {b} was written"
+    finally:
+        for h in holders:
+            h.close()

@@ -78,27 +78,48 @@ class Layout:
     kv_groups: int = 1
 
     def mismatch(self, remote: Layout) -> str | None:
-        """A clear error when `remote` (the prefill's) differs from this (local) one."""
+        """A clear error when `remote` (the prefill's) differs from this (local)
+        one. Another TP size is read by runs of KV heads (one size dividing the
+        other, the same heads split over each side's ranks: page bytes times
+        TP size, and KV heads times TP size, equal)."""
         diffs = [
             f"{name} prefill={getattr(remote, name)} decode={getattr(self, name)}"
-            for name in ("tp_size", "block_size", "num_layers", "page_bytes", "kv_groups")
+            for name in ("block_size", "num_layers", "kv_groups")
             if getattr(remote, name) != getattr(self, name)
         ]
+        mine = dict(self.compat)
+        theirs = dict(remote.compat)
+        same_tp = remote.tp_size == self.tp_size
+        if same_tp and remote.page_bytes != self.page_bytes:
+            diffs.append(f"page_bytes prefill={remote.page_bytes} decode={self.page_bytes}")
+        if not same_tp:
+            divides = max(remote.tp_size, self.tp_size) % min(remote.tp_size, self.tp_size) == 0
+            pages = remote.page_bytes * remote.tp_size == self.page_bytes * self.tp_size
+            heads = [mine.get("kv_heads"), theirs.get("kv_heads")]
+            heads_split = (
+                None in heads
+                or int(heads[1] or 0) * remote.tp_size == int(heads[0] or 0) * self.tp_size
+            )
+            if not (divides and pages and heads_split):
+                diffs.append(
+                    f"tp_size prefill={remote.tp_size} decode={self.tp_size} with page_bytes "
+                    f"prefill={remote.page_bytes} decode={self.page_bytes} (another TP size "
+                    "is read when one divides the other and both split the same KV heads)"
+                )
         if remote.dtype and self.dtype and remote.dtype != self.dtype:
             diffs.append(f"dtype prefill={remote.dtype} decode={self.dtype}")
-        mine = dict(self.compat)
         diffs += [
-            f"{name} prefill={theirs} decode={mine[name]}"
-            for name, theirs in remote.compat
-            if name in mine and mine[name] != theirs
+            f"{name} prefill={value} decode={mine[name]}"
+            for name, value in remote.compat
+            if name in mine and mine[name] != value and (same_tp or name != "kv_heads")
         ]
         if not diffs:
             return None
         return (
             "prefill and decode KV layouts differ ("
             + ", ".join(diffs)
-            + "); both sides need the same vLLM, model, TP size, --block-size, "
-            "--kv-cache-dtype and attention backend"
+            + "); both sides need the same vLLM, model, --block-size, "
+            "--kv-cache-dtype and attention backend, and TP sizes that divide each other"
         )
 
 

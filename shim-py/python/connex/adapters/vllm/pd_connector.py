@@ -268,7 +268,10 @@ class ConnexConnector(KVConnectorBase_V1, SupportsHMA):
             if self.cfg.router:
                 self._start_agent(vllm_config, is_producer, is_consumer)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
 
             groups = kv_cache_config.kv_cache_groups
             self.worker = ConnexWorker(
@@ -281,6 +284,10 @@ class ConnexConnector(KVConnectorBase_V1, SupportsHMA):
                 is_producer,
                 is_consumer,
                 hold_mode=self.hold_mode,
+                tp_size=get_tensor_model_parallel_world_size(),
+                kv_heads=int(getattr(groups[0].kv_cache_spec, "num_kv_heads", 0) or 0)
+                if groups
+                else 0,
             )
 
     @property

@@ -70,6 +70,9 @@ class LoadSpec:
     # window it never reads), pulls only those.
     hold_indices: list[int] = field(default_factory=list)
     hold_blocks: int = 0
+    # The prefill's TP size (0: this engine's): another one is read by runs of
+    # KV heads from the prefill ranks that hold this rank's.
+    remote_tp: int = 0
     # Set when the load must fail without a pull (e.g. a layout mismatch).
     error: str | None = None
 
@@ -385,6 +388,7 @@ class ConnexScheduler:
             remote_block_ids=[],
             local_block_ids=[],
             hold_blocks=len(hold.block_ids),
+            remote_tp=hold.layout.tp_size,
         )
         load.error = self.layout.mismatch(hold.layout) or pair_blocks(
             load, hold, blocks.get_block_ids(), first, last

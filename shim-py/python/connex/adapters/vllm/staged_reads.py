@@ -7,9 +7,22 @@ may run, only once that copy's fence has passed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .staging import CopyStream, Fence, KVLayer, hold_bytes, hold_refs, host_buffer, scatter_blocks
+from .staging import (
+    CopyStream,
+    Fence,
+    HeadShare,
+    KVLayer,
+    hold_bytes,
+    hold_refs,
+    host_buffer,
+    scatter_blocks,
+    scatter_heads,
+    shared_hold_bytes,
+    shared_hold_refs,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -18,22 +31,20 @@ if TYPE_CHECKING:
 
 
 class StagedPull:
-    """A pull into a host buffer followed by its copy into the device blocks;
-    `done()` and `result()` as `_transfer.Pull`'s."""
+    """A pull into a host buffer followed by its copy into the blocks
+    (`scatter`, given the buffer); `done()` and `result()` as `_transfer.Pull`'s."""
 
     def __init__(
         self,
         reader: _transfer.Reader,
         stream: CopyStream,
-        layers: list[KVLayer],
-        block_ids: list[int],
+        scatter: Callable[[torch.Tensor], None],
         buffer: torch.Tensor,
         region_id: int,
         refs: list[tuple[int, int, int]],
         pull: _transfer.Pull,
     ) -> None:
-        self._reader, self._stream, self._layers = reader, stream, layers
-        self._block_ids = block_ids
+        self._reader, self._stream, self._scatter = reader, stream, scatter
         self._buffer: torch.Tensor | None = buffer
         self._region: int | None = region_id
         self._refs = refs
@@ -61,9 +72,7 @@ class StagedPull:
         if self._fence is None and self._error is None and self._stats is not None:
             if buffer is not None:
                 try:
-                    self._fence = self._stream.run(
-                        lambda: scatter_blocks(self._layers, self._block_ids, buffer)
-                    )
+                    self._fence = self._stream.run(lambda: self._scatter(buffer))
                 except Exception as err:
                     self._error = err
         if self._region is None and (
@@ -107,9 +116,57 @@ class StagedReads:
         timeout_s: float,
         select: list[int] | None = None,
     ) -> StagedPull:
-        buffer = host_buffer(hold_bytes(self._layers, len(block_ids)), self._stream.device)
+        layers = self._layers
+        return self._start(
+            remote_ctrl,
+            transfer_id,
+            epoch,
+            hold_bytes(layers, len(block_ids)),
+            lambda region: hold_refs(region, layers, len(block_ids)),
+            lambda buffer: scatter_blocks(layers, block_ids, buffer),
+            timeout_s,
+            select,
+        )
+
+    def pull_share_async(
+        self,
+        remote_ctrl: str,
+        transfer_id: str,
+        epoch: int,
+        block_ids: list[int],
+        share: HeadShare,
+        timeout_s: float,
+        select: list[int] | None = None,
+    ) -> StagedPull:
+        """A pull of a prefill rank's hold whose TP size differs from this
+        rank's: its blocks land in a host buffer, and this rank's share of
+        their heads is copied into blocks `block_ids`."""
+        layers, n = self._layers, len(block_ids)
+        return self._start(
+            remote_ctrl,
+            transfer_id,
+            epoch,
+            shared_hold_bytes(layers, n, share),
+            lambda region: shared_hold_refs(region, layers, n, share),
+            lambda buffer: scatter_heads(layers, block_ids, buffer, share),
+            timeout_s,
+            select,
+        )
+
+    def _start(
+        self,
+        remote_ctrl: str,
+        transfer_id: str,
+        epoch: int,
+        nbytes: int,
+        refs_of: Callable[[int], list[tuple[int, int, int]]],
+        scatter: Callable[[torch.Tensor], None],
+        timeout_s: float,
+        select: list[int] | None,
+    ) -> StagedPull:
+        buffer = host_buffer(nbytes, self._stream.device)
         region = self._reader.register_region(buffer.data_ptr(), buffer.numel())
-        refs = hold_refs(region, self._layers, len(block_ids))
+        refs = refs_of(region)
         try:
             pull = self._reader.pull_async(
                 remote_ctrl, transfer_id, epoch, refs, timeout_s=timeout_s, select=select
@@ -117,6 +174,39 @@ class StagedReads:
         except Exception:
             self._reader.unregister_region(region)
             raise
-        return StagedPull(
-            self._reader, self._stream, self._layers, block_ids, buffer, region, refs, pull
-        )
+        return StagedPull(self._reader, self._stream, scatter, buffer, region, refs, pull)
+
+
+class PullAll:
+    """Several pulls that make one load (a decoder gathering its KV heads from
+    the ranks of a prefill of a larger TP size): done when all are, their
+    stats summed, the first error raised once every pull has ended."""
+
+    def __init__(self, pulls: list[StagedPull], failed: BaseException | None = None) -> None:
+        self._pulls = pulls
+        # A pull that could not start: the load fails once the others end.
+        self._failed = failed
+
+    def done(self) -> bool:
+        return all(p.done() for p in self._pulls)
+
+    def result(self) -> dict[str, Any]:
+        total: dict[str, Any] = {}
+        error: BaseException | None = self._failed
+        for pull in self._pulls:
+            try:
+                stats = pull.result()
+            except Exception as err:
+                error = error or err
+                continue
+            for key, value in stats.items():
+                if key == "elapsed_s":
+                    # The pulls run side by side: the load took the longest.
+                    total[key] = max(total.get(key, 0.0), value)
+                elif isinstance(value, int | float) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+                else:
+                    total.setdefault(key, value)
+        if error is not None:
+            raise error
+        return total

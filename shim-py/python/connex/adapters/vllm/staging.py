@@ -263,3 +263,117 @@ def scatter_blocks(layers: list[KVLayer], block_ids: list[int], src: torch.Tenso
             for p, view in enumerate(layer.piece_views()):
                 view.index_copy_(0, ids, staged[:, p, :])
         at += size
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """What a decoder rank takes from one prefill rank when their TP sizes
+    differ: the prefill's pieces cut into `source_parts` equal runs of KV
+    heads, of which run `source_index` fills run `local_index` of this rank's
+    pieces cut into `local_parts` (equal TP: one run each side)."""
+
+    source_parts: int = 1
+    source_index: int = 0
+    local_parts: int = 1
+    local_index: int = 0
+
+
+def rank_shares(tp_rank: int, tp_size: int, remote_tp: int) -> list[tuple[int, HeadShare]]:
+    """The prefill ranks decoder rank `tp_rank` (of `tp_size`) reads from a
+    prefill of `remote_tp` ranks, each with its share. Rank r of a TP group
+    holds the r-th run of the KV heads: a decoder of more ranks takes its
+    run of one prefill rank's heads (TP 1 -> 2: rank 1 takes the second half
+    of rank 0's); one of fewer ranks gathers the runs of several (TP 2 -> 1:
+    rank 0's heads then rank 1's)."""
+    if remote_tp == tp_size:
+        return [(tp_rank, HeadShare())]
+    if tp_size % remote_tp == 0:
+        k = tp_size // remote_tp
+        return [(tp_rank // k, HeadShare(source_parts=k, source_index=tp_rank % k))]
+    if remote_tp % tp_size == 0:
+        k = remote_tp // tp_size
+        return [(tp_rank * k + i, HeadShare(local_parts=k, local_index=i)) for i in range(k)]
+    raise ValueError(f"TP {remote_tp} -> {tp_size}: one size must divide the other")
+
+
+def heads_lead(layer: KVLayer, num_kv_heads: int) -> bool:
+    """Whether each piece of this layer's blocks is its KV heads one after
+    another (the heads the outermost dimension inside a piece: vLLM's CPU
+    cache, HND pages), so that a run of heads is a run of bytes. NHD pages
+    (heads inside each token) are not."""
+    tensor = layer.tensor
+    size = tensor.element_size()
+    lengths = {length for _, length in layer.layout.pieces}
+    if len(lengths) != 1 or num_kv_heads < 1:
+        return False
+    if num_kv_heads == 1:
+        return True  # the one head is the whole piece
+    piece = lengths.pop()
+    inside = [
+        (stride * size, dim)
+        for dim, stride in zip(tensor.shape, tensor.stride(), strict=True)
+        if dim > 1 and stride * size * dim <= piece
+    ]
+    if not inside:
+        return False
+    stride, dim = max(inside)
+    return dim == num_kv_heads and stride * dim == piece
+
+
+def scatter_heads(
+    layers: list[KVLayer], block_ids: list[int], src: torch.Tensor, share: HeadShare
+) -> None:
+    """Copies a host buffer laid out as the prefill rank's hold (its pieces
+    `share.source_parts / share.local_parts` times this rank's) into blocks
+    `block_ids` of every layer: the share's run of heads of each piece into
+    its run of this rank's pieces."""
+    n = len(block_ids)
+    if src.numel() != shared_hold_bytes(layers, n, share):
+        raise ValueError(
+            f"buffer of {src.numel()} bytes for a hold of {shared_hold_bytes(layers, n, share)}"
+        )
+    at = 0
+    index = _BlockIds(block_ids)
+    for layer in layers:
+        pieces, word = len(layer.layout.pieces), layer.word
+        run = layer.piece_len // share.local_parts
+        if run * share.local_parts != layer.piece_len or run % word:
+            raise ValueError(f"a piece of {layer.piece_len} bytes does not split into the share")
+        source_len = run * share.source_parts
+        size = n * pieces * source_len
+        host = src[at : at + size].view(_word_dtypes()[word]).view(n, pieces, source_len // word)
+        take = host[:, :, share.source_index * run // word : (share.source_index + 1) * run // word]
+        device = layer.tensor.device
+        staged = take.to(device, non_blocking=True)
+        ids = index.on(device)
+        put = slice(share.local_index * run // word, (share.local_index + 1) * run // word)
+        for p, view in enumerate(layer.piece_views()):
+            # A column run of the pieces' view: the indexed write goes through.
+            view[:, put][ids] = staged[:, p, :]
+        at += size
+
+
+def shared_hold_bytes(layers: list[KVLayer], num_blocks: int, share: HeadShare) -> int:
+    """Bytes of the prefill rank's hold of `num_blocks` blocks, for `share`."""
+    return (
+        sum(
+            len(layer.layout.pieces) * layer.piece_len // share.local_parts * share.source_parts
+            for layer in layers
+        )
+        * num_blocks
+    )
+
+
+def shared_hold_refs(
+    region_id: int, layers: list[KVLayer], num_blocks: int, share: HeadShare
+) -> list[tuple[int, int, int]]:
+    """The block refs of a host buffer laid out as the prefill rank's hold
+    (`hold_refs` with its piece lengths)."""
+    refs: list[tuple[int, int, int]] = []
+    at = 0
+    for layer in layers:
+        length = layer.piece_len // share.local_parts * share.source_parts
+        for _ in range(num_blocks * len(layer.layout.pieces)):
+            refs.append((region_id, at, length))
+            at += length
+    return refs

@@ -22,8 +22,8 @@ from .config import ConnexConfig
 from .layout import BlockLayout, block_layout_of, tensor_layout
 from .params import ParamsError, check_epoch, check_transfer_id, ctrl_for_rank
 from .staged_holds import StagedHolds
-from .staged_reads import StagedPull, StagedReads
-from .staging import KVLayer, hold_select
+from .staged_reads import PullAll, StagedPull, StagedReads
+from .staging import KVLayer, heads_lead, hold_select, rank_shares
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     # copy and transfer code runs without it (tests/gpu/run, on a GPU machine
     # whose image has torch but no vLLM).
     from .scheduler import ConnexMetadata, LoadSpec
+
+    # A load in flight: straight into the cache, through a host buffer, or
+    # through several (a prefill of another TP size).
+    AnyPull = _transfer.Pull | StagedPull | PullAll
 
 logger = logging.getLogger("connex.vllm.worker")
 
@@ -128,10 +132,16 @@ class ConnexWorker:
         is_producer: bool,
         is_consumer: bool,
         hold_mode: str | None = None,
+        tp_size: int = 1,
+        kv_heads: int = 0,
     ) -> None:
         self.cfg = cfg
         self.hold_mode = hold_mode or cfg.hold
         self.tp_rank = tp_rank
+        # This engine's TP size and KV heads per rank: a prefill of another TP
+        # size is read by runs of heads (`rank_shares`).
+        self.tp_size = tp_size
+        self.kv_heads = kv_heads
         self.num_blocks = num_blocks
         self.layer_order = layer_order
         self.is_producer = is_producer
@@ -141,6 +151,9 @@ class ConnexWorker:
         self.holder: _transfer.Holder | None = None
         self.staged: StagedHolds | None = None
         self.staged_reads: StagedReads | None = None
+        # Reads of a prefill of another TP size: through host buffers, whatever
+        # the device (made at the first such load).
+        self._share_reads: StagedReads | None = None
         self.reader: _transfer.Reader | None = None
         self._holder_rids: list[int] = []
         self._reader_rids: list[int] = []
@@ -149,7 +162,7 @@ class ConnexWorker:
         self._freed: set[str] = set()
         self._finished: set[str] = set()
         # Loads in flight: request id -> (pending pull, spec).
-        self._pulls: dict[str, tuple[_transfer.Pull | StagedPull, LoadSpec, Refs | None]] = {}
+        self._pulls: dict[str, tuple[AnyPull, LoadSpec, Refs | None]] = {}
         # Failed loads whose reads may still write into their blocks (a
         # Mooncake read cannot be cancelled): request id -> (blocks, since).
         # Reported to vLLM only once nothing can write there any more: until
@@ -355,7 +368,7 @@ class ConnexWorker:
         self._recved.add(load.req_id)
         self._failed.add(load.req_id)
 
-    def _pull(self, load: LoadSpec) -> tuple[_transfer.Pull | StagedPull, Refs | None]:
+    def _pull(self, load: LoadSpec) -> tuple[AnyPull, Refs | None]:
         """Starts the pull of `load` into its local blocks, directly (with the
         blocks it writes) or through host memory (the staged pull watches its
         own buffer), after checking its arguments (the scheduler checked them
@@ -363,7 +376,6 @@ class ConnexWorker:
         assert self.reader is not None
         check_transfer_id(load.transfer_id)
         check_epoch(load.epoch)
-        ctrl = ctrl_for_rank(load.remote_ctrl, self.tp_rank)
         ids = load.local_block_ids
         if not isinstance(ids, list) or not all(
             isinstance(b, int) and not isinstance(b, bool) and 0 <= b < self.num_blocks for b in ids
@@ -371,6 +383,10 @@ class ConnexWorker:
             raise ParamsError(f"local block ids outside this engine's {self.num_blocks} blocks")
         select = self._select(load)
         timeout_s = self.cfg.pull_timeout_s
+        remote_tp = load.remote_tp or self.tp_size
+        if remote_tp != self.tp_size:
+            return self._pull_shares(load, remote_tp, select), None
+        ctrl = ctrl_for_rank(load.remote_ctrl, self.tp_rank)
         if self.staged_reads is not None:
             staged = self.staged_reads.pull_async(
                 ctrl, load.transfer_id, load.epoch, ids, timeout_s=timeout_s, select=select
@@ -381,6 +397,47 @@ class ConnexWorker:
             ctrl, load.transfer_id, load.epoch, dest, timeout_s=timeout_s, select=select
         )
         return pull, dest
+
+    def _pull_shares(self, load: LoadSpec, remote_tp: int, select: list[int] | None) -> PullAll:
+        """Pulls from a prefill of another TP size: from each prefill rank that
+        holds some of this rank's KV heads, its blocks into a host buffer, of
+        which this rank's heads are copied into its blocks (TP 1 -> 2: half of
+        rank 0's blocks' bytes are this rank's; TP 2 -> 1: both ranks' blocks,
+        side by side)."""
+        assert self.reader is not None
+        if not isinstance(remote_tp, int) or isinstance(remote_tp, bool) or remote_tp < 1:
+            raise ParamsError("the prefill's TP size is not a positive integer")
+        try:
+            shares = rank_shares(self.tp_rank, self.tp_size, remote_tp)
+        except ValueError as err:
+            raise ParamsError(str(err)) from err
+        if not all(heads_lead(layer, self.kv_heads) for layer in self.kv_layers):
+            raise ParamsError(
+                f"TP {remote_tp} -> {self.tp_size} needs KV pages whose heads lead each "
+                "piece (vLLM's CPU cache, HND pages); this engine's pages keep the heads "
+                "inside each token (NHD)"
+            )
+        if self._share_reads is None:
+            self._share_reads = StagedReads(self.reader, self.kv_layers)
+        pulls = []
+        for rank, share in shares:
+            try:
+                pulls.append(
+                    self._share_reads.pull_share_async(
+                        ctrl_for_rank(load.remote_ctrl, rank),
+                        load.transfer_id,
+                        load.epoch,
+                        load.local_block_ids,
+                        share,
+                        timeout_s=self.cfg.pull_timeout_s,
+                        select=select,
+                    )
+                )
+            except Exception as err:
+                # The pulls started run to their end (their buffers with
+                # them); the load then fails with this error.
+                return PullAll(pulls, failed=err)
+        return PullAll(pulls)
 
     def _select(self, load: LoadSpec) -> list[int] | None:
         """The hold's block refs to pull when `load` needs only some of its
