@@ -14,7 +14,13 @@ decoder answers). Both modes run in the same run, alternating,
 and every resumed stream is checked against an uninterrupted one. The killed
 decoder is restarted in the background for later trials.
 
-    python bench/vllm_resume.py [--sizes 128,512,1024] [--rounds 1]
+Then the same resume at the largest size with decoders of TP 2 behind the TP 1
+prefill (heterogeneous TP: each decoder rank pulls the prefill's blocks and
+keeps its half of the KV heads), beside the equal-TP row: the gap, and the
+pull's bytes per second (the resuming decoder's `connex_kv_pulled_bytes` over
+its `connex_kv_pull_seconds`, all ranks).
+
+    python bench/vllm_resume.py [--sizes 128,512,1024] [--rounds 1] [--no-hetero]
 Last line: vllm_resume_gap_ratio=<reprefill gap / resume gap at the largest size>
 """
 
@@ -58,12 +64,20 @@ def kv_config(role: str, router: str, engine: harness.Engine) -> dict:
     }
 
 
-def make_engine(name: str, role: str, router: str, core: int) -> harness.Engine:
+def make_engine(name: str, role: str, router: str, core: int, tp: int = 1) -> harness.Engine:
     engine = harness.Engine(name, core=core)
     if role == "kv_consumer":
         # A decoder that has seen a context would find it in its prefix cache and
         # measure nothing: every resume must really pull or recompute.
         engine.extra_args = ["--no-enable-prefix-caching"]
+    if tp > 1:
+        engine.extra_args += [
+            "--tensor-parallel-size",
+            str(tp),
+            "--distributed-executor-backend",
+            "mp",
+        ]
+        engine.threads_bind = "nobind"
     engine.kv_config = kv_config(role, router, engine)
     return engine
 
@@ -95,6 +109,40 @@ class Bench:
         for engine in [self.prefill, *self.decoders.values()]:
             warm_up(engine)
         self.restarts: list[threading.Thread] = []
+        self.decoder_tp = 1
+        self.last_killed: str | None = None
+
+    def use_decoders(self, tp: int, names: tuple[str, ...]) -> None:
+        """Replaces the decoders with `names`, each of TP size `tp`."""
+        for thread in self.restarts:
+            thread.join()
+        self.restarts.clear()
+        for engine in self.decoders.values():
+            engine.stop()
+        self.decoder_tp = tp
+        self.decoders = {
+            name: make_engine(name, "kv_consumer", self.router.internal, 0, tp) for name in names
+        }
+        harness.start_all(list(self.decoders.values()))
+        self.router.wait_instances(set(self.decoders))
+        for engine in self.decoders.values():
+            warm_up(engine)
+
+    def pulls(self, skip: str | None = None) -> dict[str, tuple[float, float]]:
+        """Each serving decoder's pulled bytes and pull seconds so far (all its
+        ranks), but `skip`'s (a decoder killed and starting again)."""
+        out = {}
+        for name, engine in self.decoders.items():
+            if name == skip or not engine.alive():
+                continue
+            try:
+                out[name] = (
+                    engine.metric("connex_kv_pulled_bytes_total", absent=0.0),
+                    engine.metric("connex_kv_pull_seconds_sum", absent=0.0),
+                )
+            except httpx.HTTPError:
+                continue  # not serving (yet): it pulled nothing of this trial
+        return out
 
     def ready_decoders(self) -> set[str]:
         return {
@@ -117,7 +165,7 @@ class Bench:
     def restart(self, name: str) -> None:
         old = self.decoders[name]
         old.stop()
-        fresh = make_engine(name, "kv_consumer", self.router.internal, old.core)
+        fresh = make_engine(name, "kv_consumer", self.router.internal, old.core, self.decoder_tp)
         self.decoders[name] = fresh
         thread = threading.Thread(target=lambda: warm_up(fresh.start()), daemon=True)
         thread.start()
@@ -192,6 +240,7 @@ class Bench:
                     killed = decoder
                     self.decoders[decoder].kill()
                     last = time.monotonic()
+        self.last_killed = killed
         if killed is not None:
             self.restart(killed)
         return tokens, None if late else gap
@@ -208,12 +257,53 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="128,512,1024")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--no-hetero", action="store_true", help="no TP 1 -> 2 row")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     harness.model_dir()
     bench = Bench()
     gaps: dict[tuple[int, str], list[float]] = {}
     takeovers: dict[tuple[int, str], list[float]] = {}
+    # Of the resumes: (bytes, seconds) the resuming decoder pulled.
+    rates: dict[tuple[int, str], list[tuple[float, float]]] = {}
+
+    def measure(size: int, mode: str, want: list[int], ids: list[int]) -> None:
+        for _ in range(3):
+            bench.wait_two_decoders()
+            before = bench.takeover_s()
+            resumes = bench.router.metric("connex_resumes_total", absent=0.0)
+            pulled = bench.pulls()
+            got, gap = bench.trial(ids, mode)
+            takeover = bench.takeover_s() - before
+            if got != want:
+                raise RuntimeError(f"{mode} at {size} tokens changed the output")
+            resumed = bench.router.metric("connex_resumes_total", absent=0.0) - resumes
+            if gap is not None and resumed == 1:
+                break
+            # The client lagged: the decoder had sent its last token
+            # before the kill, so nothing was resumed. Not a sample.
+            print(f"  {size:>5} tokens  {mode:<9} no resume: repeated", file=sys.stderr)
+        else:
+            raise RuntimeError(f"{mode} at {size} tokens: the kill never hit a stream")
+        gaps.setdefault((size, mode), []).append(gap)
+        takeovers.setdefault((size, mode), []).append(takeover)
+        # The decoder that took over is one that was alive before and was not
+        # killed: what it pulled since is the resume's pull.
+        after = bench.pulls(skip=bench.last_killed)
+        moved = [
+            (after[n][0] - b[0], after[n][1] - b[1])
+            for n, b in pulled.items()
+            if n != bench.last_killed and n in after and after[n][0] > b[0]
+        ]
+        if moved:
+            rates.setdefault((size, mode), []).append(moved[0])
+        print(
+            f"  {size:>5} tokens  {mode:<9} gap {gap * 1000:8.1f} ms"
+            f"  (router: failure seen -> next token {takeover * 1000:7.1f} ms)",
+            file=sys.stderr,
+        )
+
+    largest = max(sizes)
     try:
         for size in sizes:
             ids = prompt_ids(size, size)
@@ -224,29 +314,16 @@ def main() -> int:
                 # longer-lived decoder.
                 order = ("resume", "reprefill")
                 for mode in order if (round_ + sizes.index(size)) % 2 == 0 else order[::-1]:
-                    for _ in range(3):
-                        bench.wait_two_decoders()
-                        before = bench.takeover_s()
-                        resumes = bench.router.metric("connex_resumes_total", absent=0.0)
-                        got, gap = bench.trial(ids, mode)
-                        takeover = bench.takeover_s() - before
-                        if got != want:
-                            raise RuntimeError(f"{mode} at {size} tokens changed the output")
-                        resumed = bench.router.metric("connex_resumes_total", absent=0.0) - resumes
-                        if gap is not None and resumed == 1:
-                            break
-                        # The client lagged: the decoder had sent its last token
-                        # before the kill, so nothing was resumed. Not a sample.
-                        print(f"  {size:>5} tokens  {mode:<9} no resume: repeated", file=sys.stderr)
-                    else:
-                        raise RuntimeError(f"{mode} at {size} tokens: the kill never hit a stream")
-                    gaps.setdefault((size, mode), []).append(gap)
-                    takeovers.setdefault((size, mode), []).append(takeover)
-                    print(
-                        f"  {size:>5} tokens  {mode:<9} gap {gap * 1000:8.1f} ms"
-                        f"  (router: failure seen -> next token {takeover * 1000:7.1f} ms)",
-                        file=sys.stderr,
-                    )
+                    measure(size, mode, want, ids)
+        if not args.no_hetero:
+            # The same prefill, decoders of TP 2: the TP 1 -> 2 row.
+            bench.use_decoders(2, ("t1", "t2"))
+            ids = prompt_ids(largest, largest)
+            bench.wait_two_decoders()
+            # TP 2 rounds differently: its own uninterrupted answer is the reference.
+            want, _ = bench.trial(ids, None)
+            for _ in range(args.rounds):
+                measure(largest, "resume_tp2", want, ids)
     finally:
         bench.stop()
     print(
@@ -263,7 +340,17 @@ def main() -> int:
             f"reprefill {reprefill * 1000:8.1f} ms   ratio {reprefill / resume:6.2f}   "
             f"(router takeover {took[0]:.0f} / {took[1]:.0f} ms)"
         )
-    largest = max(sizes)
+    for mode, label in (("resume", "TP 1 -> 1"), ("resume_tp2", "TP 1 -> 2")):
+        if (largest, mode) not in gaps:
+            continue
+        moved = rates.get((largest, mode), [])
+        rate = statistics.median(b / s for b, s in moved if s > 0) if moved else float("nan")
+        per = statistics.median(b for b, _ in moved) if moved else float("nan")
+        print(
+            f"  prompt {largest:>5}, resume {label}: gap "
+            f"{statistics.median(gaps[(largest, mode)]) * 1000:8.1f} ms   pulled "
+            f"{per / 1e6:6.2f} MB at {rate / 1e6:8.1f} MB/s (bytes over pull seconds, all ranks)"
+        )
     ratio = statistics.median(gaps[(largest, "reprefill")]) / statistics.median(
         gaps[(largest, "resume")]
     )

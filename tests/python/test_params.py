@@ -239,3 +239,13 @@ def test_another_tp_size_is_read_when_the_sizes_divide_and_split_the_same_heads(
     assert error is not None and "tp_size prefill=1 decode=2" in error
     wrong_heads = dataclasses.replace(two, compat=(("kv_heads", "4"),))
     assert wrong_heads.mismatch(one) is not None
+
+
+def test_a_kv_heads_entry_that_is_no_number_is_a_mismatch_not_an_error():
+    one = Layout(
+        tp_size=1, block_size=32, num_layers=2, page_bytes=8192, compat=(("kv_heads", "4"),)
+    )
+    hold = remote_hold(valid(tp_size=2, page_bytes=4096, compat={"kv_heads": "two"}))
+    assert hold is not None
+    error = one.mismatch(hold.layout)
+    assert error is not None and "tp_size prefill=2 decode=1" in error

@@ -451,3 +451,21 @@ def test_kv_cache_groups_that_are_not_token_positions_are_refused_at_start():
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
     with pytest.raises(ValueError, match="KV cache group 2 is MambaSpec"):
         pd_connector.check_group_kind(2, mamba)
+
+
+def test_a_held_block_vllm_freed_before_the_finish_is_the_null_block_in_the_params():
+    """In place, the params name only blocks the request still has when vLLM
+    hands its table over (a sliding-window group frees the ones before its
+    window when the request computed past its prompt): a decoder that needs a
+    freed one fails its load by name, never reads another request's KV."""
+    sched = make_scheduler("kv_producer")
+    request = make_request(
+        prompt_of(70), max_tokens=4, kv_transfer_params={"do_remote_decode": True}
+    )
+    sched.add_request(request)
+    out, _ = step(sched)
+    (hold,) = out.kv_connector_metadata.holds
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    table = [0, *hold.block_ids[1:]]  # the first block freed, as vLLM hands it over
+    delay, params = sched.connector.scheduler.request_finished(request, table)
+    assert delay and params["remote_block_ids"] == table

@@ -95,10 +95,15 @@ class Layout:
         if not same_tp:
             divides = max(remote.tp_size, self.tp_size) % min(remote.tp_size, self.tp_size) == 0
             pages = remote.page_bytes * remote.tp_size == self.page_bytes * self.tp_size
-            heads = [mine.get("kv_heads"), theirs.get("kv_heads")]
+            local, prefill = mine.get("kv_heads"), theirs.get("kv_heads")
             heads_split = (
-                None in heads
-                or int(heads[1] or 0) * remote.tp_size == int(heads[0] or 0) * self.tp_size
+                local is None
+                or prefill is None
+                or (
+                    local.isdigit()
+                    and prefill.isdigit()
+                    and int(prefill[:9]) * remote.tp_size == int(local[:9]) * self.tp_size
+                )
             )
             if not (divides and pages and heads_split):
                 diffs.append(

@@ -26,6 +26,7 @@ block at the same positions (it skips the same tokens), pulls the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -201,6 +202,8 @@ class ConnexScheduler:
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """`block_ids`: the request's blocks as vLLM hands them over (every KV
+        cache group's, one list)."""
         req_id = request.request_id
         self.inflight = max(self.inflight - 1, 0)
         if self.keeper is not None and (req_id in self._consumed or self.keeper.keeps(req_id)):
@@ -296,7 +299,14 @@ class ConnexScheduler:
             # has ended: the blocks are vLLM's again.
             return False, self._params(request, hold)
         self._awaiting_free.add(request.request_id)
-        return True, self._params(request, hold)
+        # In place, a block vLLM freed before handing the table over (a
+        # sliding-window group's, when the request computed past its prompt)
+        # may be another request's by the time a decoder reads it: the params
+        # name the null block there, and a decoder that needs it fails the
+        # load by name instead of reading someone else's KV.
+        kept = set(block_ids)
+        still = [b if b in kept else NULL_BLOCK for b in hold.block_ids]
+        return True, self._params(request, dataclasses.replace(hold, block_ids=still))
 
     def _params(self, request: Request, hold: HoldSpec) -> dict[str, Any]:
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
