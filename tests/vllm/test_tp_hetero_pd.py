@@ -5,7 +5,8 @@ answer its cases with a logit margin that rounding does not flip) at TP 1 and
 at TP 2, each both prefill and decoder (`kv_both`). A TP 2 decoder's rank r
 holds KV heads 2r and 2r+1: from the TP 1 prefill it pulls rank 0's blocks and
 keeps its two heads (1 -> 2); a TP 1 decoder gathers its four heads from both
-ranks of the TP 2 prefill (2 -> 1). Each answer must be the model's own.
+ranks of the TP 2 prefill (2 -> 1). Each answer must be the model's own (its
+first tokens: the TP 2 engine decodes slowly on two cores).
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from conftest import connex_kv
 from test_pd import stats
 
 CASE = "reasoning"
+# Tokens decoded after the pull: enough to show the KV is right (a wrong
+# head in any layer changes the first ones), few enough that the TP 2
+# engine, whose two workers share this machine's two cores, decodes them in
+# seconds.
+DECODED = 32
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +44,10 @@ def engines() -> Iterator[dict[str, harness.Engine]]:
     two.kv_config["kv_connector_extra_config"]["ctrl_port"] = harness.free_port(2)
     harness.start_all([one, two])
     try:
+        # An engine's first forward is slow (lazy initialisation): done before
+        # any pull, which would otherwise wait on it.
+        for engine in (one, two):
+            chat(engine, max_tokens=2)
         yield {"tp1": one, "tp2": two}
     finally:
         one.stop()
@@ -65,7 +75,9 @@ def pd(prefill: harness.Engine, decoder: harness.Engine, prefill_tp: int) -> tup
     params = first["kv_transfer_params"]
     assert params["tp_size"] == prefill_tp
     seen = len(decoder.log_text())
-    answer = chat(decoder, kv_transfer_params=params)["choices"][0]["message"]["content"]
+    answer = chat(decoder, max_tokens=DECODED, kv_transfer_params=params)["choices"][0]["message"][
+        "content"
+    ]
     failed = [line for line in decoder.log_text()[seen:].splitlines() if "kv load failed" in line]
     assert not failed, failed
     return answer, params
@@ -74,7 +86,7 @@ def pd(prefill: harness.Engine, decoder: harness.Engine, prefill_tp: int) -> tup
 def test_a_tp2_decoder_takes_its_heads_from_a_tp1_prefill(engines):
     before = stats(ctrls(engines["tp1"], 1)[0])
     answer, params = pd(engines["tp1"], engines["tp2"], 1)
-    assert answer == rm.answer(CASE)
+    assert len(answer) >= 16 and rm.answer(CASE).startswith(answer), answer
     # Each of the decoder's two ranks read the hold's blocks (all four heads)
     # and kept its two: two pulls of the whole hold.
     after = stats(ctrls(engines["tp1"], 1)[0])
@@ -87,7 +99,7 @@ def test_a_tp1_decoder_gathers_its_heads_from_both_ranks_of_a_tp2_prefill(engine
     ranks = ctrls(engines["tp2"], 2)
     before = [stats(c) for c in ranks]
     answer, params = pd(engines["tp2"], engines["tp1"], 2)
-    assert answer == rm.answer(CASE)
+    assert len(answer) >= 16 and rm.answer(CASE).startswith(answer), answer
     # One pull of each rank's shard, each half of the decoder's blocks' bytes.
     shard = len(params["remote_block_ids"]) * params["num_layers"] * params["page_bytes"]
     for b, a in zip(before, [stats(c) for c in ranks], strict=True):
