@@ -530,26 +530,17 @@ async fn admin_persistent_registrations_never_expire_and_are_kept_until_removed(
 /// A router whose first decoder (`d0`) crashes after `k` tokens, a healthy
 /// `d1` to resume on, and a lone engine as the reference.
 async fn crashing_cluster(k: u32) -> (Proc, Vec<Proc>, Proc) {
-    let router = router(&["--decode-policy", "round_robin"]);
-    let prefill = engine(Some(&router), "prefill", &[]);
     let crash = k.to_string();
-    let d0 = engine(
-        Some(&router),
-        "decode",
-        // Paced, so that each token is on the wire before the process dies.
-        &[
-            "--id",
-            "d0",
-            "--crash-after-tokens",
-            &crash,
-            "--decode-us-per-token",
-            "20000",
-        ],
-    );
-    let d1 = engine(Some(&router), "decode", &["--id", "d1"]);
-    wait_ready(&router, 3).await;
+    // Paced, so that each token is on the wire before the process dies.
+    let d0 = [
+        "--crash-after-tokens",
+        &crash,
+        "--decode-us-per-token",
+        "20000",
+    ];
+    let (router, engines) = failover_cluster(&[], &d0, &[]).await;
     let reference = engine(None, "both", &[]);
-    (router, vec![prefill, d0, d1], reference)
+    (router, engines.into(), reference)
 }
 
 /// Every field of the chunks' logprobs for choice 0, joined.
