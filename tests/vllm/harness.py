@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -326,6 +327,18 @@ def start_all(engines: list[Engine]) -> dict[str, float]:
             engine.stop()
         raise
     return {e.name: t for e, t in zip(engines, times, strict=True)}
+
+
+@contextmanager
+def running(engines: list[Engine]) -> Iterator[list[Engine]]:
+    """The engines started together (`start_all`), stopped however the block
+    ends: a test module's fixture of its own engines."""
+    start_all(engines)
+    try:
+        yield engines
+    finally:
+        for engine in engines:
+            engine.stop()
 
 
 class Router:

@@ -41,6 +41,16 @@ def remote(num_tokens: int, epoch: int = 0, layout: Layout = LAYOUT, tid: str = 
     ) | {"resume_epoch": epoch}
 
 
+def add_prefill(sched, tokens: int, max_tokens: int):
+    """A request of `tokens` prompt tokens that asks `sched` (a prefill) to
+    hold its prompt KV, added to it."""
+    request = make_request(
+        prompt_of(tokens), max_tokens=max_tokens, kv_transfer_params={"do_remote_decode": True}
+    )
+    sched.add_request(request)
+    return request
+
+
 def run_to_finish(sched, request, max_steps: int = 20):
     """Steps until `request` reports a finish reason; returns that output."""
     for _ in range(max_steps):
@@ -63,10 +73,7 @@ def wait_until(check, timeout_s: float = 5.0) -> None:
 
 def test_prefill_holds_prompt_blocks_until_the_hold_is_freed():
     sched = make_scheduler("kv_producer")
-    request = make_request(
-        prompt_of(70), max_tokens=1, kv_transfer_params={"do_remote_decode": True}
-    )
-    sched.add_request(request)
+    request = add_prefill(sched, 70, max_tokens=1)
     out, outputs = step(sched)
     # The hold is taken in the step that computes the prompt, on exactly its blocks.
     (hold,) = out.kv_connector_metadata.holds
@@ -95,10 +102,7 @@ def test_prefill_holds_prompt_blocks_until_the_hold_is_freed():
 
 def test_prefill_aborted_after_prompt_drops_its_hold_before_freeing():
     sched = make_scheduler("kv_producer")
-    request = make_request(
-        prompt_of(40), max_tokens=4, kv_transfer_params={"do_remote_decode": True}
-    )
-    sched.add_request(request)
+    request = add_prefill(sched, 40, max_tokens=4)
     out, _ = step(sched)
     (hold,) = out.kv_connector_metadata.holds
     sched.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
@@ -112,10 +116,7 @@ def test_prefill_aborted_after_prompt_drops_its_hold_before_freeing():
 def test_a_staged_prefill_gives_its_blocks_back_right_after_the_prompt_step():
     sched = make_scheduler("kv_producer", extra={"hold": "staged"})
     free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
-    request = make_request(
-        prompt_of(70), max_tokens=1, kv_transfer_params={"do_remote_decode": True}
-    )
-    sched.add_request(request)
+    add_prefill(sched, 70, max_tokens=1)
     out, outputs = step(sched)
     # The worker copies the blocks in this step ...
     (hold,) = out.kv_connector_metadata.holds
@@ -131,10 +132,7 @@ def test_a_staged_prefill_gives_its_blocks_back_right_after_the_prompt_step():
 
 def test_a_staged_hold_of_an_aborted_request_is_dropped_and_its_blocks_freed_at_once():
     sched = make_scheduler("kv_producer", extra={"hold": "staged"})
-    request = make_request(
-        prompt_of(40), max_tokens=4, kv_transfer_params={"do_remote_decode": True}
-    )
-    sched.add_request(request)
+    request = add_prefill(sched, 40, max_tokens=4)
     out, _ = step(sched)
     (hold,) = out.kv_connector_metadata.holds
     sched.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
@@ -385,10 +383,7 @@ def test_a_freed_hold_reaches_the_connector_and_ends_idle_pacing(monkeypatch):
     # requests awaiting a free only grows and every idle step keeps sleeping.
     sched = make_scheduler("kv_producer", extra={"idle_step_ms": 50})
     connex = sched.connector.scheduler
-    request = make_request(
-        prompt_of(40), max_tokens=1, kv_transfer_params={"do_remote_decode": True}
-    )
-    sched.add_request(request)
+    request = add_prefill(sched, 40, max_tokens=1)
     step(sched)
     assert connex._awaiting_free == {request.request_id}
     step(sched, finished_sending={request.request_id})
@@ -459,10 +454,7 @@ def test_a_held_block_vllm_freed_before_the_finish_is_the_null_block_in_the_para
     window when the request computed past its prompt): a decoder that needs a
     freed one fails its load by name, never reads another request's KV."""
     sched = make_scheduler("kv_producer")
-    request = make_request(
-        prompt_of(70), max_tokens=4, kv_transfer_params={"do_remote_decode": True}
-    )
-    sched.add_request(request)
+    request = add_prefill(sched, 70, max_tokens=4)
     out, _ = step(sched)
     (hold,) = out.kv_connector_metadata.holds
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED

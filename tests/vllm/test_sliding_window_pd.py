@@ -39,12 +39,8 @@ def engines() -> Iterator[dict[str, harness.Engine]]:
     p.kv_config = connex_kv("kv_producer", p, retain_s=120)
     d = harness.Engine("sliding_decoder", model=model, core=1)
     d.kv_config = connex_kv("kv_consumer", d)
-    harness.start_all([p, d])
-    try:
+    with harness.running([p, d]):
         yield {"prefill": p, "decoder": d}
-    finally:
-        p.stop()
-        d.stop()
 
 
 def ctrl_of(engine: harness.Engine) -> str:

@@ -29,12 +29,8 @@ def engines() -> Iterator[dict[str, harness.Engine]]:
     p.kv_config["kv_connector_extra_config"]["ctrl_port"] = harness.free_port(TP)
     d = harness.Engine("tp2_decoder", extra_args=args, threads_bind="nobind")
     d.kv_config = connex_kv("kv_consumer", d)
-    harness.start_all([p, d])
-    try:
+    with harness.running([p, d]):
         yield {"prefill": p, "decoder": d}
-    finally:
-        p.stop()
-        d.stop()
 
 
 def rank_ctrls(engine: harness.Engine) -> list[str]:
