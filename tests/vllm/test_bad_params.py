@@ -283,3 +283,33 @@ def test_a_failed_load_is_reported_only_once_nothing_writes_into_its_blocks(work
         assert not worker._draining and not worker._pulls
     finally:
         worker.reader = real
+
+
+def failed_share_load(worker: ConnexWorker, remote_tp: int) -> str:
+    """The error of a load from a prefill of `remote_tp` ranks, which fails
+    before any pull."""
+    load = LoadSpec("req-tp", "t-5f3c9a1e7b2d4086a9c1e3f5b7d90246", "127.0.0.1:9", 0, [], [1])
+    load.hold_indices, load.hold_blocks, load.remote_tp = [0], 1, remote_tp
+    worker.bind(ConnexMetadata(loads=[load]))
+    worker.start_load_kv()
+    assert worker.get_finished(set()) == (set(), {"req-tp"}, {"req-tp"})
+    assert not worker._pulls
+    assert load.error is not None
+    return load.error
+
+
+def test_a_prefill_of_another_tp_size_is_refused_where_heads_cannot_be_cut_out():
+    """Another TP size is read by runs of heads: a decoder whose pages keep the
+    heads inside each token (NHD: [2, blocks, block size, heads, head dim]),
+    or whose TP size the prefill's does not divide, fails the load by name."""
+    cfg = ConnexConfig(pull_timeout_s=2.0, transfer_secret="s")
+    nhd = ConnexWorker(
+        cfg, 0, NUM_BLOCKS, ["l0"], is_producer=False, is_consumer=True, tp_size=2, kv_heads=2
+    )
+    caches = {"l0": torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 32, dtype=torch.bfloat16)}
+    nhd.register_kv_caches(caches)
+    try:
+        assert "NHD" in failed_share_load(nhd, remote_tp=1)
+        assert "divide" in failed_share_load(nhd, remote_tp=3)
+    finally:
+        nhd.shutdown()
