@@ -1,7 +1,8 @@
 """Real processes for the vLLM tier: `vllm serve` engines, connex-router, clients.
 
 Owns starting and stopping them on free loopback ports. Each engine runs in its
-own process group (API server, EngineCore and worker), so that a test can kill a
+own process group (API server, EngineCore, and with TP 2 its workers; with TP 1
+the worker runs inside the EngineCore), so that a test can kill a
 whole engine at once, as a machine failure would, and teardown leaves nothing
 behind. Used by tests/vllm/ and by `bench/run vllm_resume`.
 """
@@ -179,6 +180,16 @@ class Engine:
         args += shlex.split(os.environ.get("CONNEX_VLLM_EXTRA_ARGS", ""))
         args += self.extra_args
         env = dict(os.environ)
+        if "--distributed-executor-backend" not in args:
+            # One process fewer per engine (a third of its start: each imports
+            # torch and vLLM): the worker runs inside the EngineCore process,
+            # vLLM's uniprocess executor, what vLLM itself picks for one GPU.
+            # The CPU platform turns `uni` into `mp` unless V1 multiprocessing
+            # is off, which only vLLM's offline `LLM` reads otherwise (the API
+            # server's EngineCore stays a process of its own). Engines with
+            # another TP size name their executor (`mp`).
+            args += ["--distributed-executor-backend", "uni"]
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.update(
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
@@ -234,7 +245,7 @@ class Engine:
             pass
 
     def core_pids(self) -> list[int]:
-        """The processes that compute (EngineCore, its workers), without the API
+        """The processes that compute (EngineCore, any workers), without the API
         server: freezing these alone lets the API server send on everything
         they computed."""
         import psutil

@@ -59,6 +59,12 @@ PREFILL, D1, D2 = "rz_prefill", "rz_d1", "rz_d2"
 # Each engine's connector role and CPU core.
 ROLES = {PREFILL: ("kv_producer", 0), D1: ("kv_consumer", 1), D2: ("kv_consumer", 0)}
 ENGINE_ARGS = [*rm.PARSER_ARGS, "--enable-scale-out"]
+# The decoders are stepped (kill_batch: frozen and thawed by signals) and need
+# their batch to decode in lockstep: with the worker inside the EngineCore (the
+# harness's default for TP 1) a batch's requests drifted 14 tokens apart, wider
+# than a kill region; with the worker a process of its own (vLLM's
+# multiprocess executor, as before) they stay together.
+STEPPED_ARGS = ["--distributed-executor-backend", "mp"]
 MODES = ("stream", "non-stream")
 # How long one batch may run before the kill test gives up on it (seconds).
 BATCH_S = 240
@@ -104,7 +110,7 @@ class ReasoningCluster:
             core=core,
             model=self.model,
             served_model_name=rm.MODEL_NAME,
-            extra_args=list(ENGINE_ARGS),
+            extra_args=ENGINE_ARGS + (STEPPED_ARGS if name in (D1, D2) else []),
         )
         engine.kv_config = connex_kv(
             role,
