@@ -44,6 +44,7 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 
 import anthropic
@@ -865,6 +866,13 @@ def kill_batch(
         for thread in threads:
             thread.join(BATCH_S)
     if not killed:
+        # Its caller tries again; a warning, so that a passing run's summary
+        # still says where the time of a retry went.
+        warnings.warn(
+            f"{victim}: the batch was not lined up on its kill points (journal at "
+            f"{sorted(cut.items())}, regions {regions}); trying again",
+            stacklevel=2,
+        )
         return None
     return {"answers": answers, "cut": cut}
 
