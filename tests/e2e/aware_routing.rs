@@ -17,12 +17,17 @@ async fn reported_waiting(router: &Proc, engine: &Proc) -> Option<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decoder_reporting_heavy_load_gets_no_new_requests() {
-    let router = router(&["--decode-policy", "load_aware", "--heartbeat-ttl-s", "3"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let idle = engine(Some(&router), "decode", &[]);
-    // Busy with 50 requests from elsewhere (other routers), as it reports.
-    let busy = engine(Some(&router), "decode", &["--report-waiting", "50"]);
-    wait_ready(&router, 3).await;
+    // The second decoder is busy with 50 requests from elsewhere (other
+    // routers), as it reports.
+    let (router, [_prefill, idle, busy]) = pd_cluster(
+        &["--decode-policy", "load_aware", "--heartbeat-ttl-s", "3"],
+        [
+            ("prefill", &[]),
+            ("decode", &[]),
+            ("decode", &["--report-waiting", "50"]),
+        ],
+    )
+    .await;
     eventually(
         Duration::from_secs(5),
         "the busy decoder reports its load",
@@ -311,11 +316,15 @@ async fn kv_events_need_the_instance_credential_and_a_valid_batch() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_prompt_goes_to_the_decoder_that_cached_it() {
-    let router = router(&["--decode-policy", "cache_aware"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let a = engine(Some(&router), "decode", PREFIX_CACHE);
-    let b = engine(Some(&router), "decode", PREFIX_CACHE);
-    wait_ready(&router, 3).await;
+    let (router, [_prefill, a, b]) = pd_cluster(
+        &["--decode-policy", "cache_aware"],
+        [
+            ("prefill", &[]),
+            ("decode", PREFIX_CACHE),
+            ("decode", PREFIX_CACHE),
+        ],
+    )
+    .await;
     let (first, other) =
         served_and_indexed(&router, "/v1/chat/completions", &chat("first"), (&a, &b)).await;
     for i in 0..4 {
@@ -342,11 +351,11 @@ async fn a_repeated_prompt_goes_to_the_decoder_that_cached_it() {
 async fn without_kv_events_the_prompts_sent_stand_in_for_the_cache() {
     // Engines without a prefix cache send no KV events: the router indexes
     // the prompts it sent each one.
-    let router = router(&["--prefill-policy", "cache_aware"]);
-    let a = engine(Some(&router), "prefill", &[]);
-    let b = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 3).await;
+    let (router, [a, b, _decode]) = pd_cluster(
+        &["--prefill-policy", "cache_aware"],
+        [("prefill", &[]), ("prefill", &[]), ("decode", &[])],
+    )
+    .await;
     for i in 0..5 {
         let (status, _) = post(&router, "/v1/chat/completions", &chat(&format!("u{i}"))).await;
         assert_eq!(status, 200);

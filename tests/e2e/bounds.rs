@@ -102,14 +102,17 @@ async fn a_protocol_violating_chunk_is_never_relayed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_1_gib_error_body_reaches_the_client_as_a_bounded_openai_error() {
-    let router = router(&[]);
-    let _prefill = engine(
-        Some(&router),
-        "prefill",
-        &["--fail-status", "400", "--fail-body-bytes", "1073741824"],
-    );
-    let _decoder = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, _decoder]) = pd_cluster(
+        &[],
+        [
+            (
+                "prefill",
+                &["--fail-status", "400", "--fail-body-bytes", "1073741824"],
+            ),
+            ("decode", &[]),
+        ],
+    )
+    .await;
     let started = Instant::now();
     let response = client()
         .post(format!("{}/v1/completions", router.url))
@@ -146,8 +149,6 @@ async fn churn_loses_no_stream_while_a_live_decoder_exists() {
     const STREAMS: usize = 48;
     const TOKENS: usize = 48;
     const TOKENS_BETWEEN_KILLS: usize = TOKENS / 3 + 1;
-    let router = router(&["--heartbeat-ttl-s", "3", "--max-resumes", "3"]);
-    let prefill = engine(Some(&router), "prefill", &[]);
     let flags = |id: &str| {
         vec![
             "--id".to_string(),
@@ -156,13 +157,16 @@ async fn churn_loses_no_stream_while_a_live_decoder_exists() {
             "40000".to_string(),
         ]
     };
+    let (router, prefill, mut decoders) = chaos_cluster(
+        &["--heartbeat-ttl-s", "3", "--max-resumes", "3"],
+        (0..4).map(|i| flags(&format!("d{i}"))),
+    )
+    .await;
     let start = |id: String| {
         let flags = flags(&id);
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         engine(Some(&router), "decode", &flags)
     };
-    let mut decoders: Vec<Proc> = (0..4).map(|i| start(format!("d{i}"))).collect();
-    wait_ready(&router, 5).await;
     let streams = TrackedStreams::start(
         &router,
         (0..STREAMS)

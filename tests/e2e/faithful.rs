@@ -250,18 +250,17 @@ async fn the_rest_of_the_openai_surface_passes_through_untouched() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn passthrough_goes_to_the_least_loaded_instance_of_any_role() {
-    // A slow decoder: a stream keeps it busy for seconds.
-    let (router, [prefill, decode]) = pd_cluster(
+    // A slow decoder: a stream keeps it busy for seconds; and `solo`, a model
+    // served by one decode-role instance only.
+    let (router, [prefill, decode, solo]) = pd_cluster(
         &[],
         [
             ("prefill", &[]),
             ("decode", &["--decode-us-per-token", "20000"]),
+            ("decode", &["--model", "solo"]),
         ],
     )
     .await;
-    // A model served by one decode-role instance only.
-    let solo = engine(Some(&router), "decode", &["--model", "solo"]);
-    wait_ready(&router, 3).await;
     let (status, _) = post_raw(
         &router.url,
         "/tokenize",

@@ -77,10 +77,8 @@ async fn stream_with(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_streams_share_one_connection_and_answer_as_http1() {
-    let router = router_with_http2(&[]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "5000"]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, _decode]) =
+        http2_cluster(&[], &["--decode-us-per-token", "5000"]).await;
     let h2 = h2_client();
     let prompts: Vec<String> = (0..16).map(|i| format!("prompt {i}")).collect();
     for (prompt, (status, version, text)) in prompts
@@ -140,12 +138,20 @@ fn router_with_http2(extra: &[&str]) -> Proc {
     router(&args)
 }
 
+/// A router with `--http2` and `extra` (as [`router_with_http2`]), with a
+/// prefill and a decoder (`decode_flags`), both registered and ready.
+async fn http2_cluster(extra: &[&str], decode_flags: &[&str]) -> (Proc, [Proc; 2]) {
+    let flags = [&["--http2"], extra].concat();
+    pd_cluster(&flags, [("prefill", &[]), ("decode", decode_flags)]).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_http2_stream_frees_its_slot_and_its_hold() {
-    let router = router_with_http2(&["--max-concurrent-requests", "1", "--max-queue-wait-ms", "0"]);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
-    wait_ready(&router, 2).await;
+    let (router, [prefill, _decode]) = http2_cluster(
+        &["--max-concurrent-requests", "1", "--max-queue-wait-ms", "0"],
+        &["--decode-us-per-token", "50000"],
+    )
+    .await;
     let h2 = h2_client();
     let mut response = h2
         .post(format!("{}/v1/completions", router.url))
@@ -198,10 +204,11 @@ async fn a_reset_http2_stream_frees_its_slot_and_its_hold() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_http2_streams_finish() {
-    let mut router = router_with_http2(&["--shutdown-grace-s", "30"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "40000"]);
-    wait_ready(&router, 2).await;
+    let (mut router, [_prefill, _decode]) = http2_cluster(
+        &["--shutdown-grace-s", "30"],
+        &["--decode-us-per-token", "40000"],
+    )
+    .await;
     let h2 = h2_client();
     let mut streams = Vec::new();
     for i in 0..10 {
@@ -371,10 +378,11 @@ async fn http2_connections_that_stall_or_idle_are_closed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_longer_than_the_idle_timeout_keeps_its_connection() {
-    let router = router_with_http2(&["--http2-idle-timeout-s", "1"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, _decode]) = http2_cluster(
+        &["--http2-idle-timeout-s", "1"],
+        &["--decode-us-per-token", "50000"],
+    )
+    .await;
     // One POST of ~2.5 s on stream 1; the connection must not be told to go
     // away (GOAWAY) before that stream has ended.
     let body = serde_json::to_vec(&completion("longer than idle", 50)).unwrap();
@@ -417,10 +425,11 @@ async fn a_stream_longer_than_the_idle_timeout_keeps_its_connection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_streams_past_the_grace_end_with_an_error_event() {
-    let router = router_with_http2(&["--shutdown-grace-s", "1"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, _decode]) = http2_cluster(
+        &["--shutdown-grace-s", "1"],
+        &["--decode-us-per-token", "50000"],
+    )
+    .await;
     let response = h2_client()
         .post(format!("{}/v1/completions", router.url))
         .json(&completion("cut at the grace", 400))
@@ -442,10 +451,11 @@ async fn http2_streams_past_the_grace_end_with_an_error_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rapid_reset_flood_is_cut_and_costs_no_permit() {
     // No queue: a leaked slot shows as a 429, not as a wait.
-    let router = router_with_http2(&["--max-concurrent-requests", "4", "--max-queue-wait-ms", "0"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, _decode]) = http2_cluster(
+        &["--max-concurrent-requests", "4", "--max-queue-wait-ms", "0"],
+        &[],
+    )
+    .await;
     // Completions requests (gated by the concurrency limit), each HEADERS
     // with no body yet then RST_STREAM (CANCEL), 500 times.
     let mut flood = PREFACE.to_vec();

@@ -190,8 +190,7 @@ async fn hold_release_modes_and_budget_are_honoured() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resumed_decoder_pulls_the_same_hold_with_the_next_epoch() {
-    let (router, prefill, _d0, d1) = resume_cluster(None, None);
-    wait_ready(&router, 3).await;
+    let (router, prefill, _d0, d1) = resume_cluster(None, None).await;
     let prompt = model::tokenize(PROMPT);
 
     let chunks = stream(
@@ -224,13 +223,15 @@ async fn resumed_decoder_pulls_the_same_hold_with_the_next_epoch() {
 
 /// A router, a prefill, `d0` and `d1`; round-robin over the sorted ids sends
 /// the first request to d0, which dies at token 3. The engines' holders require
-/// `secret`; the router is given `router_secret`.
-fn resume_cluster(secret: Option<&str>, router_secret: Option<&str>) -> (Proc, Proc, Proc, Proc) {
+/// `secret`; the router is given `router_secret`. All registered and ready.
+async fn resume_cluster(
+    secret: Option<&str>,
+    router_secret: Option<&str>,
+) -> (Proc, Proc, Proc, Proc) {
     let mut flags = vec!["--decode-policy", "round_robin"];
     if let Some(router_secret) = router_secret {
         flags.extend(["--transfer-secret", router_secret]);
     }
-    let router = router(&flags);
     let with = |extra: &[&'static str]| {
         let mut flags = extra.to_vec();
         if let Some(secret) = secret {
@@ -238,7 +239,6 @@ fn resume_cluster(secret: Option<&str>, router_secret: Option<&str>) -> (Proc, P
         }
         flags
     };
-    let prefill = engine(Some(&router), "prefill", &with(&[]));
     let crash = [
         "--id",
         "d0",
@@ -247,8 +247,15 @@ fn resume_cluster(secret: Option<&str>, router_secret: Option<&str>) -> (Proc, P
         "--decode-us-per-token",
         "1000",
     ];
-    let d0 = engine(Some(&router), "decode", &with(&crash));
-    let d1 = engine(Some(&router), "decode", &with(&["--id", "d1"]));
+    let (router, [prefill, d0, d1]) = pd_cluster(
+        &flags,
+        [
+            ("prefill", &with(&[])),
+            ("decode", &with(&crash)),
+            ("decode", &with(&["--id", "d1"])),
+        ],
+    )
+    .await;
     (router, prefill, d0, d1)
 }
 
@@ -259,8 +266,7 @@ async fn with_a_transfer_secret_only_peers_that_know_it_touch_the_holds() {
 
     // Everyone has the secret: the decoders pull, the router checks and
     // renews the hold and the resume pulls it again; no second prefill.
-    let (router, prefill, _d0, d1) = resume_cluster(Some("s3cret"), Some("s3cret"));
-    wait_ready(&router, 3).await;
+    let (router, prefill, _d0, d1) = resume_cluster(Some("s3cret"), Some("s3cret")).await;
     let chunks = stream(&router, "/v1/completions", &body).await;
     assert_eq!(streamed_token_ids(&chunks), model::generate(&prompt, 10));
     let text = metrics_text(&router).await;
@@ -292,8 +298,7 @@ async fn with_a_transfer_secret_only_peers_that_know_it_touch_the_holds() {
     );
 
     // A router without it cannot check the hold on resume: it prefills again.
-    let (router, prefill, _d0, _d1) = resume_cluster(Some("s3cret"), None);
-    wait_ready(&router, 3).await;
+    let (router, prefill, _d0, _d1) = resume_cluster(Some("s3cret"), None).await;
     let chunks = stream(&router, "/v1/completions", &body).await;
     assert_eq!(streamed_token_ids(&chunks), model::generate(&prompt, 10));
     let text = metrics_text(&router).await;

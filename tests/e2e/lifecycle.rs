@@ -35,10 +35,14 @@ async fn wait_exit(router: &mut Proc, limit: Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_50_streams_finish_and_takes_no_new_connections() {
-    let mut router = router(&["--shutdown-grace-s", "30"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "40000"]);
-    wait_ready(&router, 2).await;
+    let (mut router, [_prefill, _decode]) = pd_cluster(
+        &["--shutdown-grace-s", "30"],
+        [
+            ("prefill", &[]),
+            ("decode", &["--decode-us-per-token", "40000"]),
+        ],
+    )
+    .await;
     let mut streams = Vec::new();
     for _ in 0..50 {
         let url = router.url.clone();
@@ -88,10 +92,14 @@ async fn sigterm_lets_50_streams_finish_and_takes_no_new_connections() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_past_the_grace_end_with_an_error_event() {
-    let mut router = router(&["--shutdown-grace-s", "1"]);
-    let prefill = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &["--decode-us-per-token", "50000"]);
-    wait_ready(&router, 2).await;
+    let (mut router, [prefill, _decode]) = pd_cluster(
+        &["--shutdown-grace-s", "1"],
+        [
+            ("prefill", &[]),
+            ("decode", &["--decode-us-per-token", "50000"]),
+        ],
+    )
+    .await;
     let response = open_stream(&router, 400).await;
     // /ready turns 503 at once for a client already connected.
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();

@@ -954,24 +954,22 @@ async fn chaos_every_stream_completes_while_decoders_die_and_return() {
     use rand::{Rng, SeedableRng};
     const STREAMS: usize = 32;
     const TOKENS: usize = 200;
-    let router = router(&[
-        "--decode-policy",
-        "least_loaded",
-        "--heartbeat-ttl-s",
-        "1",
-        "--max-resumes",
-        "10",
-        "--resume-wait-ms",
-        "5000",
-    ]);
-    let prefill = engine(Some(&router), "prefill", &[]);
     let decoder_flags = |id: &'static str| vec!["--id", id, "--decode-us-per-token", "5000"];
     let ids = ["d0", "d1", "d2"];
-    let mut decoders: Vec<Proc> = ids
-        .iter()
-        .map(|id| engine(Some(&router), "decode", &decoder_flags(id)))
-        .collect();
-    wait_ready(&router, 4).await;
+    let (router, prefill, mut decoders) = chaos_cluster(
+        &[
+            "--decode-policy",
+            "least_loaded",
+            "--heartbeat-ttl-s",
+            "1",
+            "--max-resumes",
+            "10",
+            "--resume-wait-ms",
+            "5000",
+        ],
+        ids.map(decoder_flags),
+    )
+    .await;
 
     let streams = TrackedStreams::start(
         &router,

@@ -228,11 +228,11 @@ async fn clients_sharing_a_request_id_do_not_share_it_at_the_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_robin_spreads_decoders_evenly() {
-    let router = router(&["--decode-policy", "round_robin"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let a = engine(Some(&router), "decode", &[]);
-    let b = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 3).await;
+    let (router, [_prefill, a, b]) = pd_cluster(
+        &["--decode-policy", "round_robin"],
+        [("prefill", &[]), ("decode", &[]), ("decode", &[])],
+    )
+    .await;
     for i in 0..10 {
         let (status, _) = post(
             &router,
@@ -253,10 +253,14 @@ async fn round_robin_spreads_decoders_evenly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_are_routed_only_to_instances_serving_them() {
-    let router = router(&[]);
-    let _p = engine(Some(&router), "both", &["--model", "alpha"]);
-    let beta = engine(Some(&router), "both", &["--model", "beta"]);
-    wait_ready(&router, 2).await;
+    let (router, [_p, beta]) = pd_cluster(
+        &[],
+        [
+            ("both", &["--model", "alpha"]),
+            ("both", &["--model", "beta"]),
+        ],
+    )
+    .await;
     let models: Value = client()
         .get(format!("{}/v1/models", router.url))
         .send()
@@ -296,10 +300,14 @@ async fn models_are_routed_only_to_instances_serving_them() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drained_decoder_finishes_in_flight_and_gets_no_new_requests() {
-    let router = router(&["--decode-policy", "round_robin"]);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let slow = engine(Some(&router), "decode", &["--decode-us-per-token", "20000"]);
-    wait_ready(&router, 2).await;
+    let (router, [_prefill, slow]) = pd_cluster(
+        &["--decode-policy", "round_robin"],
+        [
+            ("prefill", &[]),
+            ("decode", &["--decode-us-per-token", "20000"]),
+        ],
+    )
+    .await;
 
     // Start a 40-token (~0.8 s) stream on the only decoder, then drain it.
     let url = format!("{}/v1/completions", router.url);
@@ -697,11 +705,15 @@ async fn metrics_count_the_requests_made() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_prefill_is_retried_once_on_another_instance() {
-    let router = router(&["--prefill-policy", "round_robin"]);
-    let broken = engine(Some(&router), "prefill", &["--fail-status", "500"]);
-    let good = engine(Some(&router), "prefill", &[]);
-    let _decode = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 3).await;
+    let (router, [broken, good, _decode]) = pd_cluster(
+        &["--prefill-policy", "round_robin"],
+        [
+            ("prefill", &["--fail-status", "500"]),
+            ("prefill", &[]),
+            ("decode", &[]),
+        ],
+    )
+    .await;
     for i in 0..4 {
         let (status, reply) = post(
             &router,
@@ -727,10 +739,11 @@ async fn failed_prefill_is_retried_once_on_another_instance() {
     );
 
     // With only broken prefills the client gets an error, not a hang.
-    let router2 = crate::common::router(&[]);
-    let _b = engine(Some(&router2), "prefill", &["--fail-status", "500"]);
-    let _d = engine(Some(&router2), "decode", &[]);
-    wait_ready(&router2, 2).await;
+    let (router2, [_b, _d]) = pd_cluster(
+        &[],
+        [("prefill", &["--fail-status", "500"]), ("decode", &[])],
+    )
+    .await;
     let (status, reply) = post(
         &router2,
         "/v1/completions",
@@ -832,15 +845,18 @@ async fn a_prefill_naming_a_foreign_holder_is_not_used() {
     // p1 answers with a `remote_ctrl` that is not the control address it
     // registered: a decoder would pull (and the router would send its hold
     // calls) to a holder of the prefill's choosing.
-    let router = router(&["--prefill-policy", "round_robin"]);
-    let _honest = engine(Some(&router), "prefill", &["--id", "p0"]);
-    let liar = engine(
-        Some(&router),
-        "prefill",
-        &["--id", "p1", "--answer-remote-ctrl", "127.0.0.1:1"],
-    );
-    let decoder = engine(Some(&router), "decode", &[]);
-    wait_ready(&router, 3).await;
+    let (router, [_honest, liar, decoder]) = pd_cluster(
+        &["--prefill-policy", "round_robin"],
+        [
+            ("prefill", &["--id", "p0"]),
+            (
+                "prefill",
+                &["--id", "p1", "--answer-remote-ctrl", "127.0.0.1:1"],
+            ),
+            ("decode", &[]),
+        ],
+    )
+    .await;
     for i in 0..4 {
         let (status, reply) = post(
             &router,
@@ -873,18 +889,11 @@ async fn a_prefill_naming_a_foreign_holder_is_not_used() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redirects_from_an_engine_are_not_followed() {
-    let router = router(&["--decode-policy", "round_robin"]);
     // Where a redirect would send the router: an engine that must see nothing.
     let elsewhere = engine(None, "decode", &[]);
     let target = format!("{}/v1/completions", elsewhere.url);
-    let _prefill = engine(Some(&router), "prefill", &[]);
-    let _redirecting = engine(
-        Some(&router),
-        "decode",
-        &["--id", "d0", "--redirect-to", &target],
-    );
-    let _d1 = engine(Some(&router), "decode", &["--id", "d1"]);
-    wait_ready(&router, 3).await;
+    let (router, [_prefill, _redirecting, _d1]) =
+        failover_cluster(&[], &["--redirect-to", &target], &[]).await;
     let (status, reply) = post(
         &router,
         "/v1/completions",

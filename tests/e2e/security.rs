@@ -356,10 +356,14 @@ async fn open_registration_on_a_non_loopback_listener_needs_consent() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instance_ids_reach_clients_only_when_exposed() {
-    let hidden = crate::common::router(&["--expose-instance-headers=false"]);
-    let _p = engine(Some(&hidden), "prefill", &["--id", "secret-prefill"]);
-    let _d = engine(Some(&hidden), "decode", &["--id", "secret-decoder"]);
-    wait_ready(&hidden, 2).await;
+    let (hidden, [_p, _d]) = pd_cluster(
+        &["--expose-instance-headers=false"],
+        [
+            ("prefill", &["--id", "secret-prefill"]),
+            ("decode", &["--id", "secret-decoder"]),
+        ],
+    )
+    .await;
     for stream in [false, true] {
         let response = client()
             .post(format!("{}/v1/completions", hidden.url))

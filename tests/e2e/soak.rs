@@ -195,30 +195,31 @@ async fn chaos_soak_every_stream_completes_or_ends_clearly() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(20);
-    let router = router(&[
-        "--stall-timeout-ms",
-        "1000",
-        "--first-token-timeout-ms",
-        "5000",
-        "--heartbeat-ttl-s",
-        "5",
-        "--health-check-interval-ms",
-        "300",
-        "--max-resumes",
-        "6",
-        "--resume-wait-ms",
-        "3000",
-    ]);
+    let ids = ["d0", "d1", "d2", "d3"];
+    let (router, prefill, mut decoders) = chaos_cluster(
+        &[
+            "--stall-timeout-ms",
+            "1000",
+            "--first-token-timeout-ms",
+            "5000",
+            "--heartbeat-ttl-s",
+            "5",
+            "--health-check-interval-ms",
+            "300",
+            "--max-resumes",
+            "6",
+            "--resume-wait-ms",
+            "3000",
+        ],
+        ids.map(|id| decoder_flags(id, None)),
+    )
+    .await;
     let router_pid = router.pid();
-    let prefill = engine(Some(&router), "prefill", &[]);
     let start = |id: &str, fault: Option<(&str, usize)>| {
         let flags = decoder_flags(id, fault);
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         engine(Some(&router), "decode", &flags)
     };
-    let ids = ["d0", "d1", "d2", "d3"];
-    let mut decoders: Vec<Proc> = ids.iter().map(|id| start(id, None)).collect();
-    wait_ready(&router, 5).await;
 
     // Warm up with the same chaos (connections, pools, the allocator's
     // arenas), then the baseline.

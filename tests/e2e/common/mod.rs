@@ -838,6 +838,29 @@ pub async fn pd_cluster<const N: usize>(
     (router, procs)
 }
 
+/// A router (`router_flags`), a prefill, and a decoder per item of `decoders`
+/// (its flags), each registered and all ready, in that order. For the chaos
+/// tests, which kill decoders and start them again as they go: the decoders
+/// come in a `Vec` to replace them in, and their flags are built per id by the
+/// function that builds the replacements' (owned strings, which
+/// [`pd_cluster`]'s borrowed flags in a fixed-size array cannot take).
+pub async fn chaos_cluster<S: AsRef<str>>(
+    router_flags: &[&str],
+    decoders: impl IntoIterator<Item = Vec<S>>,
+) -> (Proc, Proc, Vec<Proc>) {
+    let router = router(router_flags);
+    let prefill = engine(Some(&router), "prefill", &[]);
+    let decoders: Vec<Proc> = decoders
+        .into_iter()
+        .map(|flags| {
+            let flags: Vec<&str> = flags.iter().map(AsRef::as_ref).collect();
+            engine(Some(&router), "decode", &flags)
+        })
+        .collect();
+    wait_ready(&router, 1 + decoders.len()).await;
+    (router, prefill, decoders)
+}
+
 /// A router (round robin over decoders, `router_flags`), a prefill, a decoder
 /// `d0` (`d0_flags`: most often its fault) and a decoder `d1` (`d1_flags`):
 /// round robin over the sorted ids sends the first request to d0, and d1 takes
