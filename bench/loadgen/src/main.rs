@@ -45,6 +45,10 @@ struct Args {
     /// The request body's protocol (`--url` must be its route).
     #[arg(long, value_enum, default_value = "completions")]
     api: Api,
+    /// Responses only: ask the router to keep nothing (`store: false`), so
+    /// that what storing costs can be told from what the protocol does.
+    #[arg(long)]
+    no_store: bool,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -102,7 +106,7 @@ async fn main() {
         let (next, url) = (next.clone(), args.url.clone());
         let (total, max_tokens, stream) = (args.requests, args.max_tokens, args.stream);
         let prefill_url = args.prefill_url.clone();
-        let api = args.api;
+        let (api, no_store) = (args.api, args.no_store);
         workers.spawn(async move {
             let mut latencies = Vec::new();
             let mut ttfts = Vec::new();
@@ -110,6 +114,9 @@ async fn main() {
             while next.fetch_add(1, Ordering::Relaxed) < total {
                 let i = latencies.len() + errors;
                 let mut body = api.body(i, max_tokens, stream);
+                if no_store {
+                    body["store"] = serde_json::Value::Bool(false);
+                }
                 let t = Instant::now();
                 if let Some(prefill_url) = &prefill_url {
                     match prefill(&engine_client, prefill_url, &body).await {
