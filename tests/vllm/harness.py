@@ -352,6 +352,15 @@ def running(engines: list[Engine]) -> Iterator[list[Engine]]:
             engine.stop()
 
 
+def warm_up(engines: list[Engine]) -> None:
+    """Makes each engine's first forward (a two-token completion): it is slow
+    (lazy initialisation, in every worker of a TP 2 engine), and a pull from
+    or into an engine that had not made it yet waited behind it past the
+    transfer's 10 s frame timeout (seen in fresh clones' runs)."""
+    for engine in engines:
+        complete(engine.url, [1, 2, 3], 2, model=engine.served_model_name)
+
+
 class Router:
     """A connex-router process on a free loopback port."""
 

@@ -30,11 +30,7 @@ def engines() -> Iterator[dict[str, harness.Engine]]:
     d = harness.Engine("tp2_decoder", extra_args=args, threads_bind="nobind")
     d.kv_config = connex_kv("kv_consumer", d)
     with harness.running([p, d]):
-        # A TP 2 engine's first forward is slow (lazy initialisation in both
-        # workers): done before any pull, which timed out behind it (a fresh
-        # clone's run: 10 s without a frame).
-        for engine in (p, d):
-            harness.complete(engine.url, [1, 2, 3], 2)
+        harness.warm_up([p, d])
         yield {"prefill": p, "decoder": d}
 
 

@@ -43,10 +43,7 @@ def engines() -> Iterator[dict[str, harness.Engine]]:
     two.kv_config = connex_kv("kv_both", two, retain_s=120)
     two.kv_config["kv_connector_extra_config"]["ctrl_port"] = harness.free_port(2)
     with harness.running([one, two]):
-        # An engine's first forward is slow (lazy initialisation): done before
-        # any pull, which would otherwise wait on it.
-        for engine in (one, two):
-            chat(engine, max_tokens=2)
+        harness.warm_up([one, two])
         yield {"tp1": one, "tp2": two}
 
 
