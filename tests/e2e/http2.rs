@@ -131,18 +131,24 @@ async fn without_the_flag_an_http2_client_is_not_served() {
     );
 }
 
+/// A router's flags: `--http2` and `extra`.
+fn http2_flags<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    [&["--http2"], extra].concat()
+}
+
 /// A router with `--http2` and `extra`.
 fn router_with_http2(extra: &[&str]) -> Proc {
-    let mut args = vec!["--http2"];
-    args.extend_from_slice(extra);
-    router(&args)
+    router(&http2_flags(extra))
 }
 
 /// A router with `--http2` and `extra` (as [`router_with_http2`]), with a
 /// prefill and a decoder (`decode_flags`), both registered and ready.
 async fn http2_cluster(extra: &[&str], decode_flags: &[&str]) -> (Proc, [Proc; 2]) {
-    let flags = [&["--http2"], extra].concat();
-    pd_cluster(&flags, [("prefill", &[]), ("decode", decode_flags)]).await
+    pd_cluster(
+        &http2_flags(extra),
+        [("prefill", &[]), ("decode", decode_flags)],
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
