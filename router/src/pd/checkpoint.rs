@@ -57,29 +57,6 @@ impl DecodeCheckpoint {
     }
 }
 
-/// How far a request's decode has come in its journal: equal marks, the
-/// same tokens. The journal runs ahead of a reader of the chat stream while
-/// a batch is being gathered (its first chunks are journaled, then a few
-/// scheduler turns wait for more before the batch goes out), so a checkpoint
-/// taken apart from a read of the stream must first see that the journal
-/// still has what the reader had (`edge/routes/translated.rs`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DecodeMark {
-    tokens: usize,
-    text_bytes: usize,
-    finished: usize,
-}
-
-impl DecodeMark {
-    pub fn of(entry: &Entry) -> Self {
-        entry.choices.iter().fold(Self::default(), |mark, c| Self {
-            tokens: mark.tokens + c.token_ids.len(),
-            text_bytes: mark.text_bytes + c.text.len(),
-            finished: mark.finished + usize::from(c.finish_reason.is_some()),
-        })
-    }
-}
-
 impl From<ChoiceState> for ChoiceProgress {
     fn from(c: ChoiceState) -> Self {
         ChoiceProgress {

@@ -30,6 +30,7 @@ use crate::error::ApiError;
 use crate::journal::{EntryReader, JournalHandle};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::RequestInfo;
+use crate::protocols::translator::Translator;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use flow::Flow;
@@ -45,20 +46,22 @@ pub async fn run(
     body: ClientBody,
     record: RequestRecord,
 ) -> Result<Response, ApiError> {
-    run_observed(state, info, body, record)
+    run_observed(state, info, body, record, None)
         .await
         .map(|(response, _)| response)
 }
 
 /// [`run`], with a reader of the request's journal entry (what a background
-/// response checkpoints, `checkpoint.rs`).
+/// response checkpoints, `checkpoint.rs`); the client's stream is
+/// `translator`'s when there is one (a protocol run as a chat).
 pub async fn run_observed(
     state: Arc<Flow>,
     info: RequestInfo,
     body: ClientBody,
     mut record: RequestRecord,
+    translator: Option<Box<dyn Translator>>,
 ) -> Result<(Response, EntryReader), ApiError> {
-    let started = start(state, info, body, &mut record).await;
+    let started = start(state, info, body, &mut record, translator).await;
     respond(started, record).await
 }
 
@@ -71,6 +74,7 @@ pub async fn continue_from(
     body: ClientBody,
     checkpoint: checkpoint::DecodeCheckpoint,
     mut record: RequestRecord,
+    translator: Option<Box<dyn Translator>>,
 ) -> Result<(Response, EntryReader), ApiError> {
     let journal = open_journal(&state, &info, &mut record);
     journal.update(|e| e.choices = vec![checkpoint.choice.into()]);
@@ -85,7 +89,7 @@ pub async fn continue_from(
         prompt_token_ids: checkpoint.prompt_token_ids,
         prompt_logprobs: None,
     };
-    let started = Session::start(state, info, body, prefilled, journal).await;
+    let started = Session::start(state, info, body, prefilled, journal, translator).await;
     respond(started, record).await
 }
 
@@ -141,6 +145,7 @@ async fn start(
     info: RequestInfo,
     body: ClientBody,
     record: &mut RequestRecord,
+    translator: Option<Box<dyn Translator>>,
 ) -> Result<Session, ApiError> {
     if !state.registry.knows_model(&info.model) {
         return Err(ApiError::ModelNotFound(info.model.clone()));
@@ -156,7 +161,7 @@ async fn start(
         None
     };
     let prefilled = prefill::run(&state, &info, info.route, payload, prompt.as_deref()).await?;
-    Session::start(state, info, body, prefilled, journal).await
+    Session::start(state, info, body, prefilled, journal, translator).await
 }
 
 /// Who served a request.

@@ -16,7 +16,9 @@ use crate::protocols::openai::chunk::{self, ErrorEvent};
 use crate::protocols::openai::output::{Output, Source};
 use crate::protocols::openai::request::RequestInfo;
 use crate::protocols::openai::stops::Matcher;
+use crate::protocols::translator::Translator;
 use bytes::{Bytes, BytesMut};
+use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -184,18 +186,32 @@ impl Relay {
         self.out.pop_front()
     }
 
-    /// Queues the last events of a finished stream.
-    pub fn finish(&mut self) {
-        if self.output.is_stream() {
-            let events = self.journal.read(|e| self.output.end_events(e));
-            self.out.extend(events);
+    /// The client's protocol is `translator`'s (its first events queued).
+    pub fn translate_with(&mut self, translator: Box<dyn Translator>) {
+        self.out.extend(self.output.translate_with(translator));
+    }
+
+    /// Queues the last events of a finished stream; returns what must be
+    /// kept before [`Self::finish_last`] queues a translation's.
+    pub fn finish(&mut self) -> Option<BoxFuture<'static, ()>> {
+        if !self.output.is_stream() {
+            return None;
         }
+        let output = &mut self.output;
+        let (events, keeping) = self.journal.read(|e| output.end_events(e));
+        self.out.extend(events);
+        keeping
+    }
+
+    /// Queues a translation's last events (once what it keeps is kept).
+    pub fn finish_last(&mut self) {
+        self.out.extend(self.output.last_events());
     }
 
     /// Queues the error events of a stream that cannot go on.
     pub fn fail(&mut self, error: &ApiError) {
         if self.output.is_stream() {
-            self.out.extend(Output::error_events(error));
+            self.out.extend(self.output.fail_events(error));
         }
     }
 

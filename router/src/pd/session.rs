@@ -25,6 +25,7 @@ use crate::membership::Instance;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::output::Source;
 use crate::protocols::openai::request::{RequestInfo, Route};
+use crate::protocols::translator::Translator;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -87,6 +88,7 @@ impl Session {
         body: ClientBody,
         prefilled: Prefilled,
         journal: JournalHandle,
+        translator: Option<Box<dyn Translator>>,
     ) -> Result<Self, ApiError> {
         let blocker = resume::mid_stream_blocker(info.route, &body);
         let max_tokens = resume::requested_max_tokens(&body)
@@ -107,6 +109,9 @@ impl Session {
         });
         let mut relay = Relay::new(&info, journal, blocker.is_none(), max_tokens);
         relay.set_prompt_logprobs(prefilled.prompt_logprobs);
+        if let Some(translator) = translator {
+            relay.translate_with(translator);
+        }
         let mut session = Self {
             relay,
             policy: ResumePolicy {
@@ -497,7 +502,7 @@ impl Session {
         if self.relay.journal().read(|e| e.all_finished()) {
             // Every choice has its finish_reason: a connection lost after the last
             // token costs the client nothing.
-            return self.finish();
+            return self.finish().await;
         }
         let failure = failure.unwrap_or_else(|| {
             let decoder = self
@@ -549,7 +554,7 @@ impl Session {
         }
     }
 
-    fn finish(&mut self) {
+    async fn finish(&mut self) {
         // The end of a response the decoder finished is read apart from the
         // client's (which is not kept waiting for it), for its connection. An
         // attempt cut by the router (a stop string) is dropped: closing its
@@ -557,7 +562,10 @@ impl Session {
         if let Some(attempt) = self.attempt.take().filter(Attempt::saw_done) {
             self.state.drains.spawn(attempt.into_drain());
         }
-        self.relay.finish();
+        if let Some(keeping) = self.relay.finish() {
+            keeping.await;
+        }
+        self.relay.finish_last();
         self.relay.journal().set_phase(Phase::Finished);
         if let Some(record) = &mut self.record {
             record.finish(200);

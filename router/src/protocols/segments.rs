@@ -3,72 +3,8 @@
 //! by deltas and closed with its whole text. Responses' output items and
 //! Messages' content blocks are these segments in their own wire formats.
 
-use serde::Deserialize;
+use crate::protocols::openai::chunk::{Chunk, Delta};
 use serde_json::Value;
-use std::borrow::Cow;
-
-/// One chat chunk, as far as the segments need it: parsed from the chunk's
-/// bytes without building a JSON value (this is per token), its strings
-/// borrowed where they have no escapes.
-#[derive(Debug, Default, Deserialize)]
-pub struct ChatChunk<'a> {
-    #[serde(default, borrow, deserialize_with = "null_as_default")]
-    pub choices: Vec<ChunkChoice<'a>>,
-    #[serde(default)]
-    pub usage: Option<Value>,
-    /// The chat's error event.
-    #[serde(default)]
-    pub error: Option<Value>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct ChunkChoice<'a> {
-    #[serde(default, borrow, deserialize_with = "null_as_default")]
-    pub delta: ChunkDelta<'a>,
-    #[serde(default, borrow)]
-    pub finish_reason: Option<Cow<'a, str>>,
-    #[serde(default)]
-    pub stop_reason: Option<Value>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct ChunkDelta<'a> {
-    #[serde(default, borrow)]
-    pub content: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
-    pub reasoning: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
-    pub reasoning_content: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
-    pub tool_calls: Option<Vec<CallDelta<'a>>>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct CallDelta<'a> {
-    #[serde(default, deserialize_with = "null_as_default")]
-    pub index: u64,
-    #[serde(default, borrow)]
-    pub id: Option<Cow<'a, str>>,
-    #[serde(default, borrow, deserialize_with = "null_as_default")]
-    pub function: FunctionDelta<'a>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct FunctionDelta<'a> {
-    #[serde(default, borrow)]
-    pub name: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
-    pub arguments: Option<Cow<'a, str>>,
-}
-
-/// A field that may be `null`, read as its default then.
-fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
-where
-    D: serde::Deserializer<'de>,
-    T: Deserialize<'de> + Default,
-{
-    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
-}
 
 /// What a segment is.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -108,16 +44,15 @@ pub struct Segmenter {
 }
 
 impl Segmenter {
-    /// The steps of one chat chunk.
-    pub fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Step> {
+    /// The steps of one chat chunk, as the relay parsed it (a resumed chat's
+    /// completions chunk brings its text as `text`).
+    pub fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Step> {
         let mut steps = Vec::new();
-        if let Some(usage) = chunk.usage.as_ref().filter(|u| !u.is_null()) {
-            self.usage = Some(usage.clone());
-        }
         let Some(choice) = chunk.choices.first() else {
             return steps;
         };
-        let delta = &choice.delta;
+        let no_delta = Delta::default();
+        let delta = choice.delta.as_ref().unwrap_or(&no_delta);
         let reasoning = delta
             .reasoning
             .as_deref()
@@ -126,12 +61,12 @@ impl Segmenter {
         if !reasoning.is_empty() {
             self.grow(&mut steps, Segment::Reasoning, reasoning);
         }
-        let text = delta.content.as_deref().unwrap_or_default();
+        let text = choice.text();
         if !text.is_empty() {
             self.grow(&mut steps, Segment::Text, text);
         }
         for call in delta.tool_calls.iter().flatten() {
-            let chat_index = call.index;
+            let chat_index = call.index as u64;
             let same = matches!(&self.open,
                 Some((Segment::Call { chat_index: open, .. }, _)) if *open == chat_index);
             let segment = if same {
@@ -156,7 +91,10 @@ impl Segmenter {
         }
         if let Some(reason) = &choice.finish_reason {
             self.finish_reason = Some(reason.to_string());
-            self.stop_reason = choice.stop_reason.clone().filter(|r| !r.is_null());
+            self.stop_reason = choice
+                .stop_reason
+                .and_then(|r| serde_json::from_str::<Value>(r.get()).ok())
+                .filter(|r| !r.is_null());
         }
         steps
     }
@@ -188,11 +126,14 @@ impl Segmenter {
     }
 }
 
-/// A chat chunk given as a JSON value, parsed as the segments read it (tests
-/// write their chunks with `json!`).
+/// Runs `f` on a chat chunk given as a JSON value, parsed as the relay
+/// parses it (tests write their chunks with `json!`).
 #[cfg(test)]
-pub fn parsed(chunk: &Value) -> ChatChunk<'_> {
-    ChatChunk::deserialize(chunk).unwrap_or_else(|err| panic!("not a chat chunk: {err}"))
+pub fn with_parsed<R>(chunk: &Value, f: impl FnOnce(&Chunk<'_>) -> R) -> R {
+    let data = serde_json::to_vec(chunk).unwrap_or_default();
+    let parsed = crate::protocols::openai::chunk::parse(&data)
+        .unwrap_or_else(|| panic!("not a chat chunk: {chunk}"));
+    f(&parsed)
 }
 
 #[cfg(test)]
@@ -225,7 +166,7 @@ mod tests {
                 Some("tool_calls"),
             ),
         ] {
-            steps.extend(s.chunk(&parsed(&c)));
+            steps.extend(with_parsed(&c, |c| s.chunk(c)));
         }
         steps.extend(s.end());
         let a = Segment::Call {
@@ -261,17 +202,26 @@ mod tests {
     #[test]
     fn nulls_where_chat_chunks_may_have_them_read_as_absent() {
         let mut s = Segmenter::default();
-        let chunk: ChatChunk<'_> = serde_json::from_str(
-            r#"{"choices": [{"index": 0, "delta": {"content": "a\"b", "reasoning": null,
+        let data = br#"{"choices": [{"index": 0, "delta": {"content": "a\"b", "reasoning": null,
                 "tool_calls": [{"index": null, "id": "c", "function": null}]},
-                "finish_reason": null}], "usage": null}"#,
-        )
-        .unwrap_or_else(|err| panic!("{err}"));
+                "finish_reason": null}], "usage": null}"#;
+        let chunk = crate::protocols::openai::chunk::parse(data)
+            .unwrap_or_else(|| panic!("not parsed"));
         let steps = s.chunk(&chunk);
         assert_eq!(steps[1], Step::Delta("a\"b".into()));
-        let none: ChatChunk<'_> = serde_json::from_str(r#"{"choices": null, "usage": {"x": 1}}"#)
-            .unwrap_or_else(|err| panic!("{err}"));
-        assert!(s.chunk(&none).is_empty());
-        assert_eq!(s.usage, Some(json!({"x": 1})));
+    }
+
+    #[test]
+    fn a_resumed_chats_completions_text_is_its_text() {
+        let mut s = Segmenter::default();
+        let steps = with_parsed(
+            &json!({"choices": [{"index": 0, "text": "go on", "finish_reason": "length"}]}),
+            |c| s.chunk(c),
+        );
+        assert_eq!(
+            steps,
+            [Step::Open(Segment::Text), Step::Delta("go on".into())]
+        );
+        assert_eq!(s.finish_reason.as_deref(), Some("length"));
     }
 }

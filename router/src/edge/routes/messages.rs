@@ -6,7 +6,7 @@ use super::translated::{serve, Prepared, Translation};
 use crate::error::{ApiError, ANTHROPIC_PATH};
 use crate::protocols::messages::request::chat_body;
 use crate::protocols::messages::stream::Events;
-use crate::protocols::segments::ChatChunk;
+use crate::protocols::openai::chunk::Chunk;
 use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;
@@ -55,12 +55,12 @@ impl Translation for MessageTranslation {
         self.0.start()
     }
 
-    fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
+    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Value> {
         self.0.chunk(chunk)
     }
 
-    fn finish(&mut self) -> (Vec<Value>, Value) {
-        self.0.finish()
+    fn finish(&mut self, usage: Value) -> (Vec<Value>, Value) {
+        self.0.finish(usage)
     }
 
     fn fail(&mut self, error: &Value) -> (Vec<Value>, Value) {

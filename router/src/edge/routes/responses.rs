@@ -13,7 +13,7 @@ use crate::protocols::responses::request::{chat_body, check};
 use crate::protocols::responses::store::{StoreError, Stored};
 use crate::protocols::responses::stream::Events;
 use crate::protocols::responses::{new_id, ResponseStores};
-use crate::protocols::segments::ChatChunk;
+use crate::protocols::openai::chunk::Chunk;
 use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;
@@ -107,12 +107,12 @@ impl Translation for ResponseTranslation {
         self.events.start()
     }
 
-    fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
+    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Value> {
         self.events.chunk(chunk)
     }
 
-    fn finish(&mut self) -> (Vec<Value>, Value) {
-        let (events, whole) = self.events.finish();
+    fn finish(&mut self, usage: Value) -> (Vec<Value>, Value) {
+        let (events, whole) = self.events.finish(usage);
         if self.store {
             let mut conversation = std::mem::take(&mut self.items);
             conversation.extend(as_input(self.events.items()));

@@ -13,7 +13,7 @@
 
 use super::openai::engine_request_id;
 use super::responses::ResponseTranslation;
-use super::translated::{run_apart, Apart};
+use super::translated::{run_apart, Apart, Shared, Sink};
 use crate::error::ApiError;
 use crate::pd::checkpoint::DecodeCheckpoint;
 use crate::pd::record::RequestRecord;
@@ -146,13 +146,15 @@ async fn continue_taken(
         .adopt(id, &log.tenant, log.response, events)
         .ok_or(TakeoverError::Full)?;
     let record = RequestRecord::new("/v1/responses", request_id);
+    // Its first events are in the log already.
+    let driver = Shared::new(translation, Sink::Live(live.clone()), true);
+    let translator = Some(driver.translator());
+    let flow = state.flow.clone();
     let started = match decode {
         // Past its prefill: on from the hold, after the tokens it has.
-        Some(decode) => {
-            crate::pd::continue_from(state.flow.clone(), info, chat, decode, record).await
-        }
+        Some(decode) => crate::pd::continue_from(flow, info, chat, decode, record, translator).await,
         // Its replica died before the prefill answered: from the start.
-        None => crate::pd::run_observed(state.flow.clone(), info, chat, record).await,
+        None => crate::pd::run_observed(flow, info, chat, record, translator).await,
     };
     let (chat_response, entry) = match started {
         Ok(started) => started,
@@ -162,12 +164,11 @@ async fn continue_taken(
         }
     };
     let run = Apart {
-        translation,
+        driver,
         live,
         chat_response,
         entry,
         admission: None,
-        started: true,
         lease: Some(token.to_string()),
     };
     run_apart(state, run, None).await;

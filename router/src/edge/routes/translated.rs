@@ -1,7 +1,9 @@
 //! The routes whose protocol is translated to and from a chat completion
 //! (Responses, Messages): one driver reads the request, runs the chat through
-//! prefill/decode (`pd::run`, so it is resumed like any chat), and turns the
-//! chat's stream into the protocol's events or its whole answer.
+//! prefill/decode (`pd::run`, so it is resumed like any chat) with the
+//! translation as the relay's client protocol (`protocols::translator`), fed
+//! each chat chunk as it is journaled, and answers with the protocol's
+//! events or its whole answer.
 
 use super::body::{read_budgeted, BodyLimits};
 use super::openai::{engine_request_id, request_id};
@@ -9,13 +11,13 @@ use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::journal::EntryReader;
 use crate::pd::record::RequestRecord;
+use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
 use crate::protocols::responses::live::Live;
 use crate::protocols::responses::redis_store::RedisStore;
 use crate::protocols::responses::store::StoreError;
-use crate::protocols::segments::ChatChunk;
-use crate::protocols::sse::SseParser;
+use crate::protocols::translator::Translator;
 use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;
@@ -25,7 +27,7 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use futures_util::{Stream, StreamExt};
 use serde_json::{json, Map, Value};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use tracing::Instrument;
 
 /// A protocol's side of one request: its events from the chat's chunks.
@@ -33,11 +35,12 @@ pub trait Translation: Send + 'static {
     /// The events before the first chunk.
     fn start(&mut self) -> Vec<Value>;
     /// The events of one chat chunk.
-    fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value>;
-    /// The last events of a chat that ended, and the whole answer.
-    fn finish(&mut self) -> (Vec<Value>, Value);
-    /// The last events of a chat that failed (`error` as the chat said it),
-    /// and the whole answer as it stands.
+    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Value>;
+    /// The last events of a chat that ended (`usage`: the router's count),
+    /// and the whole answer.
+    fn finish(&mut self, usage: Value) -> (Vec<Value>, Value);
+    /// The last events of a chat that failed (`error`: an OpenAI error
+    /// object), and the whole answer as it stands.
     fn fail(&mut self, error: &Value) -> (Vec<Value>, Value);
     /// The non-stream answer from the whole answer `finish` or `fail` made.
     fn answer(&self, whole: Value, failed: bool) -> Response;
@@ -71,6 +74,122 @@ pub struct Prepared<T> {
     /// Run apart from the request, its events kept here (a background
     /// response); the request answers at once.
     pub background: Option<Arc<Live>>,
+}
+
+/// Where a translation's events go.
+pub enum Sink {
+    /// A streaming client's stream.
+    Client,
+    /// Nowhere: a non-stream client gets the whole answer.
+    Whole,
+    /// A background response's log (its last events and checkpoints are
+    /// written by [`run_apart`]).
+    Live(Arc<Live>),
+}
+
+/// A translation as the relay drives it.
+pub struct Driver<T> {
+    translation: T,
+    sink: Sink,
+    /// Whether its first events were made (a generation taken over from
+    /// another replica had them there).
+    started: bool,
+    /// The last events and the whole answer of the chat's end, until they go
+    /// out (after what the translation keeps), and whether it failed.
+    ending: Option<(Vec<Value>, Value, bool)>,
+}
+
+impl<T: Translation> Driver<T> {
+    /// `events` to the sink; a streaming client's bytes.
+    fn out(&self, events: Vec<Value>) -> Option<Bytes> {
+        if events.is_empty() {
+            return None;
+        }
+        match &self.sink {
+            Sink::Client => Some(sse_events(&events)),
+            Sink::Whole => None,
+            Sink::Live(live) => {
+                live.push(events, None);
+                None
+            }
+        }
+    }
+}
+
+/// A driver shared by the relay, which feeds it, and the route, which
+/// answers from it (a whole answer, a background response's checkpoints).
+pub struct Shared<T>(Arc<Mutex<Driver<T>>>);
+
+impl<T> Clone for Shared<T> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<T: Translation> Shared<T> {
+    pub fn new(translation: T, sink: Sink, started: bool) -> Self {
+        Self(Arc::new(Mutex::new(Driver {
+            translation,
+            sink,
+            started,
+            ending: None,
+        })))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Driver<T>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The chat's end, once it came: its last events, the whole answer and
+    /// whether it failed (taken: they go out once).
+    fn take_ending(&self) -> Option<(Vec<Value>, Value, bool)> {
+        self.lock().ending.take()
+    }
+
+    /// The relay's handle on it.
+    pub fn translator(&self) -> Box<dyn Translator> {
+        Box::new(self.clone())
+    }
+}
+
+impl<T: Translation> Translator for Shared<T> {
+    fn start(&mut self) -> Option<Bytes> {
+        let mut driver = self.lock();
+        if std::mem::replace(&mut driver.started, true) {
+            return None;
+        }
+        let events = driver.translation.start();
+        driver.out(events)
+    }
+
+    fn chunk(&mut self, chunk: &Chunk<'_>) -> Option<Bytes> {
+        let mut driver = self.lock();
+        let events = driver.translation.chunk(chunk);
+        driver.out(events)
+    }
+
+    fn finish(&mut self, usage: Value) -> Option<BoxFuture<'static, ()>> {
+        let mut driver = self.lock();
+        let (events, whole) = driver.translation.finish(usage);
+        driver.ending = Some((events, whole, false));
+        driver.translation.keep()
+    }
+
+    fn fail(&mut self, error: &ApiError) {
+        let mut driver = self.lock();
+        let (events, whole) = driver.translation.fail(&error.body()["error"]);
+        driver.ending = Some((events, whole, true));
+    }
+
+    fn last(&mut self) -> Option<Bytes> {
+        let mut driver = self.lock();
+        // Only a streaming client's go out here: the route takes the others'.
+        if !matches!(driver.sink, Sink::Client) {
+            return None;
+        }
+        let (events, _, _) = driver.ending.take()?;
+        driver.out(events)
+    }
 }
 
 /// Reads the request, lets `prepare` check and translate it (with the
@@ -147,22 +266,34 @@ pub async fn serve<T: Translation>(
                 return Err(failed(error));
             }
         };
-        let (chat_response, entry) =
-            crate::pd::run_observed(state.flow.clone(), info, chat, record)
-                .await
-                .map_err(failed)?;
+        let sink = match (&background, stream) {
+            (Some(live), _) => Sink::Live(live.clone()),
+            (None, true) => Sink::Client,
+            (None, false) => Sink::Whole,
+        };
+        let driver = Shared::new(translation, sink, false);
+        let (chat_response, entry) = crate::pd::run_observed(
+            state.flow.clone(),
+            info,
+            chat,
+            record,
+            Some(driver.translator()),
+        )
+        .await
+        .map_err(failed)?;
         Ok(match background {
-            None => respond(translation, stream, chat_response).await,
+            // The session's stream is the translation's.
+            None if stream => chat_response,
+            None => whole_answer(driver, chat_response).await,
             Some(live) => {
                 // The slot goes with the generation, not with this answer.
                 let admission = admission.and_then(|slot| slot.take());
                 let run = Apart {
-                    translation,
+                    driver,
                     live: live.clone(),
                     chat_response,
                     entry,
                     admission,
-                    started: false,
                     lease: None,
                 };
                 run_apart(&state, run, origin).await;
@@ -182,77 +313,6 @@ pub async fn serve<T: Translation>(
         }
         response
     })
-}
-
-/// A translation fed with the chat's bytes.
-struct Driver<T> {
-    translation: T,
-    parser: SseParser,
-    ended: bool,
-}
-
-impl<T: Translation> Driver<T> {
-    /// The events of the chat bytes `chunk` (or of the chat's end, `None`);
-    /// the whole answer once the chat has ended, and whether it failed.
-    fn feed(&mut self, chunk: Option<Bytes>) -> (Vec<Value>, Option<(Value, bool)>) {
-        let mut out = Vec::new();
-        let at_end = chunk.is_none();
-        let payloads = chunk
-            .map(|bytes| self.parser.push(bytes))
-            .unwrap_or_default();
-        for data in payloads {
-            if self.ended {
-                break;
-            }
-            if data.as_ref() == crate::protocols::sse::DONE {
-                return self.end(out, None);
-            }
-            let chunk = match serde_json::from_slice::<ChatChunk<'_>>(&data) {
-                Ok(chunk) => chunk,
-                Err(err) => {
-                    tracing::warn!(%err, "a chat chunk that is not one: left out of the translation");
-                    continue;
-                }
-            };
-            if let Some(error) = chunk.error {
-                return self.end(out, Some(error));
-            }
-            out.extend(self.translation.chunk(&chunk));
-        }
-        if at_end && !self.ended {
-            // The chat stream stopped without `[DONE]`: a failure.
-            let error = json!({"message": "the generation ended before its end"});
-            return self.end(out, Some(error));
-        }
-        (out, None)
-    }
-
-    /// Keeps what the translation keeps (once it has ended).
-    async fn keep(&mut self) {
-        if let Some(keeping) = self.translation.keep() {
-            keeping.await;
-        }
-    }
-
-    fn broke(&mut self, err: axum::Error) -> (Vec<Value>, Option<(Value, bool)>) {
-        let error = json!({"message": format!("the stream broke: {err}")});
-        self.end(Vec::new(), Some(error))
-    }
-
-    fn end(
-        &mut self,
-        mut out: Vec<Value>,
-        error: Option<Value>,
-    ) -> (Vec<Value>, Option<(Value, bool)>) {
-        self.ended = true;
-        let failed = error.is_some();
-        let (last, whole) = match error {
-            None => self.translation.finish(),
-            Some(error) => self.translation.fail(&error),
-        };
-        out.extend(last);
-        (out, Some((whole, failed)))
-    }
 }
 
 /// One event as SSE: `event:` its type, `data:` the event (both protocols
@@ -277,84 +337,33 @@ fn sse_events(events: &[Value]) -> Bytes {
     Bytes::from(out)
 }
 
-/// The client's response from the chat's: the events as a stream, or the
-/// whole answer.
-async fn respond<T: Translation>(
-    translation: T,
-    stream: bool,
-    chat_response: Response,
-) -> Response {
+/// The end of a chat whose session ended without one (it always makes one:
+/// its last events or its error's).
+fn no_ending<T: Translation>(driver: &Shared<T>) -> (Vec<Value>, Value, bool) {
+    let error = json!({"message": "the generation ended before its end"});
+    let (events, whole) = driver.lock().translation.fail(&error);
+    (events, whole, true)
+}
+
+/// The whole answer of a non-stream request, once its chat ran to the end
+/// (the chat's own headers, instances and resumes, stay).
+async fn whole_answer<T: Translation>(driver: Shared<T>, chat_response: Response) -> Response {
     let (parts, body) = chat_response.into_parts();
-    let driver = Driver {
-        translation,
-        parser: SseParser::default(),
-        ended: false,
-    };
-    let chat = body.into_data_stream();
-    let mut response = if stream {
-        Body::from_stream(event_stream(driver, chat)).into_response()
-    } else {
-        whole_answer(driver, chat).await
-    };
-    // The chat's own headers (instances, resumes) stay; the body's do not.
+    let mut chat = body.into_data_stream();
+    while chat.next().await.is_some() {}
+    let (_, whole, failed) = driver
+        .take_ending()
+        .unwrap_or_else(|| no_ending(&driver));
+    let mut response = driver.lock().translation.answer(whole, failed);
     for (name, value) in &parts.headers {
-        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+        if name != header::CONTENT_TYPE
+            && name != header::CONTENT_LENGTH
+            && name != header::CACHE_CONTROL
+        {
             response.headers_mut().insert(name.clone(), value.clone());
         }
     }
-    if stream {
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("text/event-stream"),
-        );
-    }
     response
-}
-
-fn event_stream<T: Translation>(
-    mut driver: Driver<T>,
-    chat: impl Stream<Item = Result<Bytes, axum::Error>> + Send + Unpin + 'static,
-) -> impl Stream<Item = Result<Bytes, std::convert::Infallible>> + Send {
-    let first = sse_events(&driver.translation.start());
-    let rest = futures_util::stream::unfold((driver, chat), |(mut driver, mut chat)| async move {
-        // Chat chunks that make no event (a role chunk) send nothing.
-        loop {
-            if driver.ended {
-                return None;
-            }
-            let (events, whole) = match chat.next().await {
-                Some(Ok(bytes)) => driver.feed(Some(bytes)),
-                Some(Err(err)) => driver.broke(err),
-                None => driver.feed(None),
-            };
-            if whole.is_some() {
-                driver.keep().await;
-            }
-            if !events.is_empty() {
-                return Some((Ok(sse_events(&events)), (driver, chat)));
-            }
-        }
-    });
-    futures_util::stream::once(async move { Ok(first) }).chain(rest)
-}
-
-/// The whole answer of a non-stream request (its chat read to the end).
-async fn whole_answer<T: Translation>(
-    mut driver: Driver<T>,
-    mut chat: impl Stream<Item = Result<Bytes, axum::Error>> + Unpin,
-) -> Response {
-    driver.translation.start();
-    loop {
-        let (_, whole) = match chat.next().await {
-            Some(Ok(bytes)) => driver.feed(Some(bytes)),
-            Some(Err(err)) => driver.broke(err),
-            None => driver.feed(None),
-        };
-        if let Some((whole, failed)) = whole {
-            driver.keep().await;
-            return driver.translation.answer(whole, failed);
-        }
-    }
 }
 
 /// Most time between two checkpoints of a background generation (with a
@@ -363,58 +372,43 @@ const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_millis(1
 
 /// A background generation to run apart from its request.
 pub struct Apart<T> {
-    pub translation: T,
+    /// Its translation, fed by the chat's relay (its sink the `live` log).
+    pub driver: Shared<T>,
     pub live: Arc<Live>,
     pub chat_response: Response,
     /// The chat's journal entry (its checkpoints, with a shared store).
     pub entry: EntryReader,
     pub admission: Option<crate::tenants::Admission>,
-    /// Whether the translation has made its first events (a generation
-    /// taken over from another replica).
-    pub started: bool,
     /// The lease this replica holds on it in the shared store (a
     /// generation taken over; a new one gets its own).
     pub lease: Option<String>,
 }
 
 /// Drives a background generation to its end (or its cancel) in a task of
-/// the router's, its events into `live`; the admission is held as long.
-/// With a shared store, its events and checkpoints are copied there as they
-/// come (`mirror.rs`), under a lease of this replica's; `origin` is written
-/// with the first events (a generation taken over has it there already).
+/// the router's, its events into `live` (the relay writes them as it
+/// journals the chat, so the two agree whenever this task looks); the
+/// admission is held as long. With a shared store, its events and
+/// checkpoints are copied there as they come (`mirror.rs`), under a lease of
+/// this replica's; `origin` is written with the first events (a generation
+/// taken over has it there already).
 pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: Option<Value>) {
     let Apart {
-        translation,
+        driver,
         live,
         chat_response,
         entry,
         admission,
-        started,
         lease,
     } = run;
-    let mut driver = Driver {
-        translation,
-        parser: SseParser::default(),
-        ended: false,
-    };
     let mut chat = chat_response.into_body().into_data_stream();
-    if !started {
-        live.push(driver.translation.start(), None);
-    }
     let shared = state.responses.shared.clone();
     let keeps_checkpoints = shared.is_some();
-    // The journal as of the last batch the driver was fed: a checkpoint must
-    // pair the translation with the decode it has seen, never with chunks
-    // journaled for a batch still being gathered (a takeover from such a
-    // checkpoint would never translate them).
-    let mark_of = |entry: &EntryReader| entry.read(crate::pd::checkpoint::DecodeMark::of);
-    let mut fed = mark_of(&entry);
     let checkpoint = {
-        let entry = entry.clone();
-        move |driver: &Driver<T>| {
+        let driver = driver.clone();
+        move || {
             keeps_checkpoints.then(|| {
                 let decode = entry.read(crate::pd::checkpoint::DecodeCheckpoint::of);
-                json!({"decode": decode, "translation": driver.translation.checkpoint()})
+                json!({"decode": decode, "translation": driver.lock().translation.checkpoint()})
             })
         }
     };
@@ -425,7 +419,7 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
             .to_string();
         let token = lease.unwrap_or_else(|| crate::protocols::responses::new_id("lease"));
         live.gate();
-        live.push_checkpointed(Vec::new(), None, checkpoint(&driver));
+        live.push_checkpointed(Vec::new(), None, checkpoint());
         // In the store before the client has the id, which it may take to
         // any replica at once (a generation taken over has its origin there).
         let mut origin = origin;
@@ -449,65 +443,46 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
     }
     state.flow.drains.spawn(async move {
         let _admission = admission;
-        let mut checkpointed = tokio::time::Instant::now();
-        // Events pushed since the last checkpoint (readers wait for one).
-        let mut pending = false;
+        let mut every = tokio::time::interval(CHECKPOINT_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let next = tokio::select! {
-                // A decoder that goes quiet: what came is checkpointed
-                // anyway, so that its readers get it.
-                _ = tokio::time::sleep_until(checkpointed + CHECKPOINT_EVERY), if pending => {
-                    checkpointed = tokio::time::Instant::now();
-                    // A batch half gathered: its read ends within a few
-                    // scheduler turns and checkpoints then (or the next
-                    // tick does).
-                    if mark_of(&entry) == fed {
-                        pending = false;
-                        live.push_checkpointed(Vec::new(), None, checkpoint(&driver));
+            tokio::select! {
+                // What came since the last checkpoint is checkpointed at most
+                // every CHECKPOINT_EVERY: the store gets events up to the last
+                // checkpoint and readers only what the store has, so this
+                // bounds the writes and what a reader waits for an event.
+                _ = every.tick(), if keeps_checkpoints => {
+                    if live.unchecked() {
+                        live.push_checkpointed(Vec::new(), None, checkpoint());
                     }
-                    continue;
                 }
                 _ = live.cancel.cancelled() => {
                     // Dropping the chat stream ends the generation on its decoder.
+                    drop(chat);
                     if live.fenced() {
                         // It goes on elsewhere: nothing more is said here.
                         return;
                     }
-                    let (events, whole) = driver.translation.cancel();
-                    driver.keep().await;
-                    let checkpoint = checkpoint(&driver);
-                    live.push_checkpointed(events, Some(whole), checkpoint);
+                    let (events, whole) = driver.lock().translation.cancel();
+                    let keeping = driver.lock().translation.keep();
+                    if let Some(keeping) = keeping {
+                        keeping.await;
+                    }
+                    live.push_checkpointed(events, Some(whole), checkpoint());
                     return;
                 }
-                next = chat.next() => next,
-            };
-            let (events, whole) = match next {
-                Some(Ok(bytes)) => driver.feed(Some(bytes)),
-                Some(Err(err)) => driver.broke(err),
-                None => driver.feed(None),
-            };
-            if keeps_checkpoints {
-                fed = mark_of(&entry);
-            }
-            let done = whole.is_some();
-            if done {
-                driver.keep().await;
-            }
-            // A checkpoint at most every CHECKPOINT_EVERY (and at the end):
-            // the store gets events up to the last one and readers only what
-            // the store has, so this bounds the writes and what a reader
-            // waits for an event.
-            let checkpoint = if done || checkpointed.elapsed() >= CHECKPOINT_EVERY {
-                checkpointed = tokio::time::Instant::now();
-                pending = false;
-                checkpoint(&driver)
-            } else {
-                pending |= keeps_checkpoints && !events.is_empty();
-                None
-            };
-            live.push_checkpointed(events, whole.map(|(whole, _)| whole), checkpoint);
-            if done {
-                return;
+                next = chat.next() => {
+                    if next.is_some() {
+                        continue;
+                    }
+                    // The chat ended (what the translation keeps was kept
+                    // as its relay finished).
+                    let (events, whole, _) = driver
+                        .take_ending()
+                        .unwrap_or_else(|| no_ending(&driver));
+                    live.push_checkpointed(events, Some(whole), checkpoint());
+                    return;
+                }
             }
         }
     });

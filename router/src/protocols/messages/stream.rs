@@ -4,7 +4,8 @@
 //! `message_stop`), and the whole message they make.
 
 use super::request::Echo;
-use crate::protocols::segments::{ChatChunk, Segment, Segmenter, Step};
+use crate::protocols::openai::chunk::Chunk;
+use crate::protocols::segments::{Segment, Segmenter, Step};
 use serde_json::{json, Value};
 
 /// One message's events, built from its chat chunks.
@@ -50,7 +51,7 @@ impl Events {
     }
 
     /// The events of one chat chunk.
-    pub fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
+    pub fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Value> {
         let steps = self.segments.chunk(chunk);
         self.render(steps)
     }
@@ -130,8 +131,10 @@ impl Events {
         }
     }
 
-    /// The last events (`message_delta`, `message_stop`) and the whole message.
-    pub fn finish(&mut self) -> (Vec<Value>, Value) {
+    /// The last events (`message_delta`, `message_stop`) and the whole
+    /// message, with `usage` (the chat's).
+    pub fn finish(&mut self, usage: Value) -> (Vec<Value>, Value) {
+        self.segments.usage = Some(usage);
         let steps = self.segments.end();
         let mut out = self.render(steps);
         let stop = self.stop();
@@ -154,7 +157,7 @@ impl Events {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocols::segments::parsed;
+    use crate::protocols::segments::with_parsed;
 
     fn chunk(delta: Value, finish: Option<&str>) -> Value {
         json!({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
@@ -178,11 +181,10 @@ mod tests {
                 json!({"tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]}),
                 Some("tool_calls"),
             ),
-            json!({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}),
         ] {
-            all.extend(events.chunk(&parsed(&c)));
+            all.extend(with_parsed(&c, |c| events.chunk(c)));
         }
-        let (last, message) = events.finish();
+        let (last, message) = events.finish(json!({"prompt_tokens": 3, "completion_tokens": 5}));
         all.extend(last);
         (all, message)
     }

@@ -8,7 +8,6 @@
 //! takes the slow path through `serde_json::Value`, which is always right.
 
 use memchr::memmem;
-use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -58,30 +57,50 @@ pub struct Choice<'a> {
     pub logprobs: Option<&'a RawValue>,
 }
 
-/// The part of a chat delta the journal keeps, and whether it carries output
-/// other than text.
-#[derive(Debug, Deserialize)]
+/// What the router reads of a chat delta: the journal its text, whether it
+/// carries output other than text and its tool calls' ids; a translated
+/// protocol (Responses, Messages: `protocols::segments`) all of it.
+#[derive(Debug, Default, Deserialize)]
 pub struct Delta<'a> {
     #[serde(default, borrow)]
     pub content: Option<Cow<'a, str>>,
-    #[serde(default)]
-    reasoning: Option<IgnoredAny>,
-    #[serde(default)]
-    reasoning_content: Option<IgnoredAny>,
-    /// What the journal keeps of each tool-call delta: its index and, on the
-    /// delta that opens the call, its id (a continuation keeps the ids the
-    /// client already has).
+    #[serde(default, borrow)]
+    pub reasoning: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    pub reasoning_content: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     pub tool_calls: Option<Vec<ToolCallDelta<'a>>>,
 }
 
-/// One tool-call delta of a chat chunk, as far as the journal reads it.
-#[derive(Debug, Deserialize)]
+/// One tool-call delta of a chat chunk: its index and, on the delta that
+/// opens the call, its id and function name (a continuation keeps the ids
+/// the client already has); then pieces of its arguments.
+#[derive(Debug, Default, Deserialize)]
 pub struct ToolCallDelta<'a> {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub index: usize,
     #[serde(default, borrow)]
     pub id: Option<Cow<'a, str>>,
+    #[serde(default, borrow, deserialize_with = "null_as_default")]
+    pub function: FunctionDelta<'a>,
+}
+
+/// A tool call's function, as its deltas bring it.
+#[derive(Debug, Default, Deserialize)]
+pub struct FunctionDelta<'a> {
+    #[serde(default, borrow)]
+    pub name: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    pub arguments: Option<Cow<'a, str>>,
+}
+
+/// A field that may be `null`, read as its default then.
+fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
 }
 
 impl Choice<'_> {

@@ -15,7 +15,9 @@ use super::request::{RequestInfo, Route};
 use crate::error::ApiError;
 use crate::journal::Entry;
 use crate::protocols::sse;
+use crate::protocols::translator::{Translating, Translator};
 use bytes::Bytes;
+use futures_util::future::BoxFuture;
 use serde_json::{json, Map, Value};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -63,6 +65,9 @@ pub struct Output {
     prompt_logprobs: Option<Value>,
     /// Chat `include_reasoning: false` (see [`without_reasoning`]).
     hide_reasoning: bool,
+    /// The client's protocol, when it is not chat's own (Responses,
+    /// Messages): what a streaming client gets is its translation.
+    translator: Option<Translating>,
 }
 
 impl Output {
@@ -92,7 +97,16 @@ impl Output {
             }),
             prompt_logprobs: None,
             hide_reasoning: info.hide_reasoning,
+            translator: None,
         }
+    }
+
+    /// The client's protocol is `translator`'s; returns what the client gets
+    /// before the first chunk.
+    pub fn translate_with(&mut self, mut translator: Box<dyn Translator>) -> Option<Bytes> {
+        let first = translator.start();
+        self.translator = Some(Translating(translator));
+        first
     }
 
     /// The prompt logprobs of a non-stream answer (from the prefill's answer).
@@ -141,6 +155,13 @@ impl Output {
     pub fn event(&mut self, parsed: &Chunk<'_>, raw: &[u8], source: Source) -> Option<Bytes> {
         if let Some(usage) = parsed.usage.filter(|u| u.get() != "null") {
             self.engine_usage = serde_json::from_str(usage.get()).ok();
+        }
+        if let Some(Translating(translator)) = &mut self.translator {
+            // Engine usage chunks are not the client's: the router counts.
+            return match parsed.choices.is_empty() {
+                true => None,
+                false => translator.chunk(parsed),
+            };
         }
         // Echo requests never resume: their chunks are all the client's route.
         let echoed = self.echoed(raw);
@@ -313,8 +334,18 @@ impl Output {
         }
     }
 
-    /// The last events of a finished stream: usage (when asked for) and `[DONE]`.
-    pub fn end_events(&self, entry: &Entry) -> Vec<Bytes> {
+    /// The last events of a finished stream: usage (when asked for) and
+    /// `[DONE]`; a translated protocol's are made after what it keeps
+    /// (returned), by [`Self::last_events`].
+    pub fn end_events(&mut self, entry: &Entry) -> (Vec<Bytes>, Option<BoxFuture<'static, ()>>) {
+        if self.translator.is_some() {
+            let usage = self.usage(entry);
+            let keeping = self
+                .translator
+                .as_mut()
+                .and_then(|Translating(t)| t.finish(usage));
+            return (Vec::new(), keeping);
+        }
         let mut events = Vec::with_capacity(2);
         if self.include_usage {
             let chunk = json!({"id": self.id, "object": self.object(), "created": self.created,
@@ -322,7 +353,25 @@ impl Output {
             events.push(sse::event(chunk.to_string().as_bytes()));
         }
         events.push(sse::event(sse::DONE));
-        events
+        (events, None)
+    }
+
+    /// A translated protocol's last events (after [`Self::end_events`] or
+    /// [`Self::fail_events`]).
+    pub fn last_events(&mut self) -> Option<Bytes> {
+        self.translator.as_mut().and_then(|Translating(t)| t.last())
+    }
+
+    /// The last events of a stream that cannot go on, in the client's
+    /// protocol.
+    pub fn fail_events(&mut self, error: &ApiError) -> Vec<Bytes> {
+        match &mut self.translator {
+            Some(Translating(translator)) => {
+                translator.fail(error);
+                translator.last().into_iter().collect()
+            }
+            None => Self::error_events(error),
+        }
     }
 
     /// The last events of a stream that cannot go on: an OpenAI error event, never

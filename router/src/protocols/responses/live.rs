@@ -106,6 +106,15 @@ impl Live {
         self.changed.send_modify(|n| *n += 1);
     }
 
+    /// Whether events came since the last checkpoint.
+    pub fn unchecked(&self) -> bool {
+        let state = self.lock();
+        state
+            .checkpoint
+            .as_ref()
+            .is_none_or(|c| c.through < state.events.len())
+    }
+
     /// Stops the generation here, leaving its end to another replica.
     pub fn fence(&self) {
         self.fenced

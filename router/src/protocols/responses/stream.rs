@@ -8,7 +8,8 @@ use super::output::{
 };
 use super::request::Echo;
 use crate::protocols::object_of;
-use crate::protocols::segments::{ChatChunk, Segment, Segmenter, Step};
+use crate::protocols::openai::chunk::Chunk;
+use crate::protocols::segments::{Segment, Segmenter, Step};
 use serde_json::{json, Map, Value};
 
 /// One response's events, built from its chat chunks. Serializable: a
@@ -76,7 +77,7 @@ impl Events {
     }
 
     /// The events of one chat chunk.
-    pub fn chunk(&mut self, chunk: &ChatChunk<'_>) -> Vec<Value> {
+    pub fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Value> {
         let steps = self.segments.chunk(chunk);
         self.render(steps)
     }
@@ -218,11 +219,13 @@ impl Events {
         self.items.push(item);
     }
 
-    /// The last events of a chat that ended: the open item closed, then
-    /// `response.completed` with the whole response (also returned), whose
+    /// The last events of a chat that ended (`usage`: the chat's): the open
+    /// item closed, then `response.completed` with the whole response (also
+    /// returned), whose
     /// status says `incomplete` when the chat stopped at its length. As vLLM's
     /// own stream ends, and what the OpenAI SDK's stream helper waits for.
-    pub fn finish(&mut self) -> (Vec<Value>, Value) {
+    pub fn finish(&mut self, usage: Value) -> (Vec<Value>, Value) {
+        self.segments.usage = Some(usage);
         let steps = self.segments.end();
         let mut out = self.render(steps);
         let (status, incomplete) = status_of(self.segments.finish_reason.as_deref());
@@ -274,7 +277,7 @@ impl Events {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocols::segments::parsed;
+    use crate::protocols::segments::with_parsed;
     use std::collections::BTreeMap;
 
     fn echo() -> Echo {
@@ -311,11 +314,11 @@ mod tests {
                 json!({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}),
                 Some("tool_calls"),
             ),
-            json!({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}}),
         ] {
-            all.extend(events.chunk(&parsed(&c)));
+            all.extend(with_parsed(&c, |c| events.chunk(c)));
         }
-        let (last, whole) = events.finish();
+        let usage = json!({"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11});
+        let (last, whole) = events.finish(usage);
         all.extend(last);
         let numbers: Vec<u64> = all
             .iter()
@@ -356,8 +359,10 @@ mod tests {
     fn a_chat_cut_at_its_length_is_incomplete() {
         let mut events = Events::new("resp_2".into(), 7, echo());
         events.start();
-        events.chunk(&parsed(&chunk(json!({"content": "abc"}), Some("length"))));
-        let (last, whole) = events.finish();
+        with_parsed(&chunk(json!({"content": "abc"}), Some("length")), |c| {
+            events.chunk(c)
+        });
+        let (last, whole) = events.finish(json!({}));
         assert_eq!(
             last.last().map(|e| e["type"].clone()),
             Some(json!("response.completed"))
