@@ -55,6 +55,7 @@ pub use demo::run as run_demo;
 pub use edge::routes::{route_list, route_table, Listener};
 pub use edge::server::terminate_signal;
 pub use observe::logs;
+pub use protocols::event::Event;
 pub use protocols::responses::redis_store::{LogState, RedisSettings, RedisStore};
 pub use protocols::sse::SseParser;
 

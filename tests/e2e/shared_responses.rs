@@ -6,6 +6,7 @@
 
 use crate::common::*;
 use crate::responses::{assert_stopped_short, cancel, create, get, read_across, reattach};
+use connex_router::Event;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -310,7 +311,9 @@ async fn one_replica_wins_an_expired_lease() {
                 &format!("resp_{n}"),
                 "dead",
                 &state,
-                &[json!({"sequence_number": 0})],
+                &[Event::from_value(
+                    &json!({"type": "x", "sequence_number": 0}),
+                )],
                 None,
                 None,
             )

@@ -5,6 +5,7 @@
 //! OpenAI's Responses and Anthropic's Messages, both cut into the same
 //! segments (`segments.rs`), by a `translator.rs` the relay feeds.
 
+pub mod event;
 pub mod messages;
 pub mod openai;
 pub mod responses;
@@ -18,14 +19,6 @@ use serde_json::{Map, Value};
 /// A request field checked for its JSON type: its name, what it must be (for
 /// the error) and the check.
 pub type Shape = (&'static str, &'static str, fn(&Value) -> bool);
-
-/// `{key: value}`, with `value` moved in (`json!` would copy it through
-/// `to_value`: a whole response, three times a request).
-pub fn object_of(key: &str, value: Value) -> Value {
-    let mut object = Map::new();
-    object.insert(key.to_string(), value);
-    Value::Object(object)
-}
 
 /// A 400 about `param`.
 pub fn bad(message: impl Into<String>, param: &'static str) -> ApiError {

@@ -205,8 +205,8 @@ mod tests {
         let data = br#"{"choices": [{"index": 0, "delta": {"content": "a\"b", "reasoning": null,
                 "tool_calls": [{"index": null, "id": "c", "function": null}]},
                 "finish_reason": null}], "usage": null}"#;
-        let chunk = crate::protocols::openai::chunk::parse(data)
-            .unwrap_or_else(|| panic!("not parsed"));
+        let chunk =
+            crate::protocols::openai::chunk::parse(data).unwrap_or_else(|| panic!("not parsed"));
         let steps = s.chunk(&chunk);
         assert_eq!(steps[1], Step::Delta("a\"b".into()));
     }

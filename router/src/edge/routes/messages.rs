@@ -4,6 +4,7 @@
 
 use super::translated::{serve, Prepared, Translation};
 use crate::error::{ApiError, ANTHROPIC_PATH};
+use crate::protocols::event::Event;
 use crate::protocols::messages::request::chat_body;
 use crate::protocols::messages::stream::Events;
 use crate::protocols::openai::chunk::Chunk;
@@ -47,24 +48,31 @@ pub async fn create(
     served.unwrap_or_else(|error| error.response_for(ANTHROPIC_PATH))
 }
 
-/// A message being made from its chat.
+/// A message being made from its chat (its events made as JSON values: a
+/// Messages stream has a few events per token fewer than a Responses one).
 struct MessageTranslation(Events);
 
+fn serialized(events: Vec<Value>) -> Vec<Event> {
+    events.iter().map(Event::from_value).collect()
+}
+
 impl Translation for MessageTranslation {
-    fn start(&mut self) -> Vec<Value> {
-        self.0.start()
+    fn start(&mut self) -> Vec<Event> {
+        serialized(self.0.start())
     }
 
-    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Value> {
-        self.0.chunk(chunk)
+    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Event> {
+        serialized(self.0.chunk(chunk))
     }
 
-    fn finish(&mut self, usage: Value) -> (Vec<Value>, Value) {
-        self.0.finish(usage)
+    fn finish(&mut self, usage: Value) -> (Vec<Event>, Value) {
+        let (events, whole) = self.0.finish(usage);
+        (serialized(events), whole)
     }
 
-    fn fail(&mut self, error: &Value) -> (Vec<Value>, Value) {
-        self.0.fail(error)
+    fn fail(&mut self, error: &Value) -> (Vec<Event>, Value) {
+        let (events, whole) = self.0.fail(error);
+        (serialized(events), whole)
     }
 
     fn answer(&self, whole: Value, failed: bool) -> Response {

@@ -6,6 +6,8 @@
 use super::translated::{follow, follow_shared, serve, Prepared, Translation};
 use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
+use crate::protocols::event::Event;
+use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::responses::mirror::CANCEL_POLL;
 use crate::protocols::responses::output::as_input;
 use crate::protocols::responses::redis_store::{LogState, RedisStore};
@@ -13,7 +15,6 @@ use crate::protocols::responses::request::{chat_body, check};
 use crate::protocols::responses::store::{StoreError, Stored};
 use crate::protocols::responses::stream::Events;
 use crate::protocols::responses::{new_id, ResponseStores};
-use crate::protocols::openai::chunk::Chunk;
 use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;
@@ -103,15 +104,15 @@ pub(super) struct ResponseTranslation {
 }
 
 impl Translation for ResponseTranslation {
-    fn start(&mut self) -> Vec<Value> {
+    fn start(&mut self) -> Vec<Event> {
         self.events.start()
     }
 
-    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Value> {
+    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Event> {
         self.events.chunk(chunk)
     }
 
-    fn finish(&mut self, usage: Value) -> (Vec<Value>, Value) {
+    fn finish(&mut self, usage: Value) -> (Vec<Event>, Value) {
         let (events, whole) = self.events.finish(usage);
         if self.store {
             let mut conversation = std::mem::take(&mut self.items);
@@ -121,11 +122,11 @@ impl Translation for ResponseTranslation {
         (events, whole)
     }
 
-    fn fail(&mut self, error: &Value) -> (Vec<Value>, Value) {
+    fn fail(&mut self, error: &Value) -> (Vec<Event>, Value) {
         self.events.fail(error)
     }
 
-    fn cancel(&mut self) -> (Vec<Value>, Value) {
+    fn cancel(&mut self) -> (Vec<Event>, Value) {
         let (events, whole) = self.events.cancel();
         // A cancelled background response stays readable as cancelled.
         self.keep_as(&whole, Vec::new());

@@ -152,7 +152,9 @@ async fn continue_taken(
     let flow = state.flow.clone();
     let started = match decode {
         // Past its prefill: on from the hold, after the tokens it has.
-        Some(decode) => crate::pd::continue_from(flow, info, chat, decode, record, translator).await,
+        Some(decode) => {
+            crate::pd::continue_from(flow, info, chat, decode, record, translator).await
+        }
         // Its replica died before the prefill answered: from the start.
         None => crate::pd::run_observed(flow, info, chat, record, translator).await,
     };

@@ -11,6 +11,7 @@ use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::journal::EntryReader;
 use crate::pd::record::RequestRecord;
+use crate::protocols::event::{frames, Event};
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
@@ -33,20 +34,20 @@ use tracing::Instrument;
 /// A protocol's side of one request: its events from the chat's chunks.
 pub trait Translation: Send + 'static {
     /// The events before the first chunk.
-    fn start(&mut self) -> Vec<Value>;
+    fn start(&mut self) -> Vec<Event>;
     /// The events of one chat chunk.
-    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Value>;
+    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Event>;
     /// The last events of a chat that ended (`usage`: the router's count),
     /// and the whole answer.
-    fn finish(&mut self, usage: Value) -> (Vec<Value>, Value);
+    fn finish(&mut self, usage: Value) -> (Vec<Event>, Value);
     /// The last events of a chat that failed (`error`: an OpenAI error
     /// object), and the whole answer as it stands.
-    fn fail(&mut self, error: &Value) -> (Vec<Value>, Value);
+    fn fail(&mut self, error: &Value) -> (Vec<Event>, Value);
     /// The non-stream answer from the whole answer `finish` or `fail` made.
     fn answer(&self, whole: Value, failed: bool) -> Response;
     /// The last events of a generation cancelled by its client, and the whole
     /// answer as it stands (background responses only).
-    fn cancel(&mut self) -> (Vec<Value>, Value) {
+    fn cancel(&mut self) -> (Vec<Event>, Value) {
         self.fail(&json!({"message": "cancelled"}))
     }
     /// What must be kept before the last events go out (a stored response,
@@ -96,17 +97,17 @@ pub struct Driver<T> {
     started: bool,
     /// The last events and the whole answer of the chat's end, until they go
     /// out (after what the translation keeps), and whether it failed.
-    ending: Option<(Vec<Value>, Value, bool)>,
+    ending: Option<(Vec<Event>, Value, bool)>,
 }
 
 impl<T: Translation> Driver<T> {
     /// `events` to the sink; a streaming client's bytes.
-    fn out(&self, events: Vec<Value>) -> Option<Bytes> {
+    fn out(&self, events: Vec<Event>) -> Option<Bytes> {
         if events.is_empty() {
             return None;
         }
         match &self.sink {
-            Sink::Client => Some(sse_events(&events)),
+            Sink::Client => Some(frames(&events)),
             Sink::Whole => None,
             Sink::Live(live) => {
                 live.push(events, None);
@@ -142,7 +143,7 @@ impl<T: Translation> Shared<T> {
 
     /// The chat's end, once it came: its last events, the whole answer and
     /// whether it failed (taken: they go out once).
-    fn take_ending(&self) -> Option<(Vec<Value>, Value, bool)> {
+    fn take_ending(&self) -> Option<(Vec<Event>, Value, bool)> {
         self.lock().ending.take()
     }
 
@@ -315,31 +316,9 @@ pub async fn serve<T: Translation>(
     })
 }
 
-/// One event as SSE: `event:` its type, `data:` the event (both protocols
-/// frame their events so).
-fn sse_event(event: &Value) -> Bytes {
-    sse_events(std::slice::from_ref(event))
-}
-
-/// Events as SSE, written into one buffer (this is per token: no string
-/// per event).
-fn sse_events(events: &[Value]) -> Bytes {
-    let mut out = Vec::with_capacity(256 * events.len());
-    for event in events {
-        let kind = event["type"].as_str().unwrap_or("message");
-        out.extend_from_slice(b"event: ");
-        out.extend_from_slice(kind.as_bytes());
-        out.extend_from_slice(b"\ndata: ");
-        // Writing a Value into a Vec cannot fail.
-        let _ = serde_json::to_writer(&mut out, event);
-        out.extend_from_slice(b"\n\n");
-    }
-    Bytes::from(out)
-}
-
 /// The end of a chat whose session ended without one (it always makes one:
 /// its last events or its error's).
-fn no_ending<T: Translation>(driver: &Shared<T>) -> (Vec<Value>, Value, bool) {
+fn no_ending<T: Translation>(driver: &Shared<T>) -> (Vec<Event>, Value, bool) {
     let error = json!({"message": "the generation ended before its end"});
     let (events, whole) = driver.lock().translation.fail(&error);
     (events, whole, true)
@@ -351,9 +330,7 @@ async fn whole_answer<T: Translation>(driver: Shared<T>, chat_response: Response
     let (parts, body) = chat_response.into_parts();
     let mut chat = body.into_data_stream();
     while chat.next().await.is_some() {}
-    let (_, whole, failed) = driver
-        .take_ending()
-        .unwrap_or_else(|| no_ending(&driver));
+    let (_, whole, failed) = driver.take_ending().unwrap_or_else(|| no_ending(&driver));
     let mut response = driver.lock().translation.answer(whole, failed);
     for (name, value) in &parts.headers {
         if name != header::CONTENT_TYPE
@@ -501,11 +478,11 @@ pub fn follow(live: Arc<Live>, after: Option<u64>) -> Response {
             loop {
                 changes.borrow_and_update();
                 let (events, done) = live.after(after);
-                if let Some(last) = events.last().and_then(|e| e["sequence_number"].as_u64()) {
+                if let Some(last) = events.last().and_then(Event::sequence) {
                     after = Some(last);
                 }
                 if !events.is_empty() || done {
-                    let bytes = sse_events(&events);
+                    let bytes = frames(&events);
                     return Some((
                         Ok::<_, std::convert::Infallible>(bytes),
                         (live, changes, after, done),
@@ -549,7 +526,7 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
     }
     impl Reader {
         /// The next events, and whether the log has ended.
-        async fn next(&mut self) -> Result<(Vec<Value>, bool), StoreError> {
+        async fn next(&mut self) -> Result<(Vec<Event>, bool), StoreError> {
             let conn = match self.conn.as_mut() {
                 Some(conn) => conn,
                 None => self.conn.insert(self.store.reader().await?),
@@ -590,19 +567,19 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
             }
             match reader.next().await {
                 Ok((events, ended)) => {
-                    if let Some(last) = events.last().and_then(|e| e["sequence_number"].as_u64()) {
+                    if let Some(last) = events.last().and_then(Event::sequence) {
                         reader.after = Some(last);
                     }
                     reader.finished = ended;
                     if !events.is_empty() || ended {
-                        return Some((Ok(sse_events(&events)), reader));
+                        return Some((Ok(frames(&events)), reader));
                     }
                 }
                 Err(err) => {
                     reader.finished = true;
                     let error = json!({"type": "error", "code": "response_store_unavailable",
                         "message": err.to_string(), "param": null});
-                    return Some((Ok(sse_event(&error)), reader));
+                    return Some((Ok(frames(&[Event::from_value(&error)])), reader));
                 }
             }
         }

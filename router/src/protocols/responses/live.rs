@@ -5,6 +5,7 @@
 //! those finished longest ago forgotten first (their stored response stays in
 //! the store); a generation in progress is never forgotten.
 
+use crate::protocols::event::Event;
 use serde_json::Value;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -29,7 +30,7 @@ pub struct Live {
 
 #[derive(Debug, Default)]
 struct LiveState {
-    events: Vec<Value>,
+    events: Vec<Event>,
     /// The response as it stands (its last event's, or the first one's).
     response: Value,
     done: bool,
@@ -56,7 +57,7 @@ struct Checkpointed {
 /// last checkpoint, with its state and the checkpoint as of then.
 #[derive(Debug, Default)]
 pub struct Snapshot {
-    pub events: Vec<Value>,
+    pub events: Vec<Event>,
     pub response: Value,
     pub done: bool,
     pub checkpoint: Option<Value>,
@@ -71,7 +72,7 @@ impl Live {
 
     /// Appends events (each with its sequence number); `end`: the response
     /// is done, as it ended.
-    pub fn push(&self, events: Vec<Value>, end: Option<Value>) {
+    pub fn push(&self, events: Vec<Event>, end: Option<Value>) {
         self.push_checkpointed(events, end, None);
     }
 
@@ -79,14 +80,15 @@ impl Live {
     /// None).
     pub fn push_checkpointed(
         &self,
-        events: Vec<Value>,
+        events: Vec<Event>,
         end: Option<Value>,
         checkpoint: Option<Value>,
     ) {
         let mut state = self.lock();
-        for event in &events {
-            if let Some(response) = event.get("response") {
-                state.response = response.clone();
+        // The response as its last event carries it (the end's is given).
+        if end.is_none() {
+            if let Some(response) = events.iter().rev().find_map(Event::response) {
+                state.response = response;
             }
         }
         state.events.extend(events);
@@ -140,7 +142,7 @@ impl Live {
     /// The events after sequence number `after` (all, without one) that
     /// readers may have, and whether they have all of them and the response
     /// is done (or goes on elsewhere).
-    pub fn after(&self, after: Option<u64>) -> (Vec<Value>, bool) {
+    pub fn after(&self, after: Option<u64>) -> (Vec<Event>, bool) {
         let state = self.lock();
         let visible = state.durable.unwrap_or(usize::MAX).min(state.events.len());
         let from = Self::start(&state, after).min(visible);
@@ -212,7 +214,7 @@ impl Live {
             Some(n) => state
                 .events
                 .iter()
-                .position(|e| e["sequence_number"].as_u64().is_some_and(|s| s > n))
+                .position(|e| e.sequence().is_some_and(|s| s > n))
                 .unwrap_or(state.events.len()),
         }
     }
@@ -286,7 +288,7 @@ impl LiveResponses {
         id: &str,
         tenant: &str,
         response: Value,
-        events: Vec<Value>,
+        events: Vec<Event>,
     ) -> Option<Arc<Live>> {
         let live = self.open(id, tenant, response.clone())?;
         live.push(events, None);
@@ -324,8 +326,8 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn event(n: u64) -> Value {
-        json!({"type": "x", "sequence_number": n})
+    fn event(n: u64) -> Event {
+        Event::from_value(&json!({"type": "x", "sequence_number": n}))
     }
 
     #[test]
@@ -337,7 +339,7 @@ mod tests {
         a.push(vec![event(0), event(1), event(2)], None);
         assert_eq!(a.after(None).0.len(), 3);
         assert_eq!(a.after(Some(0)).0, vec![event(1), event(2)]);
-        assert_eq!(a.after(Some(9)).0, Vec::<Value>::new());
+        assert_eq!(a.after(Some(9)).0, Vec::<Event>::new());
         assert!(lives.get("a", "other tenant").is_none());
         let _b = lives
             .open("b", "t", json!({}))

@@ -10,6 +10,7 @@
 
 use super::live::Live;
 use super::redis_store::{AppendError, LogState, RedisStore};
+use crate::protocols::event::Event;
 use serde_json::Value;
 use std::sync::Arc;
 use std::time::Duration;
@@ -81,10 +82,7 @@ async fn write(
             origin,
         )
         .await?;
-    let last = snapshot
-        .events
-        .last()
-        .and_then(|e| e["sequence_number"].as_u64());
+    let last = snapshot.events.last().and_then(Event::sequence);
     Ok(Written {
         last: last.or(written),
         through: snapshot.through,

@@ -30,6 +30,7 @@
 //! and `/ready` says `response_store: unavailable`; serving goes on.
 
 use super::store::{MemoryStore, ResponseStore, StoreError, StoreResult, Stored};
+use crate::protocols::event::Event;
 use futures_util::future::BoxFuture;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::streams::StreamReadReply;
@@ -181,7 +182,7 @@ pub struct Taken {
     pub origin: Value,
     /// The last checkpoint (with the last events written).
     pub checkpoint: Option<Value>,
-    pub events: Vec<Value>,
+    pub events: Vec<Event>,
 }
 
 /// Most events one read returns.
@@ -426,7 +427,7 @@ impl RedisStore {
         id: &str,
         token: &str,
         state: &LogState,
-        events: &[Value],
+        events: &[Event],
         checkpoint: Option<&Value>,
         origin: Option<&Value>,
     ) -> Result<bool, AppendError> {
@@ -449,10 +450,10 @@ impl RedisStore {
             .arg(id)
             .arg(origin.map(Value::to_string).unwrap_or_default());
         for event in events {
-            let Some(n) = event["sequence_number"].as_u64() else {
+            let Some(n) = event.sequence() else {
                 continue;
             };
-            invocation.arg(n).arg(event.to_string());
+            invocation.arg(n).arg(event.json());
         }
         let answer: i64 = self
             .call("append", async |conn| invocation.invoke_async(conn).await)
@@ -528,9 +529,9 @@ impl RedisStore {
         };
         let checkpoint = checkpoint.map(parse).transpose()?;
         let mut conn = self.reader().await?;
-        let mut events: Vec<Value> = Vec::new();
+        let mut events: Vec<Event> = Vec::new();
         loop {
-            let after = events.last().and_then(|e| e["sequence_number"].as_u64());
+            let after = events.last().and_then(Event::sequence);
             let more = self.read_events(&mut conn, id, after, None).await?;
             if more.is_empty() {
                 break;
@@ -573,7 +574,7 @@ impl RedisStore {
         id: &str,
         after: Option<u64>,
         block: Option<Duration>,
-    ) -> StoreResult<Vec<Value>> {
+    ) -> StoreResult<Vec<Event>> {
         let from = after.map_or_else(|| "0-0".to_string(), |n| format!("0-{}", n + 1));
         let mut options = redis::streams::StreamReadOptions::default().count(READ_COUNT);
         if let Some(block) = block {
@@ -591,8 +592,7 @@ impl RedisStore {
                     continue;
                 };
                 events.push(
-                    serde_json::from_slice(bytes)
-                        .map_err(|err| StoreError::Malformed(err.to_string()))?,
+                    Event::parse(bytes).map_err(|err| StoreError::Malformed(err.to_string()))?,
                 );
             }
         }

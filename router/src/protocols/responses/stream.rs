@@ -7,10 +7,10 @@ use super::output::{
     function_call_item, message_item, reasoning_item, response, status_of, text_part, usage,
 };
 use super::request::Echo;
-use crate::protocols::object_of;
+use crate::protocols::event::Event;
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::segments::{Segment, Segmenter, Step};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 /// One response's events, built from its chat chunks. Serializable: a
 /// background response's checkpoint carries it to the replica that takes the
@@ -42,11 +42,31 @@ impl Events {
         }
     }
 
-    fn emit(&mut self, out: &mut Vec<Value>, kind: &str, mut event: Value) {
+    fn emit(&mut self, out: &mut Vec<Event>, kind: &str, mut event: Value) {
         event["type"] = Value::String(kind.to_string());
         event["sequence_number"] = self.sequence.into();
         self.sequence += 1;
-        out.push(event);
+        out.push(Event::from_value(&event));
+    }
+
+    /// An event carrying the whole response (serialized from it as it is:
+    /// no copy of it).
+    fn emit_response(&mut self, out: &mut Vec<Event>, kind: &str, response: &Value) {
+        #[derive(serde::Serialize)]
+        struct WithResponse<'a> {
+            #[serde(rename = "type")]
+            kind: &'a str,
+            sequence_number: u64,
+            response: &'a Value,
+        }
+        let sequence_number = self.sequence;
+        self.sequence += 1;
+        let body = WithResponse {
+            kind,
+            sequence_number,
+            response,
+        };
+        out.push(Event::serialize(kind, Some(sequence_number), &body).carrying_response());
     }
 
     /// The response as it stands (`status` given).
@@ -64,31 +84,27 @@ impl Events {
     }
 
     /// `response.created` and `response.in_progress`.
-    pub fn start(&mut self) -> Vec<Value> {
+    pub fn start(&mut self) -> Vec<Event> {
         let mut out = Vec::new();
         let now = self.response("in_progress", Value::Null);
-        self.emit(
-            &mut out,
-            "response.created",
-            object_of("response", now.clone()),
-        );
-        self.emit(&mut out, "response.in_progress", object_of("response", now));
+        self.emit_response(&mut out, "response.created", &now);
+        self.emit_response(&mut out, "response.in_progress", &now);
         out
     }
 
     /// The events of one chat chunk.
-    pub fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Value> {
+    pub fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Event> {
         let steps = self.segments.chunk(chunk);
         self.render(steps)
     }
 
-    fn render(&mut self, steps: Vec<Step>) -> Vec<Value> {
+    fn render(&mut self, steps: Vec<Step>) -> Vec<Event> {
         let mut out = Vec::new();
         for step in steps {
             let index = self.items.len();
             match step {
                 Step::Open(segment) => self.open(&mut out, index, &segment),
-                Step::Delta(delta) => self.delta(&mut out, index, delta),
+                Step::Delta(delta) => self.delta(&mut out, index, &delta),
                 Step::Close(segment, text) => self.close(&mut out, index, &segment, &text),
             }
         }
@@ -100,7 +116,7 @@ impl Events {
         self.open_segment.as_ref()
     }
 
-    fn open(&mut self, out: &mut Vec<Value>, index: usize, segment: &Segment) {
+    fn open(&mut self, out: &mut Vec<Event>, index: usize, segment: &Segment) {
         let (id, item) = match segment {
             Segment::Reasoning => {
                 let id = new_id("rs");
@@ -143,30 +159,44 @@ impl Events {
         self.open_segment = Some(segment.clone());
     }
 
-    /// One delta event: per token, so its object is built by hand (the
-    /// delta moved in, no `json!` copies).
-    fn delta(&mut self, out: &mut Vec<Value>, index: usize, delta: String) {
-        let (kind, has_content_index, has_logprobs) = match self.current() {
-            Some(Segment::Reasoning) => ("response.reasoning_text.delta", true, false),
-            Some(Segment::Text) => ("response.output_text.delta", true, true),
-            Some(Segment::Call { .. }) => ("response.function_call_arguments.delta", false, false),
+    /// One delta event: per token, so it is serialized from a struct of
+    /// borrowed fields (no JSON object built).
+    fn delta(&mut self, out: &mut Vec<Event>, index: usize, delta: &str) {
+        #[derive(serde::Serialize)]
+        struct Delta<'a> {
+            #[serde(rename = "type")]
+            kind: &'a str,
+            sequence_number: u64,
+            item_id: &'a str,
+            output_index: usize,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            content_index: Option<u8>,
+            delta: &'a str,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            logprobs: Option<[u8; 0]>,
+        }
+        let (kind, content_index, logprobs) = match self.current() {
+            Some(Segment::Reasoning) => ("response.reasoning_text.delta", Some(0), None),
+            Some(Segment::Text) => ("response.output_text.delta", Some(0), Some([])),
+            Some(Segment::Call { .. }) => ("response.function_call_arguments.delta", None, None),
             None => return,
         };
-        let mut event = Map::new();
-        event.insert("item_id".into(), Value::String(self.open_id.clone()));
-        event.insert("output_index".into(), index.into());
-        if has_content_index {
-            event.insert("content_index".into(), 0.into());
-        }
-        event.insert("delta".into(), Value::String(delta));
-        if has_logprobs {
-            event.insert("logprobs".into(), Value::Array(Vec::new()));
-        }
-        self.emit(out, kind, Value::Object(event));
+        let sequence_number = self.sequence;
+        self.sequence += 1;
+        let body = Delta {
+            kind,
+            sequence_number,
+            item_id: &self.open_id,
+            output_index: index,
+            content_index,
+            delta,
+            logprobs,
+        };
+        out.push(Event::serialize(kind, Some(sequence_number), &body));
     }
 
     /// Ends an item: its `.done` events, and it joins the output.
-    fn close(&mut self, out: &mut Vec<Value>, index: usize, segment: &Segment, text: &str) {
+    fn close(&mut self, out: &mut Vec<Event>, index: usize, segment: &Segment, text: &str) {
         let id = std::mem::take(&mut self.open_id);
         self.open_segment = None;
         let item = match segment {
@@ -224,22 +254,18 @@ impl Events {
     /// returned), whose
     /// status says `incomplete` when the chat stopped at its length. As vLLM's
     /// own stream ends, and what the OpenAI SDK's stream helper waits for.
-    pub fn finish(&mut self, usage: Value) -> (Vec<Value>, Value) {
+    pub fn finish(&mut self, usage: Value) -> (Vec<Event>, Value) {
         self.segments.usage = Some(usage);
         let steps = self.segments.end();
         let mut out = self.render(steps);
         let (status, incomplete) = status_of(self.segments.finish_reason.as_deref());
         let whole = self.response(status, incomplete);
-        self.emit(
-            &mut out,
-            "response.completed",
-            object_of("response", whole.clone()),
-        );
+        self.emit_response(&mut out, "response.completed", &whole);
         (out, whole)
     }
 
     /// The last events of a chat that failed: `error`, then `response.failed`.
-    pub fn fail(&mut self, error: &Value) -> (Vec<Value>, Value) {
+    pub fn fail(&mut self, error: &Value) -> (Vec<Event>, Value) {
         let steps = self.segments.end();
         let mut out = self.render(steps);
         let message = error["message"].as_str().unwrap_or("the generation failed");
@@ -251,18 +277,14 @@ impl Events {
         );
         let mut whole = self.response("failed", Value::Null);
         super::output::fail(&mut whole, message);
-        self.emit(
-            &mut out,
-            "response.failed",
-            object_of("response", whole.clone()),
-        );
+        self.emit_response(&mut out, "response.failed", &whole);
         (out, whole)
     }
 
     /// The last events of a generation cancelled (`POST .../cancel`): the
     /// open item closed; the response's status `cancelled`, and no terminal
     /// event (the stream just ends, as vLLM's).
-    pub fn cancel(&mut self) -> (Vec<Value>, Value) {
+    pub fn cancel(&mut self) -> (Vec<Event>, Value) {
         let steps = self.segments.end();
         let out = self.render(steps);
         (out, self.response("cancelled", Value::Null))
@@ -320,6 +342,7 @@ mod tests {
         let usage = json!({"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11});
         let (last, whole) = events.finish(usage);
         all.extend(last);
+        let all: Vec<Value> = all.iter().map(Event::value).collect();
         let numbers: Vec<u64> = all
             .iter()
             .filter_map(|e| e["sequence_number"].as_u64())
@@ -364,7 +387,7 @@ mod tests {
         });
         let (last, whole) = events.finish(json!({}));
         assert_eq!(
-            last.last().map(|e| e["type"].clone()),
+            last.last().map(|e| e.value()["type"].clone()),
             Some(json!("response.completed"))
         );
         assert_eq!(whole["status"], "incomplete");
