@@ -49,7 +49,10 @@ pub async fn create(
             let (echo, input) = check(&request)?;
             let mut items = match &echo.previous_response_id {
                 None => Vec::new(),
-                Some(id) => stored(&state.responses, id, tenant).await?.conversation,
+                Some(id) => stored(&state.responses, id, tenant)
+                    .await?
+                    .conversation()
+                    .map_err(store_unavailable)?,
             };
             items.extend(input);
             let chat = chat_body(&echo, &items)?;
@@ -184,11 +187,7 @@ impl ResponseTranslation {
     /// Keeps `whole` (with `conversation`) once the last events are made.
     fn keep_as(&mut self, whole: &Value, conversation: Vec<Value>) {
         let id = whole["id"].as_str().unwrap_or_default().to_string();
-        let stored = Stored {
-            response: whole.clone(),
-            conversation,
-            tenant: self.tenant.clone(),
-        };
+        let stored = Stored::new(whole, &conversation, self.tenant.clone());
         self.keeping = Some((id, stored));
     }
 }

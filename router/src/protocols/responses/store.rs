@@ -4,47 +4,51 @@
 //! evicted first.
 
 use futures_util::future::BoxFuture;
+use serde_json::value::RawValue;
 use serde_json::Value;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 /// A stored response: the object a `GET` returns, and the conversation it
 /// ends (input items, then its output as input items) for the next turn.
+/// Both kept as their JSON, written once: one allocation each, where a tree
+/// of values is one per node (and a copy, and a drop node by node, per
+/// response stored and per one evicted).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Stored {
-    pub response: Value,
-    pub conversation: Vec<Value>,
+    pub response: Box<RawValue>,
+    /// A JSON array of items.
+    pub conversation: Box<RawValue>,
     /// The tenant that created it: the only one that may read, continue or
     /// delete it (others are told it does not exist).
     pub tenant: String,
 }
 
 impl Stored {
-    pub fn bytes(&self) -> usize {
-        // Serialized size: what the store holds, within a small factor;
-        // counted as written, never held as a string.
-        let mut count = ByteCount(0);
-        // Writing into a counter cannot fail.
-        let _ = serde_json::to_writer(&mut count, &self.response);
-        for item in &self.conversation {
-            let _ = serde_json::to_writer(&mut count, item);
+    pub fn new(response: &Value, conversation: &[Value], tenant: String) -> Self {
+        Self {
+            response: raw(response),
+            conversation: raw(&conversation),
+            tenant,
         }
-        count.0
+    }
+
+    /// What the store holds of it.
+    pub fn bytes(&self) -> usize {
+        self.response.get().len() + self.conversation.get().len()
+    }
+
+    /// The conversation's items.
+    pub fn conversation(&self) -> StoreResult<Vec<Value>> {
+        serde_json::from_str(self.conversation.get())
+            .map_err(|err| StoreError::Malformed(err.to_string()))
     }
 }
 
-/// A writer that only counts.
-struct ByteCount(usize);
-
-impl std::io::Write for ByteCount {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0 += buf.len();
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
+/// `value` as JSON (which fails only for a map with non-string keys: never
+/// a value's).
+fn raw(value: &impl serde::Serialize) -> Box<RawValue> {
+    serde_json::value::to_raw_value(value).unwrap_or_else(|_| RawValue::NULL.to_owned())
 }
 
 /// Why the store could not answer.
@@ -181,11 +185,7 @@ mod tests {
     use serde_json::json;
 
     fn stored(text: &str) -> Stored {
-        Stored {
-            response: json!({"id": text}),
-            conversation: vec![json!(text)],
-            tenant: "t".into(),
-        }
+        Stored::new(&json!({"id": text}), &[json!(text)], "t".into())
     }
 
     #[test]
