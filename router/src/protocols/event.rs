@@ -4,6 +4,7 @@
 //! response keeps the same bytes for its readers and the shared store.
 
 use serde::Serialize;
+use serde_json::value::RawValue;
 use serde_json::Value;
 use std::borrow::Cow;
 use std::ops::Range;
@@ -112,6 +113,13 @@ impl Event {
             _ => None,
         }
     }
+}
+
+/// `value` as JSON kept whole (a response or message as it is answered,
+/// stored or embedded in an event: written once).
+pub fn json_of(value: &impl Serialize) -> Box<RawValue> {
+    // Fails only for a map with non-string keys, which none of these has.
+    serde_json::value::to_raw_value(value).unwrap_or_else(|_| RawValue::NULL.to_owned())
 }
 
 /// Events as one SSE write (one event's frame as it is).

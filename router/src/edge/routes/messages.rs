@@ -4,7 +4,7 @@
 
 use super::translated::{serve, Prepared, Translation};
 use crate::error::{ApiError, ANTHROPIC_PATH};
-use crate::protocols::event::Event;
+use crate::protocols::event::{json_of, Event};
 use crate::protocols::messages::request::chat_body;
 use crate::protocols::messages::stream::Events;
 use crate::protocols::openai::chunk::Chunk;
@@ -15,6 +15,7 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
+use serde_json::value::RawValue;
 use serde_json::Value;
 use std::sync::Arc;
 
@@ -65,17 +66,17 @@ impl Translation for MessageTranslation {
         serialized(self.0.chunk(chunk))
     }
 
-    fn finish(&mut self, usage: Value) -> (Vec<Event>, Value) {
+    fn finish(&mut self, usage: Value) -> (Vec<Event>, Box<RawValue>) {
         let (events, whole) = self.0.finish(usage);
-        (serialized(events), whole)
+        (serialized(events), json_of(&whole))
     }
 
-    fn fail(&mut self, error: &Value) -> (Vec<Event>, Value) {
+    fn fail(&mut self, error: &Value) -> (Vec<Event>, Box<RawValue>) {
         let (events, whole) = self.0.fail(error);
-        (serialized(events), whole)
+        (serialized(events), json_of(&whole))
     }
 
-    fn answer(&self, whole: Value, failed: bool) -> Response {
+    fn answer(&self, whole: Box<RawValue>, failed: bool) -> Response {
         if failed {
             return ApiError::Unavailable("the generation failed".into())
                 .response_for(ANTHROPIC_PATH);

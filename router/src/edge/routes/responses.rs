@@ -24,6 +24,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures_util::future::BoxFuture;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
@@ -115,24 +116,24 @@ impl Translation for ResponseTranslation {
         self.events.chunk(chunk)
     }
 
-    fn finish(&mut self, usage: Value) -> (Vec<Event>, Value) {
+    fn finish(&mut self, usage: Value) -> (Vec<Event>, Box<RawValue>) {
         let (events, whole) = self.events.finish(usage);
         if self.store {
             let mut conversation = std::mem::take(&mut self.items);
             conversation.extend(as_input(self.events.items()));
-            self.keep_as(&whole, conversation);
+            self.keep_as(&whole, &conversation);
         }
         (events, whole)
     }
 
-    fn fail(&mut self, error: &Value) -> (Vec<Event>, Value) {
+    fn fail(&mut self, error: &Value) -> (Vec<Event>, Box<RawValue>) {
         self.events.fail(error)
     }
 
-    fn cancel(&mut self) -> (Vec<Event>, Value) {
+    fn cancel(&mut self) -> (Vec<Event>, Box<RawValue>) {
         let (events, whole) = self.events.cancel();
         // A cancelled background response stays readable as cancelled.
-        self.keep_as(&whole, Vec::new());
+        self.keep_as(&whole, &[]);
         (events, whole)
     }
 
@@ -156,8 +157,9 @@ impl Translation for ResponseTranslation {
         serde_json::to_value(&self.events).unwrap_or_default()
     }
 
-    fn answer(&self, whole: Value, failed: bool) -> Response {
+    fn answer(&self, whole: Box<RawValue>, failed: bool) -> Response {
         if failed {
+            let whole: Value = serde_json::from_str(whole.get()).unwrap_or_default();
             let message = whole["error"]["message"].as_str().unwrap_or_default();
             return ApiError::Unavailable(message.to_string()).into_response();
         }
@@ -185,9 +187,9 @@ impl ResponseTranslation {
     }
 
     /// Keeps `whole` (with `conversation`) once the last events are made.
-    fn keep_as(&mut self, whole: &Value, conversation: Vec<Value>) {
-        let id = whole["id"].as_str().unwrap_or_default().to_string();
-        let stored = Stored::new(whole, &conversation, self.tenant.clone());
+    fn keep_as(&mut self, whole: &RawValue, conversation: &[Value]) {
+        let id = self.events.id().to_string();
+        let stored = Stored::new(whole.to_owned(), conversation, self.tenant.clone());
         self.keeping = Some((id, stored));
     }
 }

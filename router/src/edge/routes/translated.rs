@@ -27,6 +27,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use futures_util::{Stream, StreamExt};
+use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tracing::Instrument;
@@ -38,16 +39,17 @@ pub trait Translation: Send + 'static {
     /// The events of one chat chunk.
     fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Event>;
     /// The last events of a chat that ended (`usage`: the router's count),
-    /// and the whole answer.
-    fn finish(&mut self, usage: Value) -> (Vec<Event>, Value);
+    /// and the whole answer (as its JSON: written once, for the client, the
+    /// store and a background response's readers alike).
+    fn finish(&mut self, usage: Value) -> (Vec<Event>, Box<RawValue>);
     /// The last events of a chat that failed (`error`: an OpenAI error
     /// object), and the whole answer as it stands.
-    fn fail(&mut self, error: &Value) -> (Vec<Event>, Value);
+    fn fail(&mut self, error: &Value) -> (Vec<Event>, Box<RawValue>);
     /// The non-stream answer from the whole answer `finish` or `fail` made.
-    fn answer(&self, whole: Value, failed: bool) -> Response;
+    fn answer(&self, whole: Box<RawValue>, failed: bool) -> Response;
     /// The last events of a generation cancelled by its client, and the whole
     /// answer as it stands (background responses only).
-    fn cancel(&mut self) -> (Vec<Event>, Value) {
+    fn cancel(&mut self) -> (Vec<Event>, Box<RawValue>) {
         self.fail(&json!({"message": "cancelled"}))
     }
     /// What must be kept before the last events go out (a stored response,
@@ -97,7 +99,7 @@ pub struct Driver<T> {
     started: bool,
     /// The last events and the whole answer of the chat's end, until they go
     /// out (after what the translation keeps), and whether it failed.
-    ending: Option<(Vec<Event>, Value, bool)>,
+    ending: Option<(Vec<Event>, Box<RawValue>, bool)>,
 }
 
 impl<T: Translation> Driver<T> {
@@ -143,7 +145,7 @@ impl<T: Translation> Shared<T> {
 
     /// The chat's end, once it came: its last events, the whole answer and
     /// whether it failed (taken: they go out once).
-    fn take_ending(&self) -> Option<(Vec<Event>, Value, bool)> {
+    fn take_ending(&self) -> Option<(Vec<Event>, Box<RawValue>, bool)> {
         self.lock().ending.take()
     }
 
@@ -318,7 +320,7 @@ pub async fn serve<T: Translation>(
 
 /// The end of a chat whose session ended without one (it always makes one:
 /// its last events or its error's).
-fn no_ending<T: Translation>(driver: &Shared<T>) -> (Vec<Event>, Value, bool) {
+fn no_ending<T: Translation>(driver: &Shared<T>) -> (Vec<Event>, Box<RawValue>, bool) {
     let error = json!({"message": "the generation ended before its end"});
     let (events, whole) = driver.lock().translation.fail(&error);
     (events, whole, true)
@@ -341,6 +343,11 @@ async fn whole_answer<T: Translation>(driver: Shared<T>, chat_response: Response
         }
     }
     response
+}
+
+/// A whole answer as a value (a background response's state).
+fn value_of(whole: &RawValue) -> Value {
+    serde_json::from_str(whole.get()).unwrap_or_default()
 }
 
 /// Most time between two checkpoints of a background generation (with a
@@ -445,7 +452,7 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
                     if let Some(keeping) = keeping {
                         keeping.await;
                     }
-                    live.push_checkpointed(events, Some(whole), checkpoint());
+                    live.push_checkpointed(events, Some(value_of(&whole)), checkpoint());
                     return;
                 }
                 next = chat.next() => {
@@ -457,7 +464,7 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
                     let (events, whole, _) = driver
                         .take_ending()
                         .unwrap_or_else(|| no_ending(&driver));
-                    live.push_checkpointed(events, Some(whole), checkpoint());
+                    live.push_checkpointed(events, Some(value_of(&whole)), checkpoint());
                     return;
                 }
             }

@@ -2,9 +2,29 @@
 
 use super::request::Echo;
 use serde_json::{json, Map, Value};
+use std::sync::LazyLock;
 
 /// The Responses usage of a chat usage object.
-pub fn usage(chat: &Value) -> Value {
+#[derive(Debug, serde::Serialize)]
+pub struct Usage {
+    input_tokens: u64,
+    input_tokens_details: CachedTokens,
+    output_tokens: u64,
+    output_tokens_details: ReasoningTokens,
+    total_tokens: u64,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct CachedTokens {
+    cached_tokens: u64,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct ReasoningTokens {
+    reasoning_tokens: u64,
+}
+
+pub fn usage(chat: &Value) -> Usage {
     let count = |key: &str| chat.get(key).and_then(Value::as_u64).unwrap_or(0);
     let detail = |outer: &str, key: &str| {
         chat.get(outer)
@@ -12,13 +32,17 @@ pub fn usage(chat: &Value) -> Value {
             .and_then(Value::as_u64)
             .unwrap_or(0)
     };
-    json!({
-        "input_tokens": count("prompt_tokens"),
-        "input_tokens_details": {"cached_tokens": detail("prompt_tokens_details", "cached_tokens")},
-        "output_tokens": count("completion_tokens"),
-        "output_tokens_details": {"reasoning_tokens": detail("completion_tokens_details", "reasoning_tokens")},
-        "total_tokens": count("total_tokens"),
-    })
+    Usage {
+        input_tokens: count("prompt_tokens"),
+        input_tokens_details: CachedTokens {
+            cached_tokens: detail("prompt_tokens_details", "cached_tokens"),
+        },
+        output_tokens: count("completion_tokens"),
+        output_tokens_details: ReasoningTokens {
+            reasoning_tokens: detail("completion_tokens_details", "reasoning_tokens"),
+        },
+        total_tokens: count("total_tokens"),
+    }
 }
 
 /// A reasoning item with its whole text.
@@ -52,58 +76,97 @@ pub fn status_of(finish_reason: Option<&str>) -> (&'static str, Value) {
     }
 }
 
-/// The response object.
-pub fn response(
-    id: &str,
+/// The request fields a response repeats, as they are when not asked for.
+static FIELD_DEFAULTS: LazyLock<Map<String, Value>> = LazyLock::new(|| {
+    let defaults = json!({"instructions": null, "max_output_tokens": null, "temperature": 1.0,
+        "top_p": 1.0, "tools": [], "tool_choice": "auto", "parallel_tool_calls": true,
+        "text": {"format": {"type": "text"}}, "reasoning": {"effort": null, "summary": null},
+        "metadata": {}, "truncation": "disabled", "user": null});
+    match defaults {
+        Value::Object(map) => map,
+        _ => Map::new(),
+    }
+});
+
+/// The response object, serialized from its parts where they are: on every
+/// response's path three times (created, in progress, done), so no tree of
+/// values is built for it.
+#[derive(Debug, serde::Serialize)]
+pub struct ResponseObject<'a> {
+    id: &'a str,
+    object: &'static str,
     created_at: u64,
-    echo: &Echo,
-    status: &str,
-    output: Vec<Value>,
-    usage: Value,
-    incomplete_details: Value,
-) -> Value {
-    let field = |key: &str, default: Value| echo.fields.get(key).cloned().unwrap_or(default);
-    let mut object = Map::new();
-    object.insert("id".into(), json!(id));
-    object.insert("object".into(), json!("response"));
-    object.insert("created_at".into(), json!(created_at));
-    object.insert("status".into(), json!(status));
-    object.insert("model".into(), json!(echo.model));
-    object.insert("output".into(), Value::Array(output));
-    object.insert("usage".into(), usage);
-    object.insert("error".into(), Value::Null);
-    object.insert("incomplete_details".into(), incomplete_details);
-    object.insert("instructions".into(), field("instructions", Value::Null));
-    object.insert(
-        "max_output_tokens".into(),
-        field("max_output_tokens", Value::Null),
-    );
-    object.insert("temperature".into(), field("temperature", json!(1.0)));
-    object.insert("top_p".into(), field("top_p", json!(1.0)));
-    object.insert("tools".into(), field("tools", json!([])));
-    object.insert("tool_choice".into(), field("tool_choice", json!("auto")));
-    object.insert(
-        "parallel_tool_calls".into(),
-        field("parallel_tool_calls", json!(true)),
-    );
-    object.insert(
-        "text".into(),
-        field("text", json!({"format": {"type": "text"}})),
-    );
-    object.insert(
-        "reasoning".into(),
-        field("reasoning", json!({"effort": null, "summary": null})),
-    );
-    object.insert("metadata".into(), field("metadata", json!({})));
-    object.insert("truncation".into(), field("truncation", json!("disabled")));
-    object.insert("user".into(), field("user", Value::Null));
-    object.insert("store".into(), json!(echo.store));
-    object.insert("background".into(), json!(echo.background));
-    object.insert(
-        "previous_response_id".into(),
-        json!(echo.previous_response_id),
-    );
-    Value::Object(object)
+    status: &'a str,
+    model: &'a str,
+    output: &'a [Value],
+    usage: Usage,
+    error: Option<()>,
+    incomplete_details: &'a Value,
+    instructions: &'a Value,
+    max_output_tokens: &'a Value,
+    temperature: &'a Value,
+    top_p: &'a Value,
+    tools: &'a Value,
+    tool_choice: &'a Value,
+    parallel_tool_calls: &'a Value,
+    text: &'a Value,
+    reasoning: &'a Value,
+    metadata: &'a Value,
+    truncation: &'a Value,
+    user: &'a Value,
+    store: bool,
+    background: bool,
+    previous_response_id: Option<&'a str>,
+}
+
+impl<'a> ResponseObject<'a> {
+    pub fn new(
+        id: &'a str,
+        created_at: u64,
+        echo: &'a Echo,
+        status: &'a str,
+        output: &'a [Value],
+        usage: Usage,
+        incomplete_details: &'a Value,
+    ) -> Self {
+        let field = |key: &str| {
+            echo.fields
+                .get(key)
+                .or_else(|| FIELD_DEFAULTS.get(key))
+                .unwrap_or(&Value::Null)
+        };
+        Self {
+            id,
+            object: "response",
+            created_at,
+            status,
+            model: &echo.model,
+            output,
+            usage,
+            error: None,
+            incomplete_details,
+            instructions: field("instructions"),
+            max_output_tokens: field("max_output_tokens"),
+            temperature: field("temperature"),
+            top_p: field("top_p"),
+            tools: field("tools"),
+            tool_choice: field("tool_choice"),
+            parallel_tool_calls: field("parallel_tool_calls"),
+            text: field("text"),
+            reasoning: field("reasoning"),
+            metadata: field("metadata"),
+            truncation: field("truncation"),
+            user: field("user"),
+            store: echo.store,
+            background: echo.background,
+            previous_response_id: echo.previous_response_id.as_deref(),
+        }
+    }
+
+    /// As a JSON value (where it is changed or kept as one).
+    pub fn value(&self) -> Value {
+        serde_json::to_value(self).unwrap_or_default()
+    }
 }
 
 /// A response's output items as the next turn's input items (its reasoning
@@ -156,8 +219,55 @@ mod tests {
     }
 
     #[test]
+    fn a_response_repeats_the_fields_asked_for_and_defaults_the_rest() {
+        let mut fields = Map::new();
+        fields.insert("temperature".into(), json!(0.5));
+        fields.insert("tools".into(), json!([{"type": "function", "name": "f"}]));
+        let echo = Echo {
+            model: "m".into(),
+            stream: false,
+            store: true,
+            background: false,
+            previous_response_id: Some("resp_0".into()),
+            fields,
+        };
+        let output = [message_item("msg_1", "hi")];
+        let chat_usage = json!({"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3});
+        let incomplete = Value::Null;
+        let object = ResponseObject::new(
+            "resp_1",
+            7,
+            &echo,
+            "completed",
+            &output,
+            usage(&chat_usage),
+            &incomplete,
+        );
+        let value = object.value();
+        assert_eq!(value["id"], "resp_1");
+        assert_eq!(value["object"], "response");
+        assert_eq!(value["status"], "completed");
+        assert_eq!(value["output"][0]["content"][0]["text"], "hi");
+        assert_eq!(value["temperature"], 0.5, "asked for");
+        assert_eq!(value["tools"][0]["name"], "f");
+        assert_eq!(value["top_p"], 1.0, "defaulted");
+        assert_eq!(value["text"]["format"]["type"], "text");
+        assert_eq!(value["tool_choice"], "auto");
+        assert_eq!(value["error"], Value::Null);
+        assert_eq!(value["previous_response_id"], "resp_0");
+        assert_eq!(value["usage"]["total_tokens"], 3);
+        // The same JSON however it is written.
+        let written = serde_json::to_string(&object).unwrap_or_default();
+        assert_eq!(
+            serde_json::from_str::<Value>(&written).unwrap_or_default(),
+            value
+        );
+    }
+
+    #[test]
     fn usage_is_renamed() {
         let u = usage(&json!({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}));
+        let u = serde_json::to_value(u).unwrap_or_default();
         assert_eq!(
             (u["input_tokens"].as_u64(), u["output_tokens"].as_u64()),
             (Some(3), Some(4))

@@ -722,7 +722,8 @@ mod tests {
         );
         assert!(err.is_some_and(|e| e.contains("retrying shortly")));
         // What is stored meanwhile stays in this replica's memory.
-        let stored = Stored::new(&serde_json::json!({"id": "b"}), &[], "t".into());
+        let response = crate::protocols::event::json_of(&serde_json::json!({"id": "b"}));
+        let stored = Stored::new(response, &[], "t".into());
         tokio::time::sleep(RECONNECT_BACKOFF).await;
         assert!(matches!(store.put("b", stored).await, Ok(true)));
         assert!(matches!(store.get("b").await, Ok(Some(_))));

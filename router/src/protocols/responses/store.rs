@@ -3,6 +3,7 @@
 //! store is the default (one replica), bounded in count and bytes, the oldest
 //! evicted first.
 
+use crate::protocols::event::json_of;
 use futures_util::future::BoxFuture;
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -25,10 +26,10 @@ pub struct Stored {
 }
 
 impl Stored {
-    pub fn new(response: &Value, conversation: &[Value], tenant: String) -> Self {
+    pub fn new(response: Box<RawValue>, conversation: &[Value], tenant: String) -> Self {
         Self {
-            response: raw(response),
-            conversation: raw(&conversation),
+            response,
+            conversation: json_of(&conversation),
             tenant,
         }
     }
@@ -43,12 +44,6 @@ impl Stored {
         serde_json::from_str(self.conversation.get())
             .map_err(|err| StoreError::Malformed(err.to_string()))
     }
-}
-
-/// `value` as JSON (which fails only for a map with non-string keys: never
-/// a value's).
-fn raw(value: &impl serde::Serialize) -> Box<RawValue> {
-    serde_json::value::to_raw_value(value).unwrap_or_else(|_| RawValue::NULL.to_owned())
 }
 
 /// Why the store could not answer.
@@ -185,7 +180,7 @@ mod tests {
     use serde_json::json;
 
     fn stored(text: &str) -> Stored {
-        Stored::new(&json!({"id": text}), &[json!(text)], "t".into())
+        Stored::new(json_of(&json!({"id": text})), &[json!(text)], "t".into())
     }
 
     #[test]

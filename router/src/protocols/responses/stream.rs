@@ -4,12 +4,13 @@
 
 use super::new_id;
 use super::output::{
-    function_call_item, message_item, reasoning_item, response, status_of, text_part, usage,
+    function_call_item, message_item, reasoning_item, status_of, text_part, usage, ResponseObject,
 };
 use super::request::Echo;
-use crate::protocols::event::Event;
+use crate::protocols::event::{json_of, Event};
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::segments::{Segment, Segmenter, Step};
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 /// One response's events, built from its chat chunks. Serializable: a
@@ -44,52 +45,43 @@ impl Events {
 
     fn emit(&mut self, out: &mut Vec<Event>, kind: &str, mut event: Value) {
         event["type"] = Value::String(kind.to_string());
-        event["sequence_number"] = self.sequence.into();
-        self.sequence += 1;
+        event["sequence_number"] = self.next_sequence().into();
         out.push(Event::from_value(&event));
     }
 
-    /// An event carrying the whole response (serialized from it as it is:
-    /// no copy of it).
-    fn emit_response(&mut self, out: &mut Vec<Event>, kind: &str, response: &Value) {
-        #[derive(serde::Serialize)]
-        struct WithResponse<'a> {
-            #[serde(rename = "type")]
-            kind: &'a str,
-            sequence_number: u64,
-            response: &'a Value,
-        }
-        let sequence_number = self.sequence;
+    fn next_sequence(&mut self) -> u64 {
         self.sequence += 1;
-        let body = WithResponse {
-            kind,
-            sequence_number,
-            response,
-        };
-        out.push(Event::serialize(kind, Some(sequence_number), &body).carrying_response());
+        self.sequence - 1
     }
 
-    /// The response as it stands (`status` given).
-    pub fn response(&self, status: &str, incomplete: Value) -> Value {
+    /// The response object as it stands (`status` given).
+    fn object<'a>(&'a self, status: &'a str, incomplete: &'a Value) -> ResponseObject<'a> {
         let usage = usage(self.segments.usage.as_ref().unwrap_or(&Value::Null));
-        response(
+        ResponseObject::new(
             &self.id,
             self.created_at,
             &self.echo,
             status,
-            self.items.clone(),
+            &self.items,
             usage,
             incomplete,
         )
     }
 
-    /// `response.created` and `response.in_progress`.
+    /// The response as it stands (`status` given), as a JSON value.
+    pub fn response(&self, status: &str, incomplete: Value) -> Value {
+        self.object(status, &incomplete).value()
+    }
+
+    /// `response.created` and `response.in_progress` (the response written
+    /// once for both).
     pub fn start(&mut self) -> Vec<Event> {
-        let mut out = Vec::new();
-        let now = self.response("in_progress", Value::Null);
-        self.emit_response(&mut out, "response.created", &now);
-        self.emit_response(&mut out, "response.in_progress", &now);
-        out
+        let (created, in_progress) = (self.next_sequence(), self.next_sequence());
+        let now = json_of(&self.object("in_progress", &Value::Null));
+        vec![
+            response_event("response.created", created, &now),
+            response_event("response.in_progress", in_progress, &now),
+        ]
     }
 
     /// The events of one chat chunk.
@@ -254,18 +246,19 @@ impl Events {
     /// returned), whose
     /// status says `incomplete` when the chat stopped at its length. As vLLM's
     /// own stream ends, and what the OpenAI SDK's stream helper waits for.
-    pub fn finish(&mut self, usage: Value) -> (Vec<Event>, Value) {
+    pub fn finish(&mut self, usage: Value) -> (Vec<Event>, Box<RawValue>) {
         self.segments.usage = Some(usage);
         let steps = self.segments.end();
         let mut out = self.render(steps);
         let (status, incomplete) = status_of(self.segments.finish_reason.as_deref());
-        let whole = self.response(status, incomplete);
-        self.emit_response(&mut out, "response.completed", &whole);
+        let sequence = self.next_sequence();
+        let whole = json_of(&self.object(status, &incomplete));
+        out.push(response_event("response.completed", sequence, &whole));
         (out, whole)
     }
 
     /// The last events of a chat that failed: `error`, then `response.failed`.
-    pub fn fail(&mut self, error: &Value) -> (Vec<Event>, Value) {
+    pub fn fail(&mut self, error: &Value) -> (Vec<Event>, Box<RawValue>) {
         let steps = self.segments.end();
         let mut out = self.render(steps);
         let message = error["message"].as_str().unwrap_or("the generation failed");
@@ -277,23 +270,47 @@ impl Events {
         );
         let mut whole = self.response("failed", Value::Null);
         super::output::fail(&mut whole, message);
-        self.emit_response(&mut out, "response.failed", &whole);
+        let whole = json_of(&whole);
+        let sequence = self.next_sequence();
+        out.push(response_event("response.failed", sequence, &whole));
         (out, whole)
     }
 
     /// The last events of a generation cancelled (`POST .../cancel`): the
     /// open item closed; the response's status `cancelled`, and no terminal
     /// event (the stream just ends, as vLLM's).
-    pub fn cancel(&mut self) -> (Vec<Event>, Value) {
+    pub fn cancel(&mut self) -> (Vec<Event>, Box<RawValue>) {
         let steps = self.segments.end();
         let out = self.render(steps);
-        (out, self.response("cancelled", Value::Null))
+        (out, json_of(&self.object("cancelled", &Value::Null)))
+    }
+
+    /// The response's id.
+    pub fn id(&self) -> &str {
+        &self.id
     }
 
     /// The output items so far (the finished ones).
     pub fn items(&self) -> &[Value] {
         &self.items
     }
+}
+
+/// An event carrying the whole response (written as it is: no copy of it).
+fn response_event(kind: &str, sequence_number: u64, response: &RawValue) -> Event {
+    #[derive(serde::Serialize)]
+    struct WithResponse<'a> {
+        #[serde(rename = "type")]
+        kind: &'a str,
+        sequence_number: u64,
+        response: &'a RawValue,
+    }
+    let body = WithResponse {
+        kind,
+        sequence_number,
+        response,
+    };
+    Event::serialize(kind, Some(sequence_number), &body).carrying_response()
 }
 
 #[cfg(test)]
@@ -341,6 +358,7 @@ mod tests {
         }
         let usage = json!({"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11});
         let (last, whole) = events.finish(usage);
+        let whole: Value = serde_json::from_str(whole.get()).unwrap_or_default();
         all.extend(last);
         let all: Vec<Value> = all.iter().map(Event::value).collect();
         let numbers: Vec<u64> = all
@@ -386,6 +404,7 @@ mod tests {
             events.chunk(c)
         });
         let (last, whole) = events.finish(json!({}));
+        let whole: Value = serde_json::from_str(whole.get()).unwrap_or_default();
         assert_eq!(
             last.last().map(|e| e.value()["type"].clone()),
             Some(json!("response.completed"))
