@@ -4,7 +4,7 @@
 
 use super::new_id;
 use super::output::{
-    function_call_item, message_item, reasoning_item, status_of, text_part, usage, ResponseObject,
+    function_call_item, message_item, reasoning_item, status_of, usage, ResponseObject,
 };
 use super::request::Echo;
 use crate::protocols::event::{json_of, Event};
@@ -129,114 +129,128 @@ impl Events {
                 (id, item)
             }
         };
-        self.emit(
+        let sequence_number = self.next_sequence();
+        push(
             out,
-            "response.output_item.added",
-            json!({"output_index": index, "item": item}),
+            ItemEvent {
+                kind: "response.output_item.added",
+                sequence_number,
+                output_index: index,
+                item: Some(&item),
+                ..ItemEvent::default()
+            },
         );
-        let part = match segment {
-            Segment::Reasoning => Some(json!({"type": "reasoning_text", "text": ""})),
-            Segment::Text => Some(text_part("")),
-            Segment::Call { .. } => None,
-        };
-        if let Some(part) = part {
-            self.emit(
+        if let Some(part) = Part::of(segment, "") {
+            let sequence_number = self.next_sequence();
+            push(
                 out,
-                "response.content_part.added",
-                json!({"item_id": id,
-                "output_index": index, "content_index": 0, "part": part}),
+                ItemEvent {
+                    kind: "response.content_part.added",
+                    sequence_number,
+                    item_id: Some(&id),
+                    output_index: index,
+                    content_index: Some(0),
+                    part: Some(part),
+                    ..ItemEvent::default()
+                },
             );
         }
         self.open_id = id;
         self.open_segment = Some(segment.clone());
     }
 
-    /// One delta event: per token, so it is serialized from a struct of
-    /// borrowed fields (no JSON object built).
+    /// One delta event (per token).
     fn delta(&mut self, out: &mut Vec<Event>, index: usize, delta: &str) {
-        #[derive(serde::Serialize)]
-        struct Delta<'a> {
-            #[serde(rename = "type")]
-            kind: &'a str,
-            sequence_number: u64,
-            item_id: &'a str,
-            output_index: usize,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            content_index: Option<u8>,
-            delta: &'a str,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            logprobs: Option<[u8; 0]>,
-        }
         let (kind, content_index, logprobs) = match self.current() {
             Some(Segment::Reasoning) => ("response.reasoning_text.delta", Some(0), None),
             Some(Segment::Text) => ("response.output_text.delta", Some(0), Some([])),
             Some(Segment::Call { .. }) => ("response.function_call_arguments.delta", None, None),
             None => return,
         };
-        let sequence_number = self.sequence;
-        self.sequence += 1;
-        let body = Delta {
-            kind,
-            sequence_number,
-            item_id: &self.open_id,
-            output_index: index,
-            content_index,
-            delta,
-            logprobs,
-        };
-        out.push(Event::serialize(kind, Some(sequence_number), &body));
+        let sequence_number = self.next_sequence();
+        push(
+            out,
+            ItemEvent {
+                kind,
+                sequence_number,
+                item_id: Some(&self.open_id),
+                output_index: index,
+                content_index,
+                delta: Some(delta),
+                logprobs,
+                ..ItemEvent::default()
+            },
+        );
     }
 
     /// Ends an item: its `.done` events, and it joins the output.
     fn close(&mut self, out: &mut Vec<Event>, index: usize, segment: &Segment, text: &str) {
         let id = std::mem::take(&mut self.open_id);
         self.open_segment = None;
+        let done = ItemEvent {
+            item_id: Some(&id),
+            output_index: index,
+            ..ItemEvent::default()
+        };
         let item = match segment {
-            Segment::Reasoning => {
-                self.emit(
+            Segment::Reasoning | Segment::Text => {
+                let (kind, logprobs) = match segment {
+                    Segment::Reasoning => ("response.reasoning_text.done", None),
+                    _ => ("response.output_text.done", Some([])),
+                };
+                let sequence_number = self.next_sequence();
+                push(
                     out,
-                    "response.reasoning_text.done",
-                    json!({"item_id": id,
-                    "output_index": index, "content_index": 0, "text": text}),
+                    ItemEvent {
+                        kind,
+                        sequence_number,
+                        content_index: Some(0),
+                        text: Some(text),
+                        logprobs,
+                        ..done
+                    },
                 );
-                self.emit(
+                let sequence_number = self.next_sequence();
+                push(
                     out,
-                    "response.content_part.done",
-                    json!({"item_id": id,
-                    "output_index": index, "content_index": 0,
-                    "part": {"type": "reasoning_text", "text": text}}),
+                    ItemEvent {
+                        kind: "response.content_part.done",
+                        sequence_number,
+                        content_index: Some(0),
+                        part: Part::of(segment, text),
+                        ..done
+                    },
                 );
-                reasoning_item(&id, text)
-            }
-            Segment::Text => {
-                self.emit(
-                    out,
-                    "response.output_text.done",
-                    json!({"item_id": id,
-                    "output_index": index, "content_index": 0, "text": text, "logprobs": []}),
-                );
-                self.emit(
-                    out,
-                    "response.content_part.done",
-                    json!({"item_id": id,
-                    "output_index": index, "content_index": 0, "part": text_part(text)}),
-                );
-                message_item(&id, text)
+                match segment {
+                    Segment::Reasoning => reasoning_item(&id, text),
+                    _ => message_item(&id, text),
+                }
             }
             Segment::Call { call_id, name, .. } => {
-                self.emit(
+                let sequence_number = self.next_sequence();
+                push(
                     out,
-                    "response.function_call_arguments.done",
-                    json!({"item_id": id,
-                    "output_index": index, "name": name, "arguments": text}),
+                    ItemEvent {
+                        kind: "response.function_call_arguments.done",
+                        sequence_number,
+                        name: Some(name),
+                        arguments: Some(text),
+                        ..done
+                    },
                 );
                 function_call_item(&id, call_id, name, text)
             }
         };
-        self.emit(
+        let sequence_number = self.next_sequence();
+        push(
             out,
-            "response.output_item.done",
-            json!({"output_index": index, "item": item}),
+            ItemEvent {
+                kind: "response.output_item.done",
+                sequence_number,
+                output_index: index,
+                item: Some(&item),
+                ..ItemEvent::default()
+            },
         );
         self.items.push(item);
     }
@@ -293,6 +307,72 @@ impl Events {
     /// The output items so far (the finished ones).
     pub fn items(&self) -> &[Value] {
         &self.items
+    }
+}
+
+/// An event of an output item (added, its part added, its deltas, its
+/// `.done` events), serialized from borrowed fields: no JSON object is built
+/// for it (deltas are per token, the rest per item).
+#[derive(Default, serde::Serialize)]
+struct ItemEvent<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    sequence_number: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    item_id: Option<&'a str>,
+    output_index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content_index: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    arguments: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<[u8; 0]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    part: Option<Part<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    item: Option<&'a Value>,
+}
+
+fn push(out: &mut Vec<Event>, event: ItemEvent<'_>) {
+    out.push(Event::serialize(
+        event.kind,
+        Some(event.sequence_number),
+        &event,
+    ));
+}
+
+/// A reasoning or text item's content part.
+#[derive(Clone, Copy, serde::Serialize)]
+struct Part<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    text: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    annotations: Option<[u8; 0]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<[u8; 0]>,
+}
+
+impl<'a> Part<'a> {
+    /// The part of `segment`'s item, with `text` (a call has none).
+    fn of(segment: &Segment, text: &'a str) -> Option<Self> {
+        let (kind, listed) = match segment {
+            Segment::Reasoning => ("reasoning_text", None),
+            Segment::Text => ("output_text", Some([])),
+            Segment::Call { .. } => return None,
+        };
+        Some(Self {
+            kind,
+            text,
+            annotations: listed,
+            logprobs: listed,
+        })
     }
 }
 
