@@ -37,14 +37,22 @@ impl Event {
     /// `body` as an event of type `kind` (its JSON has them: `type` and,
     /// where the protocol numbers its events, `sequence_number`).
     pub fn serialize(kind: &str, sequence: Option<u64>, body: &impl Serialize) -> Self {
+        // Writing into a Vec fails only for a map with non-string keys,
+        // which no event has.
+        Self::write(kind, sequence, |json| {
+            let _ = serde_json::to_writer(json, body);
+        })
+    }
+
+    /// An event whose JSON `write_json` writes (its `type` and sequence
+    /// number among it).
+    pub fn write(kind: &str, sequence: Option<u64>, write_json: impl FnOnce(&mut Vec<u8>)) -> Self {
         let mut frame = Vec::with_capacity(kind.len() + 160);
         frame.extend_from_slice(b"event: ");
         frame.extend_from_slice(kind.as_bytes());
         frame.extend_from_slice(b"\ndata: ");
         let start = frame.len();
-        // Writing into a Vec fails only for a map with non-string keys,
-        // which no event has.
-        let _ = serde_json::to_writer(&mut frame, body);
+        write_json(&mut frame);
         let end = frame.len();
         frame.extend_from_slice(b"\n\n");
         Self {
