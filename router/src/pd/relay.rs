@@ -197,8 +197,9 @@ impl Relay {
         if !self.output.is_stream() {
             return None;
         }
-        let output = &mut self.output;
-        let (events, keeping) = self.journal.read(|e| output.end_events(e));
+        // Read under the entry's lock; the events are made after it.
+        let usage = self.journal.read(|e| self.output.end_usage(e));
+        let (events, keeping) = self.output.end_events(usage);
         self.out.extend(events);
         keeping
     }

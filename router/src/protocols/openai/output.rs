@@ -334,22 +334,26 @@ impl Output {
         }
     }
 
-    /// The last events of a finished stream: usage (when asked for) and
-    /// `[DONE]`; a translated protocol's are made after what it keeps
-    /// (returned), by [`Self::last_events`].
-    pub fn end_events(&mut self, entry: &Entry) -> (Vec<Bytes>, Option<BoxFuture<'static, ()>>) {
-        if self.translator.is_some() {
-            let usage = self.usage(entry);
-            let keeping = self
-                .translator
-                .as_mut()
-                .and_then(|Translating(t)| t.finish(usage));
-            return (Vec::new(), keeping);
+    /// The usage a finished stream ends with, where it has one (read of
+    /// the journal's entry).
+    pub fn end_usage(&self, entry: &Entry) -> Option<Value> {
+        (self.include_usage || self.translator.is_some()).then(|| self.usage(entry))
+    }
+
+    /// The last events of a finished stream, with its `end_usage`: usage
+    /// (when asked for) and `[DONE]`; a translated protocol's are made after
+    /// what it keeps (returned), by [`Self::last_events`].
+    pub fn end_events(
+        &mut self,
+        usage: Option<Value>,
+    ) -> (Vec<Bytes>, Option<BoxFuture<'static, ()>>) {
+        if let Some(Translating(translator)) = &mut self.translator {
+            return (Vec::new(), translator.finish(usage.unwrap_or_default()));
         }
         let mut events = Vec::with_capacity(2);
-        if self.include_usage {
+        if let Some(usage) = usage {
             let chunk = json!({"id": self.id, "object": self.object(), "created": self.created,
-                "model": self.model, "choices": [], "usage": self.usage(entry)});
+                "model": self.model, "choices": [], "usage": usage});
             events.push(sse::event(chunk.to_string().as_bytes()));
         }
         events.push(sse::event(sse::DONE));
