@@ -3,7 +3,7 @@
 //! by deltas and closed with its whole text. Responses' output items and
 //! Messages' content blocks are these segments in their own wire formats.
 
-use crate::protocols::openai::chunk::{Chunk, Delta};
+use crate::protocols::openai::chunk::Chunk;
 use serde_json::Value;
 
 /// What a segment is.
@@ -19,12 +19,13 @@ pub enum Segment {
     },
 }
 
-/// One step of the segments.
+/// One step of the segments (a delta borrowed from its chunk: one per
+/// token).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
+pub enum Step<'a> {
     Open(Segment),
     /// More of the open segment (a tool call's: more of its arguments).
-    Delta(String),
+    Delta(&'a str),
     /// The open segment ended; its whole text (a call's: its arguments).
     Close(Segment, String),
 }
@@ -46,17 +47,14 @@ pub struct Segmenter {
 impl Segmenter {
     /// The steps of one chat chunk, as the relay parsed it (a resumed chat's
     /// completions chunk brings its text as `text`).
-    pub fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Step> {
+    pub fn chunk<'c>(&mut self, chunk: &'c Chunk<'_>) -> Vec<Step<'c>> {
         let mut steps = Vec::new();
         let Some(choice) = chunk.choices.first() else {
             return steps;
         };
-        let no_delta = Delta::default();
-        let delta = choice.delta.as_ref().unwrap_or(&no_delta);
+        let delta = choice.delta.as_ref();
         let reasoning = delta
-            .reasoning
-            .as_deref()
-            .or(delta.reasoning_content.as_deref())
+            .and_then(|d| d.reasoning.as_deref().or(d.reasoning_content.as_deref()))
             .unwrap_or_default();
         if !reasoning.is_empty() {
             self.grow(&mut steps, Segment::Reasoning, reasoning);
@@ -65,7 +63,11 @@ impl Segmenter {
         if !text.is_empty() {
             self.grow(&mut steps, Segment::Text, text);
         }
-        for call in delta.tool_calls.iter().flatten() {
+        for call in delta
+            .and_then(|d| d.tool_calls.as_ref())
+            .into_iter()
+            .flatten()
+        {
             let chat_index = call.index as u64;
             let same = matches!(&self.open,
                 Some((Segment::Call { chat_index: open, .. }, _)) if *open == chat_index);
@@ -100,7 +102,7 @@ impl Segmenter {
     }
 
     /// Opens `segment` unless it is the open one, then adds `piece` to it.
-    fn grow(&mut self, steps: &mut Vec<Step>, segment: Segment, piece: &str) {
+    fn grow<'c>(&mut self, steps: &mut Vec<Step<'c>>, segment: Segment, piece: &'c str) {
         if self.open.as_ref().is_none_or(|(open, _)| *open != segment) {
             self.close(steps);
             steps.push(Step::Open(segment.clone()));
@@ -108,18 +110,18 @@ impl Segmenter {
         }
         if let (false, Some((_, text))) = (piece.is_empty(), &mut self.open) {
             text.push_str(piece);
-            steps.push(Step::Delta(piece.to_string()));
+            steps.push(Step::Delta(piece));
         }
     }
 
-    fn close(&mut self, steps: &mut Vec<Step>) {
+    fn close(&mut self, steps: &mut Vec<Step<'_>>) {
         if let Some((segment, text)) = self.open.take() {
             steps.push(Step::Close(segment, text));
         }
     }
 
     /// The last steps: the open segment closed.
-    pub fn end(&mut self) -> Vec<Step> {
+    pub fn end(&mut self) -> Vec<Step<'static>> {
         let mut steps = Vec::new();
         self.close(&mut steps);
         steps
@@ -145,6 +147,12 @@ mod tests {
         json!({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
     }
 
+    /// Steps as they print (a delta borrows its chunk, which a test's
+    /// chunk does not outlive).
+    fn seen(steps: &[Step<'_>]) -> Vec<String> {
+        steps.iter().map(|step| format!("{step:?}")).collect()
+    }
+
     #[test]
     fn reasoning_text_and_calls_open_grow_and_close_in_order() {
         let mut s = Segmenter::default();
@@ -166,9 +174,9 @@ mod tests {
                 Some("tool_calls"),
             ),
         ] {
-            steps.extend(with_parsed(&c, |c| s.chunk(c)));
+            steps.extend(with_parsed(&c, |c| seen(&s.chunk(c))));
         }
-        steps.extend(s.end());
+        steps.extend(seen(&s.end()));
         let a = Segment::Call {
             chat_index: 0,
             call_id: "a".into(),
@@ -181,20 +189,20 @@ mod tests {
         };
         assert_eq!(
             steps,
-            [
+            seen(&[
                 Step::Open(Segment::Reasoning),
-                Step::Delta("hm".into()),
+                Step::Delta("hm"),
                 Step::Close(Segment::Reasoning, "hm".into()),
                 Step::Open(Segment::Text),
-                Step::Delta("Hi".into()),
+                Step::Delta("Hi"),
                 Step::Close(Segment::Text, "Hi".into()),
                 Step::Open(a.clone()),
-                Step::Delta("{".into()),
-                Step::Delta("}".into()),
+                Step::Delta("{"),
+                Step::Delta("}"),
                 Step::Close(a, "{}".into()),
                 Step::Open(b.clone()),
                 Step::Close(b, String::new()),
-            ]
+            ])
         );
         assert_eq!(s.finish_reason.as_deref(), Some("tool_calls"));
     }
@@ -208,7 +216,7 @@ mod tests {
         let chunk =
             crate::protocols::openai::chunk::parse(data).unwrap_or_else(|| panic!("not parsed"));
         let steps = s.chunk(&chunk);
-        assert_eq!(steps[1], Step::Delta("a\"b".into()));
+        assert_eq!(steps[1], Step::Delta("a\"b"));
     }
 
     #[test]
@@ -216,11 +224,11 @@ mod tests {
         let mut s = Segmenter::default();
         let steps = with_parsed(
             &json!({"choices": [{"index": 0, "text": "go on", "finish_reason": "length"}]}),
-            |c| s.chunk(c),
+            |c| seen(&s.chunk(c)),
         );
         assert_eq!(
             steps,
-            [Step::Open(Segment::Text), Step::Delta("go on".into())]
+            seen(&[Step::Open(Segment::Text), Step::Delta("go on")])
         );
         assert_eq!(s.finish_reason.as_deref(), Some("length"));
     }

@@ -56,7 +56,7 @@ impl Events {
         self.render(steps)
     }
 
-    fn render(&mut self, steps: Vec<Step>) -> Vec<Value> {
+    fn render(&mut self, steps: Vec<Step<'_>>) -> Vec<Value> {
         let mut out = Vec::new();
         for step in steps {
             let index = self.content.len();

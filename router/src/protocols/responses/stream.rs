@@ -90,13 +90,13 @@ impl Events {
         self.render(steps)
     }
 
-    fn render(&mut self, steps: Vec<Step>) -> Vec<Event> {
+    fn render(&mut self, steps: Vec<Step<'_>>) -> Vec<Event> {
         let mut out = Vec::new();
         for step in steps {
             let index = self.items.len();
             match step {
                 Step::Open(segment) => self.open(&mut out, index, &segment),
-                Step::Delta(delta) => self.delta(&mut out, index, &delta),
+                Step::Delta(delta) => self.delta(&mut out, index, delta),
                 Step::Close(segment, text) => self.close(&mut out, index, &segment, &text),
             }
         }
