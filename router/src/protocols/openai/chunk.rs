@@ -60,7 +60,7 @@ pub struct Choice<'a> {
 /// What the router reads of a chat delta: the journal its text, whether it
 /// carries output other than text and its tool calls' ids; a translated
 /// protocol (Responses, Messages: `protocols::segments`) all of it.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Deserialize)]
 pub struct Delta<'a> {
     #[serde(default, borrow)]
     pub content: Option<Cow<'a, str>>,
@@ -75,7 +75,7 @@ pub struct Delta<'a> {
 /// One tool-call delta of a chat chunk: its index and, on the delta that
 /// opens the call, its id and function name (a continuation keeps the ids
 /// the client already has); then pieces of its arguments.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Deserialize)]
 pub struct ToolCallDelta<'a> {
     #[serde(default, deserialize_with = "null_as_default")]
     pub index: usize,
