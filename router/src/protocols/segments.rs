@@ -40,7 +40,9 @@ pub struct Segmenter {
     /// Chat's `finish_reason`, and its `stop_reason` (the stop string matched).
     pub finish_reason: Option<String>,
     pub stop_reason: Option<Value>,
-    /// The chat's usage, once its usage chunk came.
+    /// The chat's usage (the router's count), set by the protocol once the
+    /// chat ended: kept here, with the rest of the chat's end, because a
+    /// background response's checkpoint carries the segmenter.
     pub usage: Option<Value>,
 }
 
