@@ -36,62 +36,40 @@ struct Head<'a> {
 impl Event {
     /// `body` as an event of type `kind` (its JSON has them: `type` and,
     /// where the protocol numbers its events, `sequence_number`).
+    #[cfg(test)]
     pub fn serialize(kind: &str, sequence: Option<u64>, body: &impl Serialize) -> Self {
-        // Writing into a Vec fails only for a map with non-string keys,
-        // which no event has.
-        Self::write(kind, sequence, |json| {
-            let _ = serde_json::to_writer(json, body);
-        })
+        Self::write(kind, sequence, |json| write_json(json, body))
     }
 
     /// An event whose JSON `write_json` writes (its `type` and sequence
     /// number among it).
     pub fn write(kind: &str, sequence: Option<u64>, write_json: impl FnOnce(&mut Vec<u8>)) -> Self {
-        let mut frame = Vec::with_capacity(kind.len() + 160);
-        frame.extend_from_slice(b"event: ");
-        frame.extend_from_slice(kind.as_bytes());
-        frame.extend_from_slice(b"\ndata: ");
-        let start = frame.len();
-        write_json(&mut frame);
-        let end = frame.len();
-        frame.extend_from_slice(b"\n\n");
+        let mut frame = Vec::new();
+        let data = write_frame(&mut frame, kind, write_json);
         Self {
             frame: frame.into(),
-            data: start..end,
+            data,
             sequence,
             carries_response: false,
         }
     }
 
-    /// The same event, marked as carrying the whole response (its JSON's
-    /// `response`).
-    pub fn carrying_response(mut self) -> Self {
-        self.carries_response = true;
-        self
-    }
-
     /// An event given as a JSON object with its `type`.
     pub fn from_value(value: &Value) -> Self {
-        let kind = value["type"].as_str().unwrap_or("message");
-        let mut event = Self::serialize(kind, value["sequence_number"].as_u64(), value);
-        event.carries_response = value.get("response").is_some();
+        let (kind, sequence, carries_response) = head_of(value);
+        let mut event = Self::write(kind, sequence, |json| write_json(json, value));
+        event.carries_response = carries_response;
         event
     }
 
     /// An event from its JSON (as the shared store keeps it).
     pub fn parse(json: &[u8]) -> Result<Self, serde_json::Error> {
         let head: Head<'_> = serde_json::from_slice(json)?;
-        let mut frame = Vec::with_capacity(json.len() + head.kind.len() + 16);
-        frame.extend_from_slice(b"event: ");
-        frame.extend_from_slice(head.kind.as_bytes());
-        frame.extend_from_slice(b"\ndata: ");
-        let start = frame.len();
-        frame.extend_from_slice(json);
-        let end = frame.len();
-        frame.extend_from_slice(b"\n\n");
+        let mut frame = Vec::new();
+        let data = write_frame(&mut frame, &head.kind, |out| out.extend_from_slice(json));
         Ok(Self {
             frame: frame.into(),
-            data: start..end,
+            data,
             sequence: head.sequence_number,
             carries_response: head.response.is_some(),
         })
@@ -121,6 +99,120 @@ impl Event {
             _ => None,
         }
     }
+}
+
+/// Appends `event: KIND\ndata: JSON\n\n` to `frame` (`write_json` writes
+/// the JSON); returns where the JSON is.
+fn write_frame(
+    frame: &mut Vec<u8>,
+    kind: &str,
+    write_json: impl FnOnce(&mut Vec<u8>),
+) -> Range<usize> {
+    // Most events are a delta: their frame fits.
+    frame.reserve(kind.len() + 160);
+    frame.extend_from_slice(b"event: ");
+    frame.extend_from_slice(kind.as_bytes());
+    frame.extend_from_slice(b"\ndata: ");
+    let start = frame.len();
+    write_json(frame);
+    let end = frame.len();
+    frame.extend_from_slice(b"\n\n");
+    start..end
+}
+
+/// Where a translation writes its events as it makes them.
+#[derive(Debug)]
+pub enum Out {
+    /// A streaming client's bytes: each event's frame appended, so that
+    /// what one chat chunk makes goes out as one write, with no event kept.
+    Frames(Vec<u8>),
+    /// Events kept each whole (a background response's log).
+    Events(Vec<Event>),
+    /// Nowhere: a non-stream client gets the whole answer, so its events
+    /// are never written.
+    Nowhere,
+}
+
+impl Out {
+    /// An event whose JSON `write_json` writes (its `type` and sequence
+    /// number among it).
+    pub fn write(
+        &mut self,
+        kind: &str,
+        sequence: Option<u64>,
+        write_json: impl FnOnce(&mut Vec<u8>),
+    ) {
+        self.add(kind, sequence, false, write_json);
+    }
+
+    /// `body` as an event of type `kind`.
+    pub fn serialize(&mut self, kind: &str, sequence: Option<u64>, body: &impl Serialize) {
+        self.add(kind, sequence, false, |json| write_json(json, body));
+    }
+
+    /// `body` as an event of type `kind` that carries the whole response.
+    pub fn serialize_carrying_response(
+        &mut self,
+        kind: &str,
+        sequence: u64,
+        body: &impl Serialize,
+    ) {
+        self.add(kind, Some(sequence), true, |json| write_json(json, body));
+    }
+
+    /// An event given as a JSON object with its `type`.
+    pub fn value(&mut self, value: &Value) {
+        let (kind, sequence, carries_response) = head_of(value);
+        self.add(kind, sequence, carries_response, |json| {
+            write_json(json, value)
+        });
+    }
+
+    fn add(
+        &mut self,
+        kind: &str,
+        sequence: Option<u64>,
+        carries_response: bool,
+        write_json: impl FnOnce(&mut Vec<u8>),
+    ) {
+        match self {
+            Self::Frames(frames) => {
+                write_frame(frames, kind, write_json);
+            }
+            Self::Events(events) => {
+                let mut event = Event::write(kind, sequence, write_json);
+                event.carries_response = carries_response;
+                events.push(event);
+            }
+            Self::Nowhere => {}
+        }
+    }
+
+    /// The events written, where they were kept (none otherwise).
+    pub fn into_events(self) -> Vec<Event> {
+        match self {
+            Self::Events(events) => events,
+            Self::Frames(_) | Self::Nowhere => Vec::new(),
+        }
+    }
+}
+
+/// An event's type, sequence number and whether it carries the whole
+/// response, from its JSON object.
+fn head_of(value: &Value) -> (&str, Option<u64>, bool) {
+    let kind = value["type"].as_str().unwrap_or("message");
+    (
+        kind,
+        value["sequence_number"].as_u64(),
+        value.get("response").is_some(),
+    )
+}
+
+/// `body`'s JSON appended to `json`.
+fn write_json(json: &mut Vec<u8>, body: &impl Serialize) {
+    // Writing into a Vec fails only for a map with non-string keys, which
+    // no event has.
+    let _ = serde_json::to_writer(json, body);
 }
 
 /// `value` as JSON kept whole (a response or message as it is answered,
@@ -167,5 +259,38 @@ mod tests {
         let plain = Event::from_value(&json!({"type": "message_stop"}));
         assert_eq!((plain.sequence(), plain.response()), (None, None));
         assert!(Event::parse(b"{\"no type\": 1}").is_err());
+    }
+
+    #[test]
+    fn a_client_gets_the_frames_of_the_events_kept_and_nowhere_writes_none() {
+        let events = [
+            json!({"type": "response.created", "sequence_number": 0, "response": {"id": "r"}}),
+            json!({"type": "response.output_text.delta", "sequence_number": 1, "delta": "a\n"}),
+        ];
+        let (mut frames_out, mut kept, mut nowhere) = (
+            Out::Frames(Vec::new()),
+            Out::Events(Vec::new()),
+            Out::Nowhere,
+        );
+        let mut written = false;
+        for out in [&mut frames_out, &mut kept, &mut nowhere] {
+            out.value(&events[0]);
+            out.write("response.output_text.delta", Some(1), |json| {
+                written = true;
+                write_json(json, &events[1]);
+            });
+        }
+        assert!(written);
+        let kept = kept.into_events();
+        assert_eq!(kept.len(), 2);
+        assert_eq!(kept[0].response(), Some(json!({"id": "r"})));
+        assert_eq!(kept[1].sequence(), Some(1));
+        let Out::Frames(bytes) = frames_out else {
+            panic!("frames")
+        };
+        assert_eq!(bytes, frames(&kept), "the same bytes either way");
+        assert!(nowhere.into_events().is_empty());
+        let mut skipped = Out::Nowhere;
+        skipped.write("x", None, |_| panic!("nothing is written for nowhere"));
     }
 }

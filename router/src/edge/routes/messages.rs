@@ -4,7 +4,7 @@
 
 use super::translated::{serve, Prepared, Translation};
 use crate::error::{ApiError, ANTHROPIC_PATH};
-use crate::protocols::event::{json_of, Event};
+use crate::protocols::event::{json_of, Out};
 use crate::protocols::messages::request::chat_body;
 use crate::protocols::messages::stream::Events;
 use crate::protocols::openai::chunk::Chunk;
@@ -53,27 +53,31 @@ pub async fn create(
 /// Messages stream has a few events per token fewer than a Responses one).
 struct MessageTranslation(Events);
 
-fn serialized(events: Vec<Value>) -> Vec<Event> {
-    events.iter().map(Event::from_value).collect()
+fn write(out: &mut Out, events: Vec<Value>) {
+    for event in &events {
+        out.value(event);
+    }
 }
 
 impl Translation for MessageTranslation {
-    fn start(&mut self) -> Vec<Event> {
-        serialized(self.0.start())
+    fn start(&mut self, out: &mut Out) {
+        write(out, self.0.start());
     }
 
-    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Event> {
-        serialized(self.0.chunk(chunk))
+    fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut Out) {
+        write(out, self.0.chunk(chunk));
     }
 
-    fn finish(&mut self, usage: Value) -> (Vec<Event>, Box<RawValue>) {
+    fn finish(&mut self, usage: Value, out: &mut Out) -> Box<RawValue> {
         let (events, whole) = self.0.finish(usage);
-        (serialized(events), json_of(&whole))
+        write(out, events);
+        json_of(&whole)
     }
 
-    fn fail(&mut self, error: &Value) -> (Vec<Event>, Box<RawValue>) {
+    fn fail(&mut self, error: &Value, out: &mut Out) -> Box<RawValue> {
         let (events, whole) = self.0.fail(error);
-        (serialized(events), json_of(&whole))
+        write(out, events);
+        json_of(&whole)
     }
 
     fn answer(&self, whole: Box<RawValue>, failed: bool) -> Response {

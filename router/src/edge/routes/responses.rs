@@ -6,7 +6,7 @@
 use super::translated::{follow, follow_shared, serve, Prepared, Translation};
 use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
-use crate::protocols::event::Event;
+use crate::protocols::event::Out;
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::responses::mirror::CANCEL_POLL;
 use crate::protocols::responses::output::as_input;
@@ -108,33 +108,33 @@ pub(super) struct ResponseTranslation {
 }
 
 impl Translation for ResponseTranslation {
-    fn start(&mut self) -> Vec<Event> {
-        self.events.start()
+    fn start(&mut self, out: &mut Out) {
+        self.events.start(out);
     }
 
-    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Event> {
-        self.events.chunk(chunk)
+    fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut Out) {
+        self.events.chunk(chunk, out);
     }
 
-    fn finish(&mut self, usage: Value) -> (Vec<Event>, Box<RawValue>) {
-        let (events, whole) = self.events.finish(usage);
+    fn finish(&mut self, usage: Value, out: &mut Out) -> Box<RawValue> {
+        let whole = self.events.finish(usage, out);
         if self.store {
             let mut conversation = std::mem::take(&mut self.items);
             conversation.extend(as_input(self.events.items()));
             self.keep_as(&whole, &conversation);
         }
-        (events, whole)
+        whole
     }
 
-    fn fail(&mut self, error: &Value) -> (Vec<Event>, Box<RawValue>) {
-        self.events.fail(error)
+    fn fail(&mut self, error: &Value, out: &mut Out) -> Box<RawValue> {
+        self.events.fail(error, out)
     }
 
-    fn cancel(&mut self) -> (Vec<Event>, Box<RawValue>) {
-        let (events, whole) = self.events.cancel();
+    fn cancel(&mut self, out: &mut Out) -> Box<RawValue> {
+        let whole = self.events.cancel(out);
         // A cancelled background response stays readable as cancelled.
         self.keep_as(&whole, &[]);
-        (events, whole)
+        whole
     }
 
     fn keep(&mut self) -> Option<BoxFuture<'static, ()>> {

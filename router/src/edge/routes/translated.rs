@@ -11,7 +11,7 @@ use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::journal::EntryReader;
 use crate::pd::record::RequestRecord;
-use crate::protocols::event::{frames, Event};
+use crate::protocols::event::{frames, Event, Out};
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
@@ -32,25 +32,26 @@ use serde_json::{json, Map, Value};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tracing::Instrument;
 
-/// A protocol's side of one request: its events from the chat's chunks.
+/// A protocol's side of one request: its events from the chat's chunks,
+/// written to `out` (where they go: `Out`'s kinds).
 pub trait Translation: Send + 'static {
     /// The events before the first chunk.
-    fn start(&mut self) -> Vec<Event>;
+    fn start(&mut self, out: &mut Out);
     /// The events of one chat chunk.
-    fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Event>;
-    /// The last events of a chat that ended (`usage`: the router's count),
-    /// and the whole answer (as its JSON: written once, for the client, the
-    /// store and a background response's readers alike).
-    fn finish(&mut self, usage: Value) -> (Vec<Event>, Box<RawValue>);
+    fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut Out);
+    /// The last events of a chat that ended (`usage`: the router's count);
+    /// returns the whole answer (as its JSON: written once, for the client,
+    /// the store and a background response's readers alike).
+    fn finish(&mut self, usage: Value, out: &mut Out) -> Box<RawValue>;
     /// The last events of a chat that failed (`error`: an OpenAI error
-    /// object), and the whole answer as it stands.
-    fn fail(&mut self, error: &Value) -> (Vec<Event>, Box<RawValue>);
+    /// object); returns the whole answer as it stands.
+    fn fail(&mut self, error: &Value, out: &mut Out) -> Box<RawValue>;
     /// The non-stream answer from the whole answer `finish` or `fail` made.
     fn answer(&self, whole: Box<RawValue>, failed: bool) -> Response;
-    /// The last events of a generation cancelled by its client, and the whole
-    /// answer as it stands (background responses only).
-    fn cancel(&mut self) -> (Vec<Event>, Box<RawValue>) {
-        self.fail(&json!({"message": "cancelled"}))
+    /// The last events of a generation cancelled by its client; returns the
+    /// whole answer as it stands (background responses only).
+    fn cancel(&mut self, out: &mut Out) -> Box<RawValue> {
+        self.fail(&json!({"message": "cancelled"}), out)
     }
     /// What must be kept before the last events go out (a stored response,
     /// so that a client that read them can at once continue from it).
@@ -99,22 +100,28 @@ pub struct Driver<T> {
     started: bool,
     /// The last events and the whole answer of the chat's end, until they go
     /// out (after what the translation keeps), and whether it failed.
-    ending: Option<(Vec<Event>, Box<RawValue>, bool)>,
+    ending: Option<(Out, Box<RawValue>, bool)>,
 }
 
 impl<T: Translation> Driver<T> {
-    /// `events` to the sink; a streaming client's bytes.
-    fn out(&self, events: Vec<Event>) -> Option<Bytes> {
-        if events.is_empty() {
-            return None;
-        }
+    /// Where the next events are written, for the sink.
+    fn out(&self) -> Out {
         match &self.sink {
-            Sink::Client => Some(frames(&events)),
-            Sink::Whole => None,
-            Sink::Live(live) => {
+            Sink::Client => Out::Frames(Vec::new()),
+            Sink::Whole => Out::Nowhere,
+            Sink::Live(_) => Out::Events(Vec::new()),
+        }
+    }
+
+    /// The events written to `out` to the sink; a streaming client's bytes.
+    fn send(&self, out: Out) -> Option<Bytes> {
+        match (&self.sink, out) {
+            (Sink::Client, Out::Frames(frames)) if !frames.is_empty() => Some(frames.into()),
+            (Sink::Live(live), Out::Events(events)) if !events.is_empty() => {
                 live.push(events, None);
                 None
             }
+            _ => None,
         }
     }
 }
@@ -145,7 +152,7 @@ impl<T: Translation> Shared<T> {
 
     /// The chat's end, once it came: its last events, the whole answer and
     /// whether it failed (taken: they go out once).
-    fn take_ending(&self) -> Option<(Vec<Event>, Box<RawValue>, bool)> {
+    fn take_ending(&self) -> Option<(Out, Box<RawValue>, bool)> {
         self.lock().ending.take()
     }
 
@@ -161,27 +168,31 @@ impl<T: Translation> Translator for Shared<T> {
         if std::mem::replace(&mut driver.started, true) {
             return None;
         }
-        let events = driver.translation.start();
-        driver.out(events)
+        let mut out = driver.out();
+        driver.translation.start(&mut out);
+        driver.send(out)
     }
 
     fn chunk(&mut self, chunk: &Chunk<'_>) -> Option<Bytes> {
         let mut driver = self.lock();
-        let events = driver.translation.chunk(chunk);
-        driver.out(events)
+        let mut out = driver.out();
+        driver.translation.chunk(chunk, &mut out);
+        driver.send(out)
     }
 
     fn finish(&mut self, usage: Value) -> Option<BoxFuture<'static, ()>> {
         let mut driver = self.lock();
-        let (events, whole) = driver.translation.finish(usage);
-        driver.ending = Some((events, whole, false));
+        let mut out = driver.out();
+        let whole = driver.translation.finish(usage, &mut out);
+        driver.ending = Some((out, whole, false));
         driver.translation.keep()
     }
 
     fn fail(&mut self, error: &ApiError) {
         let mut driver = self.lock();
-        let (events, whole) = driver.translation.fail(&error.body()["error"]);
-        driver.ending = Some((events, whole, true));
+        let mut out = driver.out();
+        let whole = driver.translation.fail(&error.body()["error"], &mut out);
+        driver.ending = Some((out, whole, true));
     }
 
     fn last(&mut self) -> Option<Bytes> {
@@ -190,8 +201,8 @@ impl<T: Translation> Translator for Shared<T> {
         if !matches!(driver.sink, Sink::Client) {
             return None;
         }
-        let (events, _, _) = driver.ending.take()?;
-        driver.out(events)
+        let (out, _, _) = driver.ending.take()?;
+        driver.send(out)
     }
 }
 
@@ -320,10 +331,12 @@ pub async fn serve<T: Translation>(
 
 /// The end of a chat whose session ended without one (it always makes one:
 /// its last events or its error's).
-fn no_ending<T: Translation>(driver: &Shared<T>) -> (Vec<Event>, Box<RawValue>, bool) {
+fn no_ending<T: Translation>(driver: &Shared<T>) -> (Out, Box<RawValue>, bool) {
     let error = json!({"message": "the generation ended before its end"});
-    let (events, whole) = driver.lock().translation.fail(&error);
-    (events, whole, true)
+    let mut driver = driver.lock();
+    let mut out = driver.out();
+    let whole = driver.translation.fail(&error, &mut out);
+    (out, whole, true)
 }
 
 /// The whole answer of a non-stream request, once its chat ran to the end
@@ -447,12 +460,16 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
                         // It goes on elsewhere: nothing more is said here.
                         return;
                     }
-                    let (events, whole) = driver.lock().translation.cancel();
-                    let keeping = driver.lock().translation.keep();
+                    let (out, whole, keeping) = {
+                        let mut driver = driver.lock();
+                        let mut out = driver.out();
+                        let whole = driver.translation.cancel(&mut out);
+                        (out, whole, driver.translation.keep())
+                    };
                     if let Some(keeping) = keeping {
                         keeping.await;
                     }
-                    live.push_checkpointed(events, Some(value_of(&whole)), checkpoint());
+                    live.push_checkpointed(out.into_events(), Some(value_of(&whole)), checkpoint());
                     return;
                 }
                 next = chat.next() => {
@@ -461,10 +478,10 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
                     }
                     // The chat ended (what the translation keeps was kept
                     // as its relay finished).
-                    let (events, whole, _) = driver
+                    let (out, whole, _) = driver
                         .take_ending()
                         .unwrap_or_else(|| no_ending(&driver));
-                    live.push_checkpointed(events, Some(value_of(&whole)), checkpoint());
+                    live.push_checkpointed(out.into_events(), Some(value_of(&whole)), checkpoint());
                     return;
                 }
             }

@@ -7,7 +7,7 @@ use super::output::{
     function_call_item, message_item, reasoning_item, status_of, usage, ResponseObject,
 };
 use super::request::Echo;
-use crate::protocols::event::{json_of, Event};
+use crate::protocols::event::{json_of, Out};
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::segments::{Segment, Segmenter, Step};
 use serde_json::value::RawValue;
@@ -43,10 +43,10 @@ impl Events {
         }
     }
 
-    fn emit(&mut self, out: &mut Vec<Event>, kind: &str, mut event: Value) {
+    fn emit(&mut self, out: &mut Out, kind: &str, mut event: Value) {
         event["type"] = Value::String(kind.to_string());
         event["sequence_number"] = self.next_sequence().into();
-        out.push(Event::from_value(&event));
+        out.value(&event);
     }
 
     fn next_sequence(&mut self) -> u64 {
@@ -75,32 +75,31 @@ impl Events {
 
     /// `response.created` and `response.in_progress` (the response written
     /// once for both).
-    pub fn start(&mut self) -> Vec<Event> {
+    pub fn start(&mut self, out: &mut Out) {
         let (created, in_progress) = (self.next_sequence(), self.next_sequence());
+        if matches!(out, Out::Nowhere) {
+            return;
+        }
         let now = json_of(&self.object("in_progress", &Value::Null));
-        vec![
-            response_event("response.created", created, &now),
-            response_event("response.in_progress", in_progress, &now),
-        ]
+        response_event(out, "response.created", created, &now);
+        response_event(out, "response.in_progress", in_progress, &now);
     }
 
     /// The events of one chat chunk.
-    pub fn chunk(&mut self, chunk: &Chunk<'_>) -> Vec<Event> {
+    pub fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut Out) {
         let steps = self.segments.chunk(chunk);
-        self.render(steps)
+        self.render(steps, out);
     }
 
-    fn render(&mut self, steps: Vec<Step<'_>>) -> Vec<Event> {
-        let mut out = Vec::new();
+    fn render(&mut self, steps: Vec<Step<'_>>, out: &mut Out) {
         for step in steps {
             let index = self.items.len();
             match step {
-                Step::Open(segment) => self.open(&mut out, index, &segment),
-                Step::Delta(delta) => self.delta(&mut out, index, delta),
-                Step::Close(segment, text) => self.close(&mut out, index, &segment, &text),
+                Step::Open(segment) => self.open(out, index, &segment),
+                Step::Delta(delta) => self.delta(out, index, delta),
+                Step::Close(segment, text) => self.close(out, index, &segment, &text),
             }
         }
-        out
     }
 
     fn current(&self) -> Option<&Segment> {
@@ -108,7 +107,7 @@ impl Events {
         self.open_segment.as_ref()
     }
 
-    fn open(&mut self, out: &mut Vec<Event>, index: usize, segment: &Segment) {
+    fn open(&mut self, out: &mut Out, index: usize, segment: &Segment) {
         let (id, item) = match segment {
             Segment::Reasoning => {
                 let id = new_id("rs");
@@ -160,7 +159,7 @@ impl Events {
     }
 
     /// One delta event (per token).
-    fn delta(&mut self, out: &mut Vec<Event>, index: usize, delta: &str) {
+    fn delta(&mut self, out: &mut Out, index: usize, delta: &str) {
         let (kind, content_index, logprobs) = match self.current() {
             Some(Segment::Reasoning) => ("response.reasoning_text.delta", Some(0), None),
             Some(Segment::Text) => ("response.output_text.delta", Some(0), Some([])),
@@ -178,11 +177,11 @@ impl Events {
             logprobs,
             ..ItemEvent::default()
         };
-        out.push(event.write_delta());
+        event.write_delta(out);
     }
 
     /// Ends an item: its `.done` events, and it joins the output.
-    fn close(&mut self, out: &mut Vec<Event>, index: usize, segment: &Segment, text: &str) {
+    fn close(&mut self, out: &mut Out, index: usize, segment: &Segment, text: &str) {
         let id = std::mem::take(&mut self.open_id);
         self.open_segment = None;
         let done = ItemEvent {
@@ -258,25 +257,25 @@ impl Events {
     /// returned), whose
     /// status says `incomplete` when the chat stopped at its length. As vLLM's
     /// own stream ends, and what the OpenAI SDK's stream helper waits for.
-    pub fn finish(&mut self, usage: Value) -> (Vec<Event>, Box<RawValue>) {
+    pub fn finish(&mut self, usage: Value, out: &mut Out) -> Box<RawValue> {
         self.segments.usage = Some(usage);
         let steps = self.segments.end();
-        let mut out = self.render(steps);
+        self.render(steps, out);
         let (status, incomplete) = status_of(self.segments.finish_reason.as_deref());
         let sequence = self.next_sequence();
         let whole = json_of(&self.object(status, &incomplete));
-        out.push(response_event("response.completed", sequence, &whole));
-        (out, whole)
+        response_event(out, "response.completed", sequence, &whole);
+        whole
     }
 
     /// The last events of a chat that failed: `error`, then `response.failed`.
-    pub fn fail(&mut self, error: &Value) -> (Vec<Event>, Box<RawValue>) {
+    pub fn fail(&mut self, error: &Value, out: &mut Out) -> Box<RawValue> {
         let steps = self.segments.end();
-        let mut out = self.render(steps);
+        self.render(steps, out);
         let message = error["message"].as_str().unwrap_or("the generation failed");
         let code = error.get("code").cloned().unwrap_or(Value::Null);
         self.emit(
-            &mut out,
+            out,
             "error",
             json!({"code": code, "message": message, "param": null}),
         );
@@ -284,17 +283,17 @@ impl Events {
         super::output::fail(&mut whole, message);
         let whole = json_of(&whole);
         let sequence = self.next_sequence();
-        out.push(response_event("response.failed", sequence, &whole));
-        (out, whole)
+        response_event(out, "response.failed", sequence, &whole);
+        whole
     }
 
     /// The last events of a generation cancelled (`POST .../cancel`): the
     /// open item closed; the response's status `cancelled`, and no terminal
     /// event (the stream just ends, as vLLM's).
-    pub fn cancel(&mut self) -> (Vec<Event>, Box<RawValue>) {
+    pub fn cancel(&mut self, out: &mut Out) -> Box<RawValue> {
         let steps = self.segments.end();
-        let out = self.render(steps);
-        (out, json_of(&self.object("cancelled", &Value::Null)))
+        self.render(steps, out);
+        json_of(&self.object("cancelled", &Value::Null))
     }
 
     /// The response's id.
@@ -343,8 +342,8 @@ impl ItemEvent<'_> {
     /// router_overhead` measured the serialized deltas at over a third of
     /// the Responses translation's own cost per token). The same JSON as
     /// its serialization (a test holds them equal).
-    fn write_delta(&self) -> Event {
-        Event::write(self.kind, Some(self.sequence_number), |json| {
+    fn write_delta(&self, out: &mut Out) {
+        out.write(self.kind, Some(self.sequence_number), |json| {
             // Numbers and strings are written by serde_json (escaped).
             json.extend_from_slice(b"{\"type\":");
             let _ = serde_json::to_writer(&mut *json, self.kind);
@@ -370,12 +369,8 @@ impl ItemEvent<'_> {
     }
 }
 
-fn push(out: &mut Vec<Event>, event: ItemEvent<'_>) {
-    out.push(Event::serialize(
-        event.kind,
-        Some(event.sequence_number),
-        &event,
-    ));
+fn push(out: &mut Out, event: ItemEvent<'_>) {
+    out.serialize(event.kind, Some(event.sequence_number), &event);
 }
 
 /// A reasoning or text item's content part.
@@ -408,7 +403,7 @@ impl<'a> Part<'a> {
 }
 
 /// An event carrying the whole response (written as it is: no copy of it).
-fn response_event(kind: &str, sequence_number: u64, response: &RawValue) -> Event {
+fn response_event(out: &mut Out, kind: &str, sequence_number: u64, response: &RawValue) {
     #[derive(serde::Serialize)]
     struct WithResponse<'a> {
         #[serde(rename = "type")]
@@ -421,12 +416,13 @@ fn response_event(kind: &str, sequence_number: u64, response: &RawValue) -> Even
         sequence_number,
         response,
     };
-    Event::serialize(kind, Some(sequence_number), &body).carrying_response()
+    out.serialize_carrying_response(kind, sequence_number, &body);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocols::event::Event;
     use crate::protocols::segments::with_parsed;
     use std::collections::BTreeMap;
 
@@ -448,7 +444,8 @@ mod tests {
     #[test]
     fn reasoning_text_and_a_call_become_three_items_with_numbered_events() {
         let mut events = Events::new("resp_1".into(), 7, echo());
-        let mut all = events.start();
+        let mut out = Out::Events(Vec::new());
+        events.start(&mut out);
         for c in [
             chunk(json!({"role": "assistant", "content": ""}), None),
             chunk(json!({"reasoning": "let me "}), None),
@@ -465,13 +462,12 @@ mod tests {
                 Some("tool_calls"),
             ),
         ] {
-            all.extend(with_parsed(&c, |c| events.chunk(c)));
+            with_parsed(&c, |c| events.chunk(c, &mut out));
         }
         let usage = json!({"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11});
-        let (last, whole) = events.finish(usage);
+        let whole = events.finish(usage, &mut out);
         let whole: Value = serde_json::from_str(whole.get()).unwrap_or_default();
-        all.extend(last);
-        let all: Vec<Value> = all.iter().map(Event::value).collect();
+        let all: Vec<Value> = out.into_events().iter().map(Event::value).collect();
         let numbers: Vec<u64> = all
             .iter()
             .filter_map(|e| e["sequence_number"].as_u64())
@@ -524,7 +520,9 @@ mod tests {
                 logprobs,
                 ..ItemEvent::default()
             };
-            let written = event.write_delta();
+            let mut written = Out::Events(Vec::new());
+            event.write_delta(&mut written);
+            let written = written.into_events().remove(0);
             let serialized = Event::serialize(kind, Some(12), &event);
             assert_eq!(written.value(), serialized.value(), "{kind}");
             assert_eq!(written.json(), serialized.json(), "{kind}: the same bytes");
@@ -534,14 +532,15 @@ mod tests {
     #[test]
     fn a_chat_cut_at_its_length_is_incomplete() {
         let mut events = Events::new("resp_2".into(), 7, echo());
-        events.start();
+        events.start(&mut Out::Nowhere);
         with_parsed(&chunk(json!({"content": "abc"}), Some("length")), |c| {
-            events.chunk(c)
+            events.chunk(c, &mut Out::Nowhere)
         });
-        let (last, whole) = events.finish(json!({}));
+        let mut last = Out::Events(Vec::new());
+        let whole = events.finish(json!({}), &mut last);
         let whole: Value = serde_json::from_str(whole.get()).unwrap_or_default();
         assert_eq!(
-            last.last().map(|e| e.value()["type"].clone()),
+            last.into_events().last().map(|e| e.value()["type"].clone()),
             Some(json!("response.completed"))
         );
         assert_eq!(whole["status"], "incomplete");
