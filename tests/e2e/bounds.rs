@@ -397,10 +397,18 @@ async fn large_request_bodies_cost_about_their_size() {
         messages.extend_from_slice(b"{\"role\":\"user\",\"content\":\"a\"}");
     }
     messages.extend_from_slice(b"]}");
+    // What is measured is memory, not time: a debug build reading, parsing
+    // and checking 120 MB beside the rest of the suite on two busy cores
+    // took longer than `client()`'s 30 s (2026-12-06, a slow host).
+    let patient = reqwest::Client::builder()
+        .timeout(Duration::from_secs(180))
+        .build()
+        .unwrap();
     let send = |path: &'static str, body: Vec<u8>| {
         let url = format!("{}{path}", router.url);
+        let patient = patient.clone();
         async move {
-            let reply = client()
+            let reply = patient
                 .post(url)
                 .header("content-type", "application/json")
                 .body(body)
