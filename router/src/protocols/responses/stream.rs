@@ -49,6 +49,16 @@ impl Events {
         out.value(&event);
     }
 
+    /// `event` written with the next sequence number (every event's is
+    /// one more than the last's).
+    fn push(&mut self, out: &mut Out, event: ItemEvent<'_>) {
+        let event = ItemEvent {
+            sequence_number: self.next_sequence(),
+            ..event
+        };
+        out.serialize(event.kind, Some(event.sequence_number), &event);
+    }
+
     fn next_sequence(&mut self) -> u64 {
         self.sequence += 1;
         self.sequence - 1
@@ -128,24 +138,20 @@ impl Events {
                 (id, item)
             }
         };
-        let sequence_number = self.next_sequence();
-        push(
+        self.push(
             out,
             ItemEvent {
                 kind: "response.output_item.added",
-                sequence_number,
                 output_index: index,
                 item: Some(&item),
                 ..ItemEvent::default()
             },
         );
         if let Some(part) = Part::of(segment, "") {
-            let sequence_number = self.next_sequence();
-            push(
+            self.push(
                 out,
                 ItemEvent {
                     kind: "response.content_part.added",
-                    sequence_number,
                     item_id: Some(&id),
                     output_index: index,
                     content_index: Some(0),
@@ -195,24 +201,20 @@ impl Events {
                     Segment::Reasoning => ("response.reasoning_text.done", None),
                     _ => ("response.output_text.done", Some([])),
                 };
-                let sequence_number = self.next_sequence();
-                push(
+                self.push(
                     out,
                     ItemEvent {
                         kind,
-                        sequence_number,
                         content_index: Some(0),
                         text: Some(text),
                         logprobs,
                         ..done
                     },
                 );
-                let sequence_number = self.next_sequence();
-                push(
+                self.push(
                     out,
                     ItemEvent {
                         kind: "response.content_part.done",
-                        sequence_number,
                         content_index: Some(0),
                         part: Part::of(segment, text),
                         ..done
@@ -224,12 +226,10 @@ impl Events {
                 }
             }
             Segment::Call { call_id, name, .. } => {
-                let sequence_number = self.next_sequence();
-                push(
+                self.push(
                     out,
                     ItemEvent {
                         kind: "response.function_call_arguments.done",
-                        sequence_number,
                         name: Some(name),
                         arguments: Some(text),
                         ..done
@@ -238,12 +238,10 @@ impl Events {
                 function_call_item(&id, call_id, name, text)
             }
         };
-        let sequence_number = self.next_sequence();
-        push(
+        self.push(
             out,
             ItemEvent {
                 kind: "response.output_item.done",
-                sequence_number,
                 output_index: index,
                 item: Some(&item),
                 ..ItemEvent::default()
@@ -367,10 +365,6 @@ impl ItemEvent<'_> {
             json.push(b'}');
         })
     }
-}
-
-fn push(out: &mut Out, event: ItemEvent<'_>) {
-    out.serialize(event.kind, Some(event.sequence_number), &event);
 }
 
 /// A reasoning or text item's content part.
