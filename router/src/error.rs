@@ -168,7 +168,7 @@ impl ApiError {
     /// The response for a request to `path`: Anthropic's shape on its route,
     /// OpenAI's everywhere else.
     pub fn response_for(self, path: &str) -> Response {
-        if path.starts_with(ANTHROPIC_PATH) {
+        if is_anthropic_path(path) {
             let body = self.anthropic_body();
             self.respond_with(body)
         } else {
@@ -179,6 +179,13 @@ impl ApiError {
 
 /// The route whose errors are in Anthropic's shape.
 pub const ANTHROPIC_PATH: &str = "/v1/messages";
+
+/// Whether `path` is Anthropic's route or under it (`/v1/messages/...`: its
+/// 404s too are in Anthropic's shape, for Anthropic's clients).
+pub fn is_anthropic_path(path: &str) -> bool {
+    path.strip_prefix(ANTHROPIC_PATH)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {

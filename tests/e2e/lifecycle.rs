@@ -255,3 +255,131 @@ async fn requests_past_the_concurrency_limit_get_429_with_retry_after() {
     })
     .await;
 }
+
+/// The events of an SSE body as a client's SSE parser reads them: each
+/// frame's `event:` name (none: `message`) and its `data:`, parsed (not
+/// JSON, such as `[DONE]`: as its text).
+fn sse_frames(text: &str) -> Vec<(String, Value)> {
+    text.split("\n\n")
+        .filter(|frame| !frame.trim().is_empty())
+        .map(|frame| {
+            let mut name = "message".to_string();
+            let mut data = String::new();
+            for line in frame.lines() {
+                if let Some(value) = line.strip_prefix("event:") {
+                    name = value.trim().to_string();
+                } else if let Some(value) = line.strip_prefix("data:") {
+                    data.push_str(value.trim_start());
+                }
+            }
+            (name, event_value(data.as_bytes()))
+        })
+        .collect()
+}
+
+/// Opens a stream on `path` with `body`; returns once its headers are in.
+async fn open_on(router: &Proc, path: &str, body: &Value) -> reqwest::Response {
+    let response = client()
+        .post(format!("{}{path}", router.url))
+        .header("anthropic-version", "2023-06-01")
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200, "{path}");
+    response
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_cut_at_the_grace_end_in_their_own_protocol() {
+    let (mut router, [_prefill, _decode]) = pd_cluster(
+        &["--shutdown-grace-s", "1"],
+        [
+            ("prefill", &[]),
+            ("decode", &["--decode-us-per-token", "50000"]),
+        ],
+    )
+    .await;
+    let message = open_on(
+        &router,
+        "/v1/messages",
+        &json!({"model": "mock", "max_tokens": 400, "stream": true,
+                "messages": [{"role": "user", "content": "cut me"}]}),
+    )
+    .await;
+    let response = open_on(
+        &router,
+        "/v1/responses",
+        &json!({"model": "mock", "input": "cut me", "max_output_tokens": 400, "stream": true}),
+    )
+    .await;
+    let background = open_on(
+        &router,
+        "/v1/responses",
+        &json!({"model": "mock", "input": "cut me", "max_output_tokens": 400,
+                "stream": true, "background": true}),
+    )
+    .await;
+    router.signal("TERM");
+    let (message, response, background) = (
+        message.text().await.unwrap(),
+        response.text().await.unwrap(),
+        background.text().await.unwrap(),
+    );
+
+    // Anthropic's SDKs dispatch on the event's name and end a stream on
+    // `message_stop` or raise on `error`: one of them must end it, with the
+    // name its data says, and nothing of OpenAI's shape.
+    let frames = sse_frames(&message);
+    for (name, data) in &frames {
+        assert_eq!(data["type"].as_str(), Some(name.as_str()), "{message}");
+    }
+    let (last, data) = frames.last().unwrap();
+    match last.as_str() {
+        "message_stop" => {}
+        "error" => {
+            assert!(data["error"]["type"].is_string(), "{message}");
+            assert!(
+                data["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("shutting down"),
+                "{message}"
+            );
+        }
+        other => panic!("a message stream ended on `{other}`: {message}"),
+    }
+    assert!(frames.iter().any(|(name, _)| name == "content_block_delta"));
+
+    // A Responses stream ends as the OpenAI SDK reads one: every event named
+    // by its type and numbered on from the last, the last a terminal one.
+    let frames = sse_frames(&response);
+    let mut numbers = Vec::new();
+    for (name, data) in &frames {
+        assert_eq!(data["type"].as_str(), Some(name.as_str()), "{response}");
+        numbers.push(data["sequence_number"].as_u64().unwrap());
+    }
+    assert!(numbers.windows(2).all(|w| w[0] < w[1]), "{numbers:?}");
+    let (last, data) = frames.last().unwrap();
+    assert_eq!(last, "response.failed", "{response}");
+    assert_eq!(data["response"]["status"], "failed");
+    let (before, error) = &frames[frames.len() - 2];
+    assert_eq!(before, "error");
+    assert!(error["message"].as_str().unwrap().contains("shutting down"));
+
+    // A background response's follower is told in Responses' `error` event
+    // (it reads on with `starting_after` from another replica).
+    let frames = sse_frames(&background);
+    for (name, data) in &frames {
+        assert_eq!(data["type"].as_str(), Some(name.as_str()), "{background}");
+    }
+    let terminal = [
+        "error",
+        "response.completed",
+        "response.failed",
+        "response.incomplete",
+    ];
+    let (last, _) = frames.last().unwrap();
+    assert!(terminal.contains(&last.as_str()), "{background}");
+    wait_exit(&mut router, Duration::from_secs(10)).await;
+}

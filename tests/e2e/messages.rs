@@ -208,3 +208,36 @@ async fn a_decoder_killed_mid_message_is_resumed_into_one_message() {
         "{metrics}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_404_under_each_route_is_in_its_own_shape() {
+    let router = router(&[]);
+    let get = |path: &str| {
+        let url = format!("{}{path}", router.url);
+        async move {
+            let response = client()
+                .post(url)
+                .header("anthropic-version", "2023-06-01")
+                .json(&json!({}))
+                .send()
+                .await
+                .unwrap();
+            let status = response.status().as_u16();
+            (status, response.json::<Value>().await.unwrap())
+        }
+    };
+    // Anthropic's clients call routes of its API the router does not serve.
+    for path in ["/v1/messages/count_tokens", "/v1/messages/batches"] {
+        let (status, error) = get(path).await;
+        assert_eq!(status, 404, "{path}");
+        assert_eq!(error["type"], "error", "{path}: {error}");
+        assert_eq!(error["error"]["type"], "not_found_error", "{path}: {error}");
+    }
+    // OpenAI's shape elsewhere, under /v1/responses/ too.
+    for path in ["/v1/responses/a/b/c", "/v1/nothing", "/v1/messagesx"] {
+        let (status, error) = get(path).await;
+        assert_eq!(status, 404, "{path}");
+        assert_eq!(error["error"]["type"], "not_found_error", "{path}: {error}");
+        assert!(error.get("type").is_none(), "{path}: {error}");
+    }
+}

@@ -2,15 +2,18 @@
 //! applied outermost first in this order:
 //!
 //! - [`cut_at_shutdown`]: a stream still open when the shutdown grace is over
-//!   ends with an OpenAI error event and `[DONE]` (the server waits no longer
-//!   for it).
+//!   ends in its protocol's own shape (the server waits no longer for it):
+//!   the handler's [`StreamEnding`] when it gave one (a translated stream's
+//!   failure events, numbered on from its last), else by route: an OpenAI
+//!   error event and `[DONE]`, Anthropic's `error` event, Responses' `error`
+//!   event.
 //! - [`strip_instance_headers`]: the headers naming the instances that served
 //!   a request go only to clients of a router run with
 //!   `--expose-instance-headers`.
 //! - [`admit`]: the caller's key and admission (its tenant's limits, a slot,
 //!   see `crate::tenants`), held by the response body until it ends.
 
-use crate::error::ApiError;
+use crate::error::{is_anthropic_path, ApiError};
 use crate::tenants::{Admission, Tenants};
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -72,13 +75,27 @@ pub async fn strip_instance_headers(
     response
 }
 
-/// Ends an event stream with an error event when the shutdown grace is over.
+/// How a stream cut at the end of the shutdown grace ends, given by its
+/// handler as a response extension: the stream's own last bytes in its
+/// protocol (a translated stream's failure events, which carry on its
+/// numbering). Called once, when the cut comes.
+#[derive(Clone)]
+pub struct StreamEnding(Arc<dyn Fn() -> Bytes + Send + Sync>);
+
+impl StreamEnding {
+    pub fn new(ending: impl Fn() -> Bytes + Send + Sync + 'static) -> Self {
+        Self(Arc::new(ending))
+    }
+}
+
+/// Ends an event stream in its protocol's shape when the shutdown grace is over.
 pub async fn cut_at_shutdown(
     State(shutdown): State<Shutdown>,
     request: Request,
     next: Next,
 ) -> Response {
-    let response = next.run(request).await;
+    let route = RouteShape::of(request.uri().path());
+    let mut response = next.run(request).await;
     let stream = response
         .headers()
         .get(axum::http::header::CONTENT_TYPE)
@@ -86,12 +103,16 @@ pub async fn cut_at_shutdown(
     if !stream {
         return response;
     }
+    let ending = response.extensions_mut().remove::<StreamEnding>();
     let cut = Box::pin(shutdown.cut.clone().cancelled_owned());
     response.map(|inner| {
         Body::new(CutBody {
             inner,
             cut,
-            ended: false,
+            ending: Some(match ending {
+                Some(ending) => Ending::Handler(ending),
+                None => Ending::Route(route),
+            }),
         })
     })
 }
@@ -107,19 +128,67 @@ impl AdmissionSlot {
     }
 }
 
-/// An event stream that ends with an error event once `cut` fires.
+/// An event stream that ends in its protocol's shape once `cut` fires.
 struct CutBody {
     inner: Body,
     cut: BoxFuture<'static, ()>,
-    ended: bool,
+    /// Taken when the stream ends (cut or not).
+    ending: Option<Ending>,
 }
 
-/// The last event of a stream cut by shutdown.
-fn shutdown_event() -> Bytes {
-    let error = ApiError::Unavailable(
+/// The last bytes of a stream cut by shutdown.
+enum Ending {
+    Handler(StreamEnding),
+    Route(RouteShape),
+}
+
+/// A client route's protocol, for the last event of a stream cut by
+/// shutdown when its handler gave none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RouteShape {
+    OpenAi,
+    Anthropic,
+    Responses,
+}
+
+impl RouteShape {
+    fn of(path: &str) -> Self {
+        if is_anthropic_path(path) {
+            Self::Anthropic
+        } else if path == "/v1/responses" || path.starts_with("/v1/responses/") {
+            Self::Responses
+        } else {
+            Self::OpenAi
+        }
+    }
+
+    /// Its error event: OpenAI's `data: {"error": ...}` then `[DONE]`;
+    /// Anthropic's `error` event (what its SDKs raise on); Responses' `error`
+    /// event (a background response's follower reads on with
+    /// `starting_after` elsewhere, so it takes no sequence number of the
+    /// response's).
+    fn ending(self) -> Bytes {
+        let error = shutdown_error();
+        match self {
+            Self::OpenAi => Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", error.body())),
+            Self::Anthropic => Bytes::from(format!(
+                "event: error\ndata: {}\n\n",
+                error.anthropic_body()
+            )),
+            Self::Responses => {
+                let event = serde_json::json!({"type": "error", "code": "router_shutting_down",
+                    "message": error.to_string(), "param": null});
+                Bytes::from(format!("event: error\ndata: {event}\n\n"))
+            }
+        }
+    }
+}
+
+/// Why a stream was cut at the end of the shutdown grace.
+pub fn shutdown_error() -> ApiError {
+    ApiError::Unavailable(
         "the router is shutting down; the stream was cut at the end of its grace period".into(),
-    );
-    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", error.body()))
+    )
 }
 
 impl http_body::Body for CutBody {
@@ -130,22 +199,29 @@ impl http_body::Body for CutBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        if self.ended {
+        if self.ending.is_none() {
             return Poll::Ready(None);
         }
         if self.cut.as_mut().poll(cx).is_ready() {
-            self.ended = true;
-            return Poll::Ready(Some(Ok(Frame::data(shutdown_event()))));
+            let last = match self.ending.take() {
+                Some(Ending::Handler(ending)) => (ending.0)(),
+                Some(Ending::Route(route)) => route.ending(),
+                None => Bytes::new(),
+            };
+            if last.is_empty() {
+                return Poll::Ready(None);
+            }
+            return Poll::Ready(Some(Ok(Frame::data(last))));
         }
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         if let Poll::Ready(None) = polled {
-            self.ended = true;
+            self.ending = None;
         }
         polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || self.inner.is_end_stream()
+        self.ending.is_none() || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> http_body::SizeHint {

@@ -88,6 +88,6 @@ pub async fn metrics(
     ([("content-type", "text/plain; version=0.0.4")], text)
 }
 
-pub async fn not_found(uri: axum::http::Uri) -> ApiError {
-    ApiError::NotFound(format!("no route for {}", uri.path()))
+pub async fn not_found(uri: axum::http::Uri) -> axum::response::Response {
+    ApiError::NotFound(format!("no route for {}", uri.path())).response_for(uri.path())
 }

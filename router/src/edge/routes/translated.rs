@@ -101,6 +101,8 @@ pub struct Driver<T> {
     /// The last events and the whole answer of the chat's end, until they go
     /// out (after what the translation keeps), and whether it failed.
     ending: Option<(Out, Box<RawValue>, bool)>,
+    /// Whether its last events were made (by the chat's end or a cut).
+    ended: bool,
 }
 
 impl<T: Translation> Driver<T> {
@@ -143,6 +145,7 @@ impl<T: Translation> Shared<T> {
             sink,
             started,
             ending: None,
+            ended: false,
         })))
     }
 
@@ -159,6 +162,26 @@ impl<T: Translation> Shared<T> {
     /// The relay's handle on it.
     pub fn translator(&self) -> Box<dyn Translator> {
         Box::new(self.clone())
+    }
+
+    /// The last bytes of a streaming client's stream cut at the end of the
+    /// shutdown grace (`gate::StreamEnding`): the chat's own end when it came
+    /// and has not gone out yet (it waited on what the translation keeps),
+    /// else the translation's failure events, numbered on from its last
+    /// (Responses: `error` and `response.failed`; Messages: its open block
+    /// closed and Anthropic's `error` event). Nothing when the end went out.
+    fn cut(&self) -> Bytes {
+        let mut driver = self.lock();
+        if let Some((out, _, _)) = driver.ending.take() {
+            return driver.send(out).unwrap_or_default();
+        }
+        if std::mem::replace(&mut driver.ended, true) {
+            return Bytes::new();
+        }
+        let error = crate::edge::gate::shutdown_error().body();
+        let mut out = driver.out();
+        driver.translation.fail(&error["error"], &mut out);
+        driver.send(out).unwrap_or_default()
     }
 }
 
@@ -185,6 +208,7 @@ impl<T: Translation> Translator for Shared<T> {
         let mut out = driver.out();
         let whole = driver.translation.finish(usage, &mut out);
         driver.ending = Some((out, whole, false));
+        driver.ended = true;
         driver.translation.keep()
     }
 
@@ -193,6 +217,7 @@ impl<T: Translation> Translator for Shared<T> {
         let mut out = driver.out();
         let whole = driver.translation.fail(&error.body()["error"], &mut out);
         driver.ending = Some((out, whole, true));
+        driver.ended = true;
     }
 
     fn last(&mut self) -> Option<Bytes> {
@@ -296,8 +321,16 @@ pub async fn serve<T: Translation>(
         .await
         .map_err(failed)?;
         Ok(match background {
-            // The session's stream is the translation's.
-            None if stream => chat_response,
+            // The session's stream is the translation's; cut by shutdown, it
+            // ends as the translation fails.
+            None if stream => {
+                let mut response = chat_response;
+                let ending = driver.clone();
+                response
+                    .extensions_mut()
+                    .insert(crate::edge::gate::StreamEnding::new(move || ending.cut()));
+                response
+            }
             None => whole_answer(driver, chat_response).await,
             Some(live) => {
                 // The slot goes with the generation, not with this answer.
