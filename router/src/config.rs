@@ -406,7 +406,7 @@ pub struct RouterConfig {
     #[arg(help_heading = "Secrets and access", long, env = "CONNEX_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
     /// Tenants (TOML: `[[tenant]]` with name, keys, max_concurrent,
-    /// tokens_per_minute, weight, priority; docs/operations.md). Read again
+    /// tokens_per_minute, weight, priority, kv_cache; docs/operations.md). Read again
     /// on SIGHUP and when it changes; a bad file keeps the tenants in force.
     #[arg(help_heading = "Secrets and access", long, env = "CONNEX_TENANTS_FILE")]
     pub tenants_file: Option<PathBuf>,

@@ -413,3 +413,354 @@ async fn a_stored_response_is_its_tenants_alone() {
     let again: Value = read.json().await.unwrap();
     assert_eq!(again["id"], created["id"]);
 }
+
+/// Every generation request `engines` recorded whose body carries `marker`
+/// (in its prompt or messages), with its path; `marker` empty: every one.
+async fn recorded_with(engines: &[&Proc], marker: &str) -> Vec<(String, Value)> {
+    let mut found = Vec::new();
+    for engine in engines {
+        for record in engine_requests(engine).await {
+            let path = record["path"].as_str().unwrap();
+            let generation = path.ends_with("completions") || path == "/inference/v1/generate";
+            let body = &record["body"];
+            if generation && body.to_string().contains(marker) {
+                found.push((record["path"].as_str().unwrap().to_string(), body.clone()));
+            }
+        }
+    }
+    found
+}
+
+async fn post_path_as(router: &Proc, key: &str, path: &str, body: &Value) -> (u16, String) {
+    let response = client()
+        .post(format!("{}{path}", router.url))
+        .bearer_auth(key)
+        .header("anthropic-version", "2023-06-01")
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    (response.status().as_u16(), response.text().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_own_priority_never_jumps_a_prioritized_tenant() {
+    // a is ranked before everyone (lower first); b has no priority of its own.
+    let file = TenantsFile::new(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\npriority = -5\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\n"
+    ));
+    let (router, prefill, decode) = cluster(&["--tenants-file", &file.arg()], "0").await;
+    // (key, what the client asks, what the engines may get).
+    let cases = [
+        (KEY_B, json!(i32::MIN), 0),
+        (KEY_B, json!(-5), 0),
+        (KEY_B, json!(7), 7),
+        (KEY_A, json!(-100), -5),
+        (KEY_A, json!(3), 3),
+    ];
+    for (i, (key, asked, sent)) in cases.iter().enumerate() {
+        let marker = format!("priority case {i}");
+        let body = json!({"model": "mock", "prompt": marker, "max_tokens": 2,
+                          "priority": asked});
+        let (status, text) = post_path_as(&router, key, "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{text}");
+        let records = recorded_with(&[&prefill, &decode], &marker).await;
+        assert_eq!(records.len(), 2, "prefill and decode: {records:?}");
+        for (path, body) in records {
+            assert_eq!(body["priority"], json!(sent), "case {i} at {path}");
+        }
+    }
+    // Not a number: refused, never passed on.
+    let body = json!({"model": "mock", "prompt": "x", "max_tokens": 2, "priority": "high"});
+    let (status, text) = post_path_as(&router, KEY_B, "/v1/completions", &body).await;
+    assert_eq!(status, 400, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_body_is_charged_by_its_bytes() {
+    // 60 tokens a minute each; a body of about 4,000 bytes is about 1,000
+    // tokens.
+    let file = TenantsFile::new(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\ntokens_per_minute = 60\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\ntokens_per_minute = 60\n"
+    ));
+    let (router, _prefill, _decode) = cluster(&["--tenants-file", &file.arg()], "50000").await;
+    let body = serde_json::to_vec(&json!({"model": "mock", "prompt": "word ".repeat(800),
+                                          "max_tokens": 40, "stream": true}))
+    .unwrap();
+    // Sent in pieces, without a Content-Length (chunked).
+    let chunked = |path: &str, key: &str, body: &[u8]| {
+        let pieces: Vec<Result<Vec<u8>, std::io::Error>> =
+            body.chunks(512).map(|c| Ok(c.to_vec())).collect();
+        client()
+            .post(format!("{}{path}", router.url))
+            .bearer_auth(key)
+            .header("content-type", "application/json")
+            .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+                pieces,
+            )))
+            .send()
+    };
+    let streaming = chunked("/v1/completions", KEY_A, &body).await.unwrap();
+    assert_eq!(streaming.status(), 200);
+    assert!(streaming.headers().get("content-length").is_none());
+    // While it runs, its bytes are charged: the tenant's minute is spent.
+    let next = post_as(&router, Some(KEY_A), &completion(1, false)).await;
+    assert_eq!(
+        next.status(),
+        429,
+        "the chunked body was charged as one token"
+    );
+    let error: Value = next.json().await.unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("tokens per minute"),
+        "{error}"
+    );
+    drop(streaming);
+    // A passed-through route's body too (it has no usage to settle from).
+    let embed =
+        serde_json::to_vec(&json!({"model": "mock", "input": "word ".repeat(800)})).unwrap();
+    let embedded = chunked("/v1/embeddings", KEY_B, &embed).await.unwrap();
+    assert_eq!(embedded.status(), 200);
+    let small = json!({"model": "mock", "input": "x"});
+    let next = client()
+        .post(format!("{}/v1/embeddings", router.url))
+        .bearer_auth(KEY_B)
+        .json(&small)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        next.status(),
+        429,
+        "the chunked body was charged as one token"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_isolated_tenant_has_its_own_cache_salt_at_every_engine() {
+    let key_s = "sk-tenant-s-0001";
+    let file = TenantsFile::new(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\nkv_cache = \"isolated\"\n\n\
+         [[tenant]]\nname = \"s\"\nkeys = [\"{key_s}\"]\nkv_cache = \"shared\"\n"
+    ));
+    let (router, prefill, decode) = cluster(&["--tenants-file", &file.arg()], "0").await;
+    let engines = [&prefill, &decode];
+    // (key, route, the client's own salt, the salt the engines may get).
+    let cases: [(&str, &str, Option<&str>, Option<&str>); 7] = [
+        (KEY_A, "/v1/completions", None, Some("tenant:a")),
+        (KEY_B, "/v1/completions", None, Some("tenant:b")),
+        // A client cannot leave its tenant's cache for another's.
+        (
+            KEY_B,
+            "/v1/completions",
+            Some("tenant:a"),
+            Some("tenant:b/tenant:a"),
+        ),
+        (KEY_A, "/v1/chat/completions", None, Some("tenant:a")),
+        // A sharing tenant's requests carry none, and its client cannot
+        // name an isolated tenant's.
+        (key_s, "/v1/completions", None, None),
+        (
+            key_s,
+            "/v1/chat/completions",
+            Some("tenant:a"),
+            Some("client/tenant:a"),
+        ),
+        (KEY_A, "/v1/responses", None, Some("tenant:a")),
+    ];
+    for (i, (key, path, asked, sent)) in cases.iter().enumerate() {
+        let marker = format!("salt case {i}");
+        let mut body = match *path {
+            "/v1/completions" => json!({"model": "mock", "prompt": marker, "max_tokens": 2}),
+            "/v1/responses" => json!({"model": "mock", "input": marker, "max_output_tokens": 2}),
+            _ => json!({"model": "mock", "max_tokens": 2,
+                        "messages": [{"role": "user", "content": marker}]}),
+        };
+        if let Some(asked) = asked {
+            body["cache_salt"] = json!(asked);
+        }
+        let (status, text) = post_path_as(&router, key, path, &body).await;
+        assert_eq!(status, 200, "{text}");
+        let records = recorded_with(&engines, &marker).await;
+        assert_eq!(records.len(), 2, "prefill and decode: {records:?}");
+        for (at, body) in records {
+            assert_eq!(
+                body.get("cache_salt").and_then(Value::as_str),
+                *sent,
+                "case {i} at {at}"
+            );
+        }
+    }
+    // Messages too.
+    let body = json!({"model": "mock", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": "salt messages"}]});
+    let (status, text) = post_path_as(&router, KEY_A, "/v1/messages", &body).await;
+    assert_eq!(status, 200, "{text}");
+    for (at, body) in recorded_with(&engines, "salt messages").await {
+        assert_eq!(body["cache_salt"], "tenant:a", "{at}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_chat_keeps_its_tenants_cache_salt() {
+    let file = TenantsFile::new(&format!("[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\n"));
+    // d0 crashes after 10 tokens; d1 continues through vLLM's tokens API.
+    let crashing = [
+        "--crash-after-tokens",
+        "10",
+        "--decode-us-per-token",
+        "1000",
+    ];
+    let (router, [prefill, _d0, d1]) =
+        scale_out_cluster(&["--tenants-file", &file.arg()], &crashing).await;
+    let body = json!({"model": "mock", "max_tokens": 30, "stream": true,
+                      "messages": [{"role": "user", "content": "salt resumed"}]});
+    let (status, text) = post_path_as(&router, KEY_A, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    let chunks = sse_events(&text);
+    assert!(chunks.iter().all(|c| c.get("error").is_none()), "{text}");
+    // d1 saw only this request: its continuation, by token ids.
+    let continued: Vec<(String, Value)> = recorded_with(&[&d1], "").await;
+    assert!(
+        continued
+            .iter()
+            .any(|(at, _)| at == "/inference/v1/generate"),
+        "the second decoder continued the chat: {continued:?}"
+    );
+    for (at, body) in continued
+        .iter()
+        .chain(&recorded_with(&[&prefill], "salt resumed").await)
+    {
+        assert_eq!(body["cache_salt"], "tenant:a", "{at}");
+    }
+}
+
+/// Blocks the router has indexed for `engine`.
+async fn indexed_blocks(router: &Proc, engine: &Proc) -> u64 {
+    instances(router)
+        .await
+        .iter()
+        .find(|i| i["url"] == engine.url.as_str())
+        .and_then(|i| i["prefix_index_blocks"].as_u64())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_cached_prefix_neither_serves_nor_draws_another_tenant() {
+    let (key_s, key_t) = ("sk-tenant-s-0001", "sk-tenant-t-0001");
+    let file = TenantsFile::new(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\n\n\
+         [[tenant]]\nname = \"s\"\nkeys = [\"{key_s}\"]\nkv_cache = \"shared\"\n\n\
+         [[tenant]]\nname = \"t\"\nkeys = [\"{key_t}\"]\nkv_cache = \"shared\"\n"
+    ));
+    // Two prefills with prefix caches (blocks of 16 byte-tokens) reporting KV
+    // events, chosen by cached prefix.
+    let cache: &[&str] = &["--prefix-cache-blocks", "4096", "--block-size", "16"];
+    let (router, [p0, p1, _decode]) = pd_cluster(
+        &[
+            "--tenants-file",
+            &file.arg(),
+            "--prefill-policy",
+            "cache_aware",
+        ],
+        [("prefill", cache), ("prefill", cache), ("decode", &[])],
+    )
+    .await;
+    // A system prompt of 512 byte-tokens (32 blocks) every request shares.
+    let system: String = (0..64).map(|i| format!("rule{i:03} ")).collect();
+    let chat = |user: &str| {
+        json!({"model": "mock", "max_tokens": 2, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": user}]})
+    };
+    let cache_decisions = || async {
+        metric(
+            &metrics_text(&router).await,
+            "connex_routing_decisions_total",
+            &["phase=\"prefill\"", "reason=\"cache\""],
+        )
+    };
+    // The prompt tokens the prefill that served `marker` computed itself.
+    let computed = |marker: &'static str| {
+        let engines = [&p0, &p1];
+        async move {
+            let records = recorded_with(&engines, marker).await;
+            assert_eq!(records.len(), 1, "{records:?}");
+            let mut found = None;
+            for engine in engines {
+                for record in engine_generations(engine).await {
+                    if record["body"].to_string().contains(marker) {
+                        found = Some(record["computed_prompt_tokens"].as_u64().unwrap());
+                    }
+                }
+            }
+            found.unwrap()
+        }
+    };
+    // Tenant a's prompt, indexed under its salt on the prefill that ran it.
+    let (status, text) =
+        post_path_as(&router, KEY_A, "/v1/chat/completions", &chat("a first")).await;
+    assert_eq!(status, 200, "{text}");
+    let holder = if recorded_with(&[&p0], "a first").await.is_empty() {
+        &p1
+    } else {
+        &p0
+    };
+    eventually(
+        Duration::from_secs(5),
+        "tenant a's blocks are indexed",
+        || async { indexed_blocks(&router, holder).await >= 32 },
+    )
+    .await;
+    // a's next prompt is drawn to them and served from them.
+    let (status, text) =
+        post_path_as(&router, KEY_A, "/v1/chat/completions", &chat("a again")).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(recorded_with(&[holder], "a again").await.len(), 1);
+    assert!(computed("a again").await < 100);
+    assert_eq!(cache_decisions().await, 1.0);
+    // b's same prompt is neither drawn to a's prefix nor served from it.
+    let (status, text) =
+        post_path_as(&router, KEY_B, "/v1/chat/completions", &chat("b first")).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(computed("b first").await >= 512, "b hit tenant a's cache");
+    assert_eq!(cache_decisions().await, 1.0, "b was drawn to a's prefix");
+    // Tenants that share on purpose share: t is served from s's prefix.
+    let indexed =
+        || async { indexed_blocks(&router, &p0).await + indexed_blocks(&router, &p1).await };
+    eventually(
+        Duration::from_secs(5),
+        "tenant b's blocks are indexed",
+        || async { indexed().await >= 64 },
+    )
+    .await;
+    let before_s = indexed().await;
+    let (status, text) =
+        post_path_as(&router, key_s, "/v1/chat/completions", &chat("s first")).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(
+        computed("s first").await >= 512,
+        "s hit an isolated tenant's cache"
+    );
+    let before = cache_decisions().await;
+    eventually(
+        Duration::from_secs(5),
+        "tenant s's blocks are indexed",
+        || async { indexed().await >= before_s + 32 },
+    )
+    .await;
+    let (status, text) =
+        post_path_as(&router, key_t, "/v1/chat/completions", &chat("t first")).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(
+        computed("t first").await < 100,
+        "t did not share s's prefix"
+    );
+    assert_eq!(cache_decisions().await, before + 1.0);
+}

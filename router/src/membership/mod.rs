@@ -316,11 +316,16 @@ impl Instance {
 
     /// Records a prompt the router sent here, for an engine that reports no
     /// KV events (see [`BlockIndex::remember`]).
-    pub fn remember_prompt(&self, ids: &[u32], block_size: usize, cap: usize) {
+    pub fn remember_prompt(
+        &self,
+        prompt: crate::prefix::hash::Prompt<'_>,
+        block_size: usize,
+        cap: usize,
+    ) {
         self.blocks
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remember(ids, block_size, cap);
+            .remember(prompt, block_size, cap);
     }
 
     fn apply_kv_events(&self, batch: &KvEventBatch, cap: usize) {

@@ -9,6 +9,7 @@ use super::flow::Flow;
 use super::upstream::{ByteStream, Call, CallError, Opened};
 use crate::error::ApiError;
 use crate::membership::{Instance, LoadGuard, Pick};
+use crate::prefix::hash::Prompt;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::output::Source;
 use crate::protocols::openai::patch::Patch;
@@ -64,7 +65,7 @@ pub fn choose(
     state: &Flow,
     model: &str,
     failed: &[String],
-    prompt: Option<&[u32]>,
+    prompt: Option<Prompt<'_>>,
 ) -> Option<Arc<Instance>> {
     let candidates = state.registry.eligible(model, Pick::Decode);
     let mut avoid = state

@@ -44,6 +44,10 @@ use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The client body's fields a continuation's `generate` request carries as
+/// they are (the tenant's, set by the router: not left to render's echo).
+const CARRIED: [&str; 2] = ["priority", "cache_salt"];
+
 /// The client's chat request as prompt ids and sampling parameters.
 pub const RENDER_PATH: &str = "/v1/chat/completions/render";
 /// Token ids in, token ids out.
@@ -147,9 +151,12 @@ pub async fn render(
 /// The `generate` body that continues a chat after `generated` tokens:
 /// render's request with prompt + generated as its tokens, what is left of
 /// `max_tokens` and `min_tokens`, one sequence, no prompt logprobs (the first
-/// decoder gave them), streamed with usage, pulling the hold with `kv`.
+/// decoder gave them), streamed with usage, pulling the hold with `kv`; the
+/// client body's `priority` and `cache_salt` (its tenant's, as the router set
+/// them) whatever render echoed of them.
 pub fn generate_body(
     rendered: &Value,
+    client: &ClientBody,
     prompt: &[u32],
     generated: &[u32],
     kv: &Value,
@@ -168,7 +175,13 @@ pub fn generate_body(
     sampling.insert("n".into(), json!(1));
     sampling.insert("prompt_logprobs".into(), Value::Null);
     let remove = ["features", "token_offsets", "content_parts"];
-    Ok(Patch::of_value(rendered, &remove)
+    let mut patch = Patch::of_value(rendered, &remove);
+    for key in CARRIED {
+        if let Some(value) = client.get(key) {
+            patch = patch.value(key, value.clone());
+        }
+    }
+    Ok(patch
         .set("token_ids", Set::Ids(prompt, generated))
         .value("sampling_params", Value::Object(sampling))
         .value("output_mode", json!("tokens"))
@@ -504,9 +517,13 @@ mod tests {
             "features": null, "sampling_params": {"max_tokens": 10, "min_tokens": 4,
             "temperature": 0.0, "n": 1, "prompt_logprobs": 2}, "model": "m", "stream": false});
         let kv = json!({"transfer_id": "t", "resume_epoch": 1});
-        let body: Value =
-            serde_json::from_slice(&generate_body(&rendered, &[1, 2], &[7, 8, 9], &kv).unwrap())
-                .unwrap();
+        let client = ClientBody::of(json!({"priority": 3, "cache_salt": "tenant:a"}));
+        let body: Value = serde_json::from_slice(
+            &generate_body(&rendered, &client, &[1, 2], &[7, 8, 9], &kv).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(body["priority"], 3, "the client body's, not render's");
+        assert_eq!(body["cache_salt"], "tenant:a");
         assert_eq!(body["token_ids"], json!([1, 2, 7, 8, 9]));
         assert_eq!(body["sampling_params"]["max_tokens"], 7);
         assert_eq!(body["sampling_params"]["min_tokens"], 1);
@@ -516,7 +533,8 @@ mod tests {
         assert_eq!(body["output_mode"], "tokens");
         assert_eq!(body["kv_transfer_params"], kv);
         assert!(body.get("features").is_none());
-        assert!(generate_body(&json!({"token_ids": [1]}), &[1], &[2], &kv).is_err());
+        let none = ClientBody::default();
+        assert!(generate_body(&json!({"token_ids": [1]}), &none, &[1], &[2], &kv).is_err());
     }
 
     #[test]

@@ -8,6 +8,7 @@ use super::upstream::{Call, CallError, Reply};
 use crate::error::ApiError;
 use crate::hold_leases::Hold;
 use crate::membership::{Instance, Pick};
+use crate::prefix::hash::Prompt;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::patch::{Patch, Set};
 use crate::protocols::openai::request::{RequestInfo, Route};
@@ -98,7 +99,9 @@ pub async fn run(
     let mut last_error = None;
     for attempt in 0..2 {
         let candidates = state.registry.eligible(&info.model, Pick::Prefill);
-        let Some(decision) = state.prefill.select_for(&candidates, &tried, prompt) else {
+        // The prompt under its `cache_salt`: only its own salt's prefixes match.
+        let salted = prompt.map(|ids| Prompt::new(ids, info.cache_root));
+        let Some(decision) = state.prefill.select_for(&candidates, &tried, salted) else {
             break;
         };
         if let Some(reason) = decision.reason {
@@ -175,7 +178,7 @@ pub async fn run(
                 );
                 if state.prefill.wants_prompt() {
                     instance.remember_prompt(
-                        &prefilled.prompt_token_ids,
+                        Prompt::new(&prefilled.prompt_token_ids, info.cache_root),
                         state.settings.kv_block_size,
                         state.settings.prefix_index_blocks,
                     );

@@ -588,6 +588,7 @@ mod tests {
             echo_text: None,
             hide_reasoning: false,
             forced_tool_call: false,
+            cache_root: crate::prefix::hash::ROOT,
         }
     }
 

@@ -22,6 +22,7 @@ use crate::error::ApiError;
 use crate::hold_leases::{Hold, HoldLease};
 use crate::journal::{ChoiceProgress, JournalHandle, Phase};
 use crate::membership::Instance;
+use crate::prefix::hash::Prompt;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::output::Source;
 use crate::protocols::openai::request::{RequestInfo, Route};
@@ -181,7 +182,9 @@ impl Session {
                 &self.state,
                 &self.info.model,
                 &self.failed,
-                prompt.as_deref(),
+                prompt
+                    .as_deref()
+                    .map(|ids| Prompt::new(ids, self.info.cache_root)),
                 wait,
             )
             .await
@@ -382,10 +385,11 @@ impl Session {
         };
         let mut lanes = Vec::with_capacity(open.len());
         for (index, choice) in &open {
-            let payload = derender::generate_body(&rendered, &prompt, &choice.token_ids, &kv)
-                .map_err(|message| {
-                    OpenError::Failed(Failure::new(&decoder.id, Cause::Protocol, message))
-                })?;
+            let payload =
+                derender::generate_body(&rendered, &self.body, &prompt, &choice.token_ids, &kv)
+                    .map_err(|message| {
+                        OpenError::Failed(Failure::new(&decoder.id, Cause::Protocol, message))
+                    })?;
             let derender = Derender::start(target.clone(), &self.body, &prompt, choice)
                 .await
                 .map_err(OpenError::Failed)?;
@@ -645,7 +649,7 @@ async fn wait_for_decoder(
     state: &Flow,
     model: &str,
     failed: &[String],
-    prompt: Option<&[u32]>,
+    prompt: Option<Prompt<'_>>,
     wait: Duration,
 ) -> Option<Arc<Instance>> {
     let deadline = Instant::now() + wait;

@@ -12,7 +12,7 @@
 //! (fed by its KV events); load from [`super::load::score`].
 
 use crate::membership::Instance;
-use crate::prefix::hash;
+use crate::prefix::hash::{self, Prompt};
 use std::sync::Arc;
 
 /// `--cache-threshold`, `--balance-abs-threshold`, `--balance-rel-threshold`.
@@ -66,7 +66,7 @@ pub struct Scored<'a> {
 
 /// The prompt's cached tokens on each candidate (0 where the instance sent no
 /// events), hashing the prompt once per block size in use.
-pub fn hits(candidates: &[&Arc<Instance>], prompt: &[u32]) -> Vec<usize> {
+pub fn hits(candidates: &[&Arc<Instance>], prompt: Prompt<'_>) -> Vec<usize> {
     let mut chains: Vec<(usize, Vec<u64>)> = Vec::new();
     candidates
         .iter()
@@ -78,7 +78,7 @@ pub fn hits(candidates: &[&Arc<Instance>], prompt: &[u32]) -> Vec<usize> {
                 let at = match chains.iter().position(|(s, _)| *s == size) {
                     Some(at) => at,
                     None => {
-                        chains.push((size, hash::chain(prompt, size)));
+                        chains.push((size, hash::chain_from(prompt.root, prompt.ids, size)));
                         chains.len() - 1
                     }
                 };

@@ -6,6 +6,7 @@ pub mod load;
 pub mod outlier;
 
 use crate::membership::Instance;
+use crate::prefix::hash::Prompt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,7 +61,7 @@ impl Selector {
         &self,
         candidates: &[Arc<Instance>],
         exclude: &[String],
-        prompt: Option<&[u32]>,
+        prompt: Option<Prompt<'_>>,
     ) -> Option<Decision> {
         if self.kind != PolicyKind::CacheAware {
             return self.select(candidates, exclude).map(|instance| Decision {
@@ -94,7 +95,7 @@ impl Selector {
                 hit_tokens,
             })
             .collect();
-        let prompt_len = prompt.map_or(0, <[u32]>::len);
+        let prompt_len = prompt.map_or(0, |p| p.ids.len());
         let (at, reason) = cache::choose(&scored, prompt_len, self.thresholds);
         Some(Decision {
             instance: scored[at].instance.clone(),
@@ -247,6 +248,7 @@ mod cache_tests {
 
     fn choose(selector: &Selector, registry: &Registry, prompt: &[u32]) -> (String, cache::Reason) {
         let candidates = registry.eligible("m", Pick::Prefill);
+        let prompt = Prompt::new(prompt, crate::prefix::hash::ROOT);
         let d = selector.select_for(&candidates, &[], Some(prompt)).unwrap();
         (d.instance.id.clone(), d.reason.unwrap())
     }

@@ -125,29 +125,54 @@ impl KvEvent {
     /// Whether a BlockStored describes plain token blocks of the engine's own
     /// (GPU) cache, group 0: the only ones a prompt's tokens can match.
     pub fn is_plain_prefix(&self) -> bool {
-        match self {
-            KvEvent::BlockStored {
-                lora_id,
-                lora_name,
-                medium,
-                extra_keys,
-                group_idx,
-                ..
-            } => {
-                let no_extras = match extra_keys {
-                    None | Some(serde_json::Value::Null) => true,
-                    Some(serde_json::Value::Array(per_block)) => per_block
-                        .iter()
-                        .all(|k| k.is_null() || k.as_array().is_some_and(Vec::is_empty)),
-                    Some(_) => false,
-                };
-                lora_id.as_ref().is_none_or(serde_json::Value::is_null)
-                    && lora_name.is_none()
-                    && medium.as_deref().is_none_or(|m| m == "GPU")
-                    && no_extras
-                    && group_idx.unwrap_or(0) == 0
-            }
-            _ => false,
+        self.prefix_salt() == Some(None)
+    }
+
+    /// The `cache_salt` a BlockStored's blocks were stored under, for one
+    /// the router can index: `Some(None)` for plain token blocks of the
+    /// engine's own (GPU) cache, group 0; `Some(Some(salt))` for the same
+    /// whose first block, a prompt's first (no parent), carries one string
+    /// key, its salt (vLLM mixes a request's `cache_salt` into its first
+    /// block only); `None` for any other (LoRA, multimodal, another medium
+    /// or group), which no prompt's tokens can match.
+    pub fn prefix_salt(&self) -> Option<Option<&str>> {
+        let KvEvent::BlockStored {
+            lora_id,
+            lora_name,
+            medium,
+            extra_keys,
+            group_idx,
+            parent_block_hash,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let own_cache = lora_id.as_ref().is_none_or(serde_json::Value::is_null)
+            && lora_name.is_none()
+            && medium.as_deref().is_none_or(|m| m == "GPU")
+            && group_idx.unwrap_or(0) == 0;
+        if !own_cache {
+            return None;
+        }
+        let none = |k: &serde_json::Value| k.is_null() || k.as_array().is_some_and(Vec::is_empty);
+        match extra_keys {
+            None | Some(serde_json::Value::Null) => Some(None),
+            Some(serde_json::Value::Array(per_block)) => match per_block.split_first() {
+                None => Some(None),
+                Some((first, rest)) if rest.iter().all(none) => {
+                    if none(first) {
+                        return Some(None);
+                    }
+                    let salt = match first.as_array().map(Vec::as_slice) {
+                        Some([serde_json::Value::String(salt)]) => salt.as_str(),
+                        _ => return None,
+                    };
+                    parent_block_hash.is_none().then_some(Some(salt))
+                }
+                Some(_) => None,
+            },
+            Some(_) => None,
         }
     }
 }
@@ -182,5 +207,18 @@ mod tests {
         ]}))
         .unwrap();
         assert!(!salted.events[0].is_plain_prefix());
+        assert_eq!(salted.events[0].prefix_salt(), Some(Some("salt")));
+        let odd: KvEventBatch = serde_json::from_value(json!({"events": [
+            {"type": "BlockStored", "block_hashes": [1, 2], "token_ids": [1, 2], "block_size": 1,
+             "extra_keys": [null, ["salt"]]},
+            {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1,
+             "parent_block_hash": 7, "extra_keys": [["salt"]]},
+            {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1,
+             "extra_keys": [["salt", "mm-hash"]]}
+        ]}))
+        .unwrap();
+        for event in &odd.events {
+            assert_eq!(event.prefix_salt(), None, "{event:?}");
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! the router then merely misses a hit).
 
 use super::events::{EngineHash, KvEvent};
-use super::hash;
+use super::hash::{self, Prompt};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
@@ -131,7 +131,7 @@ impl BlockIndex {
     /// The approximate index of an engine that sends no KV events: the full
     /// blocks of a prompt the router sent there, assumed cached until the cap
     /// pushes them out (the oldest first, as an engine's LRU would).
-    pub fn remember(&mut self, ids: &[u32], block_size: usize, cap: usize) {
+    pub fn remember(&mut self, prompt: Prompt<'_>, block_size: usize, cap: usize) {
         if self.reported || block_size == 0 {
             return;
         }
@@ -139,7 +139,7 @@ impl BlockIndex {
             self.clear();
             self.block_size = Some(block_size);
         }
-        for chain in hash::chain(ids, block_size) {
+        for chain in hash::chain_from(prompt.root, prompt.ids, block_size) {
             self.insert(chain, EngineHash(chain), cap);
         }
     }
@@ -182,7 +182,10 @@ impl BlockIndex {
                 block_size,
                 ..
             } => {
-                if !event.is_plain_prefix() || *block_size == 0 {
+                let Some(salt) = event.prefix_salt() else {
+                    return;
+                };
+                if *block_size == 0 {
                     return;
                 }
                 if self.block_size != Some(*block_size) {
@@ -191,7 +194,8 @@ impl BlockIndex {
                     self.block_size = Some(*block_size);
                 }
                 let parent = match parent_block_hash {
-                    None => hash::ROOT,
+                    // A salted prompt's chain starts at its salt's root.
+                    None => hash::root(salt),
                     Some(engine) => match self.by_engine.get(engine) {
                         Some(chain) => *chain,
                         // A parent never reported or forgotten: these blocks
@@ -244,6 +248,21 @@ mod tests {
     use super::*;
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], size: usize) -> KvEvent {
+        salted(hashes, parent, tokens, size, None)
+    }
+
+    fn salted(
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        size: usize,
+        salt: Option<&str>,
+    ) -> KvEvent {
+        let extra_keys = salt.map(|salt| {
+            let mut keys = vec![serde_json::json!([salt])];
+            keys.resize(hashes.len(), serde_json::Value::Null);
+            serde_json::Value::Array(keys)
+        });
         KvEvent::BlockStored {
             block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
             parent_block_hash: parent.map(EngineHash),
@@ -252,9 +271,39 @@ mod tests {
             lora_id: None,
             lora_name: None,
             medium: None,
-            extra_keys: None,
+            extra_keys,
             group_idx: None,
         }
+    }
+
+    #[test]
+    fn a_salted_prompt_matches_only_under_its_own_salt() {
+        let mut index = BlockIndex::default();
+        // Tenant a's prompt, stored under its salt in two events.
+        index.apply(
+            &salted(&[100, 101], None, &[1, 2, 3, 4], 2, Some("tenant:a")),
+            64,
+        );
+        index.apply(&stored(&[102], Some(101), &[5, 6], 2), 64);
+        let ids = [1, 2, 3, 4, 5, 6, 7];
+        let under = |salt| hash::chain_from(hash::root(salt), &ids, 2);
+        assert_eq!(index.matched_blocks(&under(Some("tenant:a"))), 3);
+        assert_eq!(index.matched_blocks(&under(Some("tenant:b"))), 0);
+        assert_eq!(
+            index.matched_blocks(&under(None)),
+            0,
+            "not an unsalted prefix"
+        );
+        // The same tokens unsalted are a chain of their own.
+        index.apply(&stored(&[200], None, &[1, 2], 2), 64);
+        assert_eq!(index.matched_blocks(&under(None)), 1);
+        assert_eq!(index.matched_blocks(&under(Some("tenant:b"))), 0);
+        // Without events, what the router sent is remembered under its salt.
+        let mut guessed = BlockIndex::default();
+        let root = hash::root(Some("tenant:a"));
+        guessed.remember(Prompt::new(&ids, root), 2, 64);
+        assert_eq!(guessed.matched_blocks(&under(Some("tenant:a"))), 3);
+        assert_eq!(guessed.matched_blocks(&under(Some("tenant:b"))), 0);
     }
 
     #[test]
@@ -286,13 +335,13 @@ mod tests {
     fn sent_prompts_stand_in_for_events_until_the_first_event() {
         let mut index = BlockIndex::default();
         let ids: Vec<u32> = (0..10).collect();
-        index.remember(&ids, 4, 64);
+        index.remember(Prompt::new(&ids, hash::ROOT), 4, 64);
         assert_eq!(index.matched_blocks(&hash::chain(&ids, 4)), 2);
         assert!(!index.is_reported());
         index.apply(&stored(&[1], None, &[9, 9, 9, 9], 4), 64);
         assert!(index.is_reported());
         assert_eq!(index.matched_blocks(&hash::chain(&ids, 4)), 0);
-        index.remember(&ids, 4, 64);
+        index.remember(Prompt::new(&ids, hash::ROOT), 4, 64);
         assert_eq!(index.len(), 1, "an engine that reports is not guessed");
     }
 

@@ -9,6 +9,7 @@
 //! tokens_per_minute = 200000   # prompt + completion
 //! weight = 3                   # share of the router under contention
 //! priority = 0                 # vLLM's `priority` (lower first), and admission order
+//! kv_cache = "isolated"         # or "shared": whether its prompts share the engines' KV caches
 //! ```
 
 use serde::Deserialize;
@@ -63,6 +64,24 @@ pub struct TenantSpec {
     /// queued requests of a lower value are admitted first.
     #[serde(default)]
     pub priority: Option<i32>,
+    /// Whether the tenant's prompts share the engines' KV caches with other
+    /// tenants' (`shared`) or not (`isolated`, the default): an isolated
+    /// tenant's requests carry its own vLLM `cache_salt`, so that no other
+    /// tenant can hit (and time) its cached prefixes, nor it theirs.
+    #[serde(default)]
+    pub kv_cache: KvCache,
+}
+
+/// A tenant's place in the engines' KV caches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvCache {
+    /// Its own: its requests carry the tenant's `cache_salt`.
+    #[default]
+    Isolated,
+    /// Shared with every other shared tenant (on purpose: one prompt
+    /// prefix served to several tenants is computed once).
+    Shared,
 }
 
 fn default_weight() -> u32 {
@@ -80,6 +99,9 @@ impl TenantSpec {
             tokens_per_minute: None,
             weight: default_weight(),
             priority: None,
+            // It is the only tenant, or sits beside a file's whose own
+            // setting isolates them.
+            kv_cache: KvCache::Shared,
         }
     }
 }
@@ -167,6 +189,7 @@ mod tests {
             tokens_per_minute = 1000
             weight = 3
             priority = -1
+            kv_cache = "shared"
 
             [[tenant]]
             name = "batch"
@@ -179,6 +202,12 @@ mod tests {
         assert_eq!(tenants[0].priority, Some(-1));
         assert_eq!(tenants[1].weight, 1);
         assert_eq!(tenants[1].max_concurrent, None);
+        assert_eq!(tenants[0].kv_cache, KvCache::Shared);
+        assert_eq!(
+            tenants[1].kv_cache,
+            KvCache::Isolated,
+            "isolated unless said"
+        );
     }
 
     #[test]
@@ -190,6 +219,7 @@ mod tests {
             ("[[tenant]]\nname = \"a\"\nkeys = [\"sk-0000000\"]\nweight = 0\n", "`weight`"),
             ("[[tenant]]\nname = \"a\"\nkeys = [\"sk-0000000\"]\nmax_concurrent = 0\n", "max_concurrent"),
             ("[[tenant]]\nname = \"a\"\nkeys = [\"sk-0000000\"]\nburst = 3\n", "unknown field"),
+            ("[[tenant]]\nname = \"a\"\nkeys = [\"sk-0000000\"]\nkv_cache = \"open\"\n", "unknown variant"),
             (
                 "[[tenant]]\nname = \"a\"\nkeys = [\"sk-0000000\"]\n[[tenant]]\nname = \"a\"\nkeys = [\"sk-1111111\"]\n",
                 "two tenants",

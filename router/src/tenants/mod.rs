@@ -6,8 +6,11 @@
 //!   open, and every caller is the tenant `default`.
 //! - **Tenants** (`file`): each key belongs to a tenant with optional limits,
 //!   applied on admission: `max_concurrent` (429 at once past it) and
-//!   `tokens_per_minute` (`bucket`: charged an estimate on admission,
-//!   settled from the request's usage when it ends).
+//!   `tokens_per_minute` (`bucket`: charged an estimate on admission, the
+//!   rest of the body's bytes once they are read, settled from the request's
+//!   usage when it ends).
+//! - **Engine fields** (`Caller`): a client's own vLLM `priority` bounded by
+//!   its tenant's, and the tenant's `cache_salt` (its KV cache isolation).
 //! - **Fair admission** (`queue`): past `--max-concurrent-requests`, requests
 //!   wait in per-tenant queues served by priority, then weight; bounded in
 //!   length and wait, then 429 with `Retry-After`.
@@ -56,6 +59,8 @@ pub struct TenantsConfig {
 pub struct Tenant {
     pub name: Arc<str>,
     spec: TenantSpec,
+    /// Its `cache_salt`, when its KV cache is its own.
+    cache_salt: Option<Arc<str>>,
     counters: Arc<Counters>,
 }
 
@@ -84,13 +89,18 @@ pub struct Tenants {
 }
 
 /// What an admitted request's handlers learn of its caller (a request
-/// extension): the tenant's name for logs and traces, its priority for the
-/// engines, and where the request's usage is written for the settlement.
+/// extension): the tenant's name for logs and traces, its priority and KV
+/// salt for the engines, and where the request's usage is written for the
+/// settlement.
 #[derive(Debug, Clone)]
 pub struct Caller {
     pub tenant: Arc<str>,
     pub priority: Option<i32>,
+    /// The tenant's `cache_salt` (`None`: it shares the engines' caches).
+    pub cache_salt: Option<Arc<str>>,
     pub usage: Arc<Usage>,
+    /// The tenant's counters, for the charge of the body once it is read.
+    counters: Arc<Counters>,
 }
 
 impl Caller {
@@ -99,8 +109,78 @@ impl Caller {
         Self {
             tenant: tenant.name.clone(),
             priority: tenant.spec.priority,
+            cache_salt: tenant.cache_salt.clone(),
             usage: Arc::new(Usage::default()),
+            counters: tenant.counters.clone(),
         }
+    }
+
+    /// Charges the tenant's tokens per minute for a body of `bytes` read
+    /// whole, beyond what its admission charged (its Content-Length, or one
+    /// token for a body of unknown length): a chunked body costs what it
+    /// holds. 429 when the tenant's balance is spent, before any engine
+    /// works on it.
+    pub fn charge_body(&self, bytes: usize) -> Result<(), ApiError> {
+        let tokens = body_tokens(bytes as u64);
+        let charged = self.usage.charged.load(Ordering::Relaxed);
+        let Some(more) = tokens.checked_sub(charged).filter(|more| *more > 0) else {
+            return Ok(());
+        };
+        let mut bucket = self.counters.lock_bucket();
+        let Some(bucket) = bucket.as_mut() else {
+            return Ok(());
+        };
+        if let Err(wait) = bucket.take(more, Instant::now()) {
+            crate::observe::metrics::tenant_rejected(&self.tenant, "tokens_per_minute");
+            return Err(ApiError::RateLimited {
+                message: format!(
+                    "tenant `{}` has used its tokens per minute; retry later",
+                    self.tenant
+                ),
+                retry_after_s: wait.as_secs().max(1),
+            });
+        }
+        self.usage.charged.fetch_add(more, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The `priority` the engines get for a request that asked for `asked`
+    /// (lower is served first): the client's own only at or after its
+    /// tenant's (a tenant without one is at vLLM's default, 0), so that no
+    /// client jumps a tenant ranked before its own; the tenant's when the
+    /// client asked none. `None`: nothing to send. 400 for a priority that
+    /// is not an integer.
+    pub fn priority_for(&self, asked: Option<&serde_json::Value>) -> Result<Option<i64>, ApiError> {
+        bounded_priority(asked, self.priority)
+    }
+
+    /// The `cache_salt` the engines get for a request that asked for
+    /// `asked` (see [`engine_cache_salt`]).
+    pub fn cache_salt_for(
+        &self,
+        asked: Option<&serde_json::Value>,
+    ) -> Result<Option<String>, ApiError> {
+        engine_cache_salt(asked, self.cache_salt.as_deref())
+    }
+}
+
+/// See [`Caller::priority_for`] (`tenant`: the tenant's priority).
+pub fn bounded_priority(
+    asked: Option<&serde_json::Value>,
+    tenant: Option<i32>,
+) -> Result<Option<i64>, ApiError> {
+    let floor = i64::from(tenant.unwrap_or(0));
+    match asked {
+        None | Some(serde_json::Value::Null) => Ok(tenant.map(i64::from)),
+        Some(value) => match (value.as_i64(), value.as_u64()) {
+            (Some(asked), _) => Ok(Some(asked.max(floor))),
+            // Past i64: after every tenant's.
+            (None, Some(_)) => Ok(Some(i64::MAX)),
+            (None, None) => Err(ApiError::bad_request(
+                "`priority` must be an integer",
+                Some("priority"),
+            )),
+        },
     }
 }
 
@@ -110,6 +190,9 @@ pub struct Usage {
     prompt: AtomicU64,
     completion: AtomicU64,
     known: std::sync::atomic::AtomicBool,
+    /// Tokens charged for it so far (the estimate on admission, then the
+    /// rest of its body's once read): what the settlement gives back.
+    charged: AtomicU64,
 }
 
 impl Usage {
@@ -135,7 +218,6 @@ impl Usage {
 pub struct Admission {
     _slot: queue::Slot,
     tenant: Arc<Tenant>,
-    estimate: u64,
     usage: Arc<Usage>,
 }
 
@@ -147,10 +229,11 @@ impl Drop for Admission {
             crate::observe::metrics::tenant_tokens(&self.tenant.name, prompt, completion);
         }
         if self.tenant.spec.tokens_per_minute.is_some() {
-            let used = used.map_or(self.estimate, |(p, c)| p + c);
+            let charged = self.usage.charged.load(Ordering::Relaxed);
+            let used = used.map_or(charged, |(p, c)| p + c);
             let mut bucket = self.tenant.counters.lock_bucket();
             if let Some(bucket) = bucket.as_mut() {
-                bucket.settle(self.estimate, used, Instant::now());
+                bucket.settle(charged, used, Instant::now());
             }
         }
     }
@@ -240,6 +323,10 @@ impl Tenants {
             keys.extend(spec.keys.iter().map(|key| (key.clone(), index)));
             tenants.push(Arc::new(Tenant {
                 name: spec.name.as_str().into(),
+                cache_salt: match spec.kv_cache {
+                    file::KvCache::Isolated => Some(tenant_salt(&spec.name).into()),
+                    file::KvCache::Shared => None,
+                },
                 spec,
                 counters: shared,
             }));
@@ -351,12 +438,12 @@ impl Tenants {
         std::mem::forget(counted);
         crate::observe::metrics::tenant_admitted(&tenant.name, queued.elapsed());
         let caller = Caller::of(&tenant);
+        caller.usage.charged.store(estimate, Ordering::Relaxed);
         let usage = caller.usage.clone();
         Ok((
             Admission {
                 _slot: slot,
                 tenant,
-                estimate,
                 usage,
             },
             caller,
@@ -364,12 +451,96 @@ impl Tenants {
     }
 }
 
-/// A request's tokens before its body is read: its body's length at about
-/// four bytes a token (settled from its usage when it ends).
+/// A request's tokens before its body is read: its declared length at about
+/// four bytes a token, one without a length (the rest is charged once the
+/// body is read, [`Caller::charge_body`]; all settled from its usage when it
+/// ends).
 fn estimate(headers: &HeaderMap) -> u64 {
     headers
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
-        .map_or(1, |bytes| (bytes / BYTES_PER_TOKEN_ESTIMATE).max(1))
+        .map_or(1, body_tokens)
+}
+
+/// The `cache_salt` of isolated tenant `name`. Client salts are put under
+/// another prefix ([`engine_cache_salt`]), and names hold no `/`: no client
+/// can send a tenant's salt, nor one tenant's client another's.
+fn tenant_salt(name: &str) -> String {
+    format!("tenant:{name}")
+}
+
+/// The `cache_salt` the engines get for a request whose client sent `asked`
+/// (a non-empty string, else 400), its tenant's salt `tenant`: the tenant's,
+/// with the client's own under it (`tenant:NAME/CLIENT`: a client may split
+/// its tenant's cache further, never leave it); a shared tenant's client
+/// gets its own under `client/`. `None`: no salt.
+pub fn engine_cache_salt(
+    asked: Option<&serde_json::Value>,
+    tenant: Option<&str>,
+) -> Result<Option<String>, ApiError> {
+    let asked = match asked {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::String(salt)) if !salt.is_empty() => Some(salt.as_str()),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "`cache_salt` must be a non-empty string",
+                Some("cache_salt"),
+            ))
+        }
+    };
+    Ok(match (tenant, asked) {
+        (Some(tenant), None) => Some(tenant.to_string()),
+        (Some(tenant), Some(asked)) => Some(format!("{tenant}/{asked}")),
+        (None, Some(asked)) => Some(format!("client/{asked}")),
+        (None, None) => None,
+    })
+}
+
+/// Tokens charged for a body of `bytes`.
+fn body_tokens(bytes: u64) -> u64 {
+    (bytes / BYTES_PER_TOKEN_ESTIMATE).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_clients_priority_counts_only_at_or_after_its_tenants() {
+        let ok = |asked: Option<serde_json::Value>, tenant| {
+            bounded_priority(asked.as_ref(), tenant).unwrap_or_else(|e| panic!("{e}"))
+        };
+        assert_eq!(ok(Some(json!(i32::MIN)), None), Some(0));
+        assert_eq!(ok(Some(json!(i64::MIN)), Some(-5)), Some(-5));
+        assert_eq!(ok(Some(json!(3)), Some(-5)), Some(3));
+        assert_eq!(ok(Some(json!(u64::MAX)), None), Some(i64::MAX));
+        assert_eq!(ok(None, Some(2)), Some(2));
+        assert_eq!(ok(Some(json!(null)), None), None);
+        for bad in [json!(1.5), json!("0"), json!([1])] {
+            assert!(bounded_priority(Some(&bad), None).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn no_client_salt_is_a_tenants_salt() {
+        let salt = |asked: Option<serde_json::Value>, tenant: Option<&str>| {
+            engine_cache_salt(asked.as_ref(), tenant).unwrap_or_else(|e| panic!("{e}"))
+        };
+        let a = tenant_salt("a");
+        assert_eq!(salt(None, Some(&a)).as_deref(), Some("tenant:a"));
+        assert_eq!(
+            salt(Some(json!("tenant:b")), Some(&a)).as_deref(),
+            Some("tenant:a/tenant:b")
+        );
+        assert_eq!(
+            salt(Some(json!("tenant:b")), None).as_deref(),
+            Some("client/tenant:b")
+        );
+        assert_eq!(salt(None, None), None);
+        for bad in [json!(""), json!(1), json!({"a": 1})] {
+            assert!(engine_cache_salt(Some(&bad), Some(&a)).is_err(), "{bad}");
+        }
+    }
 }

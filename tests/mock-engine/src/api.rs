@@ -88,14 +88,14 @@ impl EngineState {
     /// Runs a local prefill of `ids` through the prefix cache: the tokens
     /// to compute (all without a cache; at least one, as vLLM recomputes the
     /// last token of a fully cached prompt).
-    pub fn tokens_to_compute(&self, ids: &[u32]) -> usize {
+    pub fn tokens_to_compute(&self, ids: &[u32], salt: Option<&str>) -> usize {
         let Some(prefix) = &self.prefix else {
             return ids.len();
         };
         let cached = prefix
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .prefill(ids);
+            .prefill(ids, salt);
         self.events_ready.notify_one();
         self.published_ready.notify_one();
         ids.len().saturating_sub(cached).max(ids.len().min(1))
@@ -437,6 +437,7 @@ fn plan(
     };
     // A decoder's prompt tokens already in its prefix cache (not pulled).
     let mut cached_prompt = 0;
+    let salt = request.get("cache_salt").and_then(Value::as_str);
     let (kv_out, computed_prompt) = if flag("do_remote_decode") {
         if state.config.role == Role::Decode {
             return Err("this engine is a decoder and cannot prefill for remote decode");
@@ -448,7 +449,7 @@ fn plan(
                 tracing::warn!(%err, "could not hold the prompt KV");
                 "could not hold the prompt KV"
             })?;
-        (Some(params), state.tokens_to_compute(&prompt_ids))
+        (Some(params), state.tokens_to_compute(&prompt_ids, salt))
     } else if flag("do_remote_prefill") {
         let remote = kv_in
             .and_then(|kv| kv.get("remote_num_tokens"))
@@ -457,10 +458,10 @@ fn plan(
         let remote = usize::try_from(remote).map_err(|_| "remote_num_tokens too large")?;
         // The pulled prompt's blocks land in this decoder's prefix cache (and
         // are reported), as vLLM caches a loaded prompt's full blocks.
-        cached_prompt = prompt_ids.len() - state.tokens_to_compute(&prompt_ids);
+        cached_prompt = prompt_ids.len() - state.tokens_to_compute(&prompt_ids, salt);
         (None, prompt_ids.len().saturating_sub(remote))
     } else {
-        (None, state.tokens_to_compute(&prompt_ids))
+        (None, state.tokens_to_compute(&prompt_ids, salt))
     };
     let kv_pull = (flag("do_remote_prefill") && !flag("do_remote_decode"))
         .then(|| kv_in.cloned())

@@ -5,7 +5,9 @@
 //! every change is a KV event in vLLM's terms (BlockStored, BlockRemoved,
 //! AllBlocksCleared) for the agent to forward, and (with `--kv-events-publish`)
 //! for the ZMQ publisher ([`crate::publish`]): two queues, as the two readers
-//! take them at their own pace.
+//! take them at their own pace. A request's `cache_salt` is mixed into its
+//! first block's hash and reported as that block's extra key, as vLLM does:
+//! one prompt under two salts shares no block.
 
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -70,16 +72,24 @@ impl PrefixCache {
         self.blocks.is_empty()
     }
 
-    /// Runs a prefill of `ids` through the cache: returns the tokens already
-    /// cached (whole blocks), and caches the prompt's full blocks.
-    pub fn prefill(&mut self, ids: &[u32]) -> usize {
+    /// Runs a prefill of `ids` (under `salt`) through the cache: returns the
+    /// tokens already cached (whole blocks), and caches the prompt's full
+    /// blocks.
+    pub fn prefill(&mut self, ids: &[u32], salt: Option<&str>) -> usize {
         let mut parent: Option<u64> = None;
+        // The first block's parent: the salt's own (vLLM puts the salt among
+        // the first block's extra keys, in its hash).
+        let root = salt.map_or(0, |salt| {
+            salt.bytes().fold(0x7361_6c74_u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            })
+        });
         let mut cached = 0;
         let mut new_hashes = Vec::new();
         let mut new_tokens = Vec::new();
         let mut new_parent = None;
         for tokens in ids.chunks_exact(self.block_size) {
-            let hash = block_hash(parent.unwrap_or(0), tokens);
+            let hash = block_hash(parent.unwrap_or(root), tokens);
             if new_hashes.is_empty() && self.blocks.contains_key(&hash) {
                 cached += tokens.len();
                 self.touch(hash);
@@ -94,11 +104,17 @@ impl PrefixCache {
             parent = Some(hash);
         }
         if !new_hashes.is_empty() {
+            // The salt is the extra key of the prompt's first block only.
+            let extra_keys = salt.filter(|_| new_parent.is_none()).map(|salt| {
+                let mut keys = vec![json!([salt])];
+                keys.resize(new_hashes.len(), Value::Null);
+                keys
+            });
             self.push(json!({
                 "type": "BlockStored", "block_hashes": new_hashes,
                 "parent_block_hash": new_parent, "token_ids": new_tokens,
                 "block_size": self.block_size, "lora_id": null, "medium": "GPU",
-                "lora_name": null,
+                "lora_name": null, "extra_keys": extra_keys,
             }));
         }
         let mut evicted = Vec::new();
@@ -177,7 +193,7 @@ mod tests {
     fn a_shared_prefix_is_computed_once_and_reported_as_stored_blocks() {
         let mut cache = PrefixCache::new(4, 3, true);
         let first: Vec<u32> = (0..10).collect();
-        assert_eq!(cache.prefill(&first), 0);
+        assert_eq!(cache.prefill(&first, None), 0);
         let events = cache.take_events();
         assert_eq!(events[0]["type"], "AllBlocksCleared");
         let second_block = events[1]["block_hashes"][1].clone();
@@ -185,11 +201,11 @@ mod tests {
         assert_eq!(events[1]["token_ids"].as_array().map(Vec::len), Some(8));
         let mut second: Vec<u32> = (0..8).collect();
         second.extend([99, 98, 97, 96]);
-        assert_eq!(cache.prefill(&second), 8);
+        assert_eq!(cache.prefill(&second, None), 8);
         let events = cache.take_events();
         assert_eq!(events[0]["parent_block_hash"], second_block);
         // A fourth block goes past the cap of 3: the least recently used goes.
-        assert_eq!(cache.prefill(&[7, 7, 7, 7]), 0);
+        assert_eq!(cache.prefill(&[7, 7, 7, 7], None), 0);
         let events = cache.take_events();
         assert_eq!(events[1]["type"], "BlockRemoved");
         assert_eq!(cache.len(), 3);
@@ -199,5 +215,22 @@ mod tests {
         assert_eq!(published[4]["type"], "BlockRemoved");
         assert!(cache.take_published().is_empty());
         assert!(PrefixCache::new(4, 3, false).take_published().is_empty());
+    }
+
+    #[test]
+    fn a_salted_prompt_shares_no_block_with_another_salt() {
+        let mut cache = PrefixCache::new(4, 64, false);
+        let ids: Vec<u32> = (0..8).collect();
+        assert_eq!(cache.prefill(&ids, Some("a")), 0);
+        let events = cache.take_events();
+        assert_eq!(events[1]["extra_keys"], json!([["a"], null]));
+        assert_eq!(cache.prefill(&ids, Some("a")), 8);
+        assert_eq!(cache.prefill(&ids, Some("b")), 0);
+        assert_eq!(cache.prefill(&ids, None), 0);
+        let events = cache.take_events();
+        assert_eq!(
+            events.last().unwrap_or(&Value::Null)["extra_keys"],
+            Value::Null
+        );
     }
 }

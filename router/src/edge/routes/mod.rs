@@ -108,8 +108,11 @@ where
 
 /// A route of [`passthrough::PATHS`].
 fn passthrough(path: &'static str) -> Endpoint {
-    let handler = move |State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body| {
-        passthrough::forward(state, path, headers, body)
+    let handler = move |State(state): State<Arc<AppState>>,
+                        caller: Option<Extension<crate::tenants::Caller>>,
+                        headers: HeaderMap,
+                        body: Body| {
+        passthrough::forward(state, path, caller.map(|c| c.0), headers, body)
     };
     at(Verb::Post, path, Guard::Gated, handler)
 }

@@ -41,6 +41,25 @@ pub async fn chat_completions(
     generate(state, Route::Chat, caller.map(|c| c.0), headers, body).await
 }
 
+/// What the engines get of the caller's tenant, whatever the client sent:
+/// its `priority` (the client's own only at or after its tenant's) and its
+/// `cache_salt` (the tenant's KV isolation, with the client's own under it).
+pub(crate) fn set_engine_fields(caller: &Caller, body: &mut ClientBody) -> Result<(), ApiError> {
+    // A large array or object is held raw (never a valid value of either).
+    for key in ["priority", "cache_salt"] {
+        if body.raw(key).is_some() {
+            return Err(ApiError::bad_request(format!("`{key}` is not valid"), None));
+        }
+    }
+    if let Some(priority) = caller.priority_for(body.get("priority"))? {
+        body.set("priority", priority.into());
+    }
+    if let Some(salt) = caller.cache_salt_for(body.get("cache_salt"))? {
+        body.set("cache_salt", salt.into());
+    }
+    Ok(())
+}
+
 /// The `X-Request-Id` the client sent, or a new one.
 pub(crate) fn request_id(headers: &HeaderMap) -> String {
     headers
@@ -72,7 +91,7 @@ async fn generate(
     // Records the request (span, metrics, access line) when it ends, however
     // it ends (a client that disconnects included).
     let mut record = RequestRecord::new(route.path(), request_id(&headers));
-    let priority = caller.as_ref().and_then(|c| c.priority);
+    let engine_fields = caller.clone();
     if let Some(caller) = caller {
         record.set_caller(caller);
     }
@@ -84,11 +103,13 @@ async fn generate(
             let limits = BodyLimits::client(&state.config);
             let read = read_budgeted(&headers, body, limits, &state.body_budget).await?;
             record.hold_body_share(read.permit);
+            if let Some(caller) = &engine_fields {
+                caller.charge_body(read.bytes.len())?;
+            }
             let mut value = ClientBody::parse(&read.bytes)
                 .map_err(|err| ApiError::bad_request(err.to_string(), None))?;
-            // The tenant's priority, not one the client chose for itself.
-            if let Some(priority) = priority {
-                value.set("priority", priority.into());
+            if let Some(caller) = &engine_fields {
+                set_engine_fields(caller, &mut value)?;
             }
             // The bytes go now: the body is kept as parsed (large fields raw).
             drop(read.bytes);

@@ -12,6 +12,7 @@ use crate::membership::{Instance, LoadGuard, Pick, Registry};
 use crate::pd::record::RequestRecord;
 use crate::pd::upstream::{Call, CallError};
 use crate::state::AppState;
+use crate::tenants::Caller;
 use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -38,13 +39,14 @@ const MAX_TRIES: usize = 2;
 pub async fn forward(
     state: Arc<AppState>,
     path: &'static str,
+    caller: Option<Caller>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
     let mut record = RequestRecord::new(path, super::openai::request_id(&headers));
     crate::observe::traces::continue_trace(record.span(), &headers);
     let span = record.span().clone();
-    let result = run(&state, path, &headers, body, &mut record)
+    let result = run(&state, path, caller.as_ref(), &headers, body, &mut record)
         .instrument(span)
         .await;
     record.finish(match &result {
@@ -57,6 +59,7 @@ pub async fn forward(
 async fn run(
     state: &AppState,
     path: &'static str,
+    caller: Option<&Caller>,
     headers: &HeaderMap,
     body: Body,
     record: &mut RequestRecord,
@@ -67,6 +70,9 @@ async fn run(
         bytes,
         permit: _share,
     } = read_budgeted(headers, body, limits, &state.body_budget).await?;
+    if let Some(caller) = caller {
+        caller.charge_body(bytes.len())?;
+    }
     let model = model_of(state, &bytes)?;
     record.set_model(&model);
     let request_id = super::openai::engine_request_id(record.request_id());

@@ -245,7 +245,7 @@ pub async fn serve<T: Translation>(
     let mut record = RequestRecord::new(path, request_id(&headers));
     crate::observe::traces::continue_trace(record.span(), &headers);
     let span = record.span().clone();
-    let priority = caller.as_ref().and_then(|c| c.priority);
+    let engine_fields = caller.clone();
     let tenant = caller
         .as_ref()
         .map(|c| c.tenant.to_string())
@@ -259,6 +259,9 @@ pub async fn serve<T: Translation>(
             let limits = BodyLimits::client(&state.config);
             let read = read_budgeted(&headers, body, limits, &state.body_budget).await?;
             record.hold_body_share(read.permit);
+            if let Some(caller) = &engine_fields {
+                caller.charge_body(read.bytes.len())?;
+            }
             let request: Map<String, Value> = serde_json::from_slice(&read.bytes)
                 .map_err(|err| ApiError::bad_request(format!("request body: {err}"), None))?;
             prepare(&state, request, &tenant).await
@@ -283,16 +286,21 @@ pub async fn serve<T: Translation>(
             }
             error
         };
-        let mut chat_value = prepared.chat;
-        if let Some(priority) = priority {
-            chat_value["priority"] = priority.into();
+        // The tenant's priority and KV salt (the protocols have no field of
+        // their own for either).
+        let mut chat = ClientBody::of(prepared.chat);
+        if let Some(caller) = &engine_fields {
+            if let Err(error) = super::openai::set_engine_fields(caller, &mut chat) {
+                record.finish(error.status().as_u16());
+                return Err(failed(error));
+            }
         }
+        let chat_value = chat.fields();
         // What a replica taking the generation over needs of the request.
         let origin = (background.is_some() && state.responses.shared.is_some()).then(|| {
             json!({"chat": chat_value, "tenant": tenant,
                    "request_id": record.request_id(), "translation": translation.origin()})
         });
-        let chat = ClientBody::of(chat_value);
         let info = match validate(
             Route::Chat,
             &chat,

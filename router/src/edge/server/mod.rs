@@ -7,8 +7,8 @@
 //!
 //! Shutdown (SIGTERM/SIGINT, or [`crate::Router::stop`]): `/ready` answers
 //! 503 at once and the listeners close (no new connections); in-flight
-//! requests run on for `--shutdown-grace`; streams still open then end with
-//! an OpenAI error event and `[DONE]`.
+//! requests run on for `--shutdown-grace`; streams still open then end in
+//! their protocol's shape (`edge::gate::cut_at_shutdown`).
 
 mod connection;
 

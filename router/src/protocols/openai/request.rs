@@ -58,6 +58,10 @@ pub struct RequestInfo {
     pub hide_reasoning: bool,
     /// Chat with a required or named tool choice (see [`forces_tool_call`]).
     pub forced_tool_call: bool,
+    /// The root of the prompt's chain in the prefix indexes: its
+    /// `cache_salt`'s (`crate::prefix::hash::root`), so that a tenant's
+    /// prompts match only the prefixes cached under its own salt.
+    pub cache_root: u64,
 }
 
 /// Checks the body of a generation request; returns what the flow needs.
@@ -129,6 +133,7 @@ pub fn validate(
         hide_reasoning: route == Route::Chat
             && optional_bool(object, "include_reasoning")? == Some(false),
         forced_tool_call: route == Route::Chat && forces_tool_call(body),
+        cache_root: crate::prefix::hash::root(object.get("cache_salt").and_then(Value::as_str)),
     })
 }
 
