@@ -1,0 +1,252 @@
+//! A background response while its shared store fails (issue 40): a real
+//! `redis-server` killed and restarted from its append-only file, frozen
+//! (SIGSTOP), or full (`maxmemory`, `noeviction`), each for longer than the
+//! lease, in the middle of a 300-token generation on slowed mock decoders.
+//! Whatever the fault, the response is generated once (one decode request at
+//! the decoders), every reader's stream ends with a terminal Responses event
+//! (or is let go and gets one by reattaching after its last event), and the
+//! stored response says what the readers were sent.
+
+use crate::common::*;
+use serde_json::{json, Value};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The lease, and the store's timeout (well under it, so that the writer
+/// sees the store fail within one lease).
+const FLAGS: &[&str] = &[
+    "--response-lease-ms",
+    "1000",
+    "--response-store-timeout-ms",
+    "300",
+];
+
+/// How long each fault lasts: past the lease, whatever the host's speed.
+const OUTAGE: Duration = Duration::from_millis(3000);
+
+/// Tokens of the response (15 ms each on the decoders): the fault comes in
+/// the middle of its generation.
+const TOKENS: u64 = 300;
+
+const TERMINAL: &[&str] = &[
+    "response.completed",
+    "response.failed",
+    "response.incomplete",
+    "response.cancelled",
+];
+
+fn long_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap()
+}
+
+fn is_terminal(event: &Value) -> bool {
+    event["type"]
+        .as_str()
+        .is_some_and(|kind| TERMINAL.contains(&kind))
+}
+
+/// Reads `response`'s events into `seen` until its stream ends (or breaks).
+async fn read_into(mut response: reqwest::Response, seen: &Mutex<Vec<Value>>) {
+    let mut text = String::new();
+    while let Ok(Some(chunk)) = response.chunk().await {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        *seen.lock().unwrap() = sse_events(&text);
+    }
+}
+
+/// A reader of a background response on the router at `base`: what it was
+/// sent on `first`, then, each time its stream ended without a terminal
+/// event, what it was sent by reattaching after the last event it had (a few
+/// times, each within the client's timeout).
+async fn read_to_the_end(
+    base: String,
+    first: reqwest::Response,
+    seen: Arc<Mutex<Vec<Value>>>,
+) -> Vec<Value> {
+    read_into(first, &seen).await;
+    let mut all = seen.lock().unwrap().clone();
+    for _ in 0..10 {
+        if all.last().is_some_and(is_terminal) {
+            break;
+        }
+        let id = all[0]["response"]["id"].as_str().unwrap();
+        let last = all.last().unwrap()["sequence_number"].as_u64().unwrap();
+        let url = format!("{base}/v1/responses/{id}?stream=true&starting_after={last}");
+        let response = long_client().get(url).send().await.unwrap();
+        if response.status() != 200 {
+            // The store is not back yet: the reader tries again shortly.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            continue;
+        }
+        let more = Mutex::new(Vec::new());
+        read_into(response, &more).await;
+        all.extend(more.into_inner().unwrap());
+    }
+    all
+}
+
+/// The text the output deltas of `events` carried.
+fn streamed_output(events: &[Value]) -> String {
+    events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect()
+}
+
+fn output_text(response: &Value) -> String {
+    response["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|item| item["type"] == "message")
+        .flat_map(|item| item["content"].as_array().unwrap().iter())
+        .map(|part| part["text"].as_str().unwrap())
+        .collect()
+}
+
+/// A 300-token background response on a router sharing `redis`, streamed to
+/// its client and read by a second reader; `fault` is done to the store once
+/// the readers had 20 events. Then the checks every fault shares.
+async fn one_generation_through(redis: &mut Redis, fault: impl AsyncFnOnce(&mut Redis)) {
+    let slow = ["--decode-us-per-token", "15000"];
+    let mut flags = vec!["--response-store", redis.url.as_str()];
+    flags.extend_from_slice(FLAGS);
+    let (router, engines) = failover_cluster(&flags, &slow, &slow).await;
+    let body = json!({"model": "mock", "input": "Generate me once", "background": true,
+                      "stream": true, "max_output_tokens": TOKENS});
+    let created = long_client()
+        .post(format!("{}/v1/responses", router.url))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 200);
+    let first_seen = Arc::new(Mutex::new(Vec::new()));
+    let first = tokio::spawn(read_to_the_end(
+        router.url.clone(),
+        created,
+        first_seen.clone(),
+    ));
+    eventually(
+        Duration::from_secs(20),
+        "the stream's first event",
+        || async { !first_seen.lock().unwrap().is_empty() },
+    )
+    .await;
+    let id = first_seen.lock().unwrap()[0]["response"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // A second reader, from the first event.
+    let second_seen = Arc::new(Mutex::new(Vec::new()));
+    let opened = long_client()
+        .get(format!("{}/v1/responses/{id}?stream=true", router.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(opened.status(), 200);
+    let second = tokio::spawn(read_to_the_end(
+        router.url.clone(),
+        opened,
+        second_seen.clone(),
+    ));
+    eventually(Duration::from_secs(20), "20 events read", || async {
+        first_seen.lock().unwrap().len() >= 20 && second_seen.lock().unwrap().len() >= 20
+    })
+    .await;
+
+    fault(redis).await;
+
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    for (name, events) in [
+        ("the creating client", &first),
+        ("the other reader", &second),
+    ] {
+        let numbers: Vec<u64> = events
+            .iter()
+            .map(|e| e["sequence_number"].as_u64().unwrap())
+            .collect();
+        assert_eq!(
+            numbers,
+            (0..events.len() as u64).collect::<Vec<_>>(),
+            "{name}: each event exactly once, in order"
+        );
+        let last = events.last().unwrap();
+        assert_eq!(last["type"], "response.completed", "{name}: {last}");
+    }
+    assert_eq!(first, second, "both readers were sent the same events");
+    let done = &first.last().unwrap()["response"];
+    assert_eq!(done["usage"]["output_tokens"], TOKENS);
+    assert_eq!(output_text(done), streamed_output(&first));
+    // The stored response is the one the readers were sent.
+    let stored = long_client()
+        .get(format!("{}/v1/responses/{id}", router.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stored.status(), 200);
+    assert_eq!(&stored.json::<Value>().await.unwrap(), done);
+    // Generated once: one decode request reached the decoders.
+    let mut decodes = 0;
+    for decoder in &engines[1..] {
+        decodes += engine_generations(decoder).await.len();
+    }
+    assert_eq!(decodes, 1, "decode requests for one response");
+}
+
+fn aof_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("connex-redis-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_past_the_lease_generates_once() {
+    let dir = aof_dir("killed");
+    let mut redis = Redis::start_persistent(&dir);
+    one_generation_through(&mut redis, async |redis| {
+        redis.kill();
+        tokio::time::sleep(OUTAGE).await;
+        redis.restart();
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_frozen_past_the_lease_generates_once() {
+    let dir = aof_dir("frozen");
+    let mut redis = Redis::start_persistent(&dir);
+    one_generation_through(&mut redis, async |redis| {
+        redis.signal("STOP");
+        tokio::time::sleep(OUTAGE).await;
+        redis.signal("CONT");
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_full_past_the_lease_generates_once() {
+    let dir = aof_dir("full");
+    let mut redis = Redis::start_persistent(&dir);
+    one_generation_through(&mut redis, async |redis| {
+        // Every write refused (noeviction), reads served, as a full store's.
+        assert_eq!(
+            redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]),
+            "OK"
+        );
+        assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
+        let refused = redis.cli(&["SET", "probe", "x"]);
+        assert!(refused.contains("OOM"), "{refused}");
+        tokio::time::sleep(OUTAGE).await;
+        assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "0"]), "OK");
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
