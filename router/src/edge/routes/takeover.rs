@@ -51,7 +51,10 @@ pub fn spawn(state: &Arc<AppState>, tasks: &mut tokio::task::JoinSet<()>, stop: 
                 return;
             }
             let token = crate::protocols::responses::new_id("lease");
-            match store.claim_expired(&token, CLAIM_BATCH).await {
+            // Never its own generations: their writer goes on (or finds
+            // itself fenced) once the store answers again.
+            let own = state.responses.live.mirrored();
+            match store.claim_expired(&token, CLAIM_BATCH, &own).await {
                 Ok(ids) => {
                     for id in ids {
                         tracing::warn!(

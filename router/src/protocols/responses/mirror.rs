@@ -6,7 +6,19 @@
 //! serves its own readers from there; the mirror follows it like one more
 //! reader. A failed write is retried (appends skip what the store already
 //! has, so a write that landed but whose answer was lost is not doubled);
-//! while Redis is down the events wait in `Live`, whose bound they are within.
+//! while Redis is down the events wait in `Live`, whose bound they are within,
+//! and readers get nothing new: only what the store has.
+//!
+//! One generation per response: the writer's lease runs out in the store
+//! no sooner than a lease after the write that renewed it was sent, so the
+//! generation goes on here only until half a lease after that (`Live::
+//! hold_until`), by this replica's clock, then pauses (its decoder stream
+//! is not read) until a write succeeds: the lease was still this writer's
+//! (or free, and taken again), and it goes on, with no second decode
+//! request; or another replica had taken it over, and this one stops
+//! without another word written. Paused for `GIVE_UP_LEASES` leases, it is
+//! given up here (a replica takes it over from its last checkpoint once the
+//! store is back).
 
 use super::live::Live;
 use super::redis_store::{AppendError, LogState, RedisStore};
@@ -19,9 +31,21 @@ use tokio_util::sync::CancellationToken;
 /// How often the generating replica looks for a cancel asked elsewhere.
 pub const CANCEL_POLL: Duration = Duration::from_millis(250);
 
-/// Backoff between failed writes.
+/// Backoff between failed writes (at most a quarter of the lease: a writer
+/// paused by a store that came back goes on soon after).
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// Leases a writer goes without one write before it gives its generation up.
+const GIVE_UP_LEASES: u32 = 20;
+
+/// How long after a write that renewed the lease was sent the generation may
+/// go on: half the lease, which runs out in the store a whole lease after
+/// that at the soonest (the half is the margin for the two clocks and for
+/// the pause to take hold).
+pub fn hold_for(lease: Duration) -> Duration {
+    lease / 2
+}
 
 /// Writes what `live` has now (the response as it starts) with `origin`
 /// (what a replica taking it over needs); whether it was written (if not,
@@ -33,8 +57,12 @@ pub async fn publish(
     live: &Live,
     origin: &Value,
 ) -> bool {
+    let sent = tokio::time::Instant::now();
     match write(store, id, token, live, None, Some(origin)).await {
-        Ok(_) => true,
+        Ok(_) => {
+            live.hold_until(sent + hold_for(store.lease()));
+            true
+        }
         Err(err) => {
             tracing::warn!(id, %err, "a background response is not in the response store yet");
             false
@@ -55,7 +83,8 @@ struct Written {
 }
 
 /// One write of `live`'s events after `written` up to its last checkpoint,
-/// its state and the checkpoint.
+/// its state and the checkpoint; at the end, the stored response first,
+/// both under the lease.
 async fn write(
     store: &RedisStore,
     id: &str,
@@ -67,6 +96,11 @@ async fn write(
     let snapshot = live.snapshot(written);
     // A generation handed over is not done: another replica goes on.
     let done = snapshot.done && !live.fenced();
+    if done {
+        if let Some(stored) = live.kept() {
+            store.put_final(id, token, &stored).await?;
+        }
+    }
     let state = LogState {
         tenant: live.tenant.clone(),
         response: snapshot.response,
@@ -108,9 +142,20 @@ pub async fn mirror(
     let mut written = Written::default();
     let mut backoff = RETRY_MIN;
     let mut polled = tokio::time::Instant::now();
-    let renew_every = store.lease() / 3;
+    let lease = store.lease();
+    let renew_every = lease / 3;
+    let retry_max = RETRY_MAX.min(lease / 4).max(RETRY_MIN);
+    // When the last write that renewed the lease was sent.
     let mut renewed = tokio::time::Instant::now();
     let mut first = true;
+    // This replica's takeover leaves the response alone until the writer ends.
+    struct Writing<'a>(&'a Live);
+    impl Drop for Writing<'_> {
+        fn drop(&mut self) {
+            self.0.set_mirrored(false);
+        }
+    }
+    let _writing = Writing(&live);
     loop {
         if stop.is_cancelled() && !live.done() {
             // The router stops: the generation goes on elsewhere.
@@ -125,6 +170,7 @@ pub async fn mirror(
         let due = first
             || live.checkpoint_mark() != (written.through, written.done)
             || renewed.elapsed() >= renew_every;
+        let sent = tokio::time::Instant::now();
         let outcome = if due {
             write(&store, &id, &token, &live, written.last, origin.as_ref()).await
         } else {
@@ -135,10 +181,10 @@ pub async fn mirror(
                 backoff = RETRY_MIN;
                 if due {
                     origin = None;
-                }
-                if due {
-                    // Every write renews the lease.
-                    renewed = tokio::time::Instant::now();
+                    // Every write renews the lease: the generation may go
+                    // on (or on again, paused) for a while.
+                    renewed = sent;
+                    live.hold_until(sent + hold_for(lease));
                 }
                 first = false;
                 written = now;
@@ -157,8 +203,19 @@ pub async fn mirror(
             }
             Err(AppendError::Store(err)) => {
                 tracing::debug!(id, %err, "background response not mirrored yet; retrying");
-                // Readers are not held up while the store is down.
-                live.ungate();
+                // Readers get nothing new meanwhile, and the generation
+                // pauses at its hold (`Live::until`).
+                if renewed.elapsed() >= lease * GIVE_UP_LEASES {
+                    tracing::warn!(
+                        id,
+                        %err,
+                        "the response store was not written for {GIVE_UP_LEASES} leases; this \
+                         replica gives the background response up (another takes it over \
+                         from its last checkpoint once the store is back)"
+                    );
+                    live.fence();
+                    return;
+                }
                 if stop.is_cancelled() {
                     // The router stops with the store down: what it could
                     // not write is lost with it (the lease expires, and
@@ -169,7 +226,7 @@ pub async fn mirror(
                     _ = tokio::time::sleep(backoff) => {}
                     _ = stop.cancelled() => {}
                 }
-                backoff = (backoff * 2).min(RETRY_MAX);
+                backoff = (backoff * 2).min(retry_max);
                 continue;
             }
         }

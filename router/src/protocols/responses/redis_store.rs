@@ -97,7 +97,9 @@ pub struct LogState {
 /// a retried append writes each event once), sets its state and checkpoint
 /// (and its origin, once), and renews the writer's lease on it; all at once,
 /// and only while the lease is the writer's (another replica that took the
-/// generation over has it: -1, and nothing is written). Done: the lease and
+/// generation over has it: -1, and nothing is written; none has it, as after
+/// it ran out while the store was unreachable: the writer takes it again,
+/// unless the response is done, ended by a replica that took it over). Done: the lease and
 /// the response's place among the running ones go. Returns whether a cancel
 /// was asked (1) or not (0): the writer needs no call of its own to know.
 /// KEYS: state hash, events stream, checkpoint, lease, running set, cancel,
@@ -108,6 +110,7 @@ pub struct LogState {
 const APPEND: &str = r"
 local holder = redis.call('GET', KEYS[4])
 if holder and holder ~= ARGV[5] then return -1 end
+if not holder and redis.call('HGET', KEYS[1], 'done') == '1' then return -1 end
 local last = 0
 local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
 if #top > 0 then last = tonumber(string.match(top[1][1], '%-(%d+)$')) end
@@ -136,22 +139,45 @@ return redis.call('EXISTS', KEYS[6])
 ";
 
 /// Claims running responses whose lease expired (their replica is gone): for
-/// each, a lease of the claimer's, set only where none is (one winner).
-/// KEYS: running set. ARGV: token, lease ms, key prefix, most to claim.
-/// Returns the ids won.
+/// each, a lease of the claimer's, set only where none is (one winner); never
+/// one of the claimer's own (its writer goes on when the store is back).
+/// KEYS: running set. ARGV: token, lease ms, key prefix, most to claim, then
+/// the ids to leave alone. Returns the ids won.
 const CLAIM: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[4]))
+local own = {}
+for i = 5, #ARGV do own[ARGV[i]] = true end
+local most = tonumber(ARGV[4])
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, most + #ARGV - 4)
 local won = {}
 for _, id in ipairs(due) do
+  if #won >= most then break end
   local lease = ARGV[3] .. '{' .. id .. '}:lease'
-  if redis.call('SET', lease, ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if not own[id] and redis.call('SET', lease, ARGV[1], 'NX', 'PX', ARGV[2]) then
     redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
     table.insert(won, id)
   end
 end
 return won
+";
+
+/// Stores a background response's stored response as it ends, only while
+/// the writer's lease is its own (as `APPEND`: or none's, and the response
+/// not done), renewing it: the writer that lost it to another replica
+/// never overwrites what that one stores.
+/// KEYS: lease, stored, state hash, running set. ARGV: token, stored
+/// response, ttl seconds, lease ms, response id. Returns -1 when fenced.
+const PUT_FINAL: &str = r"
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return -1 end
+if not holder and redis.call('HGET', KEYS[3], 'done') == '1' then return -1 end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[4])
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[5])
+return 1
 ";
 
 /// Lets a lease go (its holder stops): the response is due at once.
@@ -192,6 +218,7 @@ pub struct RedisStore {
     client: redis::Client,
     claim: redis::Script,
     release: redis::Script,
+    put_final: redis::Script,
     /// Connected on first use (a router starts while Redis is down) and
     /// reconnecting by itself after.
     manager: tokio::sync::Mutex<Option<ConnectionManager>>,
@@ -262,6 +289,7 @@ impl RedisStore {
             append: redis::Script::new(APPEND),
             claim: redis::Script::new(CLAIM),
             release: redis::Script::new(RELEASE),
+            put_final: redis::Script::new(PUT_FINAL),
             settings,
             up: AtomicBool::new(true),
             connect_failed: std::sync::Mutex::new(None),
@@ -471,8 +499,14 @@ impl RedisStore {
     }
 
     /// Claims up to `most` running responses whose lease expired, for
-    /// `token`; returns the ids won (no other replica wins them).
-    pub async fn claim_expired(&self, token: &str, most: usize) -> StoreResult<Vec<String>> {
+    /// `token`, leaving `own` alone (the claimer's own generations); returns
+    /// the ids won (no other replica wins them).
+    pub async fn claim_expired(
+        &self,
+        token: &str,
+        most: usize,
+        own: &[String],
+    ) -> StoreResult<Vec<String>> {
         let mut invocation = self.claim.prepare_invoke();
         invocation
             .key(self.running_key())
@@ -480,8 +514,46 @@ impl RedisStore {
             .arg(self.lease_ms())
             .arg(&self.settings.prefix)
             .arg(most);
+        for id in own {
+            invocation.arg(id);
+        }
         self.call("claim", async |conn| invocation.invoke_async(conn).await)
             .await
+    }
+
+    /// Stores `stored`, the end of background response `id`, while the lease
+    /// is `token`'s (see `PUT_FINAL`); one larger than the store's bound is
+    /// not stored (as `put`).
+    pub async fn put_final(
+        &self,
+        id: &str,
+        token: &str,
+        stored: &Stored,
+    ) -> Result<(), AppendError> {
+        if stored.bytes() > self.settings.max_bytes {
+            tracing::warn!(id, "response larger than the whole store; not stored");
+            return Ok(());
+        }
+        let text =
+            serde_json::to_string(stored).map_err(|err| StoreError::Malformed(err.to_string()))?;
+        let mut invocation = self.put_final.prepare_invoke();
+        invocation
+            .key(self.key(id, "lease"))
+            .key(self.key(id, "stored"))
+            .key(self.key(id, "bg"))
+            .key(self.running_key())
+            .arg(token)
+            .arg(text)
+            .arg(self.ttl_s())
+            .arg(self.lease_ms())
+            .arg(id);
+        let answer: i64 = self
+            .call("put", async |conn| invocation.invoke_async(conn).await)
+            .await?;
+        match answer {
+            -1 => Err(AppendError::Fenced),
+            _ => Ok(()),
+        }
     }
 
     /// Lets the lease `token` holds on `id` go, for another replica to claim.
