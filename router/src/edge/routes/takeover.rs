@@ -19,9 +19,8 @@ use crate::pd::checkpoint::DecodeCheckpoint;
 use crate::pd::record::RequestRecord;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
-use crate::protocols::responses::redis_store::{LogState, RedisStore, Taken};
+use crate::protocols::responses::redis_store::{CheckpointWrite, LogState, RedisStore, Taken};
 use crate::state::AppState;
-use serde_json::Value;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
@@ -198,7 +197,14 @@ async fn fail(
     crate::protocols::responses::output::fail(&mut log.response, &message);
     log.done = true;
     if let Err(err) = store
-        .append(id, token, &log, &[], Some(&Value::Null), None)
+        .append(
+            id,
+            token,
+            &log,
+            &[],
+            Some(CheckpointWrite::Whole("null")),
+            None,
+        )
         .await
     {
         tracing::warn!(id, %err, "a background response that cannot go on could not be ended as failed");

@@ -442,8 +442,12 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
         // In the store before the client has the id, which it may take to
         // any replica at once (a generation taken over has its origin there).
         let mut origin = origin;
+        let mut sent = crate::protocols::responses::mirror::Sent::default();
         if let Some(first) = &origin {
-            if crate::protocols::responses::mirror::publish(shared, &id, &token, &live, first).await
+            if crate::protocols::responses::mirror::publish(
+                shared, &id, &token, &live, first, &mut sent,
+            )
+            .await
             {
                 origin = None;
             }
@@ -457,6 +461,7 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
                 token,
                 live.clone(),
                 origin,
+                sent,
                 state.responses.live.stop.clone(),
             ));
     }

@@ -21,7 +21,7 @@
 //! store is back).
 
 use super::live::Live;
-use super::redis_store::{AppendError, LogState, RedisStore};
+use super::redis_store::{AppendError, CheckpointWrite, LogState, RedisStore};
 use crate::protocols::event::Event;
 use serde_json::Value;
 use std::sync::Arc;
@@ -47,6 +47,47 @@ pub fn hold_for(lease: Duration) -> Duration {
     lease / 2
 }
 
+/// Most patches written after a whole checkpoint before the next whole one.
+const MAX_PATCHES: usize = 1024;
+
+/// What the store has of a background response, as its writer wrote it: the
+/// writer sends only what changed since.
+#[derive(Debug, Default)]
+pub struct Sent {
+    written: Written,
+    /// The checkpoint as the store has it (its whole one with every patch
+    /// applied); None: unknown (the next write sends it whole).
+    checkpoint: Option<Value>,
+    /// Bytes of the whole one, and of the patches after it: once those are
+    /// as many, the next is whole again (the store holds at most twice a
+    /// checkpoint, and what is written stays within twice what changed).
+    whole_bytes: usize,
+    patch_bytes: usize,
+    patches: usize,
+    /// The response as the store has it (None: unknown).
+    response: Option<Value>,
+}
+
+impl Sent {
+    /// What this write sends of `checkpoint`, given what the store has.
+    fn checkpoint_text(&self, checkpoint: &Value) -> Option<(bool, String)> {
+        if let Some(had) = &self.checkpoint {
+            let patch = super::patch::diff(had, checkpoint)?;
+            let text = patch.to_string();
+            if self.patch_bytes + text.len() <= self.whole_bytes && self.patches < MAX_PATCHES {
+                return Some((false, text));
+            }
+        }
+        Some((true, checkpoint.to_string()))
+    }
+
+    /// The store's answer unknown: what it has is too.
+    fn forget(&mut self) {
+        self.checkpoint = None;
+        self.response = None;
+    }
+}
+
 /// Writes what `live` has now (the response as it starts) with `origin`
 /// (what a replica taking it over needs); whether it was written (if not,
 /// the mirror writes both again).
@@ -56,11 +97,12 @@ pub async fn publish(
     token: &str,
     live: &Live,
     origin: &Value,
+    sent: &mut Sent,
 ) -> bool {
-    let sent = tokio::time::Instant::now();
-    match write(store, id, token, live, None, Some(origin)).await {
-        Ok(_) => {
-            live.hold_until(sent + hold_for(store.lease()));
+    let at = tokio::time::Instant::now();
+    match write(store, id, token, live, sent, Some(origin)).await {
+        Ok(()) => {
+            live.hold_until(at + hold_for(store.lease()));
             true
         }
         Err(err) => {
@@ -90,9 +132,34 @@ async fn write(
     id: &str,
     token: &str,
     live: &Live,
-    written: Option<u64>,
+    sent: &mut Sent,
     origin: Option<&Value>,
-) -> Result<Written, AppendError> {
+) -> Result<(), AppendError> {
+    let result = write_once(store, id, token, live, sent, origin).await;
+    let result = match result {
+        // The store lost the checkpoint the patch was of: whole, at once.
+        Err(AppendError::NoCheckpoint) => {
+            sent.forget();
+            write_once(store, id, token, live, sent, origin).await
+        }
+        other => other,
+    };
+    if result.is_err() {
+        // Whether it landed is unknown: the next write sends all again.
+        sent.forget();
+    }
+    result
+}
+
+async fn write_once(
+    store: &RedisStore,
+    id: &str,
+    token: &str,
+    live: &Live,
+    sent: &mut Sent,
+    origin: Option<&Value>,
+) -> Result<(), AppendError> {
+    let written = sent.written.last;
     let snapshot = live.snapshot(written);
     // A generation handed over is not done: another replica goes on.
     let done = snapshot.done && !live.fenced();
@@ -101,28 +168,49 @@ async fn write(
             store.put_final(id, token, &stored).await?;
         }
     }
+    // The response as it stands changes with few events (created, in
+    // progress, the end): written when it did.
+    let response_changed = sent.response.as_ref() != Some(&snapshot.response);
     let state = LogState {
         tenant: live.tenant.clone(),
-        response: snapshot.response,
+        response: if response_changed {
+            snapshot.response.clone()
+        } else {
+            Value::Null
+        },
         done,
     };
+    let checkpoint = snapshot
+        .checkpoint
+        .as_ref()
+        .and_then(|checkpoint| sent.checkpoint_text(checkpoint));
+    let write = checkpoint.as_ref().map(|(whole, text)| match whole {
+        true => CheckpointWrite::Whole(text),
+        false => CheckpointWrite::Patch(text),
+    });
     let cancel_asked = store
-        .append(
-            id,
-            token,
-            &state,
-            &snapshot.events,
-            snapshot.checkpoint.as_ref(),
-            origin,
-        )
+        .append(id, token, &state, &snapshot.events, write, origin)
         .await?;
+    if let (Some((whole, text)), Some(now)) = (checkpoint, snapshot.checkpoint) {
+        if whole {
+            (sent.whole_bytes, sent.patch_bytes, sent.patches) = (text.len(), 0, 0);
+        } else {
+            sent.patch_bytes += text.len();
+            sent.patches += 1;
+        }
+        sent.checkpoint = Some(now);
+    }
+    if response_changed {
+        sent.response = Some(snapshot.response);
+    }
     let last = snapshot.events.last().and_then(Event::sequence);
-    Ok(Written {
+    sent.written = Written {
         last: last.or(written),
         through: snapshot.through,
         done,
         cancel_asked,
-    })
+    };
+    Ok(())
 }
 
 /// Copies `live` (background response `id`, leased with `token`) into
@@ -136,10 +224,10 @@ pub async fn mirror(
     token: String,
     live: Arc<Live>,
     mut origin: Option<Value>,
+    mut sent: Sent,
     stop: CancellationToken,
 ) {
     let mut changes = live.follow();
-    let mut written = Written::default();
     let mut backoff = RETRY_MIN;
     let mut polled = tokio::time::Instant::now();
     let lease = store.lease();
@@ -162,34 +250,33 @@ pub async fn mirror(
             live.fence();
         }
         if live.fenced() {
-            return hand_over(&store, &id, &token, &live, written.last).await;
+            return hand_over(&store, &id, &token, &live, &mut sent).await;
         }
         changes.borrow_and_update();
         // Nothing new since the last checkpoint written: no write, unless
         // the lease wants renewing.
         let due = first
-            || live.checkpoint_mark() != (written.through, written.done)
+            || live.checkpoint_mark() != (sent.written.through, sent.written.done)
             || renewed.elapsed() >= renew_every;
-        let sent = tokio::time::Instant::now();
+        let at = tokio::time::Instant::now();
         let outcome = if due {
-            write(&store, &id, &token, &live, written.last, origin.as_ref()).await
+            write(&store, &id, &token, &live, &mut sent, origin.as_ref()).await
         } else {
-            Ok(written)
+            Ok(())
         };
         match outcome {
-            Ok(now) => {
+            Ok(()) => {
                 backoff = RETRY_MIN;
                 if due {
                     origin = None;
                     // Every write renews the lease: the generation may go
                     // on (or on again, paused) for a while.
-                    renewed = sent;
-                    live.hold_until(sent + hold_for(lease));
+                    renewed = at;
+                    live.hold_until(at + hold_for(lease));
                 }
                 first = false;
-                written = now;
-                live.mark_durable(now.through);
-                if now.done {
+                live.mark_durable(sent.written.through);
+                if sent.written.done {
                     return;
                 }
             }
@@ -201,7 +288,7 @@ pub async fn mirror(
                 live.fence();
                 return;
             }
-            Err(AppendError::Store(err)) => {
+            Err(err) => {
                 tracing::debug!(id, %err, "background response not mirrored yet; retrying");
                 // Readers get nothing new meanwhile, and the generation
                 // pauses at its hold (`Live::until`).
@@ -234,7 +321,7 @@ pub async fn mirror(
         // writes, a look once per CANCEL_POLL.
         let asked = if due {
             polled = tokio::time::Instant::now();
-            written.cancel_asked
+            sent.written.cancel_asked
         } else if polled.elapsed() >= CANCEL_POLL {
             polled = tokio::time::Instant::now();
             store.cancel_requested(&id).await.unwrap_or(false)
@@ -256,11 +343,11 @@ pub async fn mirror(
 /// This replica stops (the generation was fenced as it stopped): writes the
 /// last events (not as done) and lets the lease go, so that another replica
 /// takes the generation over at its next look instead of after the lease.
-async fn hand_over(store: &RedisStore, id: &str, token: &str, live: &Live, written: Option<u64>) {
-    match write(store, id, token, live, written, None).await {
+async fn hand_over(store: &RedisStore, id: &str, token: &str, live: &Live, sent: &mut Sent) {
+    match write(store, id, token, live, sent, None).await {
         Ok(_) => {}
         Err(AppendError::Fenced) => return,
-        Err(AppendError::Store(err)) => {
+        Err(err) => {
             tracing::warn!(id, %err, "handing a background response over: its last events not written");
         }
     }

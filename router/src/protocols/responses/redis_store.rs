@@ -19,7 +19,8 @@
 //!   the conversation), and `PREFIX{ID}:checkpoint`: the generation's
 //!   progress as of the last events written (`pd::checkpoint`, and the
 //!   Responses events' state), written with them: what another replica
-//!   continues from.
+//!   continues from. A list: the checkpoint whole, then what changed since,
+//!   one patch per write (`patch.rs`; each write sends only its changes).
 //! - `PREFIX{ID}:lease`: the generating replica's claim (a token of its own,
 //!   renewed with every write, `--response-lease`), and `PREFIXrunning`:
 //!   the ids of running responses by lease expiry. A replica whose lease was
@@ -104,13 +105,17 @@ pub struct LogState {
 /// was asked (1) or not (0): the writer needs no call of its own to know.
 /// KEYS: state hash, events stream, checkpoint, lease, running set, cancel,
 /// origin.
-/// ARGV: ttl seconds, tenant, response, done (0/1), lease token, lease ms,
-/// checkpoint ('' keeps the last), response id, origin ('' none), then
-/// sequence number and event, pairs.
+/// ARGV: ttl seconds, tenant, response ('' keeps the last), done (0/1),
+/// lease token, lease ms, checkpoint ('' keeps the last; '=' then the whole
+/// one, '+' then a patch of the last: -2, and nothing written, when there is
+/// none to patch), response id, origin ('' none), then sequence number and
+/// event, pairs.
 const APPEND: &str = r"
 local holder = redis.call('GET', KEYS[4])
 if holder and holder ~= ARGV[5] then return -1 end
 if not holder and redis.call('HGET', KEYS[1], 'done') == '1' then return -1 end
+local patching = string.sub(ARGV[7], 1, 1) == '+'
+if patching and redis.call('TYPE', KEYS[3])['ok'] ~= 'list' then return -2 end
 local last = 0
 local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
 if #top > 0 then last = tonumber(string.match(top[1][1], '%-(%d+)$')) end
@@ -121,10 +126,15 @@ for i = 10, #ARGV, 2 do
     last = n
   end
 end
-redis.call('HSET', KEYS[1], 'tenant', ARGV[2], 'response', ARGV[3], 'done', ARGV[4])
+redis.call('HSET', KEYS[1], 'tenant', ARGV[2], 'done', ARGV[4])
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'response', ARGV[3]) end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 if last > 0 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
-if ARGV[7] ~= '' then redis.call('SET', KEYS[3], ARGV[7], 'EX', ARGV[1]) end
+if ARGV[7] ~= '' then
+  if not patching then redis.call('DEL', KEYS[3]) end
+  redis.call('RPUSH', KEYS[3], string.sub(ARGV[7], 2))
+  redis.call('EXPIRE', KEYS[3], ARGV[1])
+end
 if ARGV[9] ~= '' then redis.call('SET', KEYS[7], ARGV[9], 'EX', ARGV[1]) end
 if ARGV[4] == '1' then
   redis.call('DEL', KEYS[4])
@@ -190,6 +200,15 @@ end
 return 1
 ";
 
+/// Reads a checkpoint as written (a list: whole, then patches; a string:
+/// whole, as a replica before patches wrote it). KEYS: checkpoint.
+const READ_CHECKPOINT: &str = r"
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'list' then return redis.call('LRANGE', KEYS[1], 0, -1) end
+if kind == 'string' then return {redis.call('GET', KEYS[1])} end
+return {}
+";
+
 /// Why an append wrote nothing.
 #[derive(Debug, thiserror::Error)]
 pub enum AppendError {
@@ -198,6 +217,19 @@ pub enum AppendError {
     /// Another replica holds the lease: it took the generation over.
     #[error("another replica took the response over")]
     Fenced,
+    /// A patch of a checkpoint the store does not have (it lost it): the
+    /// writer writes the whole one.
+    #[error("the store has no checkpoint to patch")]
+    NoCheckpoint,
+}
+
+/// A checkpoint as one append writes it.
+#[derive(Debug, Clone, Copy)]
+pub enum CheckpointWrite<'a> {
+    /// The whole checkpoint (JSON), instead of what the store had.
+    Whole(&'a str),
+    /// Its changes since the last one written (`patch::diff`, JSON).
+    Patch(&'a str),
 }
 
 /// What a replica that takes a background response over starts from.
@@ -219,6 +251,7 @@ pub struct RedisStore {
     claim: redis::Script,
     release: redis::Script,
     put_final: redis::Script,
+    read_checkpoint: redis::Script,
     /// Connected on first use (a router starts while Redis is down) and
     /// reconnecting by itself after.
     manager: tokio::sync::Mutex<Option<ConnectionManager>>,
@@ -290,6 +323,7 @@ impl RedisStore {
             claim: redis::Script::new(CLAIM),
             release: redis::Script::new(RELEASE),
             put_final: redis::Script::new(PUT_FINAL),
+            read_checkpoint: redis::Script::new(READ_CHECKPOINT),
             settings,
             up: AtomicBool::new(true),
             connect_failed: std::sync::Mutex::new(None),
@@ -447,18 +481,28 @@ impl RedisStore {
     }
 
     /// Appends `events` of background response `id` (those already there are
-    /// skipped), sets its state and `checkpoint` (None: the last one stays)
-    /// and `origin` (given once), and renews the lease `token` holds on it.
-    /// Returns whether a cancel was asked for it (on any replica).
+    /// skipped), sets its state (its response Null: the last one stays) and
+    /// `checkpoint` (None: the last one stays) and `origin` (given once), and
+    /// renews the lease `token` holds on it. Returns whether a cancel was
+    /// asked for it (on any replica).
     pub async fn append(
         &self,
         id: &str,
         token: &str,
         state: &LogState,
         events: &[Event],
-        checkpoint: Option<&Value>,
+        checkpoint: Option<CheckpointWrite<'_>>,
         origin: Option<&Value>,
     ) -> Result<bool, AppendError> {
+        let response = match &state.response {
+            Value::Null => String::new(),
+            response => response.to_string(),
+        };
+        let checkpoint = match checkpoint {
+            None => String::new(),
+            Some(CheckpointWrite::Whole(whole)) => format!("={whole}"),
+            Some(CheckpointWrite::Patch(patch)) => format!("+{patch}"),
+        };
         let mut invocation = self.append.prepare_invoke();
         invocation
             .key(self.key(id, "bg"))
@@ -470,11 +514,11 @@ impl RedisStore {
             .key(self.key(id, "origin"))
             .arg(self.ttl_s())
             .arg(&state.tenant)
-            .arg(state.response.to_string())
+            .arg(response)
             .arg(u8::from(state.done))
             .arg(token)
             .arg(self.lease_ms())
-            .arg(checkpoint.map(Value::to_string).unwrap_or_default())
+            .arg(checkpoint)
             .arg(id)
             .arg(origin.map(Value::to_string).unwrap_or_default());
         for event in events {
@@ -488,6 +532,7 @@ impl RedisStore {
             .await?;
         match answer {
             -1 => Err(AppendError::Fenced),
+            -2 => Err(AppendError::NoCheckpoint),
             cancelled => Ok(cancelled == 1),
         }
     }
@@ -588,10 +633,11 @@ impl RedisStore {
         let Some(state) = self.log_state(id).await? else {
             return Ok(None);
         };
-        let keys = [self.key(id, "origin"), self.key(id, "checkpoint")];
-        let [origin, checkpoint]: [Option<String>; 2] = self
-            .call("taken", async |conn| conn.mget(&keys).await)
+        let origin_key = self.key(id, "origin");
+        let origin: Option<String> = self
+            .call("taken", async |conn| conn.get(origin_key).await)
             .await?;
+        let checkpoint = self.read_checkpoint(id).await?;
         let parse = |text: String| {
             serde_json::from_str::<Value>(&text)
                 .map_err(|err| StoreError::Malformed(err.to_string()))
@@ -599,7 +645,6 @@ impl RedisStore {
         let Some(origin) = origin.map(parse).transpose()? else {
             return Ok(None);
         };
-        let checkpoint = checkpoint.map(parse).transpose()?;
         let mut conn = self.reader().await?;
         let mut events: Vec<Event> = Vec::new();
         loop {
@@ -616,6 +661,30 @@ impl RedisStore {
             checkpoint,
             events,
         }))
+    }
+
+    /// The last checkpoint of background response `id`: the whole one written,
+    /// with every patch written since applied (None: none written).
+    async fn read_checkpoint(&self, id: &str) -> StoreResult<Option<Value>> {
+        let mut invocation = self.read_checkpoint.prepare_invoke();
+        invocation.key(self.key(id, "checkpoint"));
+        let parts: Vec<String> = self
+            .call("taken", async |conn| invocation.invoke_async(conn).await)
+            .await?;
+        let malformed = |err: String| StoreError::Malformed(err);
+        let mut parts = parts.iter();
+        let Some(whole) = parts.next() else {
+            return Ok(None);
+        };
+        let mut checkpoint: Value =
+            serde_json::from_str(whole).map_err(|err| malformed(err.to_string()))?;
+        for part in parts {
+            let patch: Value =
+                serde_json::from_str(part).map_err(|err| malformed(err.to_string()))?;
+            super::patch::apply(&mut checkpoint, &patch)
+                .map_err(|err| malformed(err.to_string()))?;
+        }
+        Ok(Some(checkpoint))
     }
 
     /// Background response `id` as the store has it (None: no such one, or
