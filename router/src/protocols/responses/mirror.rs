@@ -47,8 +47,13 @@ pub fn hold_for(lease: Duration) -> Duration {
     lease / 2
 }
 
-/// Most patches written after a whole checkpoint before the next whole one.
+/// Most patches written after a whole checkpoint before the next whole one,
+/// and most bytes of them per byte of the whole one: a checkpoint that grows
+/// is written whole again at sizes several times apart (the whole ones come
+/// to little more than the last), and the store holds at most 17 times it
+/// (and 1024 patches).
 const MAX_PATCHES: usize = 1024;
+const PATCH_BYTES_PER_WHOLE: usize = 16;
 
 /// What the store has of a background response, as its writer wrote it: the
 /// writer sends only what changed since.
@@ -58,9 +63,8 @@ pub struct Sent {
     /// The checkpoint as the store has it (its whole one with every patch
     /// applied); None: unknown (the next write sends it whole).
     checkpoint: Option<Value>,
-    /// Bytes of the whole one, and of the patches after it: once those are
-    /// as many, the next is whole again (the store holds at most twice a
-    /// checkpoint, and what is written stays within twice what changed).
+    /// Bytes of the whole one, and of the patches after it (see
+    /// `PATCH_BYTES_PER_WHOLE`).
     whole_bytes: usize,
     patch_bytes: usize,
     patches: usize,
@@ -74,7 +78,9 @@ impl Sent {
         if let Some(had) = &self.checkpoint {
             let patch = super::patch::diff(had, checkpoint)?;
             let text = patch.to_string();
-            if self.patch_bytes + text.len() <= self.whole_bytes && self.patches < MAX_PATCHES {
+            if self.patch_bytes + text.len() <= self.whole_bytes * PATCH_BYTES_PER_WHOLE
+                && self.patches < MAX_PATCHES
+            {
                 return Some((false, text));
             }
         }

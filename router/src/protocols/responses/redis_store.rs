@@ -103,49 +103,53 @@ pub struct LogState {
 /// unless the response is done, ended by a replica that took it over). Done: the lease and
 /// the response's place among the running ones go. Returns whether a cancel
 /// was asked (1) or not (0): the writer needs no call of its own to know.
-/// KEYS: state hash, events stream, checkpoint, lease, running set, cancel,
-/// origin.
+/// K (the response's keys, named here from the prefix and the id: each
+/// append sends its changes, not seven key names): state hash, events
+/// stream, checkpoint, lease, running set (KEYS[1]), cancel, origin.
 /// ARGV: ttl seconds, tenant, response ('' keeps the last), done (0/1),
 /// lease token, lease ms, checkpoint ('' keeps the last; '=' then the whole
 /// one, '+' then a patch of the last: -2, and nothing written, when there is
-/// none to patch), response id, origin ('' none), then sequence number and
-/// event, pairs.
+/// none to patch), response id, origin ('' none), key prefix, then sequence
+/// number and event, pairs.
 const APPEND: &str = r"
-local holder = redis.call('GET', KEYS[4])
+local base = ARGV[10] .. '{' .. ARGV[8] .. '}:'
+local K = {base .. 'bg', base .. 'events', base .. 'checkpoint', base .. 'lease', KEYS[1],
+           base .. 'cancel', base .. 'origin'}
+local holder = redis.call('GET', K[4])
 if holder and holder ~= ARGV[5] then return -1 end
-if not holder and redis.call('HGET', KEYS[1], 'done') == '1' then return -1 end
+if not holder and redis.call('HGET', K[1], 'done') == '1' then return -1 end
 local patching = string.sub(ARGV[7], 1, 1) == '+'
-if patching and redis.call('TYPE', KEYS[3])['ok'] ~= 'list' then return -2 end
+if patching and redis.call('TYPE', K[3])['ok'] ~= 'list' then return -2 end
 local last = 0
-local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local top = redis.call('XREVRANGE', K[2], '+', '-', 'COUNT', 1)
 if #top > 0 then last = tonumber(string.match(top[1][1], '%-(%d+)$')) end
-for i = 10, #ARGV, 2 do
+for i = 11, #ARGV, 2 do
   local n = tonumber(ARGV[i]) + 1
   if n > last then
-    redis.call('XADD', KEYS[2], '0-' .. n, 'e', ARGV[i + 1])
+    redis.call('XADD', K[2], '0-' .. n, 'e', ARGV[i + 1])
     last = n
   end
 end
-redis.call('HSET', KEYS[1], 'tenant', ARGV[2], 'done', ARGV[4])
-if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'response', ARGV[3]) end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-if last > 0 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+redis.call('HSET', K[1], 'tenant', ARGV[2], 'done', ARGV[4])
+if ARGV[3] ~= '' then redis.call('HSET', K[1], 'response', ARGV[3]) end
+redis.call('EXPIRE', K[1], ARGV[1])
+if last > 0 then redis.call('EXPIRE', K[2], ARGV[1]) end
 if ARGV[7] ~= '' then
-  if not patching then redis.call('DEL', KEYS[3]) end
-  redis.call('RPUSH', KEYS[3], string.sub(ARGV[7], 2))
-  redis.call('EXPIRE', KEYS[3], ARGV[1])
+  if not patching then redis.call('DEL', K[3]) end
+  redis.call('RPUSH', K[3], string.sub(ARGV[7], 2))
+  redis.call('EXPIRE', K[3], ARGV[1])
 end
-if ARGV[9] ~= '' then redis.call('SET', KEYS[7], ARGV[9], 'EX', ARGV[1]) end
+if ARGV[9] ~= '' then redis.call('SET', K[7], ARGV[9], 'EX', ARGV[1]) end
 if ARGV[4] == '1' then
-  redis.call('DEL', KEYS[4])
-  redis.call('ZREM', KEYS[5], ARGV[8])
+  redis.call('DEL', K[4])
+  redis.call('ZREM', K[5], ARGV[8])
 else
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('SET', KEYS[4], ARGV[5], 'PX', ARGV[6])
-  redis.call('ZADD', KEYS[5], now + tonumber(ARGV[6]), ARGV[8])
+  redis.call('SET', K[4], ARGV[5], 'PX', ARGV[6])
+  redis.call('ZADD', K[5], now + tonumber(ARGV[6]), ARGV[8])
 end
-return redis.call('EXISTS', KEYS[6])
+return redis.call('EXISTS', K[6])
 ";
 
 /// Claims running responses whose lease expired (their replica is gone): for
@@ -505,13 +509,7 @@ impl RedisStore {
         };
         let mut invocation = self.append.prepare_invoke();
         invocation
-            .key(self.key(id, "bg"))
-            .key(self.key(id, "events"))
-            .key(self.key(id, "checkpoint"))
-            .key(self.key(id, "lease"))
             .key(self.running_key())
-            .key(self.key(id, "cancel"))
-            .key(self.key(id, "origin"))
             .arg(self.ttl_s())
             .arg(&state.tenant)
             .arg(response)
@@ -520,7 +518,8 @@ impl RedisStore {
             .arg(self.lease_ms())
             .arg(checkpoint)
             .arg(id)
-            .arg(origin.map(Value::to_string).unwrap_or_default());
+            .arg(origin.map(Value::to_string).unwrap_or_default())
+            .arg(&self.settings.prefix);
         for event in events {
             let Some(n) = event.sequence() else {
                 continue;
