@@ -8,6 +8,7 @@
 //! stored response says what the readers were sent.
 
 use crate::common::*;
+use connex_router::Event;
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -249,4 +250,96 @@ async fn redis_full_past_the_lease_generates_once() {
     })
     .await;
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A writer that lost its lease (frozen, or cut off from the store, past it)
+/// while another replica took the response over and ended it: neither its
+/// events and state nor its stored response overwrite what that one wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_past_its_lease_never_overwrites_the_end_another_wrote() {
+    use connex_router::{
+        AppendError, CheckpointWrite, LogState, RedisSettings, RedisStore, Stored,
+    };
+    let redis = Redis::start();
+    let store = |lease_ms| {
+        RedisStore::new(RedisSettings {
+            url: redis.url.clone(),
+            password: None,
+            ca_file: None,
+            prefix: "fence:".into(),
+            ttl: Duration::from_secs(60),
+            timeout: Duration::from_secs(2),
+            lease: Duration::from_millis(lease_ms),
+            max_bytes: 1 << 20,
+            fallback_count: 16,
+        })
+        .unwrap()
+    };
+    let (stale, taker) = (store(100), store(60_000));
+    let event = |n: u64| Event::from_value(&json!({"type": "x", "sequence_number": n}));
+    let running = LogState {
+        tenant: "t".into(),
+        response: json!({"status": "in_progress"}),
+        done: false,
+    };
+    let whole = CheckpointWrite::Whole(r#"{"n": 1}"#);
+    stale
+        .append("resp_1", "stale", &running, &[event(0)], Some(whole), None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        taker.claim_expired("taker", 1, &[]).await.unwrap(),
+        ["resp_1"]
+    );
+    // While the taker holds the lease, the stale writer's end is refused.
+    let stale_end = Stored::new(
+        serde_json::value::to_raw_value(&json!({"status": "completed", "by": "stale"})).unwrap(),
+        &[],
+        "t".into(),
+    );
+    assert!(matches!(
+        stale.put_final("resp_1", "stale", &stale_end).await,
+        Err(AppendError::Fenced)
+    ));
+    // The taker ends it (its stored response, then its done state: the lease goes).
+    let end = Stored::new(
+        serde_json::value::to_raw_value(&json!({"status": "completed", "by": "taker"})).unwrap(),
+        &[],
+        "t".into(),
+    );
+    taker.put_final("resp_1", "taker", &end).await.unwrap();
+    let done = LogState {
+        tenant: "t".into(),
+        response: json!({"status": "completed", "by": "taker"}),
+        done: true,
+    };
+    taker
+        .append("resp_1", "taker", &done, &[event(1)], None, None)
+        .await
+        .unwrap();
+    assert_eq!(redis.cli(&["EXISTS", "fence:{resp_1}:lease"]), "0");
+    // No lease held now: the stale writer still may not write over the end.
+    let late = LogState {
+        tenant: "t".into(),
+        response: json!({"status": "in_progress", "by": "stale"}),
+        done: false,
+    };
+    assert!(matches!(
+        stale
+            .append("resp_1", "stale", &late, &[event(1), event(2)], None, None)
+            .await,
+        Err(AppendError::Fenced)
+    ));
+    assert!(matches!(
+        stale.put_final("resp_1", "stale", &stale_end).await,
+        Err(AppendError::Fenced)
+    ));
+    let state = stale.log_state("resp_1").await.unwrap().unwrap();
+    assert!(state.done);
+    assert_eq!(state.response["by"], "taker");
+    assert_eq!(redis.cli(&["XLEN", "fence:{resp_1}:events"]), "2");
+    let stored: Value =
+        serde_json::from_str(&redis.cli(&["GET", "fence:{resp_1}:stored"])).unwrap();
+    assert_eq!(stored["response"]["by"], "taker", "{stored}");
 }
