@@ -241,7 +241,8 @@ pub async fn mirror(
     let retry_max = RETRY_MAX.min(lease / 4).max(RETRY_MIN);
     // When the last write that renewed the lease was sent.
     let mut renewed = tokio::time::Instant::now();
-    let mut first = true;
+    // A first write, unless `publish` wrote (its checkpoint is the store's).
+    let mut first = sent.checkpoint.is_none();
     // This replica's takeover leaves the response alone until the writer ends.
     struct Writing<'a>(&'a Live);
     impl Drop for Writing<'_> {
