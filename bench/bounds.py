@@ -232,8 +232,14 @@ def redis_info(port, field):
     raise RuntimeError(f"redis INFO has no {field}")
 
 
+def bulk(n):
+    """Bytes of a RESP bulk string of `n` bytes: `$<n>\\r\\n<bytes>\\r\\n`."""
+    return 1 + len(str(n)) + 2 + n + 2
+
+
 def redis_event_bytes(port, response_id):
-    """Bytes of the events the store holds of `response_id` (their JSON)."""
+    """Bytes of the events of `response_id` as a writer sends them: each one's
+    sequence number and JSON, as two arguments of the append."""
     out = subprocess.run(
         ["redis-cli", "-p", str(port), "--no-raw", "XRANGE", f"connex:{{{response_id}}}:events"]
         + ["-", "+"],
@@ -246,7 +252,9 @@ def redis_event_bytes(port, response_id):
         # those of the JSON the router sent.
         if line.endswith(b'}"') and b'"{' in line:
             quoted = line[line.index(b'"{') :]
-            total += len(json.loads(quoted.decode()).encode())
+            event = json.loads(quoted.decode())
+            number = str(json.loads(event)["sequence_number"])
+            total += bulk(len(event.encode())) + bulk(len(number))
     return total
 
 
@@ -254,7 +262,8 @@ def responses_redis_bytes_per_token(bin_dir, logs):
     """Redis bytes written per generated token of a background response,
     beside its events: everything the router sends Redis while the response
     runs (INFO total_net_input_bytes; less the idle rate of the takeover
-    loop's looks, measured first), less the events' own bytes, over its
+    loop's looks, measured first), less the events as sent (each one's
+    sequence number and JSON, framed as the append's arguments), over its
     tokens. One response of RESPONSE_TOKENS tokens on a decoder at DECODE_US
     per token, read by its streaming client (from the router's memory: no
     reads of Redis)."""

@@ -48,12 +48,14 @@ pub fn hold_for(lease: Duration) -> Duration {
 }
 
 /// Most patches written after a whole checkpoint before the next whole one,
-/// and most bytes of them per byte of the whole one: a checkpoint that grows
-/// is written whole again at sizes several times apart (the whole ones come
-/// to little more than the last), and the store holds at most 17 times it
+/// and most bytes of them per byte of the whole one (counted as at least
+/// MIN_WHOLE_BYTES): a checkpoint that grows is written whole again at sizes
+/// several times apart (the whole ones come to little more than the last),
+/// and the store holds at most 17 times it, or 64 KiB more for a small one
 /// (and 1024 patches).
 const MAX_PATCHES: usize = 1024;
 const PATCH_BYTES_PER_WHOLE: usize = 16;
+const MIN_WHOLE_BYTES: usize = 4096;
 
 /// What the store has of a background response, as its writer wrote it: the
 /// writer sends only what changed since.
@@ -78,9 +80,8 @@ impl Sent {
         if let Some(had) = &self.checkpoint {
             let patch = super::patch::diff(had, checkpoint)?;
             let text = patch.to_string();
-            if self.patch_bytes + text.len() <= self.whole_bytes * PATCH_BYTES_PER_WHOLE
-                && self.patches < MAX_PATCHES
-            {
+            let allowed = self.whole_bytes.max(MIN_WHOLE_BYTES) * PATCH_BYTES_PER_WHOLE;
+            if self.patch_bytes + text.len() <= allowed && self.patches < MAX_PATCHES {
                 return Some((false, text));
             }
         }
