@@ -113,9 +113,22 @@ fn output_text(response: &Value) -> String {
 /// its client and read by a second reader; `fault` is done to the store once
 /// the readers had 20 events. Then the checks every fault shares.
 async fn one_generation_through(redis: &mut Redis, fault: impl AsyncFnOnce(&mut Redis)) {
-    let slow = ["--decode-us-per-token", "15000"];
+    generated_through(redis, FLAGS, 1, fault).await;
+}
+
+/// [`one_generation_through`] with the router's `store_flags`, expecting
+/// `decodes` decode requests that generated at the decoders.
+async fn generated_through(
+    redis: &mut Redis,
+    store_flags: &[&str],
+    decodes: usize,
+    fault: impl AsyncFnOnce(&mut Redis),
+) {
+    // Decoders with the tokens API: a continuation pulls the prompt's KV
+    // from the prefill's hold again, as vLLM's with --enable-scale-out do.
+    let slow = ["--decode-us-per-token", "15000", "--enable-scale-out"];
     let mut flags = vec!["--response-store", redis.url.as_str()];
-    flags.extend_from_slice(FLAGS);
+    flags.extend_from_slice(store_flags);
     let (router, engines) = failover_cluster(&flags, &slow, &slow).await;
     let body = json!({"model": "mock", "input": "Generate me once", "background": true,
                       "stream": true, "max_output_tokens": TOKENS});
@@ -192,11 +205,49 @@ async fn one_generation_through(redis: &mut Redis, fault: impl AsyncFnOnce(&mut 
     assert_eq!(stored.status(), 200);
     assert_eq!(&stored.json::<Value>().await.unwrap(), done);
     // Generated once: one decode request reached the decoders.
-    let mut decodes = 0;
+    let mut made = Vec::new();
     for decoder in &engines[1..] {
-        decodes += engine_generations(decoder).await.len();
+        made.extend(decode_requests(decoder).await);
     }
-    assert_eq!(decodes, 1, "decode requests for one response");
+    let summary: Vec<String> = made
+        .iter()
+        .map(|r| {
+            format!(
+                "{} epoch {} max {} emitted {} {}",
+                r["path"],
+                r["body"]["kv_transfer_params"]["resume_epoch"],
+                r["body"]["max_tokens"],
+                r["tokens_emitted"],
+                r["outcome"]
+            )
+        })
+        .collect();
+    // Requests that generated (a continuation's try whose prefill hold was
+    // gone emits nothing and is retried after a new prefill).
+    let generating = made
+        .iter()
+        .filter(|r| r["tokens_emitted"].as_u64() > Some(0))
+        .count();
+    assert_eq!(generating, decodes, "decode requests: {summary:?}");
+    if decodes == 1 {
+        assert_eq!(made.len(), 1, "decode requests: {summary:?}");
+    }
+}
+
+/// The generation requests a decoder served: completions, chat, and the
+/// tokens API's generate (what a continuation from a checkpoint uses).
+async fn decode_requests(decoder: &Proc) -> Vec<Value> {
+    engine_requests(decoder)
+        .await
+        .into_iter()
+        .filter(|r| {
+            r["path"].as_str().is_some_and(|p| {
+                p == "/v1/completions"
+                    || p == "/v1/chat/completions"
+                    || p == "/inference/v1/generate"
+            })
+        })
+        .collect()
 }
 
 fn aof_dir(name: &str) -> std::path::PathBuf {
@@ -342,4 +393,29 @@ async fn a_writer_past_its_lease_never_overwrites_the_end_another_wrote() {
     let stored: Value =
         serde_json::from_str(&redis.cli(&["GET", "fence:{resp_1}:stored"])).unwrap();
     assert_eq!(stored["response"]["by"], "taker", "{stored}");
+}
+
+/// Redis gone for longer than a writer waits (20 leases): the writer gives
+/// its generation up (its decoder stream closed, its readers let go without a
+/// terminal event); once Redis is back, a replica (here the same one, whose
+/// writer ended) takes it over from its last checkpoint, and the readers,
+/// reattaching after their last event, read the rest to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_given_up_is_taken_over_and_its_readers_reattach() {
+    let dir = aof_dir("given-up");
+    let mut redis = Redis::start_persistent(&dir);
+    // Lease 300 ms: given up after 6 s of a store down 8 s.
+    let flags = [
+        "--response-lease-ms",
+        "300",
+        "--response-store-timeout-ms",
+        "100",
+    ];
+    generated_through(&mut redis, &flags, 2, async |redis| {
+        redis.kill();
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        redis.restart();
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -61,6 +61,7 @@ pub fn spawn(state: &Arc<AppState>, tasks: &mut tokio::task::JoinSet<()>, stop: 
                             "taking over a background response whose replica stopped renewing it"
                         );
                         let (state, store, token) = (state.clone(), store.clone(), token.clone());
+                        state.responses.live.taking(&id, true);
                         state
                             .flow
                             .drains
@@ -88,6 +89,14 @@ enum TakeoverError {
 }
 
 async fn take_over(state: Arc<AppState>, store: Arc<RedisStore>, id: String, token: String) {
+    // Its own from the claim until its writer starts (or it cannot go on).
+    struct Taking<'a>(&'a AppState, &'a str);
+    impl Drop for Taking<'_> {
+        fn drop(&mut self) {
+            self.0.responses.live.taking(self.1, false);
+        }
+    }
+    let _taking = Taking(&state, &id);
     let taken = match store.taken(&id).await {
         Ok(Some(taken)) if !taken.state.done => taken,
         // Its replica ended it after all: nothing to take over.

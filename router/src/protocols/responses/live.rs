@@ -278,6 +278,9 @@ pub struct LiveResponses {
     inner: Mutex<Inner>,
     /// Cancels every background generation (the router stopping).
     pub stop: CancellationToken,
+    /// Responses this replica claimed and is taking over (until their
+    /// writer starts): its own too.
+    taking: Mutex<std::collections::HashSet<String>>,
 }
 
 #[derive(Debug, Default)]
@@ -292,6 +295,7 @@ impl LiveResponses {
             max: max.max(1),
             inner: Mutex::new(Inner::default()),
             stop: CancellationToken::new(),
+            taking: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -367,12 +371,34 @@ impl LiveResponses {
     /// lease may have run out in the store while it was unreachable; their
     /// writer goes on, or finds itself fenced, when it is back).
     pub fn mirrored(&self) -> Vec<String> {
-        self.lock()
+        let mut ids: Vec<String> = self
+            .lock()
             .map
             .iter()
             .filter(|(_, live)| live.mirrored())
             .map(|(id, _)| id.clone())
-            .collect()
+            .collect();
+        let taking = self.taking.lock().unwrap_or_else(|e| e.into_inner());
+        let more: Vec<String> = taking
+            .iter()
+            .filter(|id| !ids.contains(id))
+            .cloned()
+            .collect();
+        ids.extend(more);
+        ids
+    }
+
+    /// This replica claimed `id` and takes it over (`true`), or is done
+    /// with that (`false`: its writer started, or it could not go on): its
+    /// own generation meanwhile, however long its continuation takes to
+    /// start (past the lease it claimed, its next look would claim it again).
+    pub fn taking(&self, id: &str, taking: bool) {
+        let mut set = self.taking.lock().unwrap_or_else(|e| e.into_inner());
+        if taking {
+            set.insert(id.to_string());
+        } else {
+            set.remove(id);
+        }
     }
 
     pub fn forget(&self, id: &str) {
