@@ -100,9 +100,10 @@ pub struct LogState {
 /// and only while the lease is the writer's (another replica that took the
 /// generation over has it: -1, and nothing is written; none has it, as after
 /// it ran out while the store was unreachable: the writer takes it again,
-/// unless the response is done, ended by a replica that took it over). Done: the lease and
-/// the response's place among the running ones go. Returns whether a cancel
-/// was asked (1) or not (0): the writer needs no call of its own to know.
+/// unless the response is done, ended by a replica that took it over). Done:
+/// the lease and the response's place among the running ones go. Returns
+/// whether a cancel was asked (1) or not (0): the writer needs no call of its
+/// own to know.
 /// K (the response's keys, named here from the prefix and the id: each
 /// append sends its changes, not seven key names): state hash, events
 /// stream, checkpoint, lease, running set (KEYS[1]), cancel, origin.
