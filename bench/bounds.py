@@ -10,8 +10,11 @@ each of three abuses, while 100 healthy streamed completions run beside it:
              without tokens, without end (every healthy stream it serves is
              resumed on the other decoder).
 For each: the router's peak RSS above its idle RSS (VmHWM, /proc), the healthy
-streams that failed (must be 0) and how the abuse was answered. Last line
+streams that failed (must be 0) and how the abuse was answered; then
 `router_peak_rss_mib_under_abuse=<the largest of the three>`.
+Then the Redis bytes one background response writes per generated token
+beside its events (a router on a real redis-server; target <= 64):
+`responses_redis_bytes_per_token=<x>`.
 
 Usage: python3 bench/bounds.py BIN_DIR
 """
@@ -19,6 +22,7 @@ Usage: python3 bench/bounds.py BIN_DIR
 import http.client
 import json
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -207,6 +211,117 @@ CASES = [
 ]
 
 
+RESPONSE_TOKENS = 1000
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def redis_info(port, field):
+    out = subprocess.run(
+        ["redis-cli", "-p", str(port), "INFO", "stats"], capture_output=True, text=True
+    ).stdout
+    for line in out.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split(":", 1)[1])
+    raise RuntimeError(f"redis INFO has no {field}")
+
+
+def bulk(n):
+    """Bytes of a RESP bulk string of `n` bytes: `$<n>\\r\\n<bytes>\\r\\n`."""
+    return 1 + len(str(n)) + 2 + n + 2
+
+
+def redis_event_bytes(port, response_id):
+    """Bytes of the events of `response_id` as a writer sends them: each one's
+    sequence number and JSON, as two arguments of the append."""
+    out = subprocess.run(
+        ["redis-cli", "-p", str(port), "--no-raw", "XRANGE", f"connex:{{{response_id}}}:events"]
+        + ["-", "+"],
+        capture_output=True,
+    ).stdout
+    total = 0
+    for line in out.splitlines():
+        line = line.strip()
+        # Each entry's value: `N) "{...}"` (quoted, escaped); its bytes are
+        # those of the JSON the router sent.
+        if line.endswith(b'}"') and b'"{' in line:
+            quoted = line[line.index(b'"{') :]
+            event = json.loads(quoted.decode())
+            number = str(json.loads(event)["sequence_number"])
+            total += bulk(len(event.encode())) + bulk(len(number))
+    return total
+
+
+def responses_redis_bytes_per_token(bin_dir, logs):
+    """Redis bytes written per generated token of a background response,
+    beside its events: everything the router sends Redis while the response
+    runs (INFO total_net_input_bytes; less the idle rate of the takeover
+    loop's looks, measured first), less the events as sent (each one's
+    sequence number and JSON, framed as the append's arguments), over its
+    tokens. One response of RESPONSE_TOKENS tokens on a decoder at DECODE_US
+    per token, read by its streaming client (from the router's memory: no
+    reads of Redis)."""
+    port = free_port()
+    redis = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        + ["--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    procs = Procs(logs, "responses-")
+    try:
+        deadline = time.monotonic() + 10
+        while subprocess.run(
+            ["redis-cli", "-p", str(port), "PING"], capture_output=True, text=True
+        ).stdout.strip() != "PONG":
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+        _, router = procs.start(
+            "router",
+            [f"{bin_dir}/connex-router", "serve", "--listen", "127.0.0.1:0"]
+            + ["--internal-listen", "127.0.0.1:0", "--admin-token", "bench"]
+            + ["--response-store", f"redis://127.0.0.1:{port}"],
+        )
+        engine = [f"{bin_dir}/connex-mock-engine", "--model", "mock", "--router", procs.internal]
+        procs.start("prefill", engine + ["--role", "prefill"])
+        procs.start("decode", engine + ["--role", "decode", "--decode-us-per-token", DECODE_US])
+        procs.wait_ready(2)
+        idle_from = (redis_info(port, "total_net_input_bytes"), time.monotonic())
+        time.sleep(3)
+        idle_to = (redis_info(port, "total_net_input_bytes"), time.monotonic())
+        idle_rate = (idle_to[0] - idle_from[0]) / (idle_to[1] - idle_from[1])
+        body = {"model": "mock", "input": "Write at length.", "background": True}
+        body.update({"stream": True, "max_output_tokens": RESPONSE_TOKENS})
+        before = (redis_info(port, "total_net_input_bytes"), time.monotonic())
+        status, answer = post(router, "/v1/responses", body, timeout=300)
+        after = (redis_info(port, "total_net_input_bytes"), time.monotonic())
+        if status != 200 or b"response.completed" not in answer:
+            raise RuntimeError(f"the background response failed: {status} {answer[-300:]!r}")
+        first = json.loads(answer.split(b"data: ", 1)[1].split(b"\n", 1)[0])
+        response_id = first["response"]["id"]
+        last = json.loads(answer.rsplit(b"data: ", 1)[1].split(b"\n", 1)[0])
+        tokens = last["response"]["usage"]["output_tokens"]
+        written = after[0] - before[0] - idle_rate * (after[1] - before[1])
+        events = redis_event_bytes(port, response_id)
+        per_token = (written - events) / tokens
+        detail = (
+            f"{tokens} tokens, {written / 1024:.1f} KiB written in "
+            f"{after[1] - before[1]:.1f} s, {events / 1024:.1f} KiB of it events"
+        )
+        return per_token, detail
+    finally:
+        procs.stop()
+        redis.kill()
+        redis.wait()
+
+
 def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bin_dir = sys.argv[1]
@@ -233,6 +348,9 @@ def main():
         for failure in healthy.failed[:3]:
             print(f"    failed: {failure!r}")
     print(f"router_peak_rss_mib_under_abuse={worst:.1f}")
+    per_token, detail = responses_redis_bytes_per_token(bin_dir, logs)
+    print(f"responses: Redis bytes per token beside the events: {per_token:.1f} ({detail})")
+    print(f"responses_redis_bytes_per_token={per_token:.1f}")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,10 @@ pub use edge::routes::{route_list, route_table, Listener};
 pub use edge::server::terminate_signal;
 pub use observe::logs;
 pub use protocols::event::Event;
-pub use protocols::responses::redis_store::{LogState, RedisSettings, RedisStore};
+pub use protocols::responses::redis_store::{
+    AppendError, CheckpointWrite, LogState, RedisSettings, RedisStore,
+};
+pub use protocols::responses::store::Stored;
 pub use protocols::sse::SseParser;
 
 use config::RouterConfig;

@@ -17,6 +17,7 @@ mod kv_transfer;
 mod lifecycle;
 mod messages;
 mod observability;
+mod redis_faults;
 mod responses;
 mod resume;
 mod routing;

@@ -321,7 +321,13 @@ async fn one_replica_wins_an_expired_lease() {
             .unwrap();
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (b, c) = tokio::join!(second.claim_expired("b", 20), third.claim_expired("c", 20));
+    // A claimer leaves its own generations alone (all 20 named: none won).
+    let own: Vec<String> = (0..20).map(|n| format!("resp_{n}")).collect();
+    assert_eq!(second.claim_expired("b", 20, &own).await.unwrap().len(), 0);
+    let (b, c) = tokio::join!(
+        second.claim_expired("b", 20, &[]),
+        third.claim_expired("c", 20, &[])
+    );
     let (mut b, mut c) = (b.unwrap(), c.unwrap());
     b.sort();
     c.sort();

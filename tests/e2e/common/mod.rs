@@ -942,6 +942,42 @@ impl Redis {
         redis
     }
 
+    /// Redis persisting every write to an append-only file in `dir`
+    /// (`appendfsync always`): [`Redis::restart`] finds what it had, as a
+    /// server restarted after a crash does.
+    pub fn start_persistent(dir: &std::path::Path) -> Redis {
+        let port = free_port();
+        let dir = dir.to_string_lossy().into_owned();
+        let mut redis = Redis {
+            child: None,
+            port,
+            url: format!("redis://127.0.0.1:{port}"),
+            server_args: args(&[
+                "--port",
+                &port.to_string(),
+                "--dir",
+                &dir,
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ]),
+            cli_args: args(&["-p", &port.to_string()]),
+        };
+        redis.spawn();
+        redis
+    }
+
+    /// Sends `signal` ("STOP", "CONT") to the server, as a frozen host would.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().map(Child::id).expect("redis running");
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal} failed");
+    }
+
     /// Redis on TLS only (a certificate for 127.0.0.1 from a CA made in
     /// `dir`, whose certificate is `dir/ca.crt`), asking `password`.
     pub fn start_tls(dir: &std::path::Path, password: &str) -> Redis {
@@ -1038,9 +1074,10 @@ impl Redis {
     }
 
     fn spawn(&mut self) {
+        // The defaults first: a server's own arguments (persistence) win.
         let child = Command::new("redis-server")
-            .args(&self.server_args)
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(&self.server_args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -1082,7 +1119,8 @@ impl Redis {
             .expect("XLEN")
     }
 
-    /// Starts it again on the same port (with nothing in it).
+    /// Starts it again on the same port (with nothing in it, or, started
+    /// [`Redis::start_persistent`], with what its file has).
     pub fn restart(&mut self) {
         self.kill();
         self.spawn();

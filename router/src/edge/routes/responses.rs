@@ -149,6 +149,10 @@ impl Translation for ResponseTranslation {
         }))
     }
 
+    fn take_kept(&mut self) -> Option<Stored> {
+        self.keeping.take().map(|(_, stored)| stored)
+    }
+
     fn origin(&self) -> Value {
         json!({"store": self.store, "items": self.items})
     }

@@ -19,9 +19,8 @@ use crate::pd::checkpoint::DecodeCheckpoint;
 use crate::pd::record::RequestRecord;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
-use crate::protocols::responses::redis_store::{LogState, RedisStore, Taken};
+use crate::protocols::responses::redis_store::{CheckpointWrite, LogState, RedisStore, Taken};
 use crate::state::AppState;
-use serde_json::Value;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
@@ -51,7 +50,10 @@ pub fn spawn(state: &Arc<AppState>, tasks: &mut tokio::task::JoinSet<()>, stop: 
                 return;
             }
             let token = crate::protocols::responses::new_id("lease");
-            match store.claim_expired(&token, CLAIM_BATCH).await {
+            // Never its own generations: their writer goes on (or finds
+            // itself fenced) once the store answers again.
+            let own = state.responses.live.mirrored();
+            match store.claim_expired(&token, CLAIM_BATCH, &own).await {
                 Ok(ids) => {
                     for id in ids {
                         tracing::warn!(
@@ -59,6 +61,7 @@ pub fn spawn(state: &Arc<AppState>, tasks: &mut tokio::task::JoinSet<()>, stop: 
                             "taking over a background response whose replica stopped renewing it"
                         );
                         let (state, store, token) = (state.clone(), store.clone(), token.clone());
+                        state.responses.live.taking(&id, true);
                         state
                             .flow
                             .drains
@@ -86,6 +89,14 @@ enum TakeoverError {
 }
 
 async fn take_over(state: Arc<AppState>, store: Arc<RedisStore>, id: String, token: String) {
+    // Its own from the claim until its writer starts (or it cannot go on).
+    struct Taking<'a>(&'a AppState, &'a str);
+    impl Drop for Taking<'_> {
+        fn drop(&mut self) {
+            self.0.responses.live.taking(self.1, false);
+        }
+    }
+    let _taking = Taking(&state, &id);
     let taken = match store.taken(&id).await {
         Ok(Some(taken)) if !taken.state.done => taken,
         // Its replica ended it after all: nothing to take over.
@@ -195,7 +206,14 @@ async fn fail(
     crate::protocols::responses::output::fail(&mut log.response, &message);
     log.done = true;
     if let Err(err) = store
-        .append(id, token, &log, &[], Some(&Value::Null), None)
+        .append(
+            id,
+            token,
+            &log,
+            &[],
+            Some(CheckpointWrite::Whole("null")),
+            None,
+        )
         .await
     {
         tracing::warn!(id, %err, "a background response that cannot go on could not be ended as failed");

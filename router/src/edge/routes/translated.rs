@@ -17,7 +17,7 @@ use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
 use crate::protocols::responses::live::Live;
 use crate::protocols::responses::redis_store::RedisStore;
-use crate::protocols::responses::store::StoreError;
+use crate::protocols::responses::store::{StoreError, Stored};
 use crate::protocols::translator::Translator;
 use crate::state::AppState;
 use crate::tenants::Caller;
@@ -56,6 +56,11 @@ pub trait Translation: Send + 'static {
     /// What must be kept before the last events go out (a stored response,
     /// so that a client that read them can at once continue from it).
     fn keep(&mut self) -> Option<BoxFuture<'static, ()>> {
+        None
+    }
+    /// What `keep` would store, taken instead: a background response's
+    /// writer stores it under its lease in the shared store (`mirror.rs`).
+    fn take_kept(&mut self) -> Option<Stored> {
         None
     }
     /// What of the translation never changes, for a replica that takes a
@@ -113,6 +118,21 @@ impl<T: Translation> Driver<T> {
             Sink::Whole => Out::Nowhere,
             Sink::Live(_) => Out::Events(Vec::new()),
         }
+    }
+
+    /// What the translation keeps as it ends: with a shared store, a
+    /// background response's writer stores it under its lease (nothing to
+    /// wait for here: readers get the last events once it is stored).
+    fn keeping(&mut self) -> Option<BoxFuture<'static, ()>> {
+        if let Sink::Live(live) = &self.sink {
+            if live.is_shared() {
+                if let Some(stored) = self.translation.take_kept() {
+                    live.keep(stored);
+                }
+                return None;
+            }
+        }
+        self.translation.keep()
     }
 
     /// The events written to `out` to the sink; a streaming client's bytes.
@@ -209,7 +229,7 @@ impl<T: Translation> Translator for Shared<T> {
         let whole = driver.translation.finish(usage, &mut out);
         driver.ending = Some((out, whole, false));
         driver.ended = true;
-        driver.translation.keep()
+        driver.keeping()
     }
 
     fn fail(&mut self, error: &ApiError) {
@@ -456,13 +476,19 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
             .unwrap_or_default()
             .to_string();
         let token = lease.unwrap_or_else(|| crate::protocols::responses::new_id("lease"));
-        live.gate();
+        // Until its first write, as long as its lease would allow.
+        let hold = crate::protocols::responses::mirror::hold_for(shared.lease());
+        live.gate(tokio::time::Instant::now() + hold);
         live.push_checkpointed(Vec::new(), None, checkpoint());
         // In the store before the client has the id, which it may take to
         // any replica at once (a generation taken over has its origin there).
         let mut origin = origin;
+        let mut sent = crate::protocols::responses::mirror::Sent::default();
         if let Some(first) = &origin {
-            if crate::protocols::responses::mirror::publish(shared, &id, &token, &live, first).await
+            if crate::protocols::responses::mirror::publish(
+                shared, &id, &token, &live, first, &mut sent,
+            )
+            .await
             {
                 origin = None;
             }
@@ -476,6 +502,7 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
                 token,
                 live.clone(),
                 origin,
+                sent,
                 state.responses.live.stop.clone(),
             ));
     }
@@ -483,8 +510,19 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
         let _admission = admission;
         let mut every = tokio::time::interval(CHECKPOINT_EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut changes = live.follow();
         loop {
+            // Past its hold (its writer could not renew the lease lately),
+            // the generation pauses: its decoder stream is not read until a
+            // write renews the lease (`mirror.rs`), so that it never goes on
+            // here once another replica may have taken it over.
+            changes.borrow_and_update();
+            let until = live.until();
+            let paused = until.is_some_and(|until| tokio::time::Instant::now() >= until);
+            let hold = until.unwrap_or_else(tokio::time::Instant::now);
             tokio::select! {
+                _ = changes.changed(), if paused => {}
+                _ = tokio::time::sleep_until(hold), if !paused && until.is_some() => {}
                 // What came since the last checkpoint is checkpointed at most
                 // every CHECKPOINT_EVERY: the store gets events up to the last
                 // checkpoint and readers only what the store has, so this
@@ -505,7 +543,7 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
                         let mut driver = driver.lock();
                         let mut out = driver.out();
                         let whole = driver.translation.cancel(&mut out);
-                        (out, whole, driver.translation.keep())
+                        (out, whole, driver.keeping())
                     };
                     if let Some(keeping) = keeping {
                         keeping.await;
@@ -513,7 +551,7 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
                     live.push_checkpointed(out.into_events(), Some(value_of(&whole)), checkpoint());
                     return;
                 }
-                next = chat.next() => {
+                next = chat.next(), if !paused => {
                     if next.is_some() {
                         continue;
                     }

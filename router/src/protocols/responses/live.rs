@@ -5,6 +5,7 @@
 //! those finished longest ago forgotten first (their stored response stays in
 //! the store); a generation in progress is never forgotten.
 
+use super::store::Stored;
 use crate::protocols::event::Event;
 use serde_json::Value;
 use std::collections::{HashMap, VecDeque};
@@ -26,6 +27,9 @@ pub struct Live {
     /// a last event, and this replica's readers are let go (they read the
     /// rest from any replica).
     fenced: std::sync::atomic::AtomicBool,
+    /// Whether a writer copies it into the shared store now (`mirror.rs`):
+    /// this replica's takeover never claims it then.
+    mirrored: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -42,6 +46,13 @@ struct LiveState {
     /// get (an event a reader had that the store lacks could be generated
     /// differently by the replica that takes over). None: all of them.
     durable: Option<usize>,
+    /// With a shared store: until when the generation may go on here, by
+    /// this replica's clock (its lease, renewed by each write, runs out
+    /// later: `mirror.rs`); past it, it pauses. None: no bound.
+    until: Option<tokio::time::Instant>,
+    /// With a shared store: the stored response its end made, which its
+    /// writer stores under its lease (`mirror.rs`), with its last events.
+    kept: Option<Arc<Stored>>,
 }
 
 #[derive(Debug)]
@@ -151,10 +162,17 @@ impl Live {
     }
 
     /// From now on, readers get only the events the shared store has
-    /// (`mark_durable`); those so far count as had.
-    pub fn gate(&self) {
+    /// (`mark_durable`), those so far counted as had (whether the store
+    /// can be written or not: an event a reader had that the store lacks
+    /// could be generated differently by a replica taking over); and the
+    /// generation goes on here until `until` only (its writer, `mirror.rs`,
+    /// moves it on with each write).
+    pub fn gate(&self, until: tokio::time::Instant) {
         let mut state = self.lock();
         state.durable = Some(state.events.len());
+        state.until = Some(until);
+        drop(state);
+        self.set_mirrored(true);
     }
 
     /// The store has the first `through` events.
@@ -169,14 +187,42 @@ impl Live {
         }
     }
 
-    /// The store cannot be written: readers get every event (the response
-    /// is no longer durable; its replica's failure would end it).
-    pub fn ungate(&self) {
-        let mut state = self.lock();
-        if state.durable.take().is_some() {
-            drop(state);
-            self.changed.send_modify(|n| *n += 1);
-        }
+    /// Whether readers get only what a shared store has (`gate`).
+    pub fn is_shared(&self) -> bool {
+        self.lock().durable.is_some()
+    }
+
+    /// The generation may go on here until `until` (its writer's lease
+    /// renewed).
+    pub fn hold_until(&self, until: tokio::time::Instant) {
+        self.lock().until = Some(until);
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// Until when the generation may go on here (None: no bound).
+    pub fn until(&self) -> Option<tokio::time::Instant> {
+        self.lock().until
+    }
+
+    /// Keeps the stored response of the end, for the writer to store.
+    pub fn keep(&self, stored: Stored) {
+        self.lock().kept = Some(Arc::new(stored));
+    }
+
+    /// The stored response of the end, if the generation kept one.
+    pub fn kept(&self) -> Option<Arc<Stored>> {
+        self.lock().kept.clone()
+    }
+
+    /// Whether a writer copies it into the shared store now.
+    pub fn mirrored(&self) -> bool {
+        self.mirrored.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Its writer starts (true) or ended (false).
+    pub fn set_mirrored(&self, mirrored: bool) {
+        self.mirrored
+            .store(mirrored, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The events after `after` up to the last checkpoint, with the
@@ -232,6 +278,9 @@ pub struct LiveResponses {
     inner: Mutex<Inner>,
     /// Cancels every background generation (the router stopping).
     pub stop: CancellationToken,
+    /// Responses this replica claimed and is taking over (until their
+    /// writer starts): its own too.
+    taking: Mutex<std::collections::HashSet<String>>,
 }
 
 #[derive(Debug, Default)]
@@ -246,6 +295,7 @@ impl LiveResponses {
             max: max.max(1),
             inner: Mutex::new(Inner::default()),
             stop: CancellationToken::new(),
+            taking: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -275,6 +325,7 @@ impl LiveResponses {
             changed: watch::channel(0).0,
             cancel: self.stop.child_token(),
             fenced: std::sync::atomic::AtomicBool::new(false),
+            mirrored: std::sync::atomic::AtomicBool::new(false),
         });
         inner.map.insert(id.to_string(), live.clone());
         inner.order.push_back(id.to_string());
@@ -305,13 +356,49 @@ impl LiveResponses {
         }
     }
 
-    /// Background response `id`, if `tenant`'s.
+    /// Background response `id`, if `tenant`'s and generated here (one
+    /// handed over goes on elsewhere: its readers read the shared store).
     pub fn get(&self, id: &str, tenant: &str) -> Option<Arc<Live>> {
         self.lock()
             .map
             .get(id)
-            .filter(|live| live.tenant == tenant)
+            .filter(|live| live.tenant == tenant && !live.fenced())
             .cloned()
+    }
+
+    /// The ids of the responses this replica writes into the shared store
+    /// now: its own generations, which its takeover never claims (their
+    /// lease may have run out in the store while it was unreachable; their
+    /// writer goes on, or finds itself fenced, when it is back).
+    pub fn mirrored(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self
+            .lock()
+            .map
+            .iter()
+            .filter(|(_, live)| live.mirrored())
+            .map(|(id, _)| id.clone())
+            .collect();
+        let taking = self.taking.lock().unwrap_or_else(|e| e.into_inner());
+        let more: Vec<String> = taking
+            .iter()
+            .filter(|id| !ids.contains(id))
+            .cloned()
+            .collect();
+        ids.extend(more);
+        ids
+    }
+
+    /// This replica claimed `id` and takes it over (`true`), or is done
+    /// with that (`false`: its writer started, or it could not go on): its
+    /// own generation meanwhile, however long its continuation takes to
+    /// start (past the lease it claimed, its next look would claim it again).
+    pub fn taking(&self, id: &str, taking: bool) {
+        let mut set = self.taking.lock().unwrap_or_else(|e| e.into_inner());
+        if taking {
+            set.insert(id.to_string());
+        } else {
+            set.remove(id);
+        }
     }
 
     pub fn forget(&self, id: &str) {
@@ -353,5 +440,26 @@ mod tests {
             lives.get("a", "t").is_none(),
             "the finished one was forgotten"
         );
+    }
+
+    #[test]
+    fn readers_get_only_what_the_store_has_and_a_handed_over_one_is_read_elsewhere() {
+        let lives = LiveResponses::new(4);
+        let a = lives
+            .open("a", "t", json!({}))
+            .unwrap_or_else(|| unreachable!());
+        a.gate(tokio::time::Instant::now());
+        assert!(a.mirrored() && lives.mirrored() == vec!["a".to_string()]);
+        a.push(vec![event(0), event(1)], None);
+        // Not in the store yet: nothing for readers, however long.
+        assert_eq!(a.after(None), (Vec::new(), false));
+        a.mark_durable(1);
+        assert_eq!(a.after(None), (vec![event(0)], false));
+        a.set_mirrored(false);
+        assert!(lives.mirrored().is_empty());
+        // Handed over: its readers are let go, and read the store instead.
+        a.fence();
+        assert!(a.after(Some(0)).1);
+        assert!(lives.get("a", "t").is_none());
     }
 }

@@ -6,10 +6,22 @@
 //! serves its own readers from there; the mirror follows it like one more
 //! reader. A failed write is retried (appends skip what the store already
 //! has, so a write that landed but whose answer was lost is not doubled);
-//! while Redis is down the events wait in `Live`, whose bound they are within.
+//! while Redis is down the events wait in `Live`, whose bound they are within,
+//! and readers get nothing new: only what the store has.
+//!
+//! One generation per response: the writer's lease runs out in the store
+//! no sooner than a lease after the write that renewed it was sent, so the
+//! generation goes on here only until half a lease after that (`Live::
+//! hold_until`), by this replica's clock, then pauses (its decoder stream
+//! is not read) until a write succeeds: the lease was still this writer's
+//! (or free, and taken again), and it goes on, with no second decode
+//! request; or another replica had taken it over, and this one stops
+//! without another word written. Paused for `GIVE_UP_LEASES` leases, it is
+//! given up here (a replica takes it over from its last checkpoint once the
+//! store is back).
 
 use super::live::Live;
-use super::redis_store::{AppendError, LogState, RedisStore};
+use super::redis_store::{AppendError, CheckpointWrite, LogState, RedisStore};
 use crate::protocols::event::Event;
 use serde_json::Value;
 use std::sync::Arc;
@@ -19,9 +31,69 @@ use tokio_util::sync::CancellationToken;
 /// How often the generating replica looks for a cancel asked elsewhere.
 pub const CANCEL_POLL: Duration = Duration::from_millis(250);
 
-/// Backoff between failed writes.
+/// Backoff between failed writes (at most a quarter of the lease: a writer
+/// paused by a store that came back goes on soon after).
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// Leases a writer goes without one write before it gives its generation up.
+const GIVE_UP_LEASES: u32 = 20;
+
+/// How long after a write that renewed the lease was sent the generation may
+/// go on: half the lease, which runs out in the store a whole lease after
+/// that at the soonest (the half is the margin for the two clocks and for
+/// the pause to take hold).
+pub fn hold_for(lease: Duration) -> Duration {
+    lease / 2
+}
+
+/// Most patches written after a whole checkpoint before the next whole one,
+/// and most bytes of them per byte of the whole one (counted as at least
+/// MIN_WHOLE_BYTES): a checkpoint that grows is written whole again at sizes
+/// several times apart (the whole ones come to little more than the last),
+/// and the store holds at most 17 times it, or 64 KiB more for a small one
+/// (and 1024 patches).
+const MAX_PATCHES: usize = 1024;
+const PATCH_BYTES_PER_WHOLE: usize = 16;
+const MIN_WHOLE_BYTES: usize = 4096;
+
+/// What the store has of a background response, as its writer wrote it: the
+/// writer sends only what changed since.
+#[derive(Debug, Default)]
+pub struct Sent {
+    written: Written,
+    /// The checkpoint as the store has it (its whole one with every patch
+    /// applied); None: unknown (the next write sends it whole).
+    checkpoint: Option<Value>,
+    /// Bytes of the whole one, and of the patches after it (see
+    /// `PATCH_BYTES_PER_WHOLE`).
+    whole_bytes: usize,
+    patch_bytes: usize,
+    patches: usize,
+    /// The response as the store has it (None: unknown).
+    response: Option<Value>,
+}
+
+impl Sent {
+    /// What this write sends of `checkpoint`, given what the store has.
+    fn checkpoint_text(&self, checkpoint: &Value) -> Option<(bool, String)> {
+        if let Some(had) = &self.checkpoint {
+            let patch = super::patch::diff(had, checkpoint)?;
+            let text = patch.to_string();
+            let allowed = self.whole_bytes.max(MIN_WHOLE_BYTES) * PATCH_BYTES_PER_WHOLE;
+            if self.patch_bytes + text.len() <= allowed && self.patches < MAX_PATCHES {
+                return Some((false, text));
+            }
+        }
+        Some((true, checkpoint.to_string()))
+    }
+
+    /// The store's answer unknown: what it has is too.
+    fn forget(&mut self) {
+        self.checkpoint = None;
+        self.response = None;
+    }
+}
 
 /// Writes what `live` has now (the response as it starts) with `origin`
 /// (what a replica taking it over needs); whether it was written (if not,
@@ -32,9 +104,14 @@ pub async fn publish(
     token: &str,
     live: &Live,
     origin: &Value,
+    sent: &mut Sent,
 ) -> bool {
-    match write(store, id, token, live, None, Some(origin)).await {
-        Ok(_) => true,
+    let at = tokio::time::Instant::now();
+    match write(store, id, token, live, sent, Some(origin)).await {
+        Ok(()) => {
+            live.hold_until(at + hold_for(store.lease()));
+            true
+        }
         Err(err) => {
             tracing::warn!(id, %err, "a background response is not in the response store yet");
             false
@@ -55,40 +132,92 @@ struct Written {
 }
 
 /// One write of `live`'s events after `written` up to its last checkpoint,
-/// its state and the checkpoint.
+/// its state and the checkpoint; at the end, the stored response first,
+/// both under the lease.
 async fn write(
     store: &RedisStore,
     id: &str,
     token: &str,
     live: &Live,
-    written: Option<u64>,
+    sent: &mut Sent,
     origin: Option<&Value>,
-) -> Result<Written, AppendError> {
+) -> Result<(), AppendError> {
+    let result = write_once(store, id, token, live, sent, origin).await;
+    let result = match result {
+        // The store lost the checkpoint the patch was of: whole, at once.
+        Err(AppendError::NoCheckpoint) => {
+            sent.forget();
+            write_once(store, id, token, live, sent, origin).await
+        }
+        other => other,
+    };
+    if result.is_err() {
+        // Whether it landed is unknown: the next write sends all again.
+        sent.forget();
+    }
+    result
+}
+
+async fn write_once(
+    store: &RedisStore,
+    id: &str,
+    token: &str,
+    live: &Live,
+    sent: &mut Sent,
+    origin: Option<&Value>,
+) -> Result<(), AppendError> {
+    let written = sent.written.last;
     let snapshot = live.snapshot(written);
     // A generation handed over is not done: another replica goes on.
     let done = snapshot.done && !live.fenced();
+    if done {
+        if let Some(stored) = live.kept() {
+            store.put_final(id, token, &stored).await?;
+        }
+    }
+    // The response as it stands changes with few events (created, in
+    // progress, the end): written when it did.
+    let response_changed = sent.response.as_ref() != Some(&snapshot.response);
     let state = LogState {
         tenant: live.tenant.clone(),
-        response: snapshot.response,
+        response: if response_changed {
+            snapshot.response.clone()
+        } else {
+            Value::Null
+        },
         done,
     };
+    let checkpoint = snapshot
+        .checkpoint
+        .as_ref()
+        .and_then(|checkpoint| sent.checkpoint_text(checkpoint));
+    let write = checkpoint.as_ref().map(|(whole, text)| match whole {
+        true => CheckpointWrite::Whole(text),
+        false => CheckpointWrite::Patch(text),
+    });
     let cancel_asked = store
-        .append(
-            id,
-            token,
-            &state,
-            &snapshot.events,
-            snapshot.checkpoint.as_ref(),
-            origin,
-        )
+        .append(id, token, &state, &snapshot.events, write, origin)
         .await?;
+    if let (Some((whole, text)), Some(now)) = (checkpoint, snapshot.checkpoint) {
+        if whole {
+            (sent.whole_bytes, sent.patch_bytes, sent.patches) = (text.len(), 0, 0);
+        } else {
+            sent.patch_bytes += text.len();
+            sent.patches += 1;
+        }
+        sent.checkpoint = Some(now);
+    }
+    if response_changed {
+        sent.response = Some(snapshot.response);
+    }
     let last = snapshot.events.last().and_then(Event::sequence);
-    Ok(Written {
+    sent.written = Written {
         last: last.or(written),
         through: snapshot.through,
         done,
         cancel_asked,
-    })
+    };
+    Ok(())
 }
 
 /// Copies `live` (background response `id`, leased with `token`) into
@@ -102,48 +231,60 @@ pub async fn mirror(
     token: String,
     live: Arc<Live>,
     mut origin: Option<Value>,
+    mut sent: Sent,
     stop: CancellationToken,
 ) {
     let mut changes = live.follow();
-    let mut written = Written::default();
     let mut backoff = RETRY_MIN;
     let mut polled = tokio::time::Instant::now();
-    let renew_every = store.lease() / 3;
+    let lease = store.lease();
+    let renew_every = lease / 3;
+    let retry_max = RETRY_MAX.min(lease / 4).max(RETRY_MIN);
+    // When the last write that renewed the lease was sent.
     let mut renewed = tokio::time::Instant::now();
-    let mut first = true;
+    // A first write, unless `publish` wrote (its checkpoint is the store's).
+    let mut first = sent.checkpoint.is_none();
+    // This replica's takeover leaves the response alone until the writer ends.
+    struct Writing<'a>(&'a Live);
+    impl Drop for Writing<'_> {
+        fn drop(&mut self) {
+            self.0.set_mirrored(false);
+        }
+    }
+    let _writing = Writing(&live);
     loop {
         if stop.is_cancelled() && !live.done() {
             // The router stops: the generation goes on elsewhere.
             live.fence();
         }
         if live.fenced() {
-            return hand_over(&store, &id, &token, &live, written.last).await;
+            return hand_over(&store, &id, &token, &live, &mut sent).await;
         }
         changes.borrow_and_update();
         // Nothing new since the last checkpoint written: no write, unless
         // the lease wants renewing.
         let due = first
-            || live.checkpoint_mark() != (written.through, written.done)
+            || live.checkpoint_mark() != (sent.written.through, sent.written.done)
             || renewed.elapsed() >= renew_every;
+        let at = tokio::time::Instant::now();
         let outcome = if due {
-            write(&store, &id, &token, &live, written.last, origin.as_ref()).await
+            write(&store, &id, &token, &live, &mut sent, origin.as_ref()).await
         } else {
-            Ok(written)
+            Ok(())
         };
         match outcome {
-            Ok(now) => {
+            Ok(()) => {
                 backoff = RETRY_MIN;
                 if due {
                     origin = None;
-                }
-                if due {
-                    // Every write renews the lease.
-                    renewed = tokio::time::Instant::now();
+                    // Every write renews the lease: the generation may go
+                    // on (or on again, paused) for a while.
+                    renewed = at;
+                    live.hold_until(at + hold_for(lease));
                 }
                 first = false;
-                written = now;
-                live.mark_durable(now.through);
-                if now.done {
+                live.mark_durable(sent.written.through);
+                if sent.written.done {
                     return;
                 }
             }
@@ -155,10 +296,21 @@ pub async fn mirror(
                 live.fence();
                 return;
             }
-            Err(AppendError::Store(err)) => {
+            Err(err) => {
                 tracing::debug!(id, %err, "background response not mirrored yet; retrying");
-                // Readers are not held up while the store is down.
-                live.ungate();
+                // Readers get nothing new meanwhile, and the generation
+                // pauses at its hold (`Live::until`).
+                if renewed.elapsed() >= lease * GIVE_UP_LEASES {
+                    tracing::warn!(
+                        id,
+                        %err,
+                        "the response store was not written for {GIVE_UP_LEASES} leases; this \
+                         replica gives the background response up (another takes it over \
+                         from its last checkpoint once the store is back)"
+                    );
+                    live.fence();
+                    return;
+                }
                 if stop.is_cancelled() {
                     // The router stops with the store down: what it could
                     // not write is lost with it (the lease expires, and
@@ -169,7 +321,7 @@ pub async fn mirror(
                     _ = tokio::time::sleep(backoff) => {}
                     _ = stop.cancelled() => {}
                 }
-                backoff = (backoff * 2).min(RETRY_MAX);
+                backoff = (backoff * 2).min(retry_max);
                 continue;
             }
         }
@@ -177,7 +329,7 @@ pub async fn mirror(
         // writes, a look once per CANCEL_POLL.
         let asked = if due {
             polled = tokio::time::Instant::now();
-            written.cancel_asked
+            sent.written.cancel_asked
         } else if polled.elapsed() >= CANCEL_POLL {
             polled = tokio::time::Instant::now();
             store.cancel_requested(&id).await.unwrap_or(false)
@@ -199,11 +351,11 @@ pub async fn mirror(
 /// This replica stops (the generation was fenced as it stopped): writes the
 /// last events (not as done) and lets the lease go, so that another replica
 /// takes the generation over at its next look instead of after the lease.
-async fn hand_over(store: &RedisStore, id: &str, token: &str, live: &Live, written: Option<u64>) {
-    match write(store, id, token, live, written, None).await {
+async fn hand_over(store: &RedisStore, id: &str, token: &str, live: &Live, sent: &mut Sent) {
+    match write(store, id, token, live, sent, None).await {
         Ok(_) => {}
         Err(AppendError::Fenced) => return,
-        Err(AppendError::Store(err)) => {
+        Err(err) => {
             tracing::warn!(id, %err, "handing a background response over: its last events not written");
         }
     }

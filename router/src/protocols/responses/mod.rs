@@ -14,6 +14,7 @@
 pub mod live;
 pub mod mirror;
 pub mod output;
+pub mod patch;
 pub mod redis_store;
 pub mod request;
 pub mod store;

@@ -19,7 +19,8 @@
 //!   the conversation), and `PREFIX{ID}:checkpoint`: the generation's
 //!   progress as of the last events written (`pd::checkpoint`, and the
 //!   Responses events' state), written with them: what another replica
-//!   continues from.
+//!   continues from. A list: the checkpoint whole, then what changed since,
+//!   one patch per write (`patch.rs`; each write sends only its changes).
 //! - `PREFIX{ID}:lease`: the generating replica's claim (a token of its own,
 //!   renewed with every write, `--response-lease`), and `PREFIXrunning`:
 //!   the ids of running responses by lease expiry. A replica whose lease was
@@ -97,61 +98,101 @@ pub struct LogState {
 /// a retried append writes each event once), sets its state and checkpoint
 /// (and its origin, once), and renews the writer's lease on it; all at once,
 /// and only while the lease is the writer's (another replica that took the
-/// generation over has it: -1, and nothing is written). Done: the lease and
-/// the response's place among the running ones go. Returns whether a cancel
-/// was asked (1) or not (0): the writer needs no call of its own to know.
-/// KEYS: state hash, events stream, checkpoint, lease, running set, cancel,
-/// origin.
-/// ARGV: ttl seconds, tenant, response, done (0/1), lease token, lease ms,
-/// checkpoint ('' keeps the last), response id, origin ('' none), then
-/// sequence number and event, pairs.
+/// generation over has it: -1, and nothing is written; none has it, as after
+/// it ran out while the store was unreachable: the writer takes it again,
+/// unless the response is done, ended by a replica that took it over). Done:
+/// the lease and the response's place among the running ones go. Returns
+/// whether a cancel was asked (1) or not (0): the writer needs no call of its
+/// own to know.
+/// K (the response's keys, named here from the prefix and the id: each
+/// append sends its changes, not seven key names): state hash, events
+/// stream, checkpoint, lease, running set (KEYS[1]), cancel, origin.
+/// ARGV: ttl seconds, tenant, response ('' keeps the last), done (0/1),
+/// lease token, lease ms, checkpoint ('' keeps the last; '=' then the whole
+/// one, '+' then a patch of the last: -2, and nothing written, when there is
+/// none to patch), response id, origin ('' none), key prefix, then sequence
+/// number and event, pairs.
 const APPEND: &str = r"
-local holder = redis.call('GET', KEYS[4])
+local base = ARGV[10] .. '{' .. ARGV[8] .. '}:'
+local K = {base .. 'bg', base .. 'events', base .. 'checkpoint', base .. 'lease', KEYS[1],
+           base .. 'cancel', base .. 'origin'}
+local holder = redis.call('GET', K[4])
 if holder and holder ~= ARGV[5] then return -1 end
+if not holder and redis.call('HGET', K[1], 'done') == '1' then return -1 end
+local patching = string.sub(ARGV[7], 1, 1) == '+'
+if patching and redis.call('TYPE', K[3])['ok'] ~= 'list' then return -2 end
 local last = 0
-local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local top = redis.call('XREVRANGE', K[2], '+', '-', 'COUNT', 1)
 if #top > 0 then last = tonumber(string.match(top[1][1], '%-(%d+)$')) end
-for i = 10, #ARGV, 2 do
+for i = 11, #ARGV, 2 do
   local n = tonumber(ARGV[i]) + 1
   if n > last then
-    redis.call('XADD', KEYS[2], '0-' .. n, 'e', ARGV[i + 1])
+    redis.call('XADD', K[2], '0-' .. n, 'e', ARGV[i + 1])
     last = n
   end
 end
-redis.call('HSET', KEYS[1], 'tenant', ARGV[2], 'response', ARGV[3], 'done', ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-if last > 0 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
-if ARGV[7] ~= '' then redis.call('SET', KEYS[3], ARGV[7], 'EX', ARGV[1]) end
-if ARGV[9] ~= '' then redis.call('SET', KEYS[7], ARGV[9], 'EX', ARGV[1]) end
+redis.call('HSET', K[1], 'tenant', ARGV[2], 'done', ARGV[4])
+if ARGV[3] ~= '' then redis.call('HSET', K[1], 'response', ARGV[3]) end
+redis.call('EXPIRE', K[1], ARGV[1])
+if last > 0 then redis.call('EXPIRE', K[2], ARGV[1]) end
+if ARGV[7] ~= '' then
+  if not patching then redis.call('DEL', K[3]) end
+  redis.call('RPUSH', K[3], string.sub(ARGV[7], 2))
+  redis.call('EXPIRE', K[3], ARGV[1])
+end
+if ARGV[9] ~= '' then redis.call('SET', K[7], ARGV[9], 'EX', ARGV[1]) end
 if ARGV[4] == '1' then
-  redis.call('DEL', KEYS[4])
-  redis.call('ZREM', KEYS[5], ARGV[8])
+  redis.call('DEL', K[4])
+  redis.call('ZREM', K[5], ARGV[8])
 else
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('SET', KEYS[4], ARGV[5], 'PX', ARGV[6])
-  redis.call('ZADD', KEYS[5], now + tonumber(ARGV[6]), ARGV[8])
+  redis.call('SET', K[4], ARGV[5], 'PX', ARGV[6])
+  redis.call('ZADD', K[5], now + tonumber(ARGV[6]), ARGV[8])
 end
-return redis.call('EXISTS', KEYS[6])
+return redis.call('EXISTS', K[6])
 ";
 
 /// Claims running responses whose lease expired (their replica is gone): for
-/// each, a lease of the claimer's, set only where none is (one winner).
-/// KEYS: running set. ARGV: token, lease ms, key prefix, most to claim.
-/// Returns the ids won.
+/// each, a lease of the claimer's, set only where none is (one winner); never
+/// one of the claimer's own (its writer goes on when the store is back).
+/// KEYS: running set. ARGV: token, lease ms, key prefix, most to claim, then
+/// the ids to leave alone. Returns the ids won.
 const CLAIM: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[4]))
+local own = {}
+for i = 5, #ARGV do own[ARGV[i]] = true end
+local most = tonumber(ARGV[4])
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, most + #ARGV - 4)
 local won = {}
 for _, id in ipairs(due) do
+  if #won >= most then break end
   local lease = ARGV[3] .. '{' .. id .. '}:lease'
-  if redis.call('SET', lease, ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if not own[id] and redis.call('SET', lease, ARGV[1], 'NX', 'PX', ARGV[2]) then
     redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
     table.insert(won, id)
   end
 end
 return won
+";
+
+/// Stores a background response's stored response as it ends, only while
+/// the writer's lease is its own (as `APPEND`: or none's, and the response
+/// not done), renewing it: the writer that lost it to another replica
+/// never overwrites what that one stores.
+/// KEYS: lease, stored, state hash, running set. ARGV: token, stored
+/// response, ttl seconds, lease ms, response id. Returns -1 when fenced.
+const PUT_FINAL: &str = r"
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return -1 end
+if not holder and redis.call('HGET', KEYS[3], 'done') == '1' then return -1 end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[4])
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[5])
+return 1
 ";
 
 /// Lets a lease go (its holder stops): the response is due at once.
@@ -164,6 +205,15 @@ end
 return 1
 ";
 
+/// Reads a checkpoint as written (a list: whole, then patches; a string:
+/// whole, as a replica before patches wrote it). KEYS: checkpoint.
+const READ_CHECKPOINT: &str = r"
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'list' then return redis.call('LRANGE', KEYS[1], 0, -1) end
+if kind == 'string' then return {redis.call('GET', KEYS[1])} end
+return {}
+";
+
 /// Why an append wrote nothing.
 #[derive(Debug, thiserror::Error)]
 pub enum AppendError {
@@ -172,6 +222,19 @@ pub enum AppendError {
     /// Another replica holds the lease: it took the generation over.
     #[error("another replica took the response over")]
     Fenced,
+    /// A patch of a checkpoint the store does not have (it lost it): the
+    /// writer writes the whole one.
+    #[error("the store has no checkpoint to patch")]
+    NoCheckpoint,
+}
+
+/// A checkpoint as one append writes it.
+#[derive(Debug, Clone, Copy)]
+pub enum CheckpointWrite<'a> {
+    /// The whole checkpoint (JSON), instead of what the store had.
+    Whole(&'a str),
+    /// Its changes since the last one written (`patch::diff`, JSON).
+    Patch(&'a str),
 }
 
 /// What a replica that takes a background response over starts from.
@@ -192,6 +255,8 @@ pub struct RedisStore {
     client: redis::Client,
     claim: redis::Script,
     release: redis::Script,
+    put_final: redis::Script,
+    read_checkpoint: redis::Script,
     /// Connected on first use (a router starts while Redis is down) and
     /// reconnecting by itself after.
     manager: tokio::sync::Mutex<Option<ConnectionManager>>,
@@ -262,6 +327,8 @@ impl RedisStore {
             append: redis::Script::new(APPEND),
             claim: redis::Script::new(CLAIM),
             release: redis::Script::new(RELEASE),
+            put_final: redis::Script::new(PUT_FINAL),
+            read_checkpoint: redis::Script::new(READ_CHECKPOINT),
             settings,
             up: AtomicBool::new(true),
             connect_failed: std::sync::Mutex::new(None),
@@ -419,36 +486,41 @@ impl RedisStore {
     }
 
     /// Appends `events` of background response `id` (those already there are
-    /// skipped), sets its state and `checkpoint` (None: the last one stays)
-    /// and `origin` (given once), and renews the lease `token` holds on it.
-    /// Returns whether a cancel was asked for it (on any replica).
+    /// skipped), sets its state (its response Null: the last one stays) and
+    /// `checkpoint` (None: the last one stays) and `origin` (given once), and
+    /// renews the lease `token` holds on it. Returns whether a cancel was
+    /// asked for it (on any replica).
     pub async fn append(
         &self,
         id: &str,
         token: &str,
         state: &LogState,
         events: &[Event],
-        checkpoint: Option<&Value>,
+        checkpoint: Option<CheckpointWrite<'_>>,
         origin: Option<&Value>,
     ) -> Result<bool, AppendError> {
+        let response = match &state.response {
+            Value::Null => String::new(),
+            response => response.to_string(),
+        };
+        let checkpoint = match checkpoint {
+            None => String::new(),
+            Some(CheckpointWrite::Whole(whole)) => format!("={whole}"),
+            Some(CheckpointWrite::Patch(patch)) => format!("+{patch}"),
+        };
         let mut invocation = self.append.prepare_invoke();
         invocation
-            .key(self.key(id, "bg"))
-            .key(self.key(id, "events"))
-            .key(self.key(id, "checkpoint"))
-            .key(self.key(id, "lease"))
             .key(self.running_key())
-            .key(self.key(id, "cancel"))
-            .key(self.key(id, "origin"))
             .arg(self.ttl_s())
             .arg(&state.tenant)
-            .arg(state.response.to_string())
+            .arg(response)
             .arg(u8::from(state.done))
             .arg(token)
             .arg(self.lease_ms())
-            .arg(checkpoint.map(Value::to_string).unwrap_or_default())
+            .arg(checkpoint)
             .arg(id)
-            .arg(origin.map(Value::to_string).unwrap_or_default());
+            .arg(origin.map(Value::to_string).unwrap_or_default())
+            .arg(&self.settings.prefix);
         for event in events {
             let Some(n) = event.sequence() else {
                 continue;
@@ -460,6 +532,7 @@ impl RedisStore {
             .await?;
         match answer {
             -1 => Err(AppendError::Fenced),
+            -2 => Err(AppendError::NoCheckpoint),
             cancelled => Ok(cancelled == 1),
         }
     }
@@ -471,8 +544,14 @@ impl RedisStore {
     }
 
     /// Claims up to `most` running responses whose lease expired, for
-    /// `token`; returns the ids won (no other replica wins them).
-    pub async fn claim_expired(&self, token: &str, most: usize) -> StoreResult<Vec<String>> {
+    /// `token`, leaving `own` alone (the claimer's own generations); returns
+    /// the ids won (no other replica wins them).
+    pub async fn claim_expired(
+        &self,
+        token: &str,
+        most: usize,
+        own: &[String],
+    ) -> StoreResult<Vec<String>> {
         let mut invocation = self.claim.prepare_invoke();
         invocation
             .key(self.running_key())
@@ -480,8 +559,46 @@ impl RedisStore {
             .arg(self.lease_ms())
             .arg(&self.settings.prefix)
             .arg(most);
+        for id in own {
+            invocation.arg(id);
+        }
         self.call("claim", async |conn| invocation.invoke_async(conn).await)
             .await
+    }
+
+    /// Stores `stored`, the end of background response `id`, while the lease
+    /// is `token`'s (see `PUT_FINAL`); one larger than the store's bound is
+    /// not stored (as `put`).
+    pub async fn put_final(
+        &self,
+        id: &str,
+        token: &str,
+        stored: &Stored,
+    ) -> Result<(), AppendError> {
+        if stored.bytes() > self.settings.max_bytes {
+            tracing::warn!(id, "response larger than the whole store; not stored");
+            return Ok(());
+        }
+        let text =
+            serde_json::to_string(stored).map_err(|err| StoreError::Malformed(err.to_string()))?;
+        let mut invocation = self.put_final.prepare_invoke();
+        invocation
+            .key(self.key(id, "lease"))
+            .key(self.key(id, "stored"))
+            .key(self.key(id, "bg"))
+            .key(self.running_key())
+            .arg(token)
+            .arg(text)
+            .arg(self.ttl_s())
+            .arg(self.lease_ms())
+            .arg(id);
+        let answer: i64 = self
+            .call("put", async |conn| invocation.invoke_async(conn).await)
+            .await?;
+        match answer {
+            -1 => Err(AppendError::Fenced),
+            _ => Ok(()),
+        }
     }
 
     /// Lets the lease `token` holds on `id` go, for another replica to claim.
@@ -516,10 +633,11 @@ impl RedisStore {
         let Some(state) = self.log_state(id).await? else {
             return Ok(None);
         };
-        let keys = [self.key(id, "origin"), self.key(id, "checkpoint")];
-        let [origin, checkpoint]: [Option<String>; 2] = self
-            .call("taken", async |conn| conn.mget(&keys).await)
+        let origin_key = self.key(id, "origin");
+        let origin: Option<String> = self
+            .call("taken", async |conn| conn.get(origin_key).await)
             .await?;
+        let checkpoint = self.read_checkpoint(id).await?;
         let parse = |text: String| {
             serde_json::from_str::<Value>(&text)
                 .map_err(|err| StoreError::Malformed(err.to_string()))
@@ -527,7 +645,6 @@ impl RedisStore {
         let Some(origin) = origin.map(parse).transpose()? else {
             return Ok(None);
         };
-        let checkpoint = checkpoint.map(parse).transpose()?;
         let mut conn = self.reader().await?;
         let mut events: Vec<Event> = Vec::new();
         loop {
@@ -544,6 +661,30 @@ impl RedisStore {
             checkpoint,
             events,
         }))
+    }
+
+    /// The last checkpoint of background response `id`: the whole one written,
+    /// with every patch written since applied (None: none written).
+    async fn read_checkpoint(&self, id: &str) -> StoreResult<Option<Value>> {
+        let mut invocation = self.read_checkpoint.prepare_invoke();
+        invocation.key(self.key(id, "checkpoint"));
+        let parts: Vec<String> = self
+            .call("taken", async |conn| invocation.invoke_async(conn).await)
+            .await?;
+        let malformed = |err: String| StoreError::Malformed(err);
+        let mut parts = parts.iter();
+        let Some(whole) = parts.next() else {
+            return Ok(None);
+        };
+        let mut checkpoint: Value =
+            serde_json::from_str(whole).map_err(|err| malformed(err.to_string()))?;
+        for part in parts {
+            let patch: Value =
+                serde_json::from_str(part).map_err(|err| malformed(err.to_string()))?;
+            super::patch::apply(&mut checkpoint, &patch)
+                .map_err(|err| malformed(err.to_string()))?;
+        }
+        Ok(Some(checkpoint))
     }
 
     /// Background response `id` as the store has it (None: no such one, or
