@@ -90,6 +90,8 @@ pub struct Tenants {
 pub struct Caller {
     pub tenant: Arc<str>,
     pub priority: Option<i32>,
+    /// The Responses data the router keeps for the tenant.
+    pub kept: file::KeptLimits,
     pub usage: Arc<Usage>,
 }
 
@@ -99,6 +101,7 @@ impl Caller {
         Self {
             tenant: tenant.name.clone(),
             priority: tenant.spec.priority,
+            kept: tenant.spec.kept_limits(),
             usage: Arc::new(Usage::default()),
         }
     }
