@@ -507,6 +507,13 @@ async fn one_tenant_cannot_take_every_background_slot() {
     // b still gets the router's last slot.
     let (status, created) = respond_as(&router, KEY_B, &body).await;
     assert_eq!(status, 200, "{created}");
+    let text = metrics_text(&router).await;
+    let rejected = metric(
+        &text,
+        "connex_tenant_rejections_total",
+        &["tenant=\"a\"", "reason=\"max_background_responses\""],
+    );
+    assert_eq!(rejected, 1.0, "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,9 @@
 //! - **Tenants** (`file`): each key belongs to a tenant with optional limits,
 //!   applied on admission: `max_concurrent` (429 at once past it) and
 //!   `tokens_per_minute` (`bucket`: charged an estimate on admission,
-//!   settled from the request's usage when it ends).
+//!   settled from the request's usage when it ends). Its Responses data
+//!   (`max_stored_*`, `max_background_*`) goes with its `Caller` to the
+//!   stores, which hold it to them (`crate::protocols::responses`).
 //! - **Fair admission** (`queue`): past `--max-concurrent-requests`, requests
 //!   wait in per-tenant queues served by priority, then weight; bounded in
 //!   length and wait, then 429 with `Retry-After`.

@@ -220,10 +220,13 @@ async fn stored(stores: &ResponseStores, id: &str, tenant: &str) -> Result<Store
 /// A background response refused: 429, its tenant's limit or the router's.
 fn refused_background(refusal: LiveRefusal) -> ApiError {
     match refusal {
-        LiveRefusal::Tenant { .. } => ApiError::RateLimited {
-            message: refusal.to_string(),
-            retry_after_s: 1,
-        },
+        LiveRefusal::Tenant { ref tenant, .. } => {
+            crate::observe::metrics::tenant_rejected(tenant, "max_background_responses");
+            ApiError::RateLimited {
+                message: refusal.to_string(),
+                retry_after_s: 1,
+            }
+        }
         LiveRefusal::Full { max } => ApiError::Overloaded {
             limit: max,
             retry_after_s: 1,
