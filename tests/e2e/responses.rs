@@ -463,7 +463,11 @@ async fn fields_no_engine_reads_are_held_to_openais_limits() {
             "metadata",
             "64 characters",
         ),
-        (json!({"metadata": {"k": {"nested": 1}}}), "metadata", "strings"),
+        (
+            json!({"metadata": {"k": {"nested": 1}}}),
+            "metadata",
+            "strings",
+        ),
         (
             json!({"reasoning": {"effort": "low", "notes": "x".repeat(100_000)}}),
             "reasoning",
@@ -533,7 +537,10 @@ async fn finished_background_logs_are_bounded_in_bytes() {
     for id in &ids {
         let (status, stored) = get(&router, id).await;
         // Stopped at max_output_tokens, as the mock answers.
-        assert_eq!((status, stored["status"].as_str()), (200, Some("incomplete")));
+        assert_eq!(
+            (status, stored["status"].as_str()),
+            (200, Some("incomplete"))
+        );
         assert_eq!(stored["id"].as_str(), Some(id.as_str()));
     }
 }

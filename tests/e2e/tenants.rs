@@ -484,7 +484,12 @@ async fn one_tenant_cannot_take_every_background_slot() {
         "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\nmax_background_responses = 2\n\n\
          [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\n"
     ));
-    let flags = ["--tenants-file", &file.arg(), "--max-background-responses", "3"];
+    let flags = [
+        "--tenants-file",
+        &file.arg(),
+        "--max-background-responses",
+        "3",
+    ];
     // 200 tokens at 20 ms: each runs for about 4 s.
     let (router, _prefill, _decode) = cluster(&flags, "20000").await;
     let body = json!({"model": "mock", "input": "long", "background": true,
@@ -540,7 +545,10 @@ async fn reads_of_responses_are_admitted_like_requests() {
     // Two readers following it hold the other two.
     let first = follow().await.unwrap();
     let second = follow().await.unwrap();
-    assert_eq!((first.status().as_u16(), second.status().as_u16()), (200, 200));
+    assert_eq!(
+        (first.status().as_u16(), second.status().as_u16()),
+        (200, 200)
+    );
     // The next read of a's, of any kind, is refused at once.
     let third = follow().await.unwrap();
     assert_eq!(third.status(), 429);

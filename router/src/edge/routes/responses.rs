@@ -8,11 +8,11 @@ use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::protocols::event::Out;
 use crate::protocols::openai::chunk::Chunk;
+use crate::protocols::responses::live::{LiveQuota, LiveRefusal};
 use crate::protocols::responses::mirror::CANCEL_POLL;
 use crate::protocols::responses::output::as_input;
 use crate::protocols::responses::redis_store::{LogState, RedisStore};
 use crate::protocols::responses::request::{chat_body, check};
-use crate::protocols::responses::live::{LiveQuota, LiveRefusal};
 use crate::protocols::responses::store::{StoreError, Stored, TenantQuota};
 use crate::protocols::responses::stream::Events;
 use crate::protocols::responses::{new_id, ResponseStores};
@@ -200,8 +200,8 @@ impl ResponseTranslation {
     /// Keeps `whole` (with `conversation`) once the last events are made.
     fn keep_as(&mut self, whole: &RawValue, conversation: &[Value]) {
         let id = self.events.id().to_string();
-        let stored = Stored::new(whole.to_owned(), conversation, self.tenant.clone())
-            .with_quota(self.quota);
+        let stored =
+            Stored::new(whole.to_owned(), conversation, self.tenant.clone()).with_quota(self.quota);
         self.keeping = Some((id, stored));
     }
 }
@@ -298,7 +298,9 @@ pub async fn retrieve(
     match (live, shared) {
         (Some(live), _) if !live.done() => Ok(Json(live.response()).into_response()),
         (None, Some((_, log))) if !log.done => Ok(Json(log.response).into_response()),
-        _ => Ok(json_bytes(stored(&stores, &id, &tenant).await?.response_bytes())),
+        _ => Ok(json_bytes(
+            stored(&stores, &id, &tenant).await?.response_bytes(),
+        )),
     }
 }
 

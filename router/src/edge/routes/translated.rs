@@ -508,7 +508,9 @@ pub fn follow(live: Arc<Live>, after: Option<u64>) -> Response {
                 if !events.is_empty() || done {
                     // Each event's own frame: shared with the log, not copied
                     // for each reader.
-                    let frames = events.iter().map(|e| Ok::<_, std::convert::Infallible>(e.frame()));
+                    let frames = events
+                        .iter()
+                        .map(|e| Ok::<_, std::convert::Infallible>(e.frame()));
                     let frames: Vec<_> = frames.collect();
                     return Some((
                         futures_util::stream::iter(frames),

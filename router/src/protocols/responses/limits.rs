@@ -136,13 +136,31 @@ mod tests {
         for (body, said) in [
             (json!({"metadata": seventeen}), "16 pairs"),
             (json!({"metadata": {"k".repeat(65): "v"}}), "64 characters"),
-            (json!({"metadata": {"k": "v".repeat(513)}}), "512 characters"),
+            (
+                json!({"metadata": {"k": "v".repeat(513)}}),
+                "512 characters",
+            ),
             (json!({"metadata": {"k": 1}}), "strings"),
-            (json!({"reasoning": {"effort": "low", "notes": "x"}}), "reasoning.notes"),
-            (json!({"reasoning": {"effort": "x".repeat(33)}}), "reasoning.effort"),
-            (json!({"reasoning": {"summary": {"a": 1}}}), "reasoning.summary"),
-            (json!({"text": {"format": {"type": "text"}, "extra": 1}}), "text.extra"),
-            (json!({"text": {"verbosity": "v".repeat(40)}}), "text.verbosity"),
+            (
+                json!({"reasoning": {"effort": "low", "notes": "x"}}),
+                "reasoning.notes",
+            ),
+            (
+                json!({"reasoning": {"effort": "x".repeat(33)}}),
+                "reasoning.effort",
+            ),
+            (
+                json!({"reasoning": {"summary": {"a": 1}}}),
+                "reasoning.summary",
+            ),
+            (
+                json!({"text": {"format": {"type": "text"}, "extra": 1}}),
+                "text.extra",
+            ),
+            (
+                json!({"text": {"verbosity": "v".repeat(40)}}),
+                "text.verbosity",
+            ),
         ] {
             let error = checked(body.clone()).expect_err("refused");
             assert_eq!(error.status(), axum::http::StatusCode::BAD_REQUEST);

@@ -297,7 +297,9 @@ pub struct LiveQuota {
 /// Why a background response could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum LiveRefusal {
-    #[error("tenant `{tenant}` has its limit of {max} background responses in progress; retry later")]
+    #[error(
+        "tenant `{tenant}` has its limit of {max} background responses in progress; retry later"
+    )]
     Tenant { tenant: String, max: usize },
     #[error("the router has its limit of {max} background responses in progress; retry later")]
     Full { max: usize },
@@ -418,7 +420,11 @@ impl Registry {
         if let Some(lives) = inner.tenants.get_mut(&tenant) {
             lives.bytes += bytes;
         }
-        while inner.tenants.get(&tenant).is_some_and(|l| l.bytes > tenant_max) {
+        while inner
+            .tenants
+            .get(&tenant)
+            .is_some_and(|l| l.bytes > tenant_max)
+        {
             let Some(oldest) = inner.oldest_finished(Some(&tenant)) else {
                 break;
             };
@@ -482,7 +488,11 @@ impl LiveResponses {
         let max_bytes = quota.max_bytes.unwrap_or(limits.per_tenant_bytes);
         let mut forgotten = Vec::new();
         let mut inner = self.lock();
-        while inner.tenants.get(tenant).is_some_and(|l| l.count >= per_tenant) {
+        while inner
+            .tenants
+            .get(tenant)
+            .is_some_and(|l| l.count >= per_tenant)
+        {
             let Some(oldest) = inner.oldest_finished(Some(tenant)) else {
                 return Err(LiveRefusal::Tenant {
                     tenant: tenant.to_string(),
@@ -603,10 +613,14 @@ mod tests {
             .open("b", "t", LiveQuota::default(), json!({}))
             .unwrap_or_else(|_| unreachable!());
         // Both in progress: no room.
-        assert!(lives.open("c", "t", LiveQuota::default(), json!({})).is_err());
+        assert!(lives
+            .open("c", "t", LiveQuota::default(), json!({}))
+            .is_err());
         a.push(vec![event(3)], Some(json!({"status": "completed"})));
         assert_eq!(a.response()["status"], "completed");
-        assert!(lives.open("c", "t", LiveQuota::default(), json!({})).is_ok());
+        assert!(lives
+            .open("c", "t", LiveQuota::default(), json!({}))
+            .is_ok());
         assert!(
             lives.get("a", "t").is_none(),
             "the finished one was forgotten"

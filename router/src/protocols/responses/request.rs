@@ -268,8 +268,10 @@ fn canonical_item(item: &Value) -> Result<Option<Value>, ApiError> {
                     "input",
                 ));
             };
-            Ok(Some(json!({"type": "function_call", "call_id": call_id, "name": name,
-                           "arguments": field("arguments").unwrap_or("{}")})))
+            Ok(Some(
+                json!({"type": "function_call", "call_id": call_id, "name": name,
+                           "arguments": field("arguments").unwrap_or("{}")}),
+            ))
         }
         Some("function_call_output") => {
             let Some(call_id) = field("call_id") else {
@@ -280,8 +282,10 @@ fn canonical_item(item: &Value) -> Result<Option<Value>, ApiError> {
                 Some(other @ Value::Array(_)) => content_text(other, "input")?,
                 _ => return Err(bad("a function_call_output item needs `output`", "input")),
             };
-            Ok(Some(json!({"type": "function_call_output", "call_id": call_id,
-                           "output": output})))
+            Ok(Some(
+                json!({"type": "function_call_output", "call_id": call_id,
+                           "output": output}),
+            ))
         }
         // The model's reasoning of an earlier turn: chat templates drop it.
         Some("reasoning") => Ok(None),

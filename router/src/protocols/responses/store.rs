@@ -229,9 +229,11 @@ impl MemoryStore {
         evicted.extend(inner.remove(id));
         let tenant = stored.tenant.clone();
         // The tenant's own bounds: its own oldest go.
-        while inner.tenants.get(&tenant).is_some_and(|held| {
-            held.count >= tenant_count || held.bytes + size > tenant_bytes
-        }) {
+        while inner
+            .tenants
+            .get(&tenant)
+            .is_some_and(|held| held.count >= tenant_count || held.bytes + size > tenant_bytes)
+        {
             if !inner.evict_oldest_of(&tenant, &mut evicted) {
                 break;
             }
@@ -353,7 +355,10 @@ mod tests {
         }
         assert!(store.get_now("b1").is_some());
         let inner = store.lock();
-        assert!(inner.tenants.values().all(|held| held.order.len() <= 2 * held.count + 17));
+        assert!(inner
+            .tenants
+            .values()
+            .all(|held| held.order.len() <= 2 * held.count + 17));
     }
 
     #[test]
