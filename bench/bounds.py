@@ -8,15 +8,22 @@ each of three abuses, while 100 healthy streamed completions run beside it:
              events (16 M blocks offered to the prefix index);
   flood      a decoder that answers one token and then 512 KiB events of text
              without tokens, without end (every healthy stream it serves is
-             resumed on the other decoder).
+             resumed on the other decoder);
+  responses  32 clients for 20 s, each sending background and stored
+             Responses with the largest fields the limits allow (`metadata`
+             of 16 pairs of 64-character keys and 512-character values,
+             `reasoning` and `text` settings of 32 characters), 3 KiB of input
+             a turn, stored turns chained by `previous_response_id` up to 8 deep,
+             and reading each back as it is made: the background one's events
+             by two readers at once, the stored ones twice each.
 For each: the router's peak RSS above its idle RSS (VmHWM, /proc), the healthy
 streams that failed (must be 0) and how the abuse was answered; then
-`router_peak_rss_mib_under_abuse=<the largest of the three>`.
+`router_peak_rss_mib_under_abuse=<the largest of them all>`.
 Then the Redis bytes one background response writes per generated token
 beside its events (a router on a real redis-server; target <= 64):
 `responses_redis_bytes_per_token=<x>`.
 
-Usage: python3 bench/bounds.py BIN_DIR
+Usage: python3 bench/bounds.py BIN_DIR [CASE...]   (all cases without one)
 """
 
 import http.client
@@ -37,6 +44,12 @@ DECODE_US = "10000"
 BODY_IDS = 15_000_000
 REGISTRANTS = 1000
 BLOCKS_PER_REGISTRANT = 16_384
+RESPONSES_CLIENTS = 32
+RESPONSES_SECONDS = 20
+# A turn's input; 8 chained turns stay under the ~35 K-token prompt whose
+# `prompt_token_ids` the decoder flood guard (pd/relay.rs) takes for a flood.
+RESPONSES_INPUT_BYTES = 3 * 1024
+RESPONSES_CHAIN = 8
 
 
 class Cluster(Procs):
@@ -73,15 +86,19 @@ class Cluster(Procs):
         raise RuntimeError(f"no {field}")
 
 
-def post(url, path, body, headers=None, timeout=120):
+def post(url, path, body, headers=None, timeout=120, method="POST"):
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn.request("POST", path, data, {"content-type": "application/json", **(headers or {})})
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request(method, path, data, {"content-type": "application/json", **(headers or {})})
     reply = conn.getresponse()
     answer = reply.read()
     conn.close()
     return reply.status, answer
+
+
+def get(url, path, timeout=120):
+    return post(url, path, None, timeout=timeout, method="GET")
 
 
 class Healthy:
@@ -204,10 +221,80 @@ def abuse_flood(cluster):
     return f"{resumes:.0f} streams cut from the flooding decoder and resumed"
 
 
+def largest_fields():
+    """The echoed fields of a Responses request at the limits the router holds."""
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    return {
+        "metadata": metadata,
+        "reasoning": {"effort": "low", "summary": "s" * 32},
+        "text": {"format": {"type": "text"}, "verbosity": "v" * 32},
+    }
+
+
+def abuse_responses(cluster):
+    stopping = time.monotonic() + RESPONSES_SECONDS
+    counts = {}
+    lock = threading.Lock()
+
+    def count(what):
+        with lock:
+            counts[what] = counts.get(what, 0) + 1
+
+    def client(n):
+        try:
+            turns(n)
+        except OSError as err:
+            count(f"connection error {err}")
+
+    def turns(n):
+        previous, depth, turn = None, 0, 0
+        while time.monotonic() < stopping:
+            turn += 1
+            text = f"client {n} turn {turn} " + "x" * RESPONSES_INPUT_BYTES
+            body = {"model": "mock", "input": text, "max_output_tokens": 16}
+            body.update(largest_fields())
+            status, answer = post(cluster.router, "/v1/responses", {**body, "background": True})
+            count(f"background {status}")
+            if status == 200:
+                rid = json.loads(answer)["id"]
+                readers = [
+                    threading.Thread(
+                        target=lambda: count(f"replay {get(cluster.router, f'/v1/responses/{rid}?stream=true')[0]}")
+                    )
+                    for _ in range(2)
+                ]
+                for reader in readers:
+                    reader.start()
+                for reader in readers:
+                    reader.join()
+                count(f"read {get(cluster.router, f'/v1/responses/{rid}')[0]}")
+            stored = {**body, "max_output_tokens": 8}
+            if previous is not None:
+                stored["previous_response_id"] = previous
+            status, answer = post(cluster.router, "/v1/responses", stored)
+            count(f"stored {status}")
+            if status == 200:
+                rid = json.loads(answer)["id"]
+                for _ in range(2):
+                    count(f"read {get(cluster.router, f'/v1/responses/{rid}')[0]}")
+                depth += 1
+                previous = rid if depth < RESPONSES_CHAIN else None
+            if previous is None:
+                depth = 0
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(RESPONSES_CLIENTS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return "answers " + ", ".join(f"{n} x {what}" for what, n in sorted(counts.items()))
+
+
 CASES = [
     ("bodies", (), abuse_bodies),
     ("kv_events", (), abuse_kv_events),
     ("flood", ("--text-flood-after-tokens", "1"), abuse_flood),
+    ("responses", (), abuse_responses),
 ]
 
 
@@ -325,12 +412,15 @@ def responses_redis_bytes_per_token(bin_dir, logs):
 def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bin_dir = sys.argv[1]
+    chosen = sys.argv[2:] or [name for name, _, _ in CASES]
     logs = tempfile.mkdtemp(prefix="connex-bench-bounds-")
     print(f"bounds: router peak RSS above idle under abuse, beside {HEALTHY} healthy streams")
     columns = ("idle_mib", "peak_mib", "above_mib", "failed", "served")
     print(f"  {'case':<10} " + " ".join(f"{c:>9}" for c in columns) + "  abuse")
     worst = 0.0
     for name, d0_flags, abuse in CASES:
+        if name not in chosen:
+            continue
         cluster = Cluster(bin_dir, logs, name, d0_flags)
         try:
             time.sleep(0.5)

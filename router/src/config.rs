@@ -580,6 +580,50 @@ pub struct ResponsesArgs {
     /// past it the oldest go.
     #[arg(long = "max-stored-response-bytes", id = "max_stored_response_bytes", value_name = "MAX_STORED_RESPONSE_BYTES", env = "CONNEX_MAX_STORED_RESPONSE_BYTES", default_value_t = 256 * 1024 * 1024)]
     pub max_stored_bytes: usize,
+    /// Most stored responses one tenant keeps (a tenant's
+    /// `max_stored_responses` in the tenants file overrides it); past it,
+    /// that tenant's own oldest go. Without it: --max-stored-responses. Past
+    /// the router's totals, the tenant holding the most gives up its oldest:
+    /// one tenant never evicts another's responses while it holds more.
+    #[arg(
+        long = "max-stored-responses-per-tenant",
+        id = "max_stored_responses_per_tenant",
+        value_name = "MAX_STORED_RESPONSES_PER_TENANT",
+        env = "CONNEX_MAX_STORED_RESPONSES_PER_TENANT"
+    )]
+    pub max_stored_per_tenant: Option<usize>,
+    /// Most bytes of stored responses one tenant keeps (a tenant's
+    /// `max_stored_bytes` overrides it). Without it: --max-stored-response-bytes.
+    #[arg(
+        long = "max-stored-response-bytes-per-tenant",
+        id = "max_stored_response_bytes_per_tenant",
+        value_name = "MAX_STORED_RESPONSE_BYTES_PER_TENANT",
+        env = "CONNEX_MAX_STORED_RESPONSE_BYTES_PER_TENANT"
+    )]
+    pub max_stored_bytes_per_tenant: Option<usize>,
+    /// Most background responses one tenant has kept, in progress or finished
+    /// (a tenant's `max_background_responses` overrides it): past it its own
+    /// finished ones are forgotten first, and with all in progress its next
+    /// one gets 429, so that no tenant holds every slot.
+    #[arg(
+        long = "max-background-responses-per-tenant",
+        id = "max_background_responses_per_tenant",
+        value_name = "MAX_BACKGROUND_RESPONSES_PER_TENANT",
+        env = "CONNEX_MAX_BACKGROUND_RESPONSES_PER_TENANT",
+        default_value_t = 256
+    )]
+    pub max_background_per_tenant: usize,
+    /// Most bytes of finished background responses' event logs (their
+    /// events and response) kept for readers; past it, those finished
+    /// longest ago of the tenant holding the most bytes are forgotten (the
+    /// stored response stays).
+    #[arg(long = "max-background-response-bytes", id = "max_background_response_bytes", value_name = "MAX_BACKGROUND_RESPONSE_BYTES", env = "CONNEX_MAX_BACKGROUND_RESPONSE_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub max_background_bytes: usize,
+    /// Most bytes of one tenant's finished background responses' event logs
+    /// (a tenant's `max_background_bytes` overrides it): past it, its own
+    /// finished longest ago are forgotten.
+    #[arg(long = "max-background-response-bytes-per-tenant", id = "max_background_response_bytes_per_tenant", value_name = "MAX_BACKGROUND_RESPONSE_BYTES_PER_TENANT", env = "CONNEX_MAX_BACKGROUND_RESPONSE_BYTES_PER_TENANT", default_value_t = 64 * 1024 * 1024)]
+    pub max_background_bytes_per_tenant: usize,
     /// Redis that every replica shares for stored responses and background
     /// responses' events (`redis://HOST:PORT[/DB]`, `rediss://` for TLS), so
     /// that any replica serves them. Without it: this process's memory (one

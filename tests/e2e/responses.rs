@@ -431,3 +431,116 @@ async fn a_background_response_that_cannot_start_takes_no_place() {
     let (status, text) = create(&router, &body).await;
     assert_eq!(status, 200, "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fields_no_engine_reads_are_held_to_openais_limits() {
+    // Issue 40: 25 MB of `metadata` cost the engine nothing and the router
+    // about four copies per response; OpenAI's own limits hold now.
+    let (router, _engines) = scale_out_cluster(&[], &[]).await;
+    let pairs = |n: usize, value: &str| -> Value {
+        (0..n)
+            .map(|i| (format!("key{i}"), json!(value)))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    };
+    let body = |extra: Value| {
+        let mut body = json!({"model": "mock", "input": "x", "max_output_tokens": 2,
+                              "background": true});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    for (extra, param, said) in [
+        (json!({"metadata": pairs(17, "v")}), "metadata", "16 pairs"),
+        (
+            json!({"metadata": {"k": "v".repeat(2_000_000)}}),
+            "metadata",
+            "512 characters",
+        ),
+        (
+            json!({"metadata": {"k".repeat(65): "v"}}),
+            "metadata",
+            "64 characters",
+        ),
+        (
+            json!({"metadata": {"k": {"nested": 1}}}),
+            "metadata",
+            "strings",
+        ),
+        (
+            json!({"reasoning": {"effort": "low", "notes": "x".repeat(100_000)}}),
+            "reasoning",
+            "reasoning.notes",
+        ),
+        (
+            json!({"text": {"format": {"type": "text"}, "extra": "x".repeat(100_000)}}),
+            "text",
+            "text.extra",
+        ),
+    ] {
+        let (status, text) = create(&router, &body(extra)).await;
+        assert_eq!(status, 400, "{text:.300}");
+        let error: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(error["error"]["type"], "invalid_request_error", "{text}");
+        assert_eq!(error["error"]["param"], param, "{text}");
+        assert!(
+            error["error"]["message"].as_str().unwrap().contains(said),
+            "{text}"
+        );
+    }
+    // At the limits: served, and echoed as asked.
+    let full = pairs(16, &"v".repeat(512));
+    let (status, text) = create(
+        &router,
+        &body(json!({"metadata": full, "reasoning": {"effort": "low", "summary": "auto"}})),
+    )
+    .await;
+    assert_eq!(status, 200, "{text:.300}");
+    let created: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(created["metadata"], full);
+    assert_eq!(created["reasoning"]["summary"], "auto");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_background_logs_are_bounded_in_bytes() {
+    // Each finished log here is about 40 KB (its metadata in three events
+    // and its response): 100 KB keeps the last two or so, not all six.
+    let (router, _engines) =
+        scale_out_cluster(&["--max-background-response-bytes", "100000"], &[]).await;
+    let metadata: serde_json::Map<String, Value> = (0..16)
+        .map(|i| (format!("key{i}"), json!("v".repeat(512))))
+        .collect();
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        let body = json!({"model": "mock", "input": format!("turn {i}"), "background": true,
+                          "max_output_tokens": 2, "metadata": metadata});
+        let (status, text) = create(&router, &body).await;
+        assert_eq!(status, 200, "{text:.300}");
+        let id = serde_json::from_str::<Value>(&text).unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        // Read to its end: done before the next one starts.
+        let events = reattach(&router, &id, None, usize::MAX).await;
+        assert_eq!(events.last().unwrap()["type"], "response.completed");
+        ids.push(id);
+    }
+    let replays = |id: String| {
+        let url = format!("{}/v1/responses/{id}?stream=true", router.url);
+        async move { client().get(url).send().await.unwrap().status().as_u16() }
+    };
+    // The oldest logs are forgotten (their stored responses stay); the
+    // newest is read again.
+    assert_eq!(replays(ids[0].clone()).await, 400);
+    assert_eq!(replays(ids[5].clone()).await, 200);
+    for id in &ids {
+        let (status, stored) = get(&router, id).await;
+        // Stopped at max_output_tokens, as the mock answers.
+        assert_eq!(
+            (status, stored["status"].as_str()),
+            (200, Some("incomplete"))
+        );
+        assert_eq!(stored["id"].as_str(), Some(id.as_str()));
+    }
+}

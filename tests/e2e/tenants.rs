@@ -764,3 +764,171 @@ async fn a_tenants_cached_prefix_neither_serves_nor_draws_another_tenant() {
     );
     assert_eq!(cache_decisions().await, before + 1.0);
 }
+
+/// `POST /v1/responses` as the tenant of `key`: its status and JSON.
+async fn respond_as(router: &Proc, key: &str, body: &Value) -> (u16, Value) {
+    let response = client()
+        .post(format!("{}/v1/responses", router.url))
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    (response.status().as_u16(), response.json().await.unwrap())
+}
+
+async fn read_as(router: &Proc, key: &str, id: &str) -> u16 {
+    client()
+        .get(format!("{}/v1/responses/{id}", router.url))
+        .bearer_auth(key)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_stored_responses_never_evict_anothers() {
+    // Issue 40, measured: tenant a storing 10,050 responses made tenant b's
+    // one stored response 404 (the oldest went first, whoever's). Here the
+    // store holds 8: b keeps 2 of its own (its file says), a fills the rest.
+    let file = TenantsFile::new(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\nmax_stored_responses = 2\n"
+    ));
+    let flags = ["--tenants-file", &file.arg(), "--max-stored-responses", "8"];
+    let (router, _prefill, _decode) = cluster(&flags, "0").await;
+    let body = json!({"model": "mock", "input": "keep me", "max_output_tokens": 1});
+    let mut b = Vec::new();
+    for _ in 0..3 {
+        let (status, created) = respond_as(&router, KEY_B, &body).await;
+        assert_eq!(status, 200, "{created}");
+        b.push(created["id"].as_str().unwrap().to_string());
+    }
+    // Past b's own bound, its own oldest went.
+    assert_eq!(read_as(&router, KEY_B, &b[0]).await, 404);
+    let mut a = Vec::new();
+    for _ in 0..20 {
+        let (status, created) = respond_as(&router, KEY_A, &body).await;
+        assert_eq!(status, 200, "{created}");
+        a.push(created["id"].as_str().unwrap().to_string());
+    }
+    for id in &b[1..] {
+        assert_eq!(read_as(&router, KEY_B, id).await, 200, "b's {id} stays");
+    }
+    // a gave up its own oldest to stay within the store.
+    assert_eq!(read_as(&router, KEY_A, &a[0]).await, 404);
+    assert_eq!(read_as(&router, KEY_A, &a[19]).await, 200);
+    let kept = futures_util::future::join_all(a.iter().map(|id| read_as(&router, KEY_A, id)))
+        .await
+        .into_iter()
+        .filter(|status| *status == 200)
+        .count();
+    assert_eq!(kept, 6, "the store's 8, less b's 2");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_cannot_take_every_background_slot() {
+    // Issue 40: one tenant could hold all of the router's background slots.
+    let file = TenantsFile::new(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\nmax_background_responses = 2\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\n"
+    ));
+    let flags = [
+        "--tenants-file",
+        &file.arg(),
+        "--max-background-responses",
+        "3",
+    ];
+    // 200 tokens at 20 ms: each runs for about 4 s.
+    let (router, _prefill, _decode) = cluster(&flags, "20000").await;
+    let body = json!({"model": "mock", "input": "long", "background": true,
+                      "max_output_tokens": 200});
+    for _ in 0..2 {
+        let (status, created) = respond_as(&router, KEY_A, &body).await;
+        assert_eq!(status, 200, "{created}");
+        assert_ne!(created["status"], "completed", "still running: {created}");
+    }
+    let (status, refused) = respond_as(&router, KEY_A, &body).await;
+    assert_eq!(status, 429, "{refused}");
+    assert_eq!(refused["error"]["type"], "rate_limit_error", "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("tenant `a`"),
+        "{refused}"
+    );
+    // b still gets the router's last slot.
+    let (status, created) = respond_as(&router, KEY_B, &body).await;
+    assert_eq!(status, 200, "{created}");
+    let text = metrics_text(&router).await;
+    let rejected = metric(
+        &text,
+        "connex_tenant_rejections_total",
+        &["tenant=\"a\"", "reason=\"max_background_responses\""],
+    );
+    assert_eq!(rejected, 1.0, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_of_responses_are_admitted_like_requests() {
+    // Issue 40: GET, DELETE and cancel under /v1/responses/{id} took no slot
+    // and no tenant limit: a flood of readers held the router for nothing.
+    let file = TenantsFile::new(&format!(
+        "[[tenant]]\nname = \"a\"\nkeys = [\"{KEY_A}\"]\nmax_concurrent = 3\n\n\
+         [[tenant]]\nname = \"b\"\nkeys = [\"{KEY_B}\"]\n"
+    ));
+    let (router, _prefill, _decode) = cluster(&["--tenants-file", &file.arg()], "20000").await;
+    // A background generation holds one of a's three.
+    let body = json!({"model": "mock", "input": "long", "background": true,
+                      "max_output_tokens": 300});
+    let (status, created) = respond_as(&router, KEY_A, &body).await;
+    assert_eq!(status, 200, "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+    let follow = || {
+        client()
+            .get(format!("{}/v1/responses/{id}?stream=true", router.url))
+            .bearer_auth(KEY_A)
+            .send()
+    };
+    // Two readers following it hold the other two.
+    let first = follow().await.unwrap();
+    let second = follow().await.unwrap();
+    assert_eq!(
+        (first.status().as_u16(), second.status().as_u16()),
+        (200, 200)
+    );
+    // The next read of a's, of any kind, is refused at once.
+    let third = follow().await.unwrap();
+    assert_eq!(third.status(), 429);
+    let error: Value = third.json().await.unwrap();
+    assert_eq!(error["error"]["type"], "rate_limit_error", "{error}");
+    assert_eq!(read_as(&router, KEY_A, &id).await, 429);
+    // b is not held by a's readers.
+    let (status, other) = respond_as(
+        &router,
+        KEY_B,
+        &json!({"model": "mock", "input": "x", "max_output_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 200, "{other}");
+    assert_eq!(
+        read_as(&router, KEY_B, other["id"].as_str().unwrap()).await,
+        200
+    );
+    // A reader that leaves gives its place back.
+    drop(first);
+    eventually(Duration::from_secs(5), "a may read again", || async {
+        read_as(&router, KEY_A, &id).await == 200
+    })
+    .await;
+    let text = metrics_text(&router).await;
+    let rejected = metric(
+        &text,
+        "connex_tenant_rejections_total",
+        &["tenant=\"a\"", "reason=\"max_concurrent\""],
+    );
+    assert!(rejected >= 2.0, "{text}");
+}

@@ -79,6 +79,16 @@ impl Event {
         self.sequence
     }
 
+    /// The bytes of its frame.
+    pub fn frame_len(&self) -> usize {
+        self.frame.len()
+    }
+
+    /// Its SSE frame, shared (a reader's copy is a reference).
+    pub fn frame(&self) -> bytes::Bytes {
+        self.frame.clone()
+    }
+
     /// Its JSON.
     pub fn json(&self) -> &[u8] {
         &self.frame[self.data.clone()]

@@ -10,6 +10,10 @@
 //! weight = 3                   # share of the router under contention
 //! priority = 0                 # vLLM's `priority` (lower first), and admission order
 //! kv_cache = "isolated"         # or "shared": whether its prompts share the engines' KV caches
+//! max_stored_responses = 1000  # stored Responses kept (past it, its own oldest go)
+//! max_stored_bytes = 67108864  # bytes of them (objects and conversations)
+//! max_background_responses = 64        # background Responses' event logs kept
+//! max_background_bytes = 67108864      # bytes of the finished ones
 //! ```
 
 use serde::Deserialize;
@@ -64,6 +68,23 @@ pub struct TenantSpec {
     /// queued requests of a lower value are admitted first.
     #[serde(default)]
     pub priority: Option<i32>,
+    /// Stored Responses kept for the tenant (`--max-stored-responses-per-tenant`
+    /// without it); past it, the tenant's own oldest go.
+    #[serde(default)]
+    pub max_stored_responses: Option<usize>,
+    /// Bytes of them (`--max-stored-response-bytes-per-tenant` without it).
+    #[serde(default)]
+    pub max_stored_bytes: Option<usize>,
+    /// Background Responses whose event logs are kept, in progress or
+    /// finished (`--max-background-responses-per-tenant` without it): past
+    /// it, the tenant's own finished ones are forgotten, and with all in
+    /// progress its next one gets 429.
+    #[serde(default)]
+    pub max_background_responses: Option<usize>,
+    /// Bytes of its finished background Responses' event logs
+    /// (`--max-background-response-bytes-per-tenant` without it).
+    #[serde(default)]
+    pub max_background_bytes: Option<usize>,
     /// Whether the tenant's prompts share the engines' KV caches with other
     /// tenants' (`shared`) or not (`isolated`, the default): an isolated
     /// tenant's requests carry its own vLLM `cache_salt`, so that no other
@@ -84,6 +105,16 @@ pub enum KvCache {
     Shared,
 }
 
+/// What a tenant's file entry says of the Responses data the router keeps
+/// for it (None: the router's default, from its flags).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeptLimits {
+    pub stored_responses: Option<usize>,
+    pub stored_bytes: Option<usize>,
+    pub background_responses: Option<usize>,
+    pub background_bytes: Option<usize>,
+}
+
 fn default_weight() -> u32 {
     1
 }
@@ -102,6 +133,19 @@ impl TenantSpec {
             // It is the only tenant, or sits beside a file's whose own
             // setting isolates them.
             kv_cache: KvCache::Shared,
+            max_stored_responses: None,
+            max_stored_bytes: None,
+            max_background_responses: None,
+            max_background_bytes: None,
+        }
+    }
+
+    pub fn kept_limits(&self) -> KeptLimits {
+        KeptLimits {
+            stored_responses: self.max_stored_responses,
+            stored_bytes: self.max_stored_bytes,
+            background_responses: self.max_background_responses,
+            background_bytes: self.max_background_bytes,
         }
     }
 }
@@ -166,6 +210,16 @@ pub fn check(tenants: &[TenantSpec]) -> Result<(), TenantsError> {
         }
         if tenant.tokens_per_minute == Some(0) {
             return Err(invalid("`tokens_per_minute` must be at least 1"));
+        }
+        for (key, value) in [
+            ("max_stored_responses", tenant.max_stored_responses),
+            ("max_stored_bytes", tenant.max_stored_bytes),
+            ("max_background_responses", tenant.max_background_responses),
+            ("max_background_bytes", tenant.max_background_bytes),
+        ] {
+            if value == Some(0) {
+                return Err(invalid(&format!("`{key}` must be at least 1")));
+            }
         }
         if !(1..=MAX_WEIGHT).contains(&tenant.weight) {
             return Err(invalid(&format!("`weight` must be 1 to {MAX_WEIGHT}")));

@@ -11,6 +11,10 @@
 //!   usage when it ends).
 //! - **Engine fields** (`Caller`): a client's own vLLM `priority` bounded by
 //!   its tenant's, and the tenant's `cache_salt` (its KV cache isolation).
+//!   `tokens_per_minute` (`bucket`: charged an estimate on admission,
+//!   settled from the request's usage when it ends). Its Responses data
+//!   (`max_stored_*`, `max_background_*`) goes with its `Caller` to the
+//!   stores, which hold it to them (`crate::protocols::responses`).
 //! - **Fair admission** (`queue`): past `--max-concurrent-requests`, requests
 //!   wait in per-tenant queues served by priority, then weight; bounded in
 //!   length and wait, then 429 with `Retry-After`.
@@ -98,6 +102,8 @@ pub struct Caller {
     pub priority: Option<i32>,
     /// The tenant's `cache_salt` (`None`: it shares the engines' caches).
     pub cache_salt: Option<Arc<str>>,
+    /// The Responses data the router keeps for the tenant.
+    pub kept: file::KeptLimits,
     pub usage: Arc<Usage>,
     /// The tenant's counters, for the charge of the body once it is read.
     counters: Arc<Counters>,
@@ -110,6 +116,7 @@ impl Caller {
             tenant: tenant.name.clone(),
             priority: tenant.spec.priority,
             cache_salt: tenant.cache_salt.clone(),
+            kept: tenant.spec.kept_limits(),
             usage: Arc::new(Usage::default()),
             counters: tenant.counters.clone(),
         }

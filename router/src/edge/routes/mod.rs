@@ -131,9 +131,11 @@ pub fn endpoints() -> Vec<Endpoint> {
         ),
         at(Post, "/v1/responses", Gated, responses::create),
         at(Post, "/v1/messages", Gated, messages::create),
-        at(Get, "/v1/responses/{id}", Keyed, responses::retrieve),
-        at(Delete, "/v1/responses/{id}", Keyed, responses::delete),
-        at(Post, "/v1/responses/{id}/cancel", Keyed, responses::cancel),
+        // Reads, deletes and cancels hold the router as requests do: an
+        // admission slot and their tenant's limits.
+        at(Get, "/v1/responses/{id}", Gated, responses::retrieve),
+        at(Delete, "/v1/responses/{id}", Gated, responses::delete),
+        at(Post, "/v1/responses/{id}/cancel", Gated, responses::cancel),
         at(Get, "/v1/models", Keyed, models::models),
         at(Get, "/health", Open, probes::health),
         at(Get, "/ready", Open, probes::ready),

@@ -8,11 +8,12 @@ use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::protocols::event::Out;
 use crate::protocols::openai::chunk::Chunk;
+use crate::protocols::responses::live::{LiveQuota, LiveRefusal};
 use crate::protocols::responses::mirror::CANCEL_POLL;
 use crate::protocols::responses::output::as_input;
 use crate::protocols::responses::redis_store::{LogState, RedisStore};
 use crate::protocols::responses::request::{chat_body, check};
-use crate::protocols::responses::store::{StoreError, Stored};
+use crate::protocols::responses::store::{StoreError, Stored, TenantQuota};
 use crate::protocols::responses::stream::Events;
 use crate::protocols::responses::{new_id, ResponseStores};
 use crate::state::AppState;
@@ -39,6 +40,7 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     let caller = caller.map(|c| c.0);
     let admission = admission.map(|a| a.0);
+    let kept = caller.as_ref().map(|c| c.kept).unwrap_or_default();
     serve(
         state,
         "/v1/responses",
@@ -64,19 +66,21 @@ pub async fn create(
             let (stream, store, background) = (echo.stream, echo.store, echo.background);
             let id = new_id("resp");
             let events = Events::new(id.clone(), created_at, echo);
-            let background =
-                if background {
-                    let first = events.response("queued", Value::Null);
-                    let live = state.responses.live.open(&id, tenant, first).ok_or(
-                        ApiError::Overloaded {
-                            limit: state.config.responses.max_background,
-                            retry_after_s: 1,
-                        },
-                    )?;
-                    Some(live)
-                } else {
-                    None
+            let background = if background {
+                let first = events.response("queued", Value::Null);
+                let quota = LiveQuota {
+                    max: kept.background_responses,
+                    max_bytes: kept.background_bytes,
                 };
+                let live = state
+                    .responses
+                    .live
+                    .open(&id, tenant, quota, first)
+                    .map_err(refused_background)?;
+                Some(live)
+            } else {
+                None
+            };
             Ok(Prepared {
                 chat,
                 translation: ResponseTranslation {
@@ -85,6 +89,10 @@ pub async fn create(
                     store,
                     items,
                     tenant: tenant.to_string(),
+                    quota: TenantQuota {
+                        max_count: kept.stored_responses,
+                        max_bytes: kept.stored_bytes,
+                    },
                     keeping: None,
                 },
                 stream,
@@ -103,6 +111,8 @@ pub(super) struct ResponseTranslation {
     /// The conversation up to this response (stored with its output).
     items: Vec<Value>,
     tenant: String,
+    /// What its tenant may keep in the store.
+    quota: TenantQuota,
     /// The response to store once it has ended (by `keep`).
     keeping: Option<(String, Stored)>,
 }
@@ -186,6 +196,7 @@ impl ResponseTranslation {
             store: origin["store"].as_bool().unwrap_or(true),
             items: serde_json::from_value(origin["items"].clone())?,
             tenant: tenant.to_string(),
+            quota: TenantQuota::default(),
             keeping: None,
         })
     }
@@ -193,7 +204,8 @@ impl ResponseTranslation {
     /// Keeps `whole` (with `conversation`) once the last events are made.
     fn keep_as(&mut self, whole: &RawValue, conversation: &[Value]) {
         let id = self.events.id().to_string();
-        let stored = Stored::new(whole.to_owned(), conversation, self.tenant.clone());
+        let stored =
+            Stored::new(whole.to_owned(), conversation, self.tenant.clone()).with_quota(self.quota);
         self.keeping = Some((id, stored));
     }
 }
@@ -207,6 +219,23 @@ async fn stored(stores: &ResponseStores, id: &str, tenant: &str) -> Result<Store
         .map_err(store_unavailable)?
         .filter(|stored| stored.tenant == tenant)
         .ok_or_else(|| ApiError::NotFound(format!("response `{id}`")))
+}
+
+/// A background response refused: 429, its tenant's limit or the router's.
+fn refused_background(refusal: LiveRefusal) -> ApiError {
+    match refusal {
+        LiveRefusal::Tenant { ref tenant, .. } => {
+            crate::observe::metrics::tenant_rejected(tenant, "max_background_responses");
+            ApiError::RateLimited {
+                message: refusal.to_string(),
+                retry_after_s: 1,
+            }
+        }
+        LiveRefusal::Full { max } => ApiError::Overloaded {
+            limit: max,
+            retry_after_s: 1,
+        },
+    }
 }
 
 fn store_unavailable(err: StoreError) -> ApiError {
@@ -273,8 +302,22 @@ pub async fn retrieve(
     match (live, shared) {
         (Some(live), _) if !live.done() => Ok(Json(live.response()).into_response()),
         (None, Some((_, log))) if !log.done => Ok(Json(log.response).into_response()),
-        _ => Ok(Json(stored(&stores, &id, &tenant).await?.response).into_response()),
+        _ => Ok(json_bytes(
+            stored(&stores, &id, &tenant).await?.response_bytes(),
+        )),
     }
+}
+
+/// A JSON answer of bytes as they are (shared with the store).
+fn json_bytes(bytes: bytes::Bytes) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("application/json"),
+        )],
+        bytes,
+    )
+        .into_response()
 }
 
 /// `POST /v1/responses/{id}/cancel`: stops a background response's generation.

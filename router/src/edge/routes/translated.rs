@@ -585,9 +585,14 @@ pub fn follow(live: Arc<Live>, after: Option<u64>) -> Response {
                     after = Some(last);
                 }
                 if !events.is_empty() || done {
-                    let bytes = frames(&events);
+                    // Each event's own frame: shared with the log, not copied
+                    // for each reader.
+                    let frames = events
+                        .iter()
+                        .map(|e| Ok::<_, std::convert::Infallible>(e.frame()));
+                    let frames: Vec<_> = frames.collect();
                     return Some((
-                        Ok::<_, std::convert::Infallible>(bytes),
+                        futures_util::stream::iter(frames),
                         (live, changes, after, done),
                     ));
                 }
@@ -597,7 +602,7 @@ pub fn follow(live: Arc<Live>, after: Option<u64>) -> Response {
             }
         },
     );
-    event_stream_response(stream)
+    event_stream_response(stream.flatten())
 }
 
 fn event_stream_response(

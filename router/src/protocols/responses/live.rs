@@ -1,15 +1,19 @@
 //! Background responses (`background: true`): each one's events, kept as its
 //! generation makes them, so that any client may read them again from any
 //! sequence number (`GET /v1/responses/{id}?stream=true&starting_after=N`)
-//! and follow the rest live, or cancel it. Bounded: at most `max` responses,
-//! those finished longest ago forgotten first (their stored response stays in
-//! the store); a generation in progress is never forgotten.
+//! and follow the rest live, or cancel it. Bounded per tenant and in total,
+//! in count (in progress or finished) and in bytes (finished ones): past a
+//! tenant's bounds its own finished ones go, those finished longest ago
+//! first; past the totals, those of the tenant holding the most (their
+//! stored response stays in the store). A generation in progress is never
+//! forgotten: a tenant with all of its own in progress is refused a new one,
+//! so that no tenant holds every slot.
 
 use super::store::Stored;
 use crate::protocols::event::Event;
 use serde_json::Value;
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -30,6 +34,15 @@ pub struct Live {
     /// Whether a writer copies it into the shared store now (`mirror.rs`):
     /// this replica's takeover never claims it then.
     mirrored: std::sync::atomic::AtomicBool,
+    /// Where it is counted, told when it is done.
+    kept: Kept,
+}
+
+/// A background response's place in its `LiveResponses`.
+#[derive(Debug)]
+struct Kept {
+    registry: Weak<Registry>,
+    id: String,
 }
 
 #[derive(Debug, Default)]
@@ -96,6 +109,7 @@ impl Live {
         checkpoint: Option<Value>,
     ) {
         let mut state = self.lock();
+        let ends = end.is_some();
         // The response as its last event carries it (the end's is given).
         if end.is_none() {
             if let Some(response) = events.iter().rev().find_map(Event::response) {
@@ -117,6 +131,24 @@ impl Live {
         }
         drop(state);
         self.changed.send_modify(|n| *n += 1);
+        if ends {
+            self.settle();
+        }
+    }
+
+    /// Counts it, done, in its tenant's bytes (which may forget it or older
+    /// ones past the bounds).
+    fn settle(&self) {
+        if let Some(registry) = self.kept.registry.upgrade() {
+            registry.settle(&self.kept.id);
+        }
+    }
+
+    /// What it keeps: its events' frames and its response's JSON.
+    pub fn kept_bytes(&self) -> usize {
+        let state = self.lock();
+        let events: usize = state.events.iter().map(Event::frame_len).sum();
+        events + json_len(&state.response)
     }
 
     /// Whether events came since the last checkpoint.
@@ -135,6 +167,7 @@ impl Live {
         self.lock().done = true;
         self.changed.send_modify(|n| *n += 1);
         self.cancel.cancel();
+        self.settle();
     }
 
     pub fn fenced(&self) -> bool {
@@ -271,11 +304,57 @@ impl Live {
     }
 }
 
+/// The length of `value`'s JSON, without writing it.
+fn json_len(value: &Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
+}
+
+/// What the router keeps of background responses, in total and per tenant
+/// (a tenant's own, where its tenants file entry says).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LiveLimits {
+    /// Responses kept, in progress or finished.
+    pub max: usize,
+    /// Bytes of the finished ones.
+    pub max_bytes: usize,
+    pub per_tenant: usize,
+    pub per_tenant_bytes: usize,
+}
+
+/// A tenant's own bounds (None: the router's per-tenant default).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LiveQuota {
+    pub max: Option<usize>,
+    pub max_bytes: Option<usize>,
+}
+
+/// Why a background response could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveRefusal {
+    #[error(
+        "tenant `{tenant}` has its limit of {max} background responses in progress; retry later"
+    )]
+    Tenant { tenant: String, max: usize },
+    #[error("the router has its limit of {max} background responses in progress; retry later")]
+    Full { max: usize },
+}
+
 /// The background responses of this router.
 #[derive(Debug)]
 pub struct LiveResponses {
-    max: usize,
-    inner: Mutex<Inner>,
+    registry: Arc<Registry>,
     /// Cancels every background generation (the router stopping).
     pub stop: CancellationToken,
     /// Responses this replica claimed and is taking over (until their
@@ -283,38 +362,203 @@ pub struct LiveResponses {
     taking: Mutex<std::collections::HashSet<String>>,
 }
 
+#[derive(Debug)]
+struct Registry {
+    limits: LiveLimits,
+    inner: Mutex<Inner>,
+}
+
 #[derive(Debug, Default)]
 struct Inner {
-    map: HashMap<String, Arc<Live>>,
+    map: HashMap<String, Entry>,
+    /// Ids, oldest first.
     order: VecDeque<String>,
+    tenants: HashMap<String, TenantLives>,
+    /// Bytes of the finished ones.
+    bytes: usize,
+}
+
+#[derive(Debug)]
+struct Entry {
+    live: Arc<Live>,
+    /// Its bytes, counted once it is done.
+    counted: Option<usize>,
+    /// Its tenant's bytes bound.
+    max_bytes: usize,
+}
+
+/// One tenant's background responses.
+#[derive(Debug, Default)]
+struct TenantLives {
+    count: usize,
+    /// Bytes of its finished ones.
+    bytes: usize,
+}
+
+impl Inner {
+    fn forget(&mut self, id: &str) -> Option<Arc<Live>> {
+        let entry = self.map.remove(id)?;
+        self.order.retain(|other| other != id);
+        let counted = entry.counted.unwrap_or(0);
+        self.bytes -= counted;
+        if let Some(lives) = self.tenants.get_mut(&entry.live.tenant) {
+            lives.count -= 1;
+            lives.bytes -= counted;
+            if lives.count == 0 {
+                self.tenants.remove(&entry.live.tenant);
+            }
+        }
+        Some(entry.live)
+    }
+
+    /// The finished one of `tenant` (any tenant's with None) opened longest
+    /// ago.
+    fn oldest_finished(&self, tenant: Option<&str>) -> Option<String> {
+        self.order
+            .iter()
+            .find(|id| {
+                self.map.get(*id).is_some_and(|entry| {
+                    entry.live.done() && tenant.is_none_or(|t| entry.live.tenant == t)
+                })
+            })
+            .cloned()
+    }
+
+    /// The tenant that gives up its oldest finished one past the totals: the
+    /// one holding the most (`by_bytes`: finished bytes, else count) among
+    /// those with one finished.
+    fn largest_with_finished(&self, by_bytes: bool) -> Option<String> {
+        let mut tenants: Vec<(&String, &TenantLives)> = self.tenants.iter().collect();
+        tenants.sort_by_key(|(_, lives)| {
+            std::cmp::Reverse(if by_bytes { lives.bytes } else { lives.count })
+        });
+        tenants
+            .into_iter()
+            .map(|(tenant, _)| tenant)
+            .find(|tenant| self.oldest_finished(Some(tenant)).is_some())
+            .cloned()
+    }
+}
+
+impl Registry {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts `id`'s bytes once it is done, then holds its tenant and the
+    /// total to their bytes.
+    fn settle(&self, id: &str) {
+        let mut forgotten = Vec::new();
+        let mut inner = self.lock();
+        let Some(entry) = inner.map.get_mut(id) else {
+            return;
+        };
+        if entry.counted.is_some() {
+            return;
+        }
+        let bytes = entry.live.kept_bytes();
+        let (tenant, tenant_max) = (entry.live.tenant.clone(), entry.max_bytes);
+        if bytes > tenant_max.min(self.limits.max_bytes) {
+            // Alone past its bound: its log goes (its stored response stays).
+            forgotten.extend(inner.forget(id));
+            drop(inner);
+            return;
+        }
+        entry.counted = Some(bytes);
+        inner.bytes += bytes;
+        if let Some(lives) = inner.tenants.get_mut(&tenant) {
+            lives.bytes += bytes;
+        }
+        while inner
+            .tenants
+            .get(&tenant)
+            .is_some_and(|l| l.bytes > tenant_max)
+        {
+            let Some(oldest) = inner.oldest_finished(Some(&tenant)) else {
+                break;
+            };
+            forgotten.extend(inner.forget(&oldest));
+        }
+        while inner.bytes > self.limits.max_bytes {
+            let Some(oldest) = inner
+                .largest_with_finished(true)
+                .and_then(|tenant| inner.oldest_finished(Some(&tenant)))
+            else {
+                break;
+            };
+            forgotten.extend(inner.forget(&oldest));
+        }
+        drop(inner);
+        drop(forgotten);
+    }
 }
 
 impl LiveResponses {
+    /// At most `max` in all, without per-tenant or byte bounds (tests).
     pub fn new(max: usize) -> Self {
+        Self::with_limits(LiveLimits {
+            max,
+            max_bytes: usize::MAX,
+            per_tenant: max,
+            per_tenant_bytes: usize::MAX,
+        })
+    }
+
+    pub fn with_limits(limits: LiveLimits) -> Self {
+        let limits = LiveLimits {
+            max: limits.max.max(1),
+            per_tenant: limits.per_tenant.max(1),
+            ..limits
+        };
         Self {
-            max: max.max(1),
-            inner: Mutex::new(Inner::default()),
+            registry: Arc::new(Registry {
+                limits,
+                inner: Mutex::new(Inner::default()),
+            }),
             stop: CancellationToken::new(),
             taking: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.registry.lock()
     }
 
-    /// A new background response `id` of `tenant`, or None when `max` are
-    /// in progress (none finished to forget).
-    pub fn open(&self, id: &str, tenant: &str, first: Value) -> Option<Arc<Live>> {
+    /// A new background response `id` of `tenant`, or why not: its tenant
+    /// (or the router) has its limit in progress, none finished to forget.
+    pub fn open(
+        &self,
+        id: &str,
+        tenant: &str,
+        quota: LiveQuota,
+        first: Value,
+    ) -> Result<Arc<Live>, LiveRefusal> {
+        let limits = &self.registry.limits;
+        let per_tenant = quota.max.unwrap_or(limits.per_tenant).clamp(1, limits.max);
+        let max_bytes = quota.max_bytes.unwrap_or(limits.per_tenant_bytes);
+        let mut forgotten = Vec::new();
         let mut inner = self.lock();
-        while inner.map.len() >= self.max {
-            let finished = inner
-                .order
-                .iter()
-                .position(|id| inner.map.get(id).is_none_or(|live| live.done()))?;
-            if let Some(old) = inner.order.remove(finished) {
-                inner.map.remove(&old);
-            }
+        while inner
+            .tenants
+            .get(tenant)
+            .is_some_and(|l| l.count >= per_tenant)
+        {
+            let Some(oldest) = inner.oldest_finished(Some(tenant)) else {
+                return Err(LiveRefusal::Tenant {
+                    tenant: tenant.to_string(),
+                    max: per_tenant,
+                });
+            };
+            forgotten.extend(inner.forget(&oldest));
+        }
+        while inner.map.len() >= limits.max {
+            let Some(oldest) = inner
+                .largest_with_finished(false)
+                .and_then(|tenant| inner.oldest_finished(Some(&tenant)))
+            else {
+                return Err(LiveRefusal::Full { max: limits.max });
+            };
+            forgotten.extend(inner.forget(&oldest));
         }
         let live = Arc::new(Live {
             tenant: tenant.to_string(),
@@ -326,14 +570,30 @@ impl LiveResponses {
             cancel: self.stop.child_token(),
             fenced: std::sync::atomic::AtomicBool::new(false),
             mirrored: std::sync::atomic::AtomicBool::new(false),
+            kept: Kept {
+                registry: Arc::downgrade(&self.registry),
+                id: id.to_string(),
+            },
         });
-        inner.map.insert(id.to_string(), live.clone());
+        inner.forget(id);
+        inner.map.insert(
+            id.to_string(),
+            Entry {
+                live: live.clone(),
+                counted: None,
+                max_bytes,
+            },
+        );
         inner.order.push_back(id.to_string());
-        Some(live)
+        inner.tenants.entry(tenant.to_string()).or_default().count += 1;
+        drop(inner);
+        drop(forgotten);
+        Ok(live)
     }
 
     /// A background response taken over from another replica: its events so
-    /// far, the response as it stands. None when `max` are in progress.
+    /// far, the response as it stands. None when its tenant or the router has
+    /// its limit in progress.
     pub fn adopt(
         &self,
         id: &str,
@@ -341,7 +601,9 @@ impl LiveResponses {
         response: Value,
         events: Vec<Event>,
     ) -> Option<Arc<Live>> {
-        let live = self.open(id, tenant, response.clone())?;
+        let live = self
+            .open(id, tenant, LiveQuota::default(), response.clone())
+            .ok()?;
         live.push(events, None);
         live.lock().response = response;
         Some(live)
@@ -350,7 +612,7 @@ impl LiveResponses {
     /// Marks every generation in progress as handed over (the router stops
     /// and another replica goes on with them), then stops them.
     pub fn hand_over_all(&self) {
-        let lives: Vec<Arc<Live>> = self.lock().map.values().cloned().collect();
+        let lives: Vec<Arc<Live>> = self.lock().map.values().map(|e| e.live.clone()).collect();
         for live in lives.iter().filter(|live| !live.done()) {
             live.fence();
         }
@@ -362,8 +624,8 @@ impl LiveResponses {
         self.lock()
             .map
             .get(id)
-            .filter(|live| live.tenant == tenant && !live.fenced())
-            .cloned()
+            .filter(|entry| entry.live.tenant == tenant && !entry.live.fenced())
+            .map(|entry| entry.live.clone())
     }
 
     /// The ids of the responses this replica writes into the shared store
@@ -375,7 +637,7 @@ impl LiveResponses {
             .lock()
             .map
             .iter()
-            .filter(|(_, live)| live.mirrored())
+            .filter(|(_, entry)| entry.live.mirrored())
             .map(|(id, _)| id.clone())
             .collect();
         let taking = self.taking.lock().unwrap_or_else(|e| e.into_inner());
@@ -402,9 +664,15 @@ impl LiveResponses {
     }
 
     pub fn forget(&self, id: &str) {
-        let mut inner = self.lock();
-        inner.map.remove(id);
-        inner.order.retain(|other| other != id);
+        let forgotten = self.lock().forget(id);
+        drop(forgotten);
+    }
+
+    /// Responses kept and bytes of the finished ones.
+    #[cfg(test)]
+    fn held(&self) -> (usize, usize) {
+        let inner = self.lock();
+        (inner.map.len(), inner.bytes)
     }
 }
 
@@ -421,33 +689,88 @@ mod tests {
     fn events_are_read_from_any_number_and_finished_ones_go_first() {
         let lives = LiveResponses::new(2);
         let a = lives
-            .open("a", "t", json!({}))
-            .unwrap_or_else(|| unreachable!());
+            .open("a", "t", LiveQuota::default(), json!({}))
+            .unwrap_or_else(|_| unreachable!());
         a.push(vec![event(0), event(1), event(2)], None);
         assert_eq!(a.after(None).0.len(), 3);
         assert_eq!(a.after(Some(0)).0, vec![event(1), event(2)]);
         assert_eq!(a.after(Some(9)).0, Vec::<Event>::new());
         assert!(lives.get("a", "other tenant").is_none());
         let _b = lives
-            .open("b", "t", json!({}))
-            .unwrap_or_else(|| unreachable!());
+            .open("b", "t", LiveQuota::default(), json!({}))
+            .unwrap_or_else(|_| unreachable!());
         // Both in progress: no room.
-        assert!(lives.open("c", "t", json!({})).is_none());
+        assert!(lives
+            .open("c", "t", LiveQuota::default(), json!({}))
+            .is_err());
         a.push(vec![event(3)], Some(json!({"status": "completed"})));
         assert_eq!(a.response()["status"], "completed");
-        assert!(lives.open("c", "t", json!({})).is_some());
+        assert!(lives
+            .open("c", "t", LiveQuota::default(), json!({}))
+            .is_ok());
         assert!(
             lives.get("a", "t").is_none(),
             "the finished one was forgotten"
         );
     }
 
+    fn open(lives: &LiveResponses, id: &str, tenant: &str) -> Result<Arc<Live>, LiveRefusal> {
+        lives.open(id, tenant, LiveQuota::default(), json!({}))
+    }
+
+    #[test]
+    fn a_tenant_cannot_hold_every_slot() {
+        let lives = LiveResponses::with_limits(LiveLimits {
+            max: 4,
+            max_bytes: usize::MAX,
+            per_tenant: 2,
+            per_tenant_bytes: usize::MAX,
+        });
+        let a1 = open(&lives, "a1", "a");
+        assert!(a1.is_ok() && open(&lives, "a2", "a").is_ok());
+        assert!(matches!(
+            open(&lives, "a3", "a"),
+            Err(LiveRefusal::Tenant { max: 2, .. })
+        ));
+        assert!(open(&lives, "b1", "b").is_ok(), "b still has room");
+        // One of a's done: a's next takes its place, not b's.
+        if let Ok(a1) = a1 {
+            a1.push(vec![event(0)], Some(json!({"status": "completed"})));
+        }
+        assert!(open(&lives, "a3", "a").is_ok());
+        assert!(lives.get("a1", "a").is_none() && lives.get("b1", "b").is_some());
+    }
+
+    #[test]
+    fn finished_logs_are_bounded_in_bytes() {
+        let lives = LiveResponses::with_limits(LiveLimits {
+            max: 100,
+            max_bytes: 10_000,
+            per_tenant: 100,
+            per_tenant_bytes: 4_000,
+        });
+        let big = json!({"text": "x".repeat(1000)});
+        let b = open(&lives, "b0", "b").unwrap_or_else(|_| unreachable!());
+        b.push(vec![event(0)], Some(big.clone()));
+        for n in 0..20 {
+            let a = open(&lives, &format!("a{n}"), "a").unwrap_or_else(|_| unreachable!());
+            a.push(vec![event(0), event(1)], Some(big.clone()));
+            let (_, bytes) = lives.held();
+            assert!(bytes <= 10_000, "{bytes}");
+        }
+        assert!(lives.get("a19", "a").is_some() && lives.get("a10", "a").is_none());
+        assert!(lives.get("b0", "b").is_some(), "b's log stays");
+        // One larger than its tenant's bound is not kept.
+        let huge = open(&lives, "b1", "b").unwrap_or_else(|_| unreachable!());
+        huge.push(vec![], Some(json!({"text": "x".repeat(5000)})));
+        assert!(lives.get("b1", "b").is_none() && lives.get("b0", "b").is_some());
+
+    }
+
     #[test]
     fn readers_get_only_what_the_store_has_and_a_handed_over_one_is_read_elsewhere() {
         let lives = LiveResponses::new(4);
-        let a = lives
-            .open("a", "t", json!({}))
-            .unwrap_or_else(|| unreachable!());
+        let a = open(&lives, "a", "t").unwrap_or_else(|_| unreachable!());
         a.gate(tokio::time::Instant::now());
         assert!(a.mirrored() && lives.mirrored() == vec!["a".to_string()]);
         a.push(vec![event(0), event(1)], None);

@@ -11,6 +11,7 @@
 //! shares (`redis_store.rs`; a background response's events are copied
 //! there as they come, `mirror.rs`).
 
+pub mod limits;
 pub mod live;
 pub mod mirror;
 pub mod output;

@@ -69,9 +69,11 @@ pub struct Echo {
     pub fields: Map<String, Value>,
 }
 
-/// Checks `body` and returns its echo and its input items (as given).
+/// Checks `body` and returns its echo and its input items, each as the chat
+/// reads it (`canonical_item`: what the stored conversation keeps).
 pub fn check(body: &Map<String, Value>) -> Result<(Echo, Vec<Value>), ApiError> {
     let model = check_fields(body, "Responses", KNOWN, SHAPES)?;
+    super::limits::check_echoed(body)?;
     let flag = |key: &'static str, default: bool| match body.get(key) {
         None | Some(Value::Null) => Ok(default),
         Some(Value::Bool(b)) => Ok(*b),
@@ -98,7 +100,13 @@ pub fn check(body: &Map<String, Value>) -> Result<(Echo, Vec<Value>), ApiError> 
         Some(Value::String(text)) => {
             vec![json!({"type": "message", "role": "user", "content": text})]
         }
-        Some(Value::Array(items)) if !items.is_empty() => items.clone(),
+        Some(Value::Array(items)) if !items.is_empty() => {
+            let mut canonical = Vec::with_capacity(items.len());
+            for item in items {
+                canonical.extend(canonical_item(item)?);
+            }
+            canonical
+        }
         _ => {
             return Err(bad(
                 "`input` must be a string or a non-empty array of items",
@@ -226,17 +234,20 @@ fn content_text(content: &Value, param: &'static str) -> Result<String, ApiError
     }
 }
 
-/// Appends one input item to the chat messages.
-fn add_item(messages: &mut Vec<Value>, item: &Value) -> Result<(), ApiError> {
+/// An input item as the chat reads it, and as the conversation keeps it for
+/// the next turn: a message's text, a call's id, name and arguments, an
+/// output's text. None for a reasoning item (chat templates drop it). What
+/// no engine reads (a reasoning item's text, an item's other fields) is not
+/// kept: only what reaches the engine, which the body's limit bounds.
+fn canonical_item(item: &Value) -> Result<Option<Value>, ApiError> {
     let Some(object) = item.as_object() else {
         return Err(bad("every input item must be an object", "input"));
     };
-    let kind = object.get("type").and_then(Value::as_str);
-    match kind {
+    let field = |key: &str| object.get(key).and_then(Value::as_str);
+    match object.get("type").and_then(Value::as_str) {
         None | Some("message") => {
-            let role = match object.get("role").and_then(Value::as_str) {
-                Some("developer" | "system") => "system",
-                Some(role @ ("user" | "assistant")) => role,
+            let role = match field("role") {
+                Some(role @ ("developer" | "system" | "user" | "assistant")) => role,
                 _ => {
                     return Err(bad(
                         "a message item's `role` must be user, assistant, system or developer",
@@ -247,18 +258,55 @@ fn add_item(messages: &mut Vec<Value>, item: &Value) -> Result<(), ApiError> {
             let content = object
                 .get("content")
                 .ok_or_else(|| bad("a message item needs `content`", "input"))?;
-            messages.push(json!({"role": role, "content": content_text(content, "input")?}));
+            Ok(Some(json!({"type": "message", "role": role,
+                           "content": content_text(content, "input")?})))
         }
         Some("function_call") => {
-            let field = |key: &str| object.get(key).and_then(Value::as_str);
             let (Some(call_id), Some(name)) = (field("call_id"), field("name")) else {
                 return Err(bad(
                     "a function_call item needs `call_id` and `name`",
                     "input",
                 ));
             };
-            let call = json!({"id": call_id, "type": "function",
-                "function": {"name": name, "arguments": field("arguments").unwrap_or("{}")}});
+            Ok(Some(
+                json!({"type": "function_call", "call_id": call_id, "name": name,
+                           "arguments": field("arguments").unwrap_or("{}")}),
+            ))
+        }
+        Some("function_call_output") => {
+            let Some(call_id) = field("call_id") else {
+                return Err(bad("a function_call_output item needs `call_id`", "input"));
+            };
+            let output = match object.get("output") {
+                Some(Value::String(text)) => text.clone(),
+                Some(other @ Value::Array(_)) => content_text(other, "input")?,
+                _ => return Err(bad("a function_call_output item needs `output`", "input")),
+            };
+            Ok(Some(
+                json!({"type": "function_call_output", "call_id": call_id,
+                           "output": output}),
+            ))
+        }
+        // The model's reasoning of an earlier turn: chat templates drop it.
+        Some("reasoning") => Ok(None),
+        Some(other) => Err(bad(
+            format!("input items of type `{other}` are not served"),
+            "input",
+        )),
+    }
+}
+
+/// Appends one input item to the chat messages (checked again: a stored
+/// conversation is read back from the store).
+fn add_item(messages: &mut Vec<Value>, item: &Value) -> Result<(), ApiError> {
+    let Some(item) = canonical_item(item)? else {
+        return Ok(());
+    };
+    let text = |key: &str| item.get(key).and_then(Value::as_str).unwrap_or_default();
+    match text("type") {
+        "function_call" => {
+            let call = json!({"id": text("call_id"), "type": "function",
+                "function": {"name": text("name"), "arguments": text("arguments")}});
             // Calls made in one turn are one assistant message.
             let previous = messages.last_mut().filter(|m| {
                 m["role"] == "assistant" && m.get("tool_calls").is_some() && m["content"].is_null()
@@ -269,24 +317,15 @@ fn add_item(messages: &mut Vec<Value>, item: &Value) -> Result<(), ApiError> {
                     .push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
             }
         }
-        Some("function_call_output") => {
-            let Some(call_id) = object.get("call_id").and_then(Value::as_str) else {
-                return Err(bad("a function_call_output item needs `call_id`", "input"));
+        "function_call_output" => messages.push(
+            json!({"role": "tool", "tool_call_id": text("call_id"), "content": text("output")}),
+        ),
+        _ => {
+            let role = match text("role") {
+                "developer" | "system" => "system",
+                role => role,
             };
-            let output = match object.get("output") {
-                Some(Value::String(text)) => text.clone(),
-                Some(other @ Value::Array(_)) => content_text(other, "input")?,
-                _ => return Err(bad("a function_call_output item needs `output`", "input")),
-            };
-            messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
-        }
-        // The model's reasoning of an earlier turn: chat templates drop it.
-        Some("reasoning") => {}
-        Some(other) => {
-            return Err(bad(
-                format!("input items of type `{other}` are not served"),
-                "input",
-            ))
+            messages.push(json!({"role": role, "content": text("content")}));
         }
     }
     Ok(())
@@ -403,6 +442,25 @@ mod tests {
             json!({"type": "function", "function": {"name": "f"}})
         );
         assert_eq!(body["stream"], true);
+    }
+
+    #[test]
+    fn input_items_are_kept_as_the_chat_reads_them() {
+        let body = json!({"model": "m", "input": [
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "x".repeat(1000)},
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}], "extra": "y".repeat(1000)},
+            {"type": "function_call", "call_id": "c1", "name": "f", "id": "fc_1"}
+        ]});
+        let items = check(body.as_object().unwrap_or(&Map::new()))
+            .map(|(_, items)| items)
+            .unwrap_or_default();
+        assert_eq!(
+            items,
+            vec![
+                json!({"type": "message", "role": "user", "content": "hi"}),
+                json!({"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}),
+            ]
+        );
     }
 
     #[test]

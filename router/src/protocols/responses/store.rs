@@ -1,37 +1,56 @@
 //! Where responses live between turns: the router, not an engine, so the next
 //! turn may be served by any prefill and decoder. One trait; the in-memory
-//! store is the default (one replica), bounded in count and bytes, the oldest
-//! evicted first.
+//! store is the default (one replica), bounded in count and bytes per tenant
+//! and in total: past a tenant's own bounds its oldest go, past the totals
+//! the oldest of the tenant holding the most, so that one tenant never
+//! evicts another's responses while it holds more than that one.
 
 use crate::protocols::event::json_of;
 use futures_util::future::BoxFuture;
 use serde_json::value::RawValue;
 use serde_json::Value;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// A stored response: the object a `GET` returns, and the conversation it
 /// ends (input items, then its output as input items) for the next turn.
-/// Both kept as their JSON, written once: one allocation each, where a tree
-/// of values is one per node (and a copy, and a drop node by node, per
-/// response stored and per one evicted).
+/// Both kept as their JSON, written once and shared: a reader (a `GET`, the
+/// next turn) takes a reference, never a copy.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Stored {
-    pub response: Box<RawValue>,
+    pub response: Arc<RawValue>,
     /// A JSON array of items.
-    pub conversation: Box<RawValue>,
+    pub conversation: Arc<RawValue>,
     /// The tenant that created it: the only one that may read, continue or
     /// delete it (others are told it does not exist).
     pub tenant: String,
+    /// Its tenant's bounds on what the store keeps (the router's defaults
+    /// where the tenants file says nothing): not stored, applied when put.
+    #[serde(skip)]
+    pub quota: TenantQuota,
+}
+
+/// What one tenant may keep in a store (None: the store's own default).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TenantQuota {
+    pub max_count: Option<usize>,
+    pub max_bytes: Option<usize>,
 }
 
 impl Stored {
     pub fn new(response: Box<RawValue>, conversation: &[Value], tenant: String) -> Self {
         Self {
-            response,
-            conversation: json_of(&conversation),
+            response: response.into(),
+            conversation: json_of(&conversation).into(),
             tenant,
+            quota: TenantQuota::default(),
         }
+    }
+
+    /// With its tenant's quota.
+    pub fn with_quota(mut self, quota: TenantQuota) -> Self {
+        self.quota = quota;
+        self
     }
 
     /// What the store holds of it.
@@ -43,6 +62,21 @@ impl Stored {
     pub fn conversation(&self) -> StoreResult<Vec<Value>> {
         serde_json::from_str(self.conversation.get())
             .map_err(|err| StoreError::Malformed(err.to_string()))
+    }
+
+    /// The response object's JSON as bytes that share its allocation (a
+    /// `GET` answers with them: no copy per reader).
+    pub fn response_bytes(&self) -> bytes::Bytes {
+        bytes::Bytes::from_owner(SharedJson(self.response.clone()))
+    }
+}
+
+/// Stored JSON as a body's bytes.
+struct SharedJson(Arc<RawValue>);
+
+impl AsRef<[u8]> for SharedJson {
+    fn as_ref(&self) -> &[u8] {
+        self.0.get().as_bytes()
     }
 }
 
@@ -70,27 +104,92 @@ pub trait ResponseStore: Send + Sync {
 }
 
 /// The default store: in this process, at most `max_count` responses and
-/// `max_bytes` of them.
+/// `max_bytes` of them in all, and per tenant its quota (`tenant_default`
+/// where its quota says nothing).
 #[derive(Debug)]
 pub struct MemoryStore {
     max_count: usize,
     max_bytes: usize,
+    tenant_default: TenantQuota,
     inner: Mutex<Inner>,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     entries: HashMap<String, (Stored, usize)>,
-    /// Ids, oldest first (deleted ones are skipped when met).
-    order: VecDeque<String>,
+    tenants: HashMap<String, Held>,
+    count: usize,
     bytes: usize,
+}
+
+/// One tenant's part of the store.
+#[derive(Debug, Default)]
+struct Held {
+    /// Its ids, oldest first (deleted ones are skipped when met).
+    order: VecDeque<String>,
+    count: usize,
+    bytes: usize,
+}
+
+impl Inner {
+    /// Removes `id` (if there) from the store and its tenant's part.
+    fn remove(&mut self, id: &str) -> Option<Stored> {
+        let (stored, size) = self.entries.remove(id)?;
+        self.count -= 1;
+        self.bytes -= size;
+        if let Some(held) = self.tenants.get_mut(&stored.tenant) {
+            held.count -= 1;
+            held.bytes -= size;
+            if held.count == 0 {
+                self.tenants.remove(&stored.tenant);
+            }
+        }
+        Some(stored)
+    }
+
+    /// Evicts `tenant`'s oldest response; false when it has none.
+    fn evict_oldest_of(&mut self, tenant: &str, evicted: &mut Vec<Stored>) -> bool {
+        loop {
+            let Some(oldest) = self
+                .tenants
+                .get_mut(tenant)
+                .and_then(|held| held.order.pop_front())
+            else {
+                return false;
+            };
+            if let Some(gone) = self.remove(&oldest) {
+                evicted.push(gone);
+                return true;
+            }
+        }
+    }
+
+    /// The tenant holding the most bytes (the one that gives up its oldest
+    /// past the totals).
+    fn largest(&self) -> Option<String> {
+        self.tenants
+            .iter()
+            .max_by_key(|(_, held)| (held.bytes, held.count))
+            .map(|(tenant, _)| tenant.clone())
+    }
 }
 
 impl MemoryStore {
     pub fn new(max_count: usize, max_bytes: usize) -> Self {
+        Self::with_tenant_default(max_count, max_bytes, TenantQuota::default())
+    }
+
+    /// A store whose tenants keep at most `tenant_default` each (where their
+    /// own quota says nothing; None: the totals).
+    pub fn with_tenant_default(
+        max_count: usize,
+        max_bytes: usize,
+        tenant_default: TenantQuota,
+    ) -> Self {
         Self {
             max_count: max_count.max(1),
             max_bytes,
+            tenant_default,
             inner: Mutex::new(Inner::default()),
         }
     }
@@ -103,44 +202,71 @@ impl MemoryStore {
     #[cfg(test)]
     pub fn held(&self) -> (usize, usize) {
         let inner = self.lock();
-        (inner.entries.len(), inner.bytes)
+        (inner.count, inner.bytes)
     }
 
     /// `put`, at once (this store never waits).
     pub fn put_now(&self, id: &str, stored: Stored) -> bool {
         let size = stored.bytes();
-        if size > self.max_bytes {
+        let tenant_count = stored
+            .quota
+            .max_count
+            .or(self.tenant_default.max_count)
+            .unwrap_or(self.max_count)
+            .clamp(1, self.max_count);
+        let tenant_bytes = stored
+            .quota
+            .max_bytes
+            .or(self.tenant_default.max_bytes)
+            .unwrap_or(self.max_bytes)
+            .min(self.max_bytes);
+        if size > tenant_bytes {
             return false;
         }
-        // What is evicted is dropped after the lock (a response's tree).
+        // What is evicted is dropped after the lock (a response's JSON).
         let mut evicted = Vec::new();
         let mut inner = self.lock();
-        if let Some((gone, old)) = inner.entries.remove(id) {
-            inner.bytes -= old;
-            evicted.push(gone);
-        }
-        while inner.entries.len() >= self.max_count || inner.bytes + size > self.max_bytes {
-            let Some(oldest) = inner.order.pop_front() else {
+        evicted.extend(inner.remove(id));
+        let tenant = stored.tenant.clone();
+        // The tenant's own bounds: its own oldest go.
+        while inner
+            .tenants
+            .get(&tenant)
+            .is_some_and(|held| held.count >= tenant_count || held.bytes + size > tenant_bytes)
+        {
+            if !inner.evict_oldest_of(&tenant, &mut evicted) {
                 break;
-            };
-            if let Some((gone, old)) = inner.entries.remove(&oldest) {
-                inner.bytes -= old;
-                evicted.push(gone);
             }
         }
-        inner.bytes += size;
-        inner.entries.insert(id.to_string(), (stored, size));
-        inner.order.push_back(id.to_string());
-        // Deleted ids linger in `order` until met; keep it near the count.
-        if inner.order.len() > 2 * self.max_count {
-            let Inner { entries, order, .. } = &mut *inner;
-            order.retain(|id| entries.contains_key(id));
+        // The totals: the tenant holding the most gives up its oldest.
+        while inner.count >= self.max_count || inner.bytes + size > self.max_bytes {
+            let Some(largest) = inner.largest() else {
+                break;
+            };
+            if !inner.evict_oldest_of(&largest, &mut evicted) {
+                break;
+            }
         }
+        inner.count += 1;
+        inner.bytes += size;
+        let Inner {
+            entries, tenants, ..
+        } = &mut *inner;
+        let held = tenants.entry(tenant).or_default();
+        held.count += 1;
+        held.bytes += size;
+        // Deleted ids linger in `order` until met; keep it near the count.
+        if held.order.len() > 2 * held.count + 16 {
+            held.order.retain(|id| entries.contains_key(id));
+        }
+        held.order.push_back(id.to_string());
+        inner.entries.insert(id.to_string(), (stored, size));
         drop(inner);
         drop(evicted);
         true
     }
 
+    /// The response `id`: a reference to its JSON, not a copy.
     pub fn get_now(&self, id: &str) -> Option<Stored> {
         self.lock()
             .entries
@@ -149,14 +275,8 @@ impl MemoryStore {
     }
 
     pub fn delete_now(&self, id: &str) -> bool {
-        let mut inner = self.lock();
-        match inner.entries.remove(id) {
-            Some((_, size)) => {
-                inner.bytes -= size;
-                true
-            }
-            None => false,
-        }
+        let gone = self.lock().remove(id);
+        gone.is_some()
     }
 }
 
@@ -180,7 +300,11 @@ mod tests {
     use serde_json::json;
 
     fn stored(text: &str) -> Stored {
-        Stored::new(json_of(&json!({"id": text})), &[json!(text)], "t".into())
+        of("t", text)
+    }
+
+    fn of(tenant: &str, text: &str) -> Stored {
+        Stored::new(json_of(&json!({"id": text})), &[json!(text)], tenant.into())
     }
 
     #[test]
@@ -203,5 +327,49 @@ mod tests {
             "larger than the store"
         );
         assert!(small.held().1 <= 60);
+    }
+
+    #[test]
+    fn a_tenant_past_its_quota_or_the_totals_evicts_its_own_oldest() {
+        let store = MemoryStore::new(10, 10_000);
+        assert!(store.put_now("b1", of("b", "b1")));
+        for n in 0..50 {
+            let quota = TenantQuota {
+                max_count: Some(4),
+                max_bytes: None,
+            };
+            assert!(store.put_now(&format!("a{n}"), of("a", "a").with_quota(quota)));
+        }
+        assert!(store.get_now("b1").is_some(), "b's response stays");
+        assert!(store.get_now("a49").is_some() && store.get_now("a45").is_none());
+        assert_eq!(store.held().0, 5);
+        // Past the total count, the tenant with the most gives.
+        for n in 0..50 {
+            assert!(store.put_now(&format!("c{n}"), of("c", "c")));
+        }
+        assert!(store.get_now("b1").is_some(), "b's response still stays");
+        assert_eq!(store.held().0, 10);
+        // Deleted ids and their order are forgotten.
+        for n in 40..50 {
+            store.delete_now(&format!("c{n}"));
+        }
+        assert!(store.get_now("b1").is_some());
+        let inner = store.lock();
+        assert!(inner
+            .tenants
+            .values()
+            .all(|held| held.order.len() <= 2 * held.count + 17));
+    }
+
+    #[test]
+    fn a_reader_shares_the_stored_bytes() {
+        let store = MemoryStore::new(10, 10_000);
+        assert!(store.put_now("a", stored("a")));
+        let (one, two) = (store.get_now("a"), store.get_now("a"));
+        let (Some(one), Some(two)) = (one, two) else {
+            unreachable!("stored")
+        };
+        assert!(Arc::ptr_eq(&one.response, &two.response));
+        assert_eq!(one.response_bytes().as_ptr(), one.response.get().as_ptr());
     }
 }
