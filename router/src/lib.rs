@@ -146,6 +146,7 @@ fn response_store(
         timeout: args.store_timeout.max(Duration::from_millis(1)),
         lease: args.lease.max(Duration::from_millis(100)),
         max_bytes: args.max_stored_bytes,
+        max_response_bytes: args.store_max_response_bytes.max(1),
         fallback_count: args.max_stored,
     })?;
     tracing::info!(prefix = %args.store_prefix, "responses stored in the shared response store");
@@ -291,6 +292,9 @@ impl Router {
             .spawn_keeper(releases, &mut tasks, background.clone());
         tenants::spawn_reloader(&tenants, &mut tasks, background.clone());
         edge::routes::takeover::spawn(&state, &mut tasks, background.clone());
+        if let Some(store) = state.responses.shared.clone() {
+            protocols::responses::renewal::spawn(store, &mut tasks, background.clone());
+        }
         for instance in unnamed {
             let (state, stop) = (state.clone(), background.clone());
             tasks.spawn(async move {

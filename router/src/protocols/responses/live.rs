@@ -108,6 +108,11 @@ impl Live {
         self.changed.send_modify(|n| *n += 1);
     }
 
+    /// Bytes of its events' JSON (what the shared store keeps of them).
+    pub fn event_bytes(&self) -> usize {
+        self.lock().events.iter().map(|e| e.json().len()).sum()
+    }
+
     /// Whether events came since the last checkpoint.
     pub fn unchecked(&self) -> bool {
         let state = self.lock();

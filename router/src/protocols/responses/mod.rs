@@ -15,6 +15,7 @@ pub mod live;
 pub mod mirror;
 pub mod output;
 pub mod redis_store;
+pub mod renewal;
 pub mod request;
 pub mod store;
 pub mod stream;
