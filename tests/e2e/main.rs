@@ -23,4 +23,5 @@ mod routing;
 mod security;
 mod shared_responses;
 mod soak;
+mod store_hygiene;
 mod tenants;

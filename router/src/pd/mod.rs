@@ -114,7 +114,10 @@ struct Hold {
 /// as a prefill's own answer is (`prefill::check_params`): the store is
 /// input, and the decoder pulls from whatever `remote_ctrl` these params
 /// name, so they must be those of a prefill this router knows, naming its
-/// registered control address. The attempt goes on in a new epoch (the hold
+/// registered control address. The prefill is the one of the checkpoint's
+/// id, or (replicas that name their instances apart, static ones without a
+/// shared registry) the one whose registered control address the params
+/// name. The attempt goes on in a new epoch (the hold
 /// is this replica's now: the dead one's decoder can no longer pull or
 /// release it), within the epochs a prefill's answer may carry.
 fn checked_hold(state: &Flow, checkpoint: Hold) -> Result<prefill::Prefilled, ApiError> {
@@ -122,9 +125,22 @@ fn checked_hold(state: &Flow, checkpoint: Hold) -> Result<prefill::Prefilled, Ap
         tracing::warn!(prefill = %checkpoint.prefill, %why, "a checkpoint from the response store refused");
         ApiError::Unavailable(format!("the stored checkpoint cannot be continued: {why}"))
     };
+    let is_prefill = |i: &Arc<crate::membership::Instance>| {
+        i.role.serves(crate::membership::Pick::Prefill)
+    };
+    let ctrl = checkpoint.kv_transfer_params["remote_ctrl"].as_str();
     let instance = state
         .registry
         .get(&checkpoint.prefill)
+        .filter(is_prefill)
+        .or_else(|| {
+            let ctrl = ctrl?;
+            state
+                .registry
+                .list()
+                .into_iter()
+                .find(|i| is_prefill(i) && i.ctrl.as_deref() == Some(ctrl))
+        })
         .ok_or_else(|| refused(format!("unknown prefill `{}`", checkpoint.prefill)))?;
     if !checkpoint.kv_transfer_params.is_object() {
         return Err(refused("kv_transfer_params is not an object".into()));

@@ -72,9 +72,7 @@ impl Event {
         }
         let head: Head<'_> = serde_json::from_slice(json)?;
         if !valid_kind(&head.kind) {
-            return Err(ParseError::Kind(
-                head.kind.chars().take(MAX_KIND_LEN).collect(),
-            ));
+            return Err(ParseError::Kind(head.kind.len()));
         }
         let mut frame = Vec::new();
         let data = write_frame(&mut frame, &head.kind, |out| out.extend_from_slice(json));
@@ -119,8 +117,9 @@ pub enum ParseError {
     Json(#[from] serde_json::Error),
     #[error("an event's JSON spans lines")]
     LineBreak,
-    #[error("an event's type `{0}` is not an event name")]
-    Kind(String),
+    /// (Its length: the type itself is not repeated to anyone.)
+    #[error("an event's type ({0} bytes) is not an event name")]
+    Kind(usize),
 }
 
 /// Longest event type accepted back (the longest Responses one is 40).

@@ -226,12 +226,13 @@ async fn shared_log(
         .map(|log| (shared.clone(), log))
 }
 
-/// Background response `id` of `tenant` in this replica's memory. With a
-/// shared store, a finished one whose keys are gone from it was deleted
-/// (through another replica) or expired: forgotten here too, so that no
-/// replica replays it.
+/// Background response `id` of `tenant` in this replica's memory, unless it
+/// goes on elsewhere (taken over, or handed over: the shared store has it).
+/// With a shared store, a finished one whose keys are gone from it was
+/// deleted (through another replica) or expired: forgotten here too, so that
+/// no replica replays it.
 async fn live_log(stores: &ResponseStores, id: &str, tenant: &str) -> Option<Arc<Live>> {
-    let live = stores.live.get(id, tenant)?;
+    let live = stores.live.get(id, tenant).filter(|live| !live.fenced())?;
     if let (true, Some(shared)) = (live.done(), &stores.shared) {
         // The store unreachable: this replica's word stands meanwhile.
         if let Ok(None) = shared.log_done(id).await {
@@ -283,10 +284,19 @@ pub async fn retrieve(
             Some("stream"),
         ));
     }
-    match (live, shared) {
-        (Some(live), _) if !live.done() => Ok(Json(live.response()).into_response()),
-        (None, Some((_, log))) if !log.done => Ok(Json(log.response).into_response()),
-        _ => Ok(Json(stored(&stores, &id, &tenant).await?.response).into_response()),
+    // A background response as it stands; once done, as stored, or (not
+    // stored: failed, or too large for the store) as its log ended it.
+    let ended = match (live, shared) {
+        (Some(live), _) if !live.done() => return Ok(Json(live.response()).into_response()),
+        (None, Some((_, log))) if !log.done => return Ok(Json(log.response).into_response()),
+        (Some(live), _) => Some(live.response()),
+        (None, Some((_, log))) => Some(log.response),
+        (None, None) => None,
+    };
+    match (stored(&stores, &id, &tenant).await, ended) {
+        (Ok(stored), _) => Ok(Json(stored.response).into_response()),
+        (Err(ApiError::NotFound(_)), Some(ended)) => Ok(Json(ended).into_response()),
+        (Err(err), _) => Err(err),
     }
 }
 
@@ -405,9 +415,7 @@ pub async fn delete(
 ) -> Result<Json<Value>, ApiError> {
     let tenant = tenant_of(caller);
     // One taken over by another replica is stopped through the store.
-    let live = live_log(&stores, &id, &tenant)
-        .await
-        .filter(|live| !live.fenced());
+    let live = live_log(&stores, &id, &tenant).await;
     let shared = match &live {
         Some(_) => None,
         None => shared_log(&stores, &id, &tenant).await,

@@ -713,7 +713,12 @@ impl RedisStore {
         let mut events = Vec::new();
         for stream in reply.map(|r| r.keys).unwrap_or_default() {
             for entry in stream.ids {
-                events.push(stored_event(&entry)?);
+                match stored_event(&entry) {
+                    Ok(event) => events.push(event),
+                    // The events before it are had; the next read fails.
+                    Err(_) if !events.is_empty() => return Ok(events),
+                    Err(err) => return Err(err),
+                }
             }
         }
         Ok(events)
