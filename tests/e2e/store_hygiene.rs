@@ -74,7 +74,14 @@ async fn a_delete_removes_every_key_and_ends_every_replay() {
         let (url, id) = (b.url.clone(), id.clone());
         tokio::spawn(async move {
             let url = format!("{url}/v1/responses/{id}?stream=true");
-            client().get(url).send().await.unwrap().text().await.unwrap()
+            client()
+                .get(url)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
         })
     };
     eventually(Duration::from_secs(20), "events in the store", || async {
@@ -222,7 +229,8 @@ async fn a_full_store_is_counted_and_the_response_still_served() {
     let (a, _b, _engines) = replicas_with(&redis, &[], &[]).await;
     // Redis refuses every write (maxmemory reached, noeviction).
     assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
-    let body = json!({"model": "mock", "input": "Store me in a full store", "max_output_tokens": 3});
+    let body =
+        json!({"model": "mock", "input": "Store me in a full store", "max_output_tokens": 3});
     let (status, text) = create(&a, &body).await;
     assert_eq!(status, 200, "{text}");
     let id = id_of(&text);
@@ -230,7 +238,11 @@ async fn a_full_store_is_counted_and_the_response_still_served() {
     assert_eq!(get(&a, &id).await.0, 200);
     let metrics = metrics_text(&a).await;
     assert!(
-        metric(&metrics, "connex_response_store_full_total", &["op=\"put\""]) >= 1.0,
+        metric(
+            &metrics,
+            "connex_response_store_full_total",
+            &["op=\"put\""]
+        ) >= 1.0,
         "{metrics}"
     );
 }
@@ -292,11 +304,15 @@ async fn taken_over_tampered(
     let (_, text) = create(&a, &body).await;
     let id = id_of(&text);
     let key = format!("connex:{{{id}}}:checkpoint");
-    eventually(Duration::from_secs(20), "a checkpoint past the prefill", || async {
-        let text = redis.cli(&["GET", &key]);
-        serde_json::from_str::<Value>(&text).is_ok_and(|c| c["decode"].is_object())
-            && redis.events_of(&id) >= 5
-    })
+    eventually(
+        Duration::from_secs(20),
+        "a checkpoint past the prefill",
+        || async {
+            let text = redis.cli(&["GET", &key]);
+            serde_json::from_str::<Value>(&text).is_ok_and(|c| c["decode"].is_object())
+                && redis.events_of(&id) >= 5
+        },
+    )
     .await;
     a.signal("KILL");
     let mut checkpoint: Value = serde_json::from_str(&redis.cli(&["GET", &key])).unwrap();
@@ -354,8 +370,12 @@ async fn events_read_back_are_checked_and_every_number_is_a_place() {
     // Past the last number: nothing (on the replica that made it, and
     // through the store on the other).
     for router in [&a, &b] {
-        let (status, text) = get_raw(router, &id, "?stream=true&starting_after=18446744073709551615")
-            .await;
+        let (status, text) = get_raw(
+            router,
+            &id,
+            "?stream=true&starting_after=18446744073709551615",
+        )
+        .await;
         assert_eq!(status, 200, "{text}");
         assert_eq!(sse_events(&text), Vec::<Value>::new());
     }

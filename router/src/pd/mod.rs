@@ -125,9 +125,8 @@ fn checked_hold(state: &Flow, checkpoint: Hold) -> Result<prefill::Prefilled, Ap
         tracing::warn!(prefill = %checkpoint.prefill, %why, "a checkpoint from the response store refused");
         ApiError::Unavailable(format!("the stored checkpoint cannot be continued: {why}"))
     };
-    let is_prefill = |i: &Arc<crate::membership::Instance>| {
-        i.role.serves(crate::membership::Pick::Prefill)
-    };
+    let is_prefill =
+        |i: &Arc<crate::membership::Instance>| i.role.serves(crate::membership::Pick::Prefill);
     let ctrl = checkpoint.kv_transfer_params["remote_ctrl"].as_str();
     let instance = state
         .registry

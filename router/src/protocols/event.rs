@@ -311,7 +311,12 @@ mod tests {
         let split = b"{\"type\": \"x\",\n\n\"sequence_number\": 1}";
         assert!(matches!(Event::parse(split), Err(ParseError::LineBreak)));
         // Every type the protocols write is a name.
-        for kind in ["response.output_text.delta", "message_stop", "error", "response.mcp_call.in-progress"] {
+        for kind in [
+            "response.output_text.delta",
+            "message_stop",
+            "error",
+            "response.mcp_call.in-progress",
+        ] {
             let bytes = serde_json::to_vec(&json!({"type": kind})).unwrap_or_default();
             assert!(Event::parse(&bytes).is_ok(), "{kind}");
         }

@@ -8,9 +8,9 @@ use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::protocols::event::Out;
 use crate::protocols::openai::chunk::Chunk;
+use crate::protocols::responses::live::Live;
 use crate::protocols::responses::mirror::CANCEL_POLL;
 use crate::protocols::responses::output::as_input;
-use crate::protocols::responses::live::Live;
 use crate::protocols::responses::redis_store::{LogState, RedisStore};
 use crate::protocols::responses::request::{chat_body, check};
 use crate::protocols::responses::store::{StoreError, Stored};
@@ -421,9 +421,7 @@ pub async fn delete(
         None => shared_log(&stores, &id, &tenant).await,
     };
     let stopped = match (&live, shared) {
-        (Some(live), _) => {
-            stop_here(live, &id).await && mirrored_to_end(&stores, &id, live).await
-        }
+        (Some(live), _) => stop_here(live, &id).await && mirrored_to_end(&stores, &id, live).await,
         (None, Some((store, log))) => cancel_elsewhere(&store, &id, log).await?.1,
         (None, None) => {
             stored(&stores, &id, &tenant).await?;

@@ -4,7 +4,9 @@
 //! `?stream=true&starting_after=N`), `previous_response_id`, `DELETE` and
 //! `cancel`, whichever replica made the response.
 //!
-//! Keys (each with the store's TTL, so that nothing outlives it; one Redis
+//! Keys (each with the store's TTL, so that nothing outlives it, renewed for
+//! every key of a running response, `renewal.rs`; a delete removes them all,
+//! `RESPONSE_KEYS`; one Redis
 //! or a Sentinel-managed primary: the scripts touch a response's keys and the
 //! set of running ones together, which Redis Cluster does not allow):
 //! - `PREFIX{ID}:stored`: the stored response and its conversation (JSON).
@@ -25,7 +27,11 @@
 //!   the ids of running responses by lease expiry. A replica whose lease was
 //!   taken can no longer write (its appends are fenced by the token).
 //!
-//! Redis down: what a replica stores goes to its own memory (found again by
+//! What is read back is input: events are checked (`stored_event`), and
+//! a checkpoint's hold is checked before a takeover uses it
+//! (`pd::checked_hold`).
+//!
+//! Redis down (or full: writes refused, counted apart): what a replica stores goes to its own memory (found again by
 //! it alone, never by another), every call is bounded by the store's timeout,
 //! and `/ready` says `response_store: unavailable`; serving goes on.
 
