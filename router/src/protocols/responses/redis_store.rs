@@ -257,6 +257,9 @@ pub struct RedisStore {
     connect_failed: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
+/// The calls that write (and so fail in a full store).
+const WRITES: [&str; 3] = ["put", "append", "cancel"];
+
 /// How long after a failed connect calls fail without trying again.
 const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
 
@@ -446,7 +449,8 @@ impl RedisStore {
     /// Notes whether Redis answered, and counts the failures.
     fn observe<T>(&self, op: &'static str, result: StoreResult<T>) -> StoreResult<T> {
         let up = result.is_ok();
-        if up && self.full.swap(false, Ordering::Relaxed) {
+        // Reads go on in a full store: only a write says it has room again.
+        if up && WRITES.contains(&op) && self.full.swap(false, Ordering::Relaxed) {
             tracing::info!(op, "the response store takes writes again");
         }
         if self.up.swap(up, Ordering::Relaxed) != up {
