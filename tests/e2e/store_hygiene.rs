@@ -96,7 +96,7 @@ async fn a_delete_removes_every_key_and_ends_every_replay() {
         .expect("the reader's stream ended")
         .unwrap();
     let events = sse_events(&read);
-    assert!(events.len() >= 5, "{read}");
+    assert_eq!(events[0]["type"], "response.created", "{read}");
     assert_eq!(keys_of(&redis, &id), Vec::<String>::new());
     for router in [&a, &b] {
         assert_eq!(get_raw(router, &id, "?stream=true").await.0, 404);
@@ -142,24 +142,24 @@ async fn a_delete_removes_every_key_and_ends_every_replay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_running_longer_than_the_ttl_keeps_its_keys_and_is_taken_over() {
     let redis = Redis::start();
-    let flags = ["--response-store-ttl", "2s", "--response-lease-ms", "600"];
+    let flags = ["--response-store-ttl", "3s", "--response-lease-ms", "600"];
     let (a, b, _engines) = replicas_with(&redis, &flags, &["--decode-us-per-token", "30000"]).await;
     let prompt = "Outlive the TTL";
     let (_, text) = create(
         &b,
-        &json!({"model": "mock", "input": prompt, "max_output_tokens": 150}),
+        &json!({"model": "mock", "input": prompt, "max_output_tokens": 300}),
     )
     .await;
     let want: Value = serde_json::from_str(&text).unwrap();
     let body =
-        json!({"model": "mock", "input": prompt, "background": true, "max_output_tokens": 150});
+        json!({"model": "mock", "input": prompt, "background": true, "max_output_tokens": 300});
     let (_, text) = create(&a, &body).await;
     let id = id_of(&text);
     let origin = format!("connex:{{{id}}}:origin");
-    // Past the TTL (2 s) of its keys' first write, A dies: B takes the
+    // Past the TTL (3 s) of its keys' first write, A dies: B takes the
     // generation over from its origin and checkpoint, both still there.
     let all = crate::responses::read_across(&a, &b, &id, 5, async {
-        tokio::time::sleep(Duration::from_millis(3000)).await;
+        tokio::time::sleep(Duration::from_millis(4500)).await;
         let ttl: i64 = redis.cli(&["TTL", &origin]).parse().unwrap();
         assert!(ttl > 0, "the origin's TTL: {ttl}");
         a.signal("KILL");
