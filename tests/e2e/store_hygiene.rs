@@ -289,11 +289,13 @@ async fn a_background_response_past_the_stores_byte_bound_fails_and_stops() {
     assert!(emitted < 2000, "{emitted}");
 }
 
-/// A background response made on A, whose checkpoint (once past its
-/// prefill) is rewritten by `tamper` after A dies, before B takes it over.
-/// Returns the response as B ends it, and the routers and engines.
+/// A background response made on A, whose key `what` (`checkpoint`,
+/// `origin`; once past its prefill) is rewritten by `tamper` after A dies,
+/// before B takes it over. Returns the response as B ends it, and the
+/// routers and engines.
 async fn taken_over_tampered(
     redis: &Redis,
+    what: &str,
     tamper: impl FnOnce(&mut Value),
 ) -> (Value, Proc, [Proc; 3]) {
     // A lease long enough to tamper before B claims.
@@ -315,9 +317,10 @@ async fn taken_over_tampered(
     )
     .await;
     a.signal("KILL");
-    let mut checkpoint: Value = serde_json::from_str(&redis.cli(&["GET", &key])).unwrap();
-    tamper(&mut checkpoint["decode"]);
-    let text = checkpoint.to_string();
+    let key = format!("connex:{{{id}}}:{what}");
+    let mut value: Value = serde_json::from_str(&redis.cli(&["GET", &key])).unwrap();
+    tamper(&mut value);
+    let text = value.to_string();
     assert_eq!(redis.cli(&["SET", &key, &text, "KEEPTTL"]), "OK");
     let done = ended(&b, &id).await;
     (done, b, engines)
@@ -327,8 +330,8 @@ async fn taken_over_tampered(
 async fn a_checkpoint_naming_another_holder_is_not_continued() {
     let redis = Redis::start();
     let foreign = "127.0.0.1:9";
-    let (done, _b, engines) = taken_over_tampered(&redis, |decode| {
-        decode["kv_transfer_params"]["remote_ctrl"] = json!(foreign);
+    let (done, _b, engines) = taken_over_tampered(&redis, "checkpoint", |checkpoint| {
+        checkpoint["decode"]["kv_transfer_params"]["remote_ctrl"] = json!(foreign);
     })
     .await;
     assert_eq!(done["status"], "failed", "{done}");
@@ -346,12 +349,31 @@ async fn a_checkpoint_naming_another_holder_is_not_continued() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_at_the_last_epoch_is_not_continued() {
     let redis = Redis::start();
-    let (done, b, _engines) = taken_over_tampered(&redis, |decode| {
-        decode["epoch"] = json!(u64::MAX);
+    let (done, b, _engines) = taken_over_tampered(&redis, "checkpoint", |checkpoint| {
+        checkpoint["decode"]["epoch"] = json!(u64::MAX);
     })
     .await;
     assert_eq!(done["status"], "failed", "{done}");
     assert_still_serves(&b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_id_read_back_is_held_to_a_clients() {
+    let redis = Redis::start();
+    let forged = "forged\r\nx-forged: 1";
+    let (done, _b, engines) = taken_over_tampered(&redis, "origin", |origin| {
+        origin["request_id"] = json!(forged);
+    })
+    .await;
+    // Taken over under an id of its own, as a client's bad id would be.
+    assert_eq!(done["status"], "incomplete", "{done}");
+    assert_eq!(done["usage"]["output_tokens"], 200, "{done}");
+    for decoder in &engines[1..] {
+        for request in engine_requests(decoder).await {
+            let id = request["request_id"].as_str().unwrap_or_default();
+            assert!(!id.contains("forged"), "{request}");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -454,4 +476,42 @@ async fn a_log_whose_numbers_do_not_move_forward_cannot_be_taken_over_forever() 
         .expect("taken() returned");
     let err = taken.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("sequence_number"), "{err}");
+
+    // A log far past what its writer may write (the bound, 1 KiB here) is
+    // not read whole into a replica's memory.
+    let small = RedisStore::new(RedisSettings {
+        url: redis.url.clone(),
+        password: None,
+        ca_file: None,
+        prefix: "big:".into(),
+        ttl: Duration::from_secs(60),
+        timeout: Duration::from_secs(2),
+        lease: Duration::from_secs(60),
+        max_bytes: 1 << 20,
+        max_response_bytes: 1024,
+        fallback_count: 16,
+    })
+    .unwrap();
+    let delta = "x".repeat(200);
+    let events: Vec<Event> = (0..2000)
+        .map(|n| Event::from_value(&json!({"type": "x", "sequence_number": n, "delta": delta})))
+        .collect();
+    small
+        .append(
+            "resp_big",
+            "writer",
+            &state,
+            &events,
+            Some(&json!({})),
+            Some(&json!({})),
+        )
+        .await
+        .unwrap();
+    let err = small
+        .taken("resp_big")
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("larger than"), "{err}");
 }

@@ -644,9 +644,19 @@ impl RedisStore {
         };
         let checkpoint = checkpoint.map(parse).transpose()?;
         let mut events: Vec<Event> = Vec::new();
+        // What its writer may have written: its bound, passed by at most
+        // what one checkpoint adds and the events that fail it.
+        let most = self.settings.max_response_bytes.saturating_mul(2);
+        let mut bytes = 0usize;
         loop {
+            if bytes > most {
+                return Err(StoreError::Malformed(format!(
+                    "the event log of {id} is larger than --response-store-max-response-bytes allows"
+                )));
+            }
             let after = events.last().and_then(Event::sequence);
             let more = self.read_events(id, after).await?;
+            bytes += more.iter().map(|e| e.json().len()).sum::<usize>();
             if more.is_empty() {
                 break;
             }
