@@ -672,6 +672,19 @@ pub struct ResponsesArgs {
         default_value = "connex:"
     )]
     pub store_prefix: String,
+    /// Most bytes one response may hold in the response store: a stored
+    /// response's object and conversation, a background response's events.
+    /// A stored response over it is not stored there (logged, counted in
+    /// connex_response_store_too_large_total); a background response whose
+    /// events pass it fails (`response_too_large`) and its generation stops.
+    #[arg(
+        long = "response-store-max-response-bytes",
+        id = "response_store_max_response_bytes",
+        value_name = "BYTES",
+        env = "CONNEX_RESPONSE_STORE_MAX_RESPONSE_BYTES",
+        default_value_t = 16 * 1024 * 1024
+    )]
+    pub store_max_response_bytes: usize,
     /// Seconds a response lives in the response store (its keys expire then).
     #[arg(long = "response-store-ttl", id = "response_store_ttl", value_name = "DURATION", alias = "response-store-ttl-s", env = "CONNEX_RESPONSE_STORE_TTL_S", default_value = "168h", value_parser = secs)]
     pub store_ttl: Duration,

@@ -57,7 +57,7 @@ pub use edge::server::terminate_signal;
 pub use observe::logs;
 pub use protocols::event::Event;
 pub use protocols::responses::redis_store::{
-    AppendError, CheckpointWrite, LogState, RedisSettings, RedisStore,
+    checkpoint_of, AppendError, CheckpointWrite, LogState, RedisSettings, RedisStore,
 };
 pub use protocols::responses::store::Stored;
 pub use protocols::sse::SseParser;
@@ -149,6 +149,7 @@ fn response_store(
         timeout: args.store_timeout.max(Duration::from_millis(1)),
         lease: args.lease.max(Duration::from_millis(100)),
         max_bytes: args.max_stored_bytes,
+        max_response_bytes: args.store_max_response_bytes.max(1),
         fallback_count: args.max_stored,
     })?;
     tracing::info!(prefix = %args.store_prefix, "responses stored in the shared response store");
@@ -294,6 +295,9 @@ impl Router {
             .spawn_keeper(releases, &mut tasks, background.clone());
         tenants::spawn_reloader(&tenants, &mut tasks, background.clone());
         edge::routes::takeover::spawn(&state, &mut tasks, background.clone());
+        if let Some(store) = state.responses.shared.clone() {
+            protocols::responses::renewal::spawn(store, &mut tasks, background.clone());
+        }
         for instance in unnamed {
             let (state, stop) = (state.clone(), background.clone());
             tasks.spawn(async move {

@@ -24,4 +24,5 @@ mod routing;
 mod security;
 mod shared_responses;
 mod soak;
+mod store_hygiene;
 mod tenants;

@@ -322,6 +322,7 @@ async fn a_writer_past_its_lease_never_overwrites_the_end_another_wrote() {
             timeout: Duration::from_secs(2),
             lease: Duration::from_millis(lease_ms),
             max_bytes: 1 << 20,
+            max_response_bytes: 1 << 20,
             fallback_count: 16,
         })
         .unwrap()

@@ -17,7 +17,7 @@ async fn two_replicas(redis: &Redis, d0_flags: &[&str]) -> (Proc, Proc, [Proc; 3
 }
 
 /// [`two_replicas`], both routers with `router_flags` too.
-async fn replicas_with(
+pub(super) async fn replicas_with(
     redis: &Redis,
     router_flags: &[&str],
     d0_flags: &[&str],
@@ -47,7 +47,7 @@ async fn replicas_with(
     (a, b, engines)
 }
 
-fn id_of(text: &str) -> String {
+pub(super) fn id_of(text: &str) -> String {
     serde_json::from_str::<Value>(text).unwrap()["id"]
         .as_str()
         .unwrap()
@@ -173,7 +173,7 @@ async fn with_redis_down_each_replica_serves_from_its_own_memory() {
 }
 
 /// The output text of a response.
-fn output_text(response: &Value) -> String {
+pub(super) fn output_text(response: &Value) -> String {
     response["output"]
         .as_array()
         .unwrap()
@@ -295,6 +295,7 @@ async fn one_replica_wins_an_expired_lease() {
             timeout: Duration::from_secs(2),
             lease: Duration::from_millis(lease_ms),
             max_bytes: 1 << 20,
+            max_response_bytes: 1 << 20,
             fallback_count: 16,
         })
         .unwrap()

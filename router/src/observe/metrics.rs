@@ -44,6 +44,8 @@ pub const TENANT_QUEUE_TIME: &str = "connex_tenant_queue_seconds";
 /// The shared response store (`--response-store`).
 pub const RESPONSE_STORE_UP: &str = "connex_response_store_up";
 pub const RESPONSE_STORE_ERRORS: &str = "connex_response_store_errors_total";
+pub const RESPONSE_STORE_FULL: &str = "connex_response_store_full_total";
+pub const RESPONSE_STORE_TOO_LARGE: &str = "connex_response_store_too_large_total";
 
 /// The kind of a metric family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,6 +196,16 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         RESPONSE_STORE_ERRORS,
         Kind::Counter,
         "Response store calls that failed or timed out, by op (connect, put, get, delete, append, state, read, cancel).",
+    ),
+    (
+        RESPONSE_STORE_FULL,
+        Kind::Counter,
+        "Response store writes refused for want of memory (Redis maxmemory reached, OOM), by op; each is also in connex_response_store_errors_total.",
+    ),
+    (
+        RESPONSE_STORE_TOO_LARGE,
+        Kind::Counter,
+        "Responses refused by the response store for passing --response-store-max-response-bytes, by kind (stored: not stored; background: failed, its generation stopped).",
     ),
 ];
 

@@ -76,21 +76,90 @@ pub async fn continue_from(
     mut record: RequestRecord,
     translator: Option<Box<dyn Translator>>,
 ) -> Result<(Response, EntryReader), ApiError> {
-    let journal = open_journal(&state, &info, &mut record);
-    journal.update(|e| e.choices = vec![checkpoint.choice.into()]);
-    // A new epoch: the hold is this replica's now (the dead one's decoder
-    // can no longer pull or release it).
-    let prefilled = prefill::Prefilled {
-        instance: checkpoint.prefill,
-        kv_transfer_params: resume::with_epoch(
-            &checkpoint.kv_transfer_params,
-            checkpoint.epoch + 1,
-        ),
-        prompt_token_ids: checkpoint.prompt_token_ids,
-        prompt_logprobs: None,
+    let checkpoint::DecodeCheckpoint {
+        prefill,
+        kv_transfer_params,
+        prompt_token_ids,
+        epoch,
+        choice,
+    } = checkpoint;
+    let hold = Hold {
+        prefill,
+        kv_transfer_params,
+        prompt_token_ids,
+        epoch,
     };
+    let prefilled = match checked_hold(&state, hold) {
+        Ok(prefilled) => prefilled,
+        Err(error) => {
+            record.finish(error.status().as_u16());
+            return Err(error);
+        }
+    };
+    let journal = open_journal(&state, &info, &mut record);
+    journal.update(|e| e.choices = vec![choice.into()]);
     let started = Session::start(state, info, body, prefilled, journal, translator).await;
     respond(started, record).await
+}
+
+/// The hold part of a checkpoint (its choice goes to the journal).
+struct Hold {
+    prefill: String,
+    kv_transfer_params: serde_json::Value,
+    prompt_token_ids: Vec<u32>,
+    epoch: u64,
+}
+
+/// The hold a `checkpoint` read from the shared response store names, checked
+/// as a prefill's own answer is (`prefill::check_params`): the store is
+/// input, and the decoder pulls from whatever `remote_ctrl` these params
+/// name, so they must be those of a prefill this router knows, naming its
+/// registered control address. The prefill is the one of the checkpoint's
+/// id, or (replicas that name their instances apart, static ones without a
+/// shared registry) the one whose registered control address the params
+/// name. The attempt goes on in a new epoch (the hold
+/// is this replica's now: the dead one's decoder can no longer pull or
+/// release it), within the epochs a prefill's answer may carry.
+fn checked_hold(state: &Flow, checkpoint: Hold) -> Result<prefill::Prefilled, ApiError> {
+    let refused = |why: String| {
+        tracing::warn!(prefill = %checkpoint.prefill, %why, "a checkpoint from the response store refused");
+        ApiError::Unavailable(format!("the stored checkpoint cannot be continued: {why}"))
+    };
+    let is_prefill =
+        |i: &Arc<crate::membership::Instance>| i.role.serves(crate::membership::Pick::Prefill);
+    let ctrl = checkpoint.kv_transfer_params["remote_ctrl"].as_str();
+    let instance = state
+        .registry
+        .get(&checkpoint.prefill)
+        .filter(is_prefill)
+        .or_else(|| {
+            let ctrl = ctrl?;
+            state
+                .registry
+                .list()
+                .into_iter()
+                .find(|i| is_prefill(i) && i.ctrl.as_deref() == Some(ctrl))
+        })
+        .ok_or_else(|| refused(format!("unknown prefill `{}`", checkpoint.prefill)))?;
+    if !checkpoint.kv_transfer_params.is_object() {
+        return Err(refused("kv_transfer_params is not an object".into()));
+    }
+    prefill::check_params(&checkpoint.kv_transfer_params, &instance)
+        .map_err(|err| refused(err.to_string()))?;
+    if checkpoint.prompt_token_ids.is_empty() {
+        return Err(refused("no prompt_token_ids".into()));
+    }
+    let epoch = checkpoint
+        .epoch
+        .checked_add(1)
+        .filter(|e| *e <= prefill::MAX_RESUME_EPOCH)
+        .ok_or_else(|| refused(format!("epoch {} is out of range", checkpoint.epoch)))?;
+    Ok(prefill::Prefilled {
+        instance: instance.id.clone(),
+        kv_transfer_params: resume::with_epoch(&checkpoint.kv_transfer_params, epoch),
+        prompt_token_ids: checkpoint.prompt_token_ids,
+        prompt_logprobs: None,
+    })
 }
 
 /// The request's journal entry, given to its record.

@@ -363,7 +363,13 @@ pub fn parse_answer(
 /// Longest `transfer_id` accepted.
 const MAX_TRANSFER_ID: usize = 256;
 
-fn check_params(kv: &Value, instance: &Instance) -> Result<(), InvalidAnswer> {
+/// Highest `resume_epoch` a hold's params may carry.
+pub const MAX_RESUME_EPOCH: u64 = u32::MAX as u64;
+
+/// Checks a hold's params (a prefill's answer, or a checkpoint read back
+/// from the shared response store) against the prefill `instance` that
+/// holds it.
+pub fn check_params(kv: &Value, instance: &Instance) -> Result<(), InvalidAnswer> {
     let text = |key: &'static str| match kv.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.as_str())),
@@ -380,7 +386,7 @@ fn check_params(kv: &Value, instance: &Instance) -> Result<(), InvalidAnswer> {
         }
     }
     if let Some(epoch) = kv.get("resume_epoch") {
-        if epoch.as_u64().is_none_or(|e| e > u64::from(u32::MAX)) {
+        if epoch.as_u64().is_none_or(|e| e > MAX_RESUME_EPOCH) {
             return Err(InvalidAnswer::BadParams("resume_epoch"));
         }
     }

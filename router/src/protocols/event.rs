@@ -62,9 +62,18 @@ impl Event {
         event
     }
 
-    /// An event from its JSON (as the shared store keeps it).
-    pub fn parse(json: &[u8]) -> Result<Self, serde_json::Error> {
+    /// An event from its JSON (as the shared store keeps it). The store is
+    /// input: its bytes go into a client's SSE stream as they are, so its
+    /// `type` must be a name (no line break or anything else that would end
+    /// the `event:` line) and the JSON one line (its own `data:` line).
+    pub fn parse(json: &[u8]) -> Result<Self, ParseError> {
+        if json.iter().any(|b| matches!(b, b'\n' | b'\r')) {
+            return Err(ParseError::LineBreak);
+        }
         let head: Head<'_> = serde_json::from_slice(json)?;
+        if !valid_kind(&head.kind) {
+            return Err(ParseError::Kind(head.kind.len()));
+        }
         let mut frame = Vec::new();
         let data = write_frame(&mut frame, &head.kind, |out| out.extend_from_slice(json));
         Ok(Self {
@@ -109,6 +118,31 @@ impl Event {
             _ => None,
         }
     }
+}
+
+/// Why bytes read back are not an event.
+#[derive(Debug, thiserror::Error)]
+pub enum ParseError {
+    #[error("an event is not JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("an event's JSON spans lines")]
+    LineBreak,
+    /// (Its length: the type itself is not repeated to anyone.)
+    #[error("an event's type ({0} bytes) is not an event name")]
+    Kind(usize),
+}
+
+/// Longest event type accepted back (the longest Responses one is 40).
+const MAX_KIND_LEN: usize = 64;
+
+/// Whether `kind` is an event name as the protocols write them (letters,
+/// digits, `.`, `_`, `-`): safe on an SSE `event:` line.
+fn valid_kind(kind: &str) -> bool {
+    !kind.is_empty()
+        && kind.len() <= MAX_KIND_LEN
+        && kind
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 /// Appends `event: KIND\ndata: JSON\n\n` to `frame` (`write_json` writes
@@ -269,6 +303,33 @@ mod tests {
         let plain = Event::from_value(&json!({"type": "message_stop"}));
         assert_eq!((plain.sequence(), plain.response()), (None, None));
         assert!(Event::parse(b"{\"no type\": 1}").is_err());
+    }
+
+    /// What the shared store hands back is input: a `type` that would end
+    /// the `event:` line (and forge events of its own in a reader's stream)
+    /// and JSON over several lines are refused, not framed.
+    #[test]
+    fn an_event_read_back_with_a_forged_type_or_lines_is_refused() {
+        let forged = json!({"type": "x\ndata: {\"forged\": true}\n\nevent: response.completed",
+                            "sequence_number": 1});
+        let bytes = serde_json::to_vec(&forged).unwrap_or_default();
+        assert!(matches!(Event::parse(&bytes), Err(ParseError::Kind(_))));
+        for kind in ["", "a b", "a:b", &"a".repeat(65)] {
+            let bytes = serde_json::to_vec(&json!({"type": kind})).unwrap_or_default();
+            assert!(Event::parse(&bytes).is_err(), "{kind:?}");
+        }
+        let split = b"{\"type\": \"x\",\n\n\"sequence_number\": 1}";
+        assert!(matches!(Event::parse(split), Err(ParseError::LineBreak)));
+        // Every type the protocols write is a name.
+        for kind in [
+            "response.output_text.delta",
+            "message_stop",
+            "error",
+            "response.mcp_call.in-progress",
+        ] {
+            let bytes = serde_json::to_vec(&json!({"type": kind})).unwrap_or_default();
+            assert!(Event::parse(&bytes).is_ok(), "{kind}");
+        }
     }
 
     #[test]

@@ -65,9 +65,15 @@ pub(crate) fn request_id(headers: &HeaderMap) -> String {
     headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
-        .filter(|id| !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic()))
+        .filter(|id| valid_request_id(id))
         .map(str::to_string)
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
+/// Whether `id` may be a request id (it goes into logs and engines'
+/// `X-Request-Id`): a client's, or one read back from the shared store.
+pub(crate) fn valid_request_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic())
 }
 
 /// The id the engines see for a request whose client-facing id is

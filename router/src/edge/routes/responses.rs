@@ -8,7 +8,7 @@ use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::protocols::event::Out;
 use crate::protocols::openai::chunk::Chunk;
-use crate::protocols::responses::live::{LiveQuota, LiveRefusal};
+use crate::protocols::responses::live::{Live, LiveQuota, LiveRefusal};
 use crate::protocols::responses::mirror::CANCEL_POLL;
 use crate::protocols::responses::output::as_input;
 use crate::protocols::responses::redis_store::{LogState, RedisStore};
@@ -258,6 +258,23 @@ async fn shared_log(
         .map(|log| (shared.clone(), log))
 }
 
+/// Background response `id` of `tenant` in this replica's memory, unless it
+/// goes on elsewhere (taken over, or handed over: the shared store has it).
+/// With a shared store, a finished one whose keys are gone from it was
+/// deleted (through another replica) or expired: forgotten here too, so that
+/// no replica replays it.
+async fn live_log(stores: &ResponseStores, id: &str, tenant: &str) -> Option<Arc<Live>> {
+    let live = stores.live.get(id, tenant).filter(|live| !live.fenced())?;
+    if let (true, Some(shared)) = (live.done(), &stores.shared) {
+        // The store unreachable: this replica's word stands meanwhile.
+        if let Ok(None) = shared.log_done(id).await {
+            stores.live.forget(id);
+            return None;
+        }
+    }
+    Some(live)
+}
+
 /// The tenant a caller is ("" without the gate's caller).
 fn tenant_of(caller: Option<Extension<Caller>>) -> String {
     caller.map(|c| c.0.tenant.to_string()).unwrap_or_default()
@@ -280,7 +297,7 @@ pub async fn retrieve(
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text(), None))?;
     let tenant = tenant_of(caller);
-    let live = stores.live.get(&id, &tenant);
+    let live = live_log(&stores, &id, &tenant).await;
     let shared = match live {
         Some(_) => None,
         None => shared_log(&stores, &id, &tenant).await,
@@ -299,12 +316,19 @@ pub async fn retrieve(
             Some("stream"),
         ));
     }
-    match (live, shared) {
-        (Some(live), _) if !live.done() => Ok(Json(live.response()).into_response()),
-        (None, Some((_, log))) if !log.done => Ok(Json(log.response).into_response()),
-        _ => Ok(json_bytes(
-            stored(&stores, &id, &tenant).await?.response_bytes(),
-        )),
+    // A background response as it stands; once done, as stored, or (not
+    // stored: failed, or too large for the store) as its log ended it.
+    let ended = match (live, shared) {
+        (Some(live), _) if !live.done() => return Ok(Json(live.response()).into_response()),
+        (None, Some((_, log))) if !log.done => return Ok(Json(log.response).into_response()),
+        (Some(live), _) => Some(live.response()),
+        (None, Some((_, log))) => Some(log.response),
+        (None, None) => None,
+    };
+    match (stored(&stores, &id, &tenant).await, ended) {
+        (Ok(stored), _) => Ok(json_bytes(stored.response_bytes())),
+        (Err(ApiError::NotFound(_)), Some(ended)) => Ok(Json(ended).into_response()),
+        (Err(err), _) => Err(err),
     }
 }
 
@@ -327,9 +351,11 @@ pub async fn cancel(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let tenant = tenant_of(caller);
-    let Some(live) = stores.live.get(&id, &tenant) else {
+    let Some(live) = live_log(&stores, &id, &tenant).await else {
         if let Some((store, log)) = shared_log(&stores, &id, &tenant).await {
-            return cancel_elsewhere(&store, &id, log).await.map(Json);
+            return cancel_elsewhere(&store, &id, log)
+                .await
+                .map(|(response, _)| Json(response));
         }
         stored(&stores, &id, &tenant).await?;
         return Err(ApiError::bad_request(
@@ -337,35 +363,70 @@ pub async fn cancel(
             None,
         ));
     };
-    if !live.done() {
-        live.cancel.cancel();
-        let mut changes = live.follow();
-        let waited = tokio::time::timeout(CANCEL_WAIT, async {
-            while !live.done() {
-                if changes.changed().await.is_err() {
-                    break;
-                }
-            }
-        })
-        .await;
-        if waited.is_err() {
-            tracing::warn!(
-                id,
-                "a cancelled background response did not stop within 5 s"
-            );
-        }
-    }
+    stop_here(&live, &id).await;
     Ok(Json(live.response()))
+}
+
+/// Cancels background response `live` (this replica's) and waits (bounded)
+/// for its generation to stop; whether it stopped.
+async fn stop_here(live: &Live, id: &str) -> bool {
+    if live.done() {
+        return true;
+    }
+    live.cancel.cancel();
+    let mut changes = live.follow();
+    let waited = tokio::time::timeout(CANCEL_WAIT, async {
+        while !live.done() {
+            if changes.changed().await.is_err() {
+                break;
+            }
+        }
+    })
+    .await;
+    if waited.is_err() {
+        tracing::warn!(
+            id,
+            "a cancelled background response did not stop within 5 s"
+        );
+    }
+    live.done()
 }
 
 /// How long a cancel waits for the generation to stop.
 const CANCEL_WAIT: Duration = Duration::from_secs(5);
 
+/// Whether the shared store has the end of `live` (this replica's, done),
+/// waiting for it (bounded): its mirror writes the end after the generation
+/// stops, and a delete before that write would be undone by it. Without a
+/// shared store, or with it unreachable, there is nothing to wait for.
+async fn mirrored_to_end(stores: &ResponseStores, id: &str, live: &Live) -> bool {
+    let Some(shared) = &stores.shared else {
+        return true;
+    };
+    if live.fenced() {
+        // Another replica generates it: its end is that one's.
+        return true;
+    }
+    let deadline = tokio::time::Instant::now() + CANCEL_WAIT;
+    loop {
+        match shared.log_done(id).await {
+            Ok(Some(true)) | Err(_) => return true,
+            Ok(_) if tokio::time::Instant::now() >= deadline => return false,
+            Ok(_) => tokio::time::sleep(CANCEL_POLL / 2).await,
+        }
+    }
+}
+
 /// Cancels a background response that another replica generates: asks it
-/// through the store, and waits (bounded) for the store to say it is done.
-async fn cancel_elsewhere(store: &RedisStore, id: &str, log: LogState) -> Result<Value, ApiError> {
+/// through the store, and waits (bounded) for the store to say it is done;
+/// the response as it stands, and whether it is done.
+async fn cancel_elsewhere(
+    store: &RedisStore,
+    id: &str,
+    log: LogState,
+) -> Result<(Value, bool), ApiError> {
     if log.done {
-        return Ok(log.response);
+        return Ok((log.response, true));
     }
     store.request_cancel(id).await.map_err(store_unavailable)?;
     let deadline = tokio::time::Instant::now() + CANCEL_WAIT + 2 * CANCEL_POLL;
@@ -373,7 +434,7 @@ async fn cancel_elsewhere(store: &RedisStore, id: &str, log: LogState) -> Result
     while tokio::time::Instant::now() < deadline {
         tokio::time::sleep(CANCEL_POLL / 2).await;
         match store.log_state(id).await.map_err(store_unavailable)? {
-            Some(log) if log.done => return Ok(log.response),
+            Some(log) if log.done => return Ok((log.response, true)),
             Some(log) => last = log.response,
             None => break,
         }
@@ -382,15 +443,41 @@ async fn cancel_elsewhere(store: &RedisStore, id: &str, log: LogState) -> Result
         id,
         "a background response cancelled through the store did not stop in time"
     );
-    Ok(last)
+    Ok((last, false))
 }
 
+/// `DELETE /v1/responses/{id}`: the response and everything kept of it go
+/// (its stored object and conversation; a background one's event log, here
+/// and in the shared store, with its state, checkpoint and origin), so that
+/// no replica reads or replays it again. A background response still
+/// generating is cancelled first (its readers get its end); one that does
+/// not stop in time is left whole (409: delete it again).
 pub async fn delete(
     State(stores): State<Arc<ResponseStores>>,
     caller: Option<Extension<Caller>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    stored(&stores, &id, &tenant_of(caller)).await?;
+    let tenant = tenant_of(caller);
+    // One taken over by another replica is stopped through the store.
+    let live = live_log(&stores, &id, &tenant).await;
+    let shared = match &live {
+        Some(_) => None,
+        None => shared_log(&stores, &id, &tenant).await,
+    };
+    let stopped = match (&live, shared) {
+        (Some(live), _) => stop_here(live, &id).await && mirrored_to_end(&stores, &id, live).await,
+        (None, Some((store, log))) => cancel_elsewhere(&store, &id, log).await?.1,
+        (None, None) => {
+            stored(&stores, &id, &tenant).await?;
+            true
+        }
+    };
+    if !stopped {
+        return Err(ApiError::Conflict(format!(
+            "response `{id}` is still stopping; delete it again"
+        )));
+    }
+    stores.live.forget(&id);
     stores.stored.delete(&id).await.map_err(store_unavailable)?;
     Ok(Json(
         json!({"id": id, "object": "response.deleted", "deleted": true}),

@@ -11,7 +11,7 @@
 //! number. Events the dead replica made after its last write are made again
 //! (they were never in the store, so no reader has them twice).
 
-use super::openai::engine_request_id;
+use super::openai::{engine_request_id, valid_request_id};
 use super::responses::ResponseTranslation;
 use super::translated::{run_apart, Apart, Shared, Sink};
 use crate::error::ApiError;
@@ -144,7 +144,12 @@ async fn continue_taken(
     )
     .map_err(|err| TakeoverError::Checkpoint(err.to_string()))?;
     let chat = ClientBody::of(origin["chat"].clone());
-    let request_id = origin["request_id"].as_str().unwrap_or(id).to_string();
+    // Read back from the store: held to what a client's id is held to.
+    let request_id = origin["request_id"]
+        .as_str()
+        .filter(|r| valid_request_id(r))
+        .unwrap_or(id)
+        .to_string();
     let info = validate(
         Route::Chat,
         &chat,

@@ -151,6 +151,11 @@ impl Live {
         events + json_len(&state.response)
     }
 
+    /// Bytes of its events' JSON (what the shared store keeps of them).
+    pub fn event_bytes(&self) -> usize {
+        self.lock().events.iter().map(|e| e.json().len()).sum()
+    }
+
     /// Whether events came since the last checkpoint.
     pub fn unchecked(&self) -> bool {
         let state = self.lock();
@@ -764,7 +769,6 @@ mod tests {
         let huge = open(&lives, "b1", "b").unwrap_or_else(|_| unreachable!());
         huge.push(vec![], Some(json!({"text": "x".repeat(5000)})));
         assert!(lives.get("b1", "b").is_none() && lives.get("b0", "b").is_some());
-
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod mirror;
 pub mod output;
 pub mod patch;
 pub mod redis_store;
+pub mod renewal;
 pub mod request;
 pub mod store;
 pub mod stream;

@@ -4,7 +4,9 @@
 //! `?stream=true&starting_after=N`), `previous_response_id`, `DELETE` and
 //! `cancel`, whichever replica made the response.
 //!
-//! Keys (each with the store's TTL, so that nothing outlives it; one Redis
+//! Keys (each with the store's TTL, so that nothing outlives it, renewed for
+//! every key of a running response, `renewal.rs`; a delete removes them all,
+//! `RESPONSE_KEYS`; one Redis
 //! or a Sentinel-managed primary: the scripts touch a response's keys and the
 //! set of running ones together, which Redis Cluster does not allow):
 //! - `PREFIX{ID}:stored`: the stored response and its conversation (JSON).
@@ -26,14 +28,18 @@
 //!   the ids of running responses by lease expiry. A replica whose lease was
 //!   taken can no longer write (its appends are fenced by the token).
 //!
-//! Redis down: what a replica stores goes to its own memory (found again by
+//! What is read back is input: events are checked (`stored_event`), and
+//! a checkpoint's hold is checked before a takeover uses it
+//! (`pd::checked_hold`).
+//!
+//! Redis down (or full: writes refused, counted apart): what a replica stores goes to its own memory (found again by
 //! it alone, never by another), every call is bounded by the store's timeout,
 //! and `/ready` says `response_store: unavailable`; serving goes on.
 
 use super::store::{MemoryStore, ResponseStore, StoreError, StoreResult, Stored};
 use crate::protocols::event::Event;
 use futures_util::future::BoxFuture;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::streams::StreamReadReply;
 use redis::AsyncCommands;
 use serde_json::Value;
@@ -59,8 +65,12 @@ pub struct RedisSettings {
     /// How long a replica's claim on a background response it generates
     /// lasts unrenewed: past it, another replica takes the generation over.
     pub lease: Duration,
-    /// Most bytes of one stored response (larger ones are not stored).
+    /// Most bytes of what this replica stores in its own memory while Redis
+    /// is down.
     pub max_bytes: usize,
+    /// Most bytes one response may hold in Redis (a stored response's object
+    /// and conversation; a background response's events).
+    pub max_response_bytes: usize,
     /// Bounds of the memory that holds what is stored while Redis is down.
     pub fallback_count: usize,
 }
@@ -214,6 +224,24 @@ if kind == 'string' then return {redis.call('GET', KEYS[1])} end
 return {}
 ";
 
+/// Renews the TTL of every key of running responses (`from`..`to` by rank
+/// in the running set): a response lives as long as it runs, whatever its
+/// keys' last write (`:origin` is written once, at the start).
+/// KEYS: running set. ARGV: key prefix, ttl seconds, from, to (ranks).
+/// Returns how many responses were renewed.
+const RENEW: &str = r"
+local ids = redis.call('ZRANGE', KEYS[1], ARGV[3], ARGV[4])
+for _, id in ipairs(ids) do
+  for _, what in ipairs({'bg', 'events', 'checkpoint', 'origin', 'cancel'}) do
+    redis.call('EXPIRE', ARGV[1] .. '{' .. id .. '}:' .. what, ARGV[2])
+  end
+end
+return #ids
+";
+
+/// Running responses one renewal call covers.
+const RENEW_BATCH: usize = 256;
+
 /// Why an append wrote nothing.
 #[derive(Debug, thiserror::Error)]
 pub enum AppendError {
@@ -248,6 +276,17 @@ pub struct Taken {
     pub events: Vec<Event>,
 }
 
+/// Every key a response has (`PREFIX{ID}:WHAT`): what a delete removes.
+const RESPONSE_KEYS: [&str; 7] = [
+    "stored",
+    "bg",
+    "events",
+    "checkpoint",
+    "origin",
+    "cancel",
+    "lease",
+];
+
 /// Most events one read returns.
 const READ_COUNT: usize = 512;
 
@@ -257,20 +296,34 @@ pub struct RedisStore {
     release: redis::Script,
     put_final: redis::Script,
     read_checkpoint: redis::Script,
+    renew: redis::Script,
     /// Connected on first use (a router starts while Redis is down) and
-    /// reconnecting by itself after.
+    /// reconnecting by itself after: appends, leases, claims and cancels
+    /// (small calls that fence the generation, which a large read must not
+    /// hold up past the store's timeout).
     manager: tokio::sync::Mutex<Option<ConnectionManager>>,
+    /// The same, for what reads and removes whole responses: stored
+    /// responses, states, event logs (every cross-replica reader of this
+    /// replica polls on it: their connections are this one, not one each),
+    /// deletes.
+    bulk: tokio::sync::Mutex<Option<ConnectionManager>>,
     settings: RedisSettings,
     append: redis::Script,
     /// What was stored while Redis could not be reached.
     fallback: MemoryStore,
     /// Whether the last call reached Redis.
     up: AtomicBool,
+    /// Whether Redis refused the last write for want of memory (logged once
+    /// per time it fills).
+    full: AtomicBool,
     /// When connecting last failed: calls fail at once for a while after
     /// (each would otherwise wait its timeout, one after the other, on the
     /// connection lock).
     connect_failed: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
+
+/// The calls that write (and so fail in a full store).
+const WRITES: [&str; 3] = ["put", "append", "cancel"];
 
 /// How long after a failed connect calls fail without trying again.
 const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
@@ -323,14 +376,17 @@ impl RedisStore {
         Ok(Self {
             client,
             manager: tokio::sync::Mutex::new(None),
+            bulk: tokio::sync::Mutex::new(None),
             fallback: MemoryStore::new(settings.fallback_count, settings.max_bytes),
             append: redis::Script::new(APPEND),
             claim: redis::Script::new(CLAIM),
             release: redis::Script::new(RELEASE),
             put_final: redis::Script::new(PUT_FINAL),
             read_checkpoint: redis::Script::new(READ_CHECKPOINT),
+            renew: redis::Script::new(RENEW),
             settings,
             up: AtomicBool::new(true),
+            full: AtomicBool::new(false),
             connect_failed: std::sync::Mutex::new(None),
         })
     }
@@ -365,6 +421,14 @@ impl RedisStore {
 
     /// The shared connection, connecting it first if need be.
     async fn conn(&self) -> StoreResult<ConnectionManager> {
+        self.conn_on(&self.manager).await
+    }
+
+    /// The connection in `slot`, connecting it first if need be.
+    async fn conn_on(
+        &self,
+        slot: &tokio::sync::Mutex<Option<ConnectionManager>>,
+    ) -> StoreResult<ConnectionManager> {
         let failed_lately = || {
             self.connect_failed
                 .lock()
@@ -375,7 +439,7 @@ impl RedisStore {
         if failed_lately() {
             return Err(backing_off());
         }
-        let mut manager = self.manager.lock().await;
+        let mut manager = slot.lock().await;
         if let Some(manager) = manager.as_ref() {
             return Ok(manager.clone());
         }
@@ -398,26 +462,22 @@ impl RedisStore {
         Ok(made)
     }
 
-    /// A connection of its own, for blocking reads (one blocked on a shared
-    /// connection would hold up every call behind it).
-    pub async fn reader(&self) -> StoreResult<MultiplexedConnection> {
-        // Each read bounds itself (the store's timeout plus its block).
-        let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.settings.timeout))
-            .set_response_timeout(None);
-        let connecting = self
-            .client
-            .get_multiplexed_async_connection_with_config(&config);
-        self.bounded("connect", self.settings.timeout, connecting)
-            .await
-    }
-
     /// Runs `call` on the shared connection within the store's timeout.
     async fn call<T, F>(&self, op: &'static str, call: F) -> StoreResult<T>
     where
         F: AsyncFnOnce(&mut ConnectionManager) -> redis::RedisResult<T>,
     {
         let mut conn = self.conn().await?;
+        self.bounded(op, self.settings.timeout, call(&mut conn))
+            .await
+    }
+
+    /// Runs `call` on the bulk connection within the store's timeout.
+    async fn call_bulk<T, F>(&self, op: &'static str, call: F) -> StoreResult<T>
+    where
+        F: AsyncFnOnce(&mut ConnectionManager) -> redis::RedisResult<T>,
+    {
+        let mut conn = self.conn_on(&self.bulk).await?;
         self.bounded(op, self.settings.timeout, call(&mut conn))
             .await
     }
@@ -433,13 +493,33 @@ impl RedisStore {
         let result = tokio::time::timeout(bound, work)
             .await
             .map_err(|_| StoreError::Unavailable(format!("{op} timed out")))
-            .and_then(|r| r.map_err(|err| StoreError::Unavailable(err.to_string())));
+            .and_then(|r| r.map_err(|err| self.refused(op, &err)));
         self.observe(op, result)
+    }
+
+    /// A call Redis answered with an error. Out of memory (`maxmemory` under
+    /// `noeviction`: every write is refused until keys expire or are
+    /// deleted) is counted and said apart: what is written meanwhile stays
+    /// in this replica's memory, seen by no other.
+    fn refused(&self, op: &'static str, err: &redis::RedisError) -> StoreError {
+        let full = err.code() == Some("OOM") || err.to_string().contains("OOM command not allowed");
+        if !full {
+            return StoreError::Unavailable(err.to_string());
+        }
+        metrics::counter!(crate::observe::metrics::RESPONSE_STORE_FULL, "op" => op).increment(1);
+        if !self.full.swap(true, Ordering::Relaxed) {
+            tracing::error!(op, %err, "the response store is full (maxmemory): its writes are refused; responses stay in this replica's memory until it has room");
+        }
+        StoreError::Unavailable(format!("the response store is full: {err}"))
     }
 
     /// Notes whether Redis answered, and counts the failures.
     fn observe<T>(&self, op: &'static str, result: StoreResult<T>) -> StoreResult<T> {
         let up = result.is_ok();
+        // Reads go on in a full store: only a write says it has room again.
+        if up && WRITES.contains(&op) && self.full.swap(false, Ordering::Relaxed) {
+            tracing::info!(op, "the response store takes writes again");
+        }
         if self.up.swap(up, Ordering::Relaxed) != up {
             if up {
                 tracing::info!("the response store is reachable again");
@@ -470,11 +550,18 @@ impl RedisStore {
 
     async fn get_shared(&self, id: &str) -> StoreResult<Option<Stored>> {
         let key = self.key(id, "stored");
-        let text: Option<Vec<u8>> = self.call("get", async |conn| conn.get(key).await).await?;
+        let text: Option<Vec<u8>> = self
+            .call_bulk("get", async |conn| conn.get(key).await)
+            .await?;
         text.map(|text| {
             serde_json::from_slice(&text).map_err(|err| StoreError::Malformed(err.to_string()))
         })
         .transpose()
+    }
+
+    /// Most bytes one response may hold in the store.
+    pub fn max_response_bytes(&self) -> usize {
+        self.settings.max_response_bytes
     }
 
     pub fn lease(&self) -> Duration {
@@ -615,6 +702,34 @@ impl RedisStore {
         .await
     }
 
+    /// Renews the TTL of every key of every running response (those any
+    /// replica generates), in batches; returns how many there were.
+    pub async fn renew_running(&self) -> StoreResult<usize> {
+        let mut renewed = 0;
+        loop {
+            let mut invocation = self.renew.prepare_invoke();
+            invocation
+                .key(self.running_key())
+                .arg(&self.settings.prefix)
+                .arg(self.ttl_s())
+                .arg(renewed)
+                .arg(renewed + RENEW_BATCH - 1);
+            let batch: usize = self
+                .call_bulk("renew", async |conn| invocation.invoke_async(conn).await)
+                .await?;
+            renewed += batch;
+            if batch < RENEW_BATCH {
+                return Ok(renewed);
+            }
+        }
+    }
+
+    /// How often the running responses' TTLs are renewed: several times per
+    /// TTL, so that none lapses between renewals.
+    pub fn renew_every(&self) -> Duration {
+        (self.settings.ttl / 4).clamp(Duration::from_millis(100), Duration::from_secs(60))
+    }
+
     /// Removes `id` from the running responses (its keys are gone).
     pub async fn forget_running(&self, id: &str) -> StoreResult<()> {
         let (running, lease) = (self.running_key(), self.key(id, "lease"));
@@ -635,7 +750,7 @@ impl RedisStore {
         };
         let origin_key = self.key(id, "origin");
         let origin: Option<String> = self
-            .call("taken", async |conn| conn.get(origin_key).await)
+            .call_bulk("taken", async |conn| conn.get(origin_key).await)
             .await?;
         let checkpoint = self.read_checkpoint(id).await?;
         let parse = |text: String| {
@@ -645,13 +760,33 @@ impl RedisStore {
         let Some(origin) = origin.map(parse).transpose()? else {
             return Ok(None);
         };
-        let mut conn = self.reader().await?;
         let mut events: Vec<Event> = Vec::new();
+        // What its writer may have written: its bound, passed by at most
+        // what one checkpoint adds and the events that fail it.
+        let most = self.settings.max_response_bytes.saturating_mul(2);
+        let mut bytes = 0usize;
         loop {
+            if bytes > most {
+                return Err(StoreError::Malformed(format!(
+                    "the event log of {id} is larger than --response-store-max-response-bytes allows"
+                )));
+            }
             let after = events.last().and_then(Event::sequence);
-            let more = self.read_events(&mut conn, id, after, None).await?;
+            let more = self.read_events(id, after).await?;
+            bytes += more.iter().map(|e| e.json().len()).sum::<usize>();
             if more.is_empty() {
                 break;
+            }
+            // Each read goes on past the last (`stored_event`: numbers are
+            // places), so the log is read in at most its length of reads.
+            let forward = more
+                .first()
+                .and_then(Event::sequence)
+                .is_some_and(|first| after.is_none_or(|after| first > after));
+            if !forward {
+                return Err(StoreError::Malformed(format!(
+                    "the event log of {id} does not go forward"
+                )));
             }
             events.extend(more);
         }
@@ -669,22 +804,9 @@ impl RedisStore {
         let mut invocation = self.read_checkpoint.prepare_invoke();
         invocation.key(self.key(id, "checkpoint"));
         let parts: Vec<String> = self
-            .call("taken", async |conn| invocation.invoke_async(conn).await)
+            .call_bulk("taken", async |conn| invocation.invoke_async(conn).await)
             .await?;
-        let malformed = |err: String| StoreError::Malformed(err);
-        let mut parts = parts.iter();
-        let Some(whole) = parts.next() else {
-            return Ok(None);
-        };
-        let mut checkpoint: Value =
-            serde_json::from_str(whole).map_err(|err| malformed(err.to_string()))?;
-        for part in parts {
-            let patch: Value =
-                serde_json::from_str(part).map_err(|err| malformed(err.to_string()))?;
-            super::patch::apply(&mut checkpoint, &patch)
-                .map_err(|err| malformed(err.to_string()))?;
-        }
-        Ok(Some(checkpoint))
+        checkpoint_of(&parts)
     }
 
     /// Background response `id` as the store has it (None: no such one, or
@@ -692,7 +814,7 @@ impl RedisStore {
     pub async fn log_state(&self, id: &str) -> StoreResult<Option<LogState>> {
         let key = self.key(id, "bg");
         let fields: std::collections::HashMap<String, String> = self
-            .call("state", async |conn| conn.hgetall(key).await)
+            .call_bulk("state", async |conn| conn.hgetall(key).await)
             .await?;
         let (Some(tenant), Some(response)) = (fields.get("tenant"), fields.get("response")) else {
             return Ok(None);
@@ -706,35 +828,45 @@ impl RedisStore {
         }))
     }
 
+    /// Whether background response `id` is done (None: no such one, or its
+    /// keys expired or were deleted): one small field, for readers that poll.
+    pub async fn log_done(&self, id: &str) -> StoreResult<Option<bool>> {
+        let key = self.key(id, "bg");
+        let done: Option<String> = self
+            .call_bulk("state", async |conn| conn.hget(key, "done").await)
+            .await?;
+        Ok(done.map(|d| d == "1"))
+    }
+
     /// Events of background response `id` after sequence number `after` (all,
-    /// without one), at most READ_COUNT; waits up to `block` for one when
-    /// there are none yet (on `conn`, a connection of the caller's).
-    pub async fn read_events(
-        &self,
-        conn: &mut MultiplexedConnection,
-        id: &str,
-        after: Option<u64>,
-        block: Option<Duration>,
-    ) -> StoreResult<Vec<Event>> {
-        let from = after.map_or_else(|| "0-0".to_string(), |n| format!("0-{}", n + 1));
-        let mut options = redis::streams::StreamReadOptions::default().count(READ_COUNT);
-        if let Some(block) = block {
-            options = options.block(block.as_millis().try_into().unwrap_or(usize::MAX));
-        }
-        let bound = self.settings.timeout + block.unwrap_or_default();
+    /// without one), at most READ_COUNT, as they are now (no wait: readers
+    /// poll, all on the bulk connection).
+    pub async fn read_events(&self, id: &str, after: Option<u64>) -> StoreResult<Vec<Event>> {
+        // Event n is entry 0-(n+1); nothing can follow the last number
+        // (`starting_after=18446744073709551615`: entry 0-u64::MAX is the
+        // highest, and the read is exclusive of it).
+        let from = after.map_or_else(
+            || "0-0".to_string(),
+            |n| format!("0-{}", n.saturating_add(1)),
+        );
+        let options = redis::streams::StreamReadOptions::default().count(READ_COUNT);
         let key = self.key(id, "events");
         let (keys, ids) = ([key], [from]);
-        let reading = conn.xread_options::<_, _, Option<StreamReadReply>>(&keys, &ids, &options);
-        let reply = self.bounded("read", bound, reading).await?;
+        let reply = self
+            .call_bulk("read", async |conn| {
+                conn.xread_options::<_, _, Option<StreamReadReply>>(&keys, &ids, &options)
+                    .await
+            })
+            .await?;
         let mut events = Vec::new();
         for stream in reply.map(|r| r.keys).unwrap_or_default() {
             for entry in stream.ids {
-                let Some(redis::Value::BulkString(bytes)) = entry.map.get("e") else {
-                    continue;
-                };
-                events.push(
-                    Event::parse(bytes).map_err(|err| StoreError::Malformed(err.to_string()))?,
-                );
+                match stored_event(&entry) {
+                    Ok(event) => events.push(event),
+                    // The events before it are had; the next read fails.
+                    Err(_) if !events.is_empty() => return Ok(events),
+                    Err(err) => return Err(err),
+                }
             }
         }
         Ok(events)
@@ -756,10 +888,41 @@ impl RedisStore {
     }
 }
 
+/// The event a stream entry holds, checked as input: one event (a name for
+/// its type, one line of JSON) whose `sequence_number` is the one its entry
+/// id says (`0-(n+1)`), so that a reader that goes on after the last number
+/// it got always moves forward.
+fn stored_event(entry: &redis::streams::StreamId) -> StoreResult<Event> {
+    let malformed = |why: String| StoreError::Malformed(format!("event {}: {why}", entry.id));
+    let Some(redis::Value::BulkString(bytes)) = entry.map.get("e") else {
+        return Err(malformed("no event".into()));
+    };
+    let event = Event::parse(bytes).map_err(|err| malformed(err.to_string()))?;
+    let numbered = entry
+        .id
+        .strip_prefix("0-")
+        .and_then(|n| n.parse::<u64>().ok())
+        .and_then(|n| n.checked_sub(1));
+    match (numbered, event.sequence()) {
+        (Some(id), Some(sequence)) if id == sequence => Ok(event),
+        (_, sequence) => Err(malformed(format!(
+            "its sequence_number ({sequence:?}) is not its place in the log"
+        ))),
+    }
+}
+
 impl ResponseStore for RedisStore {
     fn put<'a>(&'a self, id: &'a str, stored: Stored) -> BoxFuture<'a, StoreResult<bool>> {
         Box::pin(async move {
-            if stored.bytes() > self.settings.max_bytes {
+            if stored.bytes() > self.settings.max_response_bytes {
+                metrics::counter!(crate::observe::metrics::RESPONSE_STORE_TOO_LARGE, "kind" => "stored")
+                    .increment(1);
+                tracing::warn!(
+                    id,
+                    bytes = stored.bytes(),
+                    limit = self.settings.max_response_bytes,
+                    "a response larger than --response-store-max-response-bytes is not stored"
+                );
                 return Ok(false);
             }
             match self.put_shared(id, &stored).await {
@@ -786,17 +949,44 @@ impl ResponseStore for RedisStore {
     fn delete<'a>(&'a self, id: &'a str) -> BoxFuture<'a, StoreResult<bool>> {
         Box::pin(async move {
             let local = self.fallback.delete_now(id);
-            let keys = [self.key(id, "stored")];
-            match self
-                .call("delete", async |conn| conn.del::<_, u64>(&keys).await)
-                .await
-            {
+            let keys = RESPONSE_KEYS.map(|what| self.key(id, what));
+            let running = self.running_key();
+            // Every key of the response, and its place among the running
+            // ones (UNLINK: a large one is freed off Redis's main thread).
+            let deleting = async |conn: &mut ConnectionManager| {
+                let (removed,): (u64,) = redis::pipe()
+                    .unlink(&keys)
+                    .zrem(running, id)
+                    .ignore()
+                    .query_async(conn)
+                    .await?;
+                Ok(removed)
+            };
+            match self.call_bulk("delete", deleting).await {
                 Ok(n) => Ok(n > 0 || local),
                 Err(_) if local => Ok(true),
                 Err(err) => Err(err),
             }
         })
     }
+}
+
+/// A checkpoint from its parts as the store keeps them (the whole one
+/// written, then every patch written since, each JSON), patches applied;
+/// None without parts.
+pub fn checkpoint_of(parts: &[String]) -> StoreResult<Option<Value>> {
+    let malformed = |err: String| StoreError::Malformed(err);
+    let mut parts = parts.iter();
+    let Some(whole) = parts.next() else {
+        return Ok(None);
+    };
+    let mut checkpoint: Value =
+        serde_json::from_str(whole).map_err(|err| malformed(err.to_string()))?;
+    for part in parts {
+        let patch: Value = serde_json::from_str(part).map_err(|err| malformed(err.to_string()))?;
+        super::patch::apply(&mut checkpoint, &patch).map_err(|err| malformed(err.to_string()))?;
+    }
+    Ok(Some(checkpoint))
 }
 
 #[cfg(test)]
@@ -813,6 +1003,7 @@ mod tests {
             timeout: Duration::from_millis(200),
             lease: Duration::from_secs(1),
             max_bytes: 1 << 20,
+            max_response_bytes: 1 << 20,
             fallback_count: 8,
         }
     }
