@@ -523,3 +523,16 @@ async fn a_decoder_flooding_text_without_tokens_is_cut_and_resumed() {
     let grown = peak_rss(&router).saturating_sub(base);
     assert!(grown < 64 << 20, "the router grew by {} MiB", grown >> 20);
 }
+
+/// A long prompt is no flood: the decoder's first chunk echoes the prompt's
+/// token ids (hundreds of KiB for tens of thousands of tokens), which the
+/// bound on bytes a token allows for. Before, a prompt past ~35k tokens on
+/// the mocks was cut as a flooding decoder and resumed, again and again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompts_echoed_ids_are_not_a_flood() {
+    let (router, _engines) = cluster(&[], &[]).await;
+    let prompt: String = (0..40_000).map(|i| format!("w{i} ")).collect();
+    assert_token_exact(&router, &prompt, 4).await;
+    let text = metrics_text(&router).await;
+    assert_eq!(resumes(&text, "protocol"), 0.0, "{text}");
+}

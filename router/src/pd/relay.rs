@@ -58,6 +58,12 @@ pub const MAX_WITHHELD: usize = 16;
 /// bounded by the tokens asked for, and so is the journal's text.
 pub const EVENT_BYTES_PER_TOKEN: usize = 16 * 1024;
 pub const FREE_TOKENS: usize = 8;
+/// Bytes a decoder may send, per choice, for each token id of its prompt:
+/// its first chunk echoes them (`prompt_token_ids`, asked for so that the
+/// journal has them), each at most ten digits and a comma. Without this a
+/// long prompt's echo alone passes the bound above (a 35k-token prompt's
+/// ids are ~200 KiB, the free tokens' allowance 128 KiB).
+pub const PROMPT_ID_BYTES: usize = 11;
 
 /// The relay of one request, across every decoder that serves it.
 /// What [`Relay::take_ready`] found.
@@ -93,6 +99,10 @@ pub struct Relay {
     /// Event bytes and tokens the current decoder sent.
     attempt_bytes: usize,
     attempt_tokens: usize,
+    /// Bytes the current decoder may send for the prompt it was given (its
+    /// echo of the prompt's token ids: the request's, and on a resume the
+    /// tokens generated before it).
+    attempt_prompt_bytes: usize,
     timing: Timing,
 }
 
@@ -131,6 +141,7 @@ impl Relay {
             max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
             attempt_bytes: 0,
             attempt_tokens: 0,
+            attempt_prompt_bytes: 0,
             timing: Timing {
                 route: info.route.path(),
                 model: info.model.clone(),
@@ -158,6 +169,12 @@ impl Relay {
         self.timing.inter_token = Some(crate::observe::metrics::inter_token(decoder));
         self.attempt_bytes = 0;
         self.attempt_tokens = 0;
+        let prompt = self.journal.read(|e| {
+            e.prompt_token_ids.len() + e.choices.iter().map(|c| c.token_ids.len()).sum::<usize>()
+        });
+        self.attempt_prompt_bytes = prompt
+            .saturating_mul(PROMPT_ID_BYTES)
+            .saturating_mul(self.choices);
         // A resumed decoder counts text offsets from the end of what the
         // client has.
         let had: Vec<usize> = self
@@ -340,7 +357,8 @@ impl Relay {
         self.attempt_bytes = self.attempt_bytes.saturating_add(data.len());
         self.attempt_tokens = self.attempt_tokens.saturating_add(tokens);
         let allowed = (self.attempt_tokens + FREE_TOKENS * self.choices)
-            .saturating_mul(EVENT_BYTES_PER_TOKEN);
+            .saturating_mul(EVENT_BYTES_PER_TOKEN)
+            .saturating_add(self.attempt_prompt_bytes);
         if self.attempt_bytes > allowed {
             return Err(protocol(format!(
                 "decoder {decoder} sent {} bytes for {} tokens (at most {} bytes a token)",
