@@ -4,14 +4,13 @@
 //! elsewhere.
 
 use super::flow::Flow;
-use super::upstream::{Call, CallError, Reply};
+use super::upstream::{Call, CallError, Payload, Reply};
 use crate::error::ApiError;
 use crate::hold_leases::Hold;
 use crate::membership::{Instance, Pick};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::patch::{Patch, Set};
 use crate::protocols::openai::request::{RequestInfo, Route};
-use bytes::Bytes;
 use serde_json::{json, Value};
 use tracing::Instrument;
 
@@ -28,7 +27,7 @@ pub struct Prefilled {
 }
 
 /// The body sent to a prefill instance.
-pub fn prefill_body(route: Route, body: &ClientBody) -> Bytes {
+pub fn prefill_body(route: Route, body: &ClientBody) -> Payload {
     let mut patch = Patch::new(
         body,
         &["stream_options", "min_tokens", "min_completion_tokens"],
@@ -45,7 +44,7 @@ pub fn prefill_body(route: Route, body: &ClientBody) -> Bytes {
             "kv_transfer_params",
             json!({"do_remote_decode": true, "do_remote_prefill": false}),
         )
-        .to_bytes()
+        .to_payload()
 }
 
 /// The prefill of a re-prefill: the client's own route and body before the
@@ -55,7 +54,7 @@ pub fn continuation_body(
     body: &ClientBody,
     prompt_token_ids: &[u32],
     generated: &[u32],
-) -> (Route, Bytes) {
+) -> (Route, Payload) {
     if generated.is_empty() {
         return (route, prefill_body(route, body));
     }
@@ -78,7 +77,7 @@ pub fn continuation_body(
             "kv_transfer_params",
             json!({"do_remote_decode": true, "do_remote_prefill": false}),
         )
-        .to_bytes();
+        .to_payload();
     (Route::Completions, payload)
 }
 
@@ -91,7 +90,7 @@ pub async fn run(
     state: &Flow,
     info: &RequestInfo,
     route: Route,
-    payload: Bytes,
+    payload: Payload,
     prompt: Option<&[u32]>,
 ) -> Result<Prefilled, ApiError> {
     let mut tried: Vec<String> = Vec::new();
@@ -210,7 +209,7 @@ async fn call_owning_the_hold(
     url: &str,
     route: Route,
     info: &RequestInfo,
-    payload: Bytes,
+    payload: Payload,
 ) -> Result<Reply, CallError> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (upstream, holds) = (state.upstream.clone(), state.holds.clone());

@@ -90,7 +90,9 @@ async fn generate(
             if let Some(priority) = priority {
                 value.set("priority", priority.into());
             }
-            // The bytes go now: the body is kept as parsed (large fields raw).
+            // The body is kept as parsed: its large fields are slices of
+            // this buffer (kept once, shared by every engine call), nothing
+            // else of it is.
             drop(read.bytes);
             let info = validate(
                 route,
