@@ -2,8 +2,9 @@
 //! (`--max-inflight-body-bytes`). A request holds its body's share until it
 //! ends (its body is kept: a resume sends it again); a client past the
 //! budget is told to come back (503 with `Retry-After`) before more of its
-//! body is read. With bodies kept at about their size (`protocols::openai::client_body`),
-//! this bounds what clients' bodies can cost the router's memory.
+//! body is read. With each body kept once, at its size, and shared by the
+//! calls that send it to the engines (`protocols::openai::client_body`,
+//! `patch`), this bounds what clients' bodies can cost the router's memory.
 
 use crate::error::ApiError;
 use std::sync::Arc;

@@ -217,7 +217,8 @@ pub struct RouterConfig {
     /// Request body bytes all clients' requests may hold at once (a request
     /// holds its body until it ends: a resume sends it again); past it, 503
     /// with Retry-After before more is read. Bounds what client bodies can
-    /// cost the router's memory (a body is kept at about its size).
+    /// cost the router's memory (a body is kept once, at its size, shared by
+    /// its engine calls).
     #[arg(help_heading = "Timeouts and bounds", long, env = "CONNEX_MAX_INFLIGHT_BODY_BYTES", default_value_t = 128 * 1024 * 1024)]
     pub max_inflight_body_bytes: usize,
     /// Time a client has to send a request's whole body, in milliseconds

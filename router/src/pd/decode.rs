@@ -6,7 +6,7 @@
 use super::attempt::{Attempt, Cause, Failure, Lane};
 use super::derender::Derender;
 use super::flow::Flow;
-use super::upstream::{ByteStream, Call, CallError, Opened};
+use super::upstream::{ByteStream, Call, CallError, Opened, Payload};
 use crate::error::ApiError;
 use crate::membership::{Instance, LoadGuard, Pick};
 use crate::prefix::hash::Prompt;
@@ -14,7 +14,6 @@ use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::output::Source;
 use crate::protocols::openai::patch::Patch;
 use crate::protocols::openai::stops::StopStrings;
-use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use tracing::Instrument;
@@ -22,7 +21,7 @@ use tracing::Instrument;
 /// The body sent to a decode instance for the client's own route. The engine's
 /// usage is asked for: the router counts tokens itself, but keeps the usage
 /// details only the engine knows (cached prompt tokens).
-pub fn decode_body(body: &ClientBody, kv_transfer_params: &Value) -> Bytes {
+pub fn decode_body(body: &ClientBody, kv_transfer_params: &Value) -> Payload {
     let mut remove: Vec<&str> = Vec::new();
     // Stop strings are the router's (`stops.rs`).
     if StopStrings::of(body).is_some() {
@@ -44,7 +43,7 @@ pub fn decode_body(body: &ClientBody, kv_transfer_params: &Value) -> Bytes {
         .value("return_token_ids", Value::Bool(true))
         .value("stream_options", json!({"include_usage": true}))
         .value("kv_transfer_params", kv_transfer_params.clone())
-        .to_bytes()
+        .to_payload()
 }
 
 /// Why no stream could be opened on a decoder.
@@ -103,13 +102,13 @@ pub fn choose(
 pub struct LanePlan {
     /// The choice the lane continues (a resumed request of several choices).
     pub choice: Option<usize>,
-    pub payload: Bytes,
+    pub payload: Payload,
     pub derender: Option<Derender>,
 }
 
 impl LanePlan {
     /// The one lane of an attempt.
-    pub fn only(payload: Bytes) -> Self {
+    pub fn only(payload: Payload) -> Self {
         Self {
             choice: None,
             payload,

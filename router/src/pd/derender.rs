@@ -31,7 +31,7 @@
 //! work by `max_model_len`).
 
 use super::attempt::{Cause, Failure};
-use super::upstream::{Call, CallError, Upstream};
+use super::upstream::{Call, CallError, Payload, Upstream};
 use crate::journal::ChoiceProgress;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::patch::{Patch, Set};
@@ -70,7 +70,7 @@ pub enum RenderError {
 /// The body `render` is given: the client's chat body, without the stop
 /// strings the router matches itself (`stops.rs`): the engine must not stop
 /// on them either.
-pub fn render_body(body: &ClientBody) -> Bytes {
+pub fn render_body(body: &ClientBody) -> Payload {
     // Rendered as not streamed: vLLM refuses `stream_options` then (the
     // generate request sets its own).
     let remove: &[&str] = if StopStrings::of(body).is_some() {
@@ -80,7 +80,7 @@ pub fn render_body(body: &ClientBody) -> Bytes {
     };
     Patch::new(body, remove)
         .value("stream", Value::Bool(false))
-        .to_bytes()
+        .to_payload()
 }
 
 /// A continuation's chunk that is not derendered, as the client's stream
@@ -114,7 +114,7 @@ pub async fn render(
     decoder: &str,
     decoder_url: &str,
     request_id: &str,
-    body: Bytes,
+    body: Payload,
 ) -> Result<Value, RenderError> {
     let failed = |cause, message: String| {
         RenderError::Failed(Failure::new(
@@ -410,7 +410,7 @@ async fn call(target: Arc<DerenderTarget>, body: Bytes) -> Result<(Bytes, Bytes)
         path: DERENDER_PATH,
         request_id: &target.request_id,
         trace: Vec::new(),
-        body,
+        body: body.into(),
     };
     let reply = match tokio::time::timeout(target.timeout, target.upstream.tokenizer(request)).await
     {
@@ -610,7 +610,7 @@ mod tests {
     fn rendering_drops_the_stream_options_and_usage_chunks_keep_only_usage() {
         let body = ClientBody::of(json!({"model": "m", "messages": [], "stream": true,
             "stream_options": {"include_usage": true}, "stop": ["x"]}));
-        let out: Value = serde_json::from_slice(&render_body(&body)).unwrap();
+        let out: Value = serde_json::from_slice(&render_body(&body).to_bytes()).unwrap();
         assert_eq!(out, json!({"model": "m", "messages": [], "stream": false}));
         let usage = Bytes::from_static(br#"{"request_id":"generate-tokens-1","usage":{"prompt_tokens":3},"output_mode":"tokens","choices":[]}"#);
         let out: Value = serde_json::from_slice(&passed_through(usage)).unwrap();

@@ -116,7 +116,8 @@ impl Detokenizer<'_> {
         }
         let request =
             Bytes::from(serde_json::to_vec(&json!({"model": self.model, "tokens": ids})).ok()?);
-        let answer: Answer = ask_tokenizer(self.upstream, self.url, "/detokenize", request).await?;
+        let answer: Answer =
+            ask_tokenizer(self.upstream, self.url, "/detokenize", request.into()).await?;
         // Tokens that end inside a character decode to U+FFFD for its bytes so
         // far; an engine's stream holds that character back until it is whole.
         Some(answer.prompt.trim_end_matches('\u{FFFD}').chars().count())

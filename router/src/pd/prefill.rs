@@ -4,7 +4,7 @@
 //! elsewhere.
 
 use super::flow::Flow;
-use super::upstream::{Call, CallError, Reply};
+use super::upstream::{Call, CallError, Payload, Reply};
 use crate::error::ApiError;
 use crate::hold_leases::Hold;
 use crate::membership::{Instance, Pick};
@@ -12,7 +12,6 @@ use crate::prefix::hash::Prompt;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::patch::{Patch, Set};
 use crate::protocols::openai::request::{RequestInfo, Route};
-use bytes::Bytes;
 use serde_json::{json, Value};
 use tracing::Instrument;
 
@@ -29,7 +28,7 @@ pub struct Prefilled {
 }
 
 /// The body sent to a prefill instance.
-pub fn prefill_body(route: Route, body: &ClientBody) -> Bytes {
+pub fn prefill_body(route: Route, body: &ClientBody) -> Payload {
     let mut patch = Patch::new(
         body,
         &["stream_options", "min_tokens", "min_completion_tokens"],
@@ -46,7 +45,7 @@ pub fn prefill_body(route: Route, body: &ClientBody) -> Bytes {
             "kv_transfer_params",
             json!({"do_remote_decode": true, "do_remote_prefill": false}),
         )
-        .to_bytes()
+        .to_payload()
 }
 
 /// The prefill of a re-prefill: the client's own route and body before the
@@ -56,7 +55,7 @@ pub fn continuation_body(
     body: &ClientBody,
     prompt_token_ids: &[u32],
     generated: &[u32],
-) -> (Route, Bytes) {
+) -> (Route, Payload) {
     if generated.is_empty() {
         return (route, prefill_body(route, body));
     }
@@ -79,7 +78,7 @@ pub fn continuation_body(
             "kv_transfer_params",
             json!({"do_remote_decode": true, "do_remote_prefill": false}),
         )
-        .to_bytes();
+        .to_payload();
     (Route::Completions, payload)
 }
 
@@ -92,7 +91,7 @@ pub async fn run(
     state: &Flow,
     info: &RequestInfo,
     route: Route,
-    payload: Bytes,
+    payload: Payload,
     prompt: Option<&[u32]>,
 ) -> Result<Prefilled, ApiError> {
     let mut tried: Vec<String> = Vec::new();
@@ -213,7 +212,7 @@ async fn call_owning_the_hold(
     url: &str,
     route: Route,
     info: &RequestInfo,
-    payload: Bytes,
+    payload: Payload,
 ) -> Result<Reply, CallError> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (upstream, holds) = (state.upstream.clone(), state.holds.clone());

@@ -19,10 +19,10 @@
 //! yet).
 
 use super::attempt::Failure;
+use crate::engines::http::Payload;
 use crate::protocols::openai::client_body::{ClientBody, TypeOnly};
 use crate::protocols::openai::patch::{Patch, Set};
 use crate::protocols::openai::request::{forces_tool_call, offers_tools, Route};
-use bytes::Bytes;
 use serde_json::{json, Value};
 
 /// Keys of a chat request that a completions request does not take.
@@ -127,7 +127,7 @@ pub fn resume_body(
     prompt_token_ids: &[u32],
     generated: &[u32],
     kv_transfer_params: &Value,
-) -> Bytes {
+) -> Payload {
     let mut remove: Vec<&str> = if route == Route::Chat {
         CHAT_ONLY.to_vec()
     } else {
@@ -169,7 +169,7 @@ pub fn resume_body(
         .value("echo", Value::Bool(false))
         .value("prompt_logprobs", Value::Null)
         .value("kv_transfer_params", kv_transfer_params.clone())
-        .to_bytes()
+        .to_payload()
 }
 
 /// Where a request stands when its decoder fails.
@@ -251,9 +251,10 @@ mod tests {
             "max_completion_tokens":10,"temperature":0,"seed":7,"min_tokens":4,"stream":false}),
         );
         let kv = with_epoch(&json!({"transfer_id":"t","resume_epoch":0}), 1);
-        let out: Value =
-            serde_json::from_slice(&resume_body(Route::Chat, &body, &[1, 2], &[9, 8, 7], &kv))
-                .expect("JSON");
+        let out: Value = serde_json::from_slice(
+            &resume_body(Route::Chat, &body, &[1, 2], &[9, 8, 7], &kv).to_bytes(),
+        )
+        .expect("JSON");
         assert_eq!(out["prompt"], json!([1, 2, 9, 8, 7]));
         assert_eq!(out["max_tokens"], 7);
         assert_eq!(out["min_tokens"], 1);
@@ -266,9 +267,10 @@ mod tests {
         assert_eq!(out["logprobs"], Value::Null);
         let with_logprobs =
             ClientBody::of(json!({"model":"m","messages":[],"logprobs":true,"top_logprobs":3}));
-        let out: Value =
-            serde_json::from_slice(&resume_body(Route::Chat, &with_logprobs, &[1], &[2], &kv))
-                .expect("JSON");
+        let out: Value = serde_json::from_slice(
+            &resume_body(Route::Chat, &with_logprobs, &[1], &[2], &kv).to_bytes(),
+        )
+        .expect("JSON");
         assert_eq!(out["logprobs"], 3);
         assert!(out.get("top_logprobs").is_none());
     }

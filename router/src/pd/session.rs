@@ -18,6 +18,7 @@ use super::record::RequestRecord;
 use super::relay::{Batch, Halt, Ready, Relay};
 use super::reprefill;
 use super::resume::{self, ChatContinuation, Next, Progress, ResumePolicy};
+use super::upstream::Payload;
 use crate::error::ApiError;
 use crate::hold_leases::{Hold, HoldLease};
 use crate::journal::{ChoiceProgress, JournalHandle, Phase};
@@ -43,7 +44,7 @@ struct Planned {
 }
 
 impl Planned {
-    fn one(source: Source, path: &'static str, payload: Bytes) -> Self {
+    fn one(source: Source, path: &'static str, payload: Payload) -> Self {
         Self {
             source,
             path,
@@ -395,7 +396,7 @@ impl Session {
                 .map_err(OpenError::Failed)?;
             lanes.push(LanePlan {
                 choice: several.then_some(*index),
-                payload,
+                payload: payload.into(),
                 derender: Some(derender),
             });
         }

@@ -149,7 +149,7 @@ impl Upstream for Scripted {
     /// `/detokenize` as the scripted chunks spell tokens ([`detokenize`]);
     /// no `/tokenize`.
     fn tokenizer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
-        let body: Value = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
+        let body: Value = serde_json::from_slice(&call.body.to_bytes()).unwrap_or(Value::Null);
         if call.path == "/tokenize" {
             *self.tokenized.lock().expect("tokenized") += 1;
         }
@@ -176,7 +176,7 @@ impl Upstream for Scripted {
     }
 
     fn decode<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Opened, CallError>> {
-        let body: Value = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
+        let body: Value = serde_json::from_slice(&call.body.to_bytes()).unwrap_or(Value::Null);
         self.calls
             .lock()
             .expect("calls")

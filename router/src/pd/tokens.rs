@@ -8,12 +8,11 @@
 //! alone.
 
 use super::flow::Flow;
-use super::upstream::ask_tokenizer;
+use super::upstream::{ask_tokenizer, Payload};
 use crate::membership::Instance;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::patch::Patch;
 use crate::protocols::openai::request::Route;
-use bytes::Bytes;
 use serde_json::{json, Value};
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -85,10 +84,12 @@ fn text_prompt(body: &ClientBody) -> Option<Cow<'_, str>> {
         Some(Value::String(text)) => Some(Cow::Borrowed(text)),
         Some(Value::Array(items)) if items.len() == 1 => items[0].as_str().map(Cow::Borrowed),
         Some(_) => None,
-        // A list of one text longer than the raw threshold.
+        // A text (or a list of one text) longer than the raw threshold: read
+        // out of the body's buffer for the tokenizer.
         None => body
-            .typed::<(String,)>("prompt")
-            .map(|(text,)| Cow::Owned(text)),
+            .typed::<String>("prompt")
+            .or_else(|| body.typed::<(String,)>("prompt").map(|(text,)| text))
+            .map(Cow::Owned),
     }
 }
 
@@ -116,12 +117,12 @@ const TEMPLATE_FIELDS: &[&str] = &[
 
 /// vLLM's /tokenize body for the prompt of `body` (written from the client's
 /// body: its large fields as the client sent them).
-fn tokenize_request(route: Route, body: &ClientBody) -> Option<Bytes> {
+fn tokenize_request(route: Route, body: &ClientBody) -> Option<Payload> {
     let model = body.get("model")?.clone();
     match route {
         Route::Completions => {
             let request = json!({"model": model, "prompt": text_prompt(body)?});
-            Some(Bytes::from(serde_json::to_vec(&request).ok()?))
+            Some(serde_json::to_vec(&request).ok()?.into())
         }
         Route::Chat => {
             let others: Vec<&str> = body
@@ -131,12 +132,12 @@ fn tokenize_request(route: Route, body: &ClientBody) -> Option<Bytes> {
                 .chain(body.raw_fields().map(|(k, _)| k.as_str()))
                 .filter(|k| !TEMPLATE_FIELDS.contains(k))
                 .collect();
-            Some(Patch::new(body, &others).to_bytes())
+            Some(Patch::new(body, &others).to_payload())
         }
     }
 }
 
-async fn tokenize(state: &Flow, url: &str, request: Bytes) -> Option<Vec<u32>> {
+async fn tokenize(state: &Flow, url: &str, request: Payload) -> Option<Vec<u32>> {
     #[derive(serde::Deserialize)]
     struct Answer {
         tokens: Vec<u32>,
@@ -172,13 +173,20 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            serde_json::from_slice::<Value>(&chat).unwrap(),
+            serde_json::from_slice::<Value>(&chat.to_bytes()).unwrap(),
             json!({"model": "m", "messages": [], "tools": []})
         );
         // A long prompt of ids is read as ids, however it is held.
         let long: Vec<u32> = (0..20_000).collect();
-        let raw = ClientBody::parse(json!({"prompt": long}).to_string().as_bytes()).unwrap();
+        let raw = ClientBody::parse(&json!({"prompt": long}).to_string().into()).unwrap();
         assert!(raw.raw("prompt").is_some());
         assert_eq!(literal_ids(Route::Completions, &raw), Some(long));
+        // A long text prompt (kept raw) is read as its text.
+        let text = "a b ".repeat(10_000);
+        let raw = ClientBody::parse(&json!({"prompt": text}).to_string().into()).unwrap();
+        assert!(raw.raw("prompt").is_some());
+        assert_eq!(text_prompt(&raw).as_deref(), Some(text.as_str()));
+        let listed = ClientBody::parse(&json!({"prompt": [text]}).to_string().into()).unwrap();
+        assert_eq!(text_prompt(&listed).as_deref(), Some(text.as_str()));
     }
 }

@@ -12,6 +12,7 @@
 //! state where hyper's took ~23 KiB (memory per in-flight stream,
 //! docs/bench.md).
 
+pub use crate::engines::http::Payload;
 use crate::engines::http::{Body, ClientError, EngineClient, Response};
 use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
@@ -83,7 +84,8 @@ pub struct Call<'a> {
     pub request_id: &'a str,
     /// W3C trace context headers (`traceparent`, `tracestate`).
     pub trace: Vec<(&'static str, String)>,
-    pub body: Bytes,
+    /// Pieces that share the client's body (see [`Payload`]).
+    pub body: Payload,
 }
 
 /// Opening prefills and decode streams, and asking an engine to tokenize.
@@ -108,7 +110,7 @@ pub async fn ask_tokenizer<T: serde::de::DeserializeOwned>(
     upstream: &dyn Upstream,
     url: &str,
     path: &'static str,
-    request: Bytes,
+    request: Payload,
 ) -> Option<T> {
     let call = Call {
         url,
@@ -296,7 +298,7 @@ mod tests {
             path: "/v1/completions",
             request_id: "r",
             trace: Vec::new(),
-            body: Bytes::from_static(b"{}"),
+            body: Bytes::from_static(b"{}").into(),
         }
     }
 

@@ -117,7 +117,9 @@ async fn generate(
             if let Some(caller) = &engine_fields {
                 set_engine_fields(caller, &mut value)?;
             }
-            // The bytes go now: the body is kept as parsed (large fields raw).
+            // The body is kept as parsed: its large fields are slices of
+            // this buffer (kept once, shared by every engine call), nothing
+            // else of it is.
             drop(read.bytes);
             let info = validate(
                 route,

@@ -89,7 +89,7 @@ async fn run(
             path,
             request_id: &request_id,
             trace: crate::observe::traces::headers(record.span()),
-            body: bytes.clone(),
+            body: bytes.clone().into(),
         };
         match state.flow.upstream.prefill(call).await {
             Ok(reply) if (200..300).contains(&reply.status) => {

@@ -19,9 +19,11 @@
 
 mod framing;
 mod head;
+mod payload;
 
 pub use framing::FramingError;
 pub use head::HeadError;
+pub use payload::Payload;
 
 use crate::engines::addresses::UpstreamPolicy;
 use bytes::{Bytes, BytesMut};
@@ -184,7 +186,7 @@ impl EngineClient {
         self.inner.pool.idle_count()
     }
 
-    /// POSTs `body` (JSON) to `path` on the engine at `url`
+    /// POSTs `body` (JSON, in its pieces) to `path` on the engine at `url`
     /// (`http://host:port`) with `headers` (lower-case names, never
     /// `host`, `content-length` or `content-type`); the response once its head
     /// is read. The caller bounds the time.
@@ -193,7 +195,7 @@ impl EngineClient {
         url: &str,
         path: &str,
         headers: &[(&'static str, &str)],
-        body: &Bytes,
+        body: &Payload,
     ) -> Result<Response, ClientError> {
         self.send(Method::Post, url, path, headers, body).await
     }
@@ -202,7 +204,8 @@ impl EngineClient {
     /// [`EngineClient::post`] does; read its body to the end and the
     /// connection is pooled for the next call.
     pub async fn get(&self, url: &str, path: &str) -> Result<Response, ClientError> {
-        self.send(Method::Get, url, path, &[], &Bytes::new()).await
+        self.send(Method::Get, url, path, &[], &Payload::new())
+            .await
     }
 
     async fn send(
@@ -211,7 +214,7 @@ impl EngineClient {
         url: &str,
         path: &str,
         headers: &[(&'static str, &str)],
-        body: &Bytes,
+        body: &Payload,
     ) -> Result<Response, ClientError> {
         let authority = url
             .strip_prefix("http://")
@@ -246,9 +249,9 @@ impl EngineClient {
         mut stream: TcpStream,
         authority: &str,
         request_head: &[u8],
-        body: &Bytes,
+        body: &Payload,
     ) -> Result<Response, Exchange> {
-        let mut request = bytes::Buf::chain(request_head, body.clone());
+        let mut request = bytes::Buf::chain(request_head, body.reader());
         let mut buf = BytesMut::new();
         let written = stream.write_all_buf(&mut request).await;
         let sent_whole = written.is_ok();

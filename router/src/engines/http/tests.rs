@@ -68,7 +68,12 @@ async fn answers_are_read_whole_and_connections_kept_alive() {
     for i in 0..5 {
         let body = Bytes::from(format!("{{\"n\": {i}}}"));
         let mut response = client
-            .post(&url, "/echo", &[("x-request-id", "r")], &body)
+            .post(
+                &url,
+                "/echo",
+                &[("x-request-id", "r")],
+                &body.clone().into(),
+            )
             .await
             .expect("answer");
         assert_eq!(response.status, 200);
@@ -83,11 +88,30 @@ async fn answers_are_read_whole_and_connections_kept_alive() {
     // Larger than a read at a time (axum's default body limit is 2 MB).
     let large = Bytes::from(vec![b'x'; 3 << 19]);
     let mut response = client
-        .post(&url, "/echo", &[], &large)
+        .post(&url, "/echo", &[], &large.clone().into())
         .await
         .expect("answer");
     assert_eq!(response.status, 200);
     assert_eq!(read_all(&mut response.body).await, large.to_vec());
+}
+
+#[tokio::test]
+async fn a_body_in_pieces_arrives_whole_and_in_order() {
+    let (url, _) = server().await;
+    // Pieces of a few bytes between large shared ones, as a patched client
+    // body is sent (`protocols::openai::patch`).
+    let shared = Bytes::from(vec![b'7'; 3 << 19]);
+    let mut body = Payload::from(Bytes::from_static(b"{\"prompt\":["));
+    body.push(shared.slice(..1 << 20));
+    body.push(Bytes::from_static(b"],\"suffix\":\""));
+    body.push(shared.slice(1 << 20..));
+    body.push(Bytes::from_static(b"\"}"));
+    let mut response = client()
+        .post(&url, "/echo", &[], &body)
+        .await
+        .expect("answer");
+    assert_eq!(response.status, 200);
+    assert_eq!(read_all(&mut response.body).await, body.to_bytes().to_vec());
 }
 
 #[tokio::test]
@@ -96,7 +120,7 @@ async fn a_chunked_stream_comes_piece_by_piece() {
     let client = client();
     let sent = Bytes::from_static(b"data: {\"id\": 1}\n\ndata: [DONE]\n\n");
     let response = client
-        .post(&url, "/stream", &[], &sent)
+        .post(&url, "/stream", &[], &sent.clone().into())
         .await
         .expect("answer");
     let pieces: Vec<Bytes> = response
@@ -120,14 +144,14 @@ async fn a_body_dropped_before_its_end_closes_its_connection() {
     let client = client();
     let sent = Bytes::from(vec![b'a'; 200]);
     let mut response = client
-        .post(&url, "/stream", &[], &sent)
+        .post(&url, "/stream", &[], &sent.clone().into())
         .await
         .expect("answer");
     assert!(response.body.chunk().await.expect("piece").is_some());
     drop(response);
     assert_eq!(client.idle_connections(), 0);
     let mut response = client
-        .post(&url, "/echo", &[], &sent)
+        .post(&url, "/echo", &[], &sent.clone().into())
         .await
         .expect("answer");
     assert_eq!(read_all(&mut response.body).await, sent.to_vec());
@@ -180,8 +204,8 @@ async fn scripted(script: Vec<Vec<Step>>) -> (String, Arc<AtomicUsize>) {
 
 const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
 
-fn empty() -> Bytes {
-    Bytes::from_static(b"{}")
+fn empty() -> Payload {
+    Bytes::from_static(b"{}").into()
 }
 
 #[tokio::test]
@@ -293,7 +317,7 @@ async fn an_answer_before_the_whole_request_is_still_read() {
     .await;
     let body = Bytes::from(vec![b' '; 32 << 20]);
     let mut response = client()
-        .post(&url, "/a", &[], &body)
+        .post(&url, "/a", &[], &body.clone().into())
         .await
         .expect("the answer");
     assert_eq!(response.status, 413);
@@ -383,7 +407,7 @@ async fn refused_connects_and_bad_urls_are_told_apart() {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     drop(listener);
-    let result = client().post(&url, "/a", &[], &Bytes::new()).await;
+    let result = client().post(&url, "/a", &[], &Payload::new()).await;
     assert!(
         matches!(result, Err(ClientError::Connect { refused: true, .. })),
         "{:?}",
@@ -395,7 +419,7 @@ async fn refused_connects_and_bad_urls_are_told_apart() {
         "http://h:1/base",
         "127.0.0.1:1",
     ] {
-        let result = client().post(url, "/a", &[], &Bytes::new()).await;
+        let result = client().post(url, "/a", &[], &Payload::new()).await;
         assert!(matches!(result, Err(ClientError::Url(_))), "{url}");
     }
 }
@@ -406,7 +430,7 @@ async fn a_name_is_resolved() {
     let url = url.replace("127.0.0.1", "localhost");
     let body = Bytes::from_static(b"{}");
     let mut response = client()
-        .post(&url, "/echo", &[], &body)
+        .post(&url, "/echo", &[], &body.clone().into())
         .await
         .expect("answer");
     assert_eq!(read_all(&mut response.body).await, b"{}");
@@ -473,12 +497,16 @@ async fn requests_do_not_follow_a_rebound_name() {
     let url = format!("http://engine.test:{}", places.port);
     let engines = EngineClient::guarded(Duration::from_secs(1), 8, Duration::from_secs(4), policy);
     let body = Bytes::from_static(b"{}");
-    let answer = engines.post(&url, "/v1/completions", &[], &body).await;
+    let answer = engines
+        .post(&url, "/v1/completions", &[], &body.clone().into())
+        .await;
     assert_eq!(answer.map(|r| r.status).ok(), Some(200));
     assert_eq!(places.engine.lock().expect("engine").len(), 1);
 
     names.point("engine.test", "127.0.0.1");
-    let refused = engines.post(&url, "/v1/completions", &[], &body).await;
+    let refused = engines
+        .post(&url, "/v1/completions", &[], &body.clone().into())
+        .await;
     let Err(ClientError::Connect { message, .. }) = refused else {
         panic!("connected to a rebound name");
     };

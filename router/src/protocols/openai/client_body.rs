@@ -5,20 +5,27 @@
 //! body into `serde_json::Value`s costs far more than its bytes where it
 //! matters: a prompt of token ids is one 32-byte `Value` per id (a 30 MB body
 //! of ids became ~0.5 GB), a long chat history one map per message. So a
-//! top-level field whose JSON text is an array or object longer than
-//! [`RAW_FIELD_BYTES`] is kept as its raw text (its bytes, once), and read
-//! through typed, compact parses by the few places that need it (validation,
-//! the prompt ids of `cache_aware`). Strings stay values: a `String` costs its
-//! bytes. The fields the router reads as values (stop strings, stream options,
-//! the tool choice) must stay small: larger ones are refused.
+//! top-level field whose JSON text is longer than [`RAW_FIELD_BYTES`] (an
+//! array, an object or a string) is kept as its raw text: a slice of the
+//! body buffer the client's bytes were read into, never a copy. That one
+//! buffer is what the engine calls send (`patch.rs` writes each call's body
+//! as the router's few changed fields between slices of it) and what the
+//! request keeps for a resume: a body costs its size once while admitted
+//! (`--max-inflight-body-bytes`). Large fields are read through typed,
+//! compact parses by the few places that need it (validation, the prompt ids
+//! of `cache_aware`, an echoed prompt). The fields the router reads as values
+//! (the model, stop strings, stream options, the tool choice) must stay
+//! small: larger ones are refused.
 
+use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
-/// A top-level array or object longer than this (as JSON text) is kept raw.
+/// A top-level array, object or string longer than this (as JSON text) is
+/// kept raw.
 pub const RAW_FIELD_BYTES: usize = 16 * 1024;
 /// Most top-level fields a body may have (each parsed field is a map entry).
 pub const MAX_FIELDS: usize = 256;
@@ -26,6 +33,7 @@ pub const MAX_FIELDS: usize = 256;
 /// request's stop strings are bounded again by validation (64 of at most
 /// 1,024 characters).
 const READ_AS_VALUES: &[(&str, usize)] = &[
+    ("model", RAW_FIELD_BYTES),
     ("stop", 512 * 1024),
     ("stream_options", 4 * 1024),
     ("tool_choice", 64 * 1024),
@@ -45,16 +53,19 @@ pub enum BodyError {
     FieldTooLarge(&'static str),
 }
 
-/// A client's body: small fields as values, large arrays and objects raw.
+/// A client's body: small fields as values, large ones as slices of the
+/// client's body buffer (cheap to clone: the slices are shared).
 #[derive(Debug, Default, Clone)]
 pub struct ClientBody {
     fields: Map<String, Value>,
-    raw: BTreeMap<String, Box<RawValue>>,
+    /// Each large field's JSON text, a slice of the one body buffer.
+    raw: BTreeMap<String, Bytes>,
 }
 
 impl ClientBody {
-    /// Parses a body read whole.
-    pub fn parse(bytes: &[u8]) -> Result<Self, BodyError> {
+    /// Parses a body read whole. Large fields keep `bytes` (the buffer, not
+    /// a copy of it) alive; without one, nothing of it is kept.
+    pub fn parse(bytes: &Bytes) -> Result<Self, BodyError> {
         let text = bytes
             .iter()
             .find(|b| !b.is_ascii_whitespace())
@@ -79,7 +90,8 @@ impl ClientBody {
                 raw: BTreeMap::new(),
             });
         }
-        let top: BTreeMap<String, Box<RawValue>> =
+        // Each field's text borrowed from `bytes`: nothing copied yet.
+        let top: BTreeMap<String, &RawValue> =
             serde_json::from_slice(bytes).map_err(|err| BodyError::Json(err.to_string()))?;
         if top.len() > MAX_FIELDS {
             return Err(BodyError::TooManyFields);
@@ -91,8 +103,9 @@ impl ClientBody {
                 if text.len() > *max {
                     return Err(BodyError::FieldTooLarge(name));
                 }
-            } else if text.len() > RAW_FIELD_BYTES && text.starts_with(['[', '{']) {
-                body.raw.insert(key, raw);
+            } else if text.len() > RAW_FIELD_BYTES && text.starts_with(['[', '{', '"']) {
+                // The field's slice of the buffer it was parsed from.
+                body.raw.insert(key, bytes.slice_ref(text.as_bytes()));
                 continue;
             }
             let value =
@@ -120,8 +133,8 @@ impl ClientBody {
     }
 
     /// A large field, as its JSON text.
-    pub fn raw(&self, key: &str) -> Option<&RawValue> {
-        self.raw.get(key).map(Box::as_ref)
+    pub fn raw(&self, key: &str) -> Option<&Bytes> {
+        self.raw.get(key)
     }
 
     /// Whether the body has `key` set: present, and neither null nor false.
@@ -139,7 +152,7 @@ impl ClientBody {
     pub fn typed<T: DeserializeOwned>(&self, key: &str) -> Option<T> {
         match (self.fields.get(key), self.raw.get(key)) {
             (Some(value), _) => T::deserialize(value).ok(),
-            (None, Some(raw)) => serde_json::from_str(raw.get()).ok(),
+            (None, Some(raw)) => serde_json::from_slice(raw).ok(),
             (None, None) => None,
         }
     }
@@ -149,7 +162,7 @@ impl ClientBody {
         match (self.fields.get(key), self.raw.get(key)) {
             (Some(Value::Array(items)), _) => !items.is_empty(),
             // Raw fields are longer than any empty array.
-            (None, Some(raw)) => raw.get().starts_with('['),
+            (None, Some(raw)) => raw.starts_with(b"["),
             _ => false,
         }
     }
@@ -166,8 +179,8 @@ impl ClientBody {
     }
 
     /// The large fields, raw.
-    pub fn raw_fields(&self) -> impl Iterator<Item = (&String, &RawValue)> {
-        self.raw.iter().map(|(k, v)| (k, v.as_ref()))
+    pub fn raw_fields(&self) -> impl Iterator<Item = (&String, &Bytes)> {
+        self.raw.iter()
     }
 }
 
@@ -185,15 +198,19 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn parse(text: &str) -> Result<ClientBody, BodyError> {
+        ClientBody::parse(&Bytes::copy_from_slice(text.as_bytes()))
+    }
+
     #[test]
-    fn large_arrays_and_objects_stay_raw_and_small_fields_are_values() {
+    fn large_fields_stay_raw_and_small_fields_are_values() {
         let ids: Vec<u32> = (0..10_000).collect();
         let schema: Map<String, Value> =
             (0..2_000).map(|i| (format!("k{i}"), json!("v"))).collect();
         let text = "x".repeat(100_000);
         let body = json!({"model": "m", "prompt": ids, "stream": true, "response_format":
             {"type": "json_schema", "schema": schema}, "suffix": text, "stop": ["a"]});
-        let parsed = ClientBody::parse(body.to_string().as_bytes()).unwrap();
+        let parsed = parse(&body.to_string()).unwrap();
         assert_eq!(parsed.get("model"), Some(&json!("m")));
         assert!(parsed.get("prompt").is_none());
         assert!(parsed.raw("prompt").is_some());
@@ -204,41 +221,47 @@ mod tests {
             parsed.typed::<TypeOnly>("response_format").unwrap().kind,
             "json_schema"
         );
-        // A long string is a value: it costs its bytes either way.
-        assert_eq!(
-            parsed.get("suffix").and_then(Value::as_str),
-            Some(text.as_str())
-        );
+        // A long string is raw too (a value would be a copy of its bytes).
+        assert!(parsed.get("suffix").is_none());
+        assert_eq!(parsed.typed::<String>("suffix"), Some(text));
+        assert!(!parsed.has_items("suffix"));
         assert_eq!(parsed.get("stop"), Some(&json!(["a"])));
         assert!(parsed.is_set("stream") && !parsed.is_set("echo"));
     }
 
     #[test]
+    fn large_fields_are_slices_of_the_body_read_not_copies() {
+        let ids: Vec<u32> = (0..10_000).collect();
+        let sent = Bytes::from(json!({"model": "m", "prompt": ids}).to_string());
+        let parsed = ClientBody::parse(&sent).unwrap();
+        let prompt = parsed.raw("prompt").unwrap();
+        let start = prompt.as_ptr() as usize - sent.as_ptr() as usize;
+        assert!(start + prompt.len() <= sent.len());
+        assert_eq!(&sent[start..start + prompt.len()], prompt.as_ref());
+        // A clone of the body shares the slices too.
+        let clone = parsed.clone();
+        assert_eq!(clone.raw("prompt").unwrap().as_ptr(), prompt.as_ptr());
+    }
+
+    #[test]
     fn refused_bodies_say_why() {
-        assert_eq!(
-            ClientBody::parse(b"[1]").unwrap_err(),
-            BodyError::NotAnObject
-        );
-        assert!(matches!(
-            ClientBody::parse(b"{\"a\":").unwrap_err(),
-            BodyError::Json(_)
-        ));
-        assert!(matches!(
-            ClientBody::parse(b"  ").unwrap_err(),
-            BodyError::Json(_)
-        ));
+        assert_eq!(parse("[1]").unwrap_err(), BodyError::NotAnObject);
+        assert!(matches!(parse("{\"a\":").unwrap_err(), BodyError::Json(_)));
+        assert!(matches!(parse("  ").unwrap_err(), BodyError::Json(_)));
         let many: Map<String, Value> = (0..=MAX_FIELDS)
             .map(|i| (format!("f{i}"), json!(1)))
             .collect();
         assert_eq!(
-            ClientBody::parse(Value::Object(many).to_string().as_bytes()).unwrap_err(),
+            parse(&Value::Object(many).to_string()).unwrap_err(),
             BodyError::TooManyFields
         );
         let stops: Vec<String> = (0..100_000).map(|i| format!("s{i}")).collect();
         let body = json!({"stop": stops}).to_string();
+        assert_eq!(parse(&body).unwrap_err(), BodyError::FieldTooLarge("stop"));
+        let model = json!({"model": "m".repeat(RAW_FIELD_BYTES), "prompt": "x"}).to_string();
         assert_eq!(
-            ClientBody::parse(body.as_bytes()).unwrap_err(),
-            BodyError::FieldTooLarge("stop")
+            parse(&model).unwrap_err(),
+            BodyError::FieldTooLarge("model")
         );
     }
 }

@@ -263,14 +263,18 @@ fn check_messages(messages: Option<&Value>) -> Result<(), ApiError> {
 
 /// [`check_prompt`] for a prompt kept raw (a large array): read element by
 /// element, nothing kept.
-fn check_raw_prompt(raw: &RawValue) -> Result<(), ApiError> {
+fn check_raw_prompt(raw: &[u8]) -> Result<(), ApiError> {
     let invalid = || {
         ApiError::bad_request(
             "`prompt` must be a string or a list of token ids",
             Some("prompt"),
         )
     };
-    let shape: ArrayShape = serde_json::from_str(raw.get()).map_err(|_| invalid())?;
+    // A string kept raw is longer than the raw threshold: not empty.
+    if raw.starts_with(b"\"") {
+        return Ok(());
+    }
+    let shape: ArrayShape = serde_json::from_slice(raw).map_err(|_| invalid())?;
     match shape {
         ArrayShape { len: 0, .. } => Err(invalid()),
         ArrayShape { all_ids: true, .. } => Ok(()),
@@ -302,33 +306,65 @@ fn check_raw_prompt(raw: &RawValue) -> Result<(), ApiError> {
 }
 
 /// [`check_messages`] for messages kept raw (a long history): each message's
-/// `role` is read, nothing else.
-fn check_raw_messages(raw: &RawValue) -> Result<(), ApiError> {
-    #[derive(serde::Deserialize)]
-    struct Role<'a> {
-        #[serde(borrow, default)]
-        role: Option<&'a RawValue>,
-    }
+/// `role` is read as the list goes, nothing kept.
+fn check_raw_messages(raw: &[u8]) -> Result<(), ApiError> {
+    let empty = || ApiError::bad_request("`messages` must be a non-empty list", Some("messages"));
     let bad_role = || {
         ApiError::bad_request(
             "each message must be an object with a string `role`",
             Some("messages"),
         )
     };
-    let messages: Vec<Role<'_>> = serde_json::from_str(raw.get()).map_err(|_| bad_role())?;
-    if messages.is_empty() {
-        return Err(ApiError::bad_request(
-            "`messages` must be a non-empty list",
-            Some("messages"),
-        ));
+    if !raw.starts_with(b"[") {
+        return Err(empty());
     }
-    if messages
-        .iter()
-        .any(|m| !m.role.is_some_and(|r| r.get().starts_with('"')))
-    {
-        return Err(bad_role());
+    let roles: RolesShape = serde_json::from_slice(raw).map_err(|_| bad_role())?;
+    match roles {
+        RolesShape { len: 0, .. } => Err(empty()),
+        RolesShape {
+            all_roles: false, ..
+        } => Err(bad_role()),
+        RolesShape { .. } => Ok(()),
     }
-    Ok(())
+}
+
+/// What a list of messages holds, as [`check_raw_messages`] needs to know it.
+struct RolesShape {
+    len: usize,
+    /// Every message has a string `role`.
+    all_roles: bool,
+}
+
+impl<'de> serde::Deserialize<'de> for RolesShape {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        struct Role<'a> {
+            #[serde(borrow, default)]
+            role: Option<&'a RawValue>,
+        }
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = RolesShape;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of messages")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<RolesShape, A::Error> {
+                let mut shape = RolesShape {
+                    len: 0,
+                    all_roles: true,
+                };
+                while let Some(message) = seq.next_element::<Role<'de>>()? {
+                    shape.all_roles &= message.role.is_some_and(|r| r.get().starts_with('"'));
+                    shape.len += 1;
+                }
+                Ok(shape)
+            }
+        }
+        deserializer.deserialize_seq(Visit)
+    }
 }
 
 /// What a JSON array holds, as [`check_raw_prompt`] needs to know it.
@@ -478,4 +514,46 @@ pub fn forces_tool_call(body: &ClientBody) -> bool {
 /// Whether a chat request offers tools.
 pub fn offers_tools(body: &ClientBody) -> bool {
     ["tools", "functions"].iter().any(|key| body.has_items(key))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::protocols::openai::client_body::RAW_FIELD_BYTES;
+    use serde_json::json;
+
+    /// `body` parsed as the router reads a client's bytes, then validated.
+    fn check(route: Route, body: Value) -> Result<RequestInfo, String> {
+        let body = ClientBody::parse(&body.to_string().into()).unwrap();
+        validate(route, &body, "r".into(), 1 << 20).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn large_fields_kept_raw_are_checked_as_small_ones_are() {
+        let long = "word ".repeat(RAW_FIELD_BYTES);
+        // A long text prompt, alone or in a list of one; an echo gets it back.
+        let text = check(
+            Route::Completions,
+            json!({"model": "m", "prompt": long, "echo": true}),
+        )
+        .unwrap();
+        assert_eq!(text.echo_text.as_deref(), Some(long.as_str()));
+        assert!(check(Route::Completions, json!({"model": "m", "prompt": [long]})).is_ok());
+        let ids: Vec<u32> = (0..10_000).collect();
+        assert!(check(Route::Completions, json!({"model": "m", "prompt": ids})).is_ok());
+        let batch = vec![long.clone(), long.clone()];
+        let refused = check(Route::Completions, json!({"model": "m", "prompt": batch}));
+        assert!(refused.unwrap_err().contains("batched prompts"));
+        // A long history: every message needs its role, and a text is no list.
+        let message = json!({"role": "user", "content": "hi"});
+        let history = vec![message; 2_000];
+        assert!(check(Route::Chat, json!({"model": "m", "messages": history})).is_ok());
+        let mut no_role = history.clone();
+        no_role[1_000] = json!({"content": "hi"});
+        let refused = check(Route::Chat, json!({"model": "m", "messages": no_role}));
+        assert!(refused.unwrap_err().contains("string `role`"));
+        let refused = check(Route::Chat, json!({"model": "m", "messages": long}));
+        assert!(refused.unwrap_err().contains("non-empty list"));
+    }
 }
