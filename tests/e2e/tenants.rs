@@ -475,6 +475,39 @@ async fn a_clients_own_priority_never_jumps_a_prioritized_tenant() {
     let body = json!({"model": "mock", "prompt": "x", "max_tokens": 2, "priority": "high"});
     let (status, text) = post_path_as(&router, KEY_B, "/v1/completions", &body).await;
     assert_eq!(status, 400, "{text}");
+
+    // The passed-through routes (embeddings, pooling, score, rerank) too:
+    // the body goes as sent, its `priority` bounded (or the tenant's put in).
+    let passed = [
+        (KEY_B, Some(json!(i32::MIN)), Some(0)),
+        (KEY_B, None, None),
+        (KEY_A, Some(json!(-100)), Some(-5)),
+        (KEY_A, None, Some(-5)),
+    ];
+    for (i, (key, asked, sent)) in passed.iter().enumerate() {
+        let marker = format!("embedded case {i}");
+        let mut body = json!({"model": "mock", "input": marker});
+        if let Some(asked) = asked {
+            body["priority"] = asked.clone();
+        }
+        let (status, text) = post_path_as(&router, key, "/v1/embeddings", &body).await;
+        assert_eq!(status, 200, "{text}");
+        let mut seen = Vec::new();
+        for engine in [&prefill, &decode] {
+            for record in engine_requests(engine).await {
+                if record["path"] == "/v1/embeddings" && record["body"]["input"] == marker {
+                    seen.push(record["body"].clone());
+                }
+            }
+        }
+        assert_eq!(seen.len(), 1, "case {i}: {seen:?}");
+        assert_eq!(
+            seen[0].get("priority").cloned(),
+            sent.map(|p| json!(p)),
+            "case {i}"
+        );
+        assert_eq!(seen[0]["input"], marker, "the rest as sent");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,6 +7,7 @@
 //! generation routes).
 
 use super::body::{read_budgeted, BodyLimits, BudgetedBody};
+use crate::engines::http::Payload;
 use crate::error::ApiError;
 use crate::membership::{Instance, LoadGuard, Pick, Registry};
 use crate::pd::record::RequestRecord;
@@ -16,6 +17,7 @@ use crate::tenants::Caller;
 use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use std::sync::Arc;
 use tracing::Instrument;
 
@@ -73,8 +75,10 @@ async fn run(
     if let Some(caller) = caller {
         caller.charge_body(bytes.len())?;
     }
-    let model = model_of(state, &bytes)?;
+    let fields = fields_of(&bytes)?;
+    let model = model_of(state, &fields)?;
     record.set_model(&model);
+    let body = with_bounded_priority(&bytes, fields.priority, caller)?;
     let request_id = super::openai::engine_request_id(record.request_id());
     let mut tried: Vec<String> = Vec::new();
     loop {
@@ -89,7 +93,7 @@ async fn run(
             path,
             request_id: &request_id,
             trace: crate::observe::traces::headers(record.span()),
-            body: bytes.clone().into(),
+            body: body.clone(),
         };
         match state.flow.upstream.prefill(call).await {
             Ok(reply) if (200..300).contains(&reply.status) => {
@@ -116,33 +120,37 @@ async fn run(
     }
 }
 
-/// The request's model: its `model`, or the one model served when it names
-/// none (vLLM's default for these routes). Only `model` is read: the body
-/// goes to the engine as its bytes, and is never a tree of values here
-/// (an embeddings batch of token ids would cost 32 bytes an id).
-fn model_of(state: &AppState, bytes: &[u8]) -> Result<String, ApiError> {
-    #[derive(serde::Deserialize)]
-    struct ModelOnly<'a> {
-        #[serde(borrow, default)]
-        model: Option<&'a serde_json::value::RawValue>,
-    }
-    let request = match serde_json::from_slice::<ModelOnly<'_>>(bytes) {
-        Ok(request) => request,
+/// What the router reads of a passed-through body: `model` and `priority`.
+/// Nothing else: the body goes to the engine as its bytes, and is never a
+/// tree of values here (an embeddings batch of token ids would cost 32 bytes
+/// an id).
+#[derive(serde::Deserialize)]
+struct Fields<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default)]
+    priority: Option<&'a serde_json::value::RawValue>,
+}
+
+fn fields_of(bytes: &[u8]) -> Result<Fields<'_>, ApiError> {
+    match serde_json::from_slice::<Fields<'_>>(bytes) {
+        Ok(fields) => Ok(fields),
         // Not an object: said as for any route.
-        Err(err) if err.is_data() => {
-            return Err(ApiError::bad_request(
-                "request body must be a JSON object",
-                None,
-            ))
-        }
-        Err(err) => {
-            return Err(ApiError::bad_request(
-                format!("invalid JSON body: {err}"),
-                None,
-            ))
-        }
-    };
-    let model = match request.model.map(|raw| raw.get()) {
+        Err(err) if err.is_data() => Err(ApiError::bad_request(
+            "request body must be a JSON object",
+            None,
+        )),
+        Err(err) => Err(ApiError::bad_request(
+            format!("invalid JSON body: {err}"),
+            None,
+        )),
+    }
+}
+
+/// The request's model: its `model`, or the one model served when it names
+/// none (vLLM's default for these routes).
+fn model_of(state: &AppState, fields: &Fields<'_>) -> Result<String, ApiError> {
+    let model = match fields.model.map(|raw| raw.get()) {
         None | Some("null") => None,
         Some(text) => Some(
             serde_json::from_str::<String>(text)
@@ -169,6 +177,54 @@ fn model_of(state: &AppState, bytes: &[u8]) -> Result<String, ApiError> {
             )),
         },
     }
+}
+
+/// The body as the engine gets it: the client's, with its vLLM `priority`
+/// bounded by its tenant's as on the generating routes (`Caller::priority_for`:
+/// no client jumps a tenant ranked before its own), the number written in
+/// place of the client's (or the tenant's put first when the client sent
+/// none). The rest of the body is shared, not copied.
+fn with_bounded_priority(
+    bytes: &Bytes,
+    asked: Option<&serde_json::value::RawValue>,
+    caller: Option<&Caller>,
+) -> Result<Payload, ApiError> {
+    let asked_value = asked
+        .map(|raw| serde_json::from_str::<serde_json::Value>(raw.get()))
+        .transpose()
+        .map_err(|_| ApiError::bad_request("`priority` must be an integer", Some("priority")))?;
+    let tenant = caller.and_then(|caller| caller.priority);
+    let Some(priority) = crate::tenants::bounded_priority(asked_value.as_ref(), tenant)? else {
+        return Ok(bytes.clone().into());
+    };
+    let number = Bytes::from(priority.to_string());
+    let mut body = Payload::new();
+    match asked {
+        Some(raw) => {
+            // `raw` borrows `bytes`: where it lies in them.
+            let start = (raw.get().as_ptr() as usize).saturating_sub(bytes.as_ptr() as usize);
+            let end = start + raw.get().len();
+            body.push(bytes.slice(..start));
+            body.push(number);
+            body.push(bytes.slice(end..));
+        }
+        None => {
+            // An object (`fields_of` read it as one): the field goes first.
+            let open = bytes.iter().position(|b| *b == b'{').unwrap_or(0) + 1;
+            let empty = bytes[open..]
+                .iter()
+                .find(|b| !b.is_ascii_whitespace())
+                .is_some_and(|b| *b == b'}');
+            body.push(bytes.slice(..open));
+            body.push(Bytes::from_static(b"\"priority\":"));
+            body.push(number);
+            if !empty {
+                body.push(Bytes::from_static(b","));
+            }
+            body.push(bytes.slice(open..));
+        }
+    }
+    Ok(body)
 }
 
 /// The least loaded instance of `model` that may take a request, any role,
