@@ -116,17 +116,22 @@ pub struct MemoryStore {
 
 #[derive(Debug, Default)]
 struct Inner {
-    entries: HashMap<String, (Stored, usize)>,
+    /// Each response, its size, and the stamp of its put.
+    entries: HashMap<String, (Stored, usize, u64)>,
     tenants: HashMap<String, Held>,
     count: usize,
     bytes: usize,
+    /// The next put's stamp.
+    next: u64,
 }
 
 /// One tenant's part of the store.
 #[derive(Debug, Default)]
 struct Held {
-    /// Its ids, oldest first (deleted ones are skipped when met).
-    order: VecDeque<String>,
+    /// Its puts, oldest first, each by its id and stamp: one whose entry was
+    /// deleted, or put again since (a newer stamp), is skipped when met, so
+    /// that a response put again counts from its last put.
+    order: VecDeque<(String, u64)>,
     count: usize,
     bytes: usize,
 }
@@ -134,7 +139,7 @@ struct Held {
 impl Inner {
     /// Removes `id` (if there) from the store and its tenant's part.
     fn remove(&mut self, id: &str) -> Option<Stored> {
-        let (stored, size) = self.entries.remove(id)?;
+        let (stored, size, _) = self.entries.remove(id)?;
         self.count -= 1;
         self.bytes -= size;
         if let Some(held) = self.tenants.get_mut(&stored.tenant) {
@@ -150,18 +155,28 @@ impl Inner {
     /// Evicts `tenant`'s oldest response; false when it has none.
     fn evict_oldest_of(&mut self, tenant: &str, evicted: &mut Vec<Stored>) -> bool {
         loop {
-            let Some(oldest) = self
+            let Some((oldest, stamp)) = self
                 .tenants
                 .get_mut(tenant)
                 .and_then(|held| held.order.pop_front())
             else {
                 return false;
             };
+            if !self.is_current(&oldest, stamp) {
+                continue;
+            }
             if let Some(gone) = self.remove(&oldest) {
                 evicted.push(gone);
                 return true;
             }
         }
+    }
+
+    /// Whether the put of `id` stamped `stamp` is the one held now.
+    fn is_current(&self, id: &str, stamp: u64) -> bool {
+        self.entries
+            .get(id)
+            .is_some_and(|(_, _, held)| *held == stamp)
     }
 
     /// The tenant holding the most bytes (the one that gives up its oldest
@@ -249,18 +264,22 @@ impl MemoryStore {
         }
         inner.count += 1;
         inner.bytes += size;
+        let stamp = inner.next;
+        inner.next += 1;
         let Inner {
             entries, tenants, ..
         } = &mut *inner;
         let held = tenants.entry(tenant).or_default();
         held.count += 1;
         held.bytes += size;
-        // Deleted ids linger in `order` until met; keep it near the count.
+        // Deleted and put-again ids linger in `order` until met; keep it
+        // near the count.
         if held.order.len() > 2 * held.count + 16 {
-            held.order.retain(|id| entries.contains_key(id));
+            held.order
+                .retain(|(id, stamp)| entries.get(id).is_some_and(|(_, _, held)| held == stamp));
         }
-        held.order.push_back(id.to_string());
-        inner.entries.insert(id.to_string(), (stored, size));
+        held.order.push_back((id.to_string(), stamp));
+        inner.entries.insert(id.to_string(), (stored, size, stamp));
         drop(inner);
         drop(evicted);
         true
@@ -271,7 +290,7 @@ impl MemoryStore {
         self.lock()
             .entries
             .get(id)
-            .map(|(stored, _)| stored.clone())
+            .map(|(stored, _, _)| stored.clone())
     }
 
     pub fn delete_now(&self, id: &str) -> bool {
@@ -354,6 +373,35 @@ mod tests {
             store.delete_now(&format!("c{n}"));
         }
         assert!(store.get_now("b1").is_some());
+        let inner = store.lock();
+        assert!(inner
+            .tenants
+            .values()
+            .all(|held| held.order.len() <= 2 * held.count + 17));
+    }
+
+    #[test]
+    fn a_response_put_again_counts_from_its_last_put() {
+        let store = MemoryStore::new(2, 10_000);
+        assert!(store.put_now("a", stored("a")));
+        assert!(store.put_now("b", stored("b")));
+        // `a` again (its new copy): now `b` is the oldest.
+        assert!(store.put_now("a", of("t", "a2")));
+        assert!(store.put_now("c", stored("c")));
+        assert!(store.get_now("b").is_none(), "the oldest goes");
+        let again = store.get_now("a").map(|s| s.response.get().to_string());
+        assert_eq!(
+            again.as_deref(),
+            Some(r#"{"id":"a2"}"#),
+            "the new copy stays"
+        );
+        assert!(store.get_now("c").is_some());
+        assert_eq!(store.held().0, 2);
+        // Put again many times: its order stays near the count.
+        for _ in 0..100 {
+            assert!(store.put_now("c", stored("c")));
+        }
+        assert!(store.get_now("a").is_some() && store.get_now("c").is_some());
         let inner = store.lock();
         assert!(inner
             .tenants
