@@ -1,5 +1,7 @@
-//! Request fields the router keeps but no engine reads, held to the limits
-//! OpenAI's API sets for them: the response object echoes them (three times
+//! Request fields the router keeps but no engine reads (and `user`, which
+//! it passes on), held to the limits OpenAI's API sets for them (`user`
+//! has none documented: a `metadata` value's): the response object echoes
+//! them (three times
 //! for a background response's events, once more in its stored copy), so a
 //! field without a bound is memory any client could make the router keep.
 //! A field past its limit is refused (400 naming it), never cut in silence.
@@ -14,6 +16,10 @@ pub const METADATA_MAX_PAIRS: usize = 16;
 pub const METADATA_MAX_KEY_CHARS: usize = 64;
 /// Longest `metadata` value, in characters (OpenAI's limit).
 pub const METADATA_MAX_VALUE_CHARS: usize = 512;
+/// Longest `user`, in characters: OpenAI documents no limit for this end-user
+/// identifier (it gives way to `safety_identifier` and `prompt_cache_key`),
+/// so it is held to a `metadata` value's.
+pub const USER_MAX_CHARS: usize = METADATA_MAX_VALUE_CHARS;
 /// Keys `reasoning` may carry (`generate_summary` is the older `summary`).
 const REASONING_KEYS: &[&str] = &["effort", "summary", "generate_summary"];
 /// Keys `text` may carry.
@@ -26,6 +32,14 @@ pub const SETTING_MAX_CHARS: usize = 32;
 pub fn check_echoed(body: &Map<String, Value>) -> Result<(), ApiError> {
     if let Some(Value::Object(metadata)) = body.get("metadata") {
         check_metadata(metadata)?;
+    }
+    if let Some(Value::String(user)) = body.get("user") {
+        if user.chars().count() > USER_MAX_CHARS {
+            return Err(bad(
+                format!("`user` may be at most {USER_MAX_CHARS} characters"),
+                "user",
+            ));
+        }
     }
     if let Some(Value::Object(reasoning)) = body.get("reasoning") {
         check_settings(reasoning, "reasoning", REASONING_KEYS)?;
@@ -142,6 +156,10 @@ mod tests {
             ),
             (json!({"metadata": {"k": 1}}), "strings"),
             (
+                json!({"user": "u".repeat(513)}),
+                "`user` may be at most 512",
+            ),
+            (
                 json!({"reasoning": {"effort": "low", "notes": "x"}}),
                 "reasoning.notes",
             ),
@@ -167,6 +185,7 @@ mod tests {
             assert!(error.to_string().contains(said), "{body}: {error}");
         }
         assert!(checked(json!({"reasoning": {"effort": "high", "summary": null}})).is_ok());
+        assert!(checked(json!({"user": "é".repeat(512)})).is_ok());
         assert!(checked(json!({"text": {"format": {"type": "text"}, "verbosity": "low"}})).is_ok());
     }
 }
