@@ -653,17 +653,35 @@ impl RedisStore {
             .await
     }
 
+    /// Whether `stored` (response `id`) is within
+    /// `--response-store-max-response-bytes`; one past it is counted and
+    /// logged, and not stored.
+    fn storable(&self, id: &str, stored: &Stored) -> bool {
+        if stored.bytes() <= self.settings.max_response_bytes {
+            return true;
+        }
+        metrics::counter!(crate::observe::metrics::RESPONSE_STORE_TOO_LARGE, "kind" => "stored")
+            .increment(1);
+        tracing::warn!(
+            id,
+            bytes = stored.bytes(),
+            limit = self.settings.max_response_bytes,
+            "a response larger than --response-store-max-response-bytes is not stored"
+        );
+        false
+    }
+
     /// Stores `stored`, the end of background response `id`, while the lease
-    /// is `token`'s (see `PUT_FINAL`); one larger than the store's bound is
-    /// not stored (as `put`).
+    /// is `token`'s (see `PUT_FINAL`); one larger than a response may be in
+    /// the store is not stored (as `put`), and its end is written all the
+    /// same (its log's response, as `GET` then answers it).
     pub async fn put_final(
         &self,
         id: &str,
         token: &str,
         stored: &Stored,
     ) -> Result<(), AppendError> {
-        if stored.bytes() > self.settings.max_bytes {
-            tracing::warn!(id, "response larger than the whole store; not stored");
+        if !self.storable(id, stored) {
             return Ok(());
         }
         let text =
@@ -914,15 +932,7 @@ fn stored_event(entry: &redis::streams::StreamId) -> StoreResult<Event> {
 impl ResponseStore for RedisStore {
     fn put<'a>(&'a self, id: &'a str, stored: Stored) -> BoxFuture<'a, StoreResult<bool>> {
         Box::pin(async move {
-            if stored.bytes() > self.settings.max_response_bytes {
-                metrics::counter!(crate::observe::metrics::RESPONSE_STORE_TOO_LARGE, "kind" => "stored")
-                    .increment(1);
-                tracing::warn!(
-                    id,
-                    bytes = stored.bytes(),
-                    limit = self.settings.max_response_bytes,
-                    "a response larger than --response-store-max-response-bytes is not stored"
-                );
+            if !self.storable(id, &stored) {
                 return Ok(false);
             }
             match self.put_shared(id, &stored).await {
