@@ -398,21 +398,23 @@ const CANCEL_WAIT: Duration = Duration::from_secs(5);
 /// Whether the shared store has the end of `live` (this replica's, done),
 /// waiting for it (bounded): its mirror writes the end after the generation
 /// stops, and a delete before that write would be undone by it. Without a
-/// shared store, or with it unreachable, there is nothing to wait for.
-async fn mirrored_to_end(stores: &ResponseStores, id: &str, live: &Live) -> bool {
+/// shared store there is nothing to wait for; with it unreachable, the
+/// delete cannot be done (503) and nothing is forgotten here: its writer
+/// still writes it once the store is back.
+async fn mirrored_to_end(stores: &ResponseStores, id: &str, live: &Live) -> Result<bool, ApiError> {
     let Some(shared) = &stores.shared else {
-        return true;
+        return Ok(true);
     };
     if live.fenced() {
         // Another replica generates it: its end is that one's.
-        return true;
+        return Ok(true);
     }
     let deadline = tokio::time::Instant::now() + CANCEL_WAIT;
     loop {
-        match shared.log_done(id).await {
-            Ok(Some(true)) | Err(_) => return true,
-            Ok(_) if tokio::time::Instant::now() >= deadline => return false,
-            Ok(_) => tokio::time::sleep(CANCEL_POLL / 2).await,
+        match shared.log_done(id).await.map_err(store_unavailable)? {
+            Some(true) => return Ok(true),
+            _ if tokio::time::Instant::now() >= deadline => return Ok(false),
+            _ => tokio::time::sleep(CANCEL_POLL / 2).await,
         }
     }
 }
@@ -465,7 +467,9 @@ pub async fn delete(
         None => shared_log(&stores, &id, &tenant).await,
     };
     let stopped = match (&live, shared) {
-        (Some(live), _) => stop_here(live, &id).await && mirrored_to_end(&stores, &id, live).await,
+        (Some(live), _) => {
+            stop_here(live, &id).await && mirrored_to_end(&stores, &id, live).await?
+        }
         (None, Some((store, log))) => cancel_elsewhere(&store, &id, log).await?.1,
         (None, None) => {
             stored(&stores, &id, &tenant).await?;
