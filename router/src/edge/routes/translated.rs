@@ -461,10 +461,15 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
     let mut chat = chat_response.into_body().into_data_stream();
     let shared = state.responses.shared.clone();
     let keeps_checkpoints = shared.is_some();
-    // What its events may hold in the shared store.
+    // What it may hold in the shared store: its events, its request (when
+    // it starts here) and its checkpoint, counted at each checkpoint; a
+    // request past it alone is not written (the first count fails it).
     let max_bytes = shared
         .as_ref()
         .map_or(usize::MAX, |store| store.max_response_bytes());
+    let json_len = crate::protocols::responses::live::json_len;
+    let origin_bytes = origin.as_ref().map_or(0, json_len);
+    let origin = origin.filter(|_| origin_bytes <= max_bytes);
     let checkpoint = {
         let driver = driver.clone();
         move || {
@@ -535,9 +540,12 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
                     if !live.unchecked() {
                         continue;
                     }
-                    let bytes = live.event_bytes();
+                    let checkpointed = checkpoint();
+                    let bytes = live.event_bytes()
+                        + origin_bytes
+                        + checkpointed.as_ref().map_or(0, json_len);
                     if bytes <= max_bytes {
-                        live.push_checkpointed(Vec::new(), None, checkpoint());
+                        live.push_checkpointed(Vec::new(), None, checkpointed);
                         continue;
                     }
                     // Past the store's bound: the response fails, as any

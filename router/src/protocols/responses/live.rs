@@ -310,7 +310,7 @@ impl Live {
 }
 
 /// The length of `value`'s JSON, without writing it.
-fn json_len(value: &Value) -> usize {
+pub fn json_len(value: &Value) -> usize {
     struct Count(usize);
     impl std::io::Write for Count {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
