@@ -289,6 +289,98 @@ async fn a_background_response_past_the_stores_byte_bound_fails_and_stops() {
     assert!(emitted < 2000, "{emitted}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_response_whose_request_passes_the_stores_byte_bound_fails_unwritten() {
+    let redis = Redis::start();
+    let flags = ["--response-store-max-response-bytes", "20000"];
+    let (a, b, _engines) = replicas_with(&redis, &flags, &["--decode-us-per-token", "20000"]).await;
+    // Few events, but a request (the chat a takeover would continue) past
+    // the bound on its own.
+    let body = json!({"model": "mock", "input": "word ".repeat(5000), "background": true,
+                      "max_output_tokens": 20});
+    let (status, text) = create(&a, &body).await;
+    assert_eq!(status, 200, "{text}");
+    let id = id_of(&text);
+    let all = reattach(&a, &id, None, usize::MAX).await;
+    let last = all.last().unwrap();
+    assert_eq!(last["type"], "response.failed", "{last}");
+    let error = all.iter().find(|e| e["type"] == "error").unwrap();
+    assert_eq!(error["code"], "response_too_large", "{error}");
+    assert_eq!(ended(&b, &id).await["status"], "failed");
+    // Its request was never written to the store.
+    let origin = format!("connex:{{{id}}}:origin");
+    assert_eq!(redis.cli(&["EXISTS", &origin]), "0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_response_past_the_per_response_bound_is_not_stored() {
+    use connex_router::{RedisSettings, RedisStore, Stored};
+    use serde_json::value::RawValue;
+    let redis = Redis::start();
+    // Room for it in the replica's own memory (`max_bytes`), not in the
+    // store's bound per response.
+    let store = RedisStore::new(RedisSettings {
+        url: redis.url.clone(),
+        password: None,
+        ca_file: None,
+        prefix: "final:".into(),
+        ttl: Duration::from_secs(60),
+        timeout: Duration::from_secs(2),
+        lease: Duration::from_secs(60),
+        max_bytes: 1 << 20,
+        max_response_bytes: 1024,
+        fallback_count: 16,
+    })
+    .unwrap();
+    let stored = |text: &str| {
+        let response = json!({"id": "x", "output_text": text}).to_string();
+        Stored::new(RawValue::from_string(response).unwrap(), &[], String::new())
+    };
+    for (id, text, kept) in [
+        ("resp_small", "x", "1"),
+        ("resp_big", &"x".repeat(2000)[..], "0"),
+    ] {
+        store.put_final(id, "writer", &stored(text)).await.unwrap();
+        let key = format!("final:{{{id}}}:stored");
+        assert_eq!(redis.cli(&["EXISTS", &key]), kept, "{id}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_that_cannot_reach_the_store_changes_nothing() {
+    let dir = std::env::temp_dir().join(format!("connex-redis-delete-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut redis = Redis::start_persistent(&dir);
+    let (a, b, _engines) = replicas_with(&redis, &[], &[]).await;
+    let body = json!({"model": "mock", "input": "Delete me while the store is down",
+                      "background": true, "max_output_tokens": 5});
+    let (_, text) = create(&a, &body).await;
+    let id = id_of(&text);
+    let all = reattach(&a, &id, None, usize::MAX).await;
+    assert_eq!(all.last().unwrap()["type"], "response.completed");
+    redis.kill();
+    let (status, refused) = delete(&a, &id).await;
+    assert_eq!(status, 503, "{refused}");
+    // Refused, it changed nothing: A still replays it whole.
+    let (status, text) = get_raw(&a, &id, "?stream=true").await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(sse_events(&text), all);
+    // The store back, the delete goes through, and nothing of it is left.
+    redis.restart();
+    eventually(
+        Duration::from_secs(20),
+        "the delete went through",
+        || async { delete(&a, &id).await.0 == 200 },
+    )
+    .await;
+    assert_eq!(keys_of(&redis, &id), Vec::<String>::new());
+    for router in [&a, &b] {
+        assert_eq!(get_raw(router, &id, "?stream=true").await.0, 404);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A background response made on A, whose key `what` (`checkpoint`,
 /// `origin`; once past its prefill) is rewritten by `tamper` after A dies,
 /// before B takes it over. Returns the response as B ends it, and the
