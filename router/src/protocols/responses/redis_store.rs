@@ -106,26 +106,29 @@ pub struct LogState {
 
 /// Appends a background response's events past those already there (so that
 /// a retried append writes each event once), sets its state and checkpoint
-/// (and its origin, once), and renews the writer's lease on it; all at once,
-/// and only while the lease is the writer's (another replica that took the
-/// generation over has it: -1, and nothing is written; none has it, as after
-/// it ran out while the store was unreachable: the writer takes it again,
-/// unless the response is done, ended by a replica that took it over). Done:
-/// the lease and the response's place among the running ones go. Returns
-/// whether a cancel was asked (1) or not (0): the writer needs no call of its
-/// own to know.
-/// K (the response's keys, named here from the prefix and the id: each
-/// append sends its changes, not seven key names): state hash, events
-/// stream, checkpoint, lease, running set (KEYS[1]), cancel, origin.
-/// ARGV: ttl seconds, tenant, response ('' keeps the last), done (0/1),
-/// lease token, lease ms, checkpoint ('' keeps the last; '=' then the whole
-/// one, '+' then a patch of the last: -2, and nothing written, when there is
-/// none to patch), response id, origin ('' none), key prefix, then sequence
+/// (and its origin, once; and its stored response, as it ends), and renews
+/// the writer's lease on it; all at once, and only while the lease is the
+/// writer's (another replica that took the generation over has it: -1, and
+/// nothing is written; none has it, as after it ran out while the store was
+/// unreachable: the writer takes it again, unless the response is done,
+/// ended by a replica that took it over). Done: the lease and the
+/// response's place among the running ones go. Returns whether a cancel was
+/// asked (1) or not (0): the writer needs no call of its own to know.
+/// K (the response's keys, named here from the prefix and the id: a write
+/// goes ten times a second, and sends its changes, not the same key names
+/// every time): state hash, events stream, checkpoint, lease, running set,
+/// cancel, origin, stored.
+/// ARGV: ttl seconds, tenant ('' keeps the last), response ('' keeps the
+/// last; '@' then a length: the stored response's, the bytes after
+/// `{"response":` in it), done (0/1), lease token, lease ms, checkpoint (''
+/// keeps the last; '=' then the whole one, '+' then a patch of the last:
+/// -2, and nothing written, when there is none to patch), response id,
+/// origin ('' none), key prefix, stored response ('' none), then sequence
 /// number and event, pairs.
 const APPEND: &str = r"
 local base = ARGV[10] .. '{' .. ARGV[8] .. '}:'
-local K = {base .. 'bg', base .. 'events', base .. 'checkpoint', base .. 'lease', KEYS[1],
-           base .. 'cancel', base .. 'origin'}
+local K = {base .. 'bg', base .. 'events', base .. 'checkpoint', base .. 'lease',
+           ARGV[10] .. 'running', base .. 'cancel', base .. 'origin', base .. 'stored'}
 local holder = redis.call('GET', K[4])
 if holder and holder ~= ARGV[5] then return -1 end
 if not holder and redis.call('HGET', K[1], 'done') == '1' then return -1 end
@@ -134,15 +137,21 @@ if patching and redis.call('TYPE', K[3])['ok'] ~= 'list' then return -2 end
 local last = 0
 local top = redis.call('XREVRANGE', K[2], '+', '-', 'COUNT', 1)
 if #top > 0 then last = tonumber(string.match(top[1][1], '%-(%d+)$')) end
-for i = 11, #ARGV, 2 do
+for i = 12, #ARGV, 2 do
   local n = tonumber(ARGV[i]) + 1
   if n > last then
     redis.call('XADD', K[2], '0-' .. n, 'e', ARGV[i + 1])
     last = n
   end
 end
-redis.call('HSET', K[1], 'tenant', ARGV[2], 'done', ARGV[4])
-if ARGV[3] ~= '' then redis.call('HSET', K[1], 'response', ARGV[3]) end
+if ARGV[11] ~= '' then redis.call('SET', K[8], ARGV[11], 'EX', ARGV[1]) end
+if ARGV[2] ~= '' then redis.call('HSET', K[1], 'tenant', ARGV[2]) end
+redis.call('HSET', K[1], 'done', ARGV[4])
+local response = ARGV[3]
+if string.sub(response, 1, 1) == '@' then
+  response = string.sub(ARGV[11], 13, 12 + tonumber(string.sub(response, 2)))
+end
+if response ~= '' then redis.call('HSET', K[1], 'response', response) end
 redis.call('EXPIRE', K[1], ARGV[1])
 if last > 0 then redis.call('EXPIRE', K[2], ARGV[1]) end
 if ARGV[7] ~= '' then
@@ -264,6 +273,35 @@ pub enum CheckpointWrite<'a> {
     /// Its changes since the last one written (`patch::diff`, JSON).
     Patch(&'a str),
 }
+
+/// One write of a background response (`RedisStore::append_write`).
+#[derive(Debug, Clone, Copy)]
+pub struct Append<'a> {
+    /// Its tenant ('': the store has it).
+    pub tenant: &'a str,
+    pub response: AppendResponse<'a>,
+    pub done: bool,
+    pub checkpoint: Option<CheckpointWrite<'a>>,
+    /// What a replica taking it over needs (given once).
+    pub origin: Option<&'a Value>,
+    /// Its stored response, as it ends.
+    pub stored: Option<&'a Stored>,
+}
+
+/// The response as one write sets it.
+#[derive(Debug, Clone, Copy)]
+pub enum AppendResponse<'a> {
+    /// The store has it.
+    Kept,
+    Whole(&'a Value),
+    /// The one the write's stored response holds (the same as this): read
+    /// there by the script, where it can be.
+    Stored(&'a Value),
+}
+
+/// Where a stored response's own JSON starts in it as serialized (`Stored`'s
+/// first field): `{"response":`.
+const STORED_RESPONSE_AT: usize = 12;
 
 /// What a replica that takes a background response over starts from.
 #[derive(Debug)]
@@ -457,7 +495,29 @@ impl RedisStore {
             .connect_failed
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = made.is_err().then(tokio::time::Instant::now);
-        let made = made?;
+        let mut made = made?;
+        // The scripts known to Redis from the start: a script's first call
+        // otherwise sends its arguments twice (refused as unknown, then
+        // again after loading it), and the first append carries the whole
+        // checkpoint, the last one the stored response. Not loaded (or lost
+        // to a restart): each call loads its script as it needs it.
+        let scripts = [
+            &self.append,
+            &self.claim,
+            &self.release,
+            &self.put_final,
+            &self.read_checkpoint,
+            &self.renew,
+        ];
+        for script in scripts {
+            let loading = script.load_async(&mut made);
+            if tokio::time::timeout(self.settings.timeout, loading)
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
         *manager = Some(made.clone());
         Ok(made)
     }
@@ -586,28 +646,73 @@ impl RedisStore {
         checkpoint: Option<CheckpointWrite<'_>>,
         origin: Option<&Value>,
     ) -> Result<bool, AppendError> {
-        let response = match &state.response {
-            Value::Null => String::new(),
-            response => response.to_string(),
+        let write = Append {
+            tenant: &state.tenant,
+            response: match &state.response {
+                Value::Null => AppendResponse::Kept,
+                response => AppendResponse::Whole(response),
+            },
+            done: state.done,
+            checkpoint,
+            origin,
+            stored: None,
         };
-        let checkpoint = match checkpoint {
+        self.append_write(id, token, write, events).await
+    }
+
+    /// `append` of `write`: its tenant ('' keeps the last), its response,
+    /// and, as the response ends, its stored response (as `put_final`), in
+    /// the same call.
+    pub async fn append_write(
+        &self,
+        id: &str,
+        token: &str,
+        write: Append<'_>,
+        events: &[Event],
+    ) -> Result<bool, AppendError> {
+        let stored = match write.stored {
+            Some(stored) if stored.bytes() <= self.settings.max_bytes => {
+                Some(serde_json::to_string(stored).map_err(|err| StoreError::Malformed(err.to_string()))?)
+            }
+            Some(_) => {
+                tracing::warn!(id, "response larger than the whole store; not stored");
+                None
+            }
+            None => None,
+        };
+        let response = match write.response {
+            AppendResponse::Kept => String::new(),
+            AppendResponse::Whole(response) => response.to_string(),
+            // Its bytes in the stored response, not sent twice (where they
+            // are where the script takes them).
+            AppendResponse::Stored(response) => match (&stored, write.stored) {
+                (Some(text), Some(kept))
+                    if text.get(STORED_RESPONSE_AT..STORED_RESPONSE_AT + kept.response.get().len())
+                        == Some(kept.response.get()) =>
+                {
+                    format!("@{}", kept.response.get().len())
+                }
+                _ => response.to_string(),
+            },
+        };
+        let checkpoint = match write.checkpoint {
             None => String::new(),
             Some(CheckpointWrite::Whole(whole)) => format!("={whole}"),
             Some(CheckpointWrite::Patch(patch)) => format!("+{patch}"),
         };
         let mut invocation = self.append.prepare_invoke();
         invocation
-            .key(self.running_key())
             .arg(self.ttl_s())
-            .arg(&state.tenant)
+            .arg(write.tenant)
             .arg(response)
-            .arg(u8::from(state.done))
+            .arg(u8::from(write.done))
             .arg(token)
             .arg(self.lease_ms())
             .arg(checkpoint)
             .arg(id)
-            .arg(origin.map(Value::to_string).unwrap_or_default())
-            .arg(&self.settings.prefix);
+            .arg(write.origin.map(Value::to_string).unwrap_or_default())
+            .arg(&self.settings.prefix)
+            .arg(stored.unwrap_or_default());
         for event in events {
             let Some(n) = event.sequence() else {
                 continue;
