@@ -180,7 +180,9 @@ async fn write_once(
     let response = match &stored {
         _ if !response_changed => AppendResponse::Kept,
         Some(kept)
-            if serde_json::from_str::<Value>(kept.response.get()).ok().as_ref()
+            if serde_json::from_str::<Value>(kept.response.get())
+                .ok()
+                .as_ref()
                 == Some(&snapshot.response) =>
         {
             AppendResponse::Stored(&snapshot.response)
@@ -196,7 +198,7 @@ async fn write_once(
         false => CheckpointWrite::Patch(text),
     });
     let append = Append {
-        tenant: if response_changed { &live.tenant } else { "" },
+        tenant: response_changed.then_some(live.tenant.as_str()),
         response,
         done,
         checkpoint: write,

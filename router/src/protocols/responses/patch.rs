@@ -115,7 +115,11 @@ fn apply_with(value: &mut Value, patch: &Value, tails: &mut Vec<String>) -> Resu
                     fields.remove(key);
                     continue;
                 }
-                apply_with(fields.entry(key.clone()).or_insert(Value::Null), change, tails)?;
+                apply_with(
+                    fields.entry(key.clone()).or_insert(Value::Null),
+                    change,
+                    tails,
+                )?;
             }
             return Ok(());
         }
@@ -227,7 +231,10 @@ mod tests {
         round_trip(json!([1, {"t": "ab"}]), json!([1, {"t": "abc"}, 2]));
         round_trip(json!("é"), json!("è"));
         round_trip(json!({"a": 1}), json!([1]));
-        round_trip(json!({"a": "x", "b": "y"}), json!({"a": "xz", "b": "yz", "c": "z"}));
+        round_trip(
+            json!({"a": "x", "b": "y"}),
+            json!({"a": "xz", "b": "yz", "c": "z"}),
+        );
         round_trip(json!(["a", "b"]), json!([]));
         // A write that landed though its answer was lost, then the next one
         // made from the same earlier value: the same result.

@@ -116,7 +116,7 @@ pub fn check(body: &Map<String, Value>) -> Result<(Echo, Vec<Value>), ApiError> 
     };
     let previous_response_id = match body.get("previous_response_id") {
         None | Some(Value::Null) => None,
-        Some(Value::String(id)) if !id.is_empty() => Some(id.clone()),
+        Some(Value::String(id)) if super::valid_response_id(id) => Some(id.clone()),
         Some(_) => {
             return Err(bad(
                 "`previous_response_id` must be a response id",
