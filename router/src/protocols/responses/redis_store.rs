@@ -221,24 +221,6 @@ end
 return won
 ";
 
-/// Stores a background response's stored response as it ends, only while
-/// the writer's lease is its own (as `APPEND`: or none's, and the response
-/// not done), renewing it: the writer that lost it to another replica
-/// never overwrites what that one stores.
-/// KEYS: lease, stored, state hash, running set. ARGV: token, stored
-/// response, ttl seconds, lease ms, response id. Returns -1 when fenced.
-const PUT_FINAL: &str = r"
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return -1 end
-if not holder and redis.call('HGET', KEYS[3], 'done') == '1' then return -1 end
-redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[4])
-redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[5])
-return 1
-";
-
 /// Lets a lease go (its holder stops): the response is due at once.
 /// KEYS: lease, running set. ARGV: token, response id.
 const RELEASE: &str = r"
@@ -364,7 +346,6 @@ pub struct RedisStore {
     client: redis::Client,
     claim: redis::Script,
     release: redis::Script,
-    put_final: redis::Script,
     read_checkpoint: redis::Script,
     renew: redis::Script,
     /// Connected on first use (a router starts while Redis is down) and
@@ -451,7 +432,6 @@ impl RedisStore {
             append: redis::Script::new(&append_script(&settings)),
             claim: redis::Script::new(CLAIM),
             release: redis::Script::new(RELEASE),
-            put_final: redis::Script::new(PUT_FINAL),
             read_checkpoint: redis::Script::new(READ_CHECKPOINT),
             renew: redis::Script::new(RENEW),
             settings,
@@ -537,7 +517,6 @@ impl RedisStore {
             &self.append,
             &self.claim,
             &self.release,
-            &self.put_final,
             &self.read_checkpoint,
             &self.renew,
         ];
@@ -817,38 +796,26 @@ impl RedisStore {
     }
 
     /// Stores `stored`, the end of background response `id`, while the lease
-    /// is `token`'s (see `PUT_FINAL`); one larger than the store's bound is
-    /// not stored (as `put`).
+    /// is `token`'s (as `APPEND`: or none's, and the response not done),
+    /// renewing it: the writer that lost it to another replica never
+    /// overwrites what that one stores. One larger than the store's bound is
+    /// not stored (as `put`). The writer sends it with its last events
+    /// instead (`append_write`).
     pub async fn put_final(
         &self,
         id: &str,
         token: &str,
         stored: &Stored,
     ) -> Result<(), AppendError> {
-        if stored.bytes() > self.settings.max_bytes {
-            tracing::warn!(id, "response larger than the whole store; not stored");
-            return Ok(());
-        }
-        let text =
-            serde_json::to_string(stored).map_err(|err| StoreError::Malformed(err.to_string()))?;
-        let mut invocation = self.put_final.prepare_invoke();
-        invocation
-            .key(self.key(id, "lease"))
-            .key(self.key(id, "stored"))
-            .key(self.key(id, "bg"))
-            .key(self.running_key())
-            .arg(token)
-            .arg(text)
-            .arg(self.ttl_s())
-            .arg(self.lease_ms())
-            .arg(id);
-        let answer: i64 = self
-            .call("put", async |conn| invocation.invoke_async(conn).await)
-            .await?;
-        match answer {
-            -1 => Err(AppendError::Fenced),
-            _ => Ok(()),
-        }
+        let write = Append {
+            tenant: None,
+            response: AppendResponse::Kept,
+            done: false,
+            checkpoint: None,
+            origin: None,
+            stored: Some(stored),
+        };
+        self.append_write(id, token, write, &[]).await.map(|_| ())
     }
 
     /// Lets the lease `token` holds on `id` go, for another replica to claim.
