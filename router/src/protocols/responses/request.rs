@@ -484,6 +484,15 @@ mod tests {
                 "function tools",
             ),
             (json!({"input": "x"}), "model"),
+            // Not a response id's shape: it would name a key in the store.
+            (
+                json!({"model": "m", "input": "x", "previous_response_id": "resp_a}:stored"}),
+                "previous_response_id",
+            ),
+            (
+                json!({"model": "m", "input": "x", "previous_response_id": "r".repeat(129)}),
+                "previous_response_id",
+            ),
         ] {
             let error = chat(body.clone()).map(|_| ()).expect_err("refused");
             assert_eq!(error.status(), axum::http::StatusCode::BAD_REQUEST);
