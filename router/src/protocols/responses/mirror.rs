@@ -132,8 +132,9 @@ struct Written {
 }
 
 /// One write of `live`'s events after `written` up to its last checkpoint,
-/// its state and the checkpoint; at the end, the stored response first,
-/// both under the lease.
+/// its state and the checkpoint; at the end, the stored response with them:
+/// one script, under the lease (a client that read the last events can at
+/// once continue from the stored response).
 async fn write(
     store: &RedisStore,
     id: &str,
