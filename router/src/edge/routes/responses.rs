@@ -210,6 +210,16 @@ impl ResponseTranslation {
     }
 }
 
+/// No response has an id that cannot be one (`valid_response_id`): not
+/// found, before it names a key in any store.
+fn known_id(id: &str) -> Result<(), ApiError> {
+    if crate::protocols::responses::valid_response_id(id) {
+        Ok(())
+    } else {
+        Err(ApiError::NotFound("response".into()))
+    }
+}
+
 /// The stored response `id` of `tenant`; another tenant's is not found.
 async fn stored(stores: &ResponseStores, id: &str, tenant: &str) -> Result<Stored, ApiError> {
     stores
@@ -295,6 +305,7 @@ pub async fn retrieve(
     Path(id): Path<String>,
     query: Result<Query<Retrieve>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    known_id(&id)?;
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text(), None))?;
     let tenant = tenant_of(caller);
     let live = live_log(&stores, &id, &tenant).await;
@@ -350,6 +361,7 @@ pub async fn cancel(
     caller: Option<Extension<Caller>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    known_id(&id)?;
     let tenant = tenant_of(caller);
     let Some(live) = live_log(&stores, &id, &tenant).await else {
         if let Some((store, log)) = shared_log(&stores, &id, &tenant).await {
@@ -457,6 +469,7 @@ pub async fn delete(
     caller: Option<Extension<Caller>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    known_id(&id)?;
     let tenant = tenant_of(caller);
     // One taken over by another replica is stopped through the store.
     let live = live_log(&stores, &id, &tenant).await;

@@ -49,7 +49,7 @@ pub fn spawn(state: &Arc<AppState>, tasks: &mut tokio::task::JoinSet<()>, stop: 
             if state.responses.live.stop.is_cancelled() {
                 return;
             }
-            let token = crate::protocols::responses::new_id("lease");
+            let token = crate::protocols::responses::redis_store::lease_token();
             // Never its own generations: their writer goes on (or finds
             // itself fenced) once the store answers again.
             let own = state.responses.live.mirrored();

@@ -479,7 +479,7 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
             .as_str()
             .unwrap_or_default()
             .to_string();
-        let token = lease.unwrap_or_else(|| crate::protocols::responses::new_id("lease"));
+        let token = lease.unwrap_or_else(crate::protocols::responses::redis_store::lease_token);
         // Until its first write, as long as its lease would allow.
         let hold = crate::protocols::responses::mirror::hold_for(shared.lease());
         live.gate(tokio::time::Instant::now() + hold);
