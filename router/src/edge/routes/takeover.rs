@@ -17,9 +17,9 @@ use super::translated::{run_apart, Apart, Lease, Shared, Sink};
 use crate::error::ApiError;
 use crate::pd::checkpoint::DecodeCheckpoint;
 use crate::pd::record::RequestRecord;
+use crate::protocols::event::Event;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
-use crate::protocols::event::Event;
 use crate::protocols::responses::live::LiveQuota;
 use crate::protocols::responses::redis_store::{CheckpointWrite, LogState, RedisStore, Taken};
 use crate::protocols::responses::store::{StoreError, TenantQuota};
@@ -149,7 +149,11 @@ async fn take_over(claim: Claim, lease: Lease) {
         // bound): no replica could ever go on with it, so it ends as failed
         // rather than being claimed, read and released again forever.
         Err(StoreError::Malformed(why)) => {
-            tracing::warn!(id, why, "a claimed background response cannot be read back; ended as failed");
+            tracing::warn!(
+                id,
+                why,
+                "a claimed background response cannot be read back; ended as failed"
+            );
             let then = store.log_state(&id).await.ok().flatten();
             let error = TakeoverError::Checkpoint(why);
             fail(&store, &id, &token, then, &error).await;
@@ -167,7 +171,10 @@ async fn take_over(claim: Claim, lease: Lease) {
         // Another replica may have room: left for its next look.
         Err(TakeoverError::Full) => release(&store, &id, &token).await,
         Err(TakeoverError::Lost) => {
-            tracing::info!(id, "a claimed background response was lost before it started");
+            tracing::info!(
+                id,
+                "a claimed background response was lost before it started"
+            );
         }
         Err(error) => {
             tracing::warn!(id, %error, "a claimed background response cannot go on");

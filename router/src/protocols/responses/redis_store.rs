@@ -738,7 +738,9 @@ impl RedisStore {
     pub async fn last_sequence(&self, id: &str) -> StoreResult<Option<u64>> {
         let key = self.key(id, "events");
         let top: redis::streams::StreamRangeReply = self
-            .call_bulk("read", async |conn| conn.xrevrange_count(key, "+", "-", 1).await)
+            .call_bulk("read", async |conn| {
+                conn.xrevrange_count(key, "+", "-", 1).await
+            })
             .await?;
         Ok(top.ids.first().and_then(|entry| {
             entry
