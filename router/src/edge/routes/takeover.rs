@@ -10,6 +10,12 @@
 //! the tokens the checkpoint has; the events go on from the next sequence
 //! number. Events the dead replica made after its last write are made again
 //! (they were never in the store, so no reader has them twice).
+//!
+//! What is read back is held to what this replica knows: the tenant as its
+//! tenants file says now (engine fields, quotas), the checkpoint checked as
+//! a prefill's answer. A response that cannot go on ends as failed, with a
+//! `response.failed` event after its last, so that every reader's stream
+//! ends; only one this replica has no room for is let go for another look.
 
 use super::openai::{engine_request_id, valid_request_id};
 use super::responses::ResponseTranslation;
