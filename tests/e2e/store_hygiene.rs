@@ -295,7 +295,7 @@ async fn a_background_response_past_the_stores_byte_bound_fails_and_stops() {
 /// routers and engines.
 /// A background response's checkpoint as the store has it (a list: the
 /// whole one, then its patches), as a takeover reads it.
-fn checkpoint_in(redis: &Redis, key: &str) -> Option<Value> {
+pub(super) fn checkpoint_in(redis: &Redis, key: &str) -> Option<Value> {
     let parts: Vec<String> = redis
         .cli(&["LRANGE", key, "0", "-1"])
         .lines()
@@ -305,7 +305,7 @@ fn checkpoint_in(redis: &Redis, key: &str) -> Option<Value> {
     connex_router::checkpoint_of(&parts).ok().flatten()
 }
 
-async fn taken_over_tampered(
+pub(super) async fn taken_over_tampered(
     redis: &Redis,
     what: &str,
     tamper: impl FnOnce(&mut Value),

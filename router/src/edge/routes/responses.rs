@@ -183,12 +183,14 @@ impl Translation for ResponseTranslation {
 
 impl ResponseTranslation {
     /// The translation of a generation taken over from another replica:
-    /// `origin` and `checkpoint` as that replica wrote them.
+    /// `origin` and `checkpoint` as that replica wrote them; `quota`: what
+    /// its tenant may keep, as configured here.
     pub(super) fn resumed(
         stores: Arc<ResponseStores>,
         origin: &Value,
         checkpoint: Value,
         tenant: &str,
+        quota: TenantQuota,
     ) -> Result<Self, serde_json::Error> {
         Ok(Self {
             stores,
@@ -196,7 +198,7 @@ impl ResponseTranslation {
             store: origin["store"].as_bool().unwrap_or(true),
             items: serde_json::from_value(origin["items"].clone())?,
             tenant: tenant.to_string(),
-            quota: TenantQuota::default(),
+            quota,
             keeping: None,
         })
     }

@@ -231,6 +231,18 @@ end
 return 1
 ";
 
+/// Renews a lease still held by its token (a replica taking a response over,
+/// before it starts the generation): 1, or 0 when another holds it or none.
+/// KEYS: lease, running set. ARGV: token, lease ms, response id.
+const RENEW_LEASE: &str = r"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
+return 1
+";
+
 /// Reads a checkpoint as written (a list: whole, then patches; a string:
 /// whole, as a replica before patches wrote it). KEYS: checkpoint.
 const READ_CHECKPOINT: &str = r"
@@ -346,6 +358,7 @@ pub struct RedisStore {
     client: redis::Client,
     claim: redis::Script,
     release: redis::Script,
+    renew_lease: redis::Script,
     read_checkpoint: redis::Script,
     renew: redis::Script,
     /// Connected on first use (a router starts while Redis is down) and
@@ -432,6 +445,7 @@ impl RedisStore {
             append: redis::Script::new(&append_script(&settings)),
             claim: redis::Script::new(CLAIM),
             release: redis::Script::new(RELEASE),
+            renew_lease: redis::Script::new(RENEW_LEASE),
             read_checkpoint: redis::Script::new(READ_CHECKPOINT),
             renew: redis::Script::new(RENEW),
             settings,
@@ -830,6 +844,41 @@ impl RedisStore {
             invocation.invoke_async::<i64>(conn).await.map(|_| ())
         })
         .await
+    }
+
+    /// Renews the lease `token` holds on `id`; false when it holds it no
+    /// longer (another replica claimed it, or it ran out).
+    pub async fn renew_lease(&self, id: &str, token: &str) -> StoreResult<bool> {
+        let mut invocation = self.renew_lease.prepare_invoke();
+        invocation
+            .key(self.key(id, "lease"))
+            .key(self.running_key())
+            .arg(token)
+            .arg(self.lease_ms())
+            .arg(id);
+        let renewed: i64 = self
+            .call("lease", async |conn| invocation.invoke_async(conn).await)
+            .await?;
+        Ok(renewed == 1)
+    }
+
+    /// The sequence number of the last event of background response `id`
+    /// (None: none), from its entry id alone (the event itself may be
+    /// malformed): what a failure written after it is numbered from.
+    pub async fn last_sequence(&self, id: &str) -> StoreResult<Option<u64>> {
+        let key = self.key(id, "events");
+        let top: redis::streams::StreamRangeReply = self
+            .call_bulk("read", async |conn| {
+                conn.xrevrange_count(key, "+", "-", 1).await
+            })
+            .await?;
+        Ok(top.ids.first().and_then(|entry| {
+            entry
+                .id
+                .strip_prefix("0-")
+                .and_then(|n| n.parse::<u64>().ok())
+                .and_then(|n| n.checked_sub(1))
+        }))
     }
 
     /// Renews the TTL of every key of every running response (those any
