@@ -256,10 +256,10 @@ def abuse_responses(cluster):
             status, answer = post(cluster.router, "/v1/responses", {**body, "background": True})
             count(f"background {status}")
             if status == 200:
-                rid = json.loads(answer)["id"]
+                replay = f"/v1/responses/{json.loads(answer)['id']}?stream=true"
                 readers = [
                     threading.Thread(
-                        target=lambda: count(f"replay {get(cluster.router, f'/v1/responses/{rid}?stream=true')[0]}")
+                        target=lambda path=replay: count(f"replay {get(cluster.router, path)[0]}")
                     )
                     for _ in range(2)
                 ]
@@ -267,7 +267,7 @@ def abuse_responses(cluster):
                     reader.start()
                 for reader in readers:
                     reader.join()
-                count(f"read {get(cluster.router, f'/v1/responses/{rid}')[0]}")
+                count(f"read {get(cluster.router, replay.removesuffix('?stream=true'))[0]}")
             stored = {**body, "max_output_tokens": 8}
             if previous is not None:
                 stored["previous_response_id"] = previous
@@ -276,7 +276,7 @@ def abuse_responses(cluster):
             if status == 200:
                 rid = json.loads(answer)["id"]
                 for _ in range(2):
-                    count(f"read {get(cluster.router, f'/v1/responses/{rid}')[0]}")
+                    count(f"read {get(cluster.router, replay.removesuffix('?stream=true'))[0]}")
                 depth += 1
                 previous = rid if depth < RESPONSES_CHAIN else None
             if previous is None:
@@ -364,9 +364,12 @@ def responses_redis_bytes_per_token(bin_dir, logs):
     procs = Procs(logs, "responses-")
     try:
         deadline = time.monotonic() + 10
-        while subprocess.run(
-            ["redis-cli", "-p", str(port), "PING"], capture_output=True, text=True
-        ).stdout.strip() != "PONG":
+        while (
+            subprocess.run(
+                ["redis-cli", "-p", str(port), "PING"], capture_output=True, text=True
+            ).stdout.strip()
+            != "PONG"
+        ):
             if time.monotonic() > deadline:
                 raise RuntimeError("redis-server did not start")
             time.sleep(0.05)

@@ -674,10 +674,11 @@ pub struct ResponsesArgs {
     )]
     pub store_prefix: String,
     /// Most bytes one response may hold in the response store: a stored
-    /// response's object and conversation, a background response's events.
+    /// response's object and conversation; a background response's events,
+    /// request and checkpoint (docs/operations.md, "Bytes per response").
     /// A stored response over it is not stored there (logged, counted in
-    /// connex_response_store_too_large_total); a background response whose
-    /// events pass it fails (`response_too_large`) and its generation stops.
+    /// connex_response_store_too_large_total); a background response that
+    /// passes it fails (`response_too_large`) and its generation stops.
     #[arg(
         long = "response-store-max-response-bytes",
         id = "response_store_max_response_bytes",

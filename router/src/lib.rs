@@ -294,7 +294,7 @@ impl Router {
             .holds
             .spawn_keeper(releases, &mut tasks, background.clone());
         tenants::spawn_reloader(&tenants, &mut tasks, background.clone());
-        edge::routes::takeover::spawn(&state, &mut tasks, background.clone());
+        edge::routes::takeover::spawn(&state, &tenants, &mut tasks, background.clone());
         if let Some(store) = state.responses.shared.clone() {
             protocols::responses::renewal::spawn(store, &mut tasks, background.clone());
         }

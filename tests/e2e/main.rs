@@ -25,4 +25,5 @@ mod security;
 mod shared_responses;
 mod soak;
 mod store_hygiene;
+mod takeover_faults;
 mod tenants;

@@ -68,8 +68,9 @@ async fn read_to_the_end(
     seen: Arc<Mutex<Vec<Value>>>,
 ) -> Vec<Value> {
     read_into(first, &seen).await;
-    let mut all = seen.lock().unwrap().clone();
-    for _ in 0..10 {
+    let mut all = numbered(seen.lock().unwrap().clone());
+    // Up to ~30 s of reattaching: the store may be down for seconds.
+    for _ in 0..60 {
         if all.last().is_some_and(is_terminal) {
             break;
         }
@@ -77,16 +78,32 @@ async fn read_to_the_end(
         let last = all.last().unwrap()["sequence_number"].as_u64().unwrap();
         let url = format!("{base}/v1/responses/{id}?stream=true&starting_after={last}");
         let response = long_client().get(url).send().await.unwrap();
-        if response.status() != 200 {
+        if response.status() == 200 {
+            let more = Mutex::new(Vec::new());
+            read_into(response, &more).await;
+            all.extend(numbered(more.into_inner().unwrap()));
+        }
+        if !all.last().is_some_and(is_terminal) {
             // The store is not back yet: the reader tries again shortly.
             tokio::time::sleep(Duration::from_millis(500)).await;
-            continue;
         }
-        let more = Mutex::new(Vec::new());
-        read_into(response, &more).await;
-        all.extend(more.into_inner().unwrap());
     }
     all
+}
+
+/// The response's own events of what a reader was sent: a stream that ends
+/// early (its replica let it go, the store could not be read) may end with an
+/// `error` event of the router's, unnumbered (it is not one of the response's
+/// events: the reader reattaches after the last numbered one).
+fn numbered(events: Vec<Value>) -> Vec<Value> {
+    events
+        .into_iter()
+        .filter(|event| {
+            let numbered = event["sequence_number"].is_u64();
+            assert!(numbered || event["type"] == "error", "{event}");
+            numbered
+        })
+        .collect()
 }
 
 /// The text the output deltas of `events` carried.

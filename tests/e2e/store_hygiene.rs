@@ -387,7 +387,7 @@ async fn a_delete_that_cannot_reach_the_store_changes_nothing() {
 /// routers and engines.
 /// A background response's checkpoint as the store has it (a list: the
 /// whole one, then its patches), as a takeover reads it.
-fn checkpoint_in(redis: &Redis, key: &str) -> Option<Value> {
+pub(super) fn checkpoint_in(redis: &Redis, key: &str) -> Option<Value> {
     let parts: Vec<String> = redis
         .cli(&["LRANGE", key, "0", "-1"])
         .lines()
@@ -397,7 +397,7 @@ fn checkpoint_in(redis: &Redis, key: &str) -> Option<Value> {
     connex_router::checkpoint_of(&parts).ok().flatten()
 }
 
-async fn taken_over_tampered(
+pub(super) async fn taken_over_tampered(
     redis: &Redis,
     what: &str,
     tamper: impl FnOnce(&mut Value),
@@ -626,4 +626,46 @@ async fn a_log_whose_numbers_do_not_move_forward_cannot_be_taken_over_forever() 
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(err.contains("larger than"), "{err}");
+}
+
+/// Ids in the running set are read back from Redis: one that cannot be a
+/// response's (forged there by whoever can write to Redis: a `}` or `:` in
+/// it would name other keys, a long one would go into every key name
+/// and log line) is refused before it names a key: never claimed, no lease
+/// written for it, dropped from the set; a well-formed one beside it is
+/// claimed as ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_id_among_the_running_is_refused_before_it_names_a_key() {
+    use connex_router::{RedisSettings, RedisStore};
+    let redis = Redis::start();
+    let store = RedisStore::new(RedisSettings {
+        url: redis.url.clone(),
+        password: None,
+        ca_file: None,
+        prefix: "connex:".into(),
+        ttl: Duration::from_secs(60),
+        timeout: Duration::from_secs(2),
+        lease: Duration::from_secs(60),
+        max_bytes: 1 << 20,
+        max_response_bytes: 1 << 20,
+        fallback_count: 16,
+    })
+    .unwrap();
+    let long = "r".repeat(200);
+    let forged = ["resp_a}:stored", "resp b", "resp_c:x", long.as_str()];
+    for id in forged.iter().chain(&["resp_fine"]) {
+        assert_eq!(redis.cli(&["ZADD", "connex:running", "0", id]), "1");
+    }
+    let won = store.claim_expired("claimer", 16, &[]).await.unwrap();
+    assert_eq!(won, vec!["resp_fine".to_string()]);
+    let leases: Vec<String> = redis
+        .cli(&["--scan", "--pattern", "connex:*lease"])
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(leases, vec!["connex:{resp_fine}:lease".to_string()]);
+    assert_eq!(
+        redis.cli(&["ZRANGE", "connex:running", "0", "-1"]),
+        "resp_fine"
+    );
 }

@@ -357,6 +357,17 @@ impl Tenants {
             .clone()
     }
 
+    /// A caller of tenant `name` as it is configured now (None: no such
+    /// tenant): what a request of that tenant read back from the shared
+    /// store (a background generation taken over) is held to.
+    pub fn caller_of(&self, name: &str) -> Option<Caller> {
+        self.directory()
+            .tenants
+            .iter()
+            .find(|tenant| &*tenant.name == name)
+            .map(|tenant| Caller::of(tenant))
+    }
+
     /// Whether the client routes take a key.
     pub fn keyed(&self) -> bool {
         !self.directory().keys.is_empty()

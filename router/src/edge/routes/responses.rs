@@ -183,12 +183,14 @@ impl Translation for ResponseTranslation {
 
 impl ResponseTranslation {
     /// The translation of a generation taken over from another replica:
-    /// `origin` and `checkpoint` as that replica wrote them.
+    /// `origin` and `checkpoint` as that replica wrote them; `quota`: what
+    /// its tenant may keep, as configured here.
     pub(super) fn resumed(
         stores: Arc<ResponseStores>,
         origin: &Value,
         checkpoint: Value,
         tenant: &str,
+        quota: TenantQuota,
     ) -> Result<Self, serde_json::Error> {
         Ok(Self {
             stores,
@@ -196,7 +198,7 @@ impl ResponseTranslation {
             store: origin["store"].as_bool().unwrap_or(true),
             items: serde_json::from_value(origin["items"].clone())?,
             tenant: tenant.to_string(),
-            quota: TenantQuota::default(),
+            quota,
             keeping: None,
         })
     }
@@ -207,6 +209,16 @@ impl ResponseTranslation {
         let stored =
             Stored::new(whole.to_owned(), conversation, self.tenant.clone()).with_quota(self.quota);
         self.keeping = Some((id, stored));
+    }
+}
+
+/// No response has an id that cannot be one (`valid_response_id`): not
+/// found, before it names a key in any store.
+fn known_id(id: &str) -> Result<(), ApiError> {
+    if crate::protocols::responses::valid_response_id(id) {
+        Ok(())
+    } else {
+        Err(ApiError::NotFound("response".into()))
     }
 }
 
@@ -295,6 +307,7 @@ pub async fn retrieve(
     Path(id): Path<String>,
     query: Result<Query<Retrieve>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    known_id(&id)?;
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text(), None))?;
     let tenant = tenant_of(caller);
     let live = live_log(&stores, &id, &tenant).await;
@@ -350,6 +363,7 @@ pub async fn cancel(
     caller: Option<Extension<Caller>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    known_id(&id)?;
     let tenant = tenant_of(caller);
     let Some(live) = live_log(&stores, &id, &tenant).await else {
         if let Some((store, log)) = shared_log(&stores, &id, &tenant).await {
@@ -459,6 +473,7 @@ pub async fn delete(
     caller: Option<Extension<Caller>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    known_id(&id)?;
     let tenant = tenant_of(caller);
     // One taken over by another replica is stopped through the store.
     let live = live_log(&stores, &id, &tenant).await;

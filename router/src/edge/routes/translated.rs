@@ -439,7 +439,16 @@ pub struct Apart<T> {
     pub admission: Option<crate::tenants::Admission>,
     /// The lease this replica holds on it in the shared store (a
     /// generation taken over; a new one gets its own).
-    pub lease: Option<String>,
+    pub lease: Option<Lease>,
+}
+
+/// A lease a replica holds on a background response it took over.
+pub struct Lease {
+    pub token: String,
+    /// When the call that last set it was sent: it runs out in the store a
+    /// lease after that at the soonest, so the generation's hold counts from
+    /// here (not from when the generation starts, which may be much later).
+    pub since: tokio::time::Instant,
 }
 
 /// Drives a background generation to its end (or its cancel) in a task of
@@ -484,10 +493,16 @@ pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: 
             .as_str()
             .unwrap_or_default()
             .to_string();
-        let token = lease.unwrap_or_else(|| crate::protocols::responses::new_id("lease"));
+        let (token, since) = match lease {
+            Some(lease) => (lease.token, lease.since),
+            None => (
+                crate::protocols::responses::redis_store::lease_token(),
+                tokio::time::Instant::now(),
+            ),
+        };
         // Until its first write, as long as its lease would allow.
         let hold = crate::protocols::responses::mirror::hold_for(shared.lease());
-        live.gate(tokio::time::Instant::now() + hold);
+        live.gate(since + hold);
         live.push_checkpointed(Vec::new(), None, checkpoint());
         // In the store before the client has the id, which it may take to
         // any replica at once (a generation taken over has its origin there).
@@ -674,6 +689,10 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
         finished: bool,
         /// Empty looks since the last state asked.
         idle: u32,
+        /// Whether the store said it is done: the rest of its events are read
+        /// (one read returns a bounded batch, and its last write may have
+        /// carried many more) until a read finds none.
+        draining: bool,
     }
     /// What one look found.
     enum Look {
@@ -686,6 +705,12 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
     impl Reader {
         async fn next(&mut self) -> Result<Look, StoreError> {
             let events = self.store.read_events(&self.id, self.after).await?;
+            if self.draining {
+                return Ok(match events.is_empty() {
+                    true => Look::Ended(events),
+                    false => Look::Events(events),
+                });
+            }
             if !events.is_empty() {
                 // The next empty look asks whether these were the last.
                 self.idle = POLLS_PER_STATE - 1;
@@ -697,12 +722,18 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
             }
             self.idle = 0;
             // Nothing new for a while: ended once done (its last events were
-            // appended with `done`, so one more read has them all) or gone.
+            // appended with `done`: the reads from now on have them all) or
+            // gone.
             match self.store.log_done(&self.id).await? {
                 Some(false) => Ok(Look::Nothing),
-                Some(true) => Ok(Look::Ended(
-                    self.store.read_events(&self.id, self.after).await?,
-                )),
+                Some(true) => {
+                    self.draining = true;
+                    let events = self.store.read_events(&self.id, self.after).await?;
+                    Ok(match events.is_empty() {
+                        true => Look::Ended(events),
+                        false => Look::Events(events),
+                    })
+                }
                 None => Ok(Look::Gone),
             }
         }
@@ -713,6 +744,7 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
         after,
         finished: false,
         idle: POLLS_PER_STATE,
+        draining: false,
     };
     let stream = futures_util::stream::unfold(reader, |mut reader| async move {
         loop {

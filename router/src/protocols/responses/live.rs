@@ -257,10 +257,21 @@ impl Live {
         self.mirrored.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Its writer starts (true) or ended (false).
+    /// Its writer starts (true) or ended (false); its registry knows it
+    /// apart from the logs it keeps (a finished one may be forgotten while
+    /// its writer still waits for the store: its replica's takeover must
+    /// leave it alone all the same).
     pub fn set_mirrored(&self, mirrored: bool) {
         self.mirrored
             .store(mirrored, std::sync::atomic::Ordering::Relaxed);
+        if let Some(registry) = self.kept.registry.upgrade() {
+            let mut writing = registry.writing.lock().unwrap_or_else(|e| e.into_inner());
+            if mirrored {
+                writing.insert(self.kept.id.clone());
+            } else {
+                writing.remove(&self.kept.id);
+            }
+        }
     }
 
     /// The events after `after` up to the last checkpoint, with the
@@ -371,6 +382,9 @@ pub struct LiveResponses {
 struct Registry {
     limits: LiveLimits,
     inner: Mutex<Inner>,
+    /// Responses whose writer copies them into the shared store now, kept
+    /// or not among the logs (`Live::set_mirrored`).
+    writing: Mutex<std::collections::HashSet<String>>,
 }
 
 #[derive(Debug, Default)]
@@ -417,13 +431,17 @@ impl Inner {
     }
 
     /// The finished one of `tenant` (any tenant's with None) opened longest
-    /// ago.
+    /// ago, whose writer is done with it (one still waiting for the store
+    /// stays: its memory is held by the writer anyway, and its readers here
+    /// get the rest once it is written).
     fn oldest_finished(&self, tenant: Option<&str>) -> Option<String> {
         self.order
             .iter()
             .find(|id| {
                 self.map.get(*id).is_some_and(|entry| {
-                    entry.live.done() && tenant.is_none_or(|t| entry.live.tenant == t)
+                    entry.live.done()
+                        && !entry.live.mirrored()
+                        && tenant.is_none_or(|t| entry.live.tenant == t)
                 })
             })
             .cloned()
@@ -519,6 +537,7 @@ impl LiveResponses {
             registry: Arc::new(Registry {
                 limits,
                 inner: Mutex::new(Inner::default()),
+                writing: Mutex::new(std::collections::HashSet::new()),
             }),
             stop: CancellationToken::new(),
             taking: Mutex::new(std::collections::HashSet::new()),
@@ -597,18 +616,17 @@ impl LiveResponses {
     }
 
     /// A background response taken over from another replica: its events so
-    /// far, the response as it stands. None when its tenant or the router has
-    /// its limit in progress.
+    /// far, the response as it stands, counted under its tenant's `quota`.
+    /// None when its tenant or the router has its limit in progress.
     pub fn adopt(
         &self,
         id: &str,
         tenant: &str,
+        quota: LiveQuota,
         response: Value,
         events: Vec<Event>,
     ) -> Option<Arc<Live>> {
-        let live = self
-            .open(id, tenant, LiveQuota::default(), response.clone())
-            .ok()?;
+        let live = self.open(id, tenant, quota, response.clone()).ok()?;
         live.push(events, None);
         live.lock().response = response;
         Some(live)
@@ -639,11 +657,12 @@ impl LiveResponses {
     /// writer goes on, or finds itself fenced, when it is back).
     pub fn mirrored(&self) -> Vec<String> {
         let mut ids: Vec<String> = self
+            .registry
+            .writing
             .lock()
-            .map
+            .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .filter(|(_, entry)| entry.live.mirrored())
-            .map(|(id, _)| id.clone())
+            .cloned()
             .collect();
         let taking = self.taking.lock().unwrap_or_else(|e| e.into_inner());
         let more: Vec<String> = taking
@@ -788,5 +807,40 @@ mod tests {
         a.fence();
         assert!(a.after(Some(0)).1);
         assert!(lives.get("a", "t").is_none());
+    }
+
+    /// A response finished here while the store was down: its writer still
+    /// waits to write its end. Neither a new response's room nor its own
+    /// bytes bound may make this replica's takeover see it as another's.
+    #[test]
+    fn a_finished_response_still_being_written_is_never_anothers() {
+        let lives = LiveResponses::with_limits(LiveLimits {
+            max: 1,
+            max_bytes: usize::MAX,
+            per_tenant: 1,
+            per_tenant_bytes: 100,
+        });
+        let a = open(&lives, "a", "t").unwrap_or_else(|_| unreachable!());
+        a.gate(tokio::time::Instant::now());
+        a.push(vec![event(0)], Some(json!({"status": "completed"})));
+        // Its log is not given up for a new one while it is written.
+        assert!(open(&lives, "b", "t").is_err());
+        assert!(lives.get("a", "t").is_some());
+        assert_eq!(lives.mirrored(), vec!["a".to_string()]);
+        // Larger than its tenant's bound: its log goes, its writer not.
+        let lives = LiveResponses::with_limits(LiveLimits {
+            max: 4,
+            max_bytes: usize::MAX,
+            per_tenant: 4,
+            per_tenant_bytes: 100,
+        });
+        let big = open(&lives, "big", "t").unwrap_or_else(|_| unreachable!());
+        big.gate(tokio::time::Instant::now());
+        big.push(vec![], Some(json!({"text": "x".repeat(500)})));
+        assert!(lives.get("big", "t").is_none());
+        assert_eq!(lives.mirrored(), vec!["big".to_string()]);
+        // Its writer done: no longer this replica's.
+        big.set_mirrored(false);
+        assert!(lives.mirrored().is_empty());
     }
 }

@@ -21,7 +21,7 @@
 //! store is back).
 
 use super::live::Live;
-use super::redis_store::{AppendError, CheckpointWrite, LogState, RedisStore};
+use super::redis_store::{Append, AppendError, AppendResponse, CheckpointWrite, RedisStore};
 use crate::protocols::event::Event;
 use serde_json::Value;
 use std::sync::Arc;
@@ -132,8 +132,9 @@ struct Written {
 }
 
 /// One write of `live`'s events after `written` up to its last checkpoint,
-/// its state and the checkpoint; at the end, the stored response first,
-/// both under the lease.
+/// its state and the checkpoint; at the end, the stored response with them:
+/// one script, under the lease (a client that read the last events can at
+/// once continue from the stored response).
 async fn write(
     store: &RedisStore,
     id: &str,
@@ -170,22 +171,24 @@ async fn write_once(
     let snapshot = live.snapshot(written);
     // A generation handed over is not done: another replica goes on.
     let done = snapshot.done && !live.fenced();
-    if done {
-        if let Some(stored) = live.kept() {
-            store.put_final(id, token, &stored).await?;
-        }
-    }
+    // Its stored response goes with its last events, under the lease.
+    let stored = if done { live.kept() } else { None };
     // The response as it stands changes with few events (created, in
-    // progress, the end): written when it did.
+    // progress, the end): written when it did (with its tenant, which the
+    // store then has too); at the end, read by the store from the stored
+    // response where that one holds the same.
     let response_changed = sent.response.as_ref() != Some(&snapshot.response);
-    let state = LogState {
-        tenant: live.tenant.clone(),
-        response: if response_changed {
-            snapshot.response.clone()
-        } else {
-            Value::Null
-        },
-        done,
+    let response = match &stored {
+        _ if !response_changed => AppendResponse::Kept,
+        Some(kept)
+            if serde_json::from_str::<Value>(kept.response.get())
+                .ok()
+                .as_ref()
+                == Some(&snapshot.response) =>
+        {
+            AppendResponse::Stored(&snapshot.response)
+        }
+        _ => AppendResponse::Whole(&snapshot.response),
     };
     let checkpoint = snapshot
         .checkpoint
@@ -195,8 +198,16 @@ async fn write_once(
         true => CheckpointWrite::Whole(text),
         false => CheckpointWrite::Patch(text),
     });
+    let append = Append {
+        tenant: response_changed.then_some(live.tenant.as_str()),
+        response,
+        done,
+        checkpoint: write,
+        origin,
+        stored: stored.as_deref(),
+    };
     let cancel_asked = store
-        .append(id, token, &state, &snapshot.events, write, origin)
+        .append_write(id, token, append, &snapshot.events)
         .await?;
     if let (Some((whole, text)), Some(now)) = (checkpoint, snapshot.checkpoint) {
         if whole {

@@ -36,6 +36,22 @@ pub struct ResponseStores {
     pub shared: Option<std::sync::Arc<redis_store::RedisStore>>,
 }
 
+/// Whether `id` may be a response id: a client's (in a path or
+/// `previous_response_id`) or one read back from the shared store (the
+/// running set), before it names a key: 1 to 128 ASCII letters, digits, `_`
+/// and `-`, as the ids this router makes (`resp_` and 32 hex digits) are.
+/// Nothing else can be a response, and nothing else goes into a key name
+/// (where a `}` or `:` would name another key).
+pub fn valid_response_id(id: &str) -> bool {
+    (1..=MAX_RESPONSE_ID).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Most bytes of a response id (`valid_response_id`).
+pub const MAX_RESPONSE_ID: usize = 128;
+
 /// A new item or response id with its OpenAI prefix.
 pub fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::new_v4().simple())

@@ -106,66 +106,98 @@ pub struct LogState {
 
 /// Appends a background response's events past those already there (so that
 /// a retried append writes each event once), sets its state and checkpoint
-/// (and its origin, once), and renews the writer's lease on it; all at once,
-/// and only while the lease is the writer's (another replica that took the
-/// generation over has it: -1, and nothing is written; none has it, as after
-/// it ran out while the store was unreachable: the writer takes it again,
-/// unless the response is done, ended by a replica that took it over). Done:
-/// the lease and the response's place among the running ones go. Returns
-/// whether a cancel was asked (1) or not (0): the writer needs no call of its
-/// own to know.
-/// K (the response's keys, named here from the prefix and the id: each
-/// append sends its changes, not seven key names): state hash, events
-/// stream, checkpoint, lease, running set (KEYS[1]), cancel, origin.
-/// ARGV: ttl seconds, tenant, response ('' keeps the last), done (0/1),
-/// lease token, lease ms, checkpoint ('' keeps the last; '=' then the whole
-/// one, '+' then a patch of the last: -2, and nothing written, when there is
-/// none to patch), response id, origin ('' none), key prefix, then sequence
+/// (and its origin, once; and its stored response, as it ends), and renews
+/// the writer's lease on it; all at once, and only while the lease is the
+/// writer's (another replica that took the generation over has it: -1, and
+/// nothing is written; none has it, as after it ran out while the store was
+/// unreachable: the writer takes it again, unless the response is done,
+/// ended by a replica that took it over). Done: the lease and the
+/// response's place among the running ones go. Returns whether a cancel was
+/// asked (1) or not (0): the writer needs no call of its own to know.
+/// K (the response's keys, named here from the prefix and the id): state
+/// hash, events stream, checkpoint, lease, running set, cancel, origin,
+/// stored. A write goes ten times a second: it sends its changes, not what
+/// is the same every time (key names; the key prefix, TTL and lease, which
+/// are the script's own, `append_script`; arguments it has nothing for).
+/// ARGV: response id, lease token, checkpoint ('' keeps the last; '=' then
+/// the whole one, '+' then a patch of the last: -2, and nothing written,
+/// when there is none to patch), then what follows: done (0/1) and a letter
+/// for each argument that follows, in this order: `t` tenant, `r` response
+/// ('@' then a length: the stored response's, the bytes after
+/// `{"response":` in it), `o` origin, `s` stored response; then sequence
 /// number and event, pairs.
 const APPEND: &str = r"
-local base = ARGV[10] .. '{' .. ARGV[8] .. '}:'
-local K = {base .. 'bg', base .. 'events', base .. 'checkpoint', base .. 'lease', KEYS[1],
-           base .. 'cancel', base .. 'origin'}
+local base = PREFIX .. '{' .. ARGV[1] .. '}:'
+local K = {base .. 'bg', base .. 'events', base .. 'checkpoint', base .. 'lease',
+           PREFIX .. 'running', base .. 'cancel', base .. 'origin', base .. 'stored'}
+local done = string.sub(ARGV[4], 1, 1)
+local given = {}
+local i = 5
+for what in string.gmatch(string.sub(ARGV[4], 2), '.') do
+  given[what] = ARGV[i]
+  i = i + 1
+end
 local holder = redis.call('GET', K[4])
-if holder and holder ~= ARGV[5] then return -1 end
+if holder and holder ~= ARGV[2] then return -1 end
 if not holder and redis.call('HGET', K[1], 'done') == '1' then return -1 end
-local patching = string.sub(ARGV[7], 1, 1) == '+'
+local patching = string.sub(ARGV[3], 1, 1) == '+'
 if patching and redis.call('TYPE', K[3])['ok'] ~= 'list' then return -2 end
 local last = 0
 local top = redis.call('XREVRANGE', K[2], '+', '-', 'COUNT', 1)
 if #top > 0 then last = tonumber(string.match(top[1][1], '%-(%d+)$')) end
-for i = 11, #ARGV, 2 do
-  local n = tonumber(ARGV[i]) + 1
+for j = i, #ARGV, 2 do
+  local n = tonumber(ARGV[j]) + 1
   if n > last then
-    redis.call('XADD', K[2], '0-' .. n, 'e', ARGV[i + 1])
+    redis.call('XADD', K[2], '0-' .. n, 'e', ARGV[j + 1])
     last = n
   end
 end
-redis.call('HSET', K[1], 'tenant', ARGV[2], 'done', ARGV[4])
-if ARGV[3] ~= '' then redis.call('HSET', K[1], 'response', ARGV[3]) end
-redis.call('EXPIRE', K[1], ARGV[1])
-if last > 0 then redis.call('EXPIRE', K[2], ARGV[1]) end
-if ARGV[7] ~= '' then
-  if not patching then redis.call('DEL', K[3]) end
-  redis.call('RPUSH', K[3], string.sub(ARGV[7], 2))
-  redis.call('EXPIRE', K[3], ARGV[1])
+if given.s then redis.call('SET', K[8], given.s, 'EX', TTL) end
+if given.t then redis.call('HSET', K[1], 'tenant', given.t) end
+redis.call('HSET', K[1], 'done', done)
+local response = given.r
+if response and string.sub(response, 1, 1) == '@' then
+  response = string.sub(given.s or '', 13, 12 + tonumber(string.sub(response, 2)))
 end
-if ARGV[9] ~= '' then redis.call('SET', K[7], ARGV[9], 'EX', ARGV[1]) end
-if ARGV[4] == '1' then
+if response then redis.call('HSET', K[1], 'response', response) end
+redis.call('EXPIRE', K[1], TTL)
+if last > 0 then redis.call('EXPIRE', K[2], TTL) end
+if ARGV[3] ~= '' then
+  if not patching then redis.call('DEL', K[3]) end
+  redis.call('RPUSH', K[3], string.sub(ARGV[3], 2))
+  redis.call('EXPIRE', K[3], TTL)
+end
+if given.o then redis.call('SET', K[7], given.o, 'EX', TTL) end
+if done == '1' then
   redis.call('DEL', K[4])
-  redis.call('ZREM', K[5], ARGV[8])
+  redis.call('ZREM', K[5], ARGV[1])
 else
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('SET', K[4], ARGV[5], 'PX', ARGV[6])
-  redis.call('ZADD', K[5], now + tonumber(ARGV[6]), ARGV[8])
+  redis.call('SET', K[4], ARGV[2], 'PX', LEASE_MS)
+  redis.call('ZADD', K[5], now + LEASE_MS, ARGV[1])
 end
 return redis.call('EXISTS', K[6])
 ";
 
+/// `APPEND` for a store of these settings: its key prefix (each byte
+/// escaped, whatever it is), TTL and lease as constants of its own.
+fn append_script(settings: &RedisSettings) -> String {
+    let prefix: String = settings.prefix.bytes().map(|b| format!("\\{b}")).collect();
+    let lease_ms = u64::try_from(settings.lease.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1);
+    format!(
+        "local PREFIX = '{prefix}'\nlocal TTL = {}\nlocal LEASE_MS = {lease_ms}\n{APPEND}",
+        settings.ttl.as_secs().max(1)
+    )
+}
+
 /// Claims running responses whose lease expired (their replica is gone): for
 /// each, a lease of the claimer's, set only where none is (one winner); never
 /// one of the claimer's own (its writer goes on when the store is back).
+/// An id that cannot be a response's (`valid_response_id`: forged in the
+/// running set) names no key: it is dropped from the set, never claimed.
 /// KEYS: running set. ARGV: token, lease ms, key prefix, most to claim, then
 /// the ids to leave alone. Returns the ids won.
 const CLAIM: &str = r"
@@ -179,30 +211,14 @@ local won = {}
 for _, id in ipairs(due) do
   if #won >= most then break end
   local lease = ARGV[3] .. '{' .. id .. '}:lease'
-  if not own[id] and redis.call('SET', lease, ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if #id > 128 or not string.match(id, '^[%w_%-]+$') then
+    redis.call('ZREM', KEYS[1], id)
+  elseif not own[id] and redis.call('SET', lease, ARGV[1], 'NX', 'PX', ARGV[2]) then
     redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
     table.insert(won, id)
   end
 end
 return won
-";
-
-/// Stores a background response's stored response as it ends, only while
-/// the writer's lease is its own (as `APPEND`: or none's, and the response
-/// not done), renewing it: the writer that lost it to another replica
-/// never overwrites what that one stores.
-/// KEYS: lease, stored, state hash, running set. ARGV: token, stored
-/// response, ttl seconds, lease ms, response id. Returns -1 when fenced.
-const PUT_FINAL: &str = r"
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return -1 end
-if not holder and redis.call('HGET', KEYS[3], 'done') == '1' then return -1 end
-redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[4])
-redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), ARGV[5])
-return 1
 ";
 
 /// Lets a lease go (its holder stops): the response is due at once.
@@ -212,6 +228,18 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('ZADD', KEYS[2], 0, ARGV[2])
 end
+return 1
+";
+
+/// Renews a lease still held by its token (a replica taking a response over,
+/// before it starts the generation): 1, or 0 when another holds it or none.
+/// KEYS: lease, running set. ARGV: token, lease ms, response id.
+const RENEW_LEASE: &str = r"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
 return 1
 ";
 
@@ -242,6 +270,13 @@ return #ids
 /// Running responses one renewal call covers.
 const RENEW_BATCH: usize = 256;
 
+/// A new lease token: a replica's own claim on a generation, sent with
+/// every write (ten times a second), so short: 64 bits of a random UUID,
+/// which no other replica's token shares.
+pub fn lease_token() -> String {
+    format!("{:016x}", uuid::Uuid::new_v4().as_u128() as u64)
+}
+
 /// Why an append wrote nothing.
 #[derive(Debug, thiserror::Error)]
 pub enum AppendError {
@@ -264,6 +299,35 @@ pub enum CheckpointWrite<'a> {
     /// Its changes since the last one written (`patch::diff`, JSON).
     Patch(&'a str),
 }
+
+/// One write of a background response (`RedisStore::append_write`).
+#[derive(Debug, Clone, Copy)]
+pub struct Append<'a> {
+    /// Its tenant (None: the store has it already).
+    pub tenant: Option<&'a str>,
+    pub response: AppendResponse<'a>,
+    pub done: bool,
+    pub checkpoint: Option<CheckpointWrite<'a>>,
+    /// What a replica taking it over needs (given once).
+    pub origin: Option<&'a Value>,
+    /// Its stored response, as it ends.
+    pub stored: Option<&'a Stored>,
+}
+
+/// The response as one write sets it.
+#[derive(Debug, Clone, Copy)]
+pub enum AppendResponse<'a> {
+    /// The store has it.
+    Kept,
+    Whole(&'a Value),
+    /// The one the write's stored response holds (the same as this): read
+    /// there by the script, where it can be.
+    Stored(&'a Value),
+}
+
+/// Where a stored response's own JSON starts in it as serialized (`Stored`'s
+/// first field): `{"response":`.
+const STORED_RESPONSE_AT: usize = 12;
 
 /// What a replica that takes a background response over starts from.
 #[derive(Debug)]
@@ -294,7 +358,7 @@ pub struct RedisStore {
     client: redis::Client,
     claim: redis::Script,
     release: redis::Script,
-    put_final: redis::Script,
+    renew_lease: redis::Script,
     read_checkpoint: redis::Script,
     renew: redis::Script,
     /// Connected on first use (a router starts while Redis is down) and
@@ -378,10 +442,10 @@ impl RedisStore {
             manager: tokio::sync::Mutex::new(None),
             bulk: tokio::sync::Mutex::new(None),
             fallback: MemoryStore::new(settings.fallback_count, settings.max_bytes),
-            append: redis::Script::new(APPEND),
+            append: redis::Script::new(&append_script(&settings)),
             claim: redis::Script::new(CLAIM),
             release: redis::Script::new(RELEASE),
-            put_final: redis::Script::new(PUT_FINAL),
+            renew_lease: redis::Script::new(RENEW_LEASE),
             read_checkpoint: redis::Script::new(READ_CHECKPOINT),
             renew: redis::Script::new(RENEW),
             settings,
@@ -457,7 +521,28 @@ impl RedisStore {
             .connect_failed
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = made.is_err().then(tokio::time::Instant::now);
-        let made = made?;
+        let mut made = made?;
+        // The scripts known to Redis from the start: a script's first call
+        // otherwise sends its arguments twice (refused as unknown, then
+        // again after loading it), and the first append carries the whole
+        // checkpoint, the last one the stored response. Not loaded (or lost
+        // to a restart): each call loads its script as it needs it.
+        let scripts = [
+            &self.append,
+            &self.claim,
+            &self.release,
+            &self.read_checkpoint,
+            &self.renew,
+        ];
+        for script in scripts {
+            let loading = script.load_async(&mut made);
+            if tokio::time::timeout(self.settings.timeout, loading)
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
         *manager = Some(made.clone());
         Ok(made)
     }
@@ -586,28 +671,81 @@ impl RedisStore {
         checkpoint: Option<CheckpointWrite<'_>>,
         origin: Option<&Value>,
     ) -> Result<bool, AppendError> {
-        let response = match &state.response {
-            Value::Null => String::new(),
-            response => response.to_string(),
+        let write = Append {
+            tenant: Some(&state.tenant),
+            response: match &state.response {
+                Value::Null => AppendResponse::Kept,
+                response => AppendResponse::Whole(response),
+            },
+            done: state.done,
+            checkpoint,
+            origin,
+            stored: None,
         };
-        let checkpoint = match checkpoint {
+        self.append_write(id, token, write, events).await
+    }
+
+    /// `append` of `write`: its tenant (None keeps the last), its response,
+    /// and, as the response ends, its stored response (as `put_final`), in
+    /// the same call.
+    pub async fn append_write(
+        &self,
+        id: &str,
+        token: &str,
+        write: Append<'_>,
+        events: &[Event],
+    ) -> Result<bool, AppendError> {
+        // One past the per-response bound is not stored (counted and said
+        // by `storable`); its end is written all the same (its log's
+        // response, as `GET` then answers it).
+        let stored = match write.stored {
+            Some(stored) if self.storable(id, stored) => Some(
+                serde_json::to_string(stored)
+                    .map_err(|err| StoreError::Malformed(err.to_string()))?,
+            ),
+            _ => None,
+        };
+        let response = match write.response {
+            AppendResponse::Kept => String::new(),
+            AppendResponse::Whole(response) => response.to_string(),
+            // Its bytes in the stored response, not sent twice (where they
+            // are where the script takes them).
+            AppendResponse::Stored(response) => match (&stored, write.stored) {
+                (Some(text), Some(kept))
+                    if text.get(
+                        STORED_RESPONSE_AT..STORED_RESPONSE_AT + kept.response.get().len(),
+                    ) == Some(kept.response.get()) =>
+                {
+                    format!("@{}", kept.response.get().len())
+                }
+                _ => response.to_string(),
+            },
+        };
+        let checkpoint = match write.checkpoint {
             None => String::new(),
             Some(CheckpointWrite::Whole(whole)) => format!("={whole}"),
             Some(CheckpointWrite::Patch(patch)) => format!("+{patch}"),
         };
+        // Done, and which of the arguments that follow are given.
+        let mut what = String::from(if write.done { "1" } else { "0" });
+        let mut given = Vec::new();
+        let optional = [
+            ('t', write.tenant.map(str::to_string)),
+            ('r', (!response.is_empty()).then_some(response)),
+            ('o', write.origin.map(Value::to_string)),
+            ('s', stored),
+        ];
+        for (letter, arg) in optional {
+            if let Some(arg) = arg {
+                what.push(letter);
+                given.push(arg);
+            }
+        }
         let mut invocation = self.append.prepare_invoke();
-        invocation
-            .key(self.running_key())
-            .arg(self.ttl_s())
-            .arg(&state.tenant)
-            .arg(response)
-            .arg(u8::from(state.done))
-            .arg(token)
-            .arg(self.lease_ms())
-            .arg(checkpoint)
-            .arg(id)
-            .arg(origin.map(Value::to_string).unwrap_or_default())
-            .arg(&self.settings.prefix);
+        invocation.arg(id).arg(token).arg(checkpoint).arg(what);
+        for arg in given {
+            invocation.arg(arg);
+        }
         for event in events {
             let Some(n) = event.sequence() else {
                 continue;
@@ -649,8 +787,25 @@ impl RedisStore {
         for id in own {
             invocation.arg(id);
         }
-        self.call("claim", async |conn| invocation.invoke_async(conn).await)
-            .await
+        let won: Vec<String> = self
+            .call("claim", async |conn| invocation.invoke_async(conn).await)
+            .await?;
+        // Read back from the store: held to what a client's id is held to
+        // before it names a key (the script drops such ids already; this
+        // holds whatever answered as Redis to the same).
+        Ok(won
+            .into_iter()
+            .filter(|id| {
+                let valid = super::valid_response_id(id);
+                if !valid {
+                    tracing::warn!(
+                        bytes = id.len(),
+                        "an id that cannot be a response's among the running ones; ignored"
+                    );
+                }
+                valid
+            })
+            .collect())
     }
 
     /// Whether `stored` (response `id`) is within
@@ -672,38 +827,26 @@ impl RedisStore {
     }
 
     /// Stores `stored`, the end of background response `id`, while the lease
-    /// is `token`'s (see `PUT_FINAL`); one larger than a response may be in
-    /// the store is not stored (as `put`), and its end is written all the
-    /// same (its log's response, as `GET` then answers it).
+    /// is `token`'s (as `APPEND`: or none's, and the response not done),
+    /// renewing it: the writer that lost it to another replica never
+    /// overwrites what that one stores. One larger than a response may be in
+    /// the store is not stored (as `put`). The writer sends it with its last
+    /// events instead (`append_write`).
     pub async fn put_final(
         &self,
         id: &str,
         token: &str,
         stored: &Stored,
     ) -> Result<(), AppendError> {
-        if !self.storable(id, stored) {
-            return Ok(());
-        }
-        let text =
-            serde_json::to_string(stored).map_err(|err| StoreError::Malformed(err.to_string()))?;
-        let mut invocation = self.put_final.prepare_invoke();
-        invocation
-            .key(self.key(id, "lease"))
-            .key(self.key(id, "stored"))
-            .key(self.key(id, "bg"))
-            .key(self.running_key())
-            .arg(token)
-            .arg(text)
-            .arg(self.ttl_s())
-            .arg(self.lease_ms())
-            .arg(id);
-        let answer: i64 = self
-            .call("put", async |conn| invocation.invoke_async(conn).await)
-            .await?;
-        match answer {
-            -1 => Err(AppendError::Fenced),
-            _ => Ok(()),
-        }
+        let write = Append {
+            tenant: None,
+            response: AppendResponse::Kept,
+            done: false,
+            checkpoint: None,
+            origin: None,
+            stored: Some(stored),
+        };
+        self.append_write(id, token, write, &[]).await.map(|_| ())
     }
 
     /// Lets the lease `token` holds on `id` go, for another replica to claim.
@@ -718,6 +861,41 @@ impl RedisStore {
             invocation.invoke_async::<i64>(conn).await.map(|_| ())
         })
         .await
+    }
+
+    /// Renews the lease `token` holds on `id`; false when it holds it no
+    /// longer (another replica claimed it, or it ran out).
+    pub async fn renew_lease(&self, id: &str, token: &str) -> StoreResult<bool> {
+        let mut invocation = self.renew_lease.prepare_invoke();
+        invocation
+            .key(self.key(id, "lease"))
+            .key(self.running_key())
+            .arg(token)
+            .arg(self.lease_ms())
+            .arg(id);
+        let renewed: i64 = self
+            .call("lease", async |conn| invocation.invoke_async(conn).await)
+            .await?;
+        Ok(renewed == 1)
+    }
+
+    /// The sequence number of the last event of background response `id`
+    /// (None: none), from its entry id alone (the event itself may be
+    /// malformed): what a failure written after it is numbered from.
+    pub async fn last_sequence(&self, id: &str) -> StoreResult<Option<u64>> {
+        let key = self.key(id, "events");
+        let top: redis::streams::StreamRangeReply = self
+            .call_bulk("read", async |conn| {
+                conn.xrevrange_count(key, "+", "-", 1).await
+            })
+            .await?;
+        Ok(top.ids.first().and_then(|entry| {
+            entry
+                .id
+                .strip_prefix("0-")
+                .and_then(|n| n.parse::<u64>().ok())
+                .and_then(|n| n.checked_sub(1))
+        }))
     }
 
     /// Renews the TTL of every key of every running response (those any

@@ -116,7 +116,7 @@ pub fn check(body: &Map<String, Value>) -> Result<(Echo, Vec<Value>), ApiError> 
     };
     let previous_response_id = match body.get("previous_response_id") {
         None | Some(Value::Null) => None,
-        Some(Value::String(id)) if !id.is_empty() => Some(id.clone()),
+        Some(Value::String(id)) if super::valid_response_id(id) => Some(id.clone()),
         Some(_) => {
             return Err(bad(
                 "`previous_response_id` must be a response id",
@@ -484,6 +484,15 @@ mod tests {
                 "function tools",
             ),
             (json!({"input": "x"}), "model"),
+            // Not a response id's shape: it would name a key in the store.
+            (
+                json!({"model": "m", "input": "x", "previous_response_id": "resp_a}:stored"}),
+                "previous_response_id",
+            ),
+            (
+                json!({"model": "m", "input": "x", "previous_response_id": "r".repeat(129)}),
+                "previous_response_id",
+            ),
         ] {
             let error = chat(body.clone()).map(|_| ()).expect_err("refused");
             assert_eq!(error.status(), axum::http::StatusCode::BAD_REQUEST);
