@@ -593,7 +593,7 @@ async fn each_isolated_tenant_has_its_own_cache_salt_at_every_engine() {
             KEY_B,
             "/v1/completions",
             Some("tenant:a"),
-            Some("tenant:b/tenant:a"),
+            Some("tenant:b|tenant:a"),
         ),
         (KEY_A, "/v1/chat/completions", None, Some("tenant:a")),
         // A sharing tenant's requests carry none, and its client cannot
@@ -603,7 +603,7 @@ async fn each_isolated_tenant_has_its_own_cache_salt_at_every_engine() {
             key_s,
             "/v1/chat/completions",
             Some("tenant:a"),
-            Some("client/tenant:a"),
+            Some("client|tenant:a"),
         ),
         (KEY_A, "/v1/responses", None, Some("tenant:a")),
     ];
@@ -629,6 +629,18 @@ async fn each_isolated_tenant_has_its_own_cache_salt_at_every_engine() {
                 "case {i} at {at}"
             );
         }
+    }
+    // A salt vLLM would refuse (its forbidden characters, or past its 128
+    // characters once under the tenant's) is refused here, before any
+    // engine sees the request.
+    for (i, asked) in ["a/b".to_string(), "x".repeat(120)].iter().enumerate() {
+        let marker = format!("refused salt {i}");
+        let body = json!({"model": "mock", "prompt": marker, "max_tokens": 2,
+                          "cache_salt": asked});
+        let (status, text) = post_path_as(&router, KEY_A, "/v1/completions", &body).await;
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains("cache_salt"), "{text}");
+        assert!(recorded_with(&engines, &marker).await.is_empty());
     }
     // Messages too.
     let body = json!({"model": "mock", "max_tokens": 2,

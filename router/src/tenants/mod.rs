@@ -481,38 +481,57 @@ fn estimate(headers: &HeaderMap) -> u64 {
         .map_or(1, body_tokens)
 }
 
-/// The `cache_salt` of isolated tenant `name`. Client salts are put under
-/// another prefix ([`engine_cache_salt`]), and names hold no `/`: no client
-/// can send a tenant's salt, nor one tenant's client another's.
+/// Longest `cache_salt` vLLM takes (`validate_cache_salt`, vLLM 0.32).
+const MAX_ENGINE_SALT: usize = 128;
+/// Characters vLLM refuses in a `cache_salt` (400 from the engine).
+const ENGINE_SALT_FORBIDDEN: &[char] = &['@', '/', '\\', '\0'];
+
+/// The `cache_salt` of isolated tenant `name` (a tenant's name is 1 to 64 of
+/// `[A-Za-z0-9._-]`, `file.rs`: no `|`, nothing vLLM refuses). Client salts
+/// are put under another prefix ([`engine_cache_salt`]): no client can send
+/// a tenant's salt, nor one tenant's client another's.
 fn tenant_salt(name: &str) -> String {
     format!("tenant:{name}")
 }
 
 /// The `cache_salt` the engines get for a request whose client sent `asked`
-/// (a non-empty string, else 400), its tenant's salt `tenant`: the tenant's,
-/// with the client's own under it (`tenant:NAME/CLIENT`: a client may split
-/// its tenant's cache further, never leave it); a shared tenant's client
-/// gets its own under `client/`. `None`: no salt.
+/// (a non-empty string without what vLLM refuses in one, else 400), its
+/// tenant's salt `tenant`: the tenant's, with the client's own after it
+/// (`tenant:NAME|CLIENT`: a client may split its tenant's cache further,
+/// never leave it; the name holds no `|`, so the first one ends it); a
+/// shared tenant's client gets its own under `client|`. `None`: no salt.
+/// 400 when the whole is longer than vLLM takes.
 pub fn engine_cache_salt(
     asked: Option<&serde_json::Value>,
     tenant: Option<&str>,
 ) -> Result<Option<String>, ApiError> {
+    let refused = |message: String| ApiError::bad_request(message, Some("cache_salt"));
     let asked = match asked {
         None | Some(serde_json::Value::Null) => None,
         Some(serde_json::Value::String(salt)) if !salt.is_empty() => Some(salt.as_str()),
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "`cache_salt` must be a non-empty string",
-                Some("cache_salt"),
-            ))
-        }
+        Some(_) => return Err(refused("`cache_salt` must be a non-empty string".into())),
     };
-    Ok(match (tenant, asked) {
+    if asked.is_some_and(|salt| salt.contains(ENGINE_SALT_FORBIDDEN)) {
+        return Err(refused(
+            "`cache_salt` must not contain '@', '/', '\\' or NUL".into(),
+        ));
+    }
+    let salt = match (tenant, asked) {
         (Some(tenant), None) => Some(tenant.to_string()),
-        (Some(tenant), Some(asked)) => Some(format!("{tenant}/{asked}")),
-        (None, Some(asked)) => Some(format!("client/{asked}")),
+        (Some(tenant), Some(asked)) => Some(format!("{tenant}|{asked}")),
+        (None, Some(asked)) => Some(format!("client|{asked}")),
         (None, None) => None,
-    })
+    };
+    match salt {
+        Some(salt) if salt.chars().count() > MAX_ENGINE_SALT => {
+            let room =
+                MAX_ENGINE_SALT + asked.map_or(0, |a| a.chars().count()) - salt.chars().count();
+            Err(refused(format!(
+                "`cache_salt` must be at most {room} characters for this caller"
+            )))
+        }
+        salt => Ok(salt),
+    }
 }
 
 /// Tokens charged for a body of `bytes`.
@@ -550,14 +569,30 @@ mod tests {
         assert_eq!(salt(None, Some(&a)).as_deref(), Some("tenant:a"));
         assert_eq!(
             salt(Some(json!("tenant:b")), Some(&a)).as_deref(),
-            Some("tenant:a/tenant:b")
+            Some("tenant:a|tenant:b")
         );
         assert_eq!(
             salt(Some(json!("tenant:b")), None).as_deref(),
-            Some("client/tenant:b")
+            Some("client|tenant:b")
         );
         assert_eq!(salt(None, None), None);
-        for bad in [json!(""), json!(1), json!({"a": 1})] {
+        // What vLLM would refuse (400 from the engine, mid-request) is
+        // refused here: its forbidden characters, and past 128 in all.
+        let longest = "x".repeat(128 - "tenant:a|".len());
+        assert_eq!(
+            salt(Some(json!(longest)), Some(&a)).map(|s| s.len()),
+            Some(128)
+        );
+        for bad in [
+            json!(""),
+            json!(1),
+            json!({"a": 1}),
+            json!("a/b"),
+            json!("a@b"),
+            json!("a\\b"),
+            json!("a\u{0}b"),
+            json!(format!("{longest}x")),
+        ] {
             assert!(engine_cache_salt(Some(&bad), Some(&a)).is_err(), "{bad}");
         }
     }
