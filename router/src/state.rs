@@ -5,17 +5,18 @@
 
 use crate::body_budget::BodyBudget;
 use crate::config::RouterConfig;
-use crate::engines::addresses::{CtrlResolver, ProbeClient, UpstreamPolicy};
+use crate::engines::addresses::{CtrlResolver, UpstreamPolicy};
 use crate::engines::http::EngineClient;
-use crate::hold_leases::ReleaseQueue;
+use crate::engines::probe::ProbeClient;
 use crate::journal::Journal;
 use crate::membership::model_list::{ModelCache, ModelLists};
 use crate::membership::Registry;
 use crate::pd::flow::{Flow, RequestLimits};
+use crate::pd::holds::ReleaseQueue;
 use crate::pd::tokenizer::Tokenizers;
 use crate::pd::upstream::HttpUpstream;
-use crate::protocols::responses::redis_store::RedisStore;
-use crate::protocols::responses::ResponseStores;
+use crate::store::redis::RedisStore;
+use crate::store::ResponseStores;
 use axum::extract::FromRef;
 use connex_transfer::Resolver;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -29,7 +30,7 @@ pub struct AppState {
     pub flow: Arc<Flow>,
     /// The client of the health probes and the admin's calls to engines
     /// (the flow's engine calls go through its `upstream`).
-    pub client: crate::engines::addresses::ProbeClient,
+    pub client: crate::engines::probe::ProbeClient,
     pub metrics: Option<PrometheusHandle>,
     /// `/v1/models`: each model's entry as its engines last described it.
     pub models: Arc<ModelLists>,
@@ -74,7 +75,7 @@ impl AppState {
         let metrics = crate::observe::metrics::install(idle);
         crate::membership::status::describe_metrics();
         crate::observe::metrics::set_resume_causes(
-            crate::pd::attempt::Cause::ALL
+            crate::pd::failure::Cause::ALL
                 .into_iter()
                 .filter(|c| c.reached_decoder())
                 .map(|c| c.as_str())
@@ -95,19 +96,17 @@ impl AppState {
             responses: Arc::new(ResponseStores {
                 stored: match &shared_responses {
                     Some(shared) => shared.clone(),
-                    None => Arc::new(
-                        crate::protocols::responses::store::MemoryStore::with_tenant_default(
-                            config.responses.max_stored,
-                            config.responses.max_stored_bytes,
-                            crate::protocols::responses::store::TenantQuota {
-                                max_count: config.responses.max_stored_per_tenant,
-                                max_bytes: config.responses.max_stored_bytes_per_tenant,
-                            },
-                        ),
-                    ),
+                    None => Arc::new(crate::store::memory::MemoryStore::with_tenant_default(
+                        config.responses.max_stored,
+                        config.responses.max_stored_bytes,
+                        crate::store::stored::TenantQuota {
+                            max_count: config.responses.max_stored_per_tenant,
+                            max_bytes: config.responses.max_stored_bytes_per_tenant,
+                        },
+                    )),
                 },
-                live: crate::protocols::responses::live::LiveResponses::with_limits(
-                    crate::protocols::responses::live::LiveLimits {
+                live: crate::store::live::LiveResponses::with_limits(
+                    crate::store::live::LiveLimits {
                         max: config.responses.max_background,
                         max_bytes: config.responses.max_background_bytes,
                         per_tenant: config.responses.max_background_per_tenant,

@@ -9,7 +9,7 @@
 //! forgotten: a tenant with all of its own in progress is refused a new one,
 //! so that no tenant holds every slot.
 
-use super::store::Stored;
+use super::stored::Stored;
 use crate::protocols::event::Event;
 use serde_json::Value;
 use std::collections::{HashMap, VecDeque};

@@ -6,7 +6,7 @@
 //! replica renews all running ones (a few cheap scripts per period), so a
 //! replica's death does not stop the renewals of what it ran.
 
-use super::redis_store::RedisStore;
+use super::redis::RedisStore;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
