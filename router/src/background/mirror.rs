@@ -20,9 +20,9 @@
 //! given up here (a replica takes it over from its last checkpoint once the
 //! store is back).
 
-use super::live::Live;
-use super::redis_store::{Append, AppendError, AppendResponse, CheckpointWrite, RedisStore};
 use crate::protocols::event::Event;
+use crate::store::live::Live;
+use crate::store::redis::{Append, AppendError, AppendResponse, CheckpointWrite, RedisStore};
 use serde_json::Value;
 use std::sync::Arc;
 use std::time::Duration;
@@ -78,7 +78,7 @@ impl Sent {
     /// What this write sends of `checkpoint`, given what the store has.
     fn checkpoint_text(&self, checkpoint: &Value) -> Option<(bool, String)> {
         if let Some(had) = &self.checkpoint {
-            let patch = super::patch::diff(had, checkpoint)?;
+            let patch = crate::store::patch::diff(had, checkpoint)?;
             let text = patch.to_string();
             let allowed = self.whole_bytes.max(MIN_WHOLE_BYTES) * PATCH_BYTES_PER_WHOLE;
             if self.patch_bytes + text.len() <= allowed && self.patches < MAX_PATCHES {

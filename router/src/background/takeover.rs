@@ -17,19 +17,21 @@
 //! `response.failed` event after its last, so that every reader's stream
 //! ends; only one this replica has no room for is let go for another look.
 
-use super::openai::{engine_request_id, valid_request_id};
-use super::responses::ResponseTranslation;
-use super::translated::{run_apart, Apart, Lease, Shared, Sink};
+use super::response_translation::ResponseTranslation;
+use super::run::{run_apart, Apart, Lease};
+use super::translation::{Shared, Sink};
 use crate::error::ApiError;
 use crate::pd::checkpoint::DecodeCheckpoint;
 use crate::pd::record::RequestRecord;
+use crate::pd::record::{engine_request_id, valid_request_id};
 use crate::protocols::event::Event;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
-use crate::protocols::responses::live::LiveQuota;
-use crate::protocols::responses::redis_store::{CheckpointWrite, LogState, RedisStore, Taken};
-use crate::protocols::responses::store::{StoreError, TenantQuota};
 use crate::state::AppState;
+use crate::store::live::LiveQuota;
+use crate::store::redis::{CheckpointWrite, LogState, RedisStore, Taken};
+use crate::store::stored::{StoreError, TenantQuota};
+use crate::tenants::engine_fields::set_engine_fields;
 use crate::tenants::Tenants;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -66,7 +68,7 @@ pub fn spawn(
             if state.responses.live.stop.is_cancelled() {
                 return;
             }
-            let token = crate::protocols::responses::redis_store::lease_token();
+            let token = crate::store::redis::lease_token();
             // Never its own generations: their writer goes on (or finds
             // itself fenced) once the store answers again.
             let own = state.responses.live.mirrored();
@@ -241,7 +243,7 @@ async fn continue_taken(
         fields.remove("cache_salt");
     }
     let mut chat = ClientBody::of(chat);
-    super::openai::set_engine_fields(&caller, &mut chat)?;
+    set_engine_fields(&caller, &mut chat)?;
     // Read back from the store: held to what a client's id is held to.
     let request_id = origin["request_id"]
         .as_str()

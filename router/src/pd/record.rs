@@ -8,9 +8,37 @@
 use crate::journal::EntryReader;
 use crate::observe::logs::ACCESS_TARGET;
 use crate::tenants::Caller;
+use axum::http::HeaderMap;
 use std::time::{Duration, Instant};
 use tracing::field::Empty;
 use tracing::Span;
+
+/// The `X-Request-Id` the client sent, or a new one.
+pub fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|id| valid_request_id(id))
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
+/// Whether `id` may be a request id (it goes into logs and engines'
+/// `X-Request-Id`): a client's, or one read back from the shared store.
+pub fn valid_request_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// The id the engines see for a request whose client-facing id is
+/// `client_id`: that id with a suffix of its own. vLLM takes `X-Request-Id` as
+/// its request id, and two requests with one id (two clients choosing the
+/// same, or one reusing its own) collide in its state; the suffix makes each
+/// request's unique while logs and engines still show the client's id in it.
+/// Prefill and decoders get the same one; the client gets its own id back.
+pub fn engine_request_id(client_id: &str) -> String {
+    let unique = uuid::Uuid::new_v4().simple().to_string();
+    format!("{client_id}-{}", &unique[..16])
+}
 
 /// Created when the request arrives; the flow says how it ended with
 /// [`RequestRecord::finish`], and the drop writes it all down.

@@ -24,10 +24,11 @@
 //!   touched.
 
 mod bucket;
+pub mod engine_fields;
 pub mod file;
 mod keys;
 pub mod queue;
-mod reload;
+pub mod reload;
 
 use crate::error::ApiError;
 use axum::http::HeaderMap;
@@ -40,8 +41,6 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
-
-pub use reload::spawn_reloader;
 
 /// The tenant of `--api-key`, and of every caller when no key is configured.
 pub const DEFAULT_TENANT: &str = "default";

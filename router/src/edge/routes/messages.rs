@@ -2,7 +2,8 @@
 //! through prefill/decode (`translated.rs`; `crate::protocols::messages`
 //! translates both ways). Every error of the route is in Anthropic's shape.
 
-use super::translated::{serve, Prepared, Translation};
+use super::translated::{serve, Prepared};
+use crate::background::translation::Translation;
 use crate::error::{ApiError, ANTHROPIC_PATH};
 use crate::protocols::event::{json_of, Out};
 use crate::protocols::messages::request::chat_body;

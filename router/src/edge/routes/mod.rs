@@ -16,7 +16,6 @@ pub mod openai;
 pub mod passthrough;
 pub mod probes;
 pub mod responses;
-pub mod takeover;
 pub mod translated;
 
 use crate::edge::gate::{self, ExposeInstances};

@@ -3,10 +3,11 @@
 
 use super::body::{read_budgeted, BodyLimits};
 use crate::error::ApiError;
-use crate::pd::record::RequestRecord;
+use crate::pd::record::{engine_request_id, request_id, RequestRecord};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
 use crate::state::AppState;
+use crate::tenants::engine_fields::set_engine_fields;
 use crate::tenants::Caller;
 use axum::body::Body;
 use axum::extract::State;
@@ -39,52 +40,6 @@ pub async fn chat_completions(
     body: Body,
 ) -> Result<Response, ApiError> {
     generate(state, Route::Chat, caller.map(|c| c.0), headers, body).await
-}
-
-/// What the engines get of the caller's tenant, whatever the client sent:
-/// its `priority` (the client's own only at or after its tenant's) and its
-/// `cache_salt` (the tenant's KV isolation, with the client's own under it).
-pub(crate) fn set_engine_fields(caller: &Caller, body: &mut ClientBody) -> Result<(), ApiError> {
-    // A large array or object is held raw (never a valid value of either).
-    for key in ["priority", "cache_salt"] {
-        if body.raw(key).is_some() {
-            return Err(ApiError::bad_request(format!("`{key}` is not valid"), None));
-        }
-    }
-    if let Some(priority) = caller.priority_for(body.get("priority"))? {
-        body.set("priority", priority.into());
-    }
-    if let Some(salt) = caller.cache_salt_for(body.get("cache_salt"))? {
-        body.set("cache_salt", salt.into());
-    }
-    Ok(())
-}
-
-/// The `X-Request-Id` the client sent, or a new one.
-pub(crate) fn request_id(headers: &HeaderMap) -> String {
-    headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|id| valid_request_id(id))
-        .map(str::to_string)
-        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
-}
-
-/// Whether `id` may be a request id (it goes into logs and engines'
-/// `X-Request-Id`): a client's, or one read back from the shared store.
-pub(crate) fn valid_request_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic())
-}
-
-/// The id the engines see for a request whose client-facing id is
-/// `client_id`: that id with a suffix of its own. vLLM takes `X-Request-Id` as
-/// its request id, and two requests with one id (two clients choosing the
-/// same, or one reusing its own) collide in its state; the suffix makes each
-/// request's unique while logs and engines still show the client's id in it.
-/// Prefill and decoders get the same one; the client gets its own id back.
-pub(crate) fn engine_request_id(client_id: &str) -> String {
-    let unique = uuid::Uuid::new_v4().simple().to_string();
-    format!("{client_id}-{}", &unique[..16])
 }
 
 async fn generate(

@@ -45,7 +45,7 @@ pub async fn forward(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let mut record = RequestRecord::new(path, super::openai::request_id(&headers));
+    let mut record = RequestRecord::new(path, crate::pd::record::request_id(&headers));
     crate::observe::traces::continue_trace(record.span(), &headers);
     let span = record.span().clone();
     let result = run(&state, path, caller.as_ref(), &headers, body, &mut record)
@@ -79,7 +79,7 @@ async fn run(
     let model = model_of(state, &fields)?;
     record.set_model(&model);
     let body = with_bounded_priority(&bytes, fields.priority, caller)?;
-    let request_id = super::openai::engine_request_id(record.request_id());
+    let request_id = crate::pd::record::engine_request_id(record.request_id());
     let mut tried: Vec<String> = Vec::new();
     loop {
         let Some(instance) = choose(&state.flow.registry, &model, &tried) else {

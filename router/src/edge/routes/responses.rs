@@ -3,20 +3,21 @@
 //! `crate::protocols::responses` translates both ways); stored ones live in
 //! the router's store, each its tenant's alone.
 
-use super::translated::{follow, follow_shared, serve, Prepared, Translation};
+use super::translated::{follow, follow_shared, serve, Prepared};
+use crate::background::mirror::CANCEL_POLL;
+use crate::background::response_translation::ResponseTranslation;
 use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
-use crate::protocols::event::Out;
-use crate::protocols::openai::chunk::Chunk;
-use crate::protocols::responses::live::{Live, LiveQuota, LiveRefusal};
-use crate::protocols::responses::mirror::CANCEL_POLL;
-use crate::protocols::responses::output::as_input;
-use crate::protocols::responses::redis_store::{LogState, RedisStore};
+
+use crate::protocols::responses::new_id;
+
 use crate::protocols::responses::request::{chat_body, check};
-use crate::protocols::responses::store::{StoreError, Stored, TenantQuota};
 use crate::protocols::responses::stream::Events;
-use crate::protocols::responses::{new_id, ResponseStores};
 use crate::state::AppState;
+use crate::store::live::{Live, LiveQuota, LiveRefusal};
+use crate::store::redis::{LogState, RedisStore};
+use crate::store::stored::{StoreError, Stored, TenantQuota};
+use crate::store::ResponseStores;
 use crate::tenants::Caller;
 use axum::body::Body;
 use axum::extract::rejection::QueryRejection;
@@ -24,8 +25,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use futures_util::future::BoxFuture;
-use serde_json::value::RawValue;
+
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,133 +83,23 @@ pub async fn create(
             };
             Ok(Prepared {
                 chat,
-                translation: ResponseTranslation {
-                    stores: state.responses.clone(),
+                translation: ResponseTranslation::new(
+                    state.responses.clone(),
                     events,
                     store,
                     items,
-                    tenant: tenant.to_string(),
-                    quota: TenantQuota {
+                    tenant,
+                    TenantQuota {
                         max_count: kept.stored_responses,
                         max_bytes: kept.stored_bytes,
                     },
-                    keeping: None,
-                },
+                ),
                 stream,
                 background,
             })
         },
     )
     .await
-}
-
-/// A response being made from its chat.
-pub(super) struct ResponseTranslation {
-    stores: Arc<ResponseStores>,
-    events: Events,
-    store: bool,
-    /// The conversation up to this response (stored with its output).
-    items: Vec<Value>,
-    tenant: String,
-    /// What its tenant may keep in the store.
-    quota: TenantQuota,
-    /// The response to store once it has ended (by `keep`).
-    keeping: Option<(String, Stored)>,
-}
-
-impl Translation for ResponseTranslation {
-    fn start(&mut self, out: &mut Out) {
-        self.events.start(out);
-    }
-
-    fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut Out) {
-        self.events.chunk(chunk, out);
-    }
-
-    fn finish(&mut self, usage: Value, out: &mut Out) -> Box<RawValue> {
-        let whole = self.events.finish(usage, out);
-        if self.store {
-            let mut conversation = std::mem::take(&mut self.items);
-            conversation.extend(as_input(self.events.items()));
-            self.keep_as(&whole, &conversation);
-        }
-        whole
-    }
-
-    fn fail(&mut self, error: &Value, out: &mut Out) -> Box<RawValue> {
-        self.events.fail(error, out)
-    }
-
-    fn cancel(&mut self, out: &mut Out) -> Box<RawValue> {
-        let whole = self.events.cancel(out);
-        // A cancelled background response stays readable as cancelled.
-        self.keep_as(&whole, &[]);
-        whole
-    }
-
-    fn keep(&mut self) -> Option<BoxFuture<'static, ()>> {
-        let (id, stored) = self.keeping.take()?;
-        let stores = self.stores.clone();
-        Some(Box::pin(async move {
-            match stores.stored.put(&id, stored).await {
-                Ok(true) => {}
-                Ok(false) => tracing::warn!(id, "response larger than the whole store; not stored"),
-                Err(err) => tracing::warn!(id, %err, "response not stored"),
-            }
-        }))
-    }
-
-    fn take_kept(&mut self) -> Option<Stored> {
-        self.keeping.take().map(|(_, stored)| stored)
-    }
-
-    fn origin(&self) -> Value {
-        json!({"store": self.store, "items": self.items})
-    }
-
-    fn checkpoint(&self) -> Value {
-        serde_json::to_value(&self.events).unwrap_or_default()
-    }
-
-    fn answer(&self, whole: Box<RawValue>, failed: bool) -> Response {
-        if failed {
-            let whole: Value = serde_json::from_str(whole.get()).unwrap_or_default();
-            let message = whole["error"]["message"].as_str().unwrap_or_default();
-            return ApiError::Unavailable(message.to_string()).into_response();
-        }
-        Json(whole).into_response()
-    }
-}
-
-impl ResponseTranslation {
-    /// The translation of a generation taken over from another replica:
-    /// `origin` and `checkpoint` as that replica wrote them; `quota`: what
-    /// its tenant may keep, as configured here.
-    pub(super) fn resumed(
-        stores: Arc<ResponseStores>,
-        origin: &Value,
-        checkpoint: Value,
-        tenant: &str,
-        quota: TenantQuota,
-    ) -> Result<Self, serde_json::Error> {
-        Ok(Self {
-            stores,
-            events: serde_json::from_value(checkpoint)?,
-            store: origin["store"].as_bool().unwrap_or(true),
-            items: serde_json::from_value(origin["items"].clone())?,
-            tenant: tenant.to_string(),
-            quota,
-            keeping: None,
-        })
-    }
-
-    /// Keeps `whole` (with `conversation`) once the last events are made.
-    fn keep_as(&mut self, whole: &RawValue, conversation: &[Value]) {
-        let id = self.events.id().to_string();
-        let stored =
-            Stored::new(whole.to_owned(), conversation, self.tenant.clone()).with_quota(self.quota);
-        self.keeping = Some((id, stored));
-    }
 }
 
 /// No response has an id that cannot be one (`valid_response_id`): not

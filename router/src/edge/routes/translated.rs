@@ -6,73 +6,29 @@
 //! events or its whole answer.
 
 use super::body::{read_budgeted, BodyLimits};
-use super::openai::{engine_request_id, request_id};
+use crate::background::run::{run_apart, Apart, CHECKPOINT_EVERY};
+use crate::background::translation::{no_ending, Shared, Sink, Translation};
 use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
-use crate::journal::EntryReader;
 use crate::pd::record::RequestRecord;
-use crate::protocols::event::{frames, Event, Out};
-use crate::protocols::openai::chunk::Chunk;
+use crate::pd::record::{engine_request_id, request_id};
+use crate::protocols::event::{frames, Event};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
-use crate::protocols::responses::live::Live;
-use crate::protocols::responses::redis_store::RedisStore;
-use crate::protocols::responses::store::{StoreError, Stored};
-use crate::protocols::translator::Translator;
 use crate::state::AppState;
+use crate::store::live::Live;
+use crate::store::redis::RedisStore;
+use crate::store::stored::StoreError;
+use crate::tenants::engine_fields::set_engine_fields;
 use crate::tenants::Caller;
 use axum::body::Body;
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use futures_util::future::BoxFuture;
 use futures_util::{Stream, StreamExt};
-use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use tracing::Instrument;
-
-/// A protocol's side of one request: its events from the chat's chunks,
-/// written to `out` (where they go: `Out`'s kinds).
-pub trait Translation: Send + 'static {
-    /// The events before the first chunk.
-    fn start(&mut self, out: &mut Out);
-    /// The events of one chat chunk.
-    fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut Out);
-    /// The last events of a chat that ended (`usage`: the router's count);
-    /// returns the whole answer (as its JSON: written once, for the client,
-    /// the store and a background response's readers alike).
-    fn finish(&mut self, usage: Value, out: &mut Out) -> Box<RawValue>;
-    /// The last events of a chat that failed (`error`: an OpenAI error
-    /// object); returns the whole answer as it stands.
-    fn fail(&mut self, error: &Value, out: &mut Out) -> Box<RawValue>;
-    /// The non-stream answer from the whole answer `finish` or `fail` made.
-    fn answer(&self, whole: Box<RawValue>, failed: bool) -> Response;
-    /// The last events of a generation cancelled by its client; returns the
-    /// whole answer as it stands (background responses only).
-    fn cancel(&mut self, out: &mut Out) -> Box<RawValue> {
-        self.fail(&json!({"message": "cancelled"}), out)
-    }
-    /// What must be kept before the last events go out (a stored response,
-    /// so that a client that read them can at once continue from it).
-    fn keep(&mut self) -> Option<BoxFuture<'static, ()>> {
-        None
-    }
-    /// What `keep` would store, taken instead: a background response's
-    /// writer stores it under its lease in the shared store (`mirror.rs`).
-    fn take_kept(&mut self) -> Option<Stored> {
-        None
-    }
-    /// What of the translation never changes, for a replica that takes a
-    /// background generation over (`takeover.rs`).
-    fn origin(&self) -> Value {
-        Value::Null
-    }
-    /// The translation's state as of its last events, for the same.
-    fn checkpoint(&self) -> Value {
-        Value::Null
-    }
-}
 
 /// What a protocol's request became: the chat to run and the translation of
 /// its answer.
@@ -83,172 +39,6 @@ pub struct Prepared<T> {
     /// Run apart from the request, its events kept here (a background
     /// response); the request answers at once.
     pub background: Option<Arc<Live>>,
-}
-
-/// Where a translation's events go.
-pub enum Sink {
-    /// A streaming client's stream.
-    Client,
-    /// Nowhere: a non-stream client gets the whole answer.
-    Whole,
-    /// A background response's log (its last events and checkpoints are
-    /// written by [`run_apart`]).
-    Live(Arc<Live>),
-}
-
-/// A translation as the relay drives it.
-pub struct Driver<T> {
-    translation: T,
-    sink: Sink,
-    /// Whether its first events were made (a generation taken over from
-    /// another replica had them there).
-    started: bool,
-    /// The last events and the whole answer of the chat's end, until they go
-    /// out (after what the translation keeps), and whether it failed.
-    ending: Option<(Out, Box<RawValue>, bool)>,
-    /// Whether its last events were made (by the chat's end or a cut).
-    ended: bool,
-}
-
-impl<T: Translation> Driver<T> {
-    /// Where the next events are written, for the sink.
-    fn out(&self) -> Out {
-        match &self.sink {
-            Sink::Client => Out::Frames(Vec::new()),
-            Sink::Whole => Out::Nowhere,
-            Sink::Live(_) => Out::Events(Vec::new()),
-        }
-    }
-
-    /// What the translation keeps as it ends: with a shared store, a
-    /// background response's writer stores it under its lease (nothing to
-    /// wait for here: readers get the last events once it is stored).
-    fn keeping(&mut self) -> Option<BoxFuture<'static, ()>> {
-        if let Sink::Live(live) = &self.sink {
-            if live.is_shared() {
-                if let Some(stored) = self.translation.take_kept() {
-                    live.keep(stored);
-                }
-                return None;
-            }
-        }
-        self.translation.keep()
-    }
-
-    /// The events written to `out` to the sink; a streaming client's bytes.
-    fn send(&self, out: Out) -> Option<Bytes> {
-        match (&self.sink, out) {
-            (Sink::Client, Out::Frames(frames)) if !frames.is_empty() => Some(frames.into()),
-            (Sink::Live(live), Out::Events(events)) if !events.is_empty() => {
-                live.push(events, None);
-                None
-            }
-            _ => None,
-        }
-    }
-}
-
-/// A driver shared by the relay, which feeds it, and the route, which
-/// answers from it (a whole answer, a background response's checkpoints).
-pub struct Shared<T>(Arc<Mutex<Driver<T>>>);
-
-impl<T> Clone for Shared<T> {
-    fn clone(&self) -> Self {
-        Self(self.0.clone())
-    }
-}
-
-impl<T: Translation> Shared<T> {
-    pub fn new(translation: T, sink: Sink, started: bool) -> Self {
-        Self(Arc::new(Mutex::new(Driver {
-            translation,
-            sink,
-            started,
-            ending: None,
-            ended: false,
-        })))
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Driver<T>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The chat's end, once it came: its last events, the whole answer and
-    /// whether it failed (taken: they go out once).
-    fn take_ending(&self) -> Option<(Out, Box<RawValue>, bool)> {
-        self.lock().ending.take()
-    }
-
-    /// The relay's handle on it.
-    pub fn translator(&self) -> Box<dyn Translator> {
-        Box::new(self.clone())
-    }
-
-    /// The last bytes of a streaming client's stream cut at the end of the
-    /// shutdown grace (`gate::StreamEnding`): the chat's own end when it came
-    /// and has not gone out yet (it waited on what the translation keeps),
-    /// else the translation's failure events, numbered on from its last
-    /// (Responses: `error` and `response.failed`; Messages: its open block
-    /// closed and Anthropic's `error` event). Nothing when the end went out.
-    fn cut(&self) -> Bytes {
-        let mut driver = self.lock();
-        if let Some((out, _, _)) = driver.ending.take() {
-            return driver.send(out).unwrap_or_default();
-        }
-        if std::mem::replace(&mut driver.ended, true) {
-            return Bytes::new();
-        }
-        let error = crate::edge::gate::shutdown_error().body();
-        let mut out = driver.out();
-        driver.translation.fail(&error["error"], &mut out);
-        driver.send(out).unwrap_or_default()
-    }
-}
-
-impl<T: Translation> Translator for Shared<T> {
-    fn start(&mut self) -> Option<Bytes> {
-        let mut driver = self.lock();
-        if std::mem::replace(&mut driver.started, true) {
-            return None;
-        }
-        let mut out = driver.out();
-        driver.translation.start(&mut out);
-        driver.send(out)
-    }
-
-    fn chunk(&mut self, chunk: &Chunk<'_>) -> Option<Bytes> {
-        let mut driver = self.lock();
-        let mut out = driver.out();
-        driver.translation.chunk(chunk, &mut out);
-        driver.send(out)
-    }
-
-    fn finish(&mut self, usage: Value) -> Option<BoxFuture<'static, ()>> {
-        let mut driver = self.lock();
-        let mut out = driver.out();
-        let whole = driver.translation.finish(usage, &mut out);
-        driver.ending = Some((out, whole, false));
-        driver.ended = true;
-        driver.keeping()
-    }
-
-    fn fail(&mut self, error: &ApiError) {
-        let mut driver = self.lock();
-        let mut out = driver.out();
-        let whole = driver.translation.fail(&error.body()["error"], &mut out);
-        driver.ending = Some((out, whole, true));
-        driver.ended = true;
-    }
-
-    fn last(&mut self) -> Option<Bytes> {
-        let mut driver = self.lock();
-        // Only a streaming client's go out here: the route takes the others'.
-        if !matches!(driver.sink, Sink::Client) {
-            return None;
-        }
-        let (out, _, _) = driver.ending.take()?;
-        driver.send(out)
-    }
 }
 
 /// Reads the request, lets `prepare` check and translate it (with the
@@ -310,7 +100,7 @@ pub async fn serve<T: Translation>(
         // their own for either).
         let mut chat = ClientBody::of(prepared.chat);
         if let Some(caller) = &engine_fields {
-            if let Err(error) = super::openai::set_engine_fields(caller, &mut chat) {
+            if let Err(error) = set_engine_fields(caller, &mut chat) {
                 record.finish(error.status().as_u16());
                 return Err(failed(error));
             }
@@ -356,7 +146,9 @@ pub async fn serve<T: Translation>(
                 let ending = driver.clone();
                 response
                     .extensions_mut()
-                    .insert(crate::edge::gate::StreamEnding::new(move || ending.cut()));
+                    .insert(crate::edge::gate::StreamEnding::new(move || {
+                        ending.cut(&crate::edge::gate::shutdown_error().body()["error"])
+                    }));
                 response
             }
             None => whole_answer(driver, chat_response).await,
@@ -390,16 +182,6 @@ pub async fn serve<T: Translation>(
     })
 }
 
-/// The end of a chat whose session ended without one (it always makes one:
-/// its last events or its error's).
-fn no_ending<T: Translation>(driver: &Shared<T>) -> (Out, Box<RawValue>, bool) {
-    let error = json!({"message": "the generation ended before its end"});
-    let mut driver = driver.lock();
-    let mut out = driver.out();
-    let whole = driver.translation.fail(&error, &mut out);
-    (out, whole, true)
-}
-
 /// The whole answer of a non-stream request, once its chat ran to the end
 /// (the chat's own headers, instances and resumes, stay).
 async fn whole_answer<T: Translation>(driver: Shared<T>, chat_response: Response) -> Response {
@@ -417,205 +199,6 @@ async fn whole_answer<T: Translation>(driver: Shared<T>, chat_response: Response
         }
     }
     response
-}
-
-/// A whole answer as a value (a background response's state).
-fn value_of(whole: &RawValue) -> Value {
-    serde_json::from_str(whole.get()).unwrap_or_default()
-}
-
-/// Most time between two checkpoints of a background generation (with a
-/// shared store).
-const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
-
-/// A background generation to run apart from its request.
-pub struct Apart<T> {
-    /// Its translation, fed by the chat's relay (its sink the `live` log).
-    pub driver: Shared<T>,
-    pub live: Arc<Live>,
-    pub chat_response: Response,
-    /// The chat's journal entry (its checkpoints, with a shared store).
-    pub entry: EntryReader,
-    pub admission: Option<crate::tenants::Admission>,
-    /// The lease this replica holds on it in the shared store (a
-    /// generation taken over; a new one gets its own).
-    pub lease: Option<Lease>,
-}
-
-/// A lease a replica holds on a background response it took over.
-pub struct Lease {
-    pub token: String,
-    /// When the call that last set it was sent: it runs out in the store a
-    /// lease after that at the soonest, so the generation's hold counts from
-    /// here (not from when the generation starts, which may be much later).
-    pub since: tokio::time::Instant,
-}
-
-/// Drives a background generation to its end (or its cancel) in a task of
-/// the router's, its events into `live` (the relay writes them as it
-/// journals the chat, so the two agree whenever this task looks); the
-/// admission is held as long. With a shared store, its events and
-/// checkpoints are copied there as they come (`mirror.rs`), under a lease of
-/// this replica's; `origin` is written with the first events (a generation
-/// taken over has it there already).
-pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: Option<Value>) {
-    let Apart {
-        driver,
-        live,
-        chat_response,
-        entry,
-        admission,
-        lease,
-    } = run;
-    let mut chat = chat_response.into_body().into_data_stream();
-    let shared = state.responses.shared.clone();
-    let keeps_checkpoints = shared.is_some();
-    // What it may hold in the shared store: its events, its request (when
-    // it starts here) and its checkpoint, counted at each checkpoint; a
-    // request past it alone is not written (the first count fails it).
-    let max_bytes = shared
-        .as_ref()
-        .map_or(usize::MAX, |store| store.max_response_bytes());
-    let json_len = crate::protocols::responses::live::json_len;
-    let origin_bytes = origin.as_ref().map_or(0, json_len);
-    let origin = origin.filter(|_| origin_bytes <= max_bytes);
-    let checkpoint = {
-        let driver = driver.clone();
-        move || {
-            keeps_checkpoints.then(|| {
-                let decode = entry.read(crate::pd::checkpoint::DecodeCheckpoint::of);
-                json!({"decode": decode, "translation": driver.lock().translation.checkpoint()})
-            })
-        }
-    };
-    if let Some(shared) = &shared {
-        let id = live.response()["id"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        let (token, since) = match lease {
-            Some(lease) => (lease.token, lease.since),
-            None => (
-                crate::protocols::responses::redis_store::lease_token(),
-                tokio::time::Instant::now(),
-            ),
-        };
-        // Until its first write, as long as its lease would allow.
-        let hold = crate::protocols::responses::mirror::hold_for(shared.lease());
-        live.gate(since + hold);
-        live.push_checkpointed(Vec::new(), None, checkpoint());
-        // In the store before the client has the id, which it may take to
-        // any replica at once (a generation taken over has its origin there).
-        let mut origin = origin;
-        let mut sent = crate::protocols::responses::mirror::Sent::default();
-        if let Some(first) = &origin {
-            if crate::protocols::responses::mirror::publish(
-                shared, &id, &token, &live, first, &mut sent,
-            )
-            .await
-            {
-                origin = None;
-            }
-        }
-        state
-            .flow
-            .drains
-            .spawn(crate::protocols::responses::mirror::mirror(
-                shared.clone(),
-                id,
-                token,
-                live.clone(),
-                origin,
-                sent,
-                state.responses.live.stop.clone(),
-            ));
-    }
-    state.flow.drains.spawn(async move {
-        let _admission = admission;
-        let mut every = tokio::time::interval(CHECKPOINT_EVERY);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut changes = live.follow();
-        loop {
-            // Past its hold (its writer could not renew the lease lately),
-            // the generation pauses: its decoder stream is not read until a
-            // write renews the lease (`mirror.rs`), so that it never goes on
-            // here once another replica may have taken it over.
-            changes.borrow_and_update();
-            let until = live.until();
-            let paused = until.is_some_and(|until| tokio::time::Instant::now() >= until);
-            let hold = until.unwrap_or_else(tokio::time::Instant::now);
-            tokio::select! {
-                _ = changes.changed(), if paused => {}
-                _ = tokio::time::sleep_until(hold), if !paused && until.is_some() => {}
-                // What came since the last checkpoint is checkpointed at most
-                // every CHECKPOINT_EVERY: the store gets events up to the last
-                // checkpoint and readers only what the store has, so this
-                // bounds the writes and what a reader waits for an event.
-                _ = every.tick(), if keeps_checkpoints => {
-                    if !live.unchecked() {
-                        continue;
-                    }
-                    let checkpointed = checkpoint();
-                    let bytes = live.event_bytes()
-                        + origin_bytes
-                        + checkpointed.as_ref().map_or(0, json_len);
-                    if bytes <= max_bytes {
-                        live.push_checkpointed(Vec::new(), None, checkpointed);
-                        continue;
-                    }
-                    // Past the store's bound: the response fails, as any
-                    // reader sees, and its generation stops.
-                    drop(chat);
-                    let id = live.response()["id"].as_str().unwrap_or_default().to_string();
-                    tracing::warn!(id, bytes, limit = max_bytes, "a background response passed --response-store-max-response-bytes; failed");
-                    metrics::counter!(crate::observe::metrics::RESPONSE_STORE_TOO_LARGE, "kind" => "background")
-                        .increment(1);
-                    let error = json!({"code": "response_too_large", "message": format!(
-                        "the response passed the response store's limit of {max_bytes} bytes per response"
-                    )});
-                    let (out, whole) = {
-                        let mut driver = driver.lock();
-                        let mut out = driver.out();
-                        let whole = driver.translation.fail(&error, &mut out);
-                        (out, whole)
-                    };
-                    live.push_checkpointed(out.into_events(), Some(value_of(&whole)), checkpoint());
-                    return;
-                }
-                _ = live.cancel.cancelled() => {
-                    // Dropping the chat stream ends the generation on its decoder.
-                    drop(chat);
-                    if live.fenced() {
-                        // It goes on elsewhere: nothing more is said here.
-                        return;
-                    }
-                    let (out, whole, keeping) = {
-                        let mut driver = driver.lock();
-                        let mut out = driver.out();
-                        let whole = driver.translation.cancel(&mut out);
-                        (out, whole, driver.keeping())
-                    };
-                    if let Some(keeping) = keeping {
-                        keeping.await;
-                    }
-                    live.push_checkpointed(out.into_events(), Some(value_of(&whole)), checkpoint());
-                    return;
-                }
-                next = chat.next(), if !paused => {
-                    if next.is_some() {
-                        continue;
-                    }
-                    // The chat ended (what the translation keeps was kept
-                    // as its relay finished).
-                    let (out, whole, _) = driver
-                        .take_ending()
-                        .unwrap_or_else(|| no_ending(&driver));
-                    live.push_checkpointed(out.into_events(), Some(value_of(&whole)), checkpoint());
-                    return;
-                }
-            }
-        }
-    });
 }
 
 /// The events of background response `live` after sequence number `after`,
