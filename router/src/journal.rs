@@ -7,7 +7,7 @@
 //! which the request flow owns.
 //!
 //! The journal knows nothing of holds: their renewal is the hold keeper's
-//! (`hold_leases.rs`), which tracks each request's lease itself.
+//! (`pd/holds/`), which tracks each request's lease itself.
 
 use dashmap::DashMap;
 use serde::Serialize;

@@ -5,10 +5,10 @@
 //! and tested without the HTTP app, its metrics recorder or its listeners.
 
 use crate::config::{OnHoldLost, RouterConfig};
-use crate::hold_leases::{Holds, ReleaseQueue};
 use crate::journal::Journal;
 use crate::membership::Registry;
 use crate::pd::attempt::StreamLimits;
+use crate::pd::holds::{Holds, ReleaseQueue};
 use crate::pd::tokenizer::Tokenizers;
 use crate::pd::upstream::{Limits, Upstream};
 use crate::policy::cache::Thresholds;

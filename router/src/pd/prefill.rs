@@ -6,8 +6,8 @@
 use super::flow::Flow;
 use super::upstream::{Call, CallError, Payload, Reply};
 use crate::error::ApiError;
-use crate::hold_leases::Hold;
 use crate::membership::{Instance, Pick};
+use crate::pd::holds::Hold;
 use crate::prefix::hash::Prompt;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::patch::{Patch, Set};
@@ -251,7 +251,7 @@ async fn call_owning_the_hold(
 /// abandoned (see [`release_abandoned`]).
 struct PendingAnswer {
     rx: tokio::sync::oneshot::Receiver<Result<Reply, CallError>>,
-    holds: crate::hold_leases::Holds,
+    holds: crate::pd::holds::Holds,
 }
 
 impl Drop for PendingAnswer {
@@ -264,7 +264,7 @@ impl Drop for PendingAnswer {
 
 /// Releases the hold of a prefill answer nobody will use: a lease dropped at
 /// once, so the keeper releases it.
-fn release_abandoned(holds: &crate::hold_leases::Holds, abandoned: &Reply) {
+fn release_abandoned(holds: &crate::pd::holds::Holds, abandoned: &Reply) {
     let hold = serde_json::from_slice::<Value>(&abandoned.body)
         .ok()
         .and_then(|answer| Hold::from_params(answer.get("kv_transfer_params")?));

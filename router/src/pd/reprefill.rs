@@ -7,8 +7,8 @@ use super::flow::Flow;
 use super::prefill::{self, Prefilled};
 use crate::config::OnHoldLost;
 use crate::error::ApiError;
-use crate::hold_leases::{Hold, HoldState};
 use crate::journal::{JournalHandle, Phase};
+use crate::pd::holds::{Hold, HoldState};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::RequestInfo;
 
