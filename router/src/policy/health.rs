@@ -17,10 +17,10 @@
 //! leave fewer than half of its kind (role and model) in rotation, the router
 //! keeps routing to all (Envoy's `max_ejection_percent` and panic threshold).
 
-use crate::engines::addresses::ProbeClient;
+use super::outlier::{ejection_allowed, Outliers};
+use crate::engines::probe::ProbeClient;
 use crate::membership::{Instance, Lifecycle, Registry};
 use crate::observe::metrics;
-use crate::policy::outlier::{ejection_allowed, Outliers};
 use futures_util::future::join_all;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -168,7 +168,8 @@ fn same_kind(a: &Instance, b: &Instance) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::membership::{Registration, Role};
+    use crate::membership::registration::Role;
+    use crate::membership::Registration;
 
     fn probe_client() -> ProbeClient {
         let policy = crate::engines::addresses::UpstreamPolicy::parse(None).expect("policy");

@@ -2,6 +2,7 @@
 //! the outliers ([`outlier`]) that new requests avoid.
 
 pub mod cache;
+pub mod health;
 pub mod load;
 pub mod outlier;
 
@@ -166,7 +167,8 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::membership::load::EngineLoad;
-    use crate::membership::{Claim, Pick, Registration, Registry, RegistryConfig, Role};
+    use crate::membership::registration::Role;
+    use crate::membership::{Claim, Pick, Registration, Registry, RegistryConfig};
 
     /// `n` instances of `role` named `{prefix}0..`, with their credentials.
     pub(super) async fn registered(role: Role, prefix: &str, n: usize) -> (Registry, Vec<String>) {
@@ -229,7 +231,8 @@ mod tests {
 mod cache_tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::membership::{Claim, Pick, Registration, Registry, Role};
+    use crate::membership::registration::Role;
+    use crate::membership::{Claim, Pick, Registration, Registry};
     use crate::prefix::KvEventBatch;
 
     /// Two prefills, `p0` holding the first 4 blocks (of 4 tokens) of 0..32.
