@@ -4,7 +4,7 @@
 //! silent past its TTL) or gone for good. Every change of an instance's state
 //! is a [`Change`] applied here; the effective [`Lifecycle`] is derived.
 
-use super::Lifecycle;
+use super::registration::Lifecycle;
 use std::time::{Duration, Instant};
 
 /// This replica's judgement, overriding the stored state while it lasts.

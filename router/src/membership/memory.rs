@@ -2,9 +2,11 @@
 //! this one router. Writes apply to the view at once; a reaper marks instances
 //! whose heartbeats stopped for the TTL as dead.
 
+use super::instance::Instance;
+use super::registration::{Lifecycle, Registration};
 use super::status::{Connectivity, StoreStatus};
+use super::store::{every, sweep_period, RegistryError, Replace, Store};
 use super::view::View;
-use super::{Instance, Lifecycle, Registration, RegistryError, Replace, Store};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use std::sync::Arc;
@@ -86,7 +88,7 @@ impl Store for MemoryStore {
     fn spawn(&self, tasks: &mut JoinSet<()>, shutdown: CancellationToken) {
         let view = self.view.clone();
         let grace = self.grace;
-        super::every(tasks, shutdown, super::sweep_period(self.ttl), move || {
+        every(tasks, shutdown, sweep_period(self.ttl), move || {
             view.reap(grace)
         });
     }

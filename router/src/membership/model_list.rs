@@ -29,7 +29,7 @@ pub enum ModelListError {
 /// The entries of the engine's model list that have a string `id`, in its
 /// order, within `timeout` (the whole call: connect, headers and body).
 pub async fn fetch(
-    client: &crate::engines::addresses::ProbeClient,
+    client: &crate::engines::probe::ProbeClient,
     base_url: &str,
     timeout: Duration,
 ) -> Result<Vec<Map<String, Value>>, ModelListError> {
@@ -93,8 +93,8 @@ pub type Slot = Arc<tokio::sync::Mutex<Option<Cached>>>;
 /// whom), the cache of their entries, and the engine client that reads them.
 pub struct ModelLists {
     pub cache: ModelCache,
-    pub client: crate::engines::addresses::ProbeClient,
-    pub registry: Arc<crate::membership::Registry>,
+    pub client: crate::engines::probe::ProbeClient,
+    pub registry: Arc<crate::membership::registry::Registry>,
 }
 
 /// The router's `/v1/models` cache: each served model's entry, as its

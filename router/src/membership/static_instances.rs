@@ -13,7 +13,9 @@
 use crate::config::RouterConfig;
 use crate::engines::addresses::UpstreamPolicy;
 use crate::membership::model_list::{self, ModelListError};
-use crate::membership::{Claim, Registration, Registry, RegistryError, Role};
+use crate::membership::registration::{Registration, Role};
+use crate::membership::registry::Registry;
+use crate::membership::store::{Claim, RegistryError};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -123,7 +125,7 @@ pub async fn register(registry: &Registry, reg: Registration) -> Result<(), Regi
 /// registers it under each. Owned by the router's background tasks.
 pub async fn discover(
     registry: &Registry,
-    client: &crate::engines::addresses::ProbeClient,
+    client: &crate::engines::probe::ProbeClient,
     instance: StaticInstance,
     stop: CancellationToken,
 ) {

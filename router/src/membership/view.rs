@@ -6,8 +6,9 @@
 //! so that a local write and the watch echo of it (or a late event) can arrive
 //! in any order. State changes update the instance's `Arc` in place.
 
+use super::instance::Instance;
 use super::machine::Change;
-use super::{Instance, Lifecycle, Pick, Registration};
+use super::registration::{Lifecycle, Pick, Registration};
 use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
 use std::collections::{HashMap, HashSet};
@@ -367,7 +368,7 @@ fn with_state(instance: Instance, lifecycle: Lifecycle, lease: i64, revision: i6
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::membership::Role;
+    use crate::membership::registration::Role;
 
     fn reg(url: &str) -> Registration {
         Registration {

@@ -10,11 +10,16 @@
 
 mod hedge;
 pub mod record;
+#[cfg(test)]
+mod tests;
 pub mod watch;
 
+use super::instance::Instance;
+use super::registration::{credential_matches, Lifecycle, Registration};
+use super::registry_config::EtcdConfig;
 use super::status::{Connectivity, StoreStatus};
+use super::store::{every, sweep_period, RegistryError, Replace, Store};
 use super::view::View;
-use super::{EtcdConfig, Instance, Lifecycle, Registration, RegistryError, Replace, Store};
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, KeyValue, PutOptions, Txn, TxnOp};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
@@ -282,7 +287,7 @@ impl EtcdStore {
         let Some((kv, record)) = self.fetch(id).await? else {
             return Ok(false);
         };
-        if !super::credential_matches(
+        if !credential_matches(
             record.credential.as_deref().unwrap_or_default(),
             Some(credential),
         ) {
@@ -405,7 +410,7 @@ impl Store for EtcdStore {
         // outlives the mark (heartbeats kept arriving, at this or another replica).
         let view = self.view.clone();
         let after = self.ttl + Duration::from_secs(2);
-        super::every(tasks, shutdown, super::sweep_period(self.ttl), move || {
+        every(tasks, shutdown, sweep_period(self.ttl), move || {
             view.revive(after)
         });
     }

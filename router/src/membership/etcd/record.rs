@@ -1,6 +1,6 @@
 //! What an instance's key under the etcd prefix holds, as JSON.
 
-use super::super::{Lifecycle, Registration, Role};
+use crate::membership::registration::{Lifecycle, Registration, Role};
 use serde::{Deserialize, Serialize};
 
 /// The stored state. `removed` is written just before a deliberate removal so
