@@ -2,12 +2,10 @@
 //! in-memory registry, one prefill and two decode mock engines that register
 //! themselves) and a few requests through it, with what happened to each.
 
-use crate::config::{Cli, Command, DemoArgs, RouterConfig};
-use crate::pd::{DECODER_HEADER, PREFILL_HEADER};
-use crate::protocols::sse::{self, SseParser};
-use crate::Router;
 use clap::Parser;
 use connex_mock_engine::{CrashAction, MockConfig, MockEngine, Role};
+use connex_router::config::{Cli, Command, DemoArgs, RouterConfig};
+use connex_router::{Router, SseParser, DECODER_HEADER, PREFILL_HEADER, SSE_DONE};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -16,7 +14,7 @@ use std::time::{Duration, Instant};
 #[derive(Debug, thiserror::Error)]
 pub enum DemoError {
     #[error("starting the router: {0}")]
-    Router(#[from] crate::StartError),
+    Router(#[from] connex_router::StartError),
     #[error("starting a mock engine: {0}")]
     Engine(#[from] std::io::Error),
     #[error("the mock engines did not register within 10 s")]
@@ -118,7 +116,7 @@ fn demo_router_config() -> RouterConfig {
 
 async fn wait_registered(router: &Router, count: usize) -> Result<(), DemoError> {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while router.state.flow.registry.list().len() < count {
+    while router.instance_count() < count {
         if Instant::now() > deadline {
             return Err(DemoError::Registration);
         }
@@ -197,7 +195,7 @@ async fn send(
         let mut chunks = response.bytes_stream();
         while let Some(bytes) = chunks.next().await {
             for data in parser.push(bytes.map_err(|e| e.to_string())?) {
-                if data == sse::DONE {
+                if data == SSE_DONE {
                     continue;
                 }
                 let chunk: Value = serde_json::from_slice(&data).map_err(|e| e.to_string())?;
@@ -277,7 +275,7 @@ async fn failure_demo(
     let mut chunks = response.bytes_stream();
     while let Some(bytes) = chunks.next().await {
         for data in parser.push(bytes.map_err(|e| failed(e.to_string()))?) {
-            if data == sse::DONE {
+            if data == SSE_DONE {
                 continue;
             }
             let chunk: Value = serde_json::from_slice(&data).map_err(|e| failed(e.to_string()))?;

@@ -2,6 +2,8 @@
 
 use connex_router::config::{self, Command, LogFormat};
 use connex_router::logs;
+#[cfg(feature = "demo")]
+mod demo;
 use std::process::ExitCode;
 
 // Every token's chunk is a few small allocations; mimalloc serves them from
@@ -46,7 +48,7 @@ async fn main() -> ExitCode {
     match cli.command {
         Command::Serve(config) => serve(config).await,
         #[cfg(feature = "demo")]
-        Command::Demo(args) => match connex_router::run_demo(args).await {
+        Command::Demo(args) => match demo::run(args).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("demo failed: {err}");
