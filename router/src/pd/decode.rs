@@ -3,8 +3,9 @@
 //! continues it), always streaming toward the engine so that the router journals
 //! every token as it comes.
 
-use super::attempt::{Attempt, Cause, Failure, Lane};
+use super::attempt::{Attempt, Lane};
 use super::derender::Derender;
+use super::failure::{Cause, Failure};
 use super::flow::Flow;
 use super::upstream::{ByteStream, Call, CallError, Opened, Payload};
 use crate::error::ApiError;

@@ -30,7 +30,7 @@
 //! each replaying the output so far through the parsers (vLLM bounds that
 //! work by `max_model_len`).
 
-use super::attempt::{Cause, Failure};
+use super::failure::{Cause, Failure};
 use super::upstream::{Call, CallError, Payload, Upstream};
 use crate::journal::ChoiceProgress;
 use crate::protocols::openai::client_body::ClientBody;

@@ -8,7 +8,8 @@
 //! already sent goes out in one write. Token timing (TTFT, inter-token gaps,
 //! resume latency) is measured here, where tokens pass.
 
-use super::attempt::{Attempt, Cause, Event, Failure};
+use super::attempt::{Attempt, Event};
+use super::failure::{Cause, Failure};
 use super::merged::Split;
 use crate::error::ApiError;
 use crate::journal::{Entry, JournalHandle};
@@ -16,7 +17,7 @@ use crate::protocols::openai::chunk::{self, ErrorEvent};
 use crate::protocols::openai::output::{Output, Source};
 use crate::protocols::openai::request::RequestInfo;
 use crate::protocols::openai::stops::Matcher;
-use crate::protocols::translator::Translator;
+use crate::protocols::openai::translator::Translator;
 use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;

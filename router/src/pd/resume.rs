@@ -18,7 +18,7 @@
 //! over only before their first token (when nothing has reached the client
 //! yet).
 
-use super::attempt::Failure;
+use super::failure::Failure;
 use crate::engines::http::Payload;
 use crate::protocols::openai::client_body::{ClientBody, TypeOnly};
 use crate::protocols::openai::patch::{Patch, Set};
@@ -242,7 +242,7 @@ pub fn decide(failure: &Failure, progress: Progress, policy: ResumePolicy) -> Ne
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pd::attempt::Cause;
+    use crate::pd::failure::Cause;
 
     #[test]
     fn chat_resumes_as_completions_on_prompt_plus_generated() {

@@ -8,9 +8,10 @@
 //! gone), or the end of the request with a clear error. The client sees one
 //! stream or one response, or a clear error: never a silent truncation.
 
-use super::attempt::{Attempt, Cause, Failure};
+use super::attempt::Attempt;
 use super::decode::{self, LanePlan, OpenError};
 use super::derender::{self, Derender, DerenderTarget, RenderError};
+use super::failure::{Cause, Failure};
 use super::flow::Flow;
 use super::merged::{self, Detokenizer, Split};
 use super::prefill::Prefilled;
@@ -20,14 +21,14 @@ use super::reprefill;
 use super::resume::{self, ChatContinuation, Next, Progress, ResumePolicy};
 use super::upstream::Payload;
 use crate::error::ApiError;
-use crate::hold_leases::{Hold, HoldLease};
 use crate::journal::{ChoiceProgress, JournalHandle, Phase};
 use crate::membership::Instance;
+use crate::pd::holds::{Hold, HoldLease};
 use crate::prefix::hash::Prompt;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::output::Source;
 use crate::protocols::openai::request::{RequestInfo, Route};
-use crate::protocols::translator::Translator;
+use crate::protocols::openai::translator::Translator;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -664,7 +665,3 @@ async fn wait_for_decoder(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
-
-#[cfg(test)]
-#[path = "session_tests.rs"]
-mod tests;

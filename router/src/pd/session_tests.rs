@@ -4,7 +4,8 @@
 
 use crate::config::{self, Command, RouterConfig};
 use crate::error::ApiError;
-use crate::membership::{Lifecycle, Registration, Registry, Role};
+use crate::membership::registration::Role;
+use crate::membership::{Lifecycle, Registration, Registry};
 use crate::pd::flow::Flow;
 use crate::pd::record::RequestRecord;
 use crate::pd::upstream::{ByteStream, Call, CallError, Opened, Reply, Upstream};

@@ -3,7 +3,7 @@
 //! completions are each translated to and from a chat completion run through
 //! prefill/decode (so a decoder failure resumes them as it resumes chat):
 //! OpenAI's Responses and Anthropic's Messages, both cut into the same
-//! segments (`segments.rs`), by a `translator.rs` the relay feeds.
+//! segments (`segments.rs`), by a translator the relay feeds (`openai/translator.rs`).
 
 pub mod event;
 pub mod messages;
@@ -11,7 +11,6 @@ pub mod openai;
 pub mod responses;
 pub mod segments;
 pub mod sse;
-pub mod translator;
 
 use crate::error::ApiError;
 use serde_json::{Map, Value};

@@ -3,8 +3,8 @@
 //! chunk is parsed once, for the journal and the translation alike, and a
 //! resumed chat goes on in the client's protocol as it goes on in chat's.
 
+use super::chunk::Chunk;
 use crate::error::ApiError;
-use crate::protocols::openai::chunk::Chunk;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use serde_json::Value;
