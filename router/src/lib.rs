@@ -31,36 +31,35 @@
 //! Only what the binaries and the tests outside the crate use is exported;
 //! `docs/architecture.md` is the longer map.
 
+mod background;
 mod body_budget;
 pub mod config;
-#[cfg(feature = "demo")]
-mod demo;
 mod edge;
 mod engines;
 mod error;
-mod health;
-mod hold_leases;
 mod journal;
 mod membership;
+#[cfg(test)]
+mod module_graph;
 mod observe;
 mod pd;
 mod policy;
 mod prefix;
 mod protocols;
 mod state;
+mod store;
 mod tenants;
 
-#[cfg(feature = "demo")]
-pub use demo::run as run_demo;
 pub use edge::routes::{route_list, route_table, Listener};
 pub use edge::server::terminate_signal;
 pub use observe::logs;
+pub use pd::{DECODER_HEADER, PREFILL_HEADER};
 pub use protocols::event::Event;
-pub use protocols::responses::redis_store::{
+pub use protocols::sse::{SseParser, DONE as SSE_DONE};
+pub use store::redis::{
     checkpoint_of, AppendError, CheckpointWrite, LogState, RedisSettings, RedisStore,
 };
-pub use protocols::responses::store::Stored;
-pub use protocols::sse::SseParser;
+pub use store::stored::Stored;
 
 use config::RouterConfig;
 use edge::gate::ExposeInstances;
@@ -71,6 +70,7 @@ use edge::server::{self as server, Http2Limits, ServerLimits, Shutdown};
 use engines::addresses::UpstreamPolicy;
 use membership::{static_instances, EtcdConfig, RegistryConfig};
 use observe::metrics;
+use policy::health;
 use state::AppState;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -106,7 +106,7 @@ pub enum StartError {
     #[error(transparent)]
     Tokenizer(#[from] pd::tokenizer::TokenizerError),
     #[error(transparent)]
-    ResponseStore(#[from] protocols::responses::redis_store::RedisSetupError),
+    ResponseStore(#[from] store::redis::RedisSetupError),
 }
 
 /// A running router: its addresses, its state and the tasks it owns.
@@ -135,8 +135,8 @@ async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartError>
 /// The response store every replica shares, when `--response-store` names one.
 fn response_store(
     args: &config::ResponsesArgs,
-) -> Result<Option<Arc<protocols::responses::redis_store::RedisStore>>, StartError> {
-    use protocols::responses::redis_store::{RedisSettings, RedisStore};
+) -> Result<Option<Arc<store::redis::RedisStore>>, StartError> {
+    use store::redis::{RedisSettings, RedisStore};
     let Some(url) = &args.store else {
         return Ok(None);
     };
@@ -293,10 +293,10 @@ impl Router {
             .flow
             .holds
             .spawn_keeper(releases, &mut tasks, background.clone());
-        tenants::spawn_reloader(&tenants, &mut tasks, background.clone());
-        edge::routes::takeover::spawn(&state, &tenants, &mut tasks, background.clone());
+        tenants::reload::spawn_reloader(&tenants, &mut tasks, background.clone());
+        background::takeover::spawn(&state, &tenants, &mut tasks, background.clone());
         if let Some(store) = state.responses.shared.clone() {
-            protocols::responses::renewal::spawn(store, &mut tasks, background.clone());
+            store::renewal::spawn(store, &mut tasks, background.clone());
         }
         for instance in unnamed {
             let (state, stop) = (state.clone(), background.clone());
@@ -326,6 +326,12 @@ impl Router {
     /// The internal listener's URL (registration, admin, metrics).
     pub fn internal_url(&self) -> String {
         format!("http://{}", self.internal_addr)
+    }
+
+    /// How many instances the membership holds (the demo waits for its
+    /// engines to register).
+    pub fn instance_count(&self) -> usize {
+        self.state.flow.registry.list().len()
     }
 
     /// Shuts down gracefully: `/ready` 503 and no new connections at once;
@@ -359,100 +365,5 @@ impl Router {
         self.state.flow.drains.wait().await;
         self.background.cancel();
         while self.tasks.join_next().await.is_some() {}
-    }
-}
-
-/// No import cycle between the crate's top-level modules: each may use only
-/// modules "below" it, so that any of them can be built and tested without the
-/// ones that use it.
-#[cfg(test)]
-mod module_graph {
-    #![allow(clippy::unwrap_used)]
-    use std::collections::{BTreeMap, BTreeSet};
-    use std::path::Path;
-
-    /// Top-level module -> the top-level modules its code names as `crate::X`.
-    fn graph() -> BTreeMap<String, BTreeSet<String>> {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-        let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-        let mut stack = vec![src.clone()];
-        while let Some(dir) = stack.pop() {
-            for entry in std::fs::read_dir(&dir).unwrap() {
-                let path = entry.unwrap().path();
-                if path.is_dir() {
-                    stack.push(path);
-                    continue;
-                }
-                let relative = path.strip_prefix(&src).unwrap();
-                let module = relative
-                    .components()
-                    .next()
-                    .unwrap()
-                    .as_os_str()
-                    .to_string_lossy()
-                    .trim_end_matches(".rs")
-                    .to_string();
-                // The composition root: `lib` starts everything, so it may
-                // import anything (`state` assembles the subsystems, and no
-                // subsystem imports it back: the request flow takes its own
-                // `pd::flow::Flow`).
-                if ["lib", "main", "bin"].contains(&module.as_str()) {
-                    continue;
-                }
-                let text = std::fs::read_to_string(&path).unwrap();
-                let uses = graph.entry(module.clone()).or_default();
-                for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
-                    for (at, _) in line.match_indices("crate::") {
-                        let name: String = line[at + 7..]
-                            .chars()
-                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                            .collect();
-                        if !name.is_empty() && name != module {
-                            uses.insert(name);
-                        }
-                    }
-                }
-            }
-        }
-        graph
-    }
-
-    /// A cycle through `start`, if any (depth-first).
-    fn cycle(
-        graph: &BTreeMap<String, BTreeSet<String>>,
-        path: &mut Vec<String>,
-    ) -> Option<Vec<String>> {
-        let last = path.last().unwrap().clone();
-        for next in graph.get(&last).into_iter().flatten() {
-            if next == &path[0] {
-                let mut found = path.clone();
-                found.push(next.clone());
-                return Some(found);
-            }
-            if !path.contains(next) && next > &path[0] {
-                path.push(next.clone());
-                if let Some(found) = cycle(graph, path) {
-                    return Some(found);
-                }
-                path.pop();
-            }
-        }
-        None
-    }
-
-    #[test]
-    fn the_top_level_modules_have_no_import_cycle() {
-        let graph = graph();
-        assert!(graph.contains_key("config") && graph.contains_key("membership"));
-        assert!(
-            graph["config"].is_empty(),
-            "config must be a leaf: {:?}",
-            graph["config"]
-        );
-        let cycles: Vec<Vec<String>> = graph
-            .keys()
-            .filter_map(|start| cycle(&graph, &mut vec![start.clone()]))
-            .collect();
-        assert!(cycles.is_empty(), "import cycles: {cycles:?}");
     }
 }
