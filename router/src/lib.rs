@@ -4,29 +4,38 @@
 //! # Layout
 //!
 //! The folders are the layers; a request goes down through them, and no
-//! module imports one above it (the test `module_graph` below fails on any
-//! cycle between them):
+//! module imports one above it: inside every folder as between folders, the
+//! test `module_graph` (`module_graph.rs`) fails on any import cycle between
+//! a folder's files, its sub-folders and its own `lib.rs`/`mod.rs`.
 //!
 //! - `edge/`: the listeners and the routes (`edge/server`, `edge/routes`),
-//!   who may call what (`edge/secrets.rs`, `tenants/` for client keys);
-//!   `body_budget.rs`: how many request body bytes may be in flight.
+//!   who may call what (`edge/secrets.rs`, `tenants/` for client keys); it
+//!   parses, admits and answers. `body_budget.rs`: how many request body
+//!   bytes may be in flight (held in `state.rs`, which `edge/` reads).
+//! - `background/`: generation apart from a request: the translation driver
+//!   the translated routes feed, background responses run to their end,
+//!   their mirror into the shared store, the takeover of another replica's.
 //! - `protocols/`: wire formats. SSE; OpenAI's chat and completions as the
 //!   phases read and write them (`protocols/openai`: the client body, stop
-//!   strings, chunk edits, output, assembly); the client protocols translated
-//!   to and from a chat (Responses, Messages).
+//!   strings, chunk edits, output, assembly, the translator interface); the
+//!   client protocols translated to and from a chat (Responses, Messages).
 //! - `pd/`: a request's phases: tokens, prefill, decode, relay, resume,
-//!   re-prefill, continuation, and the engine calls they make.
-//! - `journal.rs` (every request in flight and its progress), `hold_leases.rs` (the
-//!   router's side of the KV holds), `policy/` (choosing an instance),
-//!   `prefix/` (which prefixes each engine caches), `tenants/` (keys, fair
-//!   queueing, rate limits).
-//! - `membership/`: which engines exist, registration, static instances;
-//!   memory or etcd. `health.rs`: the probes that take an engine out of
-//!   rotation (it feeds both membership and `policy/`'s outliers).
-//! - `engines/`: the one HTTP client toward engines and the address policy.
+//!   re-prefill, continuation, the engine calls they make, and the router's
+//!   side of the KV holds (`pd/holds/`).
+//! - `store/`: the router's own state: stored responses and background
+//!   responses' logs, in memory or in the store every replica shares (Redis).
+//! - `journal.rs` (every request in flight and its progress), `policy/`
+//!   (choosing an instance; `policy/health.rs`, the probes that take an
+//!   engine out of rotation), `prefix/` (which prefixes each engine caches),
+//!   `tenants/` (keys, fair queueing, rate limits).
+//! - `membership/`: which engines exist (its types, its registry),
+//!   registration, static instances; memory or etcd.
+//! - `engines/`: the one HTTP client toward engines, the address policy, the
+//!   probes' client.
 //! - `observe/`: logs, metrics, traces.
 //! - `config.rs` (the flags), `error.rs` (the OpenAI error body), `state.rs`
 //!   (the subsystems assembled), and here: [`Router`], which starts them all.
+//!   The binaries (`bin/`) use the crate as any user would.
 //!
 //! Only what the binaries and the tests outside the crate use is exported;
 //! `docs/architecture.md` is the longer map.

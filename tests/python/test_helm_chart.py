@@ -311,7 +311,7 @@ def test_engine_ports_admit_routers_on_vllm_and_hold_ports_and_engines_on_every_
         assert serving["ports"] == [{"port": 8100, "protocol": "TCP"}]
         assert components(serving["from"]) == ["router"]
         # The routers call a prefill's hold control listener (stat before a
-        # resume, renew, release: router/src/hold_leases.rs); decoders hold nothing.
+        # resume, renew, release: router/src/pd/holds/); decoders hold nothing.
         if pool == "prefill":
             assert hold == [
                 {
