@@ -35,7 +35,6 @@
 //! Redis down (or full: writes refused, counted apart): what a replica stores goes to its own memory (found again by
 //! it alone, never by another), every call is bounded by the store's timeout,
 //! and `/ready` says `response_store: unavailable`; serving goes on.
-
 //!
 //! One job per module: `settings.rs` (how to reach it), `connection.rs`
 //! (`RedisStore`: connections, bounded calls, up or full), `scripts.rs` (the
