@@ -26,6 +26,7 @@ pub mod static_instances;
 pub mod status;
 pub mod view;
 
+use crate::config::MembershipArgs;
 use crate::prefix::{BlockIndex, KvEventBatch};
 use futures_util::future::BoxFuture;
 use load::{EngineLoad, Reported};
@@ -455,33 +456,6 @@ pub trait Store: Send + Sync {
     fn status(&self) -> StoreStatus;
 }
 
-/// What the membership needs to know (built from the router's flags in one place).
-#[derive(Debug, Clone)]
-pub struct RegistryConfig {
-    /// Heartbeat TTL: an instance silent for this long gets no traffic, and
-    /// its id is free again.
-    pub ttl: Duration,
-    /// Most instances held; registrations of new ids past it are refused.
-    pub max_instances: usize,
-    /// How long an expired instance stays listed before it is evicted (memory).
-    pub dead_grace: Duration,
-    /// The shared etcd store, if any.
-    pub etcd: Option<EtcdConfig>,
-}
-
-impl RegistryConfig {
-    /// The in-memory membership with defaults, for tests and tools.
-    #[cfg(test)]
-    pub fn memory(ttl: Duration) -> Self {
-        Self {
-            ttl,
-            max_instances: 1024,
-            dead_grace: Duration::from_secs(60),
-            etcd: None,
-        }
-    }
-}
-
 /// How to reach etcd (`--etcd*`).
 #[derive(Debug, Clone)]
 #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // etcd's only
@@ -499,6 +473,27 @@ pub struct EtcdConfig {
     /// Where instances may live: a record in etcd that names another place is
     /// refused, as its registration through the API would have been.
     pub upstreams: crate::engines::addresses::UpstreamPolicy,
+}
+
+impl EtcdConfig {
+    /// How to reach etcd, from its group of flags (None: no `--etcd`): the
+    /// certificate and its key, the user and its password, each a pair or
+    /// nothing; and `upstreams`, which the records read from etcd are held to.
+    pub fn new(
+        args: &crate::config::EtcdArgs,
+        upstreams: &crate::engines::addresses::UpstreamPolicy,
+    ) -> Option<Self> {
+        let endpoints = args.endpoints.clone()?;
+        Some(Self {
+            endpoints,
+            prefix: args.prefix.clone(),
+            timeout: args.timeout,
+            ca_file: args.ca_file.clone(),
+            identity: args.cert_file.clone().zip(args.key_file.clone()),
+            user: args.user.clone().zip(args.password.clone()),
+            upstreams: upstreams.clone(),
+        })
+    }
 }
 
 /// Who asks to (re-)register or remove an id.
@@ -558,37 +553,39 @@ impl std::fmt::Debug for Registry {
 
 impl Registry {
     /// The in-memory membership of one router.
-    pub fn new(config: &RegistryConfig) -> Self {
-        let view = Arc::new(View::new(Some(config.ttl)));
+    pub fn new(args: &MembershipArgs) -> Self {
+        let view = Arc::new(View::new(Some(args.heartbeat_ttl)));
         let store = Arc::new(memory::MemoryStore::new(
             view.clone(),
-            config.ttl,
-            config.dead_grace,
+            args.heartbeat_ttl,
+            args.dead_instance_grace,
         ));
         Self {
             view,
             store,
-            ttl: config.ttl,
-            max_instances: config.max_instances,
+            ttl: args.heartbeat_ttl,
+            max_instances: args.max_instances,
         }
     }
 
     /// The backend the configuration asks for: etcd when configured, else memory.
-    pub async fn open(config: &RegistryConfig) -> Result<Self, RegistryError> {
-        let Some(etcd) = config.etcd.as_ref() else {
-            return Ok(Self::new(config));
+    pub async fn open(
+        args: &MembershipArgs,
+        etcd: Option<&EtcdConfig>,
+    ) -> Result<Self, RegistryError> {
+        let Some(etcd) = etcd else {
+            return Ok(Self::new(args));
         };
         #[cfg(feature = "etcd")]
         {
             let view = Arc::new(View::new(None));
-            let store =
-                etcd::EtcdStore::connect(etcd, config.ttl, config.max_instances, view.clone())
-                    .await?;
+            let (ttl, max_instances) = (args.heartbeat_ttl, args.max_instances);
+            let store = etcd::EtcdStore::connect(etcd, ttl, max_instances, view.clone()).await?;
             Ok(Self {
                 view,
                 store: Arc::new(store),
-                ttl: config.ttl,
-                max_instances: config.max_instances,
+                ttl,
+                max_instances,
             })
         }
         #[cfg(not(feature = "etcd"))]

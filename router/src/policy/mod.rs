@@ -165,12 +165,13 @@ impl Selector {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::config::MembershipArgs;
     use crate::membership::load::EngineLoad;
-    use crate::membership::{Claim, Pick, Registration, Registry, RegistryConfig, Role};
+    use crate::membership::{Claim, Pick, Registration, Registry, Role};
 
     /// `n` instances of `role` named `{prefix}0..`, with their credentials.
     pub(super) async fn registered(role: Role, prefix: &str, n: usize) -> (Registry, Vec<String>) {
-        let registry = Registry::new(&RegistryConfig::memory(Duration::from_secs(10)));
+        let registry = Registry::new(&MembershipArgs::with_ttl(Duration::from_secs(10)));
         let mut credentials = Vec::new();
         for i in 0..n {
             let reg = Registration {
