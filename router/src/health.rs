@@ -175,8 +175,8 @@ fn same_kind(a: &Instance, b: &Instance) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
     use crate::membership::{Registration, Role};
+    use std::time::Duration;
 
     fn probe_client() -> ProbeClient {
         let policy = crate::engines::addresses::UpstreamPolicy::parse(None).expect("policy");

@@ -53,17 +53,13 @@ impl Flow {
             .and_then(connex_transfer::Secret::new);
         let (holds, releases) = Holds::new(config.resume.ctrl_timeout, secret);
         let routing = &config.routing;
-        let thresholds = Thresholds {
-            cache: routing.cache_threshold,
-            balance_abs: routing.balance_abs_threshold,
-            balance_rel: routing.balance_rel_threshold,
-        };
+        let thresholds = Thresholds::of(routing);
         let ttl = config.membership.heartbeat_ttl;
         let flow = Self {
             registry: Arc::new(registry),
             journal: Arc::new(Journal::default()),
-            prefill: Selector::new(routing.prefill_policy, ttl).with_thresholds(thresholds),
-            decode: Selector::new(routing.decode_policy, ttl).with_thresholds(thresholds),
+            prefill: Selector::new(routing.prefill_policy, ttl, thresholds),
+            decode: Selector::new(routing.decode_policy, ttl, thresholds),
             upstream,
             outliers: Arc::new(Outliers::new(routing.suspect_for)),
             holds,
