@@ -54,12 +54,12 @@ impl Prober {
         tasks: &mut JoinSet<()>,
         shutdown: CancellationToken,
     ) {
-        if self.0.interval.is_zero() {
+        if self.0.health_check_interval.is_zero() {
             return;
         }
         tasks.spawn(async move {
             let mut failed: HashMap<String, u32> = HashMap::new();
-            let mut tick = tokio::time::interval(self.0.interval);
+            let mut tick = tokio::time::interval(self.0.health_check_interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
@@ -109,7 +109,7 @@ impl Prober {
             let count = failed.entry(instance.id.clone()).or_default();
             *count += 1;
             tracing::warn!(id = %instance.id, %why, failures = *count, "health check failed");
-            if *count < self.0.failures {
+            if *count < self.0.health_check_failures {
                 continue;
             }
             if outliers.delivered_within(&instance.id, self.window()) {
@@ -134,14 +134,14 @@ impl Prober {
     /// The span of the failed probes that would declare an instance dead:
     /// tokens delivered within it contradict them.
     fn window(&self) -> std::time::Duration {
-        self.0.interval * self.0.failures + self.0.timeout
+        self.0.health_check_interval * self.0.health_check_failures + self.0.health_check_timeout
     }
 
     async fn probe(&self, client: &ProbeClient, instance: &Instance) -> Result<(), String> {
         let url = format!("{}/health", instance.url.trim_end_matches('/'));
         let started = tokio::time::Instant::now();
         let mut reply = client
-            .get(&url, self.0.timeout)
+            .get(&url, self.0.health_check_timeout)
             .await
             .map_err(|e| e.to_string())?;
         if !(200..300).contains(&reply.status) {
@@ -150,7 +150,10 @@ impl Prober {
         // Its body read to the end (a few bytes, bounded) puts the connection
         // back in the pool for the next probe; one that does not end in time
         // or is long is left (and closed): the answer was a success anyway.
-        let rest = self.0.timeout.saturating_sub(started.elapsed());
+        let rest = self
+            .0
+            .health_check_timeout
+            .saturating_sub(started.elapsed());
         let _ = tokio::time::timeout(rest, async {
             let mut read = 0;
             while let Ok(Some(chunk)) = reply.body.chunk().await {
@@ -214,9 +217,9 @@ mod tests {
     }
 
     const CHECKS: Prober = Prober(HealthArgs {
-        interval: Duration::from_millis(100),
-        timeout: Duration::from_millis(200),
-        failures: 1,
+        health_check_interval: Duration::from_millis(100),
+        health_check_timeout: Duration::from_millis(200),
+        health_check_failures: 1,
     });
 
     fn unhealthy(registry: &Registry) -> Vec<String> {

@@ -137,22 +137,22 @@ fn response_store(
     args: &config::ResponsesArgs,
 ) -> Result<Option<Arc<protocols::responses::redis_store::RedisStore>>, StartError> {
     use protocols::responses::redis_store::{RedisSettings, RedisStore};
-    let Some(url) = &args.store else {
+    let Some(url) = &args.response_store else {
         return Ok(None);
     };
     let store = RedisStore::new(RedisSettings {
         url: url.clone(),
-        password: args.store_password.clone(),
-        ca_file: args.store_ca_file.clone(),
-        prefix: args.store_prefix.clone(),
-        ttl: args.store_ttl,
-        timeout: args.store_timeout.max(Duration::from_millis(1)),
-        lease: args.lease.max(Duration::from_millis(100)),
-        max_bytes: args.max_stored_bytes,
-        max_response_bytes: args.store_max_response_bytes.max(1),
-        fallback_count: args.max_stored,
+        password: args.response_store_password.clone(),
+        ca_file: args.response_store_ca_file.clone(),
+        prefix: args.response_store_prefix.clone(),
+        ttl: args.response_store_ttl,
+        timeout: args.response_store_timeout.max(Duration::from_millis(1)),
+        lease: args.response_lease.max(Duration::from_millis(100)),
+        max_bytes: args.max_stored_response_bytes,
+        max_response_bytes: args.response_store_max_response_bytes.max(1),
+        fallback_count: args.max_stored_responses,
     })?;
-    tracing::info!(prefix = %args.store_prefix, "responses stored in the shared response store");
+    tracing::info!(prefix = %args.response_store_prefix, "responses stored in the shared response store");
     Ok(Some(Arc::new(store)))
 }
 
@@ -214,7 +214,7 @@ impl Router {
         let limits = ServerLimits {
             header_read_timeout: config.listeners.header_read_timeout,
             max_connections: config.listeners.max_connections,
-            http2: config.http2.enabled.then_some(config.http2),
+            http2: config.http2.http2.then_some(config.http2),
         };
         let grace = config.listeners.shutdown_grace;
         let shared_responses = response_store(&config.responses)?;

@@ -92,21 +92,21 @@ impl AppState {
                     Some(shared) => shared.clone(),
                     None => Arc::new(
                         crate::protocols::responses::store::MemoryStore::with_tenant_default(
-                            config.responses.max_stored,
-                            config.responses.max_stored_bytes,
+                            config.responses.max_stored_responses,
+                            config.responses.max_stored_response_bytes,
                             crate::protocols::responses::store::TenantQuota {
-                                max_count: config.responses.max_stored_per_tenant,
-                                max_bytes: config.responses.max_stored_bytes_per_tenant,
+                                max_count: config.responses.max_stored_responses_per_tenant,
+                                max_bytes: config.responses.max_stored_response_bytes_per_tenant,
                             },
                         ),
                     ),
                 },
                 live: crate::protocols::responses::live::LiveResponses::with_limits(
                     crate::protocols::responses::live::LiveLimits {
-                        max: config.responses.max_background,
-                        max_bytes: config.responses.max_background_bytes,
-                        per_tenant: config.responses.max_background_per_tenant,
-                        per_tenant_bytes: config.responses.max_background_bytes_per_tenant,
+                        max: config.responses.max_background_responses,
+                        max_bytes: config.responses.max_background_response_bytes,
+                        per_tenant: config.responses.max_background_responses_per_tenant,
+                        per_tenant_bytes: config.responses.max_background_response_bytes_per_tenant,
                     },
                 ),
                 shared: shared_responses,

@@ -51,20 +51,18 @@ pub struct Http2Args {
     /// 3.3) on the client listener: a front proxy or client then carries many
     /// requests on one connection, one socket for many streams. HTTP/1.1
     /// clients are served as before.
-    #[arg(long = "http2", id = "http2", value_name = "HTTP2", env = "CONNEX_HTTP2", num_args = 0..=1,
-          default_value_t = false, default_missing_value = "true")]
-    pub enabled: bool,
+    #[arg(long, env = "CONNEX_HTTP2", num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub http2: bool,
     /// Most requests in flight on one HTTP/2 connection (further ones are
     /// refused by the protocol until one ends).
-    #[arg(long = "http2-max-streams", id = "http2_max_streams", value_name = "HTTP2_MAX_STREAMS", env = "CONNEX_HTTP2_MAX_STREAMS", default_value_t = 256,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_streams: u32,
+    #[arg(long, env = "CONNEX_HTTP2_MAX_STREAMS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub http2_max_streams: u32,
     /// An HTTP/2 connection with no request in flight for this long (1s to
     /// 24h) is closed (GOAWAY), as HTTP/1.1's idle wait is bounded by
     /// --header-read-timeout; its peer is also pinged this often and dropped
     /// when it does not answer within the same time.
-    #[arg(long = "http2-idle-timeout", id = "http2_idle_timeout", value_name = "DURATION", alias = "http2-idle-timeout-s", env = "CONNEX_HTTP2_IDLE_TIMEOUT", default_value = "1m", value_parser = within_a_day)]
-    pub idle_timeout: Duration,
+    #[arg(long, value_name = "DURATION", alias = "http2-idle-timeout-s", env = "CONNEX_HTTP2_IDLE_TIMEOUT", default_value = "1m", value_parser = within_a_day)]
+    pub http2_idle_timeout: Duration,
 }
 
 /// Logs, traces and metrics.
@@ -367,70 +365,33 @@ pub struct EtcdArgs {
     /// etcd endpoints (comma-separated URLs, e.g. http://127.0.0.1:2379) holding
     /// the membership shared by router replicas. Unset: in-memory membership of
     /// this router alone. Needs a build with the `etcd` cargo feature.
-    #[arg(long = "etcd", id = "etcd", value_name = "ETCD", env = "CONNEX_ETCD")]
-    pub endpoints: Option<String>,
+    #[arg(long, env = "CONNEX_ETCD")]
+    pub etcd: Option<String>,
     /// Key prefix of this cluster's membership in etcd (replicas sharing a
     /// prefix share their instances).
-    #[arg(
-        long = "etcd-prefix",
-        id = "etcd_prefix",
-        value_name = "ETCD_PREFIX",
-        env = "CONNEX_ETCD_PREFIX",
-        default_value = "/connex"
-    )]
-    pub prefix: String,
+    #[arg(long, env = "CONNEX_ETCD_PREFIX", default_value = "/connex")]
+    pub etcd_prefix: String,
     /// Time limit of each etcd call and connection attempt.
-    #[arg(long = "etcd-timeout", id = "etcd_timeout", value_name = "DURATION", alias = "etcd-timeout-ms", env = "CONNEX_ETCD_TIMEOUT", default_value = "2s", value_parser = millis)]
-    pub timeout: Duration,
+    #[arg(long, value_name = "DURATION", alias = "etcd-timeout-ms", env = "CONNEX_ETCD_TIMEOUT", default_value = "2s", value_parser = millis)]
+    pub etcd_timeout: Duration,
     /// CA certificate (PEM) that etcd's server certificate must chain to (TLS).
-    #[arg(
-        long = "etcd-ca-file",
-        id = "etcd_ca_file",
-        value_name = "ETCD_CA_FILE",
-        env = "CONNEX_ETCD_CA_FILE"
-    )]
-    pub ca_file: Option<PathBuf>,
+    #[arg(long, env = "CONNEX_ETCD_CA_FILE")]
+    pub etcd_ca_file: Option<PathBuf>,
     /// Client certificate (PEM) for etcd mutual TLS (with --etcd-key-file).
-    #[arg(
-        long = "etcd-cert-file",
-        id = "etcd_cert_file",
-        value_name = "ETCD_CERT_FILE",
-        env = "CONNEX_ETCD_CERT_FILE"
-    )]
-    pub cert_file: Option<PathBuf>,
+    #[arg(long, env = "CONNEX_ETCD_CERT_FILE")]
+    pub etcd_cert_file: Option<PathBuf>,
     /// Client key (PEM) for etcd mutual TLS.
-    #[arg(
-        long = "etcd-key-file",
-        id = "etcd_key_file",
-        value_name = "ETCD_KEY_FILE",
-        env = "CONNEX_ETCD_KEY_FILE"
-    )]
-    pub key_file: Option<PathBuf>,
+    #[arg(long, env = "CONNEX_ETCD_KEY_FILE")]
+    pub etcd_key_file: Option<PathBuf>,
     /// etcd user (with --etcd-password-file or CONNEX_ETCD_PASSWORD).
-    #[arg(
-        long = "etcd-user",
-        id = "etcd_user",
-        value_name = "ETCD_USER",
-        env = "CONNEX_ETCD_USER"
-    )]
-    pub user: Option<String>,
+    #[arg(long, env = "CONNEX_ETCD_USER")]
+    pub etcd_user: Option<String>,
     /// etcd password (prefer CONNEX_ETCD_PASSWORD or --etcd-password-file).
-    #[arg(
-        long = "etcd-password",
-        id = "etcd_password",
-        value_name = "ETCD_PASSWORD",
-        env = "CONNEX_ETCD_PASSWORD",
-        hide_env_values = true
-    )]
-    pub password: Option<String>,
+    #[arg(long, env = "CONNEX_ETCD_PASSWORD", hide_env_values = true)]
+    pub etcd_password: Option<String>,
     /// File holding the etcd password.
-    #[arg(
-        long = "etcd-password-file",
-        id = "etcd_password_file",
-        value_name = "ETCD_PASSWORD_FILE",
-        env = "CONNEX_ETCD_PASSWORD_FILE"
-    )]
-    pub password_file: Option<PathBuf>,
+    #[arg(long, env = "CONNEX_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
 }
 
 /// The active `/health` probes of every ready instance (`health.rs`).
@@ -438,19 +399,15 @@ pub struct EtcdArgs {
 pub struct HealthArgs {
     /// How often the router probes every ready instance's `/health` (0: no
     /// probes; heartbeats and stream errors only).
-    #[arg(long = "health-check-interval", id = "health_check_interval", value_name = "DURATION", alias = "health-check-interval-ms", env = "CONNEX_HEALTH_CHECK_INTERVAL", default_value = "1s", value_parser = millis)]
-    pub interval: Duration,
+    #[arg(long, value_name = "DURATION", alias = "health-check-interval-ms", env = "CONNEX_HEALTH_CHECK_INTERVAL", default_value = "1s", value_parser = millis)]
+    pub health_check_interval: Duration,
     /// Time limit of one probe.
-    #[arg(long = "health-check-timeout", id = "health_check_timeout", value_name = "DURATION", alias = "health-check-timeout-ms", env = "CONNEX_HEALTH_CHECK_TIMEOUT", default_value = "2s", value_parser = millis)]
-    pub timeout: Duration,
+    #[arg(long, value_name = "DURATION", alias = "health-check-timeout-ms", env = "CONNEX_HEALTH_CHECK_TIMEOUT", default_value = "2s", value_parser = millis)]
+    pub health_check_timeout: Duration,
     /// Failed probes in a row after which an instance is declared dead (its
     /// streams resume elsewhere; a probe that succeeds brings it back).
-    #[arg(long = "health-check-failures", id = "health_check_failures", value_name = "HEALTH_CHECK_FAILURES",
-        env = "CONNEX_HEALTH_CHECK_FAILURES",
-        default_value_t = 3,
-        value_parser = clap::value_parser!(u32).range(1..)
-    )]
-    pub failures: u32,
+    #[arg(long, env = "CONNEX_HEALTH_CHECK_FAILURES", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub health_check_failures: u32,
 }
 
 /// Stored and background Responses, in memory or in the store every replica shares (`--response-store`).
@@ -458,144 +415,97 @@ pub struct HealthArgs {
 pub struct ResponsesArgs {
     /// Most responses (`/v1/responses`, `store` not false) kept for
     /// `previous_response_id` and `GET /v1/responses/{id}`; past it the oldest go.
-    #[arg(
-        long = "max-stored-responses",
-        id = "max_stored_responses",
-        value_name = "MAX_STORED_RESPONSES",
-        env = "CONNEX_MAX_STORED_RESPONSES",
-        default_value_t = 10_000
-    )]
-    pub max_stored: usize,
+    #[arg(long, env = "CONNEX_MAX_STORED_RESPONSES", default_value_t = 10_000)]
+    pub max_stored_responses: usize,
     /// Most background responses (`background: true`) whose events are kept
     /// for readers (`GET ...?stream=true&starting_after=N`); those finished
     /// longest ago are forgotten first, and past it with all in progress a
     /// new one gets 429.
-    #[arg(
-        long = "max-background-responses",
-        id = "max_background_responses",
-        value_name = "MAX_BACKGROUND_RESPONSES",
-        env = "CONNEX_MAX_BACKGROUND_RESPONSES",
-        default_value_t = 1024
-    )]
-    pub max_background: usize,
+    #[arg(long, env = "CONNEX_MAX_BACKGROUND_RESPONSES", default_value_t = 1024)]
+    pub max_background_responses: usize,
     /// Most bytes of stored responses (their objects and conversations);
     /// past it the oldest go.
-    #[arg(long = "max-stored-response-bytes", id = "max_stored_response_bytes", value_name = "BYTES", env = "CONNEX_MAX_STORED_RESPONSE_BYTES", default_value_t = 256 * 1024 * 1024)]
-    pub max_stored_bytes: usize,
+    #[arg(long, value_name = "BYTES", env = "CONNEX_MAX_STORED_RESPONSE_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub max_stored_response_bytes: usize,
     /// Most stored responses one tenant keeps (a tenant's
     /// `max_stored_responses` in the tenants file overrides it); past it,
     /// that tenant's own oldest go. Without it: --max-stored-responses. Past
     /// the router's totals, the tenant holding the most gives up its oldest:
     /// one tenant never evicts another's responses while it holds more.
-    #[arg(
-        long = "max-stored-responses-per-tenant",
-        id = "max_stored_responses_per_tenant",
-        value_name = "MAX_STORED_RESPONSES_PER_TENANT",
-        env = "CONNEX_MAX_STORED_RESPONSES_PER_TENANT"
-    )]
-    pub max_stored_per_tenant: Option<usize>,
+    #[arg(long, env = "CONNEX_MAX_STORED_RESPONSES_PER_TENANT")]
+    pub max_stored_responses_per_tenant: Option<usize>,
     /// Most bytes of stored responses one tenant keeps (a tenant's
     /// `max_stored_bytes` overrides it). Without it: --max-stored-response-bytes.
     #[arg(
-        long = "max-stored-response-bytes-per-tenant",
-        id = "max_stored_response_bytes_per_tenant",
+        long,
         value_name = "BYTES",
         env = "CONNEX_MAX_STORED_RESPONSE_BYTES_PER_TENANT"
     )]
-    pub max_stored_bytes_per_tenant: Option<usize>,
+    pub max_stored_response_bytes_per_tenant: Option<usize>,
     /// Most background responses one tenant has kept, in progress or finished
     /// (a tenant's `max_background_responses` overrides it): past it its own
     /// finished ones are forgotten first, and with all in progress its next
     /// one gets 429, so that no tenant holds every slot.
     #[arg(
-        long = "max-background-responses-per-tenant",
-        id = "max_background_responses_per_tenant",
-        value_name = "MAX_BACKGROUND_RESPONSES_PER_TENANT",
+        long,
         env = "CONNEX_MAX_BACKGROUND_RESPONSES_PER_TENANT",
         default_value_t = 256
     )]
-    pub max_background_per_tenant: usize,
+    pub max_background_responses_per_tenant: usize,
     /// Most bytes of finished background responses' event logs (their
     /// events and response) kept for readers; past it, those finished
     /// longest ago of the tenant holding the most bytes are forgotten (the
     /// stored response stays).
-    #[arg(long = "max-background-response-bytes", id = "max_background_response_bytes", value_name = "BYTES", env = "CONNEX_MAX_BACKGROUND_RESPONSE_BYTES", default_value_t = 256 * 1024 * 1024)]
-    pub max_background_bytes: usize,
+    #[arg(long, value_name = "BYTES", env = "CONNEX_MAX_BACKGROUND_RESPONSE_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub max_background_response_bytes: usize,
     /// Most bytes of one tenant's finished background responses' event logs
     /// (a tenant's `max_background_bytes` overrides it): past it, its own
     /// finished longest ago are forgotten.
-    #[arg(long = "max-background-response-bytes-per-tenant", id = "max_background_response_bytes_per_tenant", value_name = "BYTES", env = "CONNEX_MAX_BACKGROUND_RESPONSE_BYTES_PER_TENANT", default_value_t = 64 * 1024 * 1024)]
-    pub max_background_bytes_per_tenant: usize,
+    #[arg(long, value_name = "BYTES", env = "CONNEX_MAX_BACKGROUND_RESPONSE_BYTES_PER_TENANT", default_value_t = 64 * 1024 * 1024)]
+    pub max_background_response_bytes_per_tenant: usize,
     /// Redis that every replica shares for stored responses and background
     /// responses' events (`redis://HOST:PORT[/DB]`, `rediss://` for TLS), so
     /// that any replica serves them. Without it: this process's memory (one
     /// replica). The password goes in --response-store-password-file or
     /// CONNEX_RESPONSE_STORE_PASSWORD, never in the URL.
-    #[arg(
-        long = "response-store",
-        id = "response_store",
-        value_name = "RESPONSE_STORE",
-        env = "CONNEX_RESPONSE_STORE"
-    )]
-    pub store: Option<String>,
+    #[arg(long, env = "CONNEX_RESPONSE_STORE")]
+    pub response_store: Option<String>,
     /// Password of the response store (prefer CONNEX_RESPONSE_STORE_PASSWORD
     /// or --response-store-password-file).
-    #[arg(
-        long = "response-store-password",
-        id = "response_store_password",
-        value_name = "RESPONSE_STORE_PASSWORD",
-        env = "CONNEX_RESPONSE_STORE_PASSWORD",
-        hide_env_values = true
-    )]
-    pub store_password: Option<String>,
+    #[arg(long, env = "CONNEX_RESPONSE_STORE_PASSWORD", hide_env_values = true)]
+    pub response_store_password: Option<String>,
     /// File holding the response store's password.
-    #[arg(
-        long = "response-store-password-file",
-        id = "response_store_password_file",
-        value_name = "RESPONSE_STORE_PASSWORD_FILE",
-        env = "CONNEX_RESPONSE_STORE_PASSWORD_FILE"
-    )]
-    pub store_password_file: Option<PathBuf>,
+    #[arg(long, env = "CONNEX_RESPONSE_STORE_PASSWORD_FILE")]
+    pub response_store_password_file: Option<PathBuf>,
     /// CA certificate (PEM) the response store's server certificate must
     /// chain to (rediss://; without it, the system's roots).
-    #[arg(
-        long = "response-store-ca-file",
-        id = "response_store_ca_file",
-        value_name = "RESPONSE_STORE_CA_FILE",
-        env = "CONNEX_RESPONSE_STORE_CA_FILE"
-    )]
-    pub store_ca_file: Option<PathBuf>,
+    #[arg(long, env = "CONNEX_RESPONSE_STORE_CA_FILE")]
+    pub response_store_ca_file: Option<PathBuf>,
     /// Prefix of the response store's keys (the replicas of one cluster share it).
-    #[arg(
-        long = "response-store-prefix",
-        id = "response_store_prefix",
-        value_name = "RESPONSE_STORE_PREFIX",
-        env = "CONNEX_RESPONSE_STORE_PREFIX",
-        default_value = "connex:"
-    )]
-    pub store_prefix: String,
+    #[arg(long, env = "CONNEX_RESPONSE_STORE_PREFIX", default_value = "connex:")]
+    pub response_store_prefix: String,
     /// Most bytes one response may hold in the response store: a stored
     /// response's object and conversation; a background response's events,
     /// request and checkpoint (docs/operations.md, "Bytes per response").
     /// A stored response over it is not stored there (logged, counted in
     /// connex_response_store_too_large_total); a background response that
     /// passes it fails (`response_too_large`) and its generation stops.
-    #[arg(long = "response-store-max-response-bytes", id = "response_store_max_response_bytes", value_name = "BYTES", env = "CONNEX_RESPONSE_STORE_MAX_RESPONSE_BYTES", default_value_t = 16 * 1024 * 1024)]
-    pub store_max_response_bytes: usize,
+    #[arg(long, value_name = "BYTES", env = "CONNEX_RESPONSE_STORE_MAX_RESPONSE_BYTES", default_value_t = 16 * 1024 * 1024)]
+    pub response_store_max_response_bytes: usize,
     /// How long a response lives in the response store (its keys expire then).
-    #[arg(long = "response-store-ttl", id = "response_store_ttl", value_name = "DURATION", alias = "response-store-ttl-s", env = "CONNEX_RESPONSE_STORE_TTL", default_value = "168h", value_parser = secs)]
-    pub store_ttl: Duration,
+    #[arg(long, value_name = "DURATION", alias = "response-store-ttl-s", env = "CONNEX_RESPONSE_STORE_TTL", default_value = "168h", value_parser = secs)]
+    pub response_store_ttl: Duration,
     /// Time limit of each response store call and connection attempt (past
     /// it the store counts as unavailable).
-    #[arg(long = "response-store-timeout", id = "response_store_timeout", value_name = "DURATION", alias = "response-store-timeout-ms", env = "CONNEX_RESPONSE_STORE_TIMEOUT", default_value = "1s", value_parser = millis)]
-    pub store_timeout: Duration,
+    #[arg(long, value_name = "DURATION", alias = "response-store-timeout-ms", env = "CONNEX_RESPONSE_STORE_TIMEOUT", default_value = "1s", value_parser = millis)]
+    pub response_store_timeout: Duration,
     /// How long a replica's claim on a background response it generates
     /// lasts without renewal (renewed three times as often): past it,
     /// another replica sharing the response store takes the generation over
     /// from its last checkpoint. Lower: a quicker takeover after a crash,
     /// more renewals.
-    #[arg(long = "response-lease", id = "response_lease", value_name = "DURATION", alias = "response-lease-ms", env = "CONNEX_RESPONSE_LEASE", default_value = "3s", value_parser = millis)]
-    pub lease: Duration,
+    #[arg(long, value_name = "DURATION", alias = "response-lease-ms", env = "CONNEX_RESPONSE_LEASE", default_value = "3s", value_parser = millis)]
+    pub response_lease: Duration,
 }
 
 /// A selection policy (`--prefill-policy`, `--decode-policy`), set separately

@@ -154,6 +154,15 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// A config file of `text` in a directory of its own (`name`), by path.
+    fn config_file(name: &str, text: &str) -> String {
+        let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("router.toml");
+        std::fs::write(&path, text).expect("write config");
+        path.to_string_lossy().to_string()
+    }
+
     fn serve(args: &[&str]) -> Result<RouterConfig, ConfigError> {
         match load(args.iter().map(OsString::from).collect())?.command {
             Command::Serve(config) => Ok(config),
@@ -163,15 +172,10 @@ mod tests {
 
     #[test]
     fn file_sets_values_and_command_line_wins() {
-        let dir = std::env::temp_dir().join(format!("connex-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let path = dir.join("router.toml");
-        std::fs::write(
-            &path,
+        let path = config_file(
+            "connex-config",
             "heartbeat_ttl_s = 3\ndecode_policy = \"power_of_two\"\nadmin_token = \"file\"\n",
-        )
-        .expect("write config");
-        let path = path.to_string_lossy().to_string();
+        );
         let config = serve(&[
             "connex-router",
             "serve",
@@ -250,13 +254,16 @@ mod tests {
     #[test]
     fn http2_is_off_by_default_and_its_limits_are_checked() {
         let config = serve(&["connex-router", "serve"]).expect("parse");
-        assert!(!config.http2.enabled);
+        assert!(!config.http2.http2);
         assert_eq!(
-            (config.http2.max_streams, config.http2.idle_timeout),
+            (
+                config.http2.http2_max_streams,
+                config.http2.http2_idle_timeout
+            ),
             (256, Duration::from_secs(60))
         );
         let config = serve(&["connex-router", "serve", "--http2"]).expect("parse");
-        assert!(config.http2.enabled);
+        assert!(config.http2.http2);
         for bad in [
             ["--http2-max-streams", "0"],
             ["--http2-idle-timeout-s", "0"],
@@ -272,15 +279,7 @@ mod tests {
 
     #[test]
     fn static_instances_come_from_flags_or_a_file_list() {
-        let dir = std::env::temp_dir().join(format!("connex-config-static-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let path = dir.join("router.toml");
-        std::fs::write(
-            &path,
-            "prefill = [\"http://10.0.0.1:8100,10.0.0.1:7000\"]\ndecode = [\"http://10.0.0.2:8200\", \"http://10.0.0.3:8200\"]\nstatic_model = \"m\"\n",
-        )
-        .expect("write config");
-        let path = path.to_string_lossy().to_string();
+        let path = config_file("connex-config-static", "prefill = [\"http://10.0.0.1:8100,10.0.0.1:7000\"]\ndecode = [\"http://10.0.0.2:8200\", \"http://10.0.0.3:8200\"]\nstatic_model = \"m\"\n");
         let config = serve(&["connex-router", "serve", "--config", &path]).expect("parse");
         assert_eq!(
             config.membership.prefill,
@@ -309,7 +308,7 @@ mod tests {
         assert_eq!(config.engines.stall_timeout, Duration::from_secs(10));
         assert_eq!(config.membership.heartbeat_ttl, Duration::from_secs(10));
         assert_eq!(
-            config.responses.store_ttl,
+            config.responses.response_store_ttl,
             Duration::from_secs(7 * 24 * 3600)
         );
         let config = serve(&[
@@ -357,15 +356,10 @@ mod tests {
 
     #[test]
     fn a_file_may_use_the_old_duration_keys_and_units() {
-        let dir = std::env::temp_dir().join(format!("connex-config-units-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let path = dir.join("router.toml");
-        std::fs::write(
-            &path,
+        let path = config_file(
+            "connex-config-units",
             "stall_timeout_ms = 750\nresume_wait = \"3s\"\nshutdown_grace_s = 5\n",
-        )
-        .expect("write config");
-        let path = path.to_string_lossy().to_string();
+        );
         let config = serve(&["connex-router", "serve", "--config", &path]).expect("parse");
         assert_eq!(config.engines.stall_timeout, Duration::from_millis(750));
         assert_eq!(config.resume.resume_wait, Duration::from_secs(3));
@@ -413,11 +407,10 @@ mod tests {
         );
         assert_eq!(config.engines.stall_timeout, Duration::from_secs(2));
         // The old env name is the environment: it wins over the file.
-        let dir = std::env::temp_dir().join(format!("connex-config-env-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let path = dir.join("router.toml");
-        std::fs::write(&path, "stall_timeout = \"7s\"\nresume_wait = \"3s\"\n").expect("write");
-        let path = path.to_string_lossy().to_string();
+        let path = config_file(
+            "connex-config-env",
+            "stall_timeout = \"7s\"\nresume_wait = \"3s\"\n",
+        );
         let config = serve_with_env(
             &["connex-router", "serve", "--config", &path],
             &[("CONNEX_STALL_TIMEOUT_MS", "500")],
@@ -472,11 +465,7 @@ mod tests {
 
     #[test]
     fn unknown_file_key_is_an_error() {
-        let dir = std::env::temp_dir().join(format!("connex-config-bad-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let path = dir.join("router.toml");
-        std::fs::write(&path, "no_such_setting = 1\n").expect("write config");
-        let path = path.to_string_lossy().to_string();
+        let path = config_file("connex-config-bad", "no_such_setting = 1\n");
         let err = serve(&["connex-router", "serve", "--config", &path]).expect_err("must fail");
         assert!(matches!(err, ConfigError::UnknownKey(key) if key == "no_such_setting"));
     }

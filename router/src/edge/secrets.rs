@@ -45,13 +45,13 @@ pub fn resolve(config: &mut RouterConfig) -> Result<(), SecretError> {
     )?;
     resolve_one(
         "etcd-password",
-        &mut config.etcd.password,
-        config.etcd.password_file.as_deref(),
+        &mut config.etcd.etcd_password,
+        config.etcd.etcd_password_file.as_deref(),
     )?;
     resolve_one(
         "response-store-password",
-        &mut config.responses.store_password,
-        config.responses.store_password_file.as_deref(),
+        &mut config.responses.response_store_password,
+        config.responses.response_store_password_file.as_deref(),
     )?;
     Ok(())
 }

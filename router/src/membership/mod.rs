@@ -483,14 +483,14 @@ impl EtcdConfig {
         args: &crate::config::EtcdArgs,
         upstreams: &crate::engines::addresses::UpstreamPolicy,
     ) -> Option<Self> {
-        let endpoints = args.endpoints.clone()?;
+        let endpoints = args.etcd.clone()?;
         Some(Self {
             endpoints,
-            prefix: args.prefix.clone(),
-            timeout: args.timeout,
-            ca_file: args.ca_file.clone(),
-            identity: args.cert_file.clone().zip(args.key_file.clone()),
-            user: args.user.clone().zip(args.password.clone()),
+            prefix: args.etcd_prefix.clone(),
+            timeout: args.etcd_timeout,
+            ca_file: args.etcd_ca_file.clone(),
+            identity: args.etcd_cert_file.clone().zip(args.etcd_key_file.clone()),
+            user: args.etcd_user.clone().zip(args.etcd_password.clone()),
             upstreams: upstreams.clone(),
         })
     }

@@ -71,11 +71,11 @@ pub async fn serve(
         let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         builder
             .timer(TokioTimer::new())
-            .max_concurrent_streams(h2.max_streams)
+            .max_concurrent_streams(h2.http2_max_streams)
             .max_send_buf_size(H2_SEND_BUF)
-            .keep_alive_interval(h2.idle_timeout)
-            .keep_alive_timeout(h2.idle_timeout);
-        (Arc::new(builder), h2.idle_timeout)
+            .keep_alive_interval(h2.http2_idle_timeout)
+            .keep_alive_timeout(h2.http2_idle_timeout);
+        (Arc::new(builder), h2.http2_idle_timeout)
     });
     let http1 = Arc::new(http1);
     loop {
