@@ -33,8 +33,8 @@
 //! - `engines/`: the one HTTP client toward engines, the address policy, the
 //!   probes' client.
 //! - `observe/`: logs, metrics, traces.
-//! - `config.rs` (the flags), `error.rs` (the OpenAI error body), `state.rs`
-//!   (the subsystems assembled), and here: [`Router`], which starts them all.
+//! - `config/` (the flags, one group per concern), `error.rs` (the OpenAI
+//!   error body), `state.rs` (the subsystems assembled), and here: [`Router`], which starts them all.
 //!   The binaries (`bin/`) use the crate as any user would.
 //!
 //! Only what the binaries and the tests outside the crate use is exported;
@@ -75,9 +75,9 @@ use edge::gate::ExposeInstances;
 use edge::routes::access::Access;
 use edge::routes::Edge;
 use edge::secrets;
-use edge::server::{self as server, Http2Limits, ServerLimits, Shutdown};
+use edge::server::{self as server, ServerLimits, Shutdown};
 use engines::addresses::UpstreamPolicy;
-use membership::{static_instances, EtcdConfig, RegistryConfig};
+use membership::{static_instances, EtcdConfig};
 use observe::metrics;
 use policy::health;
 use state::AppState;
@@ -146,60 +146,23 @@ fn response_store(
     args: &config::ResponsesArgs,
 ) -> Result<Option<Arc<store::redis::RedisStore>>, StartError> {
     use store::redis::{RedisSettings, RedisStore};
-    let Some(url) = &args.store else {
+    let Some(url) = &args.response_store else {
         return Ok(None);
     };
     let store = RedisStore::new(RedisSettings {
         url: url.clone(),
-        password: args.store_password.clone(),
-        ca_file: args.store_ca_file.clone(),
-        prefix: args.store_prefix.clone(),
-        ttl: args.store_ttl,
-        timeout: args.store_timeout.max(Duration::from_millis(1)),
-        lease: args.lease.max(Duration::from_millis(100)),
-        max_bytes: args.max_stored_bytes,
-        max_response_bytes: args.store_max_response_bytes.max(1),
-        fallback_count: args.max_stored,
+        password: args.response_store_password.clone(),
+        ca_file: args.response_store_ca_file.clone(),
+        prefix: args.response_store_prefix.clone(),
+        ttl: args.response_store_ttl,
+        timeout: args.response_store_timeout.max(Duration::from_millis(1)),
+        lease: args.response_lease.max(Duration::from_millis(100)),
+        max_bytes: args.max_stored_response_bytes,
+        max_response_bytes: args.response_store_max_response_bytes.max(1),
+        fallback_count: args.max_stored_responses,
     })?;
-    tracing::info!(prefix = %args.store_prefix, "responses stored in the shared response store");
+    tracing::info!(prefix = %args.response_store_prefix, "responses stored in the shared response store");
     Ok(Some(Arc::new(store)))
-}
-
-/// The membership's own configuration, from the router's flags (its etcd
-/// from their etcd group).
-fn registry_config(config: &RouterConfig, upstreams: &UpstreamPolicy) -> RegistryConfig {
-    let etcd = &config.etcd;
-    RegistryConfig {
-        ttl: config.heartbeat_ttl,
-        max_instances: config.max_instances,
-        dead_grace: config.dead_instance_grace,
-        etcd: etcd.endpoints.clone().map(|endpoints| EtcdConfig {
-            endpoints,
-            prefix: etcd.prefix.clone(),
-            timeout: etcd.timeout,
-            ca_file: etcd.ca_file.clone(),
-            identity: etcd.cert_file.clone().zip(etcd.key_file.clone()),
-            user: etcd.user.clone().zip(etcd.password.clone()),
-            upstreams: upstreams.clone(),
-        }),
-    }
-}
-
-/// The health probes' own configuration, from their group of flags.
-fn health_checks(args: &config::HealthArgs) -> health::HealthChecks {
-    health::HealthChecks {
-        interval: args.interval,
-        timeout: args.timeout,
-        failures: args.failures,
-    }
-}
-
-/// HTTP/2's limits, from its group of flags (None: HTTP/1.1 only).
-fn http2_limits(args: &config::Http2Args) -> Option<Http2Limits> {
-    args.enabled.then_some(Http2Limits {
-        max_streams: args.max_streams,
-        idle_timeout: args.idle_timeout,
-    })
 }
 
 impl Router {
@@ -208,28 +171,29 @@ impl Router {
     /// assembled here.
     pub async fn start(mut config: RouterConfig) -> Result<Self, StartError> {
         secrets::resolve(&mut config)?;
-        let internal_ip = config.internal_listen.ip();
-        if config.register_token.is_none() && !internal_ip.to_canonical().is_loopback() {
-            if !config.allow_open_registration {
-                return Err(StartError::OpenRegistration(config.internal_listen));
+        let internal_listen = config.listeners.internal_listen;
+        let internal_ip = internal_listen.ip();
+        if config.access.register_token.is_none() && !internal_ip.to_canonical().is_loopback() {
+            if !config.access.allow_open_registration {
+                return Err(StartError::OpenRegistration(internal_listen));
             }
             tracing::warn!(
-                listen = %config.internal_listen,
+                listen = %internal_listen,
                 "registration is open to anyone who reaches the internal listener \
                  (--allow-open-registration without a register token)"
             );
         }
-        let (listener, addr) = bind(config.listen).await?;
-        let (internal_listener, internal_addr) = bind(config.internal_listen).await?;
-        let upstreams = UpstreamPolicy::parse(config.allowed_upstreams.as_deref())?
+        let (listener, addr) = bind(config.listeners.listen).await?;
+        let (internal_listener, internal_addr) = bind(internal_listen).await?;
+        let upstreams = UpstreamPolicy::parse(config.access.allowed_upstreams.as_deref())?
             .with_own_listeners(&[addr, internal_addr]);
         let upstreams = Arc::new(upstreams);
         // The recorder first: the membership sets its gauges as it opens.
-        let idle = (!config.metrics_idle_timeout.is_zero()).then_some(config.metrics_idle_timeout);
-        metrics::install(idle);
-        let tokenizers = pd::tokenizer::Tokenizers::load(&config.tokenizer)?;
-        let statics = static_instances::instances(&config, &upstreams).await?;
-        let registry = membership::Registry::open(&registry_config(&config, &upstreams)).await?;
+        metrics::install(config.observability.metrics_idle());
+        let tokenizers = pd::tokenizer::Tokenizers::load(&config.routing.tokenizer)?;
+        let statics = static_instances::instances(&config.membership, &upstreams).await?;
+        let etcd = EtcdConfig::new(&config.etcd, &upstreams);
+        let registry = membership::Registry::open(&config.membership, etcd.as_ref()).await?;
         // With --static-model they serve from the start; otherwise each is
         // registered once it says which models it serves (below).
         let (named, unnamed): (Vec<_>, Vec<_>) =
@@ -238,39 +202,33 @@ impl Router {
             let model = instance.model.clone().unwrap_or_default();
             static_instances::register(&registry, instance.registration(&model, true)).await?;
         }
-        let tenants = Arc::new(tenants::Tenants::new(tenants::TenantsConfig {
-            api_key: config.api_key.clone(),
-            tenants_file: config.tenants_file.clone(),
-            max_concurrent: config.max_concurrent_requests,
-            max_queued_per_tenant: config.max_queued_per_tenant,
-            max_queue_wait: config.max_queue_wait,
-        })?);
+        let tenants = Arc::new(tenants::Tenants::new(config.tenants.clone())?);
         if !tenants.keyed() {
             tracing::info!(
-                listen = %config.listen,
+                listen = %config.listeners.listen,
                 "the client routes take no API key (--api-key or --tenants-file): anyone who reaches them is served"
             );
         }
         let shutdown = Shutdown::default();
         let edge = Edge {
             access: Arc::new(Access {
-                admin_token: config.admin_token.clone(),
-                register_token: config.register_token.clone(),
+                admin_token: config.access.admin_token.clone(),
+                register_token: config.access.register_token.clone(),
                 upstreams: (*upstreams).clone(),
             }),
             tenants: tenants.clone(),
-            expose_instances: ExposeInstances(config.expose_instance_headers),
+            expose_instances: ExposeInstances(config.access.expose_instance_headers),
             shutdown: shutdown.clone(),
         };
         let limits = ServerLimits {
-            header_read_timeout: config.header_read_timeout,
-            max_connections: config.max_connections,
-            http2: http2_limits(&config.http2),
+            header_read_timeout: config.listeners.header_read_timeout,
+            max_connections: config.listeners.max_connections,
+            http2: config.http2.http2.then_some(config.http2),
         };
-        let grace = config.shutdown_grace;
+        let grace = config.listeners.shutdown_grace;
         let shared_responses = response_store(&config.responses)?;
         let (state, releases) =
-            AppState::new(config, registry, tokenizers, upstreams, shared_responses);
+            AppState::new(&config, registry, tokenizers, upstreams, shared_responses);
         let state = Arc::new(state);
         let mut servers = tokio::task::JoinSet::new();
         for (listener, audience) in [
@@ -291,7 +249,8 @@ impl Router {
         let background = CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
         state.flow.registry.spawn(&mut tasks, background.clone());
-        health_checks(&state.config.health).spawn(
+        health::spawn(
+            config.health,
             state.flow.registry.clone(),
             state.client.clone(),
             state.flow.outliers.clone(),

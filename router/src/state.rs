@@ -11,7 +11,7 @@ use crate::engines::probe::ProbeClient;
 use crate::journal::Journal;
 use crate::membership::model_list::{ModelCache, ModelLists};
 use crate::membership::Registry;
-use crate::pd::flow::{Flow, RequestLimits};
+use crate::pd::flow::Flow;
 use crate::pd::holds::ReleaseQueue;
 use crate::pd::tokenizer::Tokenizers;
 use crate::pd::upstream::HttpUpstream;
@@ -23,7 +23,6 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use std::sync::Arc;
 
 pub struct AppState {
-    pub config: RouterConfig,
     /// The request flow's subsystems (`state.flow.registry`,
     /// `state.flow.journal`): what a request's phases use, which they take
     /// without the rest of the app's state.
@@ -44,7 +43,7 @@ impl AppState {
     /// The state, and the queue of hold releases that the router's keeper task
     /// takes.
     pub fn new(
-        config: RouterConfig,
+        config: &RouterConfig,
         registry: Registry,
         tokenizers: Tokenizers,
         upstreams: Arc<UpstreamPolicy>,
@@ -53,7 +52,7 @@ impl AppState {
         // Every connect to an engine or a holder checks the addresses it
         // resolves against the upstream policy again (DNS rebinding).
         let engines = EngineClient::guarded(
-            config.connect_timeout,
+            config.engines.connect_timeout,
             crate::engines::addresses::ENGINE_POOL_IDLE_PER_HOST,
             crate::pd::upstream::POOL_IDLE_TIMEOUT,
             upstreams.clone(),
@@ -61,18 +60,14 @@ impl AppState {
         // One engine client for every call to an engine: requests, probes
         // and model lists share its pool and its address checks.
         let client = ProbeClient::new(engines.clone());
-        let upstream = Arc::new(HttpUpstream::new(
-            engines,
-            RequestLimits::new(&config).upstream,
-        ));
-        crate::prefix::BlockBudget::process().set_cap(config.prefix_index_total_blocks);
-        let (mut flow, releases) = Flow::new(&config, registry, upstream);
+        let upstream = Arc::new(HttpUpstream::new(engines, config.engines));
+        crate::prefix::BlockBudget::process().set_cap(config.routing.prefix_index_total_blocks);
+        let (mut flow, releases) = Flow::new(config, registry, upstream);
         flow.holds = flow
             .holds
             .resolving_with(Resolver(Arc::new(CtrlResolver(upstreams))));
         let flow = flow.with_tokenizers(tokenizers);
-        let idle = (!config.metrics_idle_timeout.is_zero()).then_some(config.metrics_idle_timeout);
-        let metrics = crate::observe::metrics::install(idle);
+        let metrics = crate::observe::metrics::install(config.observability.metrics_idle());
         crate::membership::status::describe_metrics();
         crate::observe::metrics::set_resume_causes(
             crate::pd::failure::Cause::ALL
@@ -92,30 +87,29 @@ impl AppState {
             client,
             metrics,
             models,
-            body_budget: BodyBudget::new(config.max_inflight_body_bytes),
+            body_budget: BodyBudget::new(config.requests.max_inflight_body_bytes),
             responses: Arc::new(ResponseStores {
                 stored: match &shared_responses {
                     Some(shared) => shared.clone(),
                     None => Arc::new(crate::store::memory::MemoryStore::with_tenant_default(
-                        config.responses.max_stored,
-                        config.responses.max_stored_bytes,
+                        config.responses.max_stored_responses,
+                        config.responses.max_stored_response_bytes,
                         crate::store::stored::TenantQuota {
-                            max_count: config.responses.max_stored_per_tenant,
-                            max_bytes: config.responses.max_stored_bytes_per_tenant,
+                            max_count: config.responses.max_stored_responses_per_tenant,
+                            max_bytes: config.responses.max_stored_response_bytes_per_tenant,
                         },
                     )),
                 },
                 live: crate::store::live::LiveResponses::with_limits(
                     crate::store::live::LiveLimits {
-                        max: config.responses.max_background,
-                        max_bytes: config.responses.max_background_bytes,
-                        per_tenant: config.responses.max_background_per_tenant,
-                        per_tenant_bytes: config.responses.max_background_bytes_per_tenant,
+                        max: config.responses.max_background_responses,
+                        max_bytes: config.responses.max_background_response_bytes,
+                        per_tenant: config.responses.max_background_responses_per_tenant,
+                        per_tenant_bytes: config.responses.max_background_response_bytes_per_tenant,
                     },
                 ),
                 shared: shared_responses,
             }),
-            config,
         };
         (state, releases)
     }

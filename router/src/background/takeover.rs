@@ -254,7 +254,7 @@ async fn continue_taken(
         Route::Chat,
         &chat,
         engine_request_id(&request_id),
-        state.config.max_tokens_limit,
+        state.flow.requests.max_tokens_limit,
     )?;
     let quota = LiveQuota {
         max: caller.kept.background_responses,

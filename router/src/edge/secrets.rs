@@ -25,33 +25,33 @@ pub enum SecretError {
 pub fn resolve(config: &mut RouterConfig) -> Result<(), SecretError> {
     resolve_one(
         "admin-token",
-        &mut config.admin_token,
-        config.admin_token_file.as_deref(),
+        &mut config.access.admin_token,
+        config.access.admin_token_file.as_deref(),
     )?;
     resolve_one(
         "register-token",
-        &mut config.register_token,
-        config.register_token_file.as_deref(),
+        &mut config.access.register_token,
+        config.access.register_token_file.as_deref(),
     )?;
     resolve_one(
         "transfer-secret",
-        &mut config.transfer_secret,
-        config.transfer_secret_file.as_deref(),
+        &mut config.access.transfer_secret,
+        config.access.transfer_secret_file.as_deref(),
     )?;
     resolve_one(
         "api-key",
-        &mut config.api_key,
-        config.api_key_file.as_deref(),
+        &mut config.tenants.api_key,
+        config.tenants.api_key_file.as_deref(),
     )?;
     resolve_one(
         "etcd-password",
-        &mut config.etcd.password,
-        config.etcd.password_file.as_deref(),
+        &mut config.etcd.etcd_password,
+        config.etcd.etcd_password_file.as_deref(),
     )?;
     resolve_one(
         "response-store-password",
-        &mut config.responses.store_password,
-        config.responses.store_password_file.as_deref(),
+        &mut config.responses.response_store_password,
+        config.responses.response_store_password_file.as_deref(),
     )?;
     Ok(())
 }

@@ -18,6 +18,7 @@
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
+pub mod etcd_config;
 pub mod instance;
 pub mod load;
 pub mod machine;
@@ -25,14 +26,13 @@ pub mod memory;
 pub mod model_list;
 pub mod registration;
 pub mod registry;
-pub mod registry_config;
 pub mod static_instances;
 pub mod status;
 pub mod store;
 pub mod view;
 
+pub use etcd_config::EtcdConfig;
 pub use instance::{Instance, LoadGuard};
 pub use registration::{valid_id, Lifecycle, Pick, Registration};
 pub use registry::Registry;
-pub use registry_config::{EtcdConfig, RegistryConfig};
 pub use store::{Claim, RegistryError};

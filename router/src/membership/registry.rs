@@ -3,14 +3,15 @@
 
 #[cfg(feature = "etcd")]
 use super::etcd;
+use super::etcd_config::EtcdConfig;
 use super::instance::Instance;
 use super::load::EngineLoad;
 use super::memory;
 use super::registration::{new_credential, Lifecycle, Pick, Registration};
-use super::registry_config::RegistryConfig;
 use super::status::StoreStatus;
 use super::store::{Claim, RegistryError, Replace, Store};
 use super::view::View;
+use crate::config::MembershipArgs;
 use crate::prefix::KvEventBatch;
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,37 +37,39 @@ impl std::fmt::Debug for Registry {
 
 impl Registry {
     /// The in-memory membership of one router.
-    pub fn new(config: &RegistryConfig) -> Self {
-        let view = Arc::new(View::new(Some(config.ttl)));
+    pub fn new(args: &MembershipArgs) -> Self {
+        let view = Arc::new(View::new(Some(args.heartbeat_ttl)));
         let store = Arc::new(memory::MemoryStore::new(
             view.clone(),
-            config.ttl,
-            config.dead_grace,
+            args.heartbeat_ttl,
+            args.dead_instance_grace,
         ));
         Self {
             view,
             store,
-            ttl: config.ttl,
-            max_instances: config.max_instances,
+            ttl: args.heartbeat_ttl,
+            max_instances: args.max_instances,
         }
     }
 
     /// The backend the configuration asks for: etcd when configured, else memory.
-    pub async fn open(config: &RegistryConfig) -> Result<Self, RegistryError> {
-        let Some(etcd) = config.etcd.as_ref() else {
-            return Ok(Self::new(config));
+    pub async fn open(
+        args: &MembershipArgs,
+        etcd: Option<&EtcdConfig>,
+    ) -> Result<Self, RegistryError> {
+        let Some(etcd) = etcd else {
+            return Ok(Self::new(args));
         };
         #[cfg(feature = "etcd")]
         {
             let view = Arc::new(View::new(None));
-            let store =
-                etcd::EtcdStore::connect(etcd, config.ttl, config.max_instances, view.clone())
-                    .await?;
+            let (ttl, max_instances) = (args.heartbeat_ttl, args.max_instances);
+            let store = etcd::EtcdStore::connect(etcd, ttl, max_instances, view.clone()).await?;
             Ok(Self {
                 view,
                 store: Arc::new(store),
-                ttl: config.ttl,
-                max_instances: config.max_instances,
+                ttl,
+                max_instances,
             })
         }
         #[cfg(not(feature = "etcd"))]

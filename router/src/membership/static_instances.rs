@@ -10,7 +10,7 @@
 //! an engine that is not up yet is asked again until it answers, so the router
 //! and its engines may start in any order.
 
-use crate::config::RouterConfig;
+use crate::config::MembershipArgs;
 use crate::engines::addresses::UpstreamPolicy;
 use crate::membership::model_list::{self, ModelListError};
 use crate::membership::registration::{Registration, Role};
@@ -69,7 +69,7 @@ impl StaticInstance {
 
 /// The configured static instances (none without flags).
 pub async fn instances(
-    config: &RouterConfig,
+    config: &MembershipArgs,
     upstreams: &UpstreamPolicy,
 ) -> Result<Vec<StaticInstance>, StaticError> {
     let listed = config

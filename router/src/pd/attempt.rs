@@ -11,6 +11,7 @@
 use super::derender::{self, Derender};
 use super::failure::{Cause, Failure};
 use super::upstream::ByteStream;
+use crate::config::EngineArgs;
 use crate::membership::{Instance, Lifecycle, LoadGuard};
 use crate::policy::outlier::DeliveryClock;
 use crate::protocols::openai::output::Source;
@@ -31,17 +32,6 @@ pub enum Event {
     /// `[DONE]`.
     Done,
     Failed(Failure),
-}
-
-/// The time and size limits of a decoder's stream.
-#[derive(Debug, Clone, Copy)]
-pub struct StreamLimits {
-    /// From opening to the first token (a KV pull or an engine queue comes first).
-    pub first_token: Duration,
-    /// Between events after the first token.
-    pub stall: Duration,
-    /// Largest SSE event.
-    pub max_event: usize,
 }
 
 /// Longest wait, after `[DONE]`, for the rest of the decoder's response (the
@@ -90,7 +80,9 @@ pub struct Attempt {
     /// The lane whose chunk is being derendered.
     derendering: Option<usize>,
     lifecycle: watch::Receiver<Lifecycle>,
-    limits: StreamLimits,
+    /// Its time and size limits (`--first-token-timeout`, `--stall-timeout`,
+    /// `--max-sse-event-bytes`).
+    limits: EngineArgs,
     /// When the stream fails for want of an event: measured from the last
     /// complete event, not the last byte, so that an engine trickling bytes
     /// cannot hold a request.
@@ -110,7 +102,7 @@ impl Attempt {
         lanes: Vec<Lane>,
         guard: LoadGuard,
         source: Source,
-        limits: StreamLimits,
+        limits: EngineArgs,
         clock: DeliveryClock,
     ) -> Self {
         let lifecycle = guard.instance().subscribe();
@@ -120,7 +112,7 @@ impl Attempt {
             derendering: None,
             guard,
             lifecycle,
-            deadline: Instant::now() + limits.first_token,
+            deadline: Instant::now() + limits.first_token_timeout,
             limits,
             delivering: false,
             done: false,
@@ -151,7 +143,7 @@ impl Attempt {
     /// now on, and the decoder counts as delivering.
     pub fn saw_tokens(&mut self) {
         if !self.delivering {
-            self.deadline = Instant::now() + self.limits.stall;
+            self.deadline = Instant::now() + self.limits.stall_timeout;
         }
         self.delivering = true;
         self.clock.tick();
@@ -246,7 +238,7 @@ impl Attempt {
                 .find_map(|(at, lane)| lane.pending.pop_front().map(|data| (at, data)));
             if let Some((at, data)) = ready {
                 if self.delivering {
-                    self.deadline = Instant::now() + self.limits.stall;
+                    self.deadline = Instant::now() + self.limits.stall_timeout;
                 }
                 if data == sse::DONE {
                     self.lanes[at].done = true;
@@ -286,7 +278,7 @@ impl Attempt {
                     let message = format!(
                         "decoder {} sent nothing for {} ms",
                         self.decoder().id,
-                        self.limits.stall.as_millis()
+                        self.limits.stall_timeout.as_millis()
                     );
                     return self.failed(Cause::Stall, message);
                 }
@@ -294,18 +286,18 @@ impl Attempt {
                     let message = format!(
                         "decoder {} sent no token within {} ms",
                         self.decoder().id,
-                        self.limits.first_token.as_millis()
+                        self.limits.first_token_timeout.as_millis()
                     );
                     return self.failed(Cause::FirstToken, message);
                 }
                 Ok(Some(Ok(bytes))) => {
                     let lane = &mut self.lanes[at];
                     lane.pending.extend(lane.parser.push(bytes));
-                    if lane.parser.pending() > self.limits.max_event {
+                    if lane.parser.pending() > self.limits.max_sse_event_bytes {
                         let message = format!(
                             "decoder {} sent an event larger than {} bytes",
                             self.decoder().id,
-                            self.limits.max_event
+                            self.limits.max_sse_event_bytes
                         );
                         return self.failed(Cause::Protocol, message);
                     }

@@ -84,8 +84,8 @@ pub fn choose(
             // The decoder is about to load (pull) this prompt.
             decision.instance.remember_prompt(
                 prompt,
-                state.settings.kv_block_size,
-                state.settings.prefix_index_blocks,
+                state.routing.kv_block_size,
+                state.routing.prefix_index_blocks,
             );
         }
         Some(decision.instance)
@@ -151,7 +151,7 @@ pub async fn open(
     }
     state.outliers.clear(&decoder.id);
     let clock = state.outliers.clock(&decoder.id);
-    Ok(Attempt::of_lanes(lanes, guard, source, state.limits.stream, clock).in_span(span))
+    Ok(Attempt::of_lanes(lanes, guard, source, state.engines, clock).in_span(span))
 }
 
 /// The stream a decode call opened, or why it opened none.

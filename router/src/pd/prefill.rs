@@ -178,8 +178,8 @@ pub async fn run(
                 if state.prefill.wants_prompt() {
                     instance.remember_prompt(
                         Prompt::new(&prefilled.prompt_token_ids, info.cache_root),
-                        state.settings.kv_block_size,
-                        state.settings.prefix_index_blocks,
+                        state.routing.kv_block_size,
+                        state.routing.prefix_index_blocks,
                     );
                 }
                 return Ok(prefilled);

@@ -28,7 +28,7 @@ pub async fn ensure_hold(
         return Ok(None);
     };
     tracing::warn!(%reason, "hold lost");
-    if state.settings.on_hold_lost == OnHoldLost::Fail {
+    if state.resume.on_hold_lost == OnHoldLost::Fail {
         return Err(ApiError::Unavailable(format!(
             "{reason}; not prefilling again (--on-hold-lost fail)"
         )));

@@ -95,7 +95,7 @@ impl Session {
     ) -> Result<Self, ApiError> {
         let blocker = resume::mid_stream_blocker(info.route, &body);
         let max_tokens = resume::requested_max_tokens(&body)
-            .unwrap_or(state.settings.max_tokens_limit)
+            .unwrap_or(state.requests.max_tokens_limit)
             .max(1);
         let epoch = prefilled
             .kv_transfer_params
@@ -118,7 +118,7 @@ impl Session {
         let mut session = Self {
             relay,
             policy: ResumePolicy {
-                max_resumes: state.settings.max_resumes,
+                max_resumes: state.resume.max_resumes,
                 max_connect_failures: MAX_CONNECT_FAILURES,
                 blocker,
             },
@@ -173,7 +173,7 @@ impl Session {
             let wait = if self.progress.resumes == 0 && self.progress.connect_failures == 0 {
                 Duration::ZERO
             } else {
-                self.state.settings.resume_wait
+                self.state.resume.resume_wait
             };
             let prompt = self
                 .state
@@ -383,7 +383,7 @@ impl Session {
             url: decoder.url.clone(),
             request_id: request_id.clone(),
             model: self.info.model.clone(),
-            timeout: self.state.limits.stream.stall,
+            timeout: self.state.engines.stall_timeout,
         };
         let mut lanes = Vec::with_capacity(open.len());
         for (index, choice) in &open {
@@ -481,7 +481,7 @@ impl Session {
             upstream: self.state.upstream.as_ref(),
             url: &attempt.decoder().url,
             model: &self.info.model,
-            timeout: self.state.settings.tokenize_timeout,
+            timeout: self.state.routing.tokenize_timeout,
         };
         let keep = detokenizer.tokens_through(&prompt, &output, &split).await;
         let cut = match keep {

@@ -227,7 +227,7 @@ async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Ar
 
 /// [`cluster`]'s flow, before it is shared.
 async fn cluster_flow(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Flow {
-    let registry = Registry::new(&crate::membership::RegistryConfig::memory(
+    let registry = Registry::new(&crate::config::MembershipArgs::with_ttl(
         Duration::from_secs(60),
     ));
     let mut instances = vec![("p0".to_string(), Role::Prefill)];

@@ -34,7 +34,7 @@ pub async fn prompt_ids(
     // Any engine of the model tokenizes alike; spread the calls by prompt.
     let engine = engines.get(rand::random_range(0..engines.len().max(1)))?;
     let request = tokenize_request(route, body)?;
-    let limit = state.settings.tokenize_timeout;
+    let limit = state.routing.tokenize_timeout;
     let started = std::time::Instant::now();
     let ids = tokio::time::timeout(limit, tokenize(state, &engine.url, request))
         .await
@@ -70,7 +70,7 @@ async fn tokenize_here(
         .unwrap_or(true);
     let started = std::time::Instant::now();
     let encode = state.tokenizers.encode(&model, &text, special_tokens);
-    let ids = tokio::time::timeout(state.settings.tokenize_timeout, encode)
+    let ids = tokio::time::timeout(state.routing.tokenize_timeout, encode)
         .await
         .ok()
         .flatten();

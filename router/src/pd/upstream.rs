@@ -12,6 +12,7 @@
 //! state where hyper's took ~23 KiB (memory per in-flight stream,
 //! docs/bench.md).
 
+use crate::config::EngineArgs;
 pub use crate::engines::http::Payload;
 use crate::engines::http::{Body, ClientError, EngineClient, Response};
 use bytes::{Bytes, BytesMut};
@@ -126,16 +127,6 @@ pub async fn ask_tokenizer<T: serde::de::DeserializeOwned>(
     serde_json::from_slice(&reply.body).ok()
 }
 
-/// Time and size limits of [`HttpUpstream`].
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    pub prefill_timeout: Duration,
-    /// How long a decoder may take to answer with its response headers.
-    pub decode_open_timeout: Duration,
-    /// Largest prefill answer read.
-    pub max_body: usize,
-}
-
 /// How long an idle pooled connection to an engine is kept: below the
 /// keep-alive timeout of vLLM's server (uvicorn's 5 s), so that the router
 /// seldom sends on a connection the engine is closing. Each idle connection
@@ -152,11 +143,13 @@ pub fn engine_client(connect_timeout: Duration, max_idle_per_host: usize) -> Eng
 /// The engines over HTTP.
 pub struct HttpUpstream {
     client: EngineClient,
-    limits: Limits,
+    /// Its time and size limits (`--prefill-timeout`,
+    /// `--decode-open-timeout`, `--max-upstream-body-bytes`).
+    limits: EngineArgs,
 }
 
 impl HttpUpstream {
-    pub fn new(client: EngineClient, limits: Limits) -> Self {
+    pub fn new(client: EngineClient, limits: EngineArgs) -> Self {
         Self { client, limits }
     }
 
@@ -186,7 +179,7 @@ impl Upstream for HttpUpstream {
                 let response = self.send(&call).await?;
                 let status = response.status;
                 let cap = if success(status) {
-                    self.limits.max_body
+                    self.limits.max_upstream_body_bytes
                 } else {
                     MAX_ERROR_BODY
                 };
@@ -284,10 +277,14 @@ mod tests {
     fn upstream() -> HttpUpstream {
         HttpUpstream::new(
             engine_client(Duration::from_secs(1), 8),
-            Limits {
+            EngineArgs {
+                connect_timeout: Duration::from_secs(1),
                 prefill_timeout: Duration::from_secs(5),
                 decode_open_timeout: Duration::from_millis(300),
-                max_body: 1024,
+                first_token_timeout: Duration::from_secs(60),
+                stall_timeout: Duration::from_secs(10),
+                max_sse_event_bytes: 1024 * 1024,
+                max_upstream_body_bytes: 1024,
             },
         )
     }

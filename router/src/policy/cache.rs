@@ -11,6 +11,7 @@
 //! Cached prefixes come from each instance's [`crate::prefix::BlockIndex`]
 //! (fed by its KV events); load from [`super::load::score`].
 
+use crate::config::RoutingArgs;
 use crate::membership::Instance;
 use crate::prefix::hash::{self, Prompt};
 use std::sync::Arc;
@@ -23,12 +24,14 @@ pub struct Thresholds {
     pub balance_rel: f64,
 }
 
-impl Default for Thresholds {
-    fn default() -> Self {
+impl Thresholds {
+    /// `cache_aware`'s three thresholds, from the routing group: the one
+    /// place they are read, kept by each `Selector` as the value `choose` takes.
+    pub fn of(routing: &RoutingArgs) -> Self {
         Self {
-            cache: 0.3,
-            balance_abs: 64.0,
-            balance_rel: 1.5,
+            cache: routing.cache_threshold,
+            balance_abs: routing.balance_abs_threshold,
+            balance_rel: routing.balance_rel_threshold,
         }
     }
 }

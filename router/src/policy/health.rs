@@ -18,28 +18,35 @@
 //! keeps routing to all (Envoy's `max_ejection_percent` and panic threshold).
 
 use super::outlier::{ejection_allowed, Outliers};
+use crate::config::HealthArgs;
 use crate::engines::probe::ProbeClient;
 use crate::membership::{Instance, Lifecycle, Registry};
 use crate::observe::metrics;
 use futures_util::future::join_all;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-/// How the probes run (`--health-check-*`).
-#[derive(Debug, Clone, Copy)]
-pub struct HealthChecks {
-    pub interval: Duration,
-    pub timeout: Duration,
-    pub failures: u32,
+/// Starts the probing task on `tasks`, stopped by `shutdown`; a zero
+/// interval turns probing off.
+pub fn spawn(
+    checks: HealthArgs,
+    registry: Arc<Registry>,
+    client: ProbeClient,
+    outliers: Arc<Outliers>,
+    tasks: &mut JoinSet<()>,
+    shutdown: CancellationToken,
+) {
+    Prober(checks).spawn(registry, client, outliers, tasks, shutdown);
 }
 
-impl HealthChecks {
-    /// Starts the probing task on `tasks`, stopped by `shutdown`; a zero
-    /// interval turns probing off.
-    pub fn spawn(
+/// The probes, run as their group of flags (`--health-check-*`) says.
+#[derive(Debug, Clone, Copy)]
+struct Prober(HealthArgs);
+
+impl Prober {
+    fn spawn(
         self,
         registry: Arc<Registry>,
         client: ProbeClient,
@@ -47,12 +54,12 @@ impl HealthChecks {
         tasks: &mut JoinSet<()>,
         shutdown: CancellationToken,
     ) {
-        if self.interval.is_zero() {
+        if self.0.health_check_interval.is_zero() {
             return;
         }
         tasks.spawn(async move {
             let mut failed: HashMap<String, u32> = HashMap::new();
-            let mut tick = tokio::time::interval(self.interval);
+            let mut tick = tokio::time::interval(self.0.health_check_interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
@@ -102,7 +109,7 @@ impl HealthChecks {
             let count = failed.entry(instance.id.clone()).or_default();
             *count += 1;
             tracing::warn!(id = %instance.id, %why, failures = *count, "health check failed");
-            if *count < self.failures {
+            if *count < self.0.health_check_failures {
                 continue;
             }
             if outliers.delivered_within(&instance.id, self.window()) {
@@ -127,14 +134,14 @@ impl HealthChecks {
     /// The span of the failed probes that would declare an instance dead:
     /// tokens delivered within it contradict them.
     fn window(&self) -> std::time::Duration {
-        self.interval * self.failures + self.timeout
+        self.0.health_check_interval * self.0.health_check_failures + self.0.health_check_timeout
     }
 
     async fn probe(&self, client: &ProbeClient, instance: &Instance) -> Result<(), String> {
         let url = format!("{}/health", instance.url.trim_end_matches('/'));
         let started = tokio::time::Instant::now();
         let mut reply = client
-            .get(&url, self.timeout)
+            .get(&url, self.0.health_check_timeout)
             .await
             .map_err(|e| e.to_string())?;
         if !(200..300).contains(&reply.status) {
@@ -143,7 +150,10 @@ impl HealthChecks {
         // Its body read to the end (a few bytes, bounded) puts the connection
         // back in the pool for the next probe; one that does not end in time
         // or is long is left (and closed): the answer was a success anyway.
-        let rest = self.timeout.saturating_sub(started.elapsed());
+        let rest = self
+            .0
+            .health_check_timeout
+            .saturating_sub(started.elapsed());
         let _ = tokio::time::timeout(rest, async {
             let mut read = 0;
             while let Ok(Some(chunk)) = reply.body.chunk().await {
@@ -170,6 +180,7 @@ mod tests {
     use super::*;
     use crate::membership::registration::Role;
     use crate::membership::Registration;
+    use std::time::Duration;
 
     fn probe_client() -> ProbeClient {
         let policy = crate::engines::addresses::UpstreamPolicy::parse(None).expect("policy");
@@ -183,7 +194,7 @@ mod tests {
 
     /// Two decoders whose probes fail (nothing listens at their address).
     async fn registry() -> Registry {
-        let registry = Registry::new(&crate::membership::RegistryConfig::memory(
+        let registry = Registry::new(&crate::config::MembershipArgs::with_ttl(
             Duration::from_secs(60),
         ));
         for id in ["d0", "d1"] {
@@ -206,11 +217,11 @@ mod tests {
         registry
     }
 
-    const CHECKS: HealthChecks = HealthChecks {
-        interval: Duration::from_millis(100),
-        timeout: Duration::from_millis(200),
-        failures: 1,
-    };
+    const CHECKS: Prober = Prober(HealthArgs {
+        health_check_interval: Duration::from_millis(100),
+        health_check_timeout: Duration::from_millis(200),
+        health_check_failures: 1,
+    });
 
     fn unhealthy(registry: &Registry) -> Vec<String> {
         registry

@@ -36,19 +36,15 @@ pub struct Decision {
 }
 
 impl Selector {
-    pub fn new(kind: PolicyKind, report_max_age: Duration) -> Self {
+    /// The policy `kind`; `thresholds` are `cache_aware`'s (the others
+    /// ignore them).
+    pub fn new(kind: PolicyKind, report_max_age: Duration, thresholds: cache::Thresholds) -> Self {
         Self {
             kind,
             cursor: AtomicUsize::new(0),
             report_max_age,
-            thresholds: cache::Thresholds::default(),
+            thresholds,
         }
-    }
-
-    /// `cache_aware`'s thresholds.
-    pub fn with_thresholds(mut self, thresholds: cache::Thresholds) -> Self {
-        self.thresholds = thresholds;
-        self
     }
 
     /// Whether the policy reads the prompt's token ids (the caller then gets
@@ -166,13 +162,23 @@ impl Selector {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::config::MembershipArgs;
     use crate::membership::load::EngineLoad;
     use crate::membership::registration::Role;
-    use crate::membership::{Claim, Pick, Registration, Registry, RegistryConfig};
+    use crate::membership::{Claim, Pick, Registration, Registry};
+
+    /// `cache_aware`'s thresholds at their flags' defaults
+    /// (`--cache-threshold` 0.3, `--balance-abs-threshold` 64,
+    /// `--balance-rel-threshold` 1.5), which these tests' numbers assume.
+    pub(super) const THRESHOLDS: cache::Thresholds = cache::Thresholds {
+        cache: 0.3,
+        balance_abs: 64.0,
+        balance_rel: 1.5,
+    };
 
     /// `n` instances of `role` named `{prefix}0..`, with their credentials.
     pub(super) async fn registered(role: Role, prefix: &str, n: usize) -> (Registry, Vec<String>) {
-        let registry = Registry::new(&RegistryConfig::memory(Duration::from_secs(10)));
+        let registry = Registry::new(&MembershipArgs::with_ttl(Duration::from_secs(10)));
         let mut credentials = Vec::new();
         for i in 0..n {
             let reg = Registration {
@@ -209,7 +215,7 @@ mod tests {
             .heartbeat("d0", Some(&credentials[0]), Some(busy))
             .await
             .unwrap();
-        let selector = Selector::new(PolicyKind::LoadAware, Duration::from_secs(10));
+        let selector = Selector::new(PolicyKind::LoadAware, Duration::from_secs(10), THRESHOLDS);
         let candidates = registry.eligible("m", Pick::Decode);
         for _ in 0..4 {
             assert_eq!(selector.select(&candidates, &[]).unwrap().id, "d1");
@@ -221,7 +227,7 @@ mod tests {
             .collect();
         assert_eq!(selector.select(&candidates, &[]).unwrap().id, "d0");
         // A stale report is ignored.
-        let stale = Selector::new(PolicyKind::LoadAware, Duration::ZERO);
+        let stale = Selector::new(PolicyKind::LoadAware, Duration::ZERO, THRESHOLDS);
         std::thread::sleep(Duration::from_millis(2));
         assert_eq!(stale.select(&candidates, &[]).unwrap().id, "d0");
     }
@@ -230,6 +236,7 @@ mod tests {
 #[cfg(test)]
 mod cache_tests {
     #![allow(clippy::unwrap_used)]
+    use super::tests::THRESHOLDS;
     use super::*;
     use crate::membership::registration::Role;
     use crate::membership::{Claim, Pick, Registration, Registry};
@@ -259,7 +266,7 @@ mod cache_tests {
     #[tokio::test]
     async fn the_longest_prefix_wins_until_load_or_a_small_hit_says_otherwise() {
         let (registry, _) = prefills().await;
-        let selector = Selector::new(PolicyKind::CacheAware, Duration::from_secs(10));
+        let selector = Selector::new(PolicyKind::CacheAware, Duration::from_secs(10), THRESHOLDS);
         let prompt: Vec<u32> = (0..32).collect();
         for _ in 0..3 {
             assert_eq!(
@@ -276,12 +283,14 @@ mod cache_tests {
             ("p1".into(), cache::Reason::Fallback)
         );
         // Imbalance past both thresholds overrides the prefix.
-        let strict = Selector::new(PolicyKind::CacheAware, Duration::from_secs(10))
-            .with_thresholds(cache::Thresholds {
-                cache: 0.3,
+        let strict = Selector::new(
+            PolicyKind::CacheAware,
+            Duration::from_secs(10),
+            cache::Thresholds {
                 balance_abs: 0.5,
-                balance_rel: 1.5,
-            });
+                ..THRESHOLDS
+            },
+        );
         assert_eq!(
             choose(&strict, &registry, &prompt),
             ("p1".into(), cache::Reason::Load)

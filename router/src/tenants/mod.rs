@@ -30,6 +30,7 @@ mod keys;
 pub mod queue;
 pub mod reload;
 
+use crate::config::TenantArgs;
 use crate::error::ApiError;
 use axum::http::HeaderMap;
 use bucket::TokenBucket;
@@ -37,25 +38,14 @@ use file::{TenantSpec, TenantsError};
 use keys::KeyRing;
 use queue::{FairQueue, Refusal, Share};
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// The tenant of `--api-key`, and of every caller when no key is configured.
 pub const DEFAULT_TENANT: &str = "default";
 /// Bytes of request body taken for one token in a request's estimate.
 const BYTES_PER_TOKEN_ESTIMATE: u64 = 4;
-
-/// How the router admits callers (from its flags).
-#[derive(Debug, Clone, Default)]
-pub struct TenantsConfig {
-    pub api_key: Option<String>,
-    pub tenants_file: Option<PathBuf>,
-    pub max_concurrent: usize,
-    pub max_queued_per_tenant: usize,
-    pub max_queue_wait: Duration,
-}
 
 /// A tenant as the current file says, with its counters.
 #[derive(Debug)]
@@ -85,7 +75,8 @@ struct Directory {
 /// Everything the client routes' admission needs.
 #[derive(Debug)]
 pub struct Tenants {
-    config: TenantsConfig,
+    /// Its group of flags: the API key, the tenants file, the queue's bounds.
+    config: TenantArgs,
     directory: RwLock<Arc<Directory>>,
     counters: Mutex<HashMap<String, Arc<Counters>>>,
     queue: Arc<FairQueue>,
@@ -262,9 +253,9 @@ impl Drop for Counted<'_> {
 
 impl Tenants {
     /// The tenants of `config` (its file read now: a bad one stops the start).
-    pub fn new(config: TenantsConfig) -> Result<Self, TenantsError> {
+    pub fn new(config: TenantArgs) -> Result<Self, TenantsError> {
         let queue = Arc::new(FairQueue::new(
-            config.max_concurrent,
+            config.max_concurrent_requests,
             config.max_queued_per_tenant,
             config.max_queue_wait,
         ));

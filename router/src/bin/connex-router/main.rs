@@ -30,10 +30,10 @@ async fn main() -> ExitCode {
     // The demo prints its own report; its logs are for warnings only.
     let (format, level, default, otlp) = match &cli.command {
         Command::Serve(config) => (
-            config.log_format,
-            config.log_level.clone(),
+            config.observability.log_format,
+            config.observability.log_level.clone(),
             "info",
-            config.otlp_endpoint.clone(),
+            config.observability.otlp_endpoint.clone(),
         ),
         Command::Demo(_) => (LogFormat::Text, None, "warn", None),
     };
@@ -83,7 +83,7 @@ fn announce(format: LogFormat, router: &connex_router::Router) {
 }
 
 async fn serve(config: config::RouterConfig) -> ExitCode {
-    let format = config.log_format;
+    let format = config.observability.log_format;
     let router = match connex_router::Router::start(config).await {
         Ok(router) => router,
         Err(err) => {

@@ -25,10 +25,10 @@ pub struct BodyLimits {
 impl BodyLimits {
     /// The limits of a client's request (`--max-body-bytes`,
     /// `--body-read-timeout`).
-    pub fn client(config: &crate::config::RouterConfig) -> Self {
+    pub fn client(requests: &crate::config::RequestArgs) -> Self {
         Self {
-            bytes: config.max_body_bytes,
-            within: config.body_read_timeout,
+            bytes: requests.max_body_bytes,
+            within: requests.body_read_timeout,
         }
     }
 }

@@ -160,7 +160,7 @@ pub async fn kv_events(
     batch
         .check()
         .map_err(|bad| ApiError::bad_request(bad.to_string(), Some("events")))?;
-    let cap = flow.settings.prefix_index_blocks;
+    let cap = flow.routing.prefix_index_blocks;
     if flow
         .registry
         .kv_events(&id, credential(&headers), &batch, cap)?

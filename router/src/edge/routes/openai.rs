@@ -61,7 +61,7 @@ async fn generate(
     let client_id = HeaderValue::from_str(record.request_id()).ok();
     let answered = async move {
         let checked = async {
-            let limits = BodyLimits::client(&state.config);
+            let limits = BodyLimits::client(&state.flow.requests);
             let read = read_budgeted(&headers, body, limits, &state.body_budget).await?;
             record.hold_body_share(read.permit);
             if let Some(caller) = &engine_fields {
@@ -80,7 +80,7 @@ async fn generate(
                 route,
                 &value,
                 engine_request_id(record.request_id()),
-                state.config.max_tokens_limit,
+                state.flow.requests.max_tokens_limit,
             )?;
             Ok::<_, ApiError>((info, value))
         }

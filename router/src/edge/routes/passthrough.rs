@@ -66,7 +66,7 @@ async fn run(
     body: Body,
     record: &mut RequestRecord,
 ) -> Result<Response, ApiError> {
-    let limits = BodyLimits::client(&state.config);
+    let limits = BodyLimits::client(&state.flow.requests);
     // The share is held until the engine's answer is relayed.
     let BudgetedBody {
         bytes,

@@ -66,7 +66,7 @@ pub async fn serve<T: Translation>(
     let client_id = HeaderValue::from_str(record.request_id()).ok();
     let answered = async move {
         let prepared = async {
-            let limits = BodyLimits::client(&state.config);
+            let limits = BodyLimits::client(&state.flow.requests);
             let read = read_budgeted(&headers, body, limits, &state.body_budget).await?;
             record.hold_body_share(read.permit);
             if let Some(caller) = &engine_fields {
@@ -115,7 +115,7 @@ pub async fn serve<T: Translation>(
             Route::Chat,
             &chat,
             engine_request_id(record.request_id()),
-            state.config.max_tokens_limit,
+            state.flow.requests.max_tokens_limit,
         ) {
             Ok(info) => info,
             Err(error) => {

@@ -12,6 +12,7 @@
 
 mod connection;
 
+use crate::config::Http2Args;
 use connection::{drive, service, sniff, Activity, Protocol};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
@@ -31,18 +32,10 @@ pub struct ServerLimits {
     pub header_read_timeout: Duration,
     /// Most open connections; further ones wait in the accept backlog.
     pub max_connections: usize,
-    /// HTTP/2 without TLS beside HTTP/1.1 (`--http2`); `None`: HTTP/1.1 only.
-    pub http2: Option<Http2Limits>,
-}
-
-/// What bounds one HTTP/2 connection.
-#[derive(Debug, Clone, Copy)]
-pub struct Http2Limits {
-    /// Most requests in flight on it.
-    pub max_streams: u32,
-    /// Closed after this long with no request in flight; pinged this often,
-    /// and dropped when a ping is not answered within it.
-    pub idle_timeout: Duration,
+    /// HTTP/2 without TLS beside HTTP/1.1 (`--http2`), with its bounds per
+    /// connection (`--http2-max-streams`, `--http2-idle-timeout`); `None`:
+    /// HTTP/1.1 only.
+    pub http2: Option<Http2Args>,
 }
 
 /// What one HTTP/2 stream may have queued for a client that reads slowly;
@@ -78,11 +71,11 @@ pub async fn serve(
         let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         builder
             .timer(TokioTimer::new())
-            .max_concurrent_streams(h2.max_streams)
+            .max_concurrent_streams(h2.http2_max_streams)
             .max_send_buf_size(H2_SEND_BUF)
-            .keep_alive_interval(h2.idle_timeout)
-            .keep_alive_timeout(h2.idle_timeout);
-        (Arc::new(builder), h2.idle_timeout)
+            .keep_alive_interval(h2.http2_idle_timeout)
+            .keep_alive_timeout(h2.http2_idle_timeout);
+        (Arc::new(builder), h2.http2_idle_timeout)
     });
     let http1 = Arc::new(http1);
     loop {

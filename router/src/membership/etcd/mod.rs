@@ -14,9 +14,9 @@ pub mod record;
 mod tests;
 pub mod watch;
 
+use super::etcd_config::EtcdConfig;
 use super::instance::Instance;
 use super::registration::{credential_matches, Lifecycle, Registration};
-use super::registry_config::EtcdConfig;
 use super::status::{Connectivity, StoreStatus};
 use super::store::{every, sweep_period, RegistryError, Replace, Store};
 use super::view::View;

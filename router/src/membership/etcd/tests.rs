@@ -4,7 +4,7 @@
 
 use super::EtcdStore;
 use crate::engines::addresses::UpstreamPolicy;
-use crate::membership::registry_config::EtcdConfig;
+use crate::membership::etcd_config::EtcdConfig;
 use crate::membership::view::View;
 use etcd_client::Client;
 use serde_json::json;
