@@ -41,6 +41,7 @@ from harness import (
     ETCD_IMAGE,
     ROOT,
     ROUTER_IMAGE,
+    UNREACHABLE,
     Cluster,
     RouterHandle,
     build_images,
@@ -157,7 +158,7 @@ def chart():
             handle = RouterHandle(
                 name=name,
                 url=f"http://127.0.0.1:{published_port(name, ports['http'])}",
-                internal_url=f"http://127.0.0.1:{published_port(name, ports['internal'])}",
+                internal=f"http://127.0.0.1:{published_port(name, ports['internal'])}",
                 admin_token=(secrets / "admin-token").read_text(),
             )
             c.routers.append(handle)
@@ -192,7 +193,7 @@ def chart():
         c.policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
         yield c
     except BaseException:
-        print(c.logs())
+        print(c.log_tail())
         raise
     finally:
         c.close()
@@ -204,9 +205,10 @@ def enforce(c: Cluster, policies: list[dict]) -> None:
     netpol.apply(policies, [p for p in c.pods if p.container not in gone], c.node, c.pid)
     for router in c.routers:
         wait_for(
-            f"{router.name} to see every engine",
             lambda r=router: r.instance_ids() >= set(c.engines) - c.killed,
-            timeout=60,
+            60,
+            f"{router.name} to see every engine",
+            tolerate=UNREACHABLE,
         )
 
 
@@ -266,9 +268,10 @@ def decoder_kill_resume(c: Cluster, prompt: str) -> tuple[int, dict]:
     assert len(resumed) == 1, resumed
     for router in c.routers:
         wait_for(
-            f"{router.name} to drop {killed[0]}",
             lambda r=router: killed[0] not in r.instance_ids(),
-            timeout=30,
+            30,
+            f"{router.name} to drop {killed[0]}",
+            tolerate=UNREACHABLE,
         )
     return prefills, resumed[0]
 

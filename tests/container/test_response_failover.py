@@ -19,6 +19,7 @@ import httpx
 import pytest
 from harness import (
     REDIS_IMAGE,
+    UNREACHABLE,
     Cluster,
     RouterHandle,
     build_images,
@@ -59,12 +60,14 @@ def cluster():
             c.start_engine(name, "decode", c.data, "--enable-scale-out")
         for router in (c.r1, c.r2):
             wait_for(
-                f"{router.name} to see every engine",
                 lambda router=router: router.instance_ids() >= {"p1", "d1", "d2"},
+                30,
+                f"{router.name} to see every engine",
+                tolerate=UNREACHABLE,
             )
         yield c
     except BaseException:
-        print(c.logs())
+        print(c.log_tail())
         raise
     finally:
         c.close()
@@ -178,6 +181,8 @@ def test_redis_restarted_under_load(cluster):
         assert text_of(everything[-1]["response"]) == want[prompt], prompt
     for router in routers:
         wait_for(
-            f"{router.name} to see the store back",
             lambda router=router: router.get_json("/ready")[1].get("response_store") == "shared",
+            30,
+            f"{router.name} to see the store back",
+            tolerate=UNREACHABLE,
         )

@@ -11,6 +11,10 @@ import time
 import harness
 import pytest
 
+# Failed tests' reports carry the log tails of the engines and routers running
+# then (tests/connex_harness/reports.py).
+pytest_plugins = ("connex_harness.reports",)
+
 
 class Fleet:
     """Engines by name, started on first need and stopped at session end."""
@@ -33,18 +37,6 @@ class Fleet:
     def stop(self) -> None:
         for engine in self.engines.values():
             engine.stop()
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    """A failed test's report carries the log tail of every engine running
-    then: what the engines said is most often why (a refused pull, a load that
-    failed), and CI keeps nothing else of them."""
-    report = yield
-    if report.failed:
-        for name, engine in list(harness.RUNNING.items()):
-            report.sections.append((f"engine {name} log (tail)", engine.log_tail(60)))
-    return report
 
 
 @pytest.fixture(scope="session")
