@@ -141,6 +141,17 @@ class RouterHandle(RouterApi):
         self.internal = f"http://127.0.0.1:{published_port(self.name, 8001)}"
 
 
+def wait_sees(router: RouterHandle, engines: set[str], timeout_s: float = 30) -> None:
+    """Waits until `router` has every one of `engines` registered and ready
+    (through restarts and cuts: an unreachable router is asked again)."""
+    wait_for(
+        lambda: router.instance_ids() >= engines,
+        timeout_s,
+        f"{router.name} to see every engine",
+        tolerate=UNREACHABLE,
+    )
+
+
 @dataclass
 class Cluster:
     """Names every container and network it made, and removes them all on close."""

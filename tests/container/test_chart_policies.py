@@ -50,6 +50,7 @@ from harness import (
     require_docker,
     stream_completion,
     wait_for,
+    wait_sees,
 )
 
 HELM = os.environ.get("HELM", str(ROOT / ".venv" / "bin" / "helm"))
@@ -204,12 +205,7 @@ def enforce(c: Cluster, policies: list[dict]) -> None:
     gone = {c.engines[name].container for name in c.killed}
     netpol.apply(policies, [p for p in c.pods if p.container not in gone], c.node, c.pid)
     for router in c.routers:
-        wait_for(
-            lambda r=router: r.instance_ids() >= set(c.engines) - c.killed,
-            60,
-            f"{router.name} to see every engine",
-            tolerate=UNREACHABLE,
-        )
+        wait_sees(router, set(c.engines) - c.killed, timeout_s=60)
 
 
 def reaches(source: netpol.Pod, target: netpol.Pod, port: int) -> bool:

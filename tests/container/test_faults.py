@@ -22,6 +22,7 @@ from harness import (
     require_docker,
     stream_completion,
     wait_for,
+    wait_sees,
 )
 
 DECODERS = ("d1", "d2", "d3")
@@ -47,12 +48,7 @@ def cluster():
         for name in DECODERS:
             c.start_engine(name, "decode", c.data)
         for router in (c.r1, c.r2):
-            wait_for(
-                lambda router=router: router.instance_ids() >= {"p1", *DECODERS},
-                30,
-                f"{router.name} to see every engine",
-                tolerate=UNREACHABLE,
-            )
+            wait_sees(router, {"p1", *DECODERS})
         yield c
     except BaseException:
         print(c.log_tail())
@@ -227,9 +223,4 @@ def test_rolling_restart_of_router_replicas_cuts_no_stream(cluster):
             f"{victim.name} back",
             tolerate=UNREACHABLE,
         )
-        wait_for(
-            lambda v=victim: v.instance_ids() >= {"p1", *DECODERS},
-            30,
-            f"{victim.name} to see every engine",
-            tolerate=UNREACHABLE,
-        )
+        wait_sees(victim, {"p1", *DECODERS})

@@ -27,6 +27,7 @@ from harness import (
     docker,
     require_docker,
     wait_for,
+    wait_sees,
 )
 
 TOKENS = 80  # 25 ms a token: about 2 s
@@ -59,12 +60,7 @@ def cluster():
         for name in ("d1", "d2"):
             c.start_engine(name, "decode", c.data, "--enable-scale-out")
         for router in (c.r1, c.r2):
-            wait_for(
-                lambda router=router: router.instance_ids() >= {"p1", "d1", "d2"},
-                30,
-                f"{router.name} to see every engine",
-                tolerate=UNREACHABLE,
-            )
+            wait_sees(router, {"p1", "d1", "d2"})
         yield c
     except BaseException:
         print(c.log_tail())

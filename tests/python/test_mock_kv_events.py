@@ -49,6 +49,15 @@ def complete(url: str, prompt: str) -> None:
         assert reply.status == 200
 
 
+def subscriber(endpoint: str) -> zmq.Socket:
+    """A SUB socket on every topic of `endpoint`, as vLLM's readers open one."""
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt_string(zmq.SUBSCRIBE, "")
+    socket.connect(endpoint)
+    return socket
+
+
 def receive(socket: zmq.Socket, timeout_s: float = 5.0) -> list[bytes] | None:
     if socket.poll(int(timeout_s * 1000)):
         return socket.recv_multipart()
@@ -58,10 +67,7 @@ def receive(socket: zmq.Socket, timeout_s: float = 5.0) -> list[bytes] | None:
 def test_mock_kv_events_decode_as_vllm_event_batches(mock):
     url, endpoint = mock
     decode = vllm_decoder()
-    socket = zmq.Context.instance().socket(zmq.SUB)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt_string(zmq.SUBSCRIBE, "")
-    socket.connect(endpoint)
+    socket = subscriber(endpoint)
     try:
         # A PUB socket sends nothing until the subscriber is connected: prime
         # with throwaway prompts until the first batch comes through.
@@ -115,10 +121,7 @@ def test_evictions_are_published_as_block_removed():
     )
     url, endpoint = engine.url, engine.kv_events
     decode = vllm_decoder()
-    socket = zmq.Context.instance().socket(zmq.SUB)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt_string(zmq.SUBSCRIBE, "")
-    socket.connect(endpoint)
+    socket = subscriber(endpoint)
     try:
         events: list[dict] = []
         deadline = time.monotonic() + 15
