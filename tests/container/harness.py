@@ -220,6 +220,16 @@ class Cluster:
     def kill(self) -> None:
         self.close()
 
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        """Closes the cluster; one that failed to come up prints its logs first
+        (its containers are gone by the time pytest reports the failure)."""
+        if error_type is not None:
+            print(self.log_tail())
+        self.close()
+
     def log_tail(self, lines: int = 40) -> str:
         """The last `lines` lines of every container's log."""
         out = []

@@ -37,8 +37,7 @@ def images():
 
 @pytest.fixture
 def cluster():
-    c = Cluster()
-    try:
+    with Cluster() as c:
         c.data = c.network("data")
         c.ctrl = c.network("membership")  # sorts after "data": ports stay published on data
         etcd = c.start_etcd(c.ctrl)
@@ -50,11 +49,6 @@ def cluster():
         for router in (c.r1, c.r2):
             wait_sees(router, {"p1", *DECODERS})
         yield c
-    except BaseException:
-        print(c.log_tail())
-        raise
-    finally:
-        c.close()
 
 
 def reference(router, prompt: str) -> str:

@@ -43,8 +43,7 @@ def images():
 
 @pytest.fixture
 def cluster():
-    c = Cluster()
-    try:
+    with Cluster() as c:
         c.data = c.network("data")
         c.ctrl = c.network("membership")
         etcd = c.start_etcd(c.ctrl, members=1)
@@ -62,11 +61,6 @@ def cluster():
         for router in (c.r1, c.r2):
             wait_sees(router, {"p1", "d1", "d2"})
         yield c
-    except BaseException:
-        print(c.log_tail())
-        raise
-    finally:
-        c.close()
 
 
 def create(router: RouterHandle, body: dict) -> dict:

@@ -93,6 +93,17 @@ def connex_kv(role: str, engine: harness.Engine, **extra) -> dict:
     }
 
 
+def registered(
+    engine: harness.Engine, role: str, router: harness.Router, **extra
+) -> harness.Engine:
+    """`engine` with ConnexConnector in `role` (`connex_kv`'s `extra`), its
+    in-process agent registering it with `router` under the engine's name."""
+    engine.kv_config = connex_kv(
+        role, engine, router=router.internal, url=engine.url, instance_id=engine.name, **extra
+    )
+    return engine
+
+
 class Cluster:
     """connex-router + one prefill + two decoders (self-registered through the
     connector's in-process agent), a plain engine to compare with, and a second
@@ -109,15 +120,7 @@ class Cluster:
             ("d2", "kv_consumer", 0),
         ):
             engine = harness.Engine(name, core=core, extra_args=list(TOOL_ARGS))
-            engine.kv_config = connex_kv(
-                role,
-                engine,
-                retain_s=self.RETAIN_S,
-                router=self.router.internal,
-                url=engine.url,
-                instance_id=name,
-            )
-            wanted[name] = engine
+            wanted[name] = registered(engine, role, self.router, retain_s=self.RETAIN_S)
         after = harness.Engine("p_after", core=1)
         after.kv_config = connex_kv("kv_producer", after, retain_s=30, release="after_pull")
         wanted["p_after"] = after
@@ -128,8 +131,7 @@ class Cluster:
         return self.engines[name]
 
     def ctrl(self, name: str) -> str:
-        extra = self.engines[name].kv_config["kv_connector_extra_config"]
-        return f"127.0.0.1:{extra['ctrl_port']}"
+        return self.engines[name].ctrl
 
 
 @pytest.fixture(scope="session")

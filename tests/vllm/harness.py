@@ -89,6 +89,13 @@ class Engine:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def ctrl(self) -> str:
+        """The control address of its hold listener (ConnexConnector's
+        `ctrl_port`, rank 0's with TP > 1)."""
+        assert self.kv_config is not None
+        return f"127.0.0.1:{self.kv_config['kv_connector_extra_config']['ctrl_port']}"
+
+    @property
     def title(self) -> str:
         """Its name among the running parts (a failed test's report shows its log)."""
         return f"engine {self.name}"
