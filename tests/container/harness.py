@@ -8,7 +8,8 @@ The client (this process) reaches the routers only through ports published on
 
 Images come from ``docker/build-images.sh`` (router, mock engine) and small
 etcd and Redis images made here from the host's Debian binaries: nothing is
-pulled.
+pulled. The router's arguments, what a test asks a router and the waiting come
+from tests/connex_harness, which every Python tier shares.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
+# On sys.path through this tier's conftest.py.
+from connex_harness import ROOT, RUNNING, RouterApi, router_args
+from connex_harness import UNREACHABLE as UNREACHABLE
+from connex_harness import wait_for as wait_for
+
 TAG = os.environ.get("CONNEX_IMAGE_TAG", "dev")
 ROUTER_IMAGE = f"connex-router:{TAG}"
 ENGINE_IMAGE = f"connex-engine:{TAG}"
@@ -126,47 +128,28 @@ def published_port(container: str, port: int) -> int:
     return int(out.splitlines()[0].rsplit(":", 1)[1])
 
 
-def wait_for(what: str, check, timeout: float = 30.0, interval: float = 0.1):
-    """Polls `check` until it returns a truthy value; fails with `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except (OSError, httpx.HTTPError, urllib.error.URLError, ValueError) as err:
-            last_error = err
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what} (last error: {last_error})")
+class RouterHandle(RouterApi):
+    """A router container (`name`), reached through its published ports."""
 
-
-@dataclass
-class RouterHandle:
-    name: str
-    url: str
-    internal_url: str
-    admin_token: str = ADMIN_TOKEN
-
-    def get_json(self, path: str, internal: bool = False, timeout: float = 5) -> tuple[int, dict]:
-        base = self.internal_url if internal else self.url
-        request = urllib.request.Request(
-            base + path, headers={"Authorization": f"Bearer {self.admin_token}"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as reply:
-                return reply.status, json.load(reply)
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read() or b"{}")
+    def __init__(self, name: str, url: str, internal: str, admin_token: str = ADMIN_TOKEN):
+        super().__init__(url, internal, admin_token)
+        self.name = name
 
     def refresh(self) -> None:
         """Re-reads the published ports (a restarted container may get new ones)."""
         self.url = f"http://127.0.0.1:{published_port(self.name, 8000)}"
-        self.internal_url = f"http://127.0.0.1:{published_port(self.name, 8001)}"
+        self.internal = f"http://127.0.0.1:{published_port(self.name, 8001)}"
 
-    def instance_ids(self, state: str = "ready") -> set[str]:
-        _, body = self.get_json("/admin/instances", internal=True)
-        return {i["id"] for i in body.get("data", []) if i.get("state") == state}
+
+def wait_sees(router: RouterHandle, engines: set[str], timeout_s: float = 30) -> None:
+    """Waits until `router` has every one of `engines` registered and ready
+    (through restarts and cuts: an unreachable router is asked again)."""
+    wait_for(
+        lambda: router.instance_ids() >= engines,
+        timeout_s,
+        f"{router.name} to see every engine",
+        tolerate=UNREACHABLE,
+    )
 
 
 @dataclass
@@ -178,6 +161,15 @@ class Cluster:
     networks: list[str] = field(default_factory=list)
     routers: list[RouterHandle] = field(default_factory=list)
     etcd_members: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Running until closed: a failed test's report shows the containers' log
+        # tails (connex_harness/reports.py).
+        RUNNING[self.title] = self
+
+    @property
+    def title(self) -> str:
+        return f"containers {self.prefix}"
 
     # -- networks and containers ------------------------------------------------
     def network(self, role: str) -> str:
@@ -219,16 +211,31 @@ class Cluster:
         return full
 
     def close(self) -> None:
+        RUNNING.pop(self.title, None)
         for name in reversed(self.containers):
             docker("rm", "-f", "-v", name, check=False)
         for name in self.networks:
             docker("network", "rm", name, check=False)
 
-    def logs(self) -> str:
+    def kill(self) -> None:
+        self.close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        """Closes the cluster; one that failed to come up prints its logs first
+        (its containers are gone by the time pytest reports the failure)."""
+        if error_type is not None:
+            print(self.log_tail())
+        self.close()
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines of every container's log."""
         out = []
         for name in self.containers:
             done = subprocess.run(
-                ["docker", "logs", "--tail", "40", name], capture_output=True, text=True
+                ["docker", "logs", "--tail", str(lines), name], capture_output=True, text=True
             )
             out.append(f"--- {name}\n{done.stdout}{done.stderr}")
         return "\n".join(out)
@@ -258,34 +265,37 @@ class Cluster:
     def start_router(
         self, name: str, data: str, ctrl: str, etcd: list[str], *extra: str
     ) -> RouterHandle:
-        endpoints = ",".join(f"http://{n}:2379" for n in etcd)
+        args = router_args(
+            "--heartbeat-ttl-s", "5",
+            "--stall-timeout-ms", "1500",
+            *extra,
+            listen="0.0.0.0:8000",
+            internal_listen="0.0.0.0:8001",
+            admin_token=ADMIN_TOKEN,
+            register_token=REGISTER_TOKEN,
+            transfer_secret=TRANSFER_SECRET,
+            expose_instance_headers=True,
+            etcd=(f"http://{n}:2379" for n in etcd),
+        )  # fmt: skip
         full = self.run(
             name,
             ROUTER_IMAGE,
             [data, ctrl],
-            "serve",
-            "--listen", "0.0.0.0:8000",
-            "--internal-listen", "0.0.0.0:8001",
-            "--admin-token", ADMIN_TOKEN,
-            "--register-token", REGISTER_TOKEN,
-            "--transfer-secret", TRANSFER_SECRET,
-            "--expose-instance-headers",
-            "--etcd", endpoints,
-            "--heartbeat-ttl-s", "5",
-            "--stall-timeout-ms", "1500",
-            *extra,
+            *args,
             publish=(8000, 8001),
             # Engines register through "routers", as through the chart's
             # internal Service: any live replica answers.
             aliases=("routers",),
-        )  # fmt: skip
+        )
         handle = RouterHandle(
             name=full,
             url=f"http://127.0.0.1:{published_port(full, 8000)}",
-            internal_url=f"http://127.0.0.1:{published_port(full, 8001)}",
+            internal=f"http://127.0.0.1:{published_port(full, 8001)}",
         )
         self.routers.append(handle)
-        wait_for(f"{full} health", lambda: handle.get_json("/health")[0] == 200)
+        wait_for(
+            lambda: handle.get_json("/health")[0] == 200, 30, f"{full} health", tolerate=UNREACHABLE
+        )
         return handle
 
     def start_engine(self, name: str, role: str, data: str, *faults: str) -> str:

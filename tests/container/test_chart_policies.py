@@ -41,6 +41,7 @@ from harness import (
     ETCD_IMAGE,
     ROOT,
     ROUTER_IMAGE,
+    UNREACHABLE,
     Cluster,
     RouterHandle,
     build_images,
@@ -49,6 +50,7 @@ from harness import (
     require_docker,
     stream_completion,
     wait_for,
+    wait_sees,
 )
 
 HELM = os.environ.get("HELM", str(ROOT / ".venv" / "bin" / "helm"))
@@ -157,7 +159,7 @@ def chart():
             handle = RouterHandle(
                 name=name,
                 url=f"http://127.0.0.1:{published_port(name, ports['http'])}",
-                internal_url=f"http://127.0.0.1:{published_port(name, ports['internal'])}",
+                internal=f"http://127.0.0.1:{published_port(name, ports['internal'])}",
                 admin_token=(secrets / "admin-token").read_text(),
             )
             c.routers.append(handle)
@@ -192,7 +194,7 @@ def chart():
         c.policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
         yield c
     except BaseException:
-        print(c.logs())
+        print(c.log_tail())
         raise
     finally:
         c.close()
@@ -203,11 +205,7 @@ def enforce(c: Cluster, policies: list[dict]) -> None:
     gone = {c.engines[name].container for name in c.killed}
     netpol.apply(policies, [p for p in c.pods if p.container not in gone], c.node, c.pid)
     for router in c.routers:
-        wait_for(
-            f"{router.name} to see every engine",
-            lambda r=router: r.instance_ids() >= set(c.engines) - c.killed,
-            timeout=60,
-        )
+        wait_sees(router, set(c.engines) - c.killed, timeout_s=60)
 
 
 def reaches(source: netpol.Pod, target: netpol.Pod, port: int) -> bool:
@@ -266,9 +264,10 @@ def decoder_kill_resume(c: Cluster, prompt: str) -> tuple[int, dict]:
     assert len(resumed) == 1, resumed
     for router in c.routers:
         wait_for(
-            f"{router.name} to drop {killed[0]}",
             lambda r=router: killed[0] not in r.instance_ids(),
-            timeout=30,
+            30,
+            f"{router.name} to drop {killed[0]}",
+            tolerate=UNREACHABLE,
         )
     return prefills, resumed[0]
 

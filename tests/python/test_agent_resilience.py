@@ -202,44 +202,25 @@ def test_read_secret_prefers_value_then_file_then_env(tmp_path, monkeypatch):
 def test_the_deregister_file_takes_the_engine_out_of_a_real_router(tmp_path):
     """What the chart's preStop does: the file appears, the agent deregisters
     from the real router at once and registers no more."""
-    from conftest import ready_instances, start
     from connex.agent import Agent
+    from connex_harness import MockEngine, Router, wait_for
 
-    procs = []
-    try:
-        router, _, internal = start(
-            "connex-router",
-            "serve",
-            "--listen=127.0.0.1:0",
-            "--internal-listen=127.0.0.1:0",
-            "--admin-token=t",
-            "--heartbeat-ttl-s=60",
-        )
-        procs.append(router)
-        engine, engine_url, _ = start("connex-mock-engine", "--role", "decode", "--model", "mock")
-        procs.append(engine)
+    with (
+        Router("--heartbeat-ttl-s=60") as router,
+        MockEngine("--role", "decode", "--model", "mock") as engine,
+    ):
         stop_file = tmp_path / "deregister"
         agent = Agent(
-            internal, "decode", engine_url, "mock", deregister_file=str(stop_file)
+            router.internal, "decode", engine.url, "mock", deregister_file=str(stop_file)
         ).start()
-        deadline = time.monotonic() + 10
-        while ready_instances(internal) < 1:
-            assert time.monotonic() < deadline, "the agent did not register"
-            time.sleep(0.05)
+        wait_for(router.instance_ids, 10, "the agent to register", interval_s=0.05)
         stop_file.touch()
-        deadline = time.monotonic() + 5
-        while ready_instances(internal) > 0:
-            assert time.monotonic() < deadline, "the agent did not deregister"
-            time.sleep(0.05)
+        wait_for(lambda: not router.instance_ids(), 5, "the agent to deregister", interval_s=0.05)
         assert agent._thread is not None
         agent._thread.join(timeout=5)
         assert agent.retired and not agent._thread.is_alive()
         time.sleep(0.5)
-        assert ready_instances(internal) == 0, "the agent registered again"
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        assert not router.instance_ids(), "the agent registered again"
 
 
 def test_refused_kv_events_are_dropped_and_the_routers_index_cleared_next(stub):

@@ -11,7 +11,7 @@ import json
 import re
 import urllib.request
 
-from conftest import ROOT
+from connex_harness import ROOT
 
 DASHBOARDS = sorted((ROOT / "helm" / "connex" / "dashboards").glob("*.json"))
 NAME = re.compile(r"\b(connex_[a-z0-9_]+)\b")

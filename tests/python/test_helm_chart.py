@@ -15,7 +15,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import BIN_DIR, ROOT
+from connex_harness import ROOT, binary, router_args
 
 CHART = ROOT / "helm" / "connex"
 HELM = os.environ.get("HELM", str(ROOT / ".venv" / "bin" / "helm"))
@@ -271,16 +271,7 @@ def test_the_rendered_router_config_is_accepted_by_connex_router(tmp_path: Path,
     config = tmp_path / "router.toml"
     config.write_text(find(docs, "ConfigMap", "rel-connex-router")["data"]["router.toml"])
     proc = subprocess.Popen(
-        [
-            str(BIN_DIR / "connex-router"),
-            "serve",
-            "--config",
-            str(config),
-            "--listen",
-            "127.0.0.1:0",
-            "--internal-listen",
-            "127.0.0.1:0",
-        ],
+        [str(binary("connex-router")), *router_args(config=config, admin_token=None)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -24,9 +24,9 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from conftest import start
 from connex.agent import Agent
 from connex.kv_events import KvEventForwarder, make_decoder
+from connex_harness import Router
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
@@ -63,19 +63,8 @@ class KVEventBatch(EventBatch):
 
 @pytest.fixture
 def router() -> Iterator[str]:
-    proc, _, internal = start(
-        "connex-router",
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--internal-listen",
-        "127.0.0.1:0",
-        "--admin-token",
-        "t",
-    )
-    yield internal
-    proc.kill()
-    proc.wait()
+    with Router() as router:
+        yield router.internal
 
 
 @pytest.fixture

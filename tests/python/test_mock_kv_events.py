@@ -15,20 +15,17 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from conftest import BIN_DIR, start
 from connex.kv_events import vllm_decoder
+from connex_harness import ROOT, MockEngine, free_port
 
 BLOCK = 16
-# The mock engine's line naming its KV event endpoint.
-PUBLISHES = "publishes KV events on "
 
 
 @pytest.fixture
 def mock() -> Iterator[tuple[str, str]]:
     """A mock engine with a prefix cache publishing its events; yields its
     URL and the ZMQ endpoint it publishes on."""
-    proc, url, endpoint = start(
-        "connex-mock-engine",
+    with MockEngine(
         "--role",
         "both",
         "--prefix-cache-blocks",
@@ -37,12 +34,10 @@ def mock() -> Iterator[tuple[str, str]]:
         str(BLOCK),
         "--kv-events-publish",
         "tcp://127.0.0.1:0",
-        second=PUBLISHES,
-    )
-    assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0"), endpoint
-    yield url, endpoint
-    proc.kill()
-    proc.wait()
+    ) as engine:
+        endpoint = engine.kv_events
+        assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0"), endpoint
+        yield engine.url, endpoint
 
 
 def complete(url: str, prompt: str) -> None:
@@ -54,6 +49,15 @@ def complete(url: str, prompt: str) -> None:
         assert reply.status == 200
 
 
+def subscriber(endpoint: str) -> zmq.Socket:
+    """A SUB socket on every topic of `endpoint`, as vLLM's readers open one."""
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt_string(zmq.SUBSCRIBE, "")
+    socket.connect(endpoint)
+    return socket
+
+
 def receive(socket: zmq.Socket, timeout_s: float = 5.0) -> list[bytes] | None:
     if socket.poll(int(timeout_s * 1000)):
         return socket.recv_multipart()
@@ -63,10 +67,7 @@ def receive(socket: zmq.Socket, timeout_s: float = 5.0) -> list[bytes] | None:
 def test_mock_kv_events_decode_as_vllm_event_batches(mock):
     url, endpoint = mock
     decode = vllm_decoder()
-    socket = zmq.Context.instance().socket(zmq.SUB)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt_string(zmq.SUBSCRIBE, "")
-    socket.connect(endpoint)
+    socket = subscriber(endpoint)
     try:
         # A PUB socket sends nothing until the subscriber is connected: prime
         # with throwaway prompts until the first batch comes through.
@@ -110,21 +111,17 @@ def test_mock_kv_events_decode_as_vllm_event_batches(mock):
 
 
 def test_evictions_are_published_as_block_removed():
-    proc, url, endpoint = start(
-        "connex-mock-engine",
+    engine = MockEngine(
         "--prefix-cache-blocks",
         "2",
         "--block-size",
         str(BLOCK),
         "--kv-events-publish",
         "tcp://127.0.0.1:0",
-        second=PUBLISHES,
     )
+    url, endpoint = engine.url, engine.kv_events
     decode = vllm_decoder()
-    socket = zmq.Context.instance().socket(zmq.SUB)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt_string(zmq.SUBSCRIBE, "")
-    socket.connect(endpoint)
+    socket = subscriber(endpoint)
     try:
         events: list[dict] = []
         deadline = time.monotonic() + 15
@@ -148,19 +145,10 @@ def test_evictions_are_published_as_block_removed():
         assert types == ["BlockStored", "BlockRemoved"]
     finally:
         socket.close()
-        proc.kill()
-        proc.wait()
+        engine.stop()
 
 
-VLLM_ROUTER = BIN_DIR.parents[1] / ".venv" / "bin" / "vllm-router"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+VLLM_ROUTER = ROOT / ".venv" / "bin" / "vllm-router"
 
 
 def test_vllm_router_kv_aware_follows_the_mock_events():
@@ -168,12 +156,12 @@ def test_vllm_router_kv_aware_follows_the_mock_events():
     a prompt the second prefill computed (sent to it directly) is routed
     there, although with no cache information it would take the first (the
     least loaded, ties to the first)."""
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | MockEngine] = []
 
     def mock(*args: str) -> str:
-        proc, url, _ = start("connex-mock-engine", "--model", "mock", *args)
-        procs.append(proc)
-        return url
+        engine = MockEngine("--model", "mock", *args)
+        procs.append(engine)
+        return engine.url
 
     try:
         prefills = []

@@ -1,14 +1,14 @@
 """The official `openai` client talks to connex-router as to any OpenAI server."""
 
+import contextlib
 import json
-import socket
 import subprocess
 import time
 import urllib.request
 
 import openai
 import pytest
-from conftest import mock_cluster, start
+from connex_harness import MockEngine, Router, free_port, mock_cluster
 
 
 def client(router: str) -> openai.OpenAI:
@@ -81,8 +81,8 @@ def crashing_decoder_cluster():
         ("decode", [*common, "--id", "d0", "--crash-after-tokens", "10"]),
         ("decode", [*common, "--id", "d1"]),
     ]
-    with mock_cluster(["--decode-policy", "round_robin"], engines) as urls:
-        yield urls
+    with mock_cluster(["--decode-policy", "round_robin"], engines) as router:
+        yield router.url, router.internal
 
 
 def streamed_answer(api: openai.OpenAI) -> dict:
@@ -136,7 +136,8 @@ def test_a_stream_with_reasoning_and_tools_survives_its_decoder(crashing_decoder
 
 def test_the_api_key_is_what_the_openai_client_sends():
     key = "sk-python-tier-0001"
-    with mock_cluster(["--api-key", key], [("prefill", []), ("decode", [])]) as (router, _):
+    with mock_cluster(["--api-key", key], [("prefill", []), ("decode", [])]) as cluster:
+        router = cluster.url
         keyed = openai.OpenAI(base_url=f"{router}/v1", api_key=key, max_retries=0)
         reply = keyed.chat.completions.create(
             model="mock", messages=[{"role": "user", "content": "hi"}], max_tokens=3
@@ -228,28 +229,25 @@ def test_a_background_response_outlives_its_router_through_the_openai_client(tmp
     streams a background response from router A, A is killed, and the same
     client reattaches to router B with `starting_after`; B took the generation
     over, and the events the client gets are each once and end completed."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     redis = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
         stdout=subprocess.DEVNULL,
     )
-    procs = [redis]
-    try:
+    with contextlib.ExitStack() as parts:
+        parts.callback(redis.wait)
+        parts.callback(redis.kill)
         common = ["--model", "mock", "--enable-scale-out", "--decode-us-per-token", "30000"]
-        prefill, prefill_url, _ = start("connex-mock-engine", "--role", "prefill", *common)
-        decoder, decoder_url, _ = start("connex-mock-engine", "--role", "decode", *common)
-        procs += [prefill, decoder]
-        with urllib.request.urlopen(f"{prefill_url}/mock/stats", timeout=5) as reply:
+        prefill = parts.enter_context(MockEngine("--role", "prefill", *common))
+        decoder = parts.enter_context(MockEngine("--role", "decode", *common))
+        with urllib.request.urlopen(f"{prefill.url}/mock/stats", timeout=5) as reply:
             ctrl = json.load(reply)["ctrl"]
-        flags = ["serve", "--listen", "127.0.0.1:0", "--internal-listen", "127.0.0.1:0"]
-        flags += ["--static-model", "mock", "--prefill", f"{prefill_url},{ctrl}"]
-        flags += ["--decode", decoder_url, "--response-store", f"redis://127.0.0.1:{port}"]
+        flags = ["--static-model", "mock", "--prefill", f"{prefill.url},{ctrl}"]
+        flags += ["--decode", decoder.url, "--response-store", f"redis://127.0.0.1:{port}"]
         flags += ["--response-lease-ms", "600"]
-        a, a_url, _ = start("connex-router", *flags)
-        b, b_url, _ = start("connex-router", *flags)
-        procs += [a, b]
+        a = parts.enter_context(Router(*flags, admin_token=None))
+        b = parts.enter_context(Router(*flags, admin_token=None))
+        a_url, b_url = a.url, b.url
         for url in (a_url, b_url):
             deadline = time.monotonic() + 10
             while not urllib.request.urlopen(f"{url}/ready", timeout=5).status == 200:
@@ -265,7 +263,6 @@ def test_a_background_response_outlives_its_router_through_the_openai_client(tmp
                 if len(seen) == 10:
                     break
         a.kill()
-        a.wait()
         rest = list(
             client(b_url).responses.retrieve(
                 created.id, stream=True, starting_after=seen[-1].sequence_number
@@ -276,7 +273,3 @@ def test_a_background_response_outlives_its_router_through_the_openai_client(tmp
         assert everything[-1].type == "response.completed"
         assert everything[-1].response.usage.output_tokens == 60
         assert client(b_url).responses.retrieve(created.id).status == "incomplete"
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()

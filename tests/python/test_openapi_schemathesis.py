@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, ready_instances, start
+from connex_harness import ROOT, Router, mock_cluster
 
 SPEC = ROOT / "openapi" / "openapi.yaml"
 SCHEMATHESIS = ROOT / ".venv" / "bin" / "schemathesis"
@@ -90,52 +89,13 @@ def routers():
     """A router with a prefill and a decode mock, and a bare one for the
     registration and admin writes (so that registrations of made-up engines
     generated there never receive traffic)."""
-    procs = []
-    try:
-        serving_proc, serving, serving_internal = start(
-            "connex-router",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--internal-listen",
-            "127.0.0.1:0",
-            "--admin-token",
-            "t",
-            "--max-tokens-limit",
-            str(MAX_TOKENS),
-        )
-        procs.append(serving_proc)
-        for role in ("prefill", "decode"):
-            proc, _, _ = start(
-                "connex-mock-engine",
-                "--role",
-                role,
-                "--model",
-                "mock",
-                "--router",
-                serving_internal,
-            )
-            procs.append(proc)
-        bare_proc, _, bare = start(
-            "connex-router",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--internal-listen",
-            "127.0.0.1:0",
-            "--admin-token",
-            "t",
-        )
-        procs.append(bare_proc)
-        deadline = time.monotonic() + 10
-        while ready_instances(serving_internal) < 2:
-            assert time.monotonic() < deadline, "mock engines did not register"
-            time.sleep(0.05)
-        yield serving, serving_internal, bare
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+    with (
+        mock_cluster(
+            ["--max-tokens-limit", str(MAX_TOKENS)], [("prefill", []), ("decode", [])]
+        ) as serving,
+        Router() as bare,
+    ):
+        yield serving.url, serving.internal, bare.internal
 
 
 def test_openapi_conformance_of_a_live_router(routers, tmp_path):

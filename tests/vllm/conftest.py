@@ -11,6 +11,10 @@ import time
 import harness
 import pytest
 
+# Failed tests' reports carry the log tails of the engines and routers running
+# then (tests/connex_harness/reports.py).
+pytest_plugins = ("connex_harness.reports",)
+
 
 class Fleet:
     """Engines by name, started on first need and stopped at session end."""
@@ -33,18 +37,6 @@ class Fleet:
     def stop(self) -> None:
         for engine in self.engines.values():
             engine.stop()
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    """A failed test's report carries the log tail of every engine running
-    then: what the engines said is most often why (a refused pull, a load that
-    failed), and CI keeps nothing else of them."""
-    report = yield
-    if report.failed:
-        for name, engine in list(harness.RUNNING.items()):
-            report.sections.append((f"engine {name} log (tail)", engine.log_tail(60)))
-    return report
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +93,17 @@ def connex_kv(role: str, engine: harness.Engine, **extra) -> dict:
     }
 
 
+def registered(
+    engine: harness.Engine, role: str, router: harness.Router, **extra
+) -> harness.Engine:
+    """`engine` with ConnexConnector in `role` (`connex_kv`'s `extra`), its
+    in-process agent registering it with `router` under the engine's name."""
+    engine.kv_config = connex_kv(
+        role, engine, router=router.internal, url=engine.url, instance_id=engine.name, **extra
+    )
+    return engine
+
+
 class Cluster:
     """connex-router + one prefill + two decoders (self-registered through the
     connector's in-process agent), a plain engine to compare with, and a second
@@ -117,15 +120,7 @@ class Cluster:
             ("d2", "kv_consumer", 0),
         ):
             engine = harness.Engine(name, core=core, extra_args=list(TOOL_ARGS))
-            engine.kv_config = connex_kv(
-                role,
-                engine,
-                retain_s=self.RETAIN_S,
-                router=self.router.internal,
-                url=engine.url,
-                instance_id=name,
-            )
-            wanted[name] = engine
+            wanted[name] = registered(engine, role, self.router, retain_s=self.RETAIN_S)
         after = harness.Engine("p_after", core=1)
         after.kv_config = connex_kv("kv_producer", after, retain_s=30, release="after_pull")
         wanted["p_after"] = after
@@ -136,8 +131,7 @@ class Cluster:
         return self.engines[name]
 
     def ctrl(self, name: str) -> str:
-        extra = self.engines[name].kv_config["kv_connector_extra_config"]
-        return f"127.0.0.1:{extra['ctrl_port']}"
+        return self.engines[name].ctrl
 
 
 @pytest.fixture(scope="session")

@@ -4,18 +4,17 @@ Owns starting and stopping them on free loopback ports. Each engine runs in its
 own process group (API server, EngineCore, and with TP 2 its workers; with TP 1
 the worker runs inside the EngineCore), so that a test can kill a
 whole engine at once, as a machine failure would, and teardown leaves nothing
-behind. Used by tests/vllm/ and by `bench/run vllm_resume`.
+behind. Used by tests/vllm/ and by `bench/run vllm_resume`. What every tier
+shares (the router, ports, waiting, metrics, failure logs) is
+tests/connex_harness, re-exported here for the tier's tests.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,18 +27,24 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The harness the Python tiers share lies beside this folder.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+import connex_harness  # noqa: E402
+import tiny_model  # noqa: E402
+from connex_harness import ROOT as ROOT  # noqa: E402
+from connex_harness import RUNNING  # noqa: E402
+from connex_harness import free_port as free_port  # noqa: E402
+from connex_harness import sum_metric as sum_metric  # noqa: E402
+from connex_harness import wait_for as wait_for  # noqa: E402
+
 # The engines' interpreter: the repo's venv, or another with its own vLLM build
 # (tests/gpu/run: the CUDA one).
 PYTHON = os.environ.get("CONNEX_VLLM_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
-BIN_DIR = Path(os.environ.get("CONNEX_BIN_DIR", ROOT / "target" / "debug"))
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
 # Engine start on 2 busy cores takes 40-120 s; this bounds a hung start.
 START_TIMEOUT_S = float(os.environ.get("CONNEX_VLLM_START_TIMEOUT_S", "600"))
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_model  # noqa: E402
 
 # Engines are not pinned to cores by default ("nobind"): with more engines than
 # cores, an engine pinned to a core it shares with a busy one starves its transfer
@@ -56,69 +61,8 @@ TRANSFER_SECRET = os.environ.setdefault("CONNEX_TRANSFER_SECRET", "connex-vllm-t
 LOG_DIR = Path(os.environ.get("CONNEX_VLLM_LOG_DIR") or tempfile.mkdtemp(prefix="connex-vllm-"))
 
 
-# Ports handed out this session: never twice (a port an engine released may
-# still be in TIME_WAIT, or taken again by the next engine of a test).
-_HANDED_OUT: set[int] = set()
-# Where ports are chosen from: below the kernel's ephemeral range.
-FIRST_PORT = 10_000
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(count: int = 1) -> int:
-    """A port p such that p .. p + count - 1 are free on loopback (one hold
-    listener per TP rank), chosen below the kernel's ephemeral range and never
-    handed out twice. An engine's own sockets (vLLM's ZMQ and torch ports, every
-    connect) take ephemeral ports: a port picked with bind(0) could be taken by
-    one of them between now and when its engine binds it, which is how a
-    prefill once failed to start ("Address already in use" on its hold
-    listener) while other engines started beside it."""
-    top = _ephemeral_low() - count
-    if top <= FIRST_PORT:  # an unusual range: the kernel's choice, as before
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    rng = random.Random()
-    for _ in range(1000):
-        base = rng.randrange(FIRST_PORT, top)
-        ports = range(base, base + count)
-        if any(p in _HANDED_OUT for p in ports) or not all(_bindable(p) for p in ports):
-            continue
-        _HANDED_OUT.update(ports)
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports below {top + count}")
-
-
 def model_dir() -> Path:
     return tiny_model.ensure()
-
-
-# Engines started and not yet stopped: a failed test's report shows their log
-# tails (conftest.py), since CI keeps nothing else of them.
-RUNNING: dict[str, Engine] = {}
-
-
-@atexit.register
-def _kill_the_running() -> None:
-    """Engines still running when the interpreter exits (a session that ended
-    without its teardown: its output pipe closed, an interrupt) are killed:
-    one holds about 2.8 GB, and a few left behind starve the next session."""
-    for engine in list(RUNNING.values()):
-        engine.kill(signal.SIGKILL)
 
 
 @dataclass
@@ -143,6 +87,18 @@ class Engine:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ctrl(self) -> str:
+        """The control address of its hold listener (ConnexConnector's
+        `ctrl_port`, rank 0's with TP > 1)."""
+        assert self.kv_config is not None
+        return f"127.0.0.1:{self.kv_config['kv_connector_extra_config']['ctrl_port']}"
+
+    @property
+    def title(self) -> str:
+        """Its name among the running parts (a failed test's report shows its log)."""
+        return f"engine {self.name}"
 
     @property
     def log_path(self) -> Path:
@@ -205,7 +161,7 @@ class Engine:
             args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         log.close()
-        RUNNING[self.name] = self
+        RUNNING[self.title] = self
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
@@ -257,7 +213,7 @@ class Engine:
     def stop(self) -> None:
         if self.proc is None:
             return
-        RUNNING.pop(self.name, None)
+        RUNNING.pop(self.title, None)
         self.kill(signal.SIGTERM)
         try:
             self.proc.wait(timeout=20)
@@ -299,33 +255,6 @@ def outcome(result):
     return result
 
 
-def wait_for(check, timeout_s: float, what: str):
-    """Polls `check` until it returns something truthy (returned) or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def sum_metric(text: str, name: str, absent: float | None = None) -> float:
-    """Sum of the samples of metric `name`. An absent metric is an error (so that
-    a misspelt name cannot pass as 0) unless the caller says what it means
-    (`absent=0.0` for a counter that appears at its first increment)."""
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(name) and (line[len(name) : len(name) + 1] in (" ", "{")):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    if not found:
-        if absent is not None:
-            return absent
-        raise KeyError(f"metric {name!r} is not exported")
-    return total
-
-
 def start_all(engines: list[Engine]) -> dict[str, float]:
     """Starts engines concurrently; returns each one's startup seconds."""
     for engine in engines:
@@ -361,111 +290,12 @@ def warm_up(engines: list[Engine]) -> None:
         complete(engine.url, [1, 2, 3], 2, model=engine.served_model_name)
 
 
-class Router:
-    """A connex-router process on a free loopback port."""
+class Router(connex_harness.Router):
+    """connex-router for this tier: it names the decoder that served
+    (x-connex-decoder, which the tests check), and its log is kept in LOG_DIR."""
 
-    ADMIN_TOKEN = "t"
-
-    def __init__(self, *extra: str):
-        self.proc = subprocess.Popen(
-            [
-                str(BIN_DIR / "connex-router"),
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--internal-listen",
-                "127.0.0.1:0",
-                # The tests check which decoder served (x-connex-decoder).
-                "--expose-instance-headers",
-                "--admin-token",
-                self.ADMIN_TOKEN,
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        self.url = ""
-        # Registration, admin and metrics: the router's internal listener.
-        self.internal = ""
-        self.lines: list[str] = []
-        LOG_DIR.mkdir(parents=True, exist_ok=True)
-        self.log = open(LOG_DIR / f"router-{self.proc.pid}.log", "a")  # noqa: SIM115
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            self.log.write(line)
-            if "internal API on " in line:
-                self.internal = line.split("internal API on ", 1)[1].strip()
-            if "listening on " in line:
-                self.url = line.split("listening on ", 1)[1].strip()
-                break
-        if not self.url:
-            self.proc.kill()
-            raise RuntimeError("connex-router exited before listening:\n" + "".join(self.lines))
-        # Keep draining its output so that it never blocks on a full pipe.
-        import threading
-
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            self.log.write(line)
-            self.log.flush()
-
-    def admin(self, path: str) -> list[dict]:
-        reply = httpx.get(
-            f"{self.internal}/admin/{path}",
-            headers={"Authorization": f"Bearer {self.ADMIN_TOKEN}"},
-            timeout=5,
-        )
-        reply.raise_for_status()
-        return reply.json()["data"]
-
-    def admin_post(self, path: str) -> None:
-        """POSTs to the admin API (drain, activate: `instances/{id}/drain`)."""
-        reply = httpx.post(
-            f"{self.internal}/admin/{path}",
-            headers={"Authorization": f"Bearer {self.ADMIN_TOKEN}"},
-            timeout=5,
-        )
-        reply.raise_for_status()
-
-    def admin_delete(self, path: str) -> None:
-        """DELETEs through the admin API (`instances/{id}`: removes it)."""
-        reply = httpx.delete(
-            f"{self.internal}/admin/{path}",
-            headers={"Authorization": f"Bearer {self.ADMIN_TOKEN}"},
-            timeout=5,
-        )
-        reply.raise_for_status()
-
-    def instances(self) -> list[dict]:
-        return self.admin("instances")
-
-    def requests(self) -> list[dict]:
-        """The journal: requests in flight."""
-        return self.admin("requests")
-
-    def metric(self, name: str, absent: float | None = None) -> float:
-        """Sum of a Prometheus metric's samples on this router (see `sum_metric`)."""
-        return sum_metric(httpx.get(f"{self.internal}/metrics", timeout=10).text, name, absent)
-
-    def wait_instances(self, ids: set[str], timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            ready = {i["id"] for i in self.instances() if i["state"] == "ready"}
-            if ids <= ready:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"instances {ids - ready} did not register")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+    def __init__(self, *flags: str) -> None:
+        super().__init__(*flags, expose_instance_headers=True, log_dir=LOG_DIR)
 
 
 # ---- clients ------------------------------------------------------------------

@@ -114,7 +114,7 @@ def test_agent_registers_again_when_the_router_forgets_it(router):
         assert instance["role"] == "prefill"
         reply = httpx.delete(
             f"{router.internal}/admin/instances/p1",
-            headers={"Authorization": f"Bearer {router.ADMIN_TOKEN}"},
+            headers={"Authorization": f"Bearer {router.admin_token}"},
         )
         assert reply.status_code in (200, 204)
         harness.wait_for(lambda: "p1" in by_id(router), 5, "re-registration")

@@ -24,7 +24,7 @@ import harness
 import httpx
 import pytest
 import tiny_model
-from conftest import connex_kv
+from conftest import registered
 
 # Long enough for many full blocks (harness.BLOCK_SIZE tokens each), short
 # enough to prefill in a second or two on a busy core.
@@ -46,10 +46,7 @@ class AwareCluster:
             ("aware_p2", "kv_producer", 1),
             ("aware_d", "kv_consumer", 0),
         ):
-            engine = harness.Engine(name, core=core)
-            engine.kv_config = connex_kv(
-                role, engine, router=self.router.internal, url=engine.url, instance_id=name
-            )
+            engine = registered(harness.Engine(name, core=core), role, self.router)
             if role == "kv_producer":
                 events = {
                     "enable_kv_cache_events": True,

@@ -14,7 +14,7 @@ import os
 import harness
 import pytest
 import test_pd
-from conftest import Fleet, connex_kv, plain_engine
+from conftest import Fleet, plain_engine, registered
 from connex import _transfer
 
 # One machine: engines publish loopback as the address peers reach them at
@@ -42,16 +42,9 @@ class MooncakeCluster:
             ("mc_d2", "kv_consumer", 0),
         ):
             engine = harness.Engine(name, core=core)
-            engine.kv_config = connex_kv(
-                role,
-                engine,
-                backend="mooncake",
-                retain_s=self.RETAIN_S,
-                router=self.router.internal,
-                url=engine.url,
-                instance_id=name,
+            wanted[name] = registered(
+                engine, role, self.router, backend="mooncake", retain_s=self.RETAIN_S
             )
-            wanted[name] = engine
         self.engines = fleet.ensure(wanted)
         self.router.wait_instances(set(self.ENGINES))
 
@@ -59,8 +52,7 @@ class MooncakeCluster:
         return self.engines[name]
 
     def ctrl(self, name: str) -> str:
-        extra = self.engines[name].kv_config["kv_connector_extra_config"]
-        return f"127.0.0.1:{extra['ctrl_port']}"
+        return self.engines[name].ctrl
 
 
 @pytest.fixture(scope="module")

@@ -43,11 +43,6 @@ def engines() -> Iterator[dict[str, harness.Engine]]:
         yield {"prefill": p, "decoder": d}
 
 
-def ctrl_of(engine: harness.Engine) -> str:
-    assert engine.kv_config is not None
-    return f"127.0.0.1:{engine.kv_config['kv_connector_extra_config']['ctrl_port']}"
-
-
 def test_both_engines_keep_the_hybrid_kv_cache_manager(engines):
     """vLLM turns the hybrid manager off for a connector without SupportsHMA
     (and says so in its log); with ours, both engines run two KV cache groups
@@ -63,7 +58,7 @@ def test_a_sliding_window_prompt_is_pulled_per_group_and_answers_exactly(engines
     rng = random.Random(5)
     prompt = [rng.randrange(16, 2000) for _ in range(PROMPT_TOKENS)]
     want = harness.complete(p.url, prompt, 16)["choices"][0]["token_ids"]
-    ctrl = ctrl_of(p)
+    ctrl = p.ctrl
     before = stats(ctrl)
     params = prefill(p, prompt)
     assert params["kv_groups"] == 2

@@ -50,11 +50,6 @@ def engines(fleet) -> Iterator[dict[str, harness.Engine]]:
                 engine.stop()
 
 
-def ctrl(engine: harness.Engine) -> str:
-    assert engine.kv_config is not None
-    return f"127.0.0.1:{engine.kv_config['kv_connector_extra_config']['ctrl_port']}"
-
-
 def kv_usage(engine: harness.Engine) -> float:
     return engine.metric("vllm:kv_cache_usage_perc")
 
@@ -86,22 +81,22 @@ def test_a_staged_prefill_frees_its_blocks_at_once_and_its_hold_serves_pulls_and
     prompt = token_prompt(1, 300)
     want = harness.complete(engines["plain"].url, prompt, 24)["choices"][0]["token_ids"]
     baseline = kv_usage(p)
-    before = _transfer.Reader(backend="tcp").stats(ctrl(p))
+    before = _transfer.Reader(backend="tcp").stats(p.ctrl)
     params = prefill(p, prompt)
     # The blocks went back to vLLM with the request; the hold lives on in host memory.
     harness.wait_for(lambda: kv_usage(p) == baseline, 5, "the prefill's blocks freed")
-    held = _transfer.Reader(backend="tcp").stats(ctrl(p))
+    held = _transfer.Reader(backend="tcp").stats(p.ctrl)
     assert held["holds"] - before["holds"] == 1
     assert held["held_bytes"] - before["held_bytes"] == (
         len(params["remote_block_ids"]) * params["num_layers"] * params["page_bytes"]
     )
-    first = pull_bytes(ctrl(p), params)
+    first = pull_bytes(p.ctrl, params)
     assert any(first), "pulled KV is all zeros"
     # vLLM reuses the freed blocks for other prompts (the cache holds 80 blocks,
     # these take 3 x 40); the held bytes do not change.
     for seed in (2, 3, 4):
         harness.complete(p.url, token_prompt(seed, 40 * harness.BLOCK_SIZE - 8), 1)
-    assert pull_bytes(ctrl(p), params) == first
+    assert pull_bytes(p.ctrl, params) == first
     # A resume (epoch 1) from the hold, 8 tokens in, continues exactly.
     got = harness.complete(
         d.url, prompt + want[:8], 16, kv_transfer_params=params | {"resume_epoch": 1}
@@ -110,11 +105,11 @@ def test_a_staged_prefill_frees_its_blocks_at_once_and_its_hold_serves_pulls_and
     # That decode finished normally: it released the hold, and the holder
     # freed the host copy.
     harness.wait_for(
-        lambda: _transfer.Reader(backend="tcp").stat(ctrl(p), params["transfer_id"]) is None,
+        lambda: _transfer.Reader(backend="tcp").stat(p.ctrl, params["transfer_id"]) is None,
         10,
         "the hold released",
     )
-    assert _transfer.Reader(backend="tcp").stats(ctrl(p))["held_bytes"] == before["held_bytes"]
+    assert _transfer.Reader(backend="tcp").stats(p.ctrl)["held_bytes"] == before["held_bytes"]
 
 
 def test_a_prefill_keeps_more_holds_alive_than_its_kv_cache_has_blocks(engines):
@@ -129,7 +124,7 @@ def test_a_prefill_keeps_more_holds_alive_than_its_kv_cache_has_blocks(engines):
     held_blocks = sum(len(x["remote_block_ids"]) for x in all_params)
     assert held_blocks > PREFILL_BLOCKS
     live = [
-        _transfer.Reader(backend="tcp").stat(ctrl(p), x["transfer_id"]) is not None
+        _transfer.Reader(backend="tcp").stat(p.ctrl, x["transfer_id"]) is not None
         for x in all_params
     ]
     assert all(live), "a hold was lost"
@@ -158,7 +153,7 @@ def test_a_decoder_with_the_prompts_start_cached_pulls_only_the_blocks_it_lacks(
     pulls = d.metric("connex_kv_pulls_total", absent=0.0)
     pulled = d.metric("connex_kv_pulled_bytes_total", absent=0.0)
     failures = d.metric("connex_kv_pull_failures_total", absent=0.0)
-    served = _transfer.Reader(backend="tcp").stats(ctrl(p))["bytes_served"]
+    served = _transfer.Reader(backend="tcp").stats(p.ctrl)["bytes_served"]
     seen = len(d.log_text())
     got = harness.complete(d.url, prompt, 16, kv_transfer_params=params)
     assert got["choices"][0]["token_ids"] == want
@@ -170,6 +165,6 @@ def test_a_decoder_with_the_prompts_start_cached_pulls_only_the_blocks_it_lacks(
     )
     missing = (hold_blocks - cached) * params["num_layers"] * params["page_bytes"]
     assert d.metric("connex_kv_pulled_bytes_total") - pulled == missing
-    assert _transfer.Reader(backend="tcp").stats(ctrl(p))["bytes_served"] - served == missing
+    assert _transfer.Reader(backend="tcp").stats(p.ctrl)["bytes_served"] - served == missing
     assert d.metric("connex_kv_pull_failures_total", absent=0.0) == failures
     assert "kv load failed" not in d.log_text()[seen:]

@@ -11,9 +11,10 @@ use connex_transfer::{
     pattern, BackendKind, BlockRef, ClientConfig, Faults, Holder, HolderConfig, Reader,
     ReaderConfig, Region, RegionId, ReleaseMode, TransferError,
 };
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
+use common::{create_hold, HolderProcess};
 
 /// A holder of `kind` holding `blocks` blocks of `size` bytes of `pattern(seed)`
 /// under `id`; returns the holder.
@@ -29,13 +30,8 @@ async fn holder(
     .await
     .unwrap();
     for &(id, seed, blocks, size) in holds {
-        let region = holder
-            .register_region(Region::owned(pattern(seed, (blocks * size) as usize)))
-            .unwrap();
-        let refs = (0..blocks)
-            .map(|b| BlockRef::new(region, b * size, size))
-            .collect();
-        holder.create_hold(&tid(id), refs).unwrap();
+        let bytes = pattern(seed, (blocks * size) as usize);
+        let region = create_hold(&holder, &tid(id), bytes, blocks);
         // The holds keep the buffer alive; nobody else needs the region.
         assert!(holder.unregister_region(region));
     }
@@ -75,45 +71,6 @@ fn gather(reader: &Reader, region: RegionId, refs: &[BlockRef]) -> Vec<u8> {
 
 fn addr(holder: &Holder) -> String {
     holder.ctrl_addr().to_string()
-}
-
-/// A holder in its own process (`connex-transfer-holder`), killed on drop.
-struct HolderProcess {
-    child: Child,
-    addr: String,
-}
-
-impl HolderProcess {
-    fn start(kind: BackendKind, args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_connex-transfer-holder"))
-            .args(["--backend", kind.name()])
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .strip_prefix("ctrl ")
-            .expect("ctrl line")
-            .trim()
-            .to_string();
-        Self { child, addr }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for HolderProcess {
-    fn drop(&mut self) {
-        self.kill();
-    }
 }
 
 pub async fn content_checksums_after_pull(kind: BackendKind) {

@@ -8,54 +8,31 @@
 use connex_transfer::{
     BackendKind, BlockRef, ClientConfig, Reader, ReaderConfig, Region, TransferError,
 };
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
+use common::HolderProcess;
 
 /// The hold's transfer id (128 random bits, as the holder requires).
 const ID: &str = "m-7c1e4a9b2d5f60838a4b1c2d3e4f5a6b";
 
 /// A mooncake holder process whose engine stops serving once a pull starts
 /// (its handshake still answers, so the reads are submitted and hang).
-struct StalledHolder(Child, String);
-
-impl StalledHolder {
-    fn start() -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_connex-transfer-holder"))
-            .args([
-                "--backend",
-                "mooncake",
-                "--hold",
-                &format!("{ID}:8:1048576"),
-            ])
-            .args(["--stall-after-bytes", "0"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line.strip_prefix("ctrl ").expect("ctrl line").trim();
-        Self(child, addr.to_string())
-    }
-
-    fn kill(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for StalledHolder {
-    fn drop(&mut self) {
-        self.kill();
-    }
+fn stalled_holder() -> HolderProcess {
+    HolderProcess::start(
+        BackendKind::Mooncake,
+        &[
+            "--hold",
+            &format!("{ID}:8:1048576"),
+            "--stall-after-bytes",
+            "0",
+        ],
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_that_gave_up_keeps_its_destination_until_the_reads_end() {
-    let mut holder = StalledHolder::start();
+    let mut holder = stalled_holder();
     let mut config = ReaderConfig::new(BackendKind::Mooncake);
     config.client = ClientConfig {
         io_timeout: Duration::from_secs(1),
@@ -69,7 +46,7 @@ async fn a_pull_that_gave_up_keeps_its_destination_until_the_reads_end() {
         .map(|b| BlockRef::new(region, (7 - b) << 20, 1 << 20))
         .collect();
 
-    let err = reader.pull(&holder.1, ID, 0, &dest).await.unwrap_err();
+    let err = reader.pull(&holder.addr, ID, 0, &dest).await.unwrap_err();
     // The reads were submitted (the segment opened) and never ended.
     assert!(
         matches!(
@@ -89,7 +66,7 @@ async fn a_pull_that_gave_up_keeps_its_destination_until_the_reads_end() {
     );
     assert!(
         matches!(
-            reader.pull(&holder.1, ID, 0, &dest).await,
+            reader.pull(&holder.addr, ID, 0, &dest).await,
             Err(TransferError::InvalidArgument(_))
         ),
         "a second pull into bytes still being read is refused"

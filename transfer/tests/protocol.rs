@@ -13,17 +13,15 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+mod common;
+use common::create_hold;
+
 /// The test hold's transfer id (128 random bits' worth of hex at its end).
 const H1: &str = "h1-5f3c9a1e7b2d4086a9c1e3f5b7d90246";
 
 async fn holder_with_hold() -> Holder {
     let holder = Holder::start(HolderConfig::default()).await.unwrap();
-    let region = holder
-        .register_region(Region::owned(vec![5; 4096]))
-        .unwrap();
-    holder
-        .create_hold(H1, vec![BlockRef::new(region, 0, 4096)])
-        .unwrap();
+    create_hold(&holder, H1, vec![5; 4096], 1);
     holder
 }
 
@@ -305,10 +303,7 @@ async fn a_holder_with_a_secret_serves_only_peers_that_prove_it() {
     .await
     .unwrap();
     let held = connex_transfer::pattern(3, 4096);
-    let region = holder.register_region(Region::owned(held.clone())).unwrap();
-    holder
-        .create_hold(H1, vec![BlockRef::new(region, 0, 4096)])
-        .unwrap();
+    create_hold(&holder, H1, held.clone(), 1);
     let addr = holder.ctrl_addr().to_string();
     let unauthorized = proto::ErrorCode::Unauthorized as u16;
 
@@ -420,13 +415,8 @@ async fn a_pull_limit_past_what_the_clock_holds_is_just_long() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_many_frees_several_holds_in_one_call() {
     let holder = holder_with_hold().await;
-    let region = holder
-        .register_region(Region::owned(vec![6; 4096]))
-        .unwrap();
     let h2 = connex_transfer::new_transfer_id();
-    holder
-        .create_hold(&h2, vec![BlockRef::new(region, 0, 4096)])
-        .unwrap();
+    create_hold(&holder, &h2, vec![6; 4096], 1);
     let addr = holder.ctrl_addr().to_string();
     let ctrl = CtrlClient::new();
     let ids = vec![H1.to_string(), "cx-never-held".to_string(), h2.clone()];

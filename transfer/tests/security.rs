@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+mod common;
+use common::create_hold;
+
 const SECRET: &str = "the-cluster-transfer-secret";
 
 fn secret() -> Option<Secret> {
@@ -32,13 +35,8 @@ fn client(secret: Option<Secret>) -> CtrlClient {
 /// A holder with `config`'s secret and one 4 KiB hold; returns it and the id.
 async fn holder(config: HolderConfig) -> (Holder, String) {
     let holder = Holder::start(config).await.unwrap();
-    let region = holder
-        .register_region(Region::owned(connex_transfer::pattern(1, 4096)))
-        .unwrap();
     let id = new_transfer_id();
-    holder
-        .create_hold(&id, vec![BlockRef::new(region, 0, 4096)])
-        .unwrap();
+    create_hold(&holder, &id, connex_transfer::pattern(1, 4096), 1);
     (holder, id)
 }
 
@@ -579,11 +577,8 @@ async fn a_trickling_reader_cannot_hold_a_writer_for_ever() {
     })
     .await
     .unwrap();
-    let region = holder.register_region(Region::owned(vec![7; LEN])).unwrap();
     let id = new_transfer_id();
-    holder
-        .create_hold(&id, vec![BlockRef::new(region, 0, LEN as u64)])
-        .unwrap();
+    create_hold(&holder, &id, vec![7; LEN], 1);
     let mut stream = TcpStream::connect(holder.ctrl_addr()).await.unwrap();
     let read = Request::Read {
         id: id.clone(),
@@ -630,13 +625,8 @@ async fn small_reads_nobody_takes(io_timeout: Duration) -> (Holder, String, TcpS
     })
     .await
     .unwrap();
-    let region = holder
-        .register_region(Region::owned(vec![7; SMALL_READ]))
-        .unwrap();
     let id = new_transfer_id();
-    holder
-        .create_hold(&id, vec![BlockRef::new(region, 0, SMALL_READ as u64)])
-        .unwrap();
+    create_hold(&holder, &id, vec![7; SMALL_READ], 1);
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     let mut stream = socket.connect(holder.ctrl_addr()).await.unwrap();
