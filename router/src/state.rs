@@ -96,14 +96,16 @@ impl AppState {
             responses: Arc::new(ResponseStores {
                 stored: match &shared_responses {
                     Some(shared) => shared.clone(),
-                    None => Arc::new(crate::store::memory::MemoryStore::with_tenant_default(
-                        config.responses.max_stored,
-                        config.responses.max_stored_bytes,
-                        crate::store::stored::TenantQuota {
-                            max_count: config.responses.max_stored_per_tenant,
-                            max_bytes: config.responses.max_stored_bytes_per_tenant,
-                        },
-                    )),
+                    None => Arc::new(
+                        crate::store::memory::MemoryResponseStore::with_tenant_default(
+                            config.responses.max_stored,
+                            config.responses.max_stored_bytes,
+                            crate::store::stored::TenantQuota {
+                                max_count: config.responses.max_stored_per_tenant,
+                                max_bytes: config.responses.max_stored_bytes_per_tenant,
+                            },
+                        ),
+                    ),
                 },
                 live: crate::store::live::LiveResponses::with_limits(
                     crate::store::live::LiveLimits {

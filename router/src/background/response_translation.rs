@@ -9,7 +9,7 @@ use crate::error::ApiError;
 use crate::protocols::event::Out;
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::responses::output::as_input;
-use crate::protocols::responses::stream::Events;
+use crate::protocols::responses::stream::ResponseEvents;
 use crate::store::stored::{Stored, TenantQuota};
 use crate::store::ResponseStores;
 use axum::response::{IntoResponse, Response};
@@ -22,7 +22,7 @@ use std::sync::Arc;
 /// A response being made from its chat.
 pub struct ResponseTranslation {
     stores: Arc<ResponseStores>,
-    events: Events,
+    events: ResponseEvents,
     store: bool,
     /// The conversation up to this response (stored with its output).
     items: Vec<Value>,
@@ -102,7 +102,7 @@ impl ResponseTranslation {
     /// kept with its output when `store`; `quota` what its tenant may keep.
     pub fn new(
         stores: Arc<ResponseStores>,
-        events: Events,
+        events: ResponseEvents,
         store: bool,
         items: Vec<Value>,
         tenant: &str,

@@ -24,7 +24,7 @@ use crate::error::ApiError;
 use crate::pd::checkpoint::DecodeCheckpoint;
 use crate::pd::record::RequestRecord;
 use crate::pd::record::{engine_request_id, valid_request_id};
-use crate::protocols::event::Event;
+use crate::protocols::event::ClientEvent;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
 use crate::state::AppState;
@@ -86,7 +86,7 @@ pub fn spawn(
                             token: token.clone(),
                             since: sent,
                         };
-                        let claim = Claim {
+                        let claim = ClaimedResponse {
                             state: state.clone(),
                             tenants: tenants.clone(),
                             store: store.clone(),
@@ -103,7 +103,7 @@ pub fn spawn(
 }
 
 /// One response this replica claimed.
-struct Claim {
+struct ClaimedResponse {
     state: Arc<AppState>,
     tenants: Arc<Tenants>,
     store: Arc<RedisStore>,
@@ -129,8 +129,8 @@ enum TakeoverError {
     Api(#[from] ApiError),
 }
 
-async fn take_over(claim: Claim, lease: Lease) {
-    let Claim {
+async fn take_over(claim: ClaimedResponse, lease: Lease) {
+    let ClaimedResponse {
         state,
         tenants,
         store,
@@ -315,7 +315,7 @@ async fn fail(
     token: &str,
     then: Option<LogState>,
     error: &TakeoverError,
-) -> Option<(Vec<Event>, Value)> {
+) -> Option<(Vec<ClientEvent>, Value)> {
     let Some(mut log) = then else {
         // Nothing left of it (its keys expired, or its state unreadable): no
         // more looks at it (its keys expire with their TTL).
@@ -334,9 +334,9 @@ async fn fail(
             return None;
         }
     };
-    let events: Vec<Event> = next
+    let events: Vec<ClientEvent> = next
         .map(|n| {
-            Event::from_value(&json!({"type": "response.failed", "sequence_number": n,
+            ClientEvent::from_value(&json!({"type": "response.failed", "sequence_number": n,
                                       "response": log.response}))
         })
         .into_iter()

@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Event {
+pub struct ClientEvent {
     /// `event: TYPE\ndata: JSON\n\n`.
     frame: bytes::Bytes,
     /// Where the JSON is in the frame.
@@ -33,7 +33,7 @@ struct Head<'a> {
     response: Option<serde::de::IgnoredAny>,
 }
 
-impl Event {
+impl ClientEvent {
     /// `body` as an event of type `kind` (its JSON has them: `type` and,
     /// where the protocol numbers its events, `sequence_number`).
     #[cfg(test)]
@@ -171,7 +171,7 @@ pub enum Out {
     /// what one chat chunk makes goes out as one write, with no event kept.
     Frames(Vec<u8>),
     /// Events kept each whole (a background response's log).
-    Events(Vec<Event>),
+    Events(Vec<ClientEvent>),
     /// Nowhere: a non-stream client gets the whole answer, so its events
     /// are never written.
     Nowhere,
@@ -224,7 +224,7 @@ impl Out {
                 write_frame(frames, kind, write_json);
             }
             Self::Events(events) => {
-                let mut event = Event::write(kind, sequence, write_json);
+                let mut event = ClientEvent::write(kind, sequence, write_json);
                 event.carries_response = carries_response;
                 events.push(event);
             }
@@ -233,7 +233,7 @@ impl Out {
     }
 
     /// The events written, where they were kept (none otherwise).
-    pub fn into_events(self) -> Vec<Event> {
+    pub fn into_events(self) -> Vec<ClientEvent> {
         match self {
             Self::Events(events) => events,
             Self::Frames(_) | Self::Nowhere => Vec::new(),
@@ -267,7 +267,7 @@ pub fn json_of(value: &impl Serialize) -> Box<RawValue> {
 }
 
 /// Events as one SSE write (one event's frame as it is).
-pub fn frames(events: &[Event]) -> bytes::Bytes {
+pub fn frames(events: &[ClientEvent]) -> bytes::Bytes {
     if let [one] = events {
         return one.frame.clone();
     }
@@ -287,7 +287,7 @@ mod tests {
     fn an_event_is_framed_once_and_read_back_from_its_json() {
         let value = json!({"type": "response.created", "sequence_number": 3,
                            "response": {"id": "resp_1"}});
-        let event = Event::from_value(&value);
+        let event = ClientEvent::from_value(&value);
         let framed = frames(std::slice::from_ref(&event));
         let text = std::str::from_utf8(&framed).unwrap_or_default();
         assert!(
@@ -298,11 +298,11 @@ mod tests {
         assert_eq!(event.sequence(), Some(3));
         assert_eq!(event.value(), value);
         assert_eq!(event.response(), Some(json!({"id": "resp_1"})));
-        let again = Event::parse(event.json()).unwrap_or_else(|err| panic!("{err}"));
+        let again = ClientEvent::parse(event.json()).unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(again, event);
-        let plain = Event::from_value(&json!({"type": "message_stop"}));
+        let plain = ClientEvent::from_value(&json!({"type": "message_stop"}));
         assert_eq!((plain.sequence(), plain.response()), (None, None));
-        assert!(Event::parse(b"{\"no type\": 1}").is_err());
+        assert!(ClientEvent::parse(b"{\"no type\": 1}").is_err());
     }
 
     /// What the shared store hands back is input: a `type` that would end
@@ -313,13 +313,19 @@ mod tests {
         let forged = json!({"type": "x\ndata: {\"forged\": true}\n\nevent: response.completed",
                             "sequence_number": 1});
         let bytes = serde_json::to_vec(&forged).unwrap_or_default();
-        assert!(matches!(Event::parse(&bytes), Err(ParseError::Kind(_))));
+        assert!(matches!(
+            ClientEvent::parse(&bytes),
+            Err(ParseError::Kind(_))
+        ));
         for kind in ["", "a b", "a:b", &"a".repeat(65)] {
             let bytes = serde_json::to_vec(&json!({"type": kind})).unwrap_or_default();
-            assert!(Event::parse(&bytes).is_err(), "{kind:?}");
+            assert!(ClientEvent::parse(&bytes).is_err(), "{kind:?}");
         }
         let split = b"{\"type\": \"x\",\n\n\"sequence_number\": 1}";
-        assert!(matches!(Event::parse(split), Err(ParseError::LineBreak)));
+        assert!(matches!(
+            ClientEvent::parse(split),
+            Err(ParseError::LineBreak)
+        ));
         // Every type the protocols write is a name.
         for kind in [
             "response.output_text.delta",
@@ -328,7 +334,7 @@ mod tests {
             "response.mcp_call.in-progress",
         ] {
             let bytes = serde_json::to_vec(&json!({"type": kind})).unwrap_or_default();
-            assert!(Event::parse(&bytes).is_ok(), "{kind}");
+            assert!(ClientEvent::parse(&bytes).is_ok(), "{kind}");
         }
     }
 

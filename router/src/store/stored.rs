@@ -88,7 +88,7 @@ pub enum StoreError {
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
-/// Where stored responses live: this process (`MemoryStore`) or a store that
+/// Where stored responses live: this process (`MemoryResponseStore`) or a store that
 /// every replica shares (`RedisStore`, which answers across the network:
 /// hence futures).
 pub trait ResponseStore: Send + Sync {

@@ -7,7 +7,7 @@ use crate::background::translation::Translation;
 use crate::error::{ApiError, ANTHROPIC_PATH};
 use crate::protocols::event::{json_of, Out};
 use crate::protocols::messages::request::chat_body;
-use crate::protocols::messages::stream::Events;
+use crate::protocols::messages::stream::MessageEvents;
 use crate::protocols::openai::chunk::Chunk;
 use crate::state::AppState;
 use crate::tenants::Caller;
@@ -40,7 +40,7 @@ pub async fn create(
             let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
             Ok(Prepared {
                 chat,
-                translation: MessageTranslation(Events::new(id, echo)),
+                translation: MessageTranslation(MessageEvents::new(id, echo)),
                 stream,
                 background: None,
             })
@@ -52,7 +52,7 @@ pub async fn create(
 
 /// A message being made from its chat (its events made as JSON values: a
 /// Messages stream has a few events per token fewer than a Responses one).
-struct MessageTranslation(Events);
+struct MessageTranslation(MessageEvents);
 
 fn write(out: &mut Out, events: Vec<Value>) {
     for event in &events {

@@ -12,7 +12,7 @@ use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::pd::record::RequestRecord;
 use crate::pd::record::{engine_request_id, request_id};
-use crate::protocols::event::{frames, Event};
+use crate::protocols::event::{frames, ClientEvent};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
 use crate::state::AppState;
@@ -214,7 +214,7 @@ pub fn follow(live: Arc<Live>, after: Option<u64>) -> Response {
             loop {
                 changes.borrow_and_update();
                 let (events, done) = live.after(after);
-                if let Some(last) = events.last().and_then(Event::sequence) {
+                if let Some(last) = events.last().and_then(ClientEvent::sequence) {
                     after = Some(last);
                 }
                 if !events.is_empty() || done {
@@ -279,10 +279,10 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
     }
     /// What one look found.
     enum Look {
-        Events(Vec<Event>),
+        Events(Vec<ClientEvent>),
         Nothing,
         /// Its last events (done).
-        Ended(Vec<Event>),
+        Ended(Vec<ClientEvent>),
         Gone,
     }
     impl Reader {
@@ -337,7 +337,7 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
             let ending = |code: &str, message: String| {
                 let error = json!({"type": "error", "code": code, "message": message,
                     "param": null});
-                frames(&[Event::from_value(&error)])
+                frames(&[ClientEvent::from_value(&error)])
             };
             let (events, ended) = match reader.next().await {
                 Ok(Look::Events(events)) => (events, false),
@@ -357,7 +357,7 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
                     return Some((Ok(bytes), reader));
                 }
             };
-            if let Some(last) = events.last().and_then(Event::sequence) {
+            if let Some(last) = events.last().and_then(ClientEvent::sequence) {
                 reader.after = Some(last);
             }
             reader.finished = ended;

@@ -37,14 +37,14 @@ const SHAPES: &[Shape] = &[
 
 /// What the answer needs of its request.
 #[derive(Debug, Clone)]
-pub struct Echo {
+pub struct MessageEcho {
     pub model: String,
     pub stream: bool,
 }
 
 /// Checks `body` and returns its echo and the chat completion body (always
 /// streamed with usage: the router turns the chunks into the answer).
-pub fn chat_body(body: &Map<String, Value>) -> Result<(Echo, Value), ApiError> {
+pub fn chat_body(body: &Map<String, Value>) -> Result<(MessageEcho, Value), ApiError> {
     let model = check_fields(body, "Messages", KNOWN, SHAPES)?;
     let Some(max_tokens) = body
         .get("max_tokens")
@@ -145,7 +145,7 @@ pub fn chat_body(body: &Map<String, Value>) -> Result<(Echo, Value), ApiError> {
                 json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}});
         }
     }
-    Ok((Echo { model, stream }, chat))
+    Ok((MessageEcho { model, stream }, chat))
 }
 
 /// The text of a string or of text blocks.

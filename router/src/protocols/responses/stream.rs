@@ -6,7 +6,7 @@ use super::new_id;
 use super::output::{
     function_call_item, message_item, reasoning_item, status_of, usage, ResponseObject,
 };
-use super::request::Echo;
+use super::request::ResponseEcho;
 use crate::protocols::event::{json_of, Out};
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::segments::{Segment, Segmenter, Step};
@@ -17,10 +17,10 @@ use serde_json::{json, Value};
 /// background response's checkpoint carries it to the replica that takes the
 /// generation over, which goes on numbering from where it stopped.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
-pub struct Events {
+pub struct ResponseEvents {
     id: String,
     created_at: u64,
-    echo: Echo,
+    echo: ResponseEcho,
     sequence: u64,
     items: Vec<Value>,
     segments: Segmenter,
@@ -29,8 +29,8 @@ pub struct Events {
     open_segment: Option<Segment>,
 }
 
-impl Events {
-    pub fn new(id: String, created_at: u64, echo: Echo) -> Self {
+impl ResponseEvents {
+    pub fn new(id: String, created_at: u64, echo: ResponseEcho) -> Self {
         Self {
             id,
             created_at,
@@ -416,12 +416,12 @@ fn response_event(out: &mut Out, kind: &str, sequence_number: u64, response: &Ra
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocols::event::Event;
+    use crate::protocols::event::ClientEvent;
     use crate::protocols::segments::with_parsed;
     use std::collections::BTreeMap;
 
-    fn echo() -> Echo {
-        Echo {
+    fn echo() -> ResponseEcho {
+        ResponseEcho {
             model: "m".into(),
             stream: true,
             store: true,
@@ -437,7 +437,7 @@ mod tests {
 
     #[test]
     fn reasoning_text_and_a_call_become_three_items_with_numbered_events() {
-        let mut events = Events::new("resp_1".into(), 7, echo());
+        let mut events = ResponseEvents::new("resp_1".into(), 7, echo());
         let mut out = Out::Events(Vec::new());
         events.start(&mut out);
         for c in [
@@ -461,7 +461,7 @@ mod tests {
         let usage = json!({"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11});
         let whole = events.finish(usage, &mut out);
         let whole: Value = serde_json::from_str(whole.get()).unwrap_or_default();
-        let all: Vec<Value> = out.into_events().iter().map(Event::value).collect();
+        let all: Vec<Value> = out.into_events().iter().map(ClientEvent::value).collect();
         let numbers: Vec<u64> = all
             .iter()
             .filter_map(|e| e["sequence_number"].as_u64())
@@ -517,7 +517,7 @@ mod tests {
             let mut written = Out::Events(Vec::new());
             event.write_delta(&mut written);
             let written = written.into_events().remove(0);
-            let serialized = Event::serialize(kind, Some(12), &event);
+            let serialized = ClientEvent::serialize(kind, Some(12), &event);
             assert_eq!(written.value(), serialized.value(), "{kind}");
             assert_eq!(written.json(), serialized.json(), "{kind}: the same bytes");
         }
@@ -525,7 +525,7 @@ mod tests {
 
     #[test]
     fn a_chat_cut_at_its_length_is_incomplete() {
-        let mut events = Events::new("resp_2".into(), 7, echo());
+        let mut events = ResponseEvents::new("resp_2".into(), 7, echo());
         events.start(&mut Out::Nowhere);
         with_parsed(&chunk(json!({"content": "abc"}), Some("length")), |c| {
             events.chunk(c, &mut Out::Nowhere)
