@@ -63,7 +63,7 @@ pub use edge::routes::{route_list, route_table, Listener};
 pub use edge::server::terminate_signal;
 pub use observe::logs;
 pub use pd::{DECODER_HEADER, PREFILL_HEADER};
-pub use protocols::event::ClientEvent;
+pub use protocols::client_event::ClientEvent;
 pub use protocols::sse::{SseParser, DONE as SSE_DONE};
 pub use store::redis::{
     checkpoint_of, AppendError, CheckpointWrite, LogState, RedisSettings, RedisStore,

@@ -20,7 +20,7 @@
 //! given up here (a replica takes it over from its last checkpoint once the
 //! store is back).
 
-use crate::protocols::event::ClientEvent;
+use crate::protocols::client_event::ClientEvent;
 use crate::store::live::Live;
 use crate::store::redis::{Append, AppendError, AppendResponse, CheckpointWrite, RedisStore};
 use serde_json::Value;

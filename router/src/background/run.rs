@@ -3,7 +3,7 @@
 //! shared store its checkpoints and a mirror of its log there.
 
 use super::mirror;
-use super::translation::{no_ending, Shared, Translation};
+use super::translation::{no_ending, Translation, TranslationDriver};
 use crate::journal::EntryReader;
 use crate::state::AppState;
 use crate::store::live::Live;
@@ -25,7 +25,7 @@ pub const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_mill
 /// A background generation to run apart from its request.
 pub struct Apart<T> {
     /// Its translation, fed by the chat's relay (its sink the `live` log).
-    pub driver: Shared<T>,
+    pub driver: TranslationDriver<T>,
     pub live: Arc<Live>,
     pub chat_response: Response,
     /// The chat's journal entry (its checkpoints, with a shared store).

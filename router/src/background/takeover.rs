@@ -19,12 +19,13 @@
 
 use super::response_translation::ResponseTranslation;
 use super::run::{run_apart, Apart, Lease};
-use super::translation::{Shared, Sink};
+use super::translation::TranslationDriver;
 use crate::error::ApiError;
 use crate::pd::checkpoint::DecodeCheckpoint;
 use crate::pd::record::RequestRecord;
 use crate::pd::record::{engine_request_id, valid_request_id};
-use crate::protocols::event::ClientEvent;
+use crate::protocols::client_event::ClientEvent;
+use crate::protocols::client_event::Destination;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
 use crate::state::AppState;
@@ -279,7 +280,7 @@ async fn continue_taken(
         .ok_or(TakeoverError::Full)?;
     let record = RequestRecord::new("/v1/responses", request_id);
     // Its first events are in the log already.
-    let driver = Shared::new(translation, Sink::Live(live.clone()), true);
+    let driver = TranslationDriver::new(translation, Destination::Log(live.clone()), true);
     let translator = Some(driver.translator());
     let flow = state.flow.clone();
     let started = match decode {

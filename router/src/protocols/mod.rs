@@ -5,7 +5,7 @@
 //! OpenAI's Responses and Anthropic's Messages, both cut into the same
 //! segments (`segments.rs`), by a translator the relay feeds (`openai/translator.rs`).
 
-pub mod event;
+pub mod client_event;
 pub mod messages;
 pub mod openai;
 pub mod responses;

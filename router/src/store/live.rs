@@ -10,7 +10,7 @@
 //! so that no tenant holds every slot.
 
 use super::stored::Stored;
-use crate::protocols::event::ClientEvent;
+use crate::protocols::client_event::ClientEvent;
 use serde_json::Value;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};

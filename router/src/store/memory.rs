@@ -221,7 +221,7 @@ impl ResponseStore for MemoryResponseStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocols::event::json_of;
+    use crate::protocols::client_event::json_of;
     use serde_json::json;
     use std::sync::Arc;
 

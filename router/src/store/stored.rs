@@ -3,7 +3,7 @@
 //! be served by any prefill and decoder. In this process (`memory.rs`) or in
 //! the store every replica shares (`redis/`).
 
-use crate::protocols::event::json_of;
+use crate::protocols::client_event::json_of;
 use futures_util::future::BoxFuture;
 use serde_json::value::RawValue;
 use serde_json::Value;

@@ -7,12 +7,12 @@
 
 use super::body::{read_budgeted, BodyLimits};
 use crate::background::run::{run_apart, Apart, CHECKPOINT_EVERY};
-use crate::background::translation::{no_ending, Shared, Sink, Translation};
+use crate::background::translation::{no_ending, Translation, TranslationDriver};
 use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::pd::record::RequestRecord;
 use crate::pd::record::{engine_request_id, request_id};
-use crate::protocols::event::{frames, ClientEvent};
+use crate::protocols::client_event::{frames, ClientEvent, Destination};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
 use crate::state::AppState;
@@ -123,12 +123,12 @@ pub async fn serve<T: Translation>(
                 return Err(failed(error));
             }
         };
-        let sink = match (&background, stream) {
-            (Some(live), _) => Sink::Live(live.clone()),
-            (None, true) => Sink::Client,
-            (None, false) => Sink::Whole,
+        let to = match (&background, stream) {
+            (Some(live), _) => Destination::Log(live.clone()),
+            (None, true) => Destination::Client,
+            (None, false) => Destination::Nowhere,
         };
-        let driver = Shared::new(translation, sink, false);
+        let driver = TranslationDriver::new(translation, to, false);
         let (chat_response, entry) = crate::pd::run_observed(
             state.flow.clone(),
             info,
@@ -184,7 +184,10 @@ pub async fn serve<T: Translation>(
 
 /// The whole answer of a non-stream request, once its chat ran to the end
 /// (the chat's own headers, instances and resumes, stay).
-async fn whole_answer<T: Translation>(driver: Shared<T>, chat_response: Response) -> Response {
+async fn whole_answer<T: Translation>(
+    driver: TranslationDriver<T>,
+    chat_response: Response,
+) -> Response {
     let (parts, body) = chat_response.into_parts();
     let mut chat = body.into_data_stream();
     while chat.next().await.is_some() {}

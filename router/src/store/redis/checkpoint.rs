@@ -4,7 +4,7 @@
 
 use super::connection::RedisStore;
 use super::log::LogState;
-use crate::protocols::event::ClientEvent;
+use crate::protocols::client_event::ClientEvent;
 use crate::store::stored::{StoreError, StoreResult};
 use redis::AsyncCommands;
 use serde_json::Value;

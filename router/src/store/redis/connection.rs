@@ -351,7 +351,7 @@ mod tests {
         );
         assert!(err.is_some_and(|e| e.contains("retrying shortly")));
         // What is stored meanwhile stays in this replica's memory.
-        let response = crate::protocols::event::json_of(&serde_json::json!({"id": "b"}));
+        let response = crate::protocols::client_event::json_of(&serde_json::json!({"id": "b"}));
         let stored = Stored::new(response, &[], "t".into());
         tokio::time::sleep(RECONNECT_BACKOFF).await;
         assert!(matches!(store.put("b", stored).await, Ok(true)));

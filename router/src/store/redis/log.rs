@@ -4,7 +4,7 @@
 //! a cancel asked).
 
 use super::connection::RedisStore;
-use crate::protocols::event::ClientEvent;
+use crate::protocols::client_event::ClientEvent;
 use crate::store::stored::{StoreError, StoreResult, Stored};
 use redis::streams::StreamReadReply;
 use redis::AsyncCommands;

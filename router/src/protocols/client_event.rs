@@ -164,20 +164,53 @@ fn write_frame(
     start..end
 }
 
-/// Where a translation writes its events as it makes them.
-#[derive(Debug)]
-pub enum Out {
-    /// A streaming client's bytes: each event's frame appended, so that
-    /// what one chat chunk makes goes out as one write, with no event kept.
-    Frames(Vec<u8>),
-    /// Events kept each whole (a background response's log).
-    Events(Vec<ClientEvent>),
-    /// Nowhere: a non-stream client gets the whole answer, so its events
-    /// are never written.
+/// Where a translated request's events go, chosen once per request: to a
+/// streaming client, into a background response's log (`Log`: the log, or
+/// `()` where only the choice matters), or nowhere (a non-stream client gets
+/// the whole answer, so its events are never written).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Destination<Log = ()> {
+    Client,
+    Log(Log),
     Nowhere,
 }
 
-impl Out {
+impl<Log> Destination<Log> {
+    /// The choice alone.
+    pub fn kind(&self) -> Destination {
+        match self {
+            Self::Client => Destination::Client,
+            Self::Log(_) => Destination::Log(()),
+            Self::Nowhere => Destination::Nowhere,
+        }
+    }
+}
+
+/// A translation's events as it makes them, written for their destination:
+/// for a streaming client each event's frame appended, so that what one chat
+/// chunk makes goes out as one write with no event kept; for a log each
+/// event kept whole; for nowhere, nothing.
+#[derive(Debug)]
+pub struct EventWriter {
+    to: Destination,
+    frames: Vec<u8>,
+    events: Vec<ClientEvent>,
+}
+
+impl EventWriter {
+    pub fn new(to: Destination) -> Self {
+        Self {
+            to,
+            frames: Vec::new(),
+            events: Vec::new(),
+        }
+    }
+
+    /// Whether what it is given is written at all.
+    pub fn writes(&self) -> bool {
+        self.to != Destination::Nowhere
+    }
+
     /// An event whose JSON `write_json` writes (its `type` and sequence
     /// number among it).
     pub fn write(
@@ -219,25 +252,27 @@ impl Out {
         carries_response: bool,
         write_json: impl FnOnce(&mut Vec<u8>),
     ) {
-        match self {
-            Self::Frames(frames) => {
-                write_frame(frames, kind, write_json);
+        match self.to {
+            Destination::Client => {
+                write_frame(&mut self.frames, kind, write_json);
             }
-            Self::Events(events) => {
+            Destination::Log(()) => {
                 let mut event = ClientEvent::write(kind, sequence, write_json);
                 event.carries_response = carries_response;
-                events.push(event);
+                self.events.push(event);
             }
-            Self::Nowhere => {}
+            Destination::Nowhere => {}
         }
     }
 
-    /// The events written, where they were kept (none otherwise).
+    /// The frames written for a client (none for another destination).
+    pub fn into_frames(self) -> Vec<u8> {
+        self.frames
+    }
+
+    /// The events written for a log (none for another destination).
     pub fn into_events(self) -> Vec<ClientEvent> {
-        match self {
-            Self::Events(events) => events,
-            Self::Frames(_) | Self::Nowhere => Vec::new(),
-        }
+        self.events
     }
 }
 
@@ -345,9 +380,9 @@ mod tests {
             json!({"type": "response.output_text.delta", "sequence_number": 1, "delta": "a\n"}),
         ];
         let (mut frames_out, mut kept, mut nowhere) = (
-            Out::Frames(Vec::new()),
-            Out::Events(Vec::new()),
-            Out::Nowhere,
+            EventWriter::new(Destination::Client),
+            EventWriter::new(Destination::Log(())),
+            EventWriter::new(Destination::Nowhere),
         );
         let mut written = false;
         for out in [&mut frames_out, &mut kept, &mut nowhere] {
@@ -362,12 +397,14 @@ mod tests {
         assert_eq!(kept.len(), 2);
         assert_eq!(kept[0].response(), Some(json!({"id": "r"})));
         assert_eq!(kept[1].sequence(), Some(1));
-        let Out::Frames(bytes) = frames_out else {
-            panic!("frames")
-        };
-        assert_eq!(bytes, frames(&kept), "the same bytes either way");
+        assert_eq!(
+            frames_out.into_frames(),
+            frames(&kept),
+            "the same bytes either way"
+        );
+        assert!(!nowhere.writes());
         assert!(nowhere.into_events().is_empty());
-        let mut skipped = Out::Nowhere;
+        let mut skipped = EventWriter::new(Destination::Nowhere);
         skipped.write("x", None, |_| panic!("nothing is written for nowhere"));
     }
 }
