@@ -15,6 +15,7 @@ pub mod models;
 pub mod openai;
 pub mod passthrough;
 pub mod probes;
+pub mod prologue;
 pub mod responses;
 pub mod translated;
 
