@@ -18,7 +18,7 @@
 //! ends; only one this replica has no room for is let go for another look.
 
 use super::response_translation::ResponseTranslation;
-use super::run::{run_apart, Apart, Lease};
+use super::run::{run_apart, Apart, BackgroundState, Lease};
 use super::translation::TranslationDriver;
 use crate::error::ApiError;
 use crate::pd::checkpoint::DecodeCheckpoint;
@@ -28,7 +28,6 @@ use crate::protocols::client_event::ClientEvent;
 use crate::protocols::client_event::Destination;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
-use crate::state::AppState;
 use crate::store::live::LiveQuota;
 use crate::store::redis::{CheckpointWrite, LogState, RedisStore, Taken};
 use crate::store::stored::{StoreError, TenantQuota};
@@ -47,7 +46,7 @@ const CLAIM_BATCH: usize = 16;
 /// Looks for expired leases until `stop`, with a shared store; each taken
 /// over is held to its tenant as `tenants` configure it now.
 pub fn spawn(
-    state: &Arc<AppState>,
+    state: &BackgroundState,
     tenants: &Arc<Tenants>,
     tasks: &mut tokio::task::JoinSet<()>,
     stop: CancellationToken,
@@ -105,7 +104,7 @@ pub fn spawn(
 
 /// One response this replica claimed.
 struct ClaimedResponse {
-    state: Arc<AppState>,
+    state: BackgroundState,
     tenants: Arc<Tenants>,
     store: Arc<RedisStore>,
     id: String,
@@ -138,7 +137,7 @@ async fn take_over(claim: ClaimedResponse, lease: Lease) {
         id,
     } = claim;
     // Its own from the claim until its writer starts (or it cannot go on).
-    struct Taking<'a>(&'a AppState, &'a str);
+    struct Taking<'a>(&'a BackgroundState, &'a str);
     impl Drop for Taking<'_> {
         fn drop(&mut self) {
             self.0.responses.live.taking(self.1, false);
@@ -206,7 +205,7 @@ async fn take_over(claim: ClaimedResponse, lease: Lease) {
 /// held to its tenant as configured here (what the store says of its
 /// priority or KV salt is not trusted).
 async fn continue_taken(
-    state: &Arc<AppState>,
+    state: &BackgroundState,
     tenants: &Tenants,
     store: &RedisStore,
     id: &str,
@@ -255,7 +254,7 @@ async fn continue_taken(
         Route::Chat,
         &chat,
         engine_request_id(&request_id),
-        state.config.max_tokens_limit,
+        state.flow.settings.max_tokens_limit,
     )?;
     let quota = LiveQuota {
         max: caller.kept.background_responses,

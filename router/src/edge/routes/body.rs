@@ -5,7 +5,7 @@
 //! it would otherwise hold its request (and its concurrency permit) as long as
 //! it likes, and over HTTP/2 one connection carries many such requests.
 
-use crate::body_budget::BodyBudget;
+use crate::edge::body_budget::BodyBudget;
 use crate::error::ApiError;
 use axum::body::Body;
 use axum::http::HeaderMap;

@@ -4,12 +4,12 @@
 
 use super::translated::{serve, Prepared};
 use crate::background::translation::Translation;
+use crate::edge::app::AppState;
 use crate::error::{ApiError, ANTHROPIC_PATH};
 use crate::protocols::client_event::{json_of, EventWriter};
 use crate::protocols::messages::request::chat_body;
 use crate::protocols::messages::stream::MessageEvents;
 use crate::protocols::openai::chunk::Chunk;
-use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;
 use axum::extract::State;

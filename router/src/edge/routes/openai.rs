@@ -2,10 +2,10 @@
 //! `models.rs`).
 
 use super::prologue;
+use crate::edge::app::AppState;
 use crate::error::ApiError;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::Route;
-use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;
 use axum::extract::State;

@@ -7,11 +7,11 @@
 //! sets it: the flow names the request by the engines' id).
 
 use super::body::{read_budgeted, BodyLimits};
+use crate::edge::app::AppState;
 use crate::error::ApiError;
 use crate::pd::record::{engine_request_id, request_id, RequestRecord};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, RequestInfo, Route};
-use crate::state::AppState;
 use crate::tenants::engine_fields::set_engine_fields;
 use crate::tenants::Caller;
 use axum::body::{Body, Bytes};

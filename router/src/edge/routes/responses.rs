@@ -11,9 +11,9 @@ use crate::error::ApiError;
 
 use crate::protocols::responses::new_id;
 
+use crate::edge::app::AppState;
 use crate::protocols::responses::request::{chat_body, check};
 use crate::protocols::responses::stream::ResponseEvents;
-use crate::state::AppState;
 use crate::store::live::{Live, LiveQuota, LiveRefusal};
 use crate::store::redis::{LogState, RedisStore};
 use crate::store::stored::{StoreError, Stored, TenantQuota};

@@ -8,12 +8,12 @@
 use super::prologue;
 use crate::background::run::{run_apart, Apart, CHECKPOINT_EVERY};
 use crate::background::translation::{no_ending, Translation, TranslationDriver};
+use crate::edge::app::AppState;
 use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 use crate::protocols::client_event::{frames, ClientEvent, Destination};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::Route;
-use crate::state::AppState;
 use crate::store::live::Live;
 use crate::store::redis::RedisStore;
 use crate::store::stored::StoreError;
@@ -124,7 +124,7 @@ pub async fn serve<T: Translation>(
                         admission,
                         lease: None,
                     };
-                    run_apart(&state, run, origin).await;
+                    run_apart(&state.background(), run, origin).await;
                     if stream {
                         follow(live, None)
                     } else {

@@ -3,8 +3,9 @@
 //! for the membership routes, `State<Arc<Journal>>` for the journal's), and only
 //! the routes that run a request through the whole pipeline take `AppState`.
 
-use crate::body_budget::BodyBudget;
+use crate::background::run::BackgroundState;
 use crate::config::RouterConfig;
+use crate::edge::body_budget::BodyBudget;
 use crate::engines::addresses::{CtrlResolver, UpstreamPolicy};
 use crate::engines::http::EngineClient;
 use crate::engines::probe::ProbeClient;
@@ -120,6 +121,14 @@ impl AppState {
             config,
         };
         (state, releases)
+    }
+
+    /// The part background generations use (`background/`).
+    pub fn background(&self) -> BackgroundState {
+        BackgroundState {
+            flow: self.flow.clone(),
+            responses: self.responses.clone(),
+        }
     }
 }
 
