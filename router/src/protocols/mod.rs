@@ -24,6 +24,16 @@ pub fn bad(message: impl Into<String>, param: &'static str) -> ApiError {
     ApiError::bad_request(message, Some(param))
 }
 
+/// Boolean field `key` of `body` (`default` when absent or null; 400
+/// otherwise).
+pub fn flag(body: &Map<String, Value>, key: &'static str, default: bool) -> Result<bool, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(bad(format!("`{key}` must be a boolean"), key)),
+    }
+}
+
 /// The checks every translated request starts with: no field outside
 /// `known` (400 naming it: never dropped in silence), the fields of `shapes`
 /// of their JSON type when set, and a `model`; returns the model.

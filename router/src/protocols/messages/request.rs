@@ -1,7 +1,7 @@
 //! A Messages request, checked and translated to a chat completion body.
 
 use crate::error::ApiError;
-use crate::protocols::{bad, check_fields, Shape};
+use crate::protocols::{bad, check_fields, flag, Shape};
 use serde_json::{json, Map, Value};
 
 /// Fields a Messages request may carry; anything else is refused (400).
@@ -55,11 +55,7 @@ pub fn chat_body(body: &Map<String, Value>) -> Result<(MessageEcho, Value), ApiE
             "max_tokens",
         ));
     };
-    let stream = match body.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(bad("`stream` must be a boolean", "stream")),
-    };
+    let stream = flag(body, "stream", false)?;
     // As vLLM's own Messages route: thinking enabled is a budget, disabled is
     // no reasoning effort; what the model reasons comes back as thinking blocks.
     let thinking = body.get("thinking").filter(|t| !t.is_null());

@@ -1,7 +1,7 @@
 //! A Responses request, checked and translated to a chat completion body.
 
 use crate::error::ApiError;
-use crate::protocols::{bad, check_fields, Shape};
+use crate::protocols::{bad, check_fields, flag, Shape};
 use serde_json::{json, Map, Value};
 
 /// Fields a Responses request may carry. Anything else is refused (400), never
@@ -74,11 +74,7 @@ pub struct ResponseEcho {
 pub fn check(body: &Map<String, Value>) -> Result<(ResponseEcho, Vec<Value>), ApiError> {
     let model = check_fields(body, "Responses", KNOWN, SHAPES)?;
     super::limits::check_echoed(body)?;
-    let flag = |key: &'static str, default: bool| match body.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(_) => Err(bad(format!("`{key}` must be a boolean"), key)),
-    };
+    let flag = |key, default| flag(body, key, default);
     let background = flag("background", false)?;
     if background && !flag("store", true)? {
         return Err(bad(
