@@ -1,13 +1,13 @@
 //! OpenAI routes: completions and chat completions (the model list is
 //! `models.rs`).
 
-use super::prologue;
+use super::prologue::{self, Prologue};
 use crate::edge::app::AppState;
 use crate::error::ApiError;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::Route;
 use crate::tenants::Caller;
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
@@ -46,26 +46,19 @@ async fn generate(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let path = route.path();
-    prologue::generate(
-        &state,
-        path,
-        caller,
-        &headers,
-        body,
-        async |mut prologue, bytes| {
-            let parsed = ClientBody::parse(&bytes)
-                .map_err(|err| ApiError::bad_request(err.to_string(), None));
-            // The body is kept as parsed: its large fields are slices of this
-            // buffer (kept once, shared by every engine call), nothing else of it
-            // is.
-            drop(bytes);
-            let mut value = parsed.map_err(|error| prologue.fail(error))?;
-            let info = prologue.check(route, &mut value)?;
-            // The model label is set once the model is known to be served
-            // (pd::start): a client's made-up names must not become series.
-            crate::pd::run(state.flow.clone(), info, value, prologue.record).await
-        },
-    )
-    .await
+    // The rest of the request, once its body is read.
+    let run = async |mut prologue: Prologue, bytes: Bytes| {
+        let parsed =
+            ClientBody::parse(&bytes).map_err(|err| ApiError::bad_request(err.to_string(), None));
+        // The body is kept as parsed: its large fields are slices of this
+        // buffer (kept once, shared by every engine call), nothing else of it
+        // is.
+        drop(bytes);
+        let mut value = parsed.map_err(|error| prologue.fail(error))?;
+        let info = prologue.check(route, &mut value)?;
+        // The model label is set once the model is known to be served
+        // (pd::start): a client's made-up names must not become series.
+        crate::pd::run(state.flow.clone(), info, value, prologue.record).await
+    };
+    prologue::generate(&state, route.path(), caller, &headers, body, run).await
 }
