@@ -1,9 +1,9 @@
 //! The routes whose protocol is translated to and from a chat completion
-//! (Responses, Messages): one driver reads the request, runs the chat through
-//! prefill/decode (`pd::run`, so it is resumed like any chat) with the
-//! translation as the relay's client protocol (`protocols::translator`), fed
-//! each chat chunk as it is journaled, and answers with the protocol's
-//! events or its whole answer.
+//! (Responses, Messages): after the prologue every generating route shares
+//! (`prologue.rs`), the protocol's request is translated, the chat runs
+//! through prefill/decode (`pd::run`, so it is resumed like any chat) with the
+//! translation's driver as the relay's `Translator`, fed each chat chunk as it
+//! is journaled, and the answer is the protocol's events or its whole answer.
 
 use super::prologue;
 use crate::background::run::{run_apart, Apart, CHECKPOINT_EVERY};
