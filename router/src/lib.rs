@@ -9,16 +9,21 @@
 //! a folder's files, its sub-folders and its own `lib.rs`/`mod.rs`.
 //!
 //! - `edge/`: the listeners and the routes (`edge/server`, `edge/routes`),
-//!   who may call what (`edge/secrets.rs`, `tenants/` for client keys); it
-//!   parses, admits and answers. `body_budget.rs`: how many request body
-//!   bytes may be in flight (held in `state.rs`, which `edge/` reads).
+//!   who may call what (`edge/secrets.rs`, `tenants/` for client keys), the
+//!   request prologue every generating route starts with
+//!   (`edge/routes/prologue.rs`) and the state the routes read
+//!   (`edge/app.rs`, with `edge/body_budget.rs`: the request body bytes in
+//!   flight); it parses, admits and answers.
 //! - `background/`: generation apart from a request: the translation driver
-//!   the translated routes feed, background responses run to their end,
-//!   their mirror into the shared store, the takeover of another replica's.
+//!   the translated routes feed (`TranslationDriver`), background responses
+//!   run to their end, their mirror into the shared store, the takeover of
+//!   another replica's; it takes only what it uses of the app
+//!   (`BackgroundState`).
 //! - `protocols/`: wire formats. SSE; OpenAI's chat and completions as the
 //!   phases read and write them (`protocols/openai`: the client body, stop
-//!   strings, chunk edits, output, assembly, the translator interface); the
-//!   client protocols translated to and from a chat (Responses, Messages).
+//!   strings, chunk edits, output, assembly, the `Translator` the relay
+//!   feeds); the client protocols translated to and from a chat (Responses,
+//!   Messages); a translated protocol's events (`client_event.rs`).
 //! - `pd/`: a request's phases: tokens, prefill, decode, relay, resume,
 //!   re-prefill, continuation, the engine calls they make, and the router's
 //!   side of the KV holds (`pd/holds/`).
@@ -34,14 +39,13 @@
 //!   probes' client.
 //! - `observe/`: logs, metrics, traces.
 //! - `config/` (the flags, one group per concern), `error.rs` (the OpenAI
-//!   error body), `state.rs` (the subsystems assembled), and here: [`Router`], which starts them all.
-//!   The binaries (`bin/`) use the crate as any user would.
+//!   error body), and here: [`Router`], which starts them all. The binaries
+//!   (`bin/`) use the crate as any user would.
 //!
 //! Only what the binaries and the tests outside the crate use is exported;
 //! `docs/architecture.md` is the longer map.
 
 mod background;
-mod body_budget;
 pub mod config;
 mod edge;
 mod engines;
@@ -55,7 +59,6 @@ mod pd;
 mod policy;
 mod prefix;
 mod protocols;
-mod state;
 mod store;
 mod tenants;
 
@@ -63,7 +66,7 @@ pub use edge::routes::{route_list, route_table, Listener};
 pub use edge::server::terminate_signal;
 pub use observe::logs;
 pub use pd::{DECODER_HEADER, PREFILL_HEADER};
-pub use protocols::event::Event;
+pub use protocols::client_event::ClientEvent;
 pub use protocols::sse::{SseParser, DONE as SSE_DONE};
 pub use store::redis::{
     checkpoint_of, AppendError, CheckpointWrite, LogState, RedisSettings, RedisStore,
@@ -71,6 +74,7 @@ pub use store::redis::{
 pub use store::stored::Stored;
 
 use config::RouterConfig;
+use edge::app::AppState;
 use edge::gate::ExposeInstances;
 use edge::routes::access::Access;
 use edge::routes::Edge;
@@ -80,7 +84,6 @@ use engines::addresses::UpstreamPolicy;
 use membership::{static_instances, EtcdConfig};
 use observe::metrics;
 use policy::health;
-use state::AppState;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -262,7 +265,12 @@ impl Router {
             .holds
             .spawn_keeper(releases, &mut tasks, background.clone());
         tenants::reload::spawn_reloader(&tenants, &mut tasks, background.clone());
-        background::takeover::spawn(&state, &tenants, &mut tasks, background.clone());
+        background::takeover::spawn(
+            &state.background(),
+            &tenants,
+            &mut tasks,
+            background.clone(),
+        );
         if let Some(store) = state.responses.shared.clone() {
             store::renewal::spawn(store, &mut tasks, background.clone());
         }

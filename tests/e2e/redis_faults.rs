@@ -8,7 +8,7 @@
 //! stored response says what the readers were sent.
 
 use crate::common::*;
-use connex_router::Event;
+use connex_router::ClientEvent;
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -345,7 +345,7 @@ async fn a_writer_past_its_lease_never_overwrites_the_end_another_wrote() {
         .unwrap()
     };
     let (stale, taker) = (store(100), store(60_000));
-    let event = |n: u64| Event::from_value(&json!({"type": "x", "sequence_number": n}));
+    let event = |n: u64| ClientEvent::from_value(&json!({"type": "x", "sequence_number": n}));
     let running = LogState {
         tenant: "t".into(),
         response: json!({"status": "in_progress"}),

@@ -6,7 +6,7 @@
 
 use crate::common::*;
 use crate::responses::{assert_stopped_short, cancel, create, get, read_across, reattach};
-use connex_router::Event;
+use connex_router::ClientEvent;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -312,7 +312,7 @@ async fn one_replica_wins_an_expired_lease() {
                 &format!("resp_{n}"),
                 "dead",
                 &state,
-                &[Event::from_value(
+                &[ClientEvent::from_value(
                     &json!({"type": "x", "sequence_number": 0}),
                 )],
                 None,

@@ -555,7 +555,7 @@ async fn events_read_back_are_checked_and_every_number_is_a_place() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_log_whose_numbers_do_not_move_forward_cannot_be_taken_over_forever() {
-    use connex_router::{Event, LogState, RedisSettings, RedisStore};
+    use connex_router::{ClientEvent, LogState, RedisSettings, RedisStore};
     let redis = Redis::start();
     let store = RedisStore::new(RedisSettings {
         url: redis.url.clone(),
@@ -575,7 +575,7 @@ async fn a_log_whose_numbers_do_not_move_forward_cannot_be_taken_over_forever() 
         response: json!({"status": "in_progress"}),
         done: false,
     };
-    let first = Event::from_value(&json!({"type": "x", "sequence_number": 0}));
+    let first = ClientEvent::from_value(&json!({"type": "x", "sequence_number": 0}));
     store
         .append(
             "resp_loop",
@@ -616,8 +616,10 @@ async fn a_log_whose_numbers_do_not_move_forward_cannot_be_taken_over_forever() 
     })
     .unwrap();
     let delta = "x".repeat(200);
-    let events: Vec<Event> = (0..2000)
-        .map(|n| Event::from_value(&json!({"type": "x", "sequence_number": n, "delta": delta})))
+    let events: Vec<ClientEvent> = (0..2000)
+        .map(|n| {
+            ClientEvent::from_value(&json!({"type": "x", "sequence_number": n, "delta": delta}))
+        })
         .collect();
     small
         .append(

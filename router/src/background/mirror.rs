@@ -20,7 +20,7 @@
 //! given up here (a replica takes it over from its last checkpoint once the
 //! store is back).
 
-use crate::protocols::event::Event;
+use crate::protocols::client_event::ClientEvent;
 use crate::store::live::Live;
 use crate::store::redis::{Append, AppendError, AppendResponse, CheckpointWrite, RedisStore};
 use serde_json::Value;
@@ -221,7 +221,7 @@ async fn write_once(
     if response_changed {
         sent.response = Some(snapshot.response);
     }
-    let last = snapshot.events.last().and_then(Event::sequence);
+    let last = snapshot.events.last().and_then(ClientEvent::sequence);
     sent.written = Written {
         last: last.or(written),
         through: snapshot.through,

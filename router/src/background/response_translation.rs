@@ -6,10 +6,10 @@
 
 use super::translation::Translation;
 use crate::error::ApiError;
-use crate::protocols::event::Out;
+use crate::protocols::client_event::EventWriter;
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::responses::output::as_input;
-use crate::protocols::responses::stream::Events;
+use crate::protocols::responses::stream::ResponseEvents;
 use crate::store::stored::{Stored, TenantQuota};
 use crate::store::ResponseStores;
 use axum::response::{IntoResponse, Response};
@@ -22,7 +22,7 @@ use std::sync::Arc;
 /// A response being made from its chat.
 pub struct ResponseTranslation {
     stores: Arc<ResponseStores>,
-    events: Events,
+    events: ResponseEvents,
     store: bool,
     /// The conversation up to this response (stored with its output).
     items: Vec<Value>,
@@ -34,15 +34,15 @@ pub struct ResponseTranslation {
 }
 
 impl Translation for ResponseTranslation {
-    fn start(&mut self, out: &mut Out) {
+    fn start(&mut self, out: &mut EventWriter) {
         self.events.start(out);
     }
 
-    fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut Out) {
+    fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut EventWriter) {
         self.events.chunk(chunk, out);
     }
 
-    fn finish(&mut self, usage: Value, out: &mut Out) -> Box<RawValue> {
+    fn finish(&mut self, usage: Value, out: &mut EventWriter) -> Box<RawValue> {
         let whole = self.events.finish(usage, out);
         if self.store {
             let mut conversation = std::mem::take(&mut self.items);
@@ -52,11 +52,11 @@ impl Translation for ResponseTranslation {
         whole
     }
 
-    fn fail(&mut self, error: &Value, out: &mut Out) -> Box<RawValue> {
+    fn fail(&mut self, error: &Value, out: &mut EventWriter) -> Box<RawValue> {
         self.events.fail(error, out)
     }
 
-    fn cancel(&mut self, out: &mut Out) -> Box<RawValue> {
+    fn cancel(&mut self, out: &mut EventWriter) -> Box<RawValue> {
         let whole = self.events.cancel(out);
         // A cancelled background response stays readable as cancelled.
         self.keep_as(&whole, &[]);
@@ -102,7 +102,7 @@ impl ResponseTranslation {
     /// kept with its output when `store`; `quota` what its tenant may keep.
     pub fn new(
         stores: Arc<ResponseStores>,
-        events: Events,
+        events: ResponseEvents,
         store: bool,
         items: Vec<Value>,
         tenant: &str,

@@ -3,10 +3,11 @@
 //! shared store its checkpoints and a mirror of its log there.
 
 use super::mirror;
-use super::translation::{no_ending, Shared, Translation};
+use super::translation::{no_ending, Translation, TranslationDriver};
 use crate::journal::EntryReader;
-use crate::state::AppState;
+use crate::pd::flow::Flow;
 use crate::store::live::Live;
+use crate::store::ResponseStores;
 use axum::response::Response;
 use futures_util::StreamExt;
 use serde_json::value::RawValue;
@@ -22,10 +23,19 @@ fn value_of(whole: &RawValue) -> Value {
 /// shared store).
 pub const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// What background generations use of the router: the request flow their
+/// chats run through and the response stores their events and answers go to
+/// (the rest of the app's state is the edge's).
+#[derive(Clone)]
+pub struct BackgroundState {
+    pub flow: Arc<Flow>,
+    pub responses: Arc<ResponseStores>,
+}
+
 /// A background generation to run apart from its request.
 pub struct Apart<T> {
     /// Its translation, fed by the chat's relay (its sink the `live` log).
-    pub driver: Shared<T>,
+    pub driver: TranslationDriver<T>,
     pub live: Arc<Live>,
     pub chat_response: Response,
     /// The chat's journal entry (its checkpoints, with a shared store).
@@ -52,7 +62,11 @@ pub struct Lease {
 /// checkpoints are copied there as they come (`mirror.rs`), under a lease of
 /// this replica's; `origin` is written with the first events (a generation
 /// taken over has it there already).
-pub async fn run_apart<T: Translation>(state: &AppState, run: Apart<T>, origin: Option<Value>) {
+pub async fn run_apart<T: Translation>(
+    state: &BackgroundState,
+    run: Apart<T>,
+    origin: Option<Value>,
+) {
     let Apart {
         driver,
         live,

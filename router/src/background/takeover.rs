@@ -18,16 +18,16 @@
 //! ends; only one this replica has no room for is let go for another look.
 
 use super::response_translation::ResponseTranslation;
-use super::run::{run_apart, Apart, Lease};
-use super::translation::{Shared, Sink};
+use super::run::{run_apart, Apart, BackgroundState, Lease};
+use super::translation::TranslationDriver;
 use crate::error::ApiError;
 use crate::pd::checkpoint::DecodeCheckpoint;
 use crate::pd::record::RequestRecord;
 use crate::pd::record::{engine_request_id, valid_request_id};
-use crate::protocols::event::Event;
+use crate::protocols::client_event::ClientEvent;
+use crate::protocols::client_event::Destination;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::{validate, Route};
-use crate::state::AppState;
 use crate::store::live::LiveQuota;
 use crate::store::redis::{CheckpointWrite, LogState, RedisStore, Taken};
 use crate::store::stored::{StoreError, TenantQuota};
@@ -46,7 +46,7 @@ const CLAIM_BATCH: usize = 16;
 /// Looks for expired leases until `stop`, with a shared store; each taken
 /// over is held to its tenant as `tenants` configure it now.
 pub fn spawn(
-    state: &Arc<AppState>,
+    state: &BackgroundState,
     tenants: &Arc<Tenants>,
     tasks: &mut tokio::task::JoinSet<()>,
     stop: CancellationToken,
@@ -86,7 +86,7 @@ pub fn spawn(
                             token: token.clone(),
                             since: sent,
                         };
-                        let claim = Claim {
+                        let claim = ClaimedResponse {
                             state: state.clone(),
                             tenants: tenants.clone(),
                             store: store.clone(),
@@ -103,8 +103,8 @@ pub fn spawn(
 }
 
 /// One response this replica claimed.
-struct Claim {
-    state: Arc<AppState>,
+struct ClaimedResponse {
+    state: BackgroundState,
     tenants: Arc<Tenants>,
     store: Arc<RedisStore>,
     id: String,
@@ -129,15 +129,15 @@ enum TakeoverError {
     Api(#[from] ApiError),
 }
 
-async fn take_over(claim: Claim, lease: Lease) {
-    let Claim {
+async fn take_over(claim: ClaimedResponse, lease: Lease) {
+    let ClaimedResponse {
         state,
         tenants,
         store,
         id,
     } = claim;
     // Its own from the claim until its writer starts (or it cannot go on).
-    struct Taking<'a>(&'a AppState, &'a str);
+    struct Taking<'a>(&'a BackgroundState, &'a str);
     impl Drop for Taking<'_> {
         fn drop(&mut self) {
             self.0.responses.live.taking(self.1, false);
@@ -205,7 +205,7 @@ async fn take_over(claim: Claim, lease: Lease) {
 /// held to its tenant as configured here (what the store says of its
 /// priority or KV salt is not trusted).
 async fn continue_taken(
-    state: &Arc<AppState>,
+    state: &BackgroundState,
     tenants: &Tenants,
     store: &RedisStore,
     id: &str,
@@ -279,7 +279,7 @@ async fn continue_taken(
         .ok_or(TakeoverError::Full)?;
     let record = RequestRecord::new("/v1/responses", request_id);
     // Its first events are in the log already.
-    let driver = Shared::new(translation, Sink::Live(live.clone()), true);
+    let driver = TranslationDriver::new(translation, Destination::Log(live.clone()), true);
     let translator = Some(driver.translator());
     let flow = state.flow.clone();
     let started = match decode {
@@ -315,7 +315,7 @@ async fn fail(
     token: &str,
     then: Option<LogState>,
     error: &TakeoverError,
-) -> Option<(Vec<Event>, Value)> {
+) -> Option<(Vec<ClientEvent>, Value)> {
     let Some(mut log) = then else {
         // Nothing left of it (its keys expired, or its state unreadable): no
         // more looks at it (its keys expire with their TTL).
@@ -334,9 +334,9 @@ async fn fail(
             return None;
         }
     };
-    let events: Vec<Event> = next
+    let events: Vec<ClientEvent> = next
         .map(|n| {
-            Event::from_value(&json!({"type": "response.failed", "sequence_number": n,
+            ClientEvent::from_value(&json!({"type": "response.failed", "sequence_number": n,
                                       "response": log.response}))
         })
         .into_iter()

@@ -1,13 +1,15 @@
 //! A client protocol's translation of a chat, as the relay drives it: the
 //! `Translation` each translated protocol implements (its events from the
-//! chat's chunks, its whole answer), and the driver that writes those events
-//! where they go (`Sink`): a streaming client, nowhere (a non-stream client
-//! gets the whole answer), or a background response's log. The translated
+//! chat's chunks, its whole answer), and the `TranslationDriver` that runs
+//! one for a request: the relay feeds it (it is the relay's `Translator`),
+//! it writes the events to their `Destination` (a streaming client, a
+//! background response's log, or nowhere: a non-stream client gets the whole
+//! answer) and keeps the chat's end for whoever answers. The translated
 //! routes (`edge/routes/translated.rs`) and the background generations
 //! (`run.rs`, `takeover.rs`) share it.
 
 use crate::error::ApiError;
-use crate::protocols::event::Out;
+use crate::protocols::client_event::{Destination, EventWriter};
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::openai::translator::Translator;
 use crate::store::live::Live;
@@ -20,24 +22,24 @@ use serde_json::{json, Value};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// A protocol's side of one request: its events from the chat's chunks,
-/// written to `out` (where they go: `Out`'s kinds).
+/// written to `out` (for their `Destination`).
 pub trait Translation: Send + 'static {
     /// The events before the first chunk.
-    fn start(&mut self, out: &mut Out);
+    fn start(&mut self, out: &mut EventWriter);
     /// The events of one chat chunk.
-    fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut Out);
+    fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut EventWriter);
     /// The last events of a chat that ended (`usage`: the router's count);
     /// returns the whole answer (as its JSON: written once, for the client,
     /// the store and a background response's readers alike).
-    fn finish(&mut self, usage: Value, out: &mut Out) -> Box<RawValue>;
+    fn finish(&mut self, usage: Value, out: &mut EventWriter) -> Box<RawValue>;
     /// The last events of a chat that failed (`error`: an OpenAI error
     /// object); returns the whole answer as it stands.
-    fn fail(&mut self, error: &Value, out: &mut Out) -> Box<RawValue>;
+    fn fail(&mut self, error: &Value, out: &mut EventWriter) -> Box<RawValue>;
     /// The non-stream answer from the whole answer `finish` or `fail` made.
     fn answer(&self, whole: Box<RawValue>, failed: bool) -> Response;
     /// The last events of a generation cancelled by its client; returns the
     /// whole answer as it stands (background responses only).
-    fn cancel(&mut self, out: &mut Out) -> Box<RawValue> {
+    fn cancel(&mut self, out: &mut EventWriter) -> Box<RawValue> {
         self.fail(&json!({"message": "cancelled"}), out)
     }
     /// What must be kept before the last events go out (a stored response,
@@ -61,46 +63,31 @@ pub trait Translation: Send + 'static {
     }
 }
 
-/// Where a translation's events go.
-pub enum Sink {
-    /// A streaming client's stream.
-    Client,
-    /// Nowhere: a non-stream client gets the whole answer.
-    Whole,
-    /// A background response's log (its last events and checkpoints are
-    /// written by `run.rs`).
-    Live(Arc<Live>),
-}
-
-/// A translation as the relay drives it.
-pub struct Driver<T> {
+/// A translation's state as the relay drives it.
+pub struct DriverState<T> {
     pub(crate) translation: T,
-    sink: Sink,
+    to: Destination<Arc<Live>>,
     /// Whether its first events were made (a generation taken over from
     /// another replica had them there).
     started: bool,
     /// The last events and the whole answer of the chat's end, until they go
     /// out (after what the translation keeps), and whether it failed.
-    ending: Option<(Out, Box<RawValue>, bool)>,
+    ending: Option<(EventWriter, Box<RawValue>, bool)>,
     /// Whether its last events were made (by the chat's end or a cut).
     ended: bool,
 }
 
-impl<T: Translation> Driver<T> {
-    /// Where the next events are written, for the sink.
-    pub(crate) fn out(&self) -> Out {
-        match &self.sink {
-            Sink::Client => Out::Frames(Vec::new()),
-            Sink::Whole => Out::Nowhere,
-            Sink::Live(_) => Out::Events(Vec::new()),
-        }
+impl<T: Translation> DriverState<T> {
+    /// Where the next events are written, for their destination.
+    pub(crate) fn out(&self) -> EventWriter {
+        EventWriter::new(self.to.kind())
     }
 
     /// What the translation keeps as it ends: with a shared store, a
     /// background response's writer stores it under its lease (nothing to
     /// wait for here: readers get the last events once it is stored).
     pub(crate) fn keeping(&mut self) -> Option<BoxFuture<'static, ()>> {
-        if let Sink::Live(live) = &self.sink {
+        if let Destination::Log(live) = &self.to {
             if live.is_shared() {
                 if let Some(stored) = self.translation.take_kept() {
                     live.keep(stored);
@@ -111,47 +98,54 @@ impl<T: Translation> Driver<T> {
         self.translation.keep()
     }
 
-    /// The events written to `out` to the sink; a streaming client's bytes.
-    fn send(&self, out: Out) -> Option<Bytes> {
-        match (&self.sink, out) {
-            (Sink::Client, Out::Frames(frames)) if !frames.is_empty() => Some(frames.into()),
-            (Sink::Live(live), Out::Events(events)) if !events.is_empty() => {
-                live.push(events, None);
+    /// The events written to `out` sent to their destination; a streaming
+    /// client's bytes.
+    fn send(&self, out: EventWriter) -> Option<Bytes> {
+        match &self.to {
+            Destination::Client => Some(out.into_frames())
+                .filter(|f| !f.is_empty())
+                .map(Bytes::from),
+            Destination::Log(live) => {
+                let events = out.into_events();
+                if !events.is_empty() {
+                    live.push(events, None);
+                }
                 None
             }
-            _ => None,
+            Destination::Nowhere => None,
         }
     }
 }
 
-/// A driver shared by the relay, which feeds it, and the route, which
-/// answers from it (a whole answer, a background response's checkpoints).
-pub struct Shared<T>(Arc<Mutex<Driver<T>>>);
+/// One request's translation as the relay drives it, shared by the relay,
+/// which feeds it, and the route, which answers from it (a whole answer, a
+/// background response's checkpoints).
+pub struct TranslationDriver<T>(Arc<Mutex<DriverState<T>>>);
 
-impl<T> Clone for Shared<T> {
+impl<T> Clone for TranslationDriver<T> {
     fn clone(&self) -> Self {
         Self(self.0.clone())
     }
 }
 
-impl<T: Translation> Shared<T> {
-    pub fn new(translation: T, sink: Sink, started: bool) -> Self {
-        Self(Arc::new(Mutex::new(Driver {
+impl<T: Translation> TranslationDriver<T> {
+    pub fn new(translation: T, to: Destination<Arc<Live>>, started: bool) -> Self {
+        Self(Arc::new(Mutex::new(DriverState {
             translation,
-            sink,
+            to,
             started,
             ending: None,
             ended: false,
         })))
     }
 
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Driver<T>> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, DriverState<T>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The chat's end, once it came: its last events, the whole answer and
     /// whether it failed (taken: they go out once).
-    pub(crate) fn take_ending(&self) -> Option<(Out, Box<RawValue>, bool)> {
+    pub(crate) fn take_ending(&self) -> Option<(EventWriter, Box<RawValue>, bool)> {
         self.lock().ending.take()
     }
 
@@ -181,7 +175,7 @@ impl<T: Translation> Shared<T> {
     }
 }
 
-impl<T: Translation> Translator for Shared<T> {
+impl<T: Translation> Translator for TranslationDriver<T> {
     fn start(&mut self) -> Option<Bytes> {
         let mut driver = self.lock();
         if std::mem::replace(&mut driver.started, true) {
@@ -219,7 +213,7 @@ impl<T: Translation> Translator for Shared<T> {
     fn last(&mut self) -> Option<Bytes> {
         let mut driver = self.lock();
         // Only a streaming client's go out here: the route takes the others'.
-        if !matches!(driver.sink, Sink::Client) {
+        if driver.to.kind() != Destination::Client {
             return None;
         }
         let (out, _, _) = driver.ending.take()?;
@@ -229,7 +223,9 @@ impl<T: Translation> Translator for Shared<T> {
 
 /// The end of a chat whose session ended without one (it always makes one:
 /// its last events or its error's).
-pub(crate) fn no_ending<T: Translation>(driver: &Shared<T>) -> (Out, Box<RawValue>, bool) {
+pub(crate) fn no_ending<T: Translation>(
+    driver: &TranslationDriver<T>,
+) -> (EventWriter, Box<RawValue>, bool) {
     let error = json!({"message": "the generation ended before its end"});
     let mut driver = driver.lock();
     let mut out = driver.out();

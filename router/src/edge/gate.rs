@@ -110,8 +110,8 @@ pub async fn cut_at_shutdown(
             inner,
             cut,
             ending: Some(match ending {
-                Some(ending) => Ending::Handler(ending),
-                None => Ending::Route(route),
+                Some(ending) => ShutdownEnding::Handler(ending),
+                None => ShutdownEnding::Route(route),
             }),
         })
     })
@@ -133,11 +133,11 @@ struct CutBody {
     inner: Body,
     cut: BoxFuture<'static, ()>,
     /// Taken when the stream ends (cut or not).
-    ending: Option<Ending>,
+    ending: Option<ShutdownEnding>,
 }
 
 /// The last bytes of a stream cut by shutdown.
-enum Ending {
+enum ShutdownEnding {
     Handler(StreamEnding),
     Route(RouteShape),
 }
@@ -204,8 +204,8 @@ impl http_body::Body for CutBody {
         }
         if self.cut.as_mut().poll(cx).is_ready() {
             let last = match self.ending.take() {
-                Some(Ending::Handler(ending)) => (ending.0)(),
-                Some(Ending::Route(route)) => route.ending(),
+                Some(ShutdownEnding::Handler(ending)) => (ending.0)(),
+                Some(ShutdownEnding::Route(route)) => route.ending(),
                 None => Bytes::new(),
             };
             if last.is_empty() {

@@ -87,7 +87,7 @@ pub struct Cached {
     pub until: Instant,
 }
 
-pub type Slot = Arc<tokio::sync::Mutex<Option<Cached>>>;
+pub type ModelCacheSlot = Arc<tokio::sync::Mutex<Option<Cached>>>;
 
 /// What `/v1/models` needs: the membership (which models are served, by
 /// whom), the cache of their entries, and the engine client that reads them.
@@ -101,13 +101,13 @@ pub struct ModelLists {
 /// engines last described it (filled by `edge::routes::models`).
 #[derive(Default)]
 pub struct ModelCache {
-    slots: Mutex<HashMap<String, Slot>>,
+    slots: Mutex<HashMap<String, ModelCacheSlot>>,
 }
 
 impl ModelCache {
     /// The slot of `id` (none when the cache is full), after dropping the
     /// slots of models not in `served`.
-    pub fn slot(&self, id: &str, served: &[String]) -> Option<Slot> {
+    pub fn slot(&self, id: &str, served: &[String]) -> Option<ModelCacheSlot> {
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         if slots.len() >= MAX_CACHED || !slots.contains_key(id) {
             slots.retain(|model, _| served.contains(model));
@@ -116,7 +116,7 @@ impl ModelCache {
             return Some(slot.clone());
         }
         (slots.len() < MAX_CACHED).then(|| {
-            let slot = Slot::default();
+            let slot = ModelCacheSlot::default();
             slots.insert(id.to_string(), slot.clone());
             slot
         })

@@ -197,7 +197,6 @@ async fn respond(
     let reader = session.journal_reader();
     session.set_record(record);
     let served = Served {
-        request_id: session.info().request_id.clone(),
         prefill: session.prefill_instance(),
         decoder: session.first_decoder().to_string(),
     };
@@ -239,18 +238,17 @@ async fn start(
 
 /// Who served a request.
 struct Served {
-    request_id: String,
     prefill: String,
     decoder: String,
 }
 
 impl Served {
-    /// The response headers Connex adds, in one place: the request id, the
-    /// instances that served it (for operators and the demo) and, for a
-    /// non-stream response, the resumes it needed.
+    /// The response headers the flow adds, in one place: the instances that
+    /// served it (for operators and the demo) and, for a non-stream response,
+    /// the resumes it needed. (The client's `x-request-id` is the edge's:
+    /// `edge/routes/prologue.rs`.)
     fn add_headers(&self, headers: &mut HeaderMap, resumes: Option<u32>) {
         for (name, value) in [
-            ("x-request-id", &self.request_id),
             (PREFILL_HEADER, &self.prefill),
             (DECODER_HEADER, &self.decoder),
         ] {

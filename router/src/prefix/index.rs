@@ -50,7 +50,7 @@ impl BlockBudget {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Entry {
+struct BlockEntry {
     stamp: u64,
     engine: EngineHash,
 }
@@ -60,7 +60,7 @@ struct Entry {
 pub struct BlockIndex {
     /// The engine's block size, from its events.
     block_size: Option<usize>,
-    entries: HashMap<u64, Entry>,
+    entries: HashMap<u64, BlockEntry>,
     /// The engine's hash of each indexed block, to apply removals and to
     /// place a stored block after its parent.
     by_engine: HashMap<EngineHash, u64>,
@@ -225,7 +225,7 @@ impl BlockIndex {
         }
         let stamp = self.next_stamp;
         self.next_stamp += 1;
-        self.entries.insert(chain, Entry { stamp, engine });
+        self.entries.insert(chain, BlockEntry { stamp, engine });
         self.by_engine.insert(engine, chain);
         self.order.insert(stamp, chain);
         // Past its own cap, or past what all indexes may hold: its own

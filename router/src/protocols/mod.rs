@@ -5,7 +5,7 @@
 //! OpenAI's Responses and Anthropic's Messages, both cut into the same
 //! segments (`segments.rs`), by a translator the relay feeds (`openai/translator.rs`).
 
-pub mod event;
+pub mod client_event;
 pub mod messages;
 pub mod openai;
 pub mod responses;
@@ -22,6 +22,16 @@ pub type Shape = (&'static str, &'static str, fn(&Value) -> bool);
 /// A 400 about `param`.
 pub fn bad(message: impl Into<String>, param: &'static str) -> ApiError {
     ApiError::bad_request(message, Some(param))
+}
+
+/// Boolean field `key` of `body` (`default` when absent or null; 400
+/// otherwise).
+pub fn flag(body: &Map<String, Value>, key: &'static str, default: bool) -> Result<bool, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(bad(format!("`{key}` must be a boolean"), key)),
+    }
 }
 
 /// The checks every translated request starts with: no field outside

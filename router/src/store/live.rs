@@ -10,7 +10,7 @@
 //! so that no tenant holds every slot.
 
 use super::stored::Stored;
-use crate::protocols::event::Event;
+use crate::protocols::client_event::ClientEvent;
 use serde_json::Value;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -41,13 +41,13 @@ pub struct Live {
 /// A background response's place in its `LiveResponses`.
 #[derive(Debug)]
 struct Kept {
-    registry: Weak<Registry>,
+    logs: Weak<LiveLogs>,
     id: String,
 }
 
 #[derive(Debug, Default)]
 struct LiveState {
-    events: Vec<Event>,
+    events: Vec<ClientEvent>,
     /// The response as it stands (its last event's, or the first one's).
     response: Value,
     done: bool,
@@ -81,7 +81,7 @@ struct Checkpointed {
 /// last checkpoint, with its state and the checkpoint as of then.
 #[derive(Debug, Default)]
 pub struct Snapshot {
-    pub events: Vec<Event>,
+    pub events: Vec<ClientEvent>,
     pub response: Value,
     pub done: bool,
     pub checkpoint: Option<Value>,
@@ -96,7 +96,7 @@ impl Live {
 
     /// Appends events (each with its sequence number); `end`: the response
     /// is done, as it ended.
-    pub fn push(&self, events: Vec<Event>, end: Option<Value>) {
+    pub fn push(&self, events: Vec<ClientEvent>, end: Option<Value>) {
         self.push_checkpointed(events, end, None);
     }
 
@@ -104,7 +104,7 @@ impl Live {
     /// None).
     pub fn push_checkpointed(
         &self,
-        events: Vec<Event>,
+        events: Vec<ClientEvent>,
         end: Option<Value>,
         checkpoint: Option<Value>,
     ) {
@@ -112,7 +112,7 @@ impl Live {
         let ends = end.is_some();
         // The response as its last event carries it (the end's is given).
         if end.is_none() {
-            if let Some(response) = events.iter().rev().find_map(Event::response) {
+            if let Some(response) = events.iter().rev().find_map(ClientEvent::response) {
                 state.response = response;
             }
         }
@@ -139,15 +139,15 @@ impl Live {
     /// Counts it, done, in its tenant's bytes (which may forget it or older
     /// ones past the bounds).
     fn settle(&self) {
-        if let Some(registry) = self.kept.registry.upgrade() {
-            registry.settle(&self.kept.id);
+        if let Some(logs) = self.kept.logs.upgrade() {
+            logs.settle(&self.kept.id);
         }
     }
 
     /// What it keeps: its events' frames and its response's JSON.
     pub fn kept_bytes(&self) -> usize {
         let state = self.lock();
-        let events: usize = state.events.iter().map(Event::frame_len).sum();
+        let events: usize = state.events.iter().map(ClientEvent::frame_len).sum();
         events + json_len(&state.response)
     }
 
@@ -191,7 +191,7 @@ impl Live {
     /// The events after sequence number `after` (all, without one) that
     /// readers may have, and whether they have all of them and the response
     /// is done (or goes on elsewhere).
-    pub fn after(&self, after: Option<u64>) -> (Vec<Event>, bool) {
+    pub fn after(&self, after: Option<u64>) -> (Vec<ClientEvent>, bool) {
         let state = self.lock();
         let visible = state.durable.unwrap_or(usize::MAX).min(state.events.len());
         let from = Self::start(&state, after).min(visible);
@@ -257,15 +257,15 @@ impl Live {
         self.mirrored.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Its writer starts (true) or ended (false); its registry knows it
+    /// Its writer starts (true) or ended (false); its logs knows it
     /// apart from the logs it keeps (a finished one may be forgotten while
     /// its writer still waits for the store: its replica's takeover must
     /// leave it alone all the same).
     pub fn set_mirrored(&self, mirrored: bool) {
         self.mirrored
             .store(mirrored, std::sync::atomic::Ordering::Relaxed);
-        if let Some(registry) = self.kept.registry.upgrade() {
-            let mut writing = registry.writing.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(logs) = self.kept.logs.upgrade() {
+            let mut writing = logs.writing.lock().unwrap_or_else(|e| e.into_inner());
             if mirrored {
                 writing.insert(self.kept.id.clone());
             } else {
@@ -370,7 +370,7 @@ pub enum LiveRefusal {
 /// The background responses of this router.
 #[derive(Debug)]
 pub struct LiveResponses {
-    registry: Arc<Registry>,
+    logs: Arc<LiveLogs>,
     /// Cancels every background generation (the router stopping).
     pub stop: CancellationToken,
     /// Responses this replica claimed and is taking over (until their
@@ -379,17 +379,17 @@ pub struct LiveResponses {
 }
 
 #[derive(Debug)]
-struct Registry {
+struct LiveLogs {
     limits: LiveLimits,
-    inner: Mutex<Inner>,
+    inner: Mutex<LogsState>,
     /// Responses whose writer copies them into the shared store now, kept
     /// or not among the logs (`Live::set_mirrored`).
     writing: Mutex<std::collections::HashSet<String>>,
 }
 
 #[derive(Debug, Default)]
-struct Inner {
-    map: HashMap<String, Entry>,
+struct LogsState {
+    map: HashMap<String, LogEntry>,
     /// Ids, oldest first.
     order: VecDeque<String>,
     tenants: HashMap<String, TenantLives>,
@@ -398,7 +398,7 @@ struct Inner {
 }
 
 #[derive(Debug)]
-struct Entry {
+struct LogEntry {
     live: Arc<Live>,
     /// Its bytes, counted once it is done.
     counted: Option<usize>,
@@ -414,7 +414,7 @@ struct TenantLives {
     bytes: usize,
 }
 
-impl Inner {
+impl LogsState {
     fn forget(&mut self, id: &str) -> Option<Arc<Live>> {
         let entry = self.map.remove(id)?;
         self.order.retain(|other| other != id);
@@ -463,8 +463,8 @@ impl Inner {
     }
 }
 
-impl Registry {
-    fn lock(&self) -> MutexGuard<'_, Inner> {
+impl LiveLogs {
+    fn lock(&self) -> MutexGuard<'_, LogsState> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -534,9 +534,9 @@ impl LiveResponses {
             ..limits
         };
         Self {
-            registry: Arc::new(Registry {
+            logs: Arc::new(LiveLogs {
                 limits,
-                inner: Mutex::new(Inner::default()),
+                inner: Mutex::new(LogsState::default()),
                 writing: Mutex::new(std::collections::HashSet::new()),
             }),
             stop: CancellationToken::new(),
@@ -544,8 +544,8 @@ impl LiveResponses {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.registry.lock()
+    fn lock(&self) -> MutexGuard<'_, LogsState> {
+        self.logs.lock()
     }
 
     /// A new background response `id` of `tenant`, or why not: its tenant
@@ -557,7 +557,7 @@ impl LiveResponses {
         quota: LiveQuota,
         first: Value,
     ) -> Result<Arc<Live>, LiveRefusal> {
-        let limits = &self.registry.limits;
+        let limits = &self.logs.limits;
         let per_tenant = quota.max.unwrap_or(limits.per_tenant).clamp(1, limits.max);
         let max_bytes = quota.max_bytes.unwrap_or(limits.per_tenant_bytes);
         let mut forgotten = Vec::new();
@@ -595,14 +595,14 @@ impl LiveResponses {
             fenced: std::sync::atomic::AtomicBool::new(false),
             mirrored: std::sync::atomic::AtomicBool::new(false),
             kept: Kept {
-                registry: Arc::downgrade(&self.registry),
+                logs: Arc::downgrade(&self.logs),
                 id: id.to_string(),
             },
         });
         inner.forget(id);
         inner.map.insert(
             id.to_string(),
-            Entry {
+            LogEntry {
                 live: live.clone(),
                 counted: None,
                 max_bytes,
@@ -624,7 +624,7 @@ impl LiveResponses {
         tenant: &str,
         quota: LiveQuota,
         response: Value,
-        events: Vec<Event>,
+        events: Vec<ClientEvent>,
     ) -> Option<Arc<Live>> {
         let live = self.open(id, tenant, quota, response.clone()).ok()?;
         live.push(events, None);
@@ -657,7 +657,7 @@ impl LiveResponses {
     /// writer goes on, or finds itself fenced, when it is back).
     pub fn mirrored(&self) -> Vec<String> {
         let mut ids: Vec<String> = self
-            .registry
+            .logs
             .writing
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -705,8 +705,8 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn event(n: u64) -> Event {
-        Event::from_value(&json!({"type": "x", "sequence_number": n}))
+    fn event(n: u64) -> ClientEvent {
+        ClientEvent::from_value(&json!({"type": "x", "sequence_number": n}))
     }
 
     #[test]
@@ -718,7 +718,7 @@ mod tests {
         a.push(vec![event(0), event(1), event(2)], None);
         assert_eq!(a.after(None).0.len(), 3);
         assert_eq!(a.after(Some(0)).0, vec![event(1), event(2)]);
-        assert_eq!(a.after(Some(9)).0, Vec::<Event>::new());
+        assert_eq!(a.after(Some(9)).0, Vec::<ClientEvent>::new());
         assert!(lives.get("a", "other tenant").is_none());
         let _b = lives
             .open("b", "t", LiveQuota::default(), json!({}))

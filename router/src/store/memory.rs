@@ -12,15 +12,15 @@ use std::sync::Mutex;
 /// `max_bytes` of them in all, and per tenant its quota (`tenant_default`
 /// where its quota says nothing).
 #[derive(Debug)]
-pub struct MemoryStore {
+pub struct MemoryResponseStore {
     max_count: usize,
     max_bytes: usize,
     tenant_default: TenantQuota,
-    inner: Mutex<Inner>,
+    inner: Mutex<MemoryState>,
 }
 
 #[derive(Debug, Default)]
-struct Inner {
+struct MemoryState {
     /// Each response, its size, and the stamp of its put.
     entries: HashMap<String, (Stored, usize, u64)>,
     tenants: HashMap<String, Held>,
@@ -41,7 +41,7 @@ struct Held {
     bytes: usize,
 }
 
-impl Inner {
+impl MemoryState {
     /// Removes `id` (if there) from the store and its tenant's part.
     fn remove(&mut self, id: &str) -> Option<Stored> {
         let (stored, size, _) = self.entries.remove(id)?;
@@ -94,7 +94,7 @@ impl Inner {
     }
 }
 
-impl MemoryStore {
+impl MemoryResponseStore {
     pub fn new(max_count: usize, max_bytes: usize) -> Self {
         Self::with_tenant_default(max_count, max_bytes, TenantQuota::default())
     }
@@ -110,11 +110,11 @@ impl MemoryStore {
             max_count: max_count.max(1),
             max_bytes,
             tenant_default,
-            inner: Mutex::new(Inner::default()),
+            inner: Mutex::new(MemoryState::default()),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemoryState> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -171,7 +171,7 @@ impl MemoryStore {
         inner.bytes += size;
         let stamp = inner.next;
         inner.next += 1;
-        let Inner {
+        let MemoryState {
             entries, tenants, ..
         } = &mut *inner;
         let held = tenants.entry(tenant).or_default();
@@ -204,7 +204,7 @@ impl MemoryStore {
     }
 }
 
-impl ResponseStore for MemoryStore {
+impl ResponseStore for MemoryResponseStore {
     fn put<'a>(&'a self, id: &'a str, stored: Stored) -> BoxFuture<'a, StoreResult<bool>> {
         Box::pin(std::future::ready(Ok(self.put_now(id, stored))))
     }
@@ -221,7 +221,7 @@ impl ResponseStore for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocols::event::json_of;
+    use crate::protocols::client_event::json_of;
     use serde_json::json;
     use std::sync::Arc;
 
@@ -235,7 +235,7 @@ mod tests {
 
     #[test]
     fn the_oldest_go_first_past_the_count_or_the_bytes() {
-        let store = MemoryStore::new(2, 1000);
+        let store = MemoryResponseStore::new(2, 1000);
         assert!(store.put_now("a", stored("a")));
         assert!(store.put_now("b", stored("b")));
         assert!(store.put_now("c", stored("c")));
@@ -244,7 +244,7 @@ mod tests {
         assert!(store.delete_now("b"));
         assert!(!store.delete_now("b"));
         assert_eq!(store.held().0, 1);
-        let small = MemoryStore::new(100, 60);
+        let small = MemoryResponseStore::new(100, 60);
         assert!(small.put_now("x", stored("x")));
         assert!(small.put_now("y", stored(&"y".repeat(20))));
         assert!(small.get_now("x").is_none(), "evicted past the bytes");
@@ -257,7 +257,7 @@ mod tests {
 
     #[test]
     fn a_tenant_past_its_quota_or_the_totals_evicts_its_own_oldest() {
-        let store = MemoryStore::new(10, 10_000);
+        let store = MemoryResponseStore::new(10, 10_000);
         assert!(store.put_now("b1", of("b", "b1")));
         for n in 0..50 {
             let quota = TenantQuota {
@@ -289,7 +289,7 @@ mod tests {
 
     #[test]
     fn a_response_put_again_counts_from_its_last_put() {
-        let store = MemoryStore::new(2, 10_000);
+        let store = MemoryResponseStore::new(2, 10_000);
         assert!(store.put_now("a", stored("a")));
         assert!(store.put_now("b", stored("b")));
         // `a` again (its new copy): now `b` is the oldest.
@@ -318,7 +318,7 @@ mod tests {
 
     #[test]
     fn a_reader_shares_the_stored_bytes() {
-        let store = MemoryStore::new(10, 10_000);
+        let store = MemoryResponseStore::new(10, 10_000);
         assert!(store.put_now("a", stored("a")));
         let (one, two) = (store.get_now("a"), store.get_now("a"));
         let (Some(one), Some(two)) = (one, two) else {

@@ -3,7 +3,7 @@
 //! be served by any prefill and decoder. In this process (`memory.rs`) or in
 //! the store every replica shares (`redis/`).
 
-use crate::protocols::event::json_of;
+use crate::protocols::client_event::json_of;
 use futures_util::future::BoxFuture;
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -88,7 +88,7 @@ pub enum StoreError {
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
-/// Where stored responses live: this process (`MemoryStore`) or a store that
+/// Where stored responses live: this process (`MemoryResponseStore`) or a store that
 /// every replica shares (`RedisStore`, which answers across the network:
 /// hence futures).
 pub trait ResponseStore: Send + Sync {

@@ -32,21 +32,21 @@ pub struct FairQueue {
     limit: usize,
     max_queued: usize,
     max_wait: Duration,
-    inner: Mutex<Inner>,
+    inner: Mutex<QueueState>,
 }
 
 #[derive(Debug, Default)]
-struct Inner {
+struct QueueState {
     in_flight: usize,
     /// The tag of the request admitted last from a queue.
     clock: f64,
-    flows: HashMap<Arc<str>, Flow>,
+    flows: HashMap<Arc<str>, TenantFlow>,
     queued: usize,
     next_ticket: u64,
 }
 
 #[derive(Debug, Default)]
-struct Flow {
+struct TenantFlow {
     waiting: VecDeque<(u64, oneshot::Sender<()>)>,
     /// The finish tag of the flow's last admitted request.
     finish: f64,
@@ -74,7 +74,7 @@ impl FairQueue {
             limit: limit.max(1),
             max_queued,
             max_wait,
-            inner: Mutex::new(Inner::default()),
+            inner: Mutex::new(QueueState::default()),
         }
     }
 
@@ -82,7 +82,7 @@ impl FairQueue {
         self.limit
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -193,7 +193,7 @@ impl Drop for Ticket<'_> {
 
 /// A flow with no one waiting and a tag behind the clock carries nothing a
 /// newcomer would not get: dropped, so that the map holds active tenants only.
-fn forget_idle(inner: &mut Inner, tenant: &Arc<str>) {
+fn forget_idle(inner: &mut QueueState, tenant: &Arc<str>) {
     let clock = inner.clock;
     if inner
         .flows
@@ -205,7 +205,7 @@ fn forget_idle(inner: &mut Inner, tenant: &Arc<str>) {
 }
 
 /// Gives free slots to the waiting requests, best first.
-fn dispatch(inner: &mut Inner, limit: usize) {
+fn dispatch(inner: &mut QueueState, limit: usize) {
     while inner.in_flight < limit && inner.queued > 0 {
         let next = inner
             .flows

@@ -5,7 +5,7 @@
 //! it would otherwise hold its request (and its concurrency permit) as long as
 //! it likes, and over HTTP/2 one connection carries many such requests.
 
-use crate::body_budget::BodyBudget;
+use crate::edge::body_budget::BodyBudget;
 use crate::error::ApiError;
 use axum::body::Body;
 use axum::http::HeaderMap;
@@ -48,6 +48,18 @@ pub fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
         .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}"), None))
 }
 
+/// The body's declared `content-length`, refused (413) past `limit`.
+fn declared_length(headers: &HeaderMap, limit: usize) -> Result<Option<usize>, ApiError> {
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    match declared {
+        Some(len) if len > limit => Err(ApiError::PayloadTooLarge(limit)),
+        _ => Ok(declared),
+    }
+}
+
 /// Reads at most `limits.bytes` of `body` (413 past it) within
 /// `limits.within` (408 past it).
 pub async fn read_bytes(
@@ -56,13 +68,8 @@ pub async fn read_bytes(
     limits: BodyLimits,
 ) -> Result<axum::body::Bytes, ApiError> {
     let limit = limits.bytes;
-    let declared = headers
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|len| len > limit) {
-        return Err(ApiError::PayloadTooLarge(limit));
-    }
+    // A declared length past the limit is refused before anything is read.
+    declared_length(headers, limit)?;
     let read = tokio::time::timeout(limits.within, axum::body::to_bytes(body, limit))
         .await
         .map_err(|_| ApiError::BodyTimeout(limits.within))?;
@@ -107,13 +114,7 @@ pub async fn read_budgeted(
     budget: &BodyBudget,
 ) -> Result<BudgetedBody, ApiError> {
     let limit = limits.bytes;
-    let declared = headers
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|len| len > limit) {
-        return Err(ApiError::PayloadTooLarge(limit));
-    }
+    let declared = declared_length(headers, limit)?;
     let mut permit = None;
     if let Some(declared) = declared {
         budget.take(&mut permit, declared)?;

@@ -4,12 +4,12 @@
 
 use super::translated::{serve, Prepared};
 use crate::background::translation::Translation;
+use crate::edge::app::AppState;
 use crate::error::{ApiError, ANTHROPIC_PATH};
-use crate::protocols::event::{json_of, Out};
+use crate::protocols::client_event::{json_of, EventWriter};
 use crate::protocols::messages::request::chat_body;
-use crate::protocols::messages::stream::Events;
+use crate::protocols::messages::stream::MessageEvents;
 use crate::protocols::openai::chunk::Chunk;
-use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;
 use axum::extract::State;
@@ -40,7 +40,7 @@ pub async fn create(
             let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
             Ok(Prepared {
                 chat,
-                translation: MessageTranslation(Events::new(id, echo)),
+                translation: MessageTranslation(MessageEvents::new(id, echo)),
                 stream,
                 background: None,
             })
@@ -52,30 +52,30 @@ pub async fn create(
 
 /// A message being made from its chat (its events made as JSON values: a
 /// Messages stream has a few events per token fewer than a Responses one).
-struct MessageTranslation(Events);
+struct MessageTranslation(MessageEvents);
 
-fn write(out: &mut Out, events: Vec<Value>) {
+fn write(out: &mut EventWriter, events: Vec<Value>) {
     for event in &events {
         out.value(event);
     }
 }
 
 impl Translation for MessageTranslation {
-    fn start(&mut self, out: &mut Out) {
+    fn start(&mut self, out: &mut EventWriter) {
         write(out, self.0.start());
     }
 
-    fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut Out) {
+    fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut EventWriter) {
         write(out, self.0.chunk(chunk));
     }
 
-    fn finish(&mut self, usage: Value, out: &mut Out) -> Box<RawValue> {
+    fn finish(&mut self, usage: Value, out: &mut EventWriter) -> Box<RawValue> {
         let (events, whole) = self.0.finish(usage);
         write(out, events);
         json_of(&whole)
     }
 
-    fn fail(&mut self, error: &Value, out: &mut Out) -> Box<RawValue> {
+    fn fail(&mut self, error: &Value, out: &mut EventWriter) -> Box<RawValue> {
         let (events, whole) = self.0.fail(error);
         write(out, events);
         json_of(&whole)

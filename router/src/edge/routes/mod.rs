@@ -15,12 +15,13 @@ pub mod models;
 pub mod openai;
 pub mod passthrough;
 pub mod probes;
+pub mod prologue;
 pub mod responses;
 pub mod translated;
 
+use crate::edge::app::{AppState, HandlerState};
 use crate::edge::gate::{self, ExposeInstances};
 use crate::edge::server::Shutdown;
-use crate::state::{AppState, HandlerState};
 use crate::tenants::Tenants;
 use access::Access;
 use axum::body::Body;

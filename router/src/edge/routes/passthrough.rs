@@ -7,12 +7,12 @@
 //! generation routes).
 
 use super::body::{read_budgeted, BodyLimits, BudgetedBody};
+use crate::edge::app::AppState;
 use crate::engines::http::Payload;
 use crate::error::ApiError;
 use crate::membership::{Instance, LoadGuard, Pick, Registry};
 use crate::pd::record::RequestRecord;
 use crate::pd::upstream::{Call, CallError};
-use crate::state::AppState;
 use crate::tenants::Caller;
 use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode};

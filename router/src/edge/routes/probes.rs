@@ -1,10 +1,10 @@
 //! Probes and metrics: `/health`, `/ready`, `/metrics`, and the 404 fallback.
 
+use crate::edge::app::Scrape;
 use crate::edge::server::Shutdown;
 use crate::error::ApiError;
 use crate::membership::Registry;
 use crate::observe::metrics::InstanceSample;
-use crate::state::Scrape;
 use crate::store::ResponseStores;
 use axum::extract::State;
 use axum::http::StatusCode;

@@ -11,9 +11,9 @@ use crate::error::ApiError;
 
 use crate::protocols::responses::new_id;
 
+use crate::edge::app::AppState;
 use crate::protocols::responses::request::{chat_body, check};
-use crate::protocols::responses::stream::Events;
-use crate::state::AppState;
+use crate::protocols::responses::stream::ResponseEvents;
 use crate::store::live::{Live, LiveQuota, LiveRefusal};
 use crate::store::redis::{LogState, RedisStore};
 use crate::store::stored::{StoreError, Stored, TenantQuota};
@@ -65,7 +65,7 @@ pub async fn create(
                 .unwrap_or(0);
             let (stream, store, background) = (echo.stream, echo.store, echo.background);
             let id = new_id("resp");
-            let events = Events::new(id.clone(), created_at, echo);
+            let events = ResponseEvents::new(id.clone(), created_at, echo);
             let background = if background {
                 let first = events.response("queued", Value::Null);
                 let quota = LiveQuota {

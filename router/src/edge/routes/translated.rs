@@ -1,25 +1,22 @@
 //! The routes whose protocol is translated to and from a chat completion
-//! (Responses, Messages): one driver reads the request, runs the chat through
-//! prefill/decode (`pd::run`, so it is resumed like any chat) with the
-//! translation as the relay's client protocol (`protocols::translator`), fed
-//! each chat chunk as it is journaled, and answers with the protocol's
-//! events or its whole answer.
+//! (Responses, Messages): after the prologue every generating route shares
+//! (`prologue.rs`), the protocol's request is translated, the chat runs
+//! through prefill/decode (`pd::run`, so it is resumed like any chat) with the
+//! translation's driver as the relay's `Translator`, fed each chat chunk as it
+//! is journaled, and the answer is the protocol's events or its whole answer.
 
-use super::body::{read_budgeted, BodyLimits};
+use super::prologue;
 use crate::background::run::{run_apart, Apart, CHECKPOINT_EVERY};
-use crate::background::translation::{no_ending, Shared, Sink, Translation};
+use crate::background::translation::{no_ending, Translation, TranslationDriver};
+use crate::edge::app::AppState;
 use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
-use crate::pd::record::RequestRecord;
-use crate::pd::record::{engine_request_id, request_id};
-use crate::protocols::event::{frames, Event};
+use crate::protocols::client_event::{frames, ClientEvent, Destination};
 use crate::protocols::openai::client_body::ClientBody;
-use crate::protocols::openai::request::{validate, Route};
-use crate::state::AppState;
+use crate::protocols::openai::request::Route;
 use crate::store::live::Live;
 use crate::store::redis::RedisStore;
 use crate::store::stored::StoreError;
-use crate::tenants::engine_fields::set_engine_fields;
 use crate::tenants::Caller;
 use axum::body::Body;
 use axum::http::{header, HeaderMap, HeaderValue};
@@ -28,7 +25,6 @@ use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
-use tracing::Instrument;
 
 /// What a protocol's request became: the chat to run and the translation of
 /// its answer.
@@ -52,139 +48,101 @@ pub async fn serve<T: Translation>(
     body: Body,
     prepare: impl AsyncFnOnce(&Arc<AppState>, Map<String, Value>, &str) -> Result<Prepared<T>, ApiError>,
 ) -> Result<Response, ApiError> {
-    let mut record = RequestRecord::new(path, request_id(&headers));
-    crate::observe::traces::continue_trace(record.span(), &headers);
-    let span = record.span().clone();
-    let engine_fields = caller.clone();
-    let tenant = caller
-        .as_ref()
-        .map(|c| c.tenant.to_string())
-        .unwrap_or_default();
-    if let Some(caller) = caller {
-        record.set_caller(caller);
-    }
-    let client_id = HeaderValue::from_str(record.request_id()).ok();
-    let answered = async move {
-        let prepared = async {
-            let limits = BodyLimits::client(&state.flow.requests);
-            let read = read_budgeted(&headers, body, limits, &state.body_budget).await?;
-            record.hold_body_share(read.permit);
-            if let Some(caller) = &engine_fields {
-                caller.charge_body(read.bytes.len())?;
+    prologue::generate(
+        &state,
+        path,
+        caller,
+        &headers,
+        body,
+        async |mut prologue, bytes| {
+            let tenant = prologue.tenant();
+            let prepared = async {
+                let request: Map<String, Value> = serde_json::from_slice(&bytes)
+                    .map_err(|err| ApiError::bad_request(format!("request body: {err}"), None))?;
+                prepare(&state, request, &tenant).await
             }
-            let request: Map<String, Value> = serde_json::from_slice(&read.bytes)
-                .map_err(|err| ApiError::bad_request(format!("request body: {err}"), None))?;
-            prepare(&state, request, &tenant).await
-        }
-        .await;
-        let prepared = match prepared {
-            Ok(prepared) => prepared,
-            Err(error) => {
-                record.finish(error.status().as_u16());
-                return Err(error);
-            }
-        };
-        let (translation, stream, background) =
-            (prepared.translation, prepared.stream, prepared.background);
-        // A background response that cannot start is done, as failed (its
-        // entry must not wait for a generation that never comes).
-        let failed = |error: ApiError| {
-            if let Some(live) = &background {
-                let mut response = live.response();
-                crate::protocols::responses::output::fail(&mut response, &error.to_string());
-                live.push(Vec::new(), Some(response));
-            }
-            error
-        };
-        // The tenant's priority and KV salt (the protocols have no field of
-        // their own for either).
-        let mut chat = ClientBody::of(prepared.chat);
-        if let Some(caller) = &engine_fields {
-            if let Err(error) = set_engine_fields(caller, &mut chat) {
-                record.finish(error.status().as_u16());
-                return Err(failed(error));
-            }
-        }
-        let chat_value = chat.fields();
-        // What a replica taking the generation over needs of the request.
-        let origin = (background.is_some() && state.responses.shared.is_some()).then(|| {
-            json!({"chat": chat_value, "tenant": tenant,
-                   "request_id": record.request_id(), "translation": translation.origin()})
-        });
-        let info = match validate(
-            Route::Chat,
-            &chat,
-            engine_request_id(record.request_id()),
-            state.flow.requests.max_tokens_limit,
-        ) {
-            Ok(info) => info,
-            Err(error) => {
-                record.finish(error.status().as_u16());
-                return Err(failed(error));
-            }
-        };
-        let sink = match (&background, stream) {
-            (Some(live), _) => Sink::Live(live.clone()),
-            (None, true) => Sink::Client,
-            (None, false) => Sink::Whole,
-        };
-        let driver = Shared::new(translation, sink, false);
-        let (chat_response, entry) = crate::pd::run_observed(
-            state.flow.clone(),
-            info,
-            chat,
-            record,
-            Some(driver.translator()),
-        )
-        .await
-        .map_err(failed)?;
-        Ok(match background {
-            // The session's stream is the translation's; cut by shutdown, it
-            // ends as the translation fails.
-            None if stream => {
-                let mut response = chat_response;
-                let ending = driver.clone();
-                response
-                    .extensions_mut()
-                    .insert(crate::edge::gate::StreamEnding::new(move || {
-                        ending.cut(&crate::edge::gate::shutdown_error().body()["error"])
-                    }));
-                response
-            }
-            None => whole_answer(driver, chat_response).await,
-            Some(live) => {
-                // The slot goes with the generation, not with this answer.
-                let admission = admission.and_then(|slot| slot.take());
-                let run = Apart {
-                    driver,
-                    live: live.clone(),
-                    chat_response,
-                    entry,
-                    admission,
-                    lease: None,
-                };
-                run_apart(&state, run, origin).await;
-                if stream {
-                    follow(live, None)
-                } else {
-                    axum::Json(live.response()).into_response()
+            .await;
+            let prepared = prepared.map_err(|error| prologue.fail(error))?;
+            let (translation, stream, background) =
+                (prepared.translation, prepared.stream, prepared.background);
+            // A background response that cannot start is done, as failed (its
+            // entry must not wait for a generation that never comes).
+            let failed = |error: ApiError| {
+                if let Some(live) = &background {
+                    let mut response = live.response();
+                    crate::protocols::responses::output::fail(&mut response, &error.to_string());
+                    live.push(Vec::new(), Some(response));
                 }
-            }
-        })
-    }
-    .instrument(span)
-    .await;
-    answered.map(|mut response| {
-        if let Some(id) = client_id {
-            response.headers_mut().insert("x-request-id", id);
-        }
-        response
-    })
+                error
+            };
+            // The tenant's priority and KV salt go in with the checks (the
+            // protocols have no field of their own for either).
+            let mut chat = ClientBody::of(prepared.chat);
+            let info = prologue.check(Route::Chat, &mut chat).map_err(failed)?;
+            // What a replica taking the generation over needs of the request.
+            let origin = (background.is_some() && state.responses.shared.is_some()).then(|| {
+                json!({"chat": chat.fields(), "tenant": tenant,
+                   "request_id": prologue.record.request_id(), "translation": translation.origin()})
+            });
+            let to = match (&background, stream) {
+                (Some(live), _) => Destination::Log(live.clone()),
+                (None, true) => Destination::Client,
+                (None, false) => Destination::Nowhere,
+            };
+            let driver = TranslationDriver::new(translation, to, false);
+            let (chat_response, entry) = crate::pd::run_observed(
+                state.flow.clone(),
+                info,
+                chat,
+                prologue.record,
+                Some(driver.translator()),
+            )
+            .await
+            .map_err(failed)?;
+            Ok(match background {
+                // The session's stream is the translation's; cut by shutdown, it
+                // ends as the translation fails.
+                None if stream => {
+                    let mut response = chat_response;
+                    let ending = driver.clone();
+                    response
+                        .extensions_mut()
+                        .insert(crate::edge::gate::StreamEnding::new(move || {
+                            ending.cut(&crate::edge::gate::shutdown_error().body()["error"])
+                        }));
+                    response
+                }
+                None => whole_answer(driver, chat_response).await,
+                Some(live) => {
+                    // The slot goes with the generation, not with this answer.
+                    let admission = admission.and_then(|slot| slot.take());
+                    let run = Apart {
+                        driver,
+                        live: live.clone(),
+                        chat_response,
+                        entry,
+                        admission,
+                        lease: None,
+                    };
+                    run_apart(&state.background(), run, origin).await;
+                    if stream {
+                        follow(live, None)
+                    } else {
+                        axum::Json(live.response()).into_response()
+                    }
+                }
+            })
+        },
+    )
+    .await
 }
 
 /// The whole answer of a non-stream request, once its chat ran to the end
 /// (the chat's own headers, instances and resumes, stay).
-async fn whole_answer<T: Translation>(driver: Shared<T>, chat_response: Response) -> Response {
+async fn whole_answer<T: Translation>(
+    driver: TranslationDriver<T>,
+    chat_response: Response,
+) -> Response {
     let (parts, body) = chat_response.into_parts();
     let mut chat = body.into_data_stream();
     while chat.next().await.is_some() {}
@@ -214,7 +172,7 @@ pub fn follow(live: Arc<Live>, after: Option<u64>) -> Response {
             loop {
                 changes.borrow_and_update();
                 let (events, done) = live.after(after);
-                if let Some(last) = events.last().and_then(Event::sequence) {
+                if let Some(last) = events.last().and_then(ClientEvent::sequence) {
                     after = Some(last);
                 }
                 if !events.is_empty() || done {
@@ -279,10 +237,10 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
     }
     /// What one look found.
     enum Look {
-        Events(Vec<Event>),
+        Events(Vec<ClientEvent>),
         Nothing,
         /// Its last events (done).
-        Ended(Vec<Event>),
+        Ended(Vec<ClientEvent>),
         Gone,
     }
     impl Reader {
@@ -337,7 +295,7 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
             let ending = |code: &str, message: String| {
                 let error = json!({"type": "error", "code": code, "message": message,
                     "param": null});
-                frames(&[Event::from_value(&error)])
+                frames(&[ClientEvent::from_value(&error)])
             };
             let (events, ended) = match reader.next().await {
                 Ok(Look::Events(events)) => (events, false),
@@ -357,7 +315,7 @@ pub fn follow_shared(store: Arc<RedisStore>, id: String, after: Option<u64>) -> 
                     return Some((Ok(bytes), reader));
                 }
             };
-            if let Some(last) = events.last().and_then(Event::sequence) {
+            if let Some(last) = events.last().and_then(ClientEvent::sequence) {
                 reader.after = Some(last);
             }
             reader.finished = ended;

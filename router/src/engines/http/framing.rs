@@ -34,7 +34,7 @@ pub enum Framing {
     /// `content-length`: this many bytes are still to come.
     Length(u64),
     /// Chunked transfer coding.
-    Chunked(Chunk),
+    Chunked(ChunkedState),
     /// Until the connection closes (no length given; never reusable).
     Close,
     /// The body has ended.
@@ -43,7 +43,7 @@ pub enum Framing {
 
 /// Where a chunked body stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Chunk {
+pub enum ChunkedState {
     /// Expecting a chunk-size line.
     Size,
     /// Inside a chunk's data: this many bytes to go.
@@ -66,7 +66,7 @@ impl Framing {
     }
 
     pub fn chunked() -> Self {
-        Framing::Chunked(Chunk::Size)
+        Framing::Chunked(ChunkedState::Size)
     }
 
     pub fn is_done(&self) -> bool {
@@ -94,29 +94,29 @@ impl Framing {
                     return Ok(Some(buf.split_to(take).freeze()));
                 }
                 Framing::Chunked(chunk) => match chunk {
-                    Chunk::Size => {
+                    ChunkedState::Size => {
                         let Some(line) = take_line(buf, FramingError::ChunkSize)? else {
                             return Ok(None);
                         };
                         let size = chunk_size(&line)?;
                         *chunk = if size == 0 {
-                            Chunk::Trailers(0)
+                            ChunkedState::Trailers(0)
                         } else {
-                            Chunk::Data(size)
+                            ChunkedState::Data(size)
                         };
                     }
-                    Chunk::Data(left) => {
+                    ChunkedState::Data(left) => {
                         if buf.is_empty() {
                             return Ok(None);
                         }
                         let take = take_len(*left, buf.len());
                         *left -= take as u64;
                         if *left == 0 {
-                            *chunk = Chunk::DataEnd;
+                            *chunk = ChunkedState::DataEnd;
                         }
                         return Ok(Some(buf.split_to(take).freeze()));
                     }
-                    Chunk::DataEnd => {
+                    ChunkedState::DataEnd => {
                         if buf.len() < 2 {
                             if buf.first().is_some_and(|b| *b != b'\r') {
                                 return Err(FramingError::ChunkEnd);
@@ -127,9 +127,9 @@ impl Framing {
                             return Err(FramingError::ChunkEnd);
                         }
                         buf.advance(2);
-                        *chunk = Chunk::Size;
+                        *chunk = ChunkedState::Size;
                     }
-                    Chunk::Trailers(seen) => {
+                    ChunkedState::Trailers(seen) => {
                         let Some(line) = take_line(buf, FramingError::Trailer)? else {
                             return Ok(None);
                         };
@@ -166,7 +166,7 @@ impl Framing {
         const SMALL: usize = 2048;
         const LARGE: usize = 64 * 1024;
         let left = match self {
-            Framing::Length(left) | Framing::Chunked(Chunk::Data(left)) => *left,
+            Framing::Length(left) | Framing::Chunked(ChunkedState::Data(left)) => *left,
             _ => return SMALL,
         };
         usize::try_from(left).unwrap_or(LARGE).clamp(SMALL, LARGE)

@@ -91,10 +91,10 @@ pub const MAX_CONNECTING_PER_ENGINE: usize = 128;
 /// The client: cheap to clone, connections shared.
 #[derive(Clone)]
 pub struct EngineClient {
-    inner: Arc<Inner>,
+    inner: Arc<ClientState>,
 }
 
-struct Inner {
+struct ClientState {
     pool: IdlePool,
     connecting: Arc<KeyedLimit>,
     connect_timeout: Duration,
@@ -107,7 +107,7 @@ struct Inner {
     stop: CancellationToken,
 }
 
-impl Drop for Inner {
+impl Drop for ClientState {
     fn drop(&mut self) {
         self.stop.cancel();
     }
@@ -170,7 +170,7 @@ impl EngineClient {
         policy: Option<Arc<UpstreamPolicy>>,
     ) -> Self {
         Self {
-            inner: Arc::new(Inner {
+            inner: Arc::new(ClientState {
                 pool: IdlePool::new(max_idle_per_host, idle_timeout),
                 connecting: KeyedLimit::new(MAX_CONNECTING_PER_ENGINE),
                 connect_timeout,
@@ -309,7 +309,7 @@ impl EngineClient {
             return Ok((stream, true));
         }
         let (tx, connected) = oneshot::channel();
-        let inner: Weak<Inner> = Arc::downgrade(&self.inner);
+        let inner: Weak<ClientState> = Arc::downgrade(&self.inner);
         let (connecting, timeout) = (self.inner.connecting.clone(), self.inner.connect_timeout);
         let (stop, addr) = (self.inner.stop.clone(), authority.to_string());
         let policy = self.inner.policy.clone();

@@ -42,7 +42,7 @@ pub struct EtcdStore {
     view: Arc<View>,
     connectivity: Arc<Connectivity>,
     /// What the watch holds every record to (a registration's checks).
-    admission: watch::Admission,
+    checks: watch::RecordChecks,
 }
 
 impl EtcdStore {
@@ -84,7 +84,7 @@ impl EtcdStore {
             timeout,
             view,
             connectivity: Arc::new(Connectivity::new("etcd", false)),
-            admission: watch::Admission {
+            checks: watch::RecordChecks {
                 upstreams: config.upstreams.clone(),
                 max_instances,
             },
@@ -403,7 +403,7 @@ impl Store for EtcdStore {
             timeout: self.timeout,
             view: self.view.clone(),
             connectivity: self.connectivity.clone(),
-            admission: self.admission.clone(),
+            checks: self.checks.clone(),
         };
         tasks.spawn(watcher.run(shutdown.clone()));
         // Instances this replica marked dead on its own come back if their lease

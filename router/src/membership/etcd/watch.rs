@@ -8,7 +8,7 @@
 //! compacted that revision away, it lists everything again instead.
 //!
 //! Every record is held to what its registration through the API would have
-//! been ([`Admission`]): etcd's own access control decides who may write, this
+//! been ([`RecordChecks`]): etcd's own access control decides who may write, this
 //! decides what a write can make the router do.
 
 use super::record::{Record, State};
@@ -32,7 +32,7 @@ pub struct Watcher {
     pub timeout: Duration,
     pub view: Arc<View>,
     pub connectivity: Arc<Connectivity>,
-    pub admission: Admission,
+    pub checks: RecordChecks,
 }
 
 /// The checks a record must pass to enter the view: those of a registration
@@ -42,18 +42,18 @@ pub struct Watcher {
 /// receives users' prompts, an id no URL path can name, or more instances
 /// than `--max-instances`.
 #[derive(Debug, Clone)]
-pub struct Admission {
+pub struct RecordChecks {
     pub upstreams: UpstreamPolicy,
     pub max_instances: usize,
 }
 
 /// Why a record was refused: `reason` labels the refusal counter.
-struct Refusal {
+struct RecordRefusal {
     reason: &'static str,
     why: String,
 }
 
-impl Refusal {
+impl RecordRefusal {
     fn new(reason: &'static str, why: impl Into<String>) -> Self {
         Self {
             reason,
@@ -62,32 +62,37 @@ impl Refusal {
     }
 }
 
-impl Admission {
+impl RecordChecks {
     /// Checks a record (its URL comes back as the bare origin a registration
     /// stores). `known`: its id is in the view already; `held`: how many are.
-    async fn check(&self, record: &mut Record, known: bool, held: usize) -> Result<(), Refusal> {
+    async fn check(
+        &self,
+        record: &mut Record,
+        known: bool,
+        held: usize,
+    ) -> Result<(), RecordRefusal> {
         if !valid_id(&record.id) {
-            return Err(Refusal::new(
+            return Err(RecordRefusal::new(
                 "id",
                 "`id` must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
             ));
         }
         if record.model.is_empty() {
-            return Err(Refusal::new("model", "`model` must be non-empty"));
+            return Err(RecordRefusal::new("model", "`model` must be non-empty"));
         }
         record.url = self
             .upstreams
             .check_url(&record.url)
             .await
-            .map_err(|why| Refusal::new("url", format!("`url` {why}")))?;
+            .map_err(|why| RecordRefusal::new("url", format!("`url` {why}")))?;
         if let Some(ctrl) = &record.ctrl {
             self.upstreams
                 .check_ctrl(ctrl)
                 .await
-                .map_err(|why| Refusal::new("ctrl", format!("`ctrl`: {why}")))?;
+                .map_err(|why| RecordRefusal::new("ctrl", format!("`ctrl`: {why}")))?;
         }
         if !known && held >= self.max_instances {
-            return Err(Refusal::new(
+            return Err(RecordRefusal::new(
                 "full",
                 format!("the registry holds --max-instances {}", self.max_instances),
             ));
@@ -282,7 +287,7 @@ impl Watcher {
             Some(ids) => (ids.contains(&record.id), ids.len()),
             None => (self.view.get(&record.id).is_some(), self.view.len()),
         };
-        if let Err(refusal) = self.admission.check(&mut record, known, held).await {
+        if let Err(refusal) = self.checks.check(&mut record, known, held).await {
             tracing::warn!(
                 key = ?kv.key_str(),
                 reason = refusal.reason,

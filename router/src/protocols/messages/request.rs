@@ -1,7 +1,7 @@
 //! A Messages request, checked and translated to a chat completion body.
 
 use crate::error::ApiError;
-use crate::protocols::{bad, check_fields, Shape};
+use crate::protocols::{bad, check_fields, flag, Shape};
 use serde_json::{json, Map, Value};
 
 /// Fields a Messages request may carry; anything else is refused (400).
@@ -37,14 +37,14 @@ const SHAPES: &[Shape] = &[
 
 /// What the answer needs of its request.
 #[derive(Debug, Clone)]
-pub struct Echo {
+pub struct MessageEcho {
     pub model: String,
     pub stream: bool,
 }
 
 /// Checks `body` and returns its echo and the chat completion body (always
 /// streamed with usage: the router turns the chunks into the answer).
-pub fn chat_body(body: &Map<String, Value>) -> Result<(Echo, Value), ApiError> {
+pub fn chat_body(body: &Map<String, Value>) -> Result<(MessageEcho, Value), ApiError> {
     let model = check_fields(body, "Messages", KNOWN, SHAPES)?;
     let Some(max_tokens) = body
         .get("max_tokens")
@@ -55,11 +55,7 @@ pub fn chat_body(body: &Map<String, Value>) -> Result<(Echo, Value), ApiError> {
             "max_tokens",
         ));
     };
-    let stream = match body.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(bad("`stream` must be a boolean", "stream")),
-    };
+    let stream = flag(body, "stream", false)?;
     // As vLLM's own Messages route: thinking enabled is a budget, disabled is
     // no reasoning effort; what the model reasons comes back as thinking blocks.
     let thinking = body.get("thinking").filter(|t| !t.is_null());
@@ -145,7 +141,7 @@ pub fn chat_body(body: &Map<String, Value>) -> Result<(Echo, Value), ApiError> {
                 json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}});
         }
     }
-    Ok((Echo { model, stream }, chat))
+    Ok((MessageEcho { model, stream }, chat))
 }
 
 /// The text of a string or of text blocks.

@@ -3,16 +3,16 @@
 //! tool-use block, `message_delta` with the stop reason and usage,
 //! `message_stop`), and the whole message they make.
 
-use super::request::Echo;
+use super::request::MessageEcho;
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::segments::{Segment, Segmenter, Step};
 use serde_json::{json, Value};
 
 /// One message's events, built from its chat chunks.
 #[derive(Debug)]
-pub struct Events {
+pub struct MessageEvents {
     id: String,
-    echo: Echo,
+    echo: MessageEcho,
     segments: Segmenter,
     /// The finished content blocks.
     content: Vec<Value>,
@@ -20,8 +20,8 @@ pub struct Events {
     open: Option<Segment>,
 }
 
-impl Events {
-    pub fn new(id: String, echo: Echo) -> Self {
+impl MessageEvents {
+    pub fn new(id: String, echo: MessageEcho) -> Self {
         Self {
             id,
             echo,
@@ -164,11 +164,11 @@ mod tests {
     }
 
     fn run() -> (Vec<Value>, Value) {
-        let echo = Echo {
+        let echo = MessageEcho {
             model: "m".into(),
             stream: true,
         };
-        let mut events = Events::new("msg_1".into(), echo);
+        let mut events = MessageEvents::new("msg_1".into(), echo);
         let mut all = events.start();
         for c in [
             chunk(json!({"reasoning": "hm"}), None),

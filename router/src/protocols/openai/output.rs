@@ -14,7 +14,7 @@ use super::chunk::{self, Chunk, Field};
 use super::request::{RequestInfo, Route};
 use crate::error::ApiError;
 use crate::journal::Entry;
-use crate::protocols::openai::translator::{Translating, Translator};
+use crate::protocols::openai::translator::Translator;
 use crate::protocols::sse;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
@@ -67,7 +67,7 @@ pub struct Output {
     hide_reasoning: bool,
     /// The client's protocol, when it is not chat's own (Responses,
     /// Messages): what a streaming client gets is its translation.
-    translator: Option<Translating>,
+    translator: Option<Box<dyn Translator>>,
 }
 
 impl Output {
@@ -105,7 +105,7 @@ impl Output {
     /// before the first chunk.
     pub fn translate_with(&mut self, mut translator: Box<dyn Translator>) -> Option<Bytes> {
         let first = translator.start();
-        self.translator = Some(Translating(translator));
+        self.translator = Some(translator);
         first
     }
 
@@ -156,7 +156,7 @@ impl Output {
         if let Some(usage) = parsed.usage.filter(|u| u.get() != "null") {
             self.engine_usage = serde_json::from_str(usage.get()).ok();
         }
-        if let Some(Translating(translator)) = &mut self.translator {
+        if let Some(translator) = &mut self.translator {
             // Engine usage chunks are not the client's: the router counts.
             return match parsed.choices.is_empty() {
                 true => None,
@@ -347,7 +347,7 @@ impl Output {
         &mut self,
         usage: Option<Value>,
     ) -> (Vec<Bytes>, Option<BoxFuture<'static, ()>>) {
-        if let Some(Translating(translator)) = &mut self.translator {
+        if let Some(translator) = &mut self.translator {
             return (Vec::new(), translator.finish(usage.unwrap_or_default()));
         }
         let mut events = Vec::with_capacity(2);
@@ -363,14 +363,14 @@ impl Output {
     /// A translated protocol's last events (after [`Self::end_events`] or
     /// [`Self::fail_events`]).
     pub fn last_events(&mut self) -> Option<Bytes> {
-        self.translator.as_mut().and_then(|Translating(t)| t.last())
+        self.translator.as_mut().and_then(|t| t.last())
     }
 
     /// The last events of a stream that cannot go on, in the client's
     /// protocol.
     pub fn fail_events(&mut self, error: &ApiError) -> Vec<Bytes> {
         match &mut self.translator {
-            Some(Translating(translator)) => {
+            Some(translator) => {
                 translator.fail(error);
                 translator.last().into_iter().collect()
             }

@@ -90,7 +90,7 @@ impl StopStrings {
 
 /// One choice's matching state.
 #[derive(Debug, Default, Clone)]
-struct ChoiceState {
+struct StopMatch {
     /// The end of the text already emitted, as long as a stop string could
     /// start in it (when the stop is kept, nothing is held back, yet a stop
     /// may begin in text the client has).
@@ -103,7 +103,7 @@ struct ChoiceState {
 #[derive(Debug)]
 pub struct Matcher {
     strings: StopStrings,
-    choices: Vec<ChoiceState>,
+    choices: Vec<StopMatch>,
 }
 
 /// What feeding text gave.
@@ -119,7 +119,7 @@ impl Matcher {
     pub fn new(strings: StopStrings, choices: usize) -> Self {
         Self {
             strings,
-            choices: vec![ChoiceState::default(); choices.max(1)],
+            choices: vec![StopMatch::default(); choices.max(1)],
         }
     }
 

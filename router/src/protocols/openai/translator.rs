@@ -9,7 +9,8 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use serde_json::Value;
 
-/// One request's translation, as the relay drives it.
+/// What the relay feeds one request's translation through (the one
+/// implementation is `background::translation::TranslationDriver`).
 pub trait Translator: Send {
     /// What the client gets before the first chunk.
     fn start(&mut self) -> Option<Bytes>;
@@ -26,11 +27,9 @@ pub trait Translator: Send {
     fn last(&mut self) -> Option<Bytes>;
 }
 
-/// A translator held by the client's output (which is `Debug`).
-pub struct Translating(pub Box<dyn Translator>);
-
-impl std::fmt::Debug for Translating {
+/// (The client's output, which holds one, is `Debug`.)
+impl std::fmt::Debug for dyn Translator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Translating")
+        f.write_str("Translator")
     }
 }

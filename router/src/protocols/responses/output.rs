@@ -1,12 +1,12 @@
 //! Output items and the response object, from a chat answer.
 
-use super::request::Echo;
+use super::request::ResponseEcho;
 use serde_json::{json, Map, Value};
 use std::sync::LazyLock;
 
 /// The Responses usage of a chat usage object.
 #[derive(Debug, serde::Serialize)]
-pub struct Usage {
+pub struct ResponseUsage {
     input_tokens: u64,
     input_tokens_details: CachedTokens,
     output_tokens: u64,
@@ -24,7 +24,7 @@ struct ReasoningTokens {
     reasoning_tokens: u64,
 }
 
-pub fn usage(chat: &Value) -> Usage {
+pub fn usage(chat: &Value) -> ResponseUsage {
     let count = |key: &str| chat.get(key).and_then(Value::as_u64).unwrap_or(0);
     let detail = |outer: &str, key: &str| {
         chat.get(outer)
@@ -32,7 +32,7 @@ pub fn usage(chat: &Value) -> Usage {
             .and_then(Value::as_u64)
             .unwrap_or(0)
     };
-    Usage {
+    ResponseUsage {
         input_tokens: count("prompt_tokens"),
         input_tokens_details: CachedTokens {
             cached_tokens: detail("prompt_tokens_details", "cached_tokens"),
@@ -99,7 +99,7 @@ pub struct ResponseObject<'a> {
     status: &'a str,
     model: &'a str,
     output: &'a [Value],
-    usage: Usage,
+    usage: ResponseUsage,
     error: Option<()>,
     incomplete_details: &'a Value,
     instructions: &'a Value,
@@ -123,10 +123,10 @@ impl<'a> ResponseObject<'a> {
     pub fn new(
         id: &'a str,
         created_at: u64,
-        echo: &'a Echo,
+        echo: &'a ResponseEcho,
         status: &'a str,
         output: &'a [Value],
-        usage: Usage,
+        usage: ResponseUsage,
         incomplete_details: &'a Value,
     ) -> Self {
         let field = |key: &str| {
@@ -223,7 +223,7 @@ mod tests {
         let mut fields = Map::new();
         fields.insert("temperature".into(), json!(0.5));
         fields.insert("tools".into(), json!([{"type": "function", "name": "f"}]));
-        let echo = Echo {
+        let echo = ResponseEcho {
             model: "m".into(),
             stream: false,
             store: true,

@@ -1,7 +1,7 @@
 //! A Responses request, checked and translated to a chat completion body.
 
 use crate::error::ApiError;
-use crate::protocols::{bad, check_fields, Shape};
+use crate::protocols::{bad, check_fields, flag, Shape};
 use serde_json::{json, Map, Value};
 
 /// Fields a Responses request may carry. Anything else is refused (400), never
@@ -58,7 +58,7 @@ fn is_positive_integer(value: &Value) -> bool {
 /// What the response object echoes of its request, and how the router
 /// serves it.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct Echo {
+pub struct ResponseEcho {
     pub model: String,
     pub stream: bool,
     pub store: bool,
@@ -71,14 +71,10 @@ pub struct Echo {
 
 /// Checks `body` and returns its echo and its input items, each as the chat
 /// reads it (`canonical_item`: what the stored conversation keeps).
-pub fn check(body: &Map<String, Value>) -> Result<(Echo, Vec<Value>), ApiError> {
+pub fn check(body: &Map<String, Value>) -> Result<(ResponseEcho, Vec<Value>), ApiError> {
     let model = check_fields(body, "Responses", KNOWN, SHAPES)?;
     super::limits::check_echoed(body)?;
-    let flag = |key: &'static str, default: bool| match body.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(_) => Err(bad(format!("`{key}` must be a boolean"), key)),
-    };
+    let flag = |key, default| flag(body, key, default);
     let background = flag("background", false)?;
     if background && !flag("store", true)? {
         return Err(bad(
@@ -143,7 +139,7 @@ pub fn check(body: &Map<String, Value>) -> Result<(Echo, Vec<Value>), ApiError> 
             fields.insert(key.into(), value.clone());
         }
     }
-    let echo = Echo {
+    let echo = ResponseEcho {
         model,
         stream: flag("stream", false)?,
         store: flag("store", true)?,
@@ -157,7 +153,7 @@ pub fn check(body: &Map<String, Value>) -> Result<(Echo, Vec<Value>), ApiError> 
 /// The chat completion body for `echo`'s request over `items` (the stored
 /// conversation first, then this request's input). Always streamed with
 /// usage: the router turns the chunks into events or one response.
-pub fn chat_body(echo: &Echo, items: &[Value]) -> Result<Value, ApiError> {
+pub fn chat_body(echo: &ResponseEcho, items: &[Value]) -> Result<Value, ApiError> {
     let mut messages = Vec::new();
     if let Some(instructions) = echo.fields.get("instructions").filter(|v| !v.is_null()) {
         let Value::String(text) = instructions else {

@@ -6,8 +6,8 @@ use super::new_id;
 use super::output::{
     function_call_item, message_item, reasoning_item, status_of, usage, ResponseObject,
 };
-use super::request::Echo;
-use crate::protocols::event::{json_of, Out};
+use super::request::ResponseEcho;
+use crate::protocols::client_event::{json_of, EventWriter};
 use crate::protocols::openai::chunk::Chunk;
 use crate::protocols::segments::{Segment, Segmenter, Step};
 use serde_json::value::RawValue;
@@ -17,10 +17,10 @@ use serde_json::{json, Value};
 /// background response's checkpoint carries it to the replica that takes the
 /// generation over, which goes on numbering from where it stopped.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
-pub struct Events {
+pub struct ResponseEvents {
     id: String,
     created_at: u64,
-    echo: Echo,
+    echo: ResponseEcho,
     sequence: u64,
     items: Vec<Value>,
     segments: Segmenter,
@@ -29,8 +29,8 @@ pub struct Events {
     open_segment: Option<Segment>,
 }
 
-impl Events {
-    pub fn new(id: String, created_at: u64, echo: Echo) -> Self {
+impl ResponseEvents {
+    pub fn new(id: String, created_at: u64, echo: ResponseEcho) -> Self {
         Self {
             id,
             created_at,
@@ -43,7 +43,7 @@ impl Events {
         }
     }
 
-    fn emit(&mut self, out: &mut Out, kind: &str, mut event: Value) {
+    fn emit(&mut self, out: &mut EventWriter, kind: &str, mut event: Value) {
         event["type"] = Value::String(kind.to_string());
         event["sequence_number"] = self.next_sequence().into();
         out.value(&event);
@@ -51,7 +51,7 @@ impl Events {
 
     /// `event` written with the next sequence number (every event's is
     /// one more than the last's).
-    fn push(&mut self, out: &mut Out, event: ItemEvent<'_>) {
+    fn push(&mut self, out: &mut EventWriter, event: ItemEvent<'_>) {
         let event = ItemEvent {
             sequence_number: self.next_sequence(),
             ..event
@@ -85,9 +85,9 @@ impl Events {
 
     /// `response.created` and `response.in_progress` (the response written
     /// once for both).
-    pub fn start(&mut self, out: &mut Out) {
+    pub fn start(&mut self, out: &mut EventWriter) {
         let (created, in_progress) = (self.next_sequence(), self.next_sequence());
-        if matches!(out, Out::Nowhere) {
+        if !out.writes() {
             return;
         }
         let now = json_of(&self.object("in_progress", &Value::Null));
@@ -96,12 +96,12 @@ impl Events {
     }
 
     /// The events of one chat chunk.
-    pub fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut Out) {
+    pub fn chunk(&mut self, chunk: &Chunk<'_>, out: &mut EventWriter) {
         let steps = self.segments.chunk(chunk);
         self.render(steps, out);
     }
 
-    fn render(&mut self, steps: Vec<Step<'_>>, out: &mut Out) {
+    fn render(&mut self, steps: Vec<Step<'_>>, out: &mut EventWriter) {
         for step in steps {
             let index = self.items.len();
             match step {
@@ -117,7 +117,7 @@ impl Events {
         self.open_segment.as_ref()
     }
 
-    fn open(&mut self, out: &mut Out, index: usize, segment: &Segment) {
+    fn open(&mut self, out: &mut EventWriter, index: usize, segment: &Segment) {
         let (id, item) = match segment {
             Segment::Reasoning => {
                 let id = new_id("rs");
@@ -165,7 +165,7 @@ impl Events {
     }
 
     /// One delta event (per token).
-    fn delta(&mut self, out: &mut Out, index: usize, delta: &str) {
+    fn delta(&mut self, out: &mut EventWriter, index: usize, delta: &str) {
         let (kind, content_index, logprobs) = match self.current() {
             Some(Segment::Reasoning) => ("response.reasoning_text.delta", Some(0), None),
             Some(Segment::Text) => ("response.output_text.delta", Some(0), Some([])),
@@ -187,7 +187,7 @@ impl Events {
     }
 
     /// Ends an item: its `.done` events, and it joins the output.
-    fn close(&mut self, out: &mut Out, index: usize, segment: &Segment, text: &str) {
+    fn close(&mut self, out: &mut EventWriter, index: usize, segment: &Segment, text: &str) {
         let id = std::mem::take(&mut self.open_id);
         self.open_segment = None;
         let done = ItemEvent {
@@ -255,7 +255,7 @@ impl Events {
     /// returned), whose
     /// status says `incomplete` when the chat stopped at its length. As vLLM's
     /// own stream ends, and what the OpenAI SDK's stream helper waits for.
-    pub fn finish(&mut self, usage: Value, out: &mut Out) -> Box<RawValue> {
+    pub fn finish(&mut self, usage: Value, out: &mut EventWriter) -> Box<RawValue> {
         self.segments.usage = Some(usage);
         let steps = self.segments.end();
         self.render(steps, out);
@@ -267,7 +267,7 @@ impl Events {
     }
 
     /// The last events of a chat that failed: `error`, then `response.failed`.
-    pub fn fail(&mut self, error: &Value, out: &mut Out) -> Box<RawValue> {
+    pub fn fail(&mut self, error: &Value, out: &mut EventWriter) -> Box<RawValue> {
         let steps = self.segments.end();
         self.render(steps, out);
         let message = error["message"].as_str().unwrap_or("the generation failed");
@@ -288,7 +288,7 @@ impl Events {
     /// The last events of a generation cancelled (`POST .../cancel`): the
     /// open item closed; the response's status `cancelled`, and no terminal
     /// event (the stream just ends, as vLLM's).
-    pub fn cancel(&mut self, out: &mut Out) -> Box<RawValue> {
+    pub fn cancel(&mut self, out: &mut EventWriter) -> Box<RawValue> {
         let steps = self.segments.end();
         self.render(steps, out);
         json_of(&self.object("cancelled", &Value::Null))
@@ -340,7 +340,7 @@ impl ItemEvent<'_> {
     /// router_overhead` measured the serialized deltas at over a third of
     /// the Responses translation's own cost per token). The same JSON as
     /// its serialization (a test holds them equal).
-    fn write_delta(&self, out: &mut Out) {
+    fn write_delta(&self, out: &mut EventWriter) {
         out.write(self.kind, Some(self.sequence_number), |json| {
             // Numbers and strings are written by serde_json (escaped).
             json.extend_from_slice(b"{\"type\":");
@@ -397,7 +397,7 @@ impl<'a> Part<'a> {
 }
 
 /// An event carrying the whole response (written as it is: no copy of it).
-fn response_event(out: &mut Out, kind: &str, sequence_number: u64, response: &RawValue) {
+fn response_event(out: &mut EventWriter, kind: &str, sequence_number: u64, response: &RawValue) {
     #[derive(serde::Serialize)]
     struct WithResponse<'a> {
         #[serde(rename = "type")]
@@ -416,12 +416,12 @@ fn response_event(out: &mut Out, kind: &str, sequence_number: u64, response: &Ra
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocols::event::Event;
+    use crate::protocols::client_event::{ClientEvent, Destination};
     use crate::protocols::segments::with_parsed;
     use std::collections::BTreeMap;
 
-    fn echo() -> Echo {
-        Echo {
+    fn echo() -> ResponseEcho {
+        ResponseEcho {
             model: "m".into(),
             stream: true,
             store: true,
@@ -437,8 +437,8 @@ mod tests {
 
     #[test]
     fn reasoning_text_and_a_call_become_three_items_with_numbered_events() {
-        let mut events = Events::new("resp_1".into(), 7, echo());
-        let mut out = Out::Events(Vec::new());
+        let mut events = ResponseEvents::new("resp_1".into(), 7, echo());
+        let mut out = EventWriter::new(Destination::Log(()));
         events.start(&mut out);
         for c in [
             chunk(json!({"role": "assistant", "content": ""}), None),
@@ -461,7 +461,7 @@ mod tests {
         let usage = json!({"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11});
         let whole = events.finish(usage, &mut out);
         let whole: Value = serde_json::from_str(whole.get()).unwrap_or_default();
-        let all: Vec<Value> = out.into_events().iter().map(Event::value).collect();
+        let all: Vec<Value> = out.into_events().iter().map(ClientEvent::value).collect();
         let numbers: Vec<u64> = all
             .iter()
             .filter_map(|e| e["sequence_number"].as_u64())
@@ -514,10 +514,10 @@ mod tests {
                 logprobs,
                 ..ItemEvent::default()
             };
-            let mut written = Out::Events(Vec::new());
+            let mut written = EventWriter::new(Destination::Log(()));
             event.write_delta(&mut written);
             let written = written.into_events().remove(0);
-            let serialized = Event::serialize(kind, Some(12), &event);
+            let serialized = ClientEvent::serialize(kind, Some(12), &event);
             assert_eq!(written.value(), serialized.value(), "{kind}");
             assert_eq!(written.json(), serialized.json(), "{kind}: the same bytes");
         }
@@ -525,12 +525,12 @@ mod tests {
 
     #[test]
     fn a_chat_cut_at_its_length_is_incomplete() {
-        let mut events = Events::new("resp_2".into(), 7, echo());
-        events.start(&mut Out::Nowhere);
+        let mut events = ResponseEvents::new("resp_2".into(), 7, echo());
+        events.start(&mut EventWriter::new(Destination::Nowhere));
         with_parsed(&chunk(json!({"content": "abc"}), Some("length")), |c| {
-            events.chunk(c, &mut Out::Nowhere)
+            events.chunk(c, &mut EventWriter::new(Destination::Nowhere))
         });
-        let mut last = Out::Events(Vec::new());
+        let mut last = EventWriter::new(Destination::Log(()));
         let whole = events.finish(json!({}), &mut last);
         let whole: Value = serde_json::from_str(whole.get()).unwrap_or_default();
         assert_eq!(

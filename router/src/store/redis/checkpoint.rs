@@ -4,7 +4,7 @@
 
 use super::connection::RedisStore;
 use super::log::LogState;
-use crate::protocols::event::Event;
+use crate::protocols::client_event::ClientEvent;
 use crate::store::stored::{StoreError, StoreResult};
 use redis::AsyncCommands;
 use serde_json::Value;
@@ -17,7 +17,7 @@ pub struct Taken {
     pub origin: Value,
     /// The last checkpoint (with the last events written).
     pub checkpoint: Option<Value>,
-    pub events: Vec<Event>,
+    pub events: Vec<ClientEvent>,
 }
 
 impl RedisStore {
@@ -38,7 +38,7 @@ impl RedisStore {
         let Some(origin) = origin.map(parse).transpose()? else {
             return Ok(None);
         };
-        let mut events: Vec<Event> = Vec::new();
+        let mut events: Vec<ClientEvent> = Vec::new();
         // What its writer may have written: its bound, passed by at most
         // what one checkpoint adds and the events that fail it.
         let most = self.settings.max_response_bytes.saturating_mul(2);
@@ -49,7 +49,7 @@ impl RedisStore {
                     "the event log of {id} is larger than --response-store-max-response-bytes allows"
                 )));
             }
-            let after = events.last().and_then(Event::sequence);
+            let after = events.last().and_then(ClientEvent::sequence);
             let more = self.read_events(id, after).await?;
             bytes += more.iter().map(|e| e.json().len()).sum::<usize>();
             if more.is_empty() {
@@ -59,7 +59,7 @@ impl RedisStore {
             // places), so the log is read in at most its length of reads.
             let forward = more
                 .first()
-                .and_then(Event::sequence)
+                .and_then(ClientEvent::sequence)
                 .is_some_and(|first| after.is_none_or(|after| first > after));
             if !forward {
                 return Err(StoreError::Malformed(format!(

@@ -5,7 +5,7 @@
 
 use super::scripts::Scripts;
 use super::settings::{RedisSettings, RedisSetupError};
-use crate::store::memory::MemoryStore;
+use crate::store::memory::MemoryResponseStore;
 use crate::store::stored::{StoreError, StoreResult};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,7 +27,7 @@ pub struct RedisStore {
     pub(super) settings: RedisSettings,
     pub(super) scripts: Scripts,
     /// What was stored while Redis could not be reached.
-    pub(super) fallback: MemoryStore,
+    pub(super) fallback: MemoryResponseStore,
     /// Whether the last call reached Redis.
     pub(super) up: AtomicBool,
     /// Whether Redis refused the last write for want of memory (logged once
@@ -94,7 +94,7 @@ impl RedisStore {
             client,
             manager: tokio::sync::Mutex::new(None),
             bulk: tokio::sync::Mutex::new(None),
-            fallback: MemoryStore::new(settings.fallback_count, settings.max_bytes),
+            fallback: MemoryResponseStore::new(settings.fallback_count, settings.max_bytes),
             scripts: Scripts::new(&settings),
             settings,
             up: AtomicBool::new(true),
@@ -351,7 +351,7 @@ mod tests {
         );
         assert!(err.is_some_and(|e| e.contains("retrying shortly")));
         // What is stored meanwhile stays in this replica's memory.
-        let response = crate::protocols::event::json_of(&serde_json::json!({"id": "b"}));
+        let response = crate::protocols::client_event::json_of(&serde_json::json!({"id": "b"}));
         let stored = Stored::new(response, &[], "t".into());
         tokio::time::sleep(RECONNECT_BACKOFF).await;
         assert!(matches!(store.put("b", stored).await, Ok(true)));

@@ -4,7 +4,7 @@
 //! a cancel asked).
 
 use super::connection::RedisStore;
-use crate::protocols::event::Event;
+use crate::protocols::client_event::ClientEvent;
 use crate::store::stored::{StoreError, StoreResult, Stored};
 use redis::streams::StreamReadReply;
 use redis::AsyncCommands;
@@ -84,7 +84,7 @@ impl RedisStore {
         id: &str,
         token: &str,
         state: &LogState,
-        events: &[Event],
+        events: &[ClientEvent],
         checkpoint: Option<CheckpointWrite<'_>>,
         origin: Option<&Value>,
     ) -> Result<bool, AppendError> {
@@ -110,7 +110,7 @@ impl RedisStore {
         id: &str,
         token: &str,
         write: Append<'_>,
-        events: &[Event],
+        events: &[ClientEvent],
     ) -> Result<bool, AppendError> {
         // One past the per-response bound is not stored (counted and said
         // by `storable`); its end is written all the same (its log's
@@ -253,7 +253,7 @@ impl RedisStore {
     /// Events of background response `id` after sequence number `after` (all,
     /// without one), at most READ_COUNT, as they are now (no wait: readers
     /// poll, all on the bulk connection).
-    pub async fn read_events(&self, id: &str, after: Option<u64>) -> StoreResult<Vec<Event>> {
+    pub async fn read_events(&self, id: &str, after: Option<u64>) -> StoreResult<Vec<ClientEvent>> {
         // Event n is entry 0-(n+1); nothing can follow the last number
         // (`starting_after=18446744073709551615`: entry 0-u64::MAX is the
         // highest, and the read is exclusive of it).
@@ -304,12 +304,12 @@ impl RedisStore {
 /// its type, one line of JSON) whose `sequence_number` is the one its entry
 /// id says (`0-(n+1)`), so that a reader that goes on after the last number
 /// it got always moves forward.
-fn stored_event(entry: &redis::streams::StreamId) -> StoreResult<Event> {
+fn stored_event(entry: &redis::streams::StreamId) -> StoreResult<ClientEvent> {
     let malformed = |why: String| StoreError::Malformed(format!("event {}: {why}", entry.id));
     let Some(redis::Value::BulkString(bytes)) = entry.map.get("e") else {
         return Err(malformed("no event".into()));
     };
-    let event = Event::parse(bytes).map_err(|err| malformed(err.to_string()))?;
+    let event = ClientEvent::parse(bytes).map_err(|err| malformed(err.to_string()))?;
     let numbered = entry
         .id
         .strip_prefix("0-")

@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Event {
+pub struct ClientEvent {
     /// `event: TYPE\ndata: JSON\n\n`.
     frame: bytes::Bytes,
     /// Where the JSON is in the frame.
@@ -33,7 +33,7 @@ struct Head<'a> {
     response: Option<serde::de::IgnoredAny>,
 }
 
-impl Event {
+impl ClientEvent {
     /// `body` as an event of type `kind` (its JSON has them: `type` and,
     /// where the protocol numbers its events, `sequence_number`).
     #[cfg(test)]
@@ -164,20 +164,53 @@ fn write_frame(
     start..end
 }
 
-/// Where a translation writes its events as it makes them.
-#[derive(Debug)]
-pub enum Out {
-    /// A streaming client's bytes: each event's frame appended, so that
-    /// what one chat chunk makes goes out as one write, with no event kept.
-    Frames(Vec<u8>),
-    /// Events kept each whole (a background response's log).
-    Events(Vec<Event>),
-    /// Nowhere: a non-stream client gets the whole answer, so its events
-    /// are never written.
+/// Where a translated request's events go, chosen once per request: to a
+/// streaming client, into a background response's log (`Log`: the log, or
+/// `()` where only the choice matters), or nowhere (a non-stream client gets
+/// the whole answer, so its events are never written).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Destination<Log = ()> {
+    Client,
+    Log(Log),
     Nowhere,
 }
 
-impl Out {
+impl<Log> Destination<Log> {
+    /// The choice alone.
+    pub fn kind(&self) -> Destination {
+        match self {
+            Self::Client => Destination::Client,
+            Self::Log(_) => Destination::Log(()),
+            Self::Nowhere => Destination::Nowhere,
+        }
+    }
+}
+
+/// A translation's events as it makes them, written for their destination:
+/// for a streaming client each event's frame appended, so that what one chat
+/// chunk makes goes out as one write with no event kept; for a log each
+/// event kept whole; for nowhere, nothing.
+#[derive(Debug)]
+pub struct EventWriter {
+    to: Destination,
+    frames: Vec<u8>,
+    events: Vec<ClientEvent>,
+}
+
+impl EventWriter {
+    pub fn new(to: Destination) -> Self {
+        Self {
+            to,
+            frames: Vec::new(),
+            events: Vec::new(),
+        }
+    }
+
+    /// Whether what it is given is written at all.
+    pub fn writes(&self) -> bool {
+        self.to != Destination::Nowhere
+    }
+
     /// An event whose JSON `write_json` writes (its `type` and sequence
     /// number among it).
     pub fn write(
@@ -219,25 +252,27 @@ impl Out {
         carries_response: bool,
         write_json: impl FnOnce(&mut Vec<u8>),
     ) {
-        match self {
-            Self::Frames(frames) => {
-                write_frame(frames, kind, write_json);
+        match self.to {
+            Destination::Client => {
+                write_frame(&mut self.frames, kind, write_json);
             }
-            Self::Events(events) => {
-                let mut event = Event::write(kind, sequence, write_json);
+            Destination::Log(()) => {
+                let mut event = ClientEvent::write(kind, sequence, write_json);
                 event.carries_response = carries_response;
-                events.push(event);
+                self.events.push(event);
             }
-            Self::Nowhere => {}
+            Destination::Nowhere => {}
         }
     }
 
-    /// The events written, where they were kept (none otherwise).
-    pub fn into_events(self) -> Vec<Event> {
-        match self {
-            Self::Events(events) => events,
-            Self::Frames(_) | Self::Nowhere => Vec::new(),
-        }
+    /// The frames written for a client (none for another destination).
+    pub fn into_frames(self) -> Vec<u8> {
+        self.frames
+    }
+
+    /// The events written for a log (none for another destination).
+    pub fn into_events(self) -> Vec<ClientEvent> {
+        self.events
     }
 }
 
@@ -267,7 +302,7 @@ pub fn json_of(value: &impl Serialize) -> Box<RawValue> {
 }
 
 /// Events as one SSE write (one event's frame as it is).
-pub fn frames(events: &[Event]) -> bytes::Bytes {
+pub fn frames(events: &[ClientEvent]) -> bytes::Bytes {
     if let [one] = events {
         return one.frame.clone();
     }
@@ -287,7 +322,7 @@ mod tests {
     fn an_event_is_framed_once_and_read_back_from_its_json() {
         let value = json!({"type": "response.created", "sequence_number": 3,
                            "response": {"id": "resp_1"}});
-        let event = Event::from_value(&value);
+        let event = ClientEvent::from_value(&value);
         let framed = frames(std::slice::from_ref(&event));
         let text = std::str::from_utf8(&framed).unwrap_or_default();
         assert!(
@@ -298,11 +333,11 @@ mod tests {
         assert_eq!(event.sequence(), Some(3));
         assert_eq!(event.value(), value);
         assert_eq!(event.response(), Some(json!({"id": "resp_1"})));
-        let again = Event::parse(event.json()).unwrap_or_else(|err| panic!("{err}"));
+        let again = ClientEvent::parse(event.json()).unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(again, event);
-        let plain = Event::from_value(&json!({"type": "message_stop"}));
+        let plain = ClientEvent::from_value(&json!({"type": "message_stop"}));
         assert_eq!((plain.sequence(), plain.response()), (None, None));
-        assert!(Event::parse(b"{\"no type\": 1}").is_err());
+        assert!(ClientEvent::parse(b"{\"no type\": 1}").is_err());
     }
 
     /// What the shared store hands back is input: a `type` that would end
@@ -313,13 +348,19 @@ mod tests {
         let forged = json!({"type": "x\ndata: {\"forged\": true}\n\nevent: response.completed",
                             "sequence_number": 1});
         let bytes = serde_json::to_vec(&forged).unwrap_or_default();
-        assert!(matches!(Event::parse(&bytes), Err(ParseError::Kind(_))));
+        assert!(matches!(
+            ClientEvent::parse(&bytes),
+            Err(ParseError::Kind(_))
+        ));
         for kind in ["", "a b", "a:b", &"a".repeat(65)] {
             let bytes = serde_json::to_vec(&json!({"type": kind})).unwrap_or_default();
-            assert!(Event::parse(&bytes).is_err(), "{kind:?}");
+            assert!(ClientEvent::parse(&bytes).is_err(), "{kind:?}");
         }
         let split = b"{\"type\": \"x\",\n\n\"sequence_number\": 1}";
-        assert!(matches!(Event::parse(split), Err(ParseError::LineBreak)));
+        assert!(matches!(
+            ClientEvent::parse(split),
+            Err(ParseError::LineBreak)
+        ));
         // Every type the protocols write is a name.
         for kind in [
             "response.output_text.delta",
@@ -328,7 +369,7 @@ mod tests {
             "response.mcp_call.in-progress",
         ] {
             let bytes = serde_json::to_vec(&json!({"type": kind})).unwrap_or_default();
-            assert!(Event::parse(&bytes).is_ok(), "{kind}");
+            assert!(ClientEvent::parse(&bytes).is_ok(), "{kind}");
         }
     }
 
@@ -339,9 +380,9 @@ mod tests {
             json!({"type": "response.output_text.delta", "sequence_number": 1, "delta": "a\n"}),
         ];
         let (mut frames_out, mut kept, mut nowhere) = (
-            Out::Frames(Vec::new()),
-            Out::Events(Vec::new()),
-            Out::Nowhere,
+            EventWriter::new(Destination::Client),
+            EventWriter::new(Destination::Log(())),
+            EventWriter::new(Destination::Nowhere),
         );
         let mut written = false;
         for out in [&mut frames_out, &mut kept, &mut nowhere] {
@@ -356,12 +397,14 @@ mod tests {
         assert_eq!(kept.len(), 2);
         assert_eq!(kept[0].response(), Some(json!({"id": "r"})));
         assert_eq!(kept[1].sequence(), Some(1));
-        let Out::Frames(bytes) = frames_out else {
-            panic!("frames")
-        };
-        assert_eq!(bytes, frames(&kept), "the same bytes either way");
+        assert_eq!(
+            frames_out.into_frames(),
+            frames(&kept),
+            "the same bytes either way"
+        );
+        assert!(!nowhere.writes());
         assert!(nowhere.into_events().is_empty());
-        let mut skipped = Out::Nowhere;
+        let mut skipped = EventWriter::new(Destination::Nowhere);
         skipped.write("x", None, |_| panic!("nothing is written for nowhere"));
     }
 }

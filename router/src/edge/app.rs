@@ -3,8 +3,9 @@
 //! for the membership routes, `State<Arc<Journal>>` for the journal's), and only
 //! the routes that run a request through the whole pipeline take `AppState`.
 
-use crate::body_budget::BodyBudget;
+use crate::background::run::BackgroundState;
 use crate::config::RouterConfig;
+use crate::edge::body_budget::BodyBudget;
 use crate::engines::addresses::{CtrlResolver, UpstreamPolicy};
 use crate::engines::http::EngineClient;
 use crate::engines::probe::ProbeClient;
@@ -91,14 +92,16 @@ impl AppState {
             responses: Arc::new(ResponseStores {
                 stored: match &shared_responses {
                     Some(shared) => shared.clone(),
-                    None => Arc::new(crate::store::memory::MemoryStore::with_tenant_default(
-                        config.responses.max_stored_responses,
-                        config.responses.max_stored_response_bytes,
-                        crate::store::stored::TenantQuota {
-                            max_count: config.responses.max_stored_responses_per_tenant,
-                            max_bytes: config.responses.max_stored_response_bytes_per_tenant,
-                        },
-                    )),
+                    None => Arc::new(
+                        crate::store::memory::MemoryResponseStore::with_tenant_default(
+                            config.responses.max_stored_responses,
+                            config.responses.max_stored_response_bytes,
+                            crate::store::stored::TenantQuota {
+                                max_count: config.responses.max_stored_responses_per_tenant,
+                                max_bytes: config.responses.max_stored_response_bytes_per_tenant,
+                            },
+                        ),
+                    ),
                 },
                 live: crate::store::live::LiveResponses::with_limits(
                     crate::store::live::LiveLimits {
@@ -112,6 +115,14 @@ impl AppState {
             }),
         };
         (state, releases)
+    }
+
+    /// The part background generations use (`background/`).
+    pub fn background(&self) -> BackgroundState {
+        BackgroundState {
+            flow: self.flow.clone(),
+            responses: self.responses.clone(),
+        }
     }
 }
 
