@@ -67,18 +67,8 @@ impl Selector {
                 hit_tokens: 0,
             });
         }
-        let pool: Vec<&Arc<Instance>> = candidates
-            .iter()
-            .filter(|c| !exclude.contains(&c.id))
-            .collect();
-        if pool.is_empty() {
-            return None;
-        }
         // Round-robin order, so that ties spread.
-        let start = self.cursor.fetch_add(1, Ordering::Relaxed);
-        let pool: Vec<&Arc<Instance>> = (0..pool.len())
-            .map(|i| pool[(start + i) % pool.len()])
-            .collect();
+        let pool: Vec<&Arc<Instance>> = self.rotated(&eligible(candidates, exclude)?).collect();
         let hits = match prompt {
             Some(prompt) => cache::hits(&pool, prompt),
             None => vec![0; pool.len()],
@@ -109,13 +99,21 @@ impl Selector {
     /// The least loaded of `pool` by [`Selector::load`], ties broken round
     /// robin so that equal loads still spread.
     fn least_load<'a>(&self, pool: &[&'a Arc<Instance>]) -> Option<&'a Arc<Instance>> {
-        let start = self.cursor.fetch_add(1, Ordering::Relaxed);
-        let n = pool.len();
-        (0..n)
-            .map(|i| pool[(start + i) % n])
+        self.rotated(pool)
             .map(|c| (c, self.load(c)))
             .min_by(|a, b| a.1.total_cmp(&b.1))
             .map(|(c, _)| c)
+    }
+
+    /// `pool` from the cursor's next turn on, wrapping around: each call
+    /// starts one further, so that ties spread.
+    fn rotated<'a, 'p>(
+        &self,
+        pool: &'p [&'a Arc<Instance>],
+    ) -> impl Iterator<Item = &'a Arc<Instance>> + 'p {
+        let start = self.cursor.fetch_add(1, Ordering::Relaxed);
+        let n = pool.len();
+        (0..n).map(move |i| pool[(start + i) % n])
     }
 
     /// Picks one of `candidates` whose id is not in `exclude`.
@@ -124,25 +122,11 @@ impl Selector {
         candidates: &[Arc<Instance>],
         exclude: &[String],
     ) -> Option<Arc<Instance>> {
-        let pool: Vec<&Arc<Instance>> = candidates
-            .iter()
-            .filter(|c| !exclude.contains(&c.id))
-            .collect();
-        if pool.is_empty() {
-            return None;
-        }
+        let pool = eligible(candidates, exclude)?;
         let chosen = match self.kind {
-            PolicyKind::RoundRobin => {
-                pool[self.cursor.fetch_add(1, Ordering::Relaxed) % pool.len()]
-            }
-            PolicyKind::LeastLoaded => {
-                // Ties broken round-robin so equal loads still spread.
-                let start = self.cursor.fetch_add(1, Ordering::Relaxed);
-                let n = pool.len();
-                (0..n)
-                    .map(|i| pool[(start + i) % n])
-                    .min_by_key(|c| c.inflight())?
-            }
+            PolicyKind::RoundRobin => self.rotated(&pool).next()?,
+            // Ties broken round-robin so equal loads still spread.
+            PolicyKind::LeastLoaded => self.rotated(&pool).min_by_key(|c| c.inflight())?,
             PolicyKind::LoadAware | PolicyKind::CacheAware => self.least_load(&pool)?,
             PolicyKind::PowerOfTwo => {
                 let a = pool[rand::random_range(0..pool.len())];
@@ -156,6 +140,18 @@ impl Selector {
         };
         Some(chosen.clone())
     }
+}
+
+/// The candidates whose id is not in `exclude`; None when none is left.
+fn eligible<'a>(
+    candidates: &'a [Arc<Instance>],
+    exclude: &[String],
+) -> Option<Vec<&'a Arc<Instance>>> {
+    let pool: Vec<&Arc<Instance>> = candidates
+        .iter()
+        .filter(|c| !exclude.contains(&c.id))
+        .collect();
+    (!pool.is_empty()).then_some(pool)
 }
 
 #[cfg(test)]

@@ -34,16 +34,17 @@ pub fn flag(body: &Map<String, Value>, key: &'static str, default: bool) -> Resu
     }
 }
 
-/// The checks every translated request starts with: no field outside
-/// `known` (400 naming it: never dropped in silence), the fields of `shapes`
-/// of their JSON type when set, and a `model`; returns the model.
+/// The checks every translated request starts with: no field outside the
+/// lists of `known` (400 naming it: never dropped in silence), the fields of
+/// `shapes` of their JSON type when set, and a `model`; returns the model.
 pub fn check_fields(
     body: &Map<String, Value>,
     protocol: &str,
-    known: &[&str],
+    known: &[&[&str]],
     shapes: &[Shape],
 ) -> Result<String, ApiError> {
-    if let Some(unknown) = body.keys().find(|k| !known.contains(&k.as_str())) {
+    let is_known = |key: &str| known.iter().any(|part| part.contains(&key));
+    if let Some(unknown) = body.keys().find(|k| !is_known(k)) {
         return Err(ApiError::bad_request(
             format!("`{unknown}` is not a {protocol} request field this router serves"),
             None,

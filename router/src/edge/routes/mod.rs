@@ -83,26 +83,29 @@ enum Verb {
     Delete,
 }
 
-fn at<H, T>(verb: Verb, path: &'static str, guard: Guard, handler: H) -> Endpoint
-where
-    H: Handler<T, HandlerState>,
-    T: 'static,
-{
-    let (method, filter) = match verb {
-        Verb::Get => (Method::GET, MethodFilter::GET),
-        Verb::Post => (Method::POST, MethodFilter::POST),
-        Verb::Delete => (Method::DELETE, MethodFilter::DELETE),
-    };
-    let listener = match (guard, path) {
-        (Guard::Open, "/metrics") | (Guard::Registrar | Guard::Admin, _) => Listener::Internal,
-        (Guard::Open | Guard::Keyed | Guard::Gated, _) => Listener::Client,
-    };
-    Endpoint {
-        method,
-        path,
-        listener,
-        guard,
-        handler: on(filter, handler),
+impl Guard {
+    /// The route `verb` `path` to `handler`, behind this guard.
+    fn route<H, T>(self, verb: Verb, path: &'static str, handler: H) -> Endpoint
+    where
+        H: Handler<T, HandlerState>,
+        T: 'static,
+    {
+        let (method, filter) = match verb {
+            Verb::Get => (Method::GET, MethodFilter::GET),
+            Verb::Post => (Method::POST, MethodFilter::POST),
+            Verb::Delete => (Method::DELETE, MethodFilter::DELETE),
+        };
+        let listener = match (self, path) {
+            (Guard::Open, "/metrics") | (Guard::Registrar | Guard::Admin, _) => Listener::Internal,
+            (Guard::Open | Guard::Keyed | Guard::Gated, _) => Listener::Client,
+        };
+        Endpoint {
+            method,
+            path,
+            listener,
+            guard: self,
+            handler: on(filter, handler),
+        }
     }
 }
 
@@ -114,7 +117,7 @@ fn passthrough(path: &'static str) -> Endpoint {
                         body: Body| {
         passthrough::forward(state, path, caller.map(|c| c.0), headers, body)
     };
-    at(Verb::Post, path, Guard::Gated, handler)
+    Guard::Gated.route(Verb::Post, path, handler)
 }
 
 /// Every route of the router.
@@ -122,59 +125,29 @@ pub fn endpoints() -> Vec<Endpoint> {
     use Guard::{Admin, Gated, Keyed, Open, Registrar};
     use Verb::{Delete, Get, Post};
     let mut endpoints = vec![
-        at(Post, "/v1/completions", Gated, openai::completions),
-        at(
-            Post,
-            "/v1/chat/completions",
-            Gated,
-            openai::chat_completions,
-        ),
-        at(Post, "/v1/responses", Gated, responses::create),
-        at(Post, "/v1/messages", Gated, messages::create),
+        Gated.route(Post, "/v1/completions", openai::completions),
+        Gated.route(Post, "/v1/chat/completions", openai::chat_completions),
+        Gated.route(Post, "/v1/responses", responses::create),
+        Gated.route(Post, "/v1/messages", messages::create),
         // Reads, deletes and cancels hold the router as requests do: an
         // admission slot and their tenant's limits.
-        at(Get, "/v1/responses/{id}", Gated, responses::retrieve),
-        at(Delete, "/v1/responses/{id}", Gated, responses::delete),
-        at(Post, "/v1/responses/{id}/cancel", Gated, responses::cancel),
-        at(Get, "/v1/models", Keyed, models::models),
-        at(Get, "/health", Open, probes::health),
-        at(Get, "/ready", Open, probes::ready),
-        at(Post, "/v1/instances", Registrar, instances::register),
-        at(
-            Delete,
-            "/v1/instances/{id}",
-            Registrar,
-            instances::deregister,
-        ),
-        at(
-            Post,
-            "/v1/instances/{id}/heartbeat",
-            Registrar,
-            instances::heartbeat,
-        ),
-        at(
-            Post,
-            "/v1/instances/{id}/kv-events",
-            Registrar,
-            instances::kv_events,
-        ),
-        at(Get, "/admin/instances", Admin, admin::list_instances),
-        at(Post, "/admin/instances", Admin, admin::add_instance),
-        at(
-            Delete,
-            "/admin/instances/{id}",
-            Admin,
-            admin::remove_instance,
-        ),
-        at(Post, "/admin/instances/{id}/drain", Admin, admin::drain),
-        at(
-            Post,
-            "/admin/instances/{id}/activate",
-            Admin,
-            admin::activate,
-        ),
-        at(Get, "/admin/requests", Admin, admin::requests),
-        at(Get, "/metrics", Open, probes::metrics),
+        Gated.route(Get, "/v1/responses/{id}", responses::retrieve),
+        Gated.route(Delete, "/v1/responses/{id}", responses::delete),
+        Gated.route(Post, "/v1/responses/{id}/cancel", responses::cancel),
+        Keyed.route(Get, "/v1/models", models::models),
+        Open.route(Get, "/health", probes::health),
+        Open.route(Get, "/ready", probes::ready),
+        Registrar.route(Post, "/v1/instances", instances::register),
+        Registrar.route(Delete, "/v1/instances/{id}", instances::deregister),
+        Registrar.route(Post, "/v1/instances/{id}/heartbeat", instances::heartbeat),
+        Registrar.route(Post, "/v1/instances/{id}/kv-events", instances::kv_events),
+        Admin.route(Get, "/admin/instances", admin::list_instances),
+        Admin.route(Post, "/admin/instances", admin::add_instance),
+        Admin.route(Delete, "/admin/instances/{id}", admin::remove_instance),
+        Admin.route(Post, "/admin/instances/{id}/drain", admin::drain),
+        Admin.route(Post, "/admin/instances/{id}/activate", admin::activate),
+        Admin.route(Get, "/admin/requests", admin::requests),
+        Open.route(Get, "/metrics", probes::metrics),
     ];
     endpoints.extend(passthrough::PATHS.iter().map(|path| passthrough(path)));
     endpoints

@@ -21,7 +21,8 @@ use crate::store::ResponseStores;
 use crate::tenants::Caller;
 use axum::body::Body;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::request::Parts;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -177,9 +178,29 @@ async fn live_log(stores: &ResponseStores, id: &str, tenant: &str) -> Option<Arc
     Some(live)
 }
 
-/// The tenant a caller is ("" without the gate's caller).
-fn tenant_of(caller: Option<Extension<Caller>>) -> String {
-    caller.map(|c| c.0.tenant.to_string()).unwrap_or_default()
+/// The response a route names (`{id}`) and the tenant asking for it ("" without
+/// the gate's caller). An id that cannot be a response's is not found
+/// before any store is read.
+pub struct NamedResponse {
+    id: String,
+    tenant: String,
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for NamedResponse {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Response> {
+        let Path(id) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        known_id(&id).map_err(IntoResponse::into_response)?;
+        let tenant = parts
+            .extensions
+            .get::<Caller>()
+            .map(|caller| caller.tenant.to_string())
+            .unwrap_or_default();
+        Ok(Self { id, tenant })
+    }
 }
 
 /// `GET /v1/responses/{id}`: `stream=true` reads a background response's
@@ -193,13 +214,10 @@ pub struct Retrieve {
 
 pub async fn retrieve(
     State(stores): State<Arc<ResponseStores>>,
-    caller: Option<Extension<Caller>>,
-    Path(id): Path<String>,
+    NamedResponse { id, tenant }: NamedResponse,
     query: Result<Query<Retrieve>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    known_id(&id)?;
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text(), None))?;
-    let tenant = tenant_of(caller);
     let live = live_log(&stores, &id, &tenant).await;
     let shared = match live {
         Some(_) => None,
@@ -250,11 +268,8 @@ fn json_bytes(bytes: bytes::Bytes) -> Response {
 /// `POST /v1/responses/{id}/cancel`: stops a background response's generation.
 pub async fn cancel(
     State(stores): State<Arc<ResponseStores>>,
-    caller: Option<Extension<Caller>>,
-    Path(id): Path<String>,
+    NamedResponse { id, tenant }: NamedResponse,
 ) -> Result<Json<Value>, ApiError> {
-    known_id(&id)?;
-    let tenant = tenant_of(caller);
     let Some(live) = live_log(&stores, &id, &tenant).await else {
         if let Some((store, log)) = shared_log(&stores, &id, &tenant).await {
             return cancel_elsewhere(&store, &id, log)
@@ -360,11 +375,8 @@ async fn cancel_elsewhere(
 /// not stop in time is left whole (409: delete it again).
 pub async fn delete(
     State(stores): State<Arc<ResponseStores>>,
-    caller: Option<Extension<Caller>>,
-    Path(id): Path<String>,
+    NamedResponse { id, tenant }: NamedResponse,
 ) -> Result<Json<Value>, ApiError> {
-    known_id(&id)?;
-    let tenant = tenant_of(caller);
     // One taken over by another replica is stopped through the store.
     let live = live_log(&stores, &id, &tenant).await;
     let shared = match &live {

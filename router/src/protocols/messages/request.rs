@@ -45,7 +45,7 @@ pub struct MessageEcho {
 /// Checks `body` and returns its echo and the chat completion body (always
 /// streamed with usage: the router turns the chunks into the answer).
 pub fn chat_body(body: &Map<String, Value>) -> Result<(MessageEcho, Value), ApiError> {
-    let model = check_fields(body, "Messages", KNOWN, SHAPES)?;
+    let model = check_fields(body, "Messages", &[KNOWN], SHAPES)?;
     let Some(max_tokens) = body
         .get("max_tokens")
         .filter(|v| v.as_u64().is_some_and(|n| n > 0))

@@ -4,11 +4,8 @@ use crate::error::ApiError;
 use crate::protocols::{bad, check_fields, flag, Shape};
 use serde_json::{json, Map, Value};
 
-/// Fields a Responses request may carry. Anything else is refused (400), never
-/// dropped in silence.
-const KNOWN: &[&str] = &[
-    "model",
-    "input",
+/// Request fields the response object repeats as they were asked.
+const ECHOED: &[&str] = &[
     "instructions",
     "max_output_tokens",
     "temperature",
@@ -17,13 +14,20 @@ const KNOWN: &[&str] = &[
     "tool_choice",
     "parallel_tool_calls",
     "text",
-    "stream",
-    "store",
-    "previous_response_id",
     "reasoning",
     "metadata",
     "user",
     "truncation",
+];
+
+/// The other fields a Responses request may carry. Anything else is refused
+/// (400), never dropped in silence.
+const KNOWN: &[&str] = &[
+    "model",
+    "input",
+    "stream",
+    "store",
+    "previous_response_id",
     "include",
     "background",
     "service_tier",
@@ -72,7 +76,7 @@ pub struct ResponseEcho {
 /// Checks `body` and returns its echo and its input items, each as the chat
 /// reads it (`canonical_item`: what the stored conversation keeps).
 pub fn check(body: &Map<String, Value>) -> Result<(ResponseEcho, Vec<Value>), ApiError> {
-    let model = check_fields(body, "Responses", KNOWN, SHAPES)?;
+    let model = check_fields(body, "Responses", &[ECHOED, KNOWN], SHAPES)?;
     super::limits::check_echoed(body)?;
     let flag = |key, default| flag(body, key, default);
     let background = flag("background", false)?;
@@ -121,20 +125,7 @@ pub fn check(body: &Map<String, Value>) -> Result<(ResponseEcho, Vec<Value>), Ap
         }
     };
     let mut fields = Map::new();
-    for key in [
-        "instructions",
-        "max_output_tokens",
-        "temperature",
-        "top_p",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "text",
-        "reasoning",
-        "metadata",
-        "user",
-        "truncation",
-    ] {
+    for &key in ECHOED {
         if let Some(value) = body.get(key) {
             fields.insert(key.into(), value.clone());
         }

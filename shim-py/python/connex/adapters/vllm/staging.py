@@ -18,6 +18,7 @@ run synchronously and the fence is already passed. So CPU tests run this code.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -207,22 +208,31 @@ class _BlockIds:
         return ids
 
 
-def gather_blocks(layers: list[KVLayer], block_ids: list[int], out: torch.Tensor) -> None:
-    """Copies blocks `block_ids` of every layer into the host buffer `out`, laid
-    out as a hold. Issue it through `CopyStream.run` on a GPU."""
-    import torch
-
+def _hold_parts(
+    layers: list[KVLayer], block_ids: list[int], buffer: torch.Tensor
+) -> Iterator[tuple[KVLayer, torch.Tensor, torch.Tensor]]:
+    """Each layer, with `block_ids` on its device and its part of the host
+    `buffer` laid out as a hold, viewed as (block, piece, word). A buffer of
+    another size is refused before the first layer."""
     n = len(block_ids)
-    if out.numel() != hold_bytes(layers, n):
-        raise ValueError(f"buffer of {out.numel()} bytes for a hold of {hold_bytes(layers, n)}")
+    if buffer.numel() != hold_bytes(layers, n):
+        raise ValueError(f"buffer of {buffer.numel()} bytes for a hold of {hold_bytes(layers, n)}")
     at = 0
     index = _BlockIds(block_ids)
     for layer in layers:
         pieces, length, word = len(layer.layout.pieces), layer.piece_len, layer.word
         size = n * pieces * length
-        words = out[at : at + size].view(_word_dtypes()[word])
-        dst = words.view(n, pieces, length // word)
-        ids = index.on(layer.tensor.device)
+        part = buffer[at : at + size].view(_word_dtypes()[word]).view(n, pieces, length // word)
+        yield layer, index.on(layer.tensor.device), part
+        at += size
+
+
+def gather_blocks(layers: list[KVLayer], block_ids: list[int], out: torch.Tensor) -> None:
+    """Copies blocks `block_ids` of every layer into the host buffer `out`, laid
+    out as a hold. Issue it through `CopyStream.run` on a GPU."""
+    import torch
+
+    for layer, ids, dst in _hold_parts(layers, block_ids, out):
         blocks = layer.blocks_view()
         if blocks is not None and layer.tensor.device == out.device:
             torch.index_select(blocks, 0, ids, out=dst)
@@ -230,39 +240,27 @@ def gather_blocks(layers: list[KVLayer], block_ids: list[int], out: torch.Tensor
             # Gathered on the cache's device, then one contiguous copy to host.
             dst.copy_(blocks.index_select(0, ids), non_blocking=True)
         else:
-            staged = torch.empty((n, pieces, length // word), dtype=words.dtype, device=ids.device)
+            staged = torch.empty(dst.shape, dtype=dst.dtype, device=ids.device)
             for p, view in enumerate(layer.piece_views()):
                 staged[:, p, :] = view.index_select(0, ids)
             dst.copy_(staged, non_blocking=True)
-        at += size
 
 
 def scatter_blocks(layers: list[KVLayer], block_ids: list[int], src: torch.Tensor) -> None:
     """Copies a host buffer laid out as a hold into blocks `block_ids` of every
     layer (the inverse of `gather_blocks`). Issue it through `CopyStream.run`
     on a GPU; the blocks are written once its fence has passed."""
-    n = len(block_ids)
-    if src.numel() != hold_bytes(layers, n):
-        raise ValueError(f"buffer of {src.numel()} bytes for a hold of {hold_bytes(layers, n)}")
-    at = 0
-    index = _BlockIds(block_ids)
-    for layer in layers:
-        pieces, length, word = len(layer.layout.pieces), layer.piece_len, layer.word
-        size = n * pieces * length
-        device = layer.tensor.device
-        ids = index.on(device)
-        host = src[at : at + size].view(_word_dtypes()[word]).view(n, pieces, length // word)
+    for layer, ids, host in _hold_parts(layers, block_ids, src):
         # One contiguous copy to the device (a no-op on the CPU), then an
         # indexed write into the blocks (per piece where they are not evenly
         # spaced).
-        staged = host.to(device, non_blocking=True)
+        staged = host.to(layer.tensor.device, non_blocking=True)
         blocks = layer.blocks_view()
         if blocks is not None:
             blocks.index_copy_(0, ids, staged)
         else:
             for p, view in enumerate(layer.piece_views()):
                 view.index_copy_(0, ids, staged[:, p, :])
-        at += size
 
 
 @dataclass(frozen=True)
