@@ -79,6 +79,13 @@ impl Fault {
         };
         match self {
             Fault::Stall => vec!["--stall-timeout-ms", "500"],
+            // d0 stands still after its tokens while the test migrates away
+            // from it (`trigger`): with the default stall timeout (10 s) the
+            // router would resume it on its own, cause `stall`, whenever the
+            // test, polling d0 and the journal on a loaded host, took that
+            // long to migrate. The stall timeout is put past the test's own
+            // bounds: only the migrate moves the stream.
+            Fault::Migrate => vec!["--stall-timeout-ms", "300000"],
             Fault::Dead => vec!["--heartbeat-ttl-s", "1"],
             Fault::Hung => probes_only("60"),
             Fault::EngineDead => probes_only("2"),
@@ -146,15 +153,19 @@ async fn trigger(fault: Fault, cluster: &Cluster, k: usize, kept: usize) {
         cluster.faulty.signal("STOP");
         return;
     }
-    // The journal shows the request on d0 with its tokens, before the move (it
-    // journals tokens as the client reads them, so it may lag the engine a little).
+    // The journal shows the request on d0 with its tokens, before the move. It
+    // lags the engine: it names the decoder once the router has taken d0's
+    // response head (d0 may have sent tokens by then: the full suite's load
+    // once caught it still unnamed), and journals tokens as the client reads
+    // them.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let entries = journal(&cluster.router, false).await;
         assert_eq!(entries.len(), 1, "{entries:?}");
-        assert_eq!(entries[0]["decoder"], "d0");
         assert!(entries[0].get("prompt_token_ids").is_none(), "not verbose");
-        if entries[0]["generated_tokens"] == kept {
+        let decoder = &entries[0]["decoder"];
+        assert!(decoder.is_null() || decoder == "d0", "{entries:?}");
+        if decoder == "d0" && entries[0]["generated_tokens"] == kept {
             break;
         }
         assert!(

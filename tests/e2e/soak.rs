@@ -39,9 +39,13 @@ struct Tally {
     hung_up: AtomicUsize,
 }
 
-/// The router's resident memory, in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    status_kib(pid, "VmRSS:")
+/// The router's anonymous resident memory (heap, stacks), in KiB: what it
+/// allocates. Not `VmRSS`, which also counts the file-backed pages of its
+/// binary and libraries: the kernel maps those in as code paths first run and
+/// drops them under memory pressure, so under the suite's load they moved the
+/// total by more than the 10% bound with no allocation behind it.
+fn anon_kib(pid: u32) -> u64 {
+    status_kib(pid, "RssAnon:")
 }
 
 /// One `/proc/PID/status` field, in KiB.
@@ -56,7 +60,7 @@ fn status_kib(pid: u32, field: &str) -> u64 {
 }
 
 /// What the router's resident memory is made of (heap and stacks apart from
-/// the binary's pages), for the log.
+/// the binary's pages), for the log: only the anonymous part is bounded.
 fn rss_parts(pid: u32) -> String {
     format!(
         "anon {} KiB, file {} KiB",
@@ -232,7 +236,7 @@ async fn chaos_soak_every_stream_completes_or_ends_clearly() {
         || async { journal(&router, false).await.is_empty() },
     )
     .await;
-    let baseline = rss_kib(router_pid);
+    let baseline = anon_kib(router_pid);
     let baseline_parts = rss_parts(router_pid);
 
     let tally = Arc::new(Tally::default());
@@ -285,18 +289,18 @@ async fn chaos_soak_every_stream_completes_or_ends_clearly() {
     // lazily. Within 10% of the warm baseline, as issue 13 asks; a leak grows
     // far past it within the soak.
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut rss = rss_kib(router_pid);
-    while rss * 10 > baseline * 11 && Instant::now() < deadline {
+    let mut anon = anon_kib(router_pid);
+    while anon * 10 > baseline * 11 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        rss = rss_kib(router_pid);
+        anon = anon_kib(router_pid);
     }
     assert!(
-        rss * 10 <= baseline * 11,
-        "router RSS {rss} KiB, not within 10% of its warm baseline {baseline} KiB ({})",
+        anon * 10 <= baseline * 11,
+        "router anonymous memory {anon} KiB, not within 10% of its warm baseline {baseline} KiB ({})",
         rss_parts(router_pid)
     );
     eprintln!(
-        "soak: router RSS {baseline} KiB warm ({baseline_parts}), {rss} KiB after ({})",
+        "soak: router anonymous memory {baseline} KiB warm ({baseline_parts}), {anon} KiB after ({})",
         rss_parts(router_pid)
     );
 }

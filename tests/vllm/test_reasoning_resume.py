@@ -41,16 +41,17 @@ import copy
 import json
 import os
 import signal
+import tempfile
 import threading
-import time
 import uuid
-import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import harness
 import httpx
 import openai
+import paused_scheduler
 import pytest
 import reasoning_model as rm
 import test_pd
@@ -60,13 +61,10 @@ PREFILL, D1, D2 = "rz_prefill", "rz_d1", "rz_d2"
 # Each engine's connector role and CPU core.
 ROLES = {PREFILL: ("kv_producer", 0), D1: ("kv_consumer", 1), D2: ("kv_consumer", 0)}
 ENGINE_ARGS = [*rm.PARSER_ARGS, "--enable-scale-out"]
-# The decoders are stepped (kill_batch: frozen and thawed by signals) and need
-# their batch to decode in lockstep: with the worker inside the EngineCore (the
-# harness's default for TP 1) a batch's requests drifted 14 tokens apart, wider
-# than a kill region, three tries out of three; with the worker a process of
-# its own (vLLM's multiprocess executor, as before) they line up, most often at
-# the first try.
-STEPPED_ARGS = ["--distributed-executor-backend", "mp"]
+# The decoders' scheduler pauses each request at a token count while the kill
+# test asks (paused_scheduler.py; kill_batch), from this folder.
+HERE = Path(__file__).resolve().parent
+PAUSED_ARGS = ["--scheduler-cls", "paused_scheduler.PausedScheduler"]
 MODES = ("stream", "non-stream")
 # How long one batch may run before the kill test gives up on it (seconds).
 BATCH_S = 240
@@ -75,31 +73,27 @@ BATCH_S = 240
 class ReasoningCluster:
     """connex-router + prefill + two decoders serving the reasoning model."""
 
-    # No test here waits for an expiry; the kill test freezes a decoder (which
-    # then renews nothing) for four minutes at most.
+    # No test here waits for an expiry; the kill test pauses a decoder's
+    # streams for four minutes at most.
     RETAIN_S = 300.0
 
     def __init__(self, fleet) -> None:
         model = rm.ensure()
-        # A decoder whose core is frozen (SIGSTOP) while the kill test lines
-        # its streams up (up to four minutes) must not be given up on
-        # meanwhile: its agent (in the core) does not heartbeat, its /health
-        # does not answer (probes off), its streams pause. A killed decoder is
-        # found at once all the same: its connections reset.
+        # The kill test's paused streams (kill_batch) send nothing while the
+        # rest of their batch reaches its kill points (up to four minutes on a
+        # loaded machine), and the batch of 13 opens on one decoder at once.
         self.router = harness.Router(
-            "--heartbeat-ttl-s",
-            "300",
-            "--health-check-interval-ms",
-            "0",
             "--decode-open-timeout-ms",
             "120000",
             "--stall-timeout-ms",
             "300000",
         )
         self.fleet, self.model = fleet, model
+        self.pause_dir = Path(tempfile.mkdtemp(prefix="connex-pause-"))
         wanted = {name: self.engine(name) for name in ROLES}
         try:
-            self.engines = fleet.ensure(wanted)
+            with paused_scheduler_importable():
+                self.engines = fleet.ensure(wanted)
             self.router.wait_instances(set(wanted))
         except BaseException:
             self.router.stop()
@@ -112,7 +106,7 @@ class ReasoningCluster:
             core=core,
             model=self.model,
             served_model_name=rm.MODEL_NAME,
-            extra_args=ENGINE_ARGS + (STEPPED_ARGS if name in (D1, D2) else []),
+            extra_args=ENGINE_ARGS + (self.paused_args(name) if name in (D1, D2) else []),
         )
         engine.kv_config = connex_kv(
             role,
@@ -127,11 +121,13 @@ class ReasoningCluster:
     def restart(self, name: str) -> None:
         """A new engine in place of `name` (killed), registered under its name.
         The dead one is removed through the admin API first, as an operator
-        would: its id stays taken until its heartbeat expires (five minutes
-        here), and a registrant without its credential cannot replace it."""
+        would: its id stays taken until its heartbeat expires, and a
+        registrant without its credential cannot replace it."""
         self.fleet.engines.pop(name).stop()
+        self.pause_file(name).unlink(missing_ok=True)
         self.router.admin_delete(f"instances/{name}")
-        engine = self.engines[name] = self.fleet.ensure({name: self.engine(name)})[name]
+        with paused_scheduler_importable():
+            engine = self.engines[name] = self.fleet.ensure({name: self.engine(name)})[name]
         harness.wait_for(
             lambda: any(
                 i["id"] == name and i["url"] == engine.url and i["state"] == "ready"
@@ -140,6 +136,15 @@ class ReasoningCluster:
             60,
             f"the new {name} to register",
         )
+
+    def pause_file(self, name: str) -> Path:
+        """Where the kill test writes the token count at which decoder `name`
+        pauses its requests (paused_scheduler.py)."""
+        return self.pause_dir / name
+
+    def paused_args(self, name: str) -> list[str]:
+        config = {paused_scheduler.PAUSE_KEY: str(self.pause_file(name))}
+        return [*PAUSED_ARGS, "--additional-config", json.dumps(config)]
 
     def __getitem__(self, name: str) -> harness.Engine:
         return self.engines[name]
@@ -157,6 +162,20 @@ class ReasoningCluster:
         """Routes new requests to `decoder` alone (the other is drained)."""
         for name in (D1, D2):
             self.router.admin_post(f"instances/{name}/{'activate' if name == decoder else 'drain'}")
+
+
+@contextlib.contextmanager
+def paused_scheduler_importable() -> Iterator[None]:
+    """Engines started meanwhile import paused_scheduler (from this folder)."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [before])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 @pytest.fixture(scope="module")
@@ -677,11 +696,9 @@ def test_the_tokens_api_continues_a_chat_cut_at_its_kill_point(continuations, ca
 # ---- one decoder killed at every kill point ---------------------------------------------
 
 # Chat in every mode at every kill point, and the official openai client's
-# stream cut inside a call's arguments. (Responses and Messages streams in the
-# same batch, 13 requests, lined up in two runs out of three on this machine:
-# the batch's first decode steps at a new size are slow to come, and a step
-# can jump past a narrow kill region: they have a batch of their own, at the
-# end of this module.)
+# stream cut inside a call's arguments. (Responses and Messages streams have a
+# batch of their own, at the end of this module, cut by the other decoder's
+# kill.)
 KILLED = [(case, mode) for case in rm.CASES for mode in MODES] + [("arguments", "openai")]
 
 # Each request mode's client: (url, case, request id) to the answer as compared.
@@ -706,66 +723,31 @@ def journal(router: harness.Router, ids: dict[str, tuple]) -> dict[str, dict]:
     return out
 
 
-def signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-@contextlib.contextmanager
-def stepped_precisely(core: list[int]) -> Iterator[None]:
-    """Real-time scheduling while a decoder is stepped (root only; without
-    it, as before): this thread (the stepper) above the decoder's core
-    processes, and those above everything else. On a busy machine a thaw of
-    20 ms otherwise lasts whatever the scheduler gives: the stepper wakes late
-    to freeze the core again (which then runs past the kill points), or the
-    core gets no CPU in its thaw (and the next one is made longer)."""
-    changed: list[int] = []
-
-    def fifo(pid: int, priority: int) -> None:
-        try:
-            os.sched_setscheduler(pid, os.SCHED_FIFO, os.sched_param(priority))
-            changed.append(pid)
-        except (PermissionError, ProcessLookupError, OSError):
-            pass
-
-    for pid in core:
-        fifo(pid, 1)
-    fifo(0, 2)
-    try:
-        yield
-    finally:
-        for pid in changed:
-            try:
-                os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
-            except (ProcessLookupError, OSError):
-                pass
-
-
 def kill_batch(
     cluster, requests: list[tuple[str, str]] = KILLED, victim: str = D1, heir: str = D2
-) -> dict | None:
-    """Streams every request (case, mode) from `victim` (d1) at once, lines them
-    up on their kill points and SIGKILLs it, `heir` taking over; returns each
-    request's answer and where the router had it when d1 died (its journal's
-    generated tokens: what the continuation starts from). None if the batch could not be lined up.
+) -> dict:
+    """Streams every request (case, mode) from `victim` (d1) at once, with each
+    at its kill point SIGKILLs it, `heir` taking over; returns each request's
+    answer and where the router had it just before d1 died (its journal's
+    generated tokens, what the continuation starts from: read before the kill,
+    and at most KILL_AT after it, inside the region either way).
 
-    d1's EngineCore and worker are frozen (SIGSTOP; its API server runs on)
-    while the router prefills the batch and opens it on d1, so that d1's
-    scheduler admits all the requests in one step and decodes them in
-    lockstep. It is then stepped: thawed for a moment, frozen again, and the
-    router's journal read once the API server has sent on all that was
-    computed; d1 is killed at the first step where every request is in its
-    kill region (rm.kill_regions). The router withholds chunks that bring
-    no text (a tool call's markup before it parses), so a request can be cut
-    only where its chunks are relayed: between the two calls, right after the
-    first call's `'),`."""
+    d1's scheduler pauses every request at rm.KILL_AT generated tokens, the
+    one count inside every kill region (paused_scheduler.py): each request
+    stops there whenever d1 admitted it, and d1 is killed once the router's
+    journal has every request in its region (rm.kill_regions), which it
+    cannot leave: d1 computes no further token. (Stepping d1 by freezing and
+    thawing it, as before, depended on timing: on a loaded machine a thaw ran
+    past narrow regions and the batch was tried again, 45-90 s a try.) The
+    router withholds chunks that bring no text (a tool call's markup before
+    it parses), so the journal may stand a few tokens before KILL_AT: the
+    regions are where a request can be cut, between the two calls right after
+    the first call's `'),`."""
     d1, regions = cluster[victim], rm.kill_regions()
     tag = uuid.uuid4().hex[:8]
     ids = {f"kill-{tag}-{case}-{mode}": (case, mode) for case, mode in requests}
     answers: dict[tuple, dict] = {}
+    cut: dict[tuple, int] = {}
 
     def run(request_id: str, case: str, mode: str) -> None:
         client = CLIENTS[mode]
@@ -774,128 +756,54 @@ def kill_batch(
         except Exception as err:  # reported by the request's test
             answers[case, mode] = {"errors": [repr(err)]}
 
-    def where(settled: int) -> dict[tuple, int]:
-        """Where the router has each request once d1's API server (slower than
-        its core on a busy machine) has sent on all that the frozen core
-        computed: when `settled` + 1 reads 0.1 s apart agree."""
-        reads: list[dict] = []
-        for _ in range(150):
-            time.sleep(0.1)
-            reads.append(
-                {ids[rid]: e["generated_tokens"] for rid, e in journal(cluster.router, ids).items()}
-            )
-            if len(reads) > settled and all(r == reads[-1] for r in reads[-settled - 1 :]):
-                break
-        return reads[-1]
+    def lined_up() -> bool:
+        entries = journal(cluster.router, ids)
+        cut.clear()
+        cut.update({ids[rid]: e["generated_tokens"] for rid, e in entries.items()})
+        decoders = {ids[rid]: e["decoder"] for rid, e in entries.items()}
+        assert set(decoders.values()) <= {victim, None}, decoders
+        assert all(cut[k] <= regions[k[0]][1] for k in cut), (cut, regions)
+        return len(cut) == len(ids) and all(cut[k] >= regions[k[0]][0] for k in cut)
 
     cluster.only(victim)
+    pause = cluster.pause_file(victim)
+    pause.write_text(str(rm.KILL_AT))
     threads = [
         threading.Thread(target=run, args=(rid, case, mode), daemon=True)
         for rid, (case, mode) in ids.items()
     ]
-    core = d1.core_pids()
-    signal_all(core, signal.SIGSTOP)
-    frozen, killed = True, False
-    cut: dict[tuple, int] = {}
     try:
         for thread in threads:
             thread.start()
-        # Prefilled (phase "decode"): the router is opening the batch on d1.
-        harness.wait_for(
-            lambda: (
-                [e["phase"] for e in journal(cluster.router, ids).values()] == ["decode"] * len(ids)
-            ),
-            60,
-            "the batch to be prefilled",
-        )
-        time.sleep(1.0)  # d1's API server hands the batch to its frozen core
-        thaw, checked = 0.01, False
-        # The most tokens per second of thaw the batch has made (measured on
-        # its leading request, over thaws that brought two tokens or more):
-        # thaws are sized from it, never from a slower rate (the first decode
-        # steps at a new batch size are slow; the decoder may speed up after,
-        # never past the fastest it has gone, and a thaw at most doubles).
-        fastest, lead, thawed = 0.0, 0, 0.0
-        deadline = time.monotonic() + 240
-        with stepped_precisely(core):
-            while time.monotonic() < deadline:
-                # Far from the kill points one read suffices; near them, the
-                # journal must have settled (nothing more on its way).
-                cut = where(1)
-                gap = max(regions[k[0]][0] - cut.get(k, 0) for k in ids.values())
-                if gap <= 12:
-                    cut = where(3)
-                at = sorted(set(cut.values()))
-                print(f"{victim} frozen (thawed {thaw * 1000:.0f} ms) at {at}")
-                if len(cut) < len(ids) or any(cut[k] > regions[k[0]][1] for k in cut):
-                    print(f"missed the kill points at {sorted(cut.items())} (regions {regions})")
-                    break
-                if not checked and min(cut.values(), default=0) > 0:
-                    entries = journal(cluster.router, ids).items()
-                    decoders = {ids[r]: e["decoder"] for r, e in entries}
-                    assert set(decoders.values()) == {victim}, decoders
-                    checked = True
-                if all(cut[k] >= regions[k[0]][0] for k in cut):
-                    print(f"killing {victim} with the router at {sorted(cut.items())}")
-                    # Every request is at its kill point: the other decoder takes over.
-                    cluster.router.admin_post(f"instances/{heir}/activate")
-                    d1.kill(signal.SIGKILL)
-                    frozen, killed = False, True
-                    break
-                # The next thaw: long enough for a third of the tokens left
-                # before the first request would leave its kill region (and no
-                # more than all need to reach theirs), at the fastest rate seen;
-                # until two tokens have come, doubling up to 100 ms far from
-                # the kill points and 20 ms near them (a tiny model on a fast
-                # machine decodes a token per few ms).
-                if thawed > 0 and max(cut.values(), default=0) - lead >= 2:
-                    fastest = max(fastest, (max(cut.values()) - lead) / thawed)
-                    lead, thawed = max(cut.values()), 0.0
-                room = min(regions[k[0]][1] - cut[k] for k in cut)
-                if fastest > 0:
-                    tokens = max(1, min(gap, room // 3))
-                    thaw = min(max(tokens / fastest, 0.005), 2 * thaw, 0.5)
-                else:
-                    thaw = min(2 * thaw, 0.1 if gap > 20 else 0.02)
-                thawed += thaw
-                signal_all(core, signal.SIGCONT)
-                time.sleep(thaw)
-                signal_all(core, signal.SIGSTOP)
+        try:
+            harness.wait_for(lined_up, BATCH_S, "the batch at its kill points")
+        except AssertionError as err:
+            raise AssertionError(
+                f"{err}: journal at {sorted(cut.items())}, regions {regions}"
+            ) from None
+        print(f"killing {victim} with the router at {sorted(cut.items())}")
+        cluster.router.admin_post(f"instances/{heir}/activate")
+        d1.kill(signal.SIGKILL)
     finally:
-        if frozen:
-            signal_all(core, signal.SIGCONT)
+        pause.unlink(missing_ok=True)
         for thread in threads:
             thread.join(BATCH_S)
-    if not killed:
-        # Its caller tries again; a warning, so that a passing run's summary
-        # still says where the time of a retry went.
-        warnings.warn(
-            f"{victim}: the batch was not lined up on its kill points (journal at "
-            f"{sorted(cut.items())}, regions {regions}); trying again",
-            stacklevel=2,
-        )
-        return None
-    return {"answers": answers, "cut": cut}
+    return {"answers": answers, "cut": dict(cut)}
 
 
 @pytest.fixture(scope="module")
 def killed(cluster, reference) -> dict:
     ctrl = cluster.ctrl()
     prefill = cluster[PREFILL]
-    for _ in range(3):
-        before = {
-            "stats": test_pd.stats(ctrl),
-            "prefills": prefill.metric("vllm:request_success_total"),
-            "resumes": cluster.router.metric("connex_resumes_total", absent=0.0),
-            "reprefills": cluster.router.metric("connex_reprefills_total", absent=0.0),
-            "d2_pulls": cluster[D2].metric("connex_kv_pulls_total", absent=0.0),
-            "d2_failed": cluster[D2].metric("connex_kv_pull_failures_total", absent=0.0),
-        }
-        outcome = kill_batch(cluster)
-        if outcome is not None:
-            break
-    else:
-        pytest.fail("could not line the batch up on the kill points, three times")
+    before = {
+        "stats": test_pd.stats(ctrl),
+        "prefills": prefill.metric("vllm:request_success_total"),
+        "resumes": cluster.router.metric("connex_resumes_total", absent=0.0),
+        "reprefills": cluster.router.metric("connex_reprefills_total", absent=0.0),
+        "d2_pulls": cluster[D2].metric("connex_kv_pulls_total", absent=0.0),
+        "d2_failed": cluster[D2].metric("connex_kv_pull_failures_total", absent=0.0),
+    }
+    outcome = kill_batch(cluster)
     harness.wait_for(lambda: not cluster[D1].alive(), 10, "the killed decoder to exit")
     outcome["before"] = before
     print(f"cut at {outcome['cut']}")
@@ -1050,12 +958,7 @@ def killed_translated(cluster, killed) -> dict:
         "resumes": cluster.router.metric("connex_resumes_total", absent=0.0),
         "reprefills": cluster.router.metric("connex_reprefills_total", absent=0.0),
     }
-    for _ in range(3):
-        outcome = kill_batch(cluster, KILLED_TRANSLATED, victim=D2, heir=D1)
-        if outcome is not None:
-            break
-    else:
-        pytest.fail("could not line the Responses/Messages batch up on its kill points, 3 times")
+    outcome = kill_batch(cluster, KILLED_TRANSLATED, victim=D2, heir=D1)
     harness.wait_for(lambda: not cluster[D2].alive(), 10, "the killed decoder to exit")
     outcome["before"] = before
     print(f"cut at {outcome['cut']}")

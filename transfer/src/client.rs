@@ -18,7 +18,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 
 /// Limits of a [`CtrlClient`].
@@ -138,14 +138,21 @@ impl Conn {
         self.reusable = true;
     }
 
-    async fn exchange(&mut self, request: &Request) -> Result<Reply> {
+    /// Sends `request` and reads its reply. The reply's first byte is waited
+    /// for until `answer_by` when given (see [`AnswerBy`]), else for one I/O
+    /// timeout; the rest of the frame within one I/O timeout.
+    async fn exchange(&mut self, request: &Request, answer_by: AnswerBy) -> Result<Reply> {
         self.reusable = false;
         let seq = self.pool.seq.fetch_add(1, Ordering::Relaxed);
         let io = self.pool.config.io_timeout;
         let frame = request.encode(seq);
         let stream = self.stream()?;
         conn::write_all(stream, &frame, io).await?;
-        let raw = conn::read_header(stream, io, io).await?.ok_or_else(|| {
+        let wait = match answer_by {
+            AnswerBy::IoTimeout => io,
+            AnswerBy::Deadline(at) => at.saturating_duration_since(Instant::now()),
+        };
+        let raw = conn::read_header(stream, wait, io).await?.ok_or_else(|| {
             TransferError::Io(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
                 "holder closed the connection",
@@ -209,10 +216,25 @@ fn remote_error(
     }
 }
 
+/// How long a request waits for the holder to start answering.
+///
+/// A pull's requests wait until the pull's own deadline: a holder inside an
+/// engine may be alive but given no CPU for seconds (a TP 2 engine's first
+/// forward on two cores took its holder's answer past the fixed I/O timeout,
+/// 10 s, while the pull had 30 s). A holder that died is still found at once
+/// (its connection resets or closes), one that hangs at the pull's deadline.
+/// Other requests (renew, release, stat) wait one I/O timeout.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum AnswerBy {
+    IoTimeout,
+    Deadline(Instant),
+}
+
 /// The reader's half of the handshake (see `auth`).
-async fn handshake(conn: &mut Conn, secret: &Secret) -> Result<()> {
+async fn handshake(conn: &mut Conn, secret: &Secret, answer_by: AnswerBy) -> Result<()> {
     let reader = auth::nonce();
-    let (holder, proof) = match conn.exchange(&Request::Hello { nonce: reader }).await? {
+    let hello = Request::Hello { nonce: reader };
+    let (holder, proof) = match conn.exchange(&hello, answer_by).await? {
         Reply::Challenge { nonce, proof } => (nonce, proof),
         Reply::Welcome => {
             return Err(TransferError::Unauthorized(format!(
@@ -229,7 +251,7 @@ async fn handshake(conn: &mut Conn, secret: &Secret) -> Result<()> {
         )));
     }
     let proof = auth::reader_proof(secret, &holder, &reader);
-    match conn.exchange(&Request::Proof { proof }).await? {
+    match conn.exchange(&Request::Proof { proof }, answer_by).await? {
         Reply::Welcome => Ok(()),
         other => Err(unexpected(&other)),
     }
@@ -301,10 +323,10 @@ impl CtrlClient {
     /// A new connection, past the handshake when this client has a secret:
     /// the holder proves it knows the secret before this side proves it (and
     /// before anything else is sent), so a fake holder learns nothing.
-    async fn fresh(&self, addr: &str) -> Result<Conn> {
+    async fn fresh(&self, addr: &str, answer_by: AnswerBy) -> Result<Conn> {
         let mut conn = self.wrap(addr, self.connect(addr).await?, false);
         if let Some(secret) = &self.pool.config.secret {
-            if let Err(err) = handshake(&mut conn, secret).await {
+            if let Err(err) = handshake(&mut conn, secret, answer_by).await {
                 // Refused or abandoned: not a connection for the pool.
                 conn.reusable = false;
                 return Err(err);
@@ -326,15 +348,20 @@ impl CtrlClient {
     /// Sends `request` and reads the reply frame, retrying once on a fresh
     /// connection when a reused one turns out dead. The connection is returned
     /// for a `Data` reply (bytes follow) and otherwise given back to the pool.
-    pub(crate) async fn open(&self, addr: &str, request: &Request) -> Result<(Conn, Reply)> {
+    pub(crate) async fn open(
+        &self,
+        addr: &str,
+        request: &Request,
+        answer_by: AnswerBy,
+    ) -> Result<(Conn, Reply)> {
         let mut conn = match self.pool.idle.take(addr) {
             Some(stream) => self.wrap(addr, stream, true),
-            None => self.fresh(addr).await?,
+            None => self.fresh(addr, answer_by).await?,
         };
-        let reply = match conn.exchange(request).await {
+        let reply = match conn.exchange(request, answer_by).await {
             Err(err) if conn.reused && is_stale(&err) => {
-                conn = self.fresh(addr).await?;
-                conn.exchange(request).await?
+                conn = self.fresh(addr, answer_by).await?;
+                conn.exchange(request, answer_by).await?
             }
             other => other?,
         };
@@ -345,7 +372,7 @@ impl CtrlClient {
     }
 
     async fn call(&self, addr: &str, request: Request) -> Result<Reply> {
-        Ok(self.open(addr, &request).await?.1)
+        Ok(self.open(addr, &request, AnswerBy::IoTimeout).await?.1)
     }
 
     /// Extends the lease of a hold (refused for a stale epoch).
@@ -410,6 +437,7 @@ impl CtrlClient {
         epoch: u32,
         backend: u8,
         window_ms: u32,
+        deadline: Instant,
     ) -> Result<Descriptor> {
         let id = transfer_id.to_string();
         let request = Request::Describe {
@@ -418,7 +446,11 @@ impl CtrlClient {
             backend,
             window_ms,
         };
-        match self.call(addr, request).await? {
+        match self
+            .open(addr, &request, AnswerBy::Deadline(deadline))
+            .await?
+            .1
+        {
             Reply::Descriptor(d) => Ok(d),
             other => Err(unexpected(&other)),
         }
@@ -439,9 +471,18 @@ impl CtrlClient {
         transfer_id: &str,
         epoch: u32,
         bytes: u64,
+        deadline: Instant,
     ) -> Result<bool> {
-        let id = transfer_id.to_string();
-        match self.call(addr, Request::Done { id, epoch, bytes }).await? {
+        let request = Request::Done {
+            id: transfer_id.to_string(),
+            epoch,
+            bytes,
+        };
+        match self
+            .open(addr, &request, AnswerBy::Deadline(deadline))
+            .await?
+            .1
+        {
             Reply::Done { released } => Ok(released),
             other => Err(unexpected(&other)),
         }

@@ -197,6 +197,7 @@ impl Reader {
                 epoch,
                 self.backend.kind().code(),
                 window,
+                deadline,
             ),
         )
         .await
@@ -247,7 +248,8 @@ impl Reader {
         })?;
         tokio::time::timeout_at(
             deadline.into(),
-            self.ctrl.done(remote_ctrl, transfer_id, epoch, bytes),
+            self.ctrl
+                .done(remote_ctrl, transfer_id, epoch, bytes, deadline),
         )
         .await
         .map_err(|_| timeout())??;

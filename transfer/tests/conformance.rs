@@ -435,6 +435,43 @@ pub async fn holder_killed_mid_pull(kind: BackendKind) {
     reader.take_region(region).unwrap();
 }
 
+/// A holder that is alive but runs nothing (a stopped process here; in an
+/// engine, a holder given no CPU while a TP 2 engine ran its first forward on
+/// two cores) is waited for until the pull's deadline, past the I/O timeout;
+/// one that stays so fails at that deadline.
+pub async fn frozen_holder_is_waited_for_until_the_deadline(kind: BackendKind) {
+    let process = HolderProcess::start(kind, &["--hold", &format!("{}:8:65536", tid("f"))]);
+    let io = Duration::from_secs(1);
+    let reader = reader_with(kind, io, Duration::from_secs(30));
+    let (region, refs) = scattered(&reader, 8, 65536);
+    process.signal("STOP");
+    let started = Instant::now();
+    let thaw = async {
+        tokio::time::sleep(3 * io).await;
+        process.signal("CONT");
+    };
+    let id = tid("f");
+    let (pulled, ()) = tokio::join!(reader.pull(&process.addr, &id, 0, &refs), thaw);
+    let stats = pulled.expect("a holder that runs again within the pull's deadline is read");
+    assert_eq!(stats.bytes, 8 * 65536);
+    assert!(started.elapsed() >= 3 * io, "{:?}", started.elapsed());
+    // The process holds its first hold with seed 0.
+    assert_eq!(gather(&reader, region, &refs), pattern(0, 8 * 65536));
+
+    let reader = reader_with(kind, io, 4 * io);
+    let (_, refs) = scattered(&reader, 8, 65536);
+    process.signal("STOP");
+    let started = Instant::now();
+    let err = reader
+        .pull(&process.addr, &id, 0, &refs)
+        .await
+        .expect_err("a holder that stays stopped fails the pull");
+    process.signal("CONT");
+    assert!(matches!(err, TransferError::Timeout { .. }), "{err:?}");
+    let took = started.elapsed();
+    assert!(took >= 4 * io && took < 8 * io, "{took:?}");
+}
+
 pub async fn stalled_holder_times_out(kind: BackendKind) {
     let process = HolderProcess::start(
         kind,
@@ -788,6 +825,10 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn holder_killed_mid_pull() {
                 super::holder_killed_mid_pull(KIND).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn frozen_holder_is_waited_for_until_the_deadline() {
+                super::frozen_holder_is_waited_for_until_the_deadline(KIND).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn stalled_holder_times_out() {

@@ -178,7 +178,7 @@ async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    generate(state, Kind::Completion, &headers, &body).await
+    generate(state, Kind::Completion, &headers, body).await
 }
 
 async fn chat_completions(
@@ -186,7 +186,7 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    generate(state, Kind::Chat, &headers, &body).await
+    generate(state, Kind::Chat, &headers, body).await
 }
 
 /// `POST /inference/v1/generate`: token ids in, token ids out (streamed).
@@ -198,7 +198,7 @@ async fn tokens_generate(
     if let Some(refused) = crate::tokens::refused(&state) {
         return refused;
     }
-    generate(state, Kind::Tokens, &headers, &body).await
+    generate(state, Kind::Tokens, &headers, body).await
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -288,9 +288,21 @@ async fn generate(
     state: Arc<EngineState>,
     kind: Kind,
     headers: &HeaderMap,
-    body: &[u8],
+    body: Bytes,
 ) -> Response {
-    let Ok(request) = serde_json::from_slice::<Value>(body) else {
+    // Off the runtime's workers: parsing (and recording) a body of tens of MB
+    // held both of them for seconds under load, and the engine's heartbeats
+    // and `/health` answers, which run there too, stopped until the router
+    // gave it up as dead.
+    let max_recorded = state.config.max_recorded_string;
+    let parsed = tokio::task::spawn_blocking(move || {
+        serde_json::from_slice::<Value>(&body).map(|request| {
+            let recorded = crate::stats::recorded(&request, max_recorded);
+            (request, recorded)
+        })
+    })
+    .await;
+    let Ok(Ok((request, recorded))) = parsed else {
         return error(StatusCode::BAD_REQUEST, "invalid JSON body");
     };
     let request_id = headers
@@ -307,7 +319,7 @@ async fn generate(
             request_id: request_id.clone(),
             traceparent: header(headers, "traceparent"),
             tracestate: header(headers, "tracestate"),
-            body: request.clone(),
+            body: recorded,
             outcome: Outcome::Running,
             tokens_emitted: 0,
             computed_prompt_tokens: 0,

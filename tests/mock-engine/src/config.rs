@@ -160,6 +160,10 @@ pub struct MockConfig {
     /// Keep at most this many request records for /mock/stats.
     #[arg(long, default_value_t = 10_000)]
     pub max_records: usize,
+    /// Record strings of a request body longer than this many bytes as
+    /// `"<N bytes>"` (default: whole).
+    #[arg(long)]
+    pub max_recorded_string: Option<usize>,
     /// Bytes of KV per prompt token held by a prefill and pulled by a decoder.
     #[arg(long, default_value_t = 64)]
     pub kv_bytes_per_token: usize,

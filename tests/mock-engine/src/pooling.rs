@@ -66,7 +66,7 @@ fn serve(
             request_id,
             traceparent: crate::api::header(headers, "traceparent"),
             tracestate: crate::api::header(headers, "tracestate"),
-            body: request,
+            body: crate::stats::recorded(&request, state.config.max_recorded_string),
             outcome,
             tokens_emitted: 0,
             computed_prompt_tokens: 0,

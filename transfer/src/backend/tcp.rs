@@ -7,7 +7,7 @@
 //! the destination blocks: the only copies are the kernel's.
 
 use super::{Backend, Exposure, Fetch, PullFence};
-use crate::client::CtrlClient;
+use crate::client::{AnswerBy, CtrlClient};
 use crate::config::BackendKind;
 use crate::conn;
 use crate::error::{Result, TransferError};
@@ -195,7 +195,9 @@ async fn read_stripe(stripe: Stripe, pieces: Vec<DestSpan>) -> Result<()> {
         offset,
         len,
     };
-    let opened = tokio::time::timeout_at(deadline.into(), ctrl.open(&addr, &request)).await;
+    let answer_by = AnswerBy::Deadline(deadline);
+    let opened =
+        tokio::time::timeout_at(deadline.into(), ctrl.open(&addr, &request, answer_by)).await;
     let (mut conn, reply) = opened.map_err(|_| TransferError::Timeout {
         what: "asking for block bytes",
         after: io,

@@ -53,6 +53,15 @@ impl HolderProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Sends `signal` (`STOP`, `CONT`) to the holder's process.
+    pub fn signal(&self, signal: &str) {
+        let sent = Command::new("kill")
+            .args([format!("-{signal}"), self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill -{signal}");
+    }
 }
 
 impl Drop for HolderProcess {
