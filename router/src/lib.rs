@@ -251,17 +251,17 @@ impl Router {
         }
         let background = CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
-        state.flow.registry.spawn(&mut tasks, background.clone());
+        state.deps.registry.spawn(&mut tasks, background.clone());
         health::spawn(
             config.health,
-            state.flow.registry.clone(),
+            state.deps.registry.clone(),
             state.client.clone(),
-            state.flow.outliers.clone(),
+            state.deps.outliers.clone(),
             &mut tasks,
             background.clone(),
         );
         state
-            .flow
+            .deps
             .holds
             .spawn_keeper(releases, &mut tasks, background.clone());
         tenants::reload::spawn_reloader(&tenants, &mut tasks, background.clone());
@@ -277,7 +277,7 @@ impl Router {
         for instance in unnamed {
             let (state, stop) = (state.clone(), background.clone());
             tasks.spawn(async move {
-                static_instances::discover(&state.flow.registry, &state.client, instance, stop)
+                static_instances::discover(&state.deps.registry, &state.client, instance, stop)
                     .await;
             });
         }
@@ -307,7 +307,7 @@ impl Router {
     /// How many instances the membership holds (the demo waits for its
     /// engines to register).
     pub fn instance_count(&self) -> usize {
-        self.state.flow.registry.list().len()
+        self.state.deps.registry.list().len()
     }
 
     /// Shuts down gracefully: `/ready` 503 and no new connections at once;
@@ -337,8 +337,8 @@ impl Router {
             self.state.responses.live.hand_over_all();
         }
         self.state.responses.live.stop.cancel();
-        self.state.flow.drains.close();
-        self.state.flow.drains.wait().await;
+        self.state.deps.drains.close();
+        self.state.deps.drains.wait().await;
         self.background.cancel();
         while self.tasks.join_next().await.is_some() {}
     }

@@ -93,7 +93,7 @@ pub fn spawn(
                             id: id.clone(),
                         };
                         state.responses.live.taking(&id, true);
-                        state.flow.drains.clone().spawn(take_over(claim, lease));
+                        state.deps.drains.clone().spawn(take_over(claim, lease));
                     }
                 }
                 Err(err) => tracing::debug!(%err, "no look for expired background responses"),
@@ -254,7 +254,7 @@ async fn continue_taken(
         Route::Chat,
         &chat,
         engine_request_id(&request_id),
-        state.flow.requests.max_tokens_limit,
+        state.deps.requests.max_tokens_limit,
     )?;
     let quota = LiveQuota {
         max: caller.kept.background_responses,
@@ -281,14 +281,14 @@ async fn continue_taken(
     // Its first events are in the log already.
     let driver = TranslationDriver::new(translation, Destination::Log(live.clone()), true);
     let translator = Some(driver.translator());
-    let flow = state.flow.clone();
+    let deps = state.deps.clone();
     let started = match decode {
         // Past its prefill: on from the hold, after the tokens it has.
         Some(decode) => {
-            crate::pd::continue_from(flow, info, chat, decode, record, translator).await
+            crate::pd::continue_from(deps, info, chat, decode, record, translator).await
         }
         // Its replica died before the prefill answered: from the start.
-        None => crate::pd::run_observed(flow, info, chat, record, translator).await,
+        None => crate::pd::run_observed(deps, info, chat, record, translator).await,
     };
     // Could not start: its end is written by the caller (`fail`), and this
     // replica's readers of the log get it then.

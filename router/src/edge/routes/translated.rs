@@ -91,7 +91,7 @@ pub async fn serve<T: Translation>(
             };
             let driver = TranslationDriver::new(translation, to, false);
             let (chat_response, entry) = crate::pd::run_observed(
-                state.flow.clone(),
+                state.deps.clone(),
                 info,
                 chat,
                 prologue.record,
