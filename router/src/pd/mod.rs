@@ -87,7 +87,7 @@ pub async fn continue_from(
         epoch,
         choice,
     } = checkpoint;
-    let hold = Hold {
+    let hold = CheckpointHold {
         prefill,
         kv_transfer_params,
         prompt_token_ids,
@@ -107,7 +107,7 @@ pub async fn continue_from(
 }
 
 /// The hold part of a checkpoint (its choice goes to the journal).
-struct Hold {
+struct CheckpointHold {
     prefill: String,
     kv_transfer_params: serde_json::Value,
     prompt_token_ids: Vec<u32>,
@@ -124,7 +124,10 @@ struct Hold {
 /// name. The attempt goes on in a new epoch (the hold
 /// is this replica's now: the dead one's decoder can no longer pull or
 /// release it), within the epochs a prefill's answer may carry.
-fn checked_hold(deps: &FlowDeps, checkpoint: Hold) -> Result<prefill::Prefilled, ApiError> {
+fn checked_hold(
+    deps: &FlowDeps,
+    checkpoint: CheckpointHold,
+) -> Result<prefill::Prefilled, ApiError> {
     let refused = |why: String| {
         tracing::warn!(prefill = %checkpoint.prefill, %why, "a checkpoint from the response store refused");
         ApiError::Unavailable(format!("the stored checkpoint cannot be continued: {why}"))
@@ -195,7 +198,7 @@ async fn respond(
     };
     let reader = session.journal_reader();
     session.set_record(record);
-    let served = Served {
+    let served = ServedBy {
         prefill: session.prefill_instance(),
         decoder: session.first_decoder().to_string(),
     };
@@ -236,12 +239,12 @@ async fn start(
 }
 
 /// Who served a request.
-struct Served {
+struct ServedBy {
     prefill: String,
     decoder: String,
 }
 
-impl Served {
+impl ServedBy {
     /// The response headers the flow adds, in one place: the instances that
     /// served it (for operators and the demo) and, for a non-stream response,
     /// the resumes it needed. (The client's `x-request-id` is the edge's:

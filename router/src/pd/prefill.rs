@@ -275,7 +275,7 @@ fn release_abandoned(holds: &crate::pd::holds::Holds, abandoned: &Reply) {
 
 /// The part of a prefill answer the router reads.
 #[derive(serde::Deserialize)]
-struct Answer<'a> {
+struct PrefillAnswer<'a> {
     #[serde(borrow, default)]
     kv_transfer_params: Option<&'a serde_json::value::RawValue>,
     /// Chat puts the prompt ids (and logprobs) at the top level...
@@ -333,7 +333,7 @@ pub fn parse_answer(
     instance: &Instance,
     bytes: &[u8],
 ) -> Result<Prefilled, InvalidAnswer> {
-    let answer: Answer = serde_json::from_slice(bytes).map_err(|_| InvalidAnswer::Json)?;
+    let answer: PrefillAnswer = serde_json::from_slice(bytes).map_err(|_| InvalidAnswer::Json)?;
     let kv_transfer_params = answer
         .kv_transfer_params
         .and_then(|raw| serde_json::from_str::<Value>(raw.get()).ok())
