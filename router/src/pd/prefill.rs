@@ -229,7 +229,7 @@ async fn call_owning_the_hold(
                 trace,
                 body: payload,
             };
-            let reply = upstream.prefill(call).await;
+            let reply = upstream.answer(call).await;
             // The request went away before the answer came.
             if let Err(Ok(abandoned)) = tx.send(reply) {
                 release_abandoned(&holds, &abandoned);

@@ -136,7 +136,8 @@ fn stream(pieces: Vec<Piece>) -> ByteStream {
 }
 
 impl Upstream for Scripted {
-    fn prefill<'a>(&'a self, _call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+    /// Every whole answer is a prefill's (these tests make no `/render`).
+    fn answer<'a>(&'a self, _call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
         Box::pin(async {
             let body = json!({"choices": [{"index": 0, "text": "x", "prompt_token_ids": [1, 2, 3]}],
                 "kv_transfer_params": {"transfer_id": "t", "do_remote_decode": true}});
@@ -149,7 +150,7 @@ impl Upstream for Scripted {
 
     /// `/detokenize` as the scripted chunks spell tokens ([`detokenize`]);
     /// no `/tokenize`.
-    fn tokenizer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+    fn convert<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
         let body: Value = serde_json::from_slice(&call.body.to_bytes()).unwrap_or(Value::Null);
         if call.path == "/tokenize" {
             *self.tokenized.lock().expect("tokenized") += 1;

@@ -95,7 +95,7 @@ async fn run(
             trace: crate::observe::traces::headers(record.span()),
             body: body.clone(),
         };
-        match state.deps.upstream.prefill(call).await {
+        match state.deps.upstream.answer(call).await {
             Ok(reply) if (200..300).contains(&reply.status) => {
                 let status = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::OK);
                 return Ok((
