@@ -21,7 +21,7 @@
 //!   (`BackgroundState`).
 //! - `protocols/`: wire formats. SSE; OpenAI's chat and completions as the
 //!   phases read and write them (`protocols/openai`: the client body, stop
-//!   strings, chunk edits, output, assembly, the `Translator` the relay
+//!   strings, chunk edits, output, assembly, the `TranslatedOutput` the relay
 //!   feeds); the client protocols translated to and from a chat (Responses,
 //!   Messages); a translated protocol's events (`client_event.rs`).
 //! - `pd/`: a request's phases: tokens, prefill, decode, relay, resume,

@@ -280,15 +280,15 @@ async fn continue_taken(
     let record = RequestRecord::new("/v1/responses", request_id);
     // Its first events are in the log already.
     let driver = TranslationDriver::new(translation, Destination::Log(live.clone()), true);
-    let translator = Some(driver.translator());
+    let translated = Some(driver.as_output());
     let deps = state.deps.clone();
     let started = match decode {
         // Past its prefill: on from the hold, after the tokens it has.
         Some(decode) => {
-            crate::pd::continue_from(deps, info, chat, decode, record, translator).await
+            crate::pd::continue_from(deps, info, chat, decode, record, translated).await
         }
         // Its replica died before the prefill answered: from the start.
-        None => crate::pd::run_observed(deps, info, chat, record, translator).await,
+        None => crate::pd::run_observed(deps, info, chat, record, translated).await,
     };
     // Could not start: its end is written by the caller (`fail`), and this
     // replica's readers of the log get it then.

@@ -34,7 +34,7 @@ use crate::error::ApiError;
 use crate::journal::{EntryReader, JournalHandle};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::RequestInfo;
-use crate::protocols::openai::translator::Translator;
+use crate::protocols::openai::translated_output::TranslatedOutput;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use deps::FlowDeps;
@@ -57,15 +57,15 @@ pub async fn run(
 
 /// [`run`], with a reader of the request's journal entry (what a background
 /// response checkpoints, `checkpoint.rs`); the client's stream is
-/// `translator`'s when there is one (a protocol run as a chat).
+/// `translated`'s when there is one (a protocol run as a chat).
 pub async fn run_observed(
     deps: Arc<FlowDeps>,
     info: RequestInfo,
     body: ClientBody,
     mut record: RequestRecord,
-    translator: Option<Box<dyn Translator>>,
+    translated: Option<Box<dyn TranslatedOutput>>,
 ) -> Result<(Response, EntryReader), ApiError> {
-    let started = start(deps, info, body, &mut record, translator).await;
+    let started = start(deps, info, body, &mut record, translated).await;
     respond(started, record).await
 }
 
@@ -78,7 +78,7 @@ pub async fn continue_from(
     body: ClientBody,
     checkpoint: checkpoint::DecodeCheckpoint,
     mut record: RequestRecord,
-    translator: Option<Box<dyn Translator>>,
+    translated: Option<Box<dyn TranslatedOutput>>,
 ) -> Result<(Response, EntryReader), ApiError> {
     let checkpoint::DecodeCheckpoint {
         prefill,
@@ -102,7 +102,7 @@ pub async fn continue_from(
     };
     let journal = open_journal(&deps, &info, &mut record);
     journal.update(|e| e.choices = vec![choice.into()]);
-    let started = Session::start(deps, info, body, prefilled, journal, translator).await;
+    let started = Session::start(deps, info, body, prefilled, journal, translated).await;
     respond(started, record).await
 }
 
@@ -219,7 +219,7 @@ async fn start(
     info: RequestInfo,
     body: ClientBody,
     record: &mut RequestRecord,
-    translator: Option<Box<dyn Translator>>,
+    translated: Option<Box<dyn TranslatedOutput>>,
 ) -> Result<Session, ApiError> {
     if !deps.registry.knows_model(&info.model) {
         return Err(ApiError::ModelNotFound(info.model.clone()));
@@ -235,7 +235,7 @@ async fn start(
         None
     };
     let prefilled = prefill::run(&deps, &info, info.route, payload, prompt.as_deref()).await?;
-    Session::start(deps, info, body, prefilled, journal, translator).await
+    Session::start(deps, info, body, prefilled, journal, translated).await
 }
 
 /// Who served a request.

@@ -17,7 +17,7 @@ use crate::protocols::openai::chunk::{self, ErrorEvent};
 use crate::protocols::openai::output::{Output, Source};
 use crate::protocols::openai::request::RequestInfo;
 use crate::protocols::openai::stops::Matcher;
-use crate::protocols::openai::translator::Translator;
+use crate::protocols::openai::translated_output::TranslatedOutput;
 use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
@@ -204,9 +204,9 @@ impl Relay {
         self.out.pop_front()
     }
 
-    /// The client's protocol is `translator`'s (its first events queued).
-    pub fn translate_with(&mut self, translator: Box<dyn Translator>) {
-        self.out.extend(self.output.translate_with(translator));
+    /// The client's protocol is `translated`'s (its first events queued).
+    pub fn translate_with(&mut self, translated: Box<dyn TranslatedOutput>) {
+        self.out.extend(self.output.translate_with(translated));
     }
 
     /// Queues the last events of a finished stream; returns what must be

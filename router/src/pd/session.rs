@@ -28,7 +28,7 @@ use crate::prefix::hash::Prompt;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::output::Source;
 use crate::protocols::openai::request::{RequestInfo, Route};
-use crate::protocols::openai::translator::Translator;
+use crate::protocols::openai::translated_output::TranslatedOutput;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -91,7 +91,7 @@ impl Session {
         body: ClientBody,
         prefilled: Prefilled,
         journal: JournalHandle,
-        translator: Option<Box<dyn Translator>>,
+        translated: Option<Box<dyn TranslatedOutput>>,
     ) -> Result<Self, ApiError> {
         let blocker = resume::mid_stream_blocker(info.route, &body);
         let max_tokens = resume::requested_max_tokens(&body)
@@ -112,8 +112,8 @@ impl Session {
         });
         let mut relay = Relay::new(&info, journal, blocker.is_none(), max_tokens);
         relay.set_prompt_logprobs(prefilled.prompt_logprobs);
-        if let Some(translator) = translator {
-            relay.translate_with(translator);
+        if let Some(translated) = translated {
+            relay.translate_with(translated);
         }
         let mut session = Self {
             relay,
