@@ -43,11 +43,12 @@ pub struct Apart<T> {
     pub admission: Option<crate::tenants::Admission>,
     /// The lease this replica holds on it in the shared store (a
     /// generation taken over; a new one gets its own).
-    pub lease: Option<Lease>,
+    pub lease: Option<ResponseLease>,
 }
 
-/// A lease a replica holds on a background response it took over.
-pub struct Lease {
+/// A lease a replica holds on a background response it took over, in the
+/// shared store (`store/redis/lease.rs`; not a hold's `HoldLease`).
+pub struct ResponseLease {
     pub token: String,
     /// When the call that last set it was sent: it runs out in the store a
     /// lease after that at the soonest, so the generation's hold counts from

@@ -18,7 +18,7 @@
 //! ends; only one this replica has no room for is let go for another look.
 
 use super::response_translation::ResponseTranslation;
-use super::run::{run_apart, Apart, BackgroundState, Lease};
+use super::run::{run_apart, Apart, BackgroundState, ResponseLease};
 use super::translation::TranslationDriver;
 use crate::error::ApiError;
 use crate::pd::checkpoint::DecodeCheckpoint;
@@ -82,7 +82,7 @@ pub fn spawn(
                             id,
                             "taking over a background response whose replica stopped renewing it"
                         );
-                        let lease = Lease {
+                        let lease = ResponseLease {
                             token: token.clone(),
                             since: sent,
                         };
@@ -129,7 +129,7 @@ enum TakeoverError {
     Api(#[from] ApiError),
 }
 
-async fn take_over(claim: ClaimedResponse, lease: Lease) {
+async fn take_over(claim: ClaimedResponse, lease: ResponseLease) {
     let ClaimedResponse {
         state,
         tenants,
@@ -209,7 +209,7 @@ async fn continue_taken(
     tenants: &Tenants,
     store: &RedisStore,
     id: &str,
-    lease: Lease,
+    lease: ResponseLease,
     taken: Taken,
 ) -> Result<(), TakeoverError> {
     let Taken {
@@ -268,7 +268,7 @@ async fn continue_taken(
         Ok(true) => {}
         Ok(false) | Err(_) => return Err(TakeoverError::Lost),
     }
-    let lease = Lease {
+    let lease = ResponseLease {
         since: renewing,
         ..lease
     };
