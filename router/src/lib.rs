@@ -25,8 +25,10 @@
 //!   feeds); the client protocols translated to and from a chat (Responses,
 //!   Messages); a translated protocol's events (`client_event.rs`).
 //! - `pd/`: a request's phases: tokens, prefill, decode, relay, resume,
-//!   re-prefill, continuation, the engine calls they make, and the router's
-//!   side of the KV holds (`pd/holds/`).
+//!   re-prefill, continuation, the engine calls they make (`pd/upstream.rs`),
+//!   and the router's side of the KV holds (`pd/holds/`); every phase takes
+//!   the flow's dependencies (`pd/deps.rs`: `FlowDeps`, as `deps`), never the
+//!   app's state.
 //! - `store/`: the router's own state: stored responses and background
 //!   responses' logs, in memory or in the store every replica shares (Redis).
 //! - `journal.rs` (every request in flight and its progress), `policy/`
