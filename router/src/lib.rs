@@ -21,12 +21,14 @@
 //!   (`BackgroundState`).
 //! - `protocols/`: wire formats. SSE; OpenAI's chat and completions as the
 //!   phases read and write them (`protocols/openai`: the client body, stop
-//!   strings, chunk edits, output, assembly, the `Translator` the relay
+//!   strings, chunk edits, output, assembly, the `TranslatedOutput` the relay
 //!   feeds); the client protocols translated to and from a chat (Responses,
 //!   Messages); a translated protocol's events (`client_event.rs`).
 //! - `pd/`: a request's phases: tokens, prefill, decode, relay, resume,
-//!   re-prefill, continuation, the engine calls they make, and the router's
-//!   side of the KV holds (`pd/holds/`).
+//!   re-prefill, continuation, the engine calls they make (`pd/upstream.rs`),
+//!   and the router's side of the KV holds (`pd/holds/`); every phase takes
+//!   the flow's dependencies (`pd/deps.rs`: `FlowDeps`, as `deps`), never the
+//!   app's state.
 //! - `store/`: the router's own state: stored responses and background
 //!   responses' logs, in memory or in the store every replica shares (Redis).
 //! - `journal.rs` (every request in flight and its progress), `policy/`
@@ -251,17 +253,17 @@ impl Router {
         }
         let background = CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
-        state.flow.registry.spawn(&mut tasks, background.clone());
+        state.deps.registry.spawn(&mut tasks, background.clone());
         health::spawn(
             config.health,
-            state.flow.registry.clone(),
+            state.deps.registry.clone(),
             state.client.clone(),
-            state.flow.outliers.clone(),
+            state.deps.outliers.clone(),
             &mut tasks,
             background.clone(),
         );
         state
-            .flow
+            .deps
             .holds
             .spawn_keeper(releases, &mut tasks, background.clone());
         tenants::reload::spawn_reloader(&tenants, &mut tasks, background.clone());
@@ -277,7 +279,7 @@ impl Router {
         for instance in unnamed {
             let (state, stop) = (state.clone(), background.clone());
             tasks.spawn(async move {
-                static_instances::discover(&state.flow.registry, &state.client, instance, stop)
+                static_instances::discover(&state.deps.registry, &state.client, instance, stop)
                     .await;
             });
         }
@@ -307,7 +309,7 @@ impl Router {
     /// How many instances the membership holds (the demo waits for its
     /// engines to register).
     pub fn instance_count(&self) -> usize {
-        self.state.flow.registry.list().len()
+        self.state.deps.registry.list().len()
     }
 
     /// Shuts down gracefully: `/ready` 503 and no new connections at once;
@@ -337,8 +339,8 @@ impl Router {
             self.state.responses.live.hand_over_all();
         }
         self.state.responses.live.stop.cancel();
-        self.state.flow.drains.close();
-        self.state.flow.drains.wait().await;
+        self.state.deps.drains.close();
+        self.state.deps.drains.wait().await;
         self.background.cancel();
         while self.tasks.join_next().await.is_some() {}
     }

@@ -5,7 +5,7 @@
 use super::mirror;
 use super::translation::{no_ending, Translation, TranslationDriver};
 use crate::journal::EntryReader;
-use crate::pd::flow::Flow;
+use crate::pd::deps::FlowDeps;
 use crate::store::live::Live;
 use crate::store::ResponseStores;
 use axum::response::Response;
@@ -23,12 +23,12 @@ fn value_of(whole: &RawValue) -> Value {
 /// shared store).
 pub const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// What background generations use of the router: the request flow their
-/// chats run through and the response stores their events and answers go to
+/// What background generations use of the router: the request flow's
+/// dependencies (their chats run through it) and the response stores their events and answers go to
 /// (the rest of the app's state is the edge's).
 #[derive(Clone)]
 pub struct BackgroundState {
-    pub flow: Arc<Flow>,
+    pub deps: Arc<FlowDeps>,
     pub responses: Arc<ResponseStores>,
 }
 
@@ -43,11 +43,12 @@ pub struct Apart<T> {
     pub admission: Option<crate::tenants::Admission>,
     /// The lease this replica holds on it in the shared store (a
     /// generation taken over; a new one gets its own).
-    pub lease: Option<Lease>,
+    pub lease: Option<ResponseLease>,
 }
 
-/// A lease a replica holds on a background response it took over.
-pub struct Lease {
+/// A lease a replica holds on a background response it took over, in the
+/// shared store (`store/redis/lease.rs`; not a hold's `HoldLease`).
+pub struct ResponseLease {
     pub token: String,
     /// When the call that last set it was sent: it runs out in the store a
     /// lease after that at the soonest, so the generation's hold counts from
@@ -121,7 +122,7 @@ pub async fn run_apart<T: Translation>(
                 origin = None;
             }
         }
-        state.flow.drains.spawn(mirror::mirror(
+        state.deps.drains.spawn(mirror::mirror(
             shared.clone(),
             id,
             token,
@@ -131,7 +132,7 @@ pub async fn run_apart<T: Translation>(
             state.responses.live.stop.clone(),
         ));
     }
-    state.flow.drains.spawn(async move {
+    state.deps.drains.spawn(async move {
         let _admission = admission;
         let mut every = tokio::time::interval(CHECKPOINT_EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -18,7 +18,7 @@
 //! ends; only one this replica has no room for is let go for another look.
 
 use super::response_translation::ResponseTranslation;
-use super::run::{run_apart, Apart, BackgroundState, Lease};
+use super::run::{run_apart, Apart, BackgroundState, ResponseLease};
 use super::translation::TranslationDriver;
 use crate::error::ApiError;
 use crate::pd::checkpoint::DecodeCheckpoint;
@@ -82,7 +82,7 @@ pub fn spawn(
                             id,
                             "taking over a background response whose replica stopped renewing it"
                         );
-                        let lease = Lease {
+                        let lease = ResponseLease {
                             token: token.clone(),
                             since: sent,
                         };
@@ -93,7 +93,7 @@ pub fn spawn(
                             id: id.clone(),
                         };
                         state.responses.live.taking(&id, true);
-                        state.flow.drains.clone().spawn(take_over(claim, lease));
+                        state.deps.drains.clone().spawn(take_over(claim, lease));
                     }
                 }
                 Err(err) => tracing::debug!(%err, "no look for expired background responses"),
@@ -129,7 +129,7 @@ enum TakeoverError {
     Api(#[from] ApiError),
 }
 
-async fn take_over(claim: ClaimedResponse, lease: Lease) {
+async fn take_over(claim: ClaimedResponse, lease: ResponseLease) {
     let ClaimedResponse {
         state,
         tenants,
@@ -209,7 +209,7 @@ async fn continue_taken(
     tenants: &Tenants,
     store: &RedisStore,
     id: &str,
-    lease: Lease,
+    lease: ResponseLease,
     taken: Taken,
 ) -> Result<(), TakeoverError> {
     let Taken {
@@ -254,7 +254,7 @@ async fn continue_taken(
         Route::Chat,
         &chat,
         engine_request_id(&request_id),
-        state.flow.requests.max_tokens_limit,
+        state.deps.requests.max_tokens_limit,
     )?;
     let quota = LiveQuota {
         max: caller.kept.background_responses,
@@ -268,7 +268,7 @@ async fn continue_taken(
         Ok(true) => {}
         Ok(false) | Err(_) => return Err(TakeoverError::Lost),
     }
-    let lease = Lease {
+    let lease = ResponseLease {
         since: renewing,
         ..lease
     };
@@ -280,15 +280,15 @@ async fn continue_taken(
     let record = RequestRecord::new("/v1/responses", request_id);
     // Its first events are in the log already.
     let driver = TranslationDriver::new(translation, Destination::Log(live.clone()), true);
-    let translator = Some(driver.translator());
-    let flow = state.flow.clone();
+    let translated = Some(driver.as_output());
+    let deps = state.deps.clone();
     let started = match decode {
         // Past its prefill: on from the hold, after the tokens it has.
         Some(decode) => {
-            crate::pd::continue_from(flow, info, chat, decode, record, translator).await
+            crate::pd::continue_from(deps, info, chat, decode, record, translated).await
         }
         // Its replica died before the prefill answered: from the start.
-        None => crate::pd::run_observed(flow, info, chat, record, translator).await,
+        None => crate::pd::run_observed(deps, info, chat, record, translated).await,
     };
     // Could not start: its end is written by the caller (`fail`), and this
     // replica's readers of the log get it then.

@@ -1,17 +1,18 @@
 //! A client protocol's translation of a chat, as the relay drives it: the
 //! `Translation` each translated protocol implements (its events from the
 //! chat's chunks, its whole answer), and the `TranslationDriver` that runs
-//! one for a request: the relay feeds it (it is the relay's `Translator`),
-//! it writes the events to their `Destination` (a streaming client, a
-//! background response's log, or nowhere: a non-stream client gets the whole
-//! answer) and keeps the chat's end for whoever answers. The translated
+//! one for a request: the relay feeds it (it is the relay's
+//! `TranslatedOutput`), it writes the events to their `Destination` (a
+//! streaming client, a background response's log, or nowhere: a non-stream
+//! client gets the whole answer) and keeps the chat's end for whoever
+//! answers. The translated
 //! routes (`edge/routes/translated.rs`) and the background generations
 //! (`run.rs`, `takeover.rs`) share it.
 
 use crate::error::ApiError;
 use crate::protocols::client_event::{Destination, EventWriter};
 use crate::protocols::openai::chunk::Chunk;
-use crate::protocols::openai::translator::Translator;
+use crate::protocols::openai::translated_output::TranslatedOutput;
 use crate::store::live::Live;
 use crate::store::stored::Stored;
 use axum::response::Response;
@@ -149,8 +150,8 @@ impl<T: Translation> TranslationDriver<T> {
         self.lock().ending.take()
     }
 
-    /// The relay's handle on it.
-    pub fn translator(&self) -> Box<dyn Translator> {
+    /// The relay's handle on it: the relay's output for this client.
+    pub fn as_output(&self) -> Box<dyn TranslatedOutput> {
         Box::new(self.clone())
     }
 
@@ -175,7 +176,7 @@ impl<T: Translation> TranslationDriver<T> {
     }
 }
 
-impl<T: Translation> Translator for TranslationDriver<T> {
+impl<T: Translation> TranslatedOutput for TranslationDriver<T> {
     fn start(&mut self) -> Option<Bytes> {
         let mut driver = self.lock();
         if std::mem::replace(&mut driver.started, true) {

@@ -12,7 +12,7 @@ use crate::engines::probe::ProbeClient;
 use crate::journal::Journal;
 use crate::membership::model_list::{ModelCache, ModelLists};
 use crate::membership::Registry;
-use crate::pd::flow::Flow;
+use crate::pd::deps::FlowDeps;
 use crate::pd::holds::ReleaseQueue;
 use crate::pd::tokenizer::Tokenizers;
 use crate::pd::upstream::HttpUpstream;
@@ -24,12 +24,12 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use std::sync::Arc;
 
 pub struct AppState {
-    /// The request flow's subsystems (`state.flow.registry`,
-    /// `state.flow.journal`): what a request's phases use, which they take
+    /// The request flow's dependencies (`state.deps.registry`,
+    /// `state.deps.journal`): what a request's phases use, which they take
     /// without the rest of the app's state.
-    pub flow: Arc<Flow>,
+    pub deps: Arc<FlowDeps>,
     /// The client of the health probes and the admin's calls to engines
-    /// (the flow's engine calls go through its `upstream`).
+    /// (the flow's engine calls go through `deps.upstream`).
     pub client: crate::engines::probe::ProbeClient,
     pub metrics: Option<PrometheusHandle>,
     /// `/v1/models`: each model's entry as its engines last described it.
@@ -63,11 +63,11 @@ impl AppState {
         let client = ProbeClient::new(engines.clone());
         let upstream = Arc::new(HttpUpstream::new(engines, config.engines));
         crate::prefix::BlockBudget::process().set_cap(config.routing.prefix_index_total_blocks);
-        let (mut flow, releases) = Flow::new(config, registry, upstream);
-        flow.holds = flow
+        let (mut deps, releases) = FlowDeps::new(config, registry, upstream);
+        deps.holds = deps
             .holds
             .resolving_with(Resolver(Arc::new(CtrlResolver(upstreams))));
-        let flow = flow.with_tokenizers(tokenizers);
+        let deps = deps.with_tokenizers(tokenizers);
         let metrics = crate::observe::metrics::install(config.observability.metrics_idle());
         crate::membership::status::describe_metrics();
         crate::observe::metrics::set_resume_causes(
@@ -77,14 +77,14 @@ impl AppState {
                 .map(|c| c.as_str())
                 .collect(),
         );
-        let flow = Arc::new(flow);
+        let deps = Arc::new(deps);
         let models = Arc::new(ModelLists {
             cache: ModelCache::default(),
             client: client.clone(),
-            registry: flow.registry.clone(),
+            registry: deps.registry.clone(),
         });
         let state = Self {
-            flow: flow.clone(),
+            deps: deps.clone(),
             client,
             metrics,
             models,
@@ -120,7 +120,7 @@ impl AppState {
     /// The part background generations use (`background/`).
     pub fn background(&self) -> BackgroundState {
         BackgroundState {
-            flow: self.flow.clone(),
+            deps: self.deps.clone(),
             responses: self.responses.clone(),
         }
     }
@@ -138,21 +138,21 @@ impl FromRef<HandlerState> for Arc<AppState> {
     }
 }
 
-impl FromRef<HandlerState> for Arc<Flow> {
+impl FromRef<HandlerState> for Arc<FlowDeps> {
     fn from_ref(HandlerState(state): &HandlerState) -> Self {
-        state.flow.clone()
+        state.deps.clone()
     }
 }
 
 impl FromRef<HandlerState> for Arc<Registry> {
     fn from_ref(HandlerState(state): &HandlerState) -> Self {
-        state.flow.registry.clone()
+        state.deps.registry.clone()
     }
 }
 
 impl FromRef<HandlerState> for Arc<Journal> {
     fn from_ref(HandlerState(state): &HandlerState) -> Self {
-        state.flow.journal.clone()
+        state.deps.journal.clone()
     }
 }
 

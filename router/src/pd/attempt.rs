@@ -24,9 +24,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-/// What an attempt yields next.
+/// What an attempt yields next (the relay takes each; distinct from a
+/// translated protocol's `ClientEvent`).
 #[derive(Debug)]
-pub enum Event {
+pub enum AttemptItem {
     /// The data of one event (a JSON chunk).
     Data(Bytes),
     /// `[DONE]`.
@@ -131,8 +132,8 @@ impl Attempt {
         self.guard.instance()
     }
 
-    fn failed(&self, cause: Cause, message: String) -> Raw {
-        Raw::Failed(Failure {
+    fn failed(&self, cause: Cause, message: String) -> LaneItem {
+        LaneItem::Failed(Failure {
             decoder: self.decoder().id.clone(),
             cause,
             message,
@@ -189,7 +190,7 @@ impl Attempt {
     /// The next event of the stream, or why there is none. Cancel-safe: a
     /// chunk being derendered when the caller stops polling comes with the
     /// next call.
-    pub async fn next(&mut self) -> Event {
+    pub async fn next(&mut self) -> AttemptItem {
         loop {
             if let Some(at) = self.derendering {
                 let finished = match self.lanes.get_mut(at).and_then(|l| l.derender.as_mut()) {
@@ -198,23 +199,25 @@ impl Attempt {
                 };
                 self.derendering = None;
                 match finished {
-                    Some(Ok(chunk)) => return Event::Data(self.of_lane(at, chunk)),
-                    Some(Err(failure)) => return Event::Failed(failure),
+                    Some(Ok(chunk)) => return AttemptItem::Data(self.of_lane(at, chunk)),
+                    Some(Err(failure)) => return AttemptItem::Failed(failure),
                     None => continue,
                 }
             }
             let (at, data) = match self.next_raw().await {
-                Raw::Data(at, data) => (at, data),
-                Raw::Done => return Event::Done,
-                Raw::Failed(failure) => return Event::Failed(failure),
+                LaneItem::Data(at, data) => (at, data),
+                LaneItem::Done => return AttemptItem::Done,
+                LaneItem::Failed(failure) => return AttemptItem::Failed(failure),
             };
             match self.lanes.get_mut(at).and_then(|l| l.derender.as_mut()) {
                 Some(derender) if derender::needs_derender(&data) => {
                     derender.start_chunk(&data);
                     self.derendering = Some(at);
                 }
-                Some(_) => return Event::Data(self.of_lane(at, derender::passed_through(data))),
-                None => return Event::Data(self.of_lane(at, data)),
+                Some(_) => {
+                    return AttemptItem::Data(self.of_lane(at, derender::passed_through(data)))
+                }
+                None => return AttemptItem::Data(self.of_lane(at, data)),
             }
         }
     }
@@ -229,7 +232,7 @@ impl Attempt {
 
     /// The next event of the decoder's own streams: a lane's data, or the
     /// end (every lane sent `[DONE]`), or why there is none.
-    async fn next_raw(&mut self) -> Raw {
+    async fn next_raw(&mut self) -> LaneItem {
         loop {
             let ready = self
                 .lanes
@@ -244,11 +247,11 @@ impl Attempt {
                     self.lanes[at].done = true;
                     if self.lanes.iter().all(|l| l.done) {
                         self.done = true;
-                        return Raw::Done;
+                        return LaneItem::Done;
                     }
                     continue;
                 }
-                return Raw::Data(at, data);
+                return LaneItem::Data(at, data);
             }
             let read = tokio::select! {
                 biased;
@@ -316,7 +319,7 @@ impl Attempt {
 }
 
 /// What the decoder's own streams give (before derendering).
-enum Raw {
+enum LaneItem {
     /// An event's data, of lane `.0`.
     Data(usize, Bytes),
     /// Every lane sent `[DONE]`.

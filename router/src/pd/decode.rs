@@ -4,9 +4,9 @@
 //! every token as it comes.
 
 use super::attempt::{Attempt, Lane};
+use super::deps::FlowDeps;
 use super::derender::Derender;
 use super::failure::{Cause, Failure};
-use super::flow::Flow;
 use super::upstream::{ByteStream, Call, CallError, Opened, Payload};
 use crate::error::ApiError;
 use crate::membership::{Instance, LoadGuard, Pick};
@@ -62,17 +62,17 @@ pub enum OpenError {
 /// decoder that failed may have come back). `prompt`: the prompt's token ids,
 /// for `cache_aware` (a decoder holding its prefix pulls less).
 pub fn choose(
-    state: &Flow,
+    deps: &FlowDeps,
     model: &str,
     failed: &[String],
     prompt: Option<Prompt<'_>>,
 ) -> Option<Arc<Instance>> {
-    let candidates = state.registry.eligible(model, Pick::Decode);
-    let mut avoid = state
+    let candidates = deps.registry.eligible(model, Pick::Decode);
+    let mut avoid = deps
         .outliers
         .avoid(candidates.iter().map(|c| c.id.as_str()));
     let select = |exclude: &[String]| {
-        let decision = state.decode.select_for(&candidates, exclude, prompt)?;
+        let decision = deps.decode.select_for(&candidates, exclude, prompt)?;
         if let Some(reason) = decision.reason {
             crate::observe::metrics::routing_decision(
                 "decode",
@@ -84,8 +84,8 @@ pub fn choose(
             // The decoder is about to load (pull) this prompt.
             decision.instance.remember_prompt(
                 prompt,
-                state.routing.kv_block_size,
-                state.routing.prefix_index_blocks,
+                deps.routing.kv_block_size,
+                deps.routing.prefix_index_blocks,
             );
         }
         Some(decision.instance)
@@ -120,7 +120,7 @@ impl LanePlan {
 
 /// Sends each lane's payload to `decoder` and returns the open streams.
 pub async fn open(
-    state: &Flow,
+    deps: &FlowDeps,
     decoder: Arc<Instance>,
     path: &'static str,
     request_id: &str,
@@ -142,21 +142,21 @@ pub async fn open(
             trace: crate::observe::traces::headers(&span),
             body: plan.payload,
         };
-        let opened = state.upstream.decode(call).instrument(span.clone()).await;
+        let opened = deps.upstream.decode(call).instrument(span.clone()).await;
         lanes.push(Lane::new(
-            opened_stream(state, &decoder, opened)?,
+            opened_stream(deps, &decoder, opened)?,
             plan.choice,
             plan.derender,
         ));
     }
-    state.outliers.clear(&decoder.id);
-    let clock = state.outliers.clock(&decoder.id);
-    Ok(Attempt::of_lanes(lanes, guard, source, state.engines, clock).in_span(span))
+    deps.outliers.clear(&decoder.id);
+    let clock = deps.outliers.clock(&decoder.id);
+    Ok(Attempt::of_lanes(lanes, guard, source, deps.engines, clock).in_span(span))
 }
 
 /// The stream a decode call opened, or why it opened none.
 fn opened_stream(
-    state: &Flow,
+    deps: &FlowDeps,
     decoder: &Instance,
     opened: Result<Opened, CallError>,
 ) -> Result<ByteStream, OpenError> {
@@ -181,7 +181,7 @@ fn opened_stream(
                 &reply.body,
             )))
         }
-        Err(error) => Err(OpenError::Failed(call_failure(state, decoder, error))),
+        Err(error) => Err(OpenError::Failed(call_failure(deps, decoder, error))),
     }
 }
 
@@ -190,7 +190,7 @@ fn opened_stream(
 /// listens there any more (it is marked dead), a connect timeout that it is
 /// busy (new requests avoid it for a while; its streams in flight are left
 /// alone).
-pub fn call_failure(state: &Flow, decoder: &Instance, error: CallError) -> Failure {
+pub fn call_failure(deps: &FlowDeps, decoder: &Instance, error: CallError) -> Failure {
     let failed = |cause, message: String| Failure::new(&decoder.id, cause, message);
     let count =
         |kind| crate::observe::metrics::upstream_error(&decoder.id, &decoder.model, "decode", kind);
@@ -198,9 +198,9 @@ pub fn call_failure(state: &Flow, decoder: &Instance, error: CallError) -> Failu
         CallError::Connect { refused, message } => {
             count("connect");
             // The decoder never saw the request.
-            state.outliers.suspect(&decoder.id);
+            deps.outliers.suspect(&decoder.id);
             if refused {
-                state.registry.mark_dead(&decoder.id);
+                deps.registry.mark_dead(&decoder.id);
             }
             let what = if refused {
                 "refused the connection"

@@ -130,7 +130,7 @@ pub async fn render(
         trace: Vec::new(),
         body,
     };
-    let reply = upstream.prefill(call).await.map_err(RenderError::Call)?;
+    let reply = upstream.answer(call).await.map_err(RenderError::Call)?;
     match reply.status {
         200..=299 => serde_json::from_slice(&reply.body)
             .ok()
@@ -412,8 +412,7 @@ async fn call(target: Arc<DerenderTarget>, body: Bytes) -> Result<(Bytes, Bytes)
         trace: Vec::new(),
         body: body.into(),
     };
-    let reply = match tokio::time::timeout(target.timeout, target.upstream.tokenizer(request)).await
-    {
+    let reply = match tokio::time::timeout(target.timeout, target.upstream.convert(request)).await {
         Err(_) => {
             return Err(failed(
                 Cause::Stall,

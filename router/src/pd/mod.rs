@@ -13,9 +13,9 @@
 pub mod attempt;
 pub mod checkpoint;
 pub mod decode;
+pub mod deps;
 pub mod derender;
 pub mod failure;
-pub mod flow;
 pub mod holds;
 pub mod merged;
 pub mod prefill;
@@ -34,10 +34,10 @@ use crate::error::ApiError;
 use crate::journal::{EntryReader, JournalHandle};
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::RequestInfo;
-use crate::protocols::openai::translator::Translator;
+use crate::protocols::openai::translated_output::TranslatedOutput;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
-use flow::Flow;
+use deps::FlowDeps;
 use record::RequestRecord;
 use session::Session;
 use std::sync::Arc;
@@ -45,27 +45,27 @@ use std::sync::Arc;
 /// Runs one validated request through P/D and returns the client's response.
 /// `record` records how the request ended, however it ends.
 pub async fn run(
-    state: Arc<Flow>,
+    deps: Arc<FlowDeps>,
     info: RequestInfo,
     body: ClientBody,
     record: RequestRecord,
 ) -> Result<Response, ApiError> {
-    run_observed(state, info, body, record, None)
+    run_observed(deps, info, body, record, None)
         .await
         .map(|(response, _)| response)
 }
 
 /// [`run`], with a reader of the request's journal entry (what a background
 /// response checkpoints, `checkpoint.rs`); the client's stream is
-/// `translator`'s when there is one (a protocol run as a chat).
+/// `translated`'s when there is one (a protocol run as a chat).
 pub async fn run_observed(
-    state: Arc<Flow>,
+    deps: Arc<FlowDeps>,
     info: RequestInfo,
     body: ClientBody,
     mut record: RequestRecord,
-    translator: Option<Box<dyn Translator>>,
+    translated: Option<Box<dyn TranslatedOutput>>,
 ) -> Result<(Response, EntryReader), ApiError> {
-    let started = start(state, info, body, &mut record, translator).await;
+    let started = start(deps, info, body, &mut record, translated).await;
     respond(started, record).await
 }
 
@@ -73,12 +73,12 @@ pub async fn run_observed(
 /// `checkpoint`: as a decoder-failure resume does (the next attempt pulls the
 /// prompt's KV from the hold and generates after the checkpoint's tokens).
 pub async fn continue_from(
-    state: Arc<Flow>,
+    deps: Arc<FlowDeps>,
     info: RequestInfo,
     body: ClientBody,
     checkpoint: checkpoint::DecodeCheckpoint,
     mut record: RequestRecord,
-    translator: Option<Box<dyn Translator>>,
+    translated: Option<Box<dyn TranslatedOutput>>,
 ) -> Result<(Response, EntryReader), ApiError> {
     let checkpoint::DecodeCheckpoint {
         prefill,
@@ -87,27 +87,27 @@ pub async fn continue_from(
         epoch,
         choice,
     } = checkpoint;
-    let hold = Hold {
+    let hold = CheckpointHold {
         prefill,
         kv_transfer_params,
         prompt_token_ids,
         epoch,
     };
-    let prefilled = match checked_hold(&state, hold) {
+    let prefilled = match checked_hold(&deps, hold) {
         Ok(prefilled) => prefilled,
         Err(error) => {
             record.finish(error.status().as_u16());
             return Err(error);
         }
     };
-    let journal = open_journal(&state, &info, &mut record);
+    let journal = open_journal(&deps, &info, &mut record);
     journal.update(|e| e.choices = vec![choice.into()]);
-    let started = Session::start(state, info, body, prefilled, journal, translator).await;
+    let started = Session::start(deps, info, body, prefilled, journal, translated).await;
     respond(started, record).await
 }
 
 /// The hold part of a checkpoint (its choice goes to the journal).
-struct Hold {
+struct CheckpointHold {
     prefill: String,
     kv_transfer_params: serde_json::Value,
     prompt_token_ids: Vec<u32>,
@@ -124,7 +124,10 @@ struct Hold {
 /// name. The attempt goes on in a new epoch (the hold
 /// is this replica's now: the dead one's decoder can no longer pull or
 /// release it), within the epochs a prefill's answer may carry.
-fn checked_hold(state: &Flow, checkpoint: Hold) -> Result<prefill::Prefilled, ApiError> {
+fn checked_hold(
+    deps: &FlowDeps,
+    checkpoint: CheckpointHold,
+) -> Result<prefill::Prefilled, ApiError> {
     let refused = |why: String| {
         tracing::warn!(prefill = %checkpoint.prefill, %why, "a checkpoint from the response store refused");
         ApiError::Unavailable(format!("the stored checkpoint cannot be continued: {why}"))
@@ -132,14 +135,13 @@ fn checked_hold(state: &Flow, checkpoint: Hold) -> Result<prefill::Prefilled, Ap
     let is_prefill =
         |i: &Arc<crate::membership::Instance>| i.role.serves(crate::membership::Pick::Prefill);
     let ctrl = checkpoint.kv_transfer_params["remote_ctrl"].as_str();
-    let instance = state
+    let instance = deps
         .registry
         .get(&checkpoint.prefill)
         .filter(is_prefill)
         .or_else(|| {
             let ctrl = ctrl?;
-            state
-                .registry
+            deps.registry
                 .list()
                 .into_iter()
                 .find(|i| is_prefill(i) && i.ctrl.as_deref() == Some(ctrl))
@@ -167,9 +169,9 @@ fn checked_hold(state: &Flow, checkpoint: Hold) -> Result<prefill::Prefilled, Ap
 }
 
 /// The request's journal entry, given to its record.
-fn open_journal(state: &Flow, info: &RequestInfo, record: &mut RequestRecord) -> JournalHandle {
+fn open_journal(deps: &FlowDeps, info: &RequestInfo, record: &mut RequestRecord) -> JournalHandle {
     record.set_model(&info.model);
-    let journal = state.journal.open_at(
+    let journal = deps.journal.open_at(
         &info.request_id,
         info.route.path(),
         &info.model,
@@ -196,7 +198,7 @@ async fn respond(
     };
     let reader = session.journal_reader();
     session.set_record(record);
-    let served = Served {
+    let served = ServedBy {
         prefill: session.prefill_instance(),
         decoder: session.first_decoder().to_string(),
     };
@@ -213,36 +215,36 @@ async fn respond(
 
 /// Prefill, then the first decoder.
 async fn start(
-    state: Arc<Flow>,
+    deps: Arc<FlowDeps>,
     info: RequestInfo,
     body: ClientBody,
     record: &mut RequestRecord,
-    translator: Option<Box<dyn Translator>>,
+    translated: Option<Box<dyn TranslatedOutput>>,
 ) -> Result<Session, ApiError> {
-    if !state.registry.knows_model(&info.model) {
+    if !deps.registry.knows_model(&info.model) {
         return Err(ApiError::ModelNotFound(info.model.clone()));
     }
-    let journal = open_journal(&state, &info, record);
+    let journal = open_journal(&deps, &info, record);
     let payload = prefill::prefill_body(info.route, &body);
-    let prompt = if state.prefill.wants_prompt() {
-        let engines = state
+    let prompt = if deps.prefill.wants_prompt() {
+        let engines = deps
             .registry
             .eligible(&info.model, crate::membership::Pick::Prefill);
-        tokens::prompt_ids(&state, info.route, &body, &engines).await
+        tokens::prompt_ids(&deps, info.route, &body, &engines).await
     } else {
         None
     };
-    let prefilled = prefill::run(&state, &info, info.route, payload, prompt.as_deref()).await?;
-    Session::start(state, info, body, prefilled, journal, translator).await
+    let prefilled = prefill::run(&deps, &info, info.route, payload, prompt.as_deref()).await?;
+    Session::start(deps, info, body, prefilled, journal, translated).await
 }
 
 /// Who served a request.
-struct Served {
+struct ServedBy {
     prefill: String,
     decoder: String,
 }
 
-impl Served {
+impl ServedBy {
     /// The response headers the flow adds, in one place: the instances that
     /// served it (for operators and the demo) and, for a non-stream response,
     /// the resumes it needed. (The client's `x-request-id` is the edge's:

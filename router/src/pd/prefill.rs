@@ -3,7 +3,7 @@
 //! the prompt token ids. A connect error, 5xx or unusable answer is retried once
 //! elsewhere.
 
-use super::flow::Flow;
+use super::deps::FlowDeps;
 use super::upstream::{Call, CallError, Payload, Reply};
 use crate::error::ApiError;
 use crate::membership::{Instance, Pick};
@@ -88,7 +88,7 @@ pub fn continuation_body(
 ///
 /// `prompt`: the prompt's token ids when the policy reads them (`cache_aware`).
 pub async fn run(
-    state: &Flow,
+    deps: &FlowDeps,
     info: &RequestInfo,
     route: Route,
     payload: Payload,
@@ -97,10 +97,10 @@ pub async fn run(
     let mut tried: Vec<String> = Vec::new();
     let mut last_error = None;
     for attempt in 0..2 {
-        let candidates = state.registry.eligible(&info.model, Pick::Prefill);
+        let candidates = deps.registry.eligible(&info.model, Pick::Prefill);
         // The prompt under its `cache_salt`: only its own salt's prefixes match.
         let salted = prompt.map(|ids| Prompt::new(ids, info.cache_root));
-        let Some(decision) = state.prefill.select_for(&candidates, &tried, salted) else {
+        let Some(decision) = deps.prefill.select_for(&candidates, &tried, salted) else {
             break;
         };
         if let Some(reason) = decision.reason {
@@ -125,7 +125,7 @@ pub async fn run(
         let called = std::time::Instant::now();
         // The prefill continues the request's trace from this span.
         let span = tracing::info_span!("prefill", instance = %instance.id);
-        let call = call_owning_the_hold(state, &instance.url, route, info, payload.clone());
+        let call = call_owning_the_hold(deps, &instance.url, route, info, payload.clone());
         let reply = match call.instrument(span).await {
             Ok(reply) => reply,
             Err(err) => {
@@ -175,11 +175,11 @@ pub async fn run(
                     &instance.model,
                     called.elapsed(),
                 );
-                if state.prefill.wants_prompt() {
+                if deps.prefill.wants_prompt() {
                     instance.remember_prompt(
                         Prompt::new(&prefilled.prompt_token_ids, info.cache_root),
-                        state.routing.kv_block_size,
-                        state.routing.prefix_index_blocks,
+                        deps.routing.kv_block_size,
+                        deps.routing.prefix_index_blocks,
                     );
                 }
                 return Ok(prefilled);
@@ -208,14 +208,14 @@ pub async fn run(
 /// request is dropped meanwhile (its client went away): the hold the prefill
 /// made is then released at once instead of waiting for its lease to lapse.
 async fn call_owning_the_hold(
-    state: &Flow,
+    deps: &FlowDeps,
     url: &str,
     route: Route,
     info: &RequestInfo,
     payload: Payload,
 ) -> Result<Reply, CallError> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let (upstream, holds) = (state.upstream.clone(), state.holds.clone());
+    let (upstream, holds) = (deps.upstream.clone(), deps.holds.clone());
     let (url, request_id) = (url.to_string(), info.request_id.clone());
     let span = tracing::Span::current();
     let trace = crate::observe::traces::headers(&span);
@@ -229,7 +229,7 @@ async fn call_owning_the_hold(
                 trace,
                 body: payload,
             };
-            let reply = upstream.prefill(call).await;
+            let reply = upstream.answer(call).await;
             // The request went away before the answer came.
             if let Err(Ok(abandoned)) = tx.send(reply) {
                 release_abandoned(&holds, &abandoned);
@@ -275,7 +275,7 @@ fn release_abandoned(holds: &crate::pd::holds::Holds, abandoned: &Reply) {
 
 /// The part of a prefill answer the router reads.
 #[derive(serde::Deserialize)]
-struct Answer<'a> {
+struct PrefillAnswer<'a> {
     #[serde(borrow, default)]
     kv_transfer_params: Option<&'a serde_json::value::RawValue>,
     /// Chat puts the prompt ids (and logprobs) at the top level...
@@ -333,7 +333,7 @@ pub fn parse_answer(
     instance: &Instance,
     bytes: &[u8],
 ) -> Result<Prefilled, InvalidAnswer> {
-    let answer: Answer = serde_json::from_slice(bytes).map_err(|_| InvalidAnswer::Json)?;
+    let answer: PrefillAnswer = serde_json::from_slice(bytes).map_err(|_| InvalidAnswer::Json)?;
     let kv_transfer_params = answer
         .kv_transfer_params
         .and_then(|raw| serde_json::from_str::<Value>(raw.get()).ok())

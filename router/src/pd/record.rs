@@ -129,7 +129,7 @@ impl RequestRecord {
 
 /// What the journal knows of the request at its end.
 #[derive(Debug, Default)]
-struct Served {
+struct EntrySummary {
     prefill: String,
     decoders: String,
     resumes: u32,
@@ -159,11 +159,11 @@ impl Drop for RequestRecord {
         {
             crate::observe::metrics::instance_request_ended(&decoder, model, duration);
         }
-        let served = self
+        let summary = self
             .entry
             .as_ref()
             .map(|entry| {
-                entry.read(|e| Served {
+                entry.read(|e| EntrySummary {
                     prefill: e.prefill.clone().unwrap_or_default(),
                     decoders: e.decoders.join(","),
                     resumes: e.resumes,
@@ -175,9 +175,10 @@ impl Drop for RequestRecord {
             .unwrap_or_default();
         if let Some(caller) = &self.caller {
             if self.entry.is_some() {
-                caller
-                    .usage
-                    .record(served.prompt_tokens as u64, served.completion_tokens as u64);
+                caller.usage.record(
+                    summary.prompt_tokens as u64,
+                    summary.completion_tokens as u64,
+                );
             }
         }
         tracing::info!(
@@ -187,13 +188,13 @@ impl Drop for RequestRecord {
             model,
             route = self.route,
             status,
-            prefill = %served.prefill,
-            decoders = %served.decoders,
-            resumes = served.resumes,
-            ttft_ms = served.ttft.map(millis),
+            prefill = %summary.prefill,
+            decoders = %summary.decoders,
+            resumes = summary.resumes,
+            ttft_ms = summary.ttft.map(millis),
             duration_ms = millis(duration),
-            prompt_tokens = served.prompt_tokens,
-            completion_tokens = served.completion_tokens,
+            prompt_tokens = summary.prompt_tokens,
+            completion_tokens = summary.completion_tokens,
             "request"
         );
     }

@@ -8,7 +8,7 @@
 //! already sent goes out in one write. Token timing (TTFT, inter-token gaps,
 //! resume latency) is measured here, where tokens pass.
 
-use super::attempt::{Attempt, Event};
+use super::attempt::{Attempt, AttemptItem};
 use super::failure::{Cause, Failure};
 use super::merged::Split;
 use crate::error::ApiError;
@@ -17,7 +17,7 @@ use crate::protocols::openai::chunk::{self, ErrorEvent};
 use crate::protocols::openai::output::{Output, Source};
 use crate::protocols::openai::request::RequestInfo;
 use crate::protocols::openai::stops::Matcher;
-use crate::protocols::openai::translator::Translator;
+use crate::protocols::openai::translated_output::TranslatedOutput;
 use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
@@ -204,9 +204,9 @@ impl Relay {
         self.out.pop_front()
     }
 
-    /// The client's protocol is `translator`'s (its first events queued).
-    pub fn translate_with(&mut self, translator: Box<dyn Translator>) {
-        self.out.extend(self.output.translate_with(translator));
+    /// The client's protocol is `translated`'s (its first events queued).
+    pub fn translate_with(&mut self, translated: Box<dyn TranslatedOutput>) {
+        self.out.extend(self.output.translate_with(translated));
     }
 
     /// Queues the last events of a finished stream; returns what must be
@@ -239,20 +239,20 @@ impl Relay {
         self.journal.read(|e| self.output.response(e))
     }
 
-    /// Waits for the next event of `attempt` and relays it; `Some` when the
-    /// relay stops taking events from it.
+    /// Waits for the next item of `attempt` and relays it; `Some` when the
+    /// relay stops taking items from it.
     pub async fn next(&mut self, attempt: &mut Attempt) -> Option<Halt> {
-        let event = attempt.next().await;
-        self.take(attempt, event)
+        let item = attempt.next().await;
+        self.take(attempt, item)
     }
 
-    /// Takes an event `attempt` already has, waiting a few scheduler turns for
+    /// Takes an item `attempt` already has, waiting a few scheduler turns for
     /// it and no more.
     pub async fn take_ready(&mut self, attempt: &mut Attempt) -> Ready {
         for _ in 0..HANDOFF_TURNS {
             tokio::task::yield_now().await;
-            if let Some(event) = attempt.next().now_or_never() {
-                return match self.take(attempt, event) {
+            if let Some(item) = attempt.next().now_or_never() {
+                return match self.take(attempt, item) {
                     None => Ready::Taken,
                     Some(halt) => Ready::Halted(halt),
                 };
@@ -261,11 +261,11 @@ impl Relay {
         Ready::Nothing
     }
 
-    fn take(&mut self, attempt: &mut Attempt, event: Event) -> Option<Halt> {
-        let data = match event {
-            Event::Data(data) => data,
-            Event::Done => return Some(Halt::Ended(None)),
-            Event::Failed(failure) => return Some(Halt::Ended(Some(failure))),
+    fn take(&mut self, attempt: &mut Attempt, item: AttemptItem) -> Option<Halt> {
+        let data = match item {
+            AttemptItem::Data(data) => data,
+            AttemptItem::Done => return Some(Halt::Ended(None)),
+            AttemptItem::Failed(failure) => return Some(Halt::Ended(Some(failure))),
         };
         self.take_data(attempt, &data, true)
     }

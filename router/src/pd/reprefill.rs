@@ -3,7 +3,7 @@
 //! its holder gone) it prefills prompt + generated again on a healthy prefill
 //! instance (`--on-hold-lost reprefill`), or fails the request (`fail`).
 
-use super::flow::Flow;
+use super::deps::FlowDeps;
 use super::prefill::{self, Prefilled};
 use crate::config::OnHoldLost;
 use crate::error::ApiError;
@@ -15,7 +15,7 @@ use crate::protocols::openai::request::RequestInfo;
 /// A new hold from a re-prefill, or `None` when the current one still holds
 /// (or the connector has no holds to check).
 pub async fn ensure_hold(
-    state: &Flow,
+    deps: &FlowDeps,
     info: &RequestInfo,
     body: &ClientBody,
     hold: Option<&Hold>,
@@ -24,11 +24,11 @@ pub async fn ensure_hold(
     let Some(hold) = hold else {
         return Ok(None);
     };
-    let HoldState::Lost(reason) = state.holds.check(hold).await else {
+    let HoldState::Lost(reason) = deps.holds.check(hold).await else {
         return Ok(None);
     };
     tracing::warn!(%reason, "hold lost");
-    if state.resume.on_hold_lost == OnHoldLost::Fail {
+    if deps.resume.on_hold_lost == OnHoldLost::Fail {
         return Err(ApiError::Unavailable(format!(
             "{reason}; not prefilling again (--on-hold-lost fail)"
         )));
@@ -44,14 +44,14 @@ pub async fn ensure_hold(
             &e.choices[0].token_ids,
         );
         // What the new prefill computes: prompt and generated tokens.
-        let context = state.prefill.wants_prompt().then(|| {
+        let context = deps.prefill.wants_prompt().then(|| {
             let mut ids = e.prompt_token_ids.clone();
             ids.extend_from_slice(&e.choices[0].token_ids);
             ids
         });
         (route, payload, context)
     });
-    let prefilled = prefill::run(state, info, route, payload, context.as_deref()).await?;
+    let prefilled = prefill::run(deps, info, route, payload, context.as_deref()).await?;
     journal.update(|e| {
         e.prefill = Some(prefilled.instance.clone());
         e.kv_transfer_params = Some(prefilled.kv_transfer_params.clone());

@@ -10,9 +10,9 @@
 
 use super::attempt::Attempt;
 use super::decode::{self, LanePlan, OpenError};
+use super::deps::FlowDeps;
 use super::derender::{self, Derender, DerenderTarget, RenderError};
 use super::failure::{Cause, Failure};
-use super::flow::Flow;
 use super::merged::{self, Detokenizer, Split};
 use super::prefill::Prefilled;
 use super::record::RequestRecord;
@@ -28,7 +28,7 @@ use crate::prefix::hash::Prompt;
 use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::output::Source;
 use crate::protocols::openai::request::{RequestInfo, Route};
-use crate::protocols::openai::translator::Translator;
+use crate::protocols::openai::translated_output::TranslatedOutput;
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -60,7 +60,7 @@ pub const MAX_CONNECT_FAILURES: u32 = 8;
 
 /// One request's decode, from the first decoder to the last token.
 pub struct Session {
-    state: Arc<Flow>,
+    deps: Arc<FlowDeps>,
     info: RequestInfo,
     body: ClientBody,
     /// The prefill's `kv_transfer_params` the next attempt pulls with
@@ -86,16 +86,16 @@ pub struct Session {
 impl Session {
     /// Opens the first decoder stream; an error here is the client's HTTP error.
     pub async fn start(
-        state: Arc<Flow>,
+        deps: Arc<FlowDeps>,
         info: RequestInfo,
         body: ClientBody,
         prefilled: Prefilled,
         journal: JournalHandle,
-        translator: Option<Box<dyn Translator>>,
+        translated: Option<Box<dyn TranslatedOutput>>,
     ) -> Result<Self, ApiError> {
         let blocker = resume::mid_stream_blocker(info.route, &body);
         let max_tokens = resume::requested_max_tokens(&body)
-            .unwrap_or(state.requests.max_tokens_limit)
+            .unwrap_or(deps.requests.max_tokens_limit)
             .max(1);
         let epoch = prefilled
             .kv_transfer_params
@@ -103,7 +103,7 @@ impl Session {
             .and_then(Value::as_u64)
             .unwrap_or(0);
         let lease = Hold::from_params(&prefilled.kv_transfer_params)
-            .map(|hold| state.holds.lease(hold, epoch));
+            .map(|hold| deps.holds.lease(hold, epoch));
         journal.update(|e| {
             e.phase = Phase::Decode;
             e.prefill = Some(prefilled.instance.clone());
@@ -112,20 +112,20 @@ impl Session {
         });
         let mut relay = Relay::new(&info, journal, blocker.is_none(), max_tokens);
         relay.set_prompt_logprobs(prefilled.prompt_logprobs);
-        if let Some(translator) = translator {
-            relay.translate_with(translator);
+        if let Some(translated) = translated {
+            relay.translate_with(translated);
         }
         let mut session = Self {
             relay,
             policy: ResumePolicy {
-                max_resumes: state.resume.max_resumes,
+                max_resumes: deps.resume.max_resumes,
                 max_connect_failures: MAX_CONNECT_FAILURES,
                 blocker,
             },
             kv_transfer_params: prefilled.kv_transfer_params,
             lease,
             epoch,
-            state,
+            deps,
             info,
             body,
             attempt: None,
@@ -173,15 +173,15 @@ impl Session {
             let wait = if self.progress.resumes == 0 && self.progress.connect_failures == 0 {
                 Duration::ZERO
             } else {
-                self.state.resume.resume_wait
+                self.deps.resume.resume_wait
             };
             let prompt = self
-                .state
+                .deps
                 .decode
                 .wants_prompt()
                 .then(|| self.relay.journal().read(|e| e.prompt_token_ids.clone()));
             let Some(decoder) = wait_for_decoder(
-                &self.state,
+                &self.deps,
                 &self.info.model,
                 &self.failed,
                 prompt
@@ -207,7 +207,7 @@ impl Session {
             let epoch = self.epoch;
             self.relay.journal().update(|e| e.epoch = epoch);
             match decode::open(
-                &self.state,
+                &self.deps,
                 decoder.clone(),
                 planned.path,
                 &self.info.request_id,
@@ -272,7 +272,7 @@ impl Session {
     async fn ensure_hold(&mut self) -> Result<(), ApiError> {
         let hold = self.lease.as_ref().map(HoldLease::hold);
         let Some(prefilled) = reprefill::ensure_hold(
-            &self.state,
+            &self.deps,
             &self.info,
             &self.body,
             hold,
@@ -284,7 +284,7 @@ impl Session {
         };
         // Dropping the old lease releases the old hold.
         self.lease = Hold::from_params(&prefilled.kv_transfer_params)
-            .map(|hold| self.state.holds.lease(hold, self.epoch));
+            .map(|hold| self.deps.holds.lease(hold, self.epoch));
         self.kv_transfer_params = prefilled.kv_transfer_params;
         Ok(())
     }
@@ -347,7 +347,7 @@ impl Session {
             }
             return Ok(completions());
         }
-        let upstream = self.state.upstream.as_ref();
+        let upstream = self.deps.upstream.as_ref();
         let request_id = &self.info.request_id;
         let rendered = match derender::render(
             upstream,
@@ -362,9 +362,7 @@ impl Session {
             Err(RenderError::Failed(failure)) => return Err(OpenError::Failed(failure)),
             Err(RenderError::Call(error)) => {
                 return Err(OpenError::Failed(decode::call_failure(
-                    &self.state,
-                    decoder,
-                    error,
+                    &self.deps, decoder, error,
                 )))
             }
             Err(RenderError::Unsupported(message)) => {
@@ -378,12 +376,12 @@ impl Session {
             }
         };
         let target = DerenderTarget {
-            upstream: self.state.upstream.clone(),
+            upstream: self.deps.upstream.clone(),
             decoder: decoder.id.clone(),
             url: decoder.url.clone(),
             request_id: request_id.clone(),
             model: self.info.model.clone(),
-            timeout: self.state.engines.stall_timeout,
+            timeout: self.deps.engines.stall_timeout,
         };
         let mut lanes = Vec::with_capacity(open.len());
         for (index, choice) in &open {
@@ -478,10 +476,10 @@ impl Session {
             (e.prompt_token_ids.clone(), output.unwrap_or_default())
         });
         let detokenizer = Detokenizer {
-            upstream: self.state.upstream.as_ref(),
+            upstream: self.deps.upstream.as_ref(),
             url: &attempt.decoder().url,
             model: &self.info.model,
-            timeout: self.state.routing.tokenize_timeout,
+            timeout: self.deps.routing.tokenize_timeout,
         };
         let keep = detokenizer.tokens_through(&prompt, &output, &split).await;
         let cut = match keep {
@@ -543,9 +541,9 @@ impl Session {
         if let (Cause::Reset, Some(decoder)) = (failure.cause, decoder) {
             // Evidence that the decoder's process is gone: its streams broke
             // together and none is left. New requests skip it at once.
-            if self.state.outliers.stream_broke(&decoder.id) && decoder.inflight() == 0 {
+            if self.deps.outliers.stream_broke(&decoder.id) && decoder.inflight() == 0 {
                 tracing::warn!(decoder = %decoder.id, "every stream of the decoder broke: declared dead");
-                self.state.registry.mark_dead(&decoder.id);
+                self.deps.registry.mark_dead(&decoder.id);
             }
         }
         let result = match self.after_failure(failure).await {
@@ -566,7 +564,7 @@ impl Session {
         // attempt cut by the router (a stop string) is dropped: closing its
         // connection aborts the engine's request.
         if let Some(attempt) = self.attempt.take().filter(Attempt::saw_done) {
-            self.state.drains.spawn(attempt.into_drain());
+            self.deps.drains.spawn(attempt.into_drain());
         }
         if let Some(keeping) = self.relay.finish() {
             keeping.await;
@@ -648,7 +646,7 @@ impl<S: futures_util::Stream> futures_util::Stream for InSpan<S> {
 /// A decoder for the next attempt, waiting up to `wait` when none is eligible
 /// right now (a restarted decoder re-registers within a heartbeat).
 async fn wait_for_decoder(
-    state: &Flow,
+    deps: &FlowDeps,
     model: &str,
     failed: &[String],
     prompt: Option<Prompt<'_>>,
@@ -656,7 +654,7 @@ async fn wait_for_decoder(
 ) -> Option<Arc<Instance>> {
     let deadline = Instant::now() + wait;
     loop {
-        if let Some(decoder) = decode::choose(state, model, failed, prompt) {
+        if let Some(decoder) = decode::choose(deps, model, failed, prompt) {
             return Some(decoder);
         }
         if Instant::now() >= deadline {

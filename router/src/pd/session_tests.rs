@@ -6,7 +6,7 @@ use crate::config::{self, Command, RouterConfig};
 use crate::error::ApiError;
 use crate::membership::registration::Role;
 use crate::membership::{Lifecycle, Registration, Registry};
-use crate::pd::flow::Flow;
+use crate::pd::deps::FlowDeps;
 use crate::pd::record::RequestRecord;
 use crate::pd::upstream::{ByteStream, Call, CallError, Opened, Reply, Upstream};
 use crate::protocols::openai::client_body::ClientBody;
@@ -136,7 +136,8 @@ fn stream(pieces: Vec<Piece>) -> ByteStream {
 }
 
 impl Upstream for Scripted {
-    fn prefill<'a>(&'a self, _call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+    /// Every whole answer is a prefill's (these tests make no `/render`).
+    fn answer<'a>(&'a self, _call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
         Box::pin(async {
             let body = json!({"choices": [{"index": 0, "text": "x", "prompt_token_ids": [1, 2, 3]}],
                 "kv_transfer_params": {"transfer_id": "t", "do_remote_decode": true}});
@@ -149,7 +150,7 @@ impl Upstream for Scripted {
 
     /// `/detokenize` as the scripted chunks spell tokens ([`detokenize`]);
     /// no `/tokenize`.
-    fn tokenizer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+    fn convert<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
         let body: Value = serde_json::from_slice(&call.body.to_bytes()).unwrap_or(Value::Null);
         if call.path == "/tokenize" {
             *self.tokenized.lock().expect("tokenized") += 1;
@@ -220,13 +221,13 @@ fn config(extra: &[&str]) -> RouterConfig {
     }
 }
 
-/// A router state with one prefill and `decoders` decoders, on `upstream`.
-async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Arc<Flow> {
-    Arc::new(cluster_flow(upstream, decoders, extra).await)
+/// The flow's dependencies over one prefill and `decoders` decoders, on `upstream`.
+async fn cluster(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Arc<FlowDeps> {
+    Arc::new(cluster_deps(upstream, decoders, extra).await)
 }
 
-/// [`cluster`]'s flow, before it is shared.
-async fn cluster_flow(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> Flow {
+/// [`cluster`]'s dependencies, before they are shared.
+async fn cluster_deps(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) -> FlowDeps {
     let registry = Registry::new(&crate::config::MembershipArgs::with_ttl(
         Duration::from_secs(60),
     ));
@@ -249,15 +250,15 @@ async fn cluster_flow(upstream: Arc<Scripted>, decoders: usize, extra: &[&str]) 
             .await
             .expect("register");
     }
-    let (flow, _releases) = Flow::new(&config(extra), registry, upstream);
-    flow
+    let (deps, _releases) = FlowDeps::new(&config(extra), registry, upstream);
+    deps
 }
 
 /// Runs a non-stream completions request for 6 tokens; the response's text and
 /// resumes, or the error.
-async fn complete(state: &Arc<Flow>) -> Result<(String, u32), ApiError> {
+async fn complete(deps: &Arc<FlowDeps>) -> Result<(String, u32), ApiError> {
     let body = json!({"model": "m", "prompt": "hi", "max_tokens": 6});
-    let (value, resumes) = answer(state, body).await?;
+    let (value, resumes) = answer(deps, body).await?;
     Ok((
         value["choices"][0]["text"]
             .as_str()
@@ -268,11 +269,11 @@ async fn complete(state: &Arc<Flow>) -> Result<(String, u32), ApiError> {
 }
 
 /// Runs the non-stream completions request `body`; the response and resumes.
-async fn answer(state: &Arc<Flow>, body: Value) -> Result<(Value, u32), ApiError> {
+async fn answer(deps: &Arc<FlowDeps>, body: Value) -> Result<(Value, u32), ApiError> {
     let body = ClientBody::of(body);
     let info = validate(Route::Completions, &body, "r".into(), 1 << 20)?;
     let response = crate::pd::run(
-        state.clone(),
+        deps.clone(),
         info,
         body,
         RequestRecord::new("/v1/completions", "r".into()),
@@ -311,12 +312,12 @@ async fn a_reset_mid_stream_resumes_after_the_tokens_the_client_has() {
         Script::Stream(vec![tokens(0, 2, false), Piece::Reset]),
         Script::Stream(vec![tokens(2, 6, true)]),
     ]);
-    let state = cluster(upstream.clone(), 2, &[]).await;
-    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    let deps = cluster(upstream.clone(), 2, &[]).await;
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
     let calls = upstream.calls();
     assert_ne!(calls[0].0, calls[1].0, "another decoder");
     assert_continues_after(&calls[1], &[0, 1]);
-    assert!(state.journal.is_empty());
+    assert!(deps.journal.is_empty());
 }
 
 #[tokio::test]
@@ -325,8 +326,8 @@ async fn a_truncated_stream_resumes() {
         Script::Stream(vec![tokens(0, 3, false)]),
         Script::Stream(vec![tokens(3, 6, true)]),
     ]);
-    let state = cluster(upstream.clone(), 2, &[]).await;
-    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    let deps = cluster(upstream.clone(), 2, &[]).await;
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
     assert_continues_after(&upstream.calls()[1], &[0, 1, 2]);
 }
 
@@ -336,8 +337,8 @@ async fn a_stall_after_the_first_token_resumes() {
         Script::Stream(vec![tokens(0, 1, false), Piece::Hang]),
         Script::Stream(vec![tokens(1, 6, true)]),
     ]);
-    let state = cluster(upstream.clone(), 2, &[]).await;
-    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    let deps = cluster(upstream.clone(), 2, &[]).await;
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
     assert_continues_after(&upstream.calls()[1], &[0]);
 }
 
@@ -349,14 +350,14 @@ async fn no_first_token_fails_over_with_the_clients_own_body() {
     ]);
     // A first-token timeout longer than the stall timeout: the stall timer
     // does not run before the first token.
-    let state = cluster(
+    let deps = cluster(
         upstream.clone(),
         2,
         &["--stall-timeout", "50", "--first-token-timeout", "400"],
     )
     .await;
     let started = std::time::Instant::now();
-    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
     assert!(started.elapsed() >= Duration::from_millis(400));
     let calls = upstream.calls();
     assert_eq!(calls[1].1, "/v1/completions");
@@ -375,8 +376,8 @@ async fn a_trickling_decoder_is_cut_at_the_stall_timeout() {
         Script::Stream(trickle),
         Script::Stream(vec![tokens(1, 6, true)]),
     ]);
-    let state = cluster(upstream, 2, &["--max-sse-event-bytes", "100000"]).await;
-    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    let deps = cluster(upstream, 2, &["--max-sse-event-bytes", "100000"]).await;
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
 }
 
 #[tokio::test]
@@ -389,8 +390,8 @@ async fn an_oversized_event_is_a_protocol_failure() {
         ]),
         Script::Stream(vec![tokens(1, 6, true)]),
     ]);
-    let state = cluster(upstream, 2, &["--max-sse-event-bytes", "1024"]).await;
-    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    let deps = cluster(upstream, 2, &["--max-sse-event-bytes", "1024"]).await;
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
 }
 
 #[tokio::test]
@@ -399,8 +400,8 @@ async fn no_response_headers_fail_over() {
         Script::NoHeaders,
         Script::Stream(vec![tokens(0, 6, true)]),
     ]);
-    let state = cluster(upstream, 2, &[]).await;
-    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    let deps = cluster(upstream, 2, &[]).await;
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
 }
 
 #[tokio::test]
@@ -409,15 +410,15 @@ async fn a_5xx_fails_over_and_a_4xx_reaches_the_client_as_an_openai_error() {
         Script::Status(503, "busy"),
         Script::Stream(vec![tokens(0, 6, true)]),
     ]);
-    let state = cluster(upstream, 2, &[]).await;
-    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 1));
+    let deps = cluster(upstream, 2, &[]).await;
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
 
     let upstream = Scripted::new(vec![Script::Status(
         400,
         r#"{"error":{"message":"max_tokens too large","code":400}}"#,
     )]);
-    let state = cluster(upstream, 2, &[]).await;
-    let error = complete(&state).await.expect_err("refused");
+    let deps = cluster(upstream, 2, &[]).await;
+    let error = complete(&deps).await.expect_err("refused");
     assert_eq!(error.status().as_u16(), 400);
     assert_eq!(error.body()["error"]["message"], "max_tokens too large");
 }
@@ -434,8 +435,8 @@ async fn a_protocol_violation_resumes_and_is_never_relayed() {
         ]),
         Script::Stream(vec![tokens(2, 6, true)]),
     ]);
-    let state = cluster(upstream.clone(), 2, &[]).await;
-    let (text, resumes) = complete(&state).await.expect("ok");
+    let deps = cluster(upstream.clone(), 2, &[]).await;
+    let (text, resumes) = complete(&deps).await.expect("ok");
     assert_eq!((text.as_str(), resumes), (WHOLE, 1));
     assert_continues_after(&upstream.calls()[1], &[0, 1]);
 }
@@ -448,13 +449,13 @@ async fn a_refused_connect_is_not_a_resume() {
     ]);
     // No resume allowed at all: the request still goes on, since the first
     // decoder never had it.
-    let state = cluster(upstream.clone(), 2, &["--max-resumes", "0"]).await;
-    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 0));
+    let deps = cluster(upstream.clone(), 2, &["--max-resumes", "0"]).await;
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 0));
     let calls = upstream.calls();
     assert_ne!(calls[0].0, calls[1].0);
     // The decoder that refused is avoided by new requests.
     let refused = calls[0].0.trim_start_matches("http://");
-    assert!(state.outliers.is_suspect(refused));
+    assert!(deps.outliers.is_suspect(refused));
 }
 
 #[tokio::test]
@@ -463,14 +464,14 @@ async fn every_resume_spent_fails_the_request_clearly() {
         Script::Stream(vec![tokens(0, 1, false), Piece::Reset]),
         Script::Stream(vec![tokens(1, 2, false), Piece::Reset]),
     ]);
-    let state = cluster(upstream, 2, &["--max-resumes", "1"]).await;
-    let error = complete(&state).await.expect_err("gave up");
+    let deps = cluster(upstream, 2, &["--max-resumes", "1"]).await;
+    let error = complete(&deps).await.expect_err("gave up");
     assert_eq!(error.status().as_u16(), 503);
     assert!(
         error.to_string().contains("gave up after 1 resumes"),
         "{error}"
     );
-    assert!(state.journal.is_empty());
+    assert!(deps.journal.is_empty());
 }
 
 #[tokio::test]
@@ -485,18 +486,17 @@ async fn a_decoder_declared_dead_or_migrated_resumes_its_streams() {
             ]),
             Script::Stream(vec![tokens(2, 6, true)]),
         ]);
-        let state = cluster(upstream.clone(), 2, &["--stall-timeout", "60000"]).await;
+        let deps = cluster(upstream.clone(), 2, &["--stall-timeout", "60000"]).await;
         let request = tokio::spawn({
-            let state = state.clone();
-            async move { complete(&state).await }
+            let deps = deps.clone();
+            async move { complete(&deps).await }
         });
         reached.notified().await;
         let first = upstream.calls()[0]
             .0
             .trim_start_matches("http://")
             .to_string();
-        state
-            .registry
+        deps.registry
             .set_lifecycle(&first, lifecycle)
             .await
             .expect("set");
@@ -519,10 +519,10 @@ async fn stop_in_merged(
         Piece::Event(merged),
         tokens(20, 22, true),
     ])]);
-    let state = cluster(upstream.clone(), 1, &[]).await;
+    let deps = cluster(upstream.clone(), 1, &[]).await;
     let body = json!({"model": "m", "prompt": "hi", "max_tokens": 6, "stop": stops,
         "return_token_ids": true});
-    let (value, resumes) = answer(&state, body).await.expect("ok");
+    let (value, resumes) = answer(&deps, body).await.expect("ok");
     assert_eq!(resumes, 0);
     let choice = &value["choices"][0];
     assert_eq!(choice["finish_reason"], "stop");
@@ -608,10 +608,10 @@ async fn a_router_tokenizer_out_of_time_leaves_the_prefill_choice_to_load() {
         "--tokenize-timeout",
         "100",
     ];
-    let flow = cluster_flow(upstream.clone(), 1, &extra).await;
-    let state = Arc::new(flow.with_tokenizers(tokenizers));
+    let deps = cluster_deps(upstream.clone(), 1, &extra).await;
+    let deps = Arc::new(deps.with_tokenizers(tokenizers));
     let started = std::time::Instant::now();
-    let answered = tokio::time::timeout(Duration::from_secs(10), complete(&state)).await;
+    let answered = tokio::time::timeout(Duration::from_secs(10), complete(&deps)).await;
     let (text, resumes) = answered.expect("served in time").expect("served");
     assert_eq!((text.as_str(), resumes), (" t0 t1 t2 t3 t4 t5", 0));
     assert!(
@@ -629,36 +629,36 @@ fn was_reached(reached: &Notify) -> bool {
 
 /// A one-decoder cluster whose stream is six tokens, then `after`, then a
 /// marker that tells whether the stream was read to its end.
-async fn marked_at_the_end(after: Vec<Piece>) -> (Arc<Flow>, Arc<Notify>) {
+async fn marked_at_the_end(after: Vec<Piece>) -> (Arc<FlowDeps>, Arc<Notify>) {
     let end = Arc::new(Notify::new());
     let mut pieces = vec![tokens(0, 6, true)];
     pieces.extend(after);
     pieces.push(Piece::Reached(end.clone()));
-    let state = cluster(Scripted::new(vec![Script::Stream(pieces)]), 1, &[]).await;
-    (state, end)
+    let deps = cluster(Scripted::new(vec![Script::Stream(pieces)]), 1, &[]).await;
+    (deps, end)
 }
 
 #[tokio::test]
 async fn after_done_the_rest_of_the_response_is_read_so_its_connection_is_kept() {
-    let (state, end) = marked_at_the_end(vec![]).await;
-    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 0));
-    drains_end(&state).await;
+    let (deps, end) = marked_at_the_end(vec![]).await;
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 0));
+    drains_end(&deps).await;
     assert!(was_reached(&end), "the response was read to its end");
 }
 
 #[tokio::test]
 async fn bytes_after_done_are_read_only_up_to_the_drain_bound() {
     let past_the_bound = Piece::Raw(&[b':'; crate::pd::attempt::DRAIN_BYTES + 1]);
-    let (state, end) = marked_at_the_end(vec![past_the_bound]).await;
-    assert_eq!(complete(&state).await.expect("ok"), (WHOLE.to_string(), 0));
-    drains_end(&state).await;
+    let (deps, end) = marked_at_the_end(vec![past_the_bound]).await;
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 0));
+    drains_end(&deps).await;
     assert!(!was_reached(&end), "the drain stopped at its bound");
 }
 
 /// Waits until the drains of finished responses have ended.
-async fn drains_end(state: &Flow) {
-    state.drains.close();
-    state.drains.wait().await;
+async fn drains_end(deps: &FlowDeps) {
+    deps.drains.close();
+    deps.drains.wait().await;
 }
 
 // A paused clock: nothing in the request itself waits, so if the answer
@@ -666,30 +666,30 @@ async fn drains_end(state: &Flow) {
 #[tokio::test(start_paused = true)]
 async fn a_response_that_never_ends_after_done_is_not_waited_for() {
     let upstream = Scripted::new(vec![Script::Stream(vec![tokens(0, 6, true), Piece::Hang])]);
-    let state = cluster(upstream, 1, &[]).await;
+    let deps = cluster(upstream, 1, &[]).await;
     // The client's answer does not wait for the end of the decoder's response.
-    let answer = tokio::time::timeout(crate::pd::attempt::DRAIN_WAIT / 2, complete(&state)).await;
+    let answer = tokio::time::timeout(crate::pd::attempt::DRAIN_WAIT / 2, complete(&deps)).await;
     assert_eq!(
         answer.expect("in time").expect("ok"),
         (WHOLE.to_string(), 0)
     );
     // Nor does the decoder's load: it ended with the request.
-    let decoder = state.registry.get("d0").expect("d0");
+    let decoder = deps.registry.get("d0").expect("d0");
     assert_eq!(decoder.inflight(), 0);
     // The drain gives up at its bound.
-    tokio::time::timeout(crate::pd::attempt::DRAIN_WAIT * 10, drains_end(&state))
+    tokio::time::timeout(crate::pd::attempt::DRAIN_WAIT * 10, drains_end(&deps))
         .await
         .expect("the drain ends within its bound");
 }
 
 #[tokio::test]
 async fn a_stream_cut_at_a_stop_string_is_closed_not_drained() {
-    let (state, end) = marked_at_the_end(vec![]).await;
+    let (deps, end) = marked_at_the_end(vec![]).await;
     let body = json!({"model": "m", "prompt": "hi", "max_tokens": 6, "stop": [" t2"]});
-    let (value, _) = answer(&state, body).await.expect("ok");
+    let (value, _) = answer(&deps, body).await.expect("ok");
     assert_eq!(value["choices"][0]["text"], " t0 t1");
     assert_eq!(value["choices"][0]["finish_reason"], "stop");
-    drains_end(&state).await;
+    drains_end(&deps).await;
     // The router ended the request before the decoder did: the connection
     // is closed (which aborts the engine's request), never read on.
     assert!(!was_reached(&end));

@@ -7,7 +7,7 @@
 //! bounded in time and size; on any failure the choice falls back to load
 //! alone.
 
-use super::flow::Flow;
+use super::deps::FlowDeps;
 use super::upstream::{ask_tokenizer, Payload};
 use crate::membership::Instance;
 use crate::protocols::openai::client_body::ClientBody;
@@ -20,7 +20,7 @@ use std::sync::Arc;
 /// The token ids of the prompt of `body`, or `None` when they cannot be had
 /// within the time limit.
 pub async fn prompt_ids(
-    state: &Flow,
+    deps: &FlowDeps,
     route: Route,
     body: &ClientBody,
     engines: &[Arc<Instance>],
@@ -28,15 +28,15 @@ pub async fn prompt_ids(
     if let Some(ids) = literal_ids(route, body) {
         return Some(ids);
     }
-    if let Some((model, text)) = text_for_here(state, route, body) {
-        return tokenize_here(state, body, model, text).await;
+    if let Some((model, text)) = text_for_here(deps, route, body) {
+        return tokenize_here(deps, body, model, text).await;
     }
     // Any engine of the model tokenizes alike; spread the calls by prompt.
     let engine = engines.get(rand::random_range(0..engines.len().max(1)))?;
     let request = tokenize_request(route, body)?;
-    let limit = state.routing.tokenize_timeout;
+    let limit = deps.routing.tokenize_timeout;
     let started = std::time::Instant::now();
-    let ids = tokio::time::timeout(limit, tokenize(state, &engine.url, request))
+    let ids = tokio::time::timeout(limit, tokenize(deps, &engine.url, request))
         .await
         .ok()
         .flatten();
@@ -46,9 +46,9 @@ pub async fn prompt_ids(
 
 /// A completions text prompt, and its model, when the model has a
 /// tokenizer here.
-fn text_for_here(state: &Flow, route: Route, body: &ClientBody) -> Option<(String, String)> {
+fn text_for_here(deps: &FlowDeps, route: Route, body: &ClientBody) -> Option<(String, String)> {
     let model = body.get("model").and_then(Value::as_str)?;
-    if route != Route::Completions || !state.tokenizers.has(model) {
+    if route != Route::Completions || !deps.tokenizers.has(model) {
         return None;
     }
     Some((model.to_string(), text_prompt(body)?.into_owned()))
@@ -58,7 +58,7 @@ fn text_for_here(state: &Flow, route: Route, body: &ClientBody) -> Option<(Strin
 /// tokenize time limit (else the choice is by load: the engines are not
 /// asked as well, which would double the wait).
 async fn tokenize_here(
-    state: &Flow,
+    deps: &FlowDeps,
     body: &ClientBody,
     model: String,
     text: String,
@@ -69,8 +69,8 @@ async fn tokenize_here(
         .and_then(Value::as_bool)
         .unwrap_or(true);
     let started = std::time::Instant::now();
-    let encode = state.tokenizers.encode(&model, &text, special_tokens);
-    let ids = tokio::time::timeout(state.routing.tokenize_timeout, encode)
+    let encode = deps.tokenizers.encode(&model, &text, special_tokens);
+    let ids = tokio::time::timeout(deps.routing.tokenize_timeout, encode)
         .await
         .ok()
         .flatten();
@@ -137,12 +137,12 @@ fn tokenize_request(route: Route, body: &ClientBody) -> Option<Payload> {
     }
 }
 
-async fn tokenize(state: &Flow, url: &str, request: Payload) -> Option<Vec<u32>> {
+async fn tokenize(deps: &FlowDeps, url: &str, request: Payload) -> Option<Vec<u32>> {
     #[derive(serde::Deserialize)]
     struct Answer {
         tokens: Vec<u32>,
     }
-    let answer: Answer = ask_tokenizer(state.upstream.as_ref(), url, "/tokenize", request).await?;
+    let answer: Answer = ask_tokenizer(deps.upstream.as_ref(), url, "/tokenize", request).await?;
     Some(answer.tokens)
 }
 

@@ -1,5 +1,6 @@
-//! The seam between the request flow and the engines: opening a prefill call and
-//! a decode stream. The router talks HTTP through [`HttpUpstream`]; the session's
+//! The seam between the request flow and the engines: a call answered whole
+//! (`answer`: a prefill, `/render`, a pass-through route), a decode stream
+//! opened (`decode`), a conversion between text and tokens (`convert`). The router talks HTTP through [`HttpUpstream`]; the session's
 //! unit tests script an [`Upstream`] of their own, one failure cause at a time.
 //!
 //! Every wait here is bounded (the prefill call, a decode stream's response
@@ -89,16 +90,19 @@ pub struct Call<'a> {
     pub body: Payload,
 }
 
-/// Opening prefills and decode streams, and asking an engine to tokenize.
+/// The three kinds of call the router makes to an engine, named for what the
+/// engine does with them.
 pub trait Upstream: Send + Sync + 'static {
-    /// Runs a prefill call to its whole answer.
-    fn prefill<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>>;
-    /// Opens a decode stream (the answer's headers).
+    /// The engine answers a call whole, within the engine limits
+    /// (`--prefill-timeout`, `--max-upstream-body-bytes`): a prefill, a
+    /// continuation's `/render`, a pass-through route.
+    fn answer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>>;
+    /// The engine opens a decode stream (the answer's headers).
     fn decode<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Opened, CallError>>;
-    /// Runs a call to the engine's tokenizer (`/tokenize`, `/detokenize`) to
-    /// its whole answer, up to [`MAX_TOKENIZE_ANSWER`] bytes (the caller
-    /// bounds the time).
-    fn tokenizer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>>;
+    /// The engine converts between text and tokens (`/tokenize`,
+    /// `/detokenize`, a continuation's derender): its whole answer, up to
+    /// [`MAX_TOKENIZE_ANSWER`] bytes (the caller bounds the time).
+    fn convert<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>>;
 }
 
 /// Largest `/tokenize` answer read (a long prompt's ids as JSON).
@@ -120,7 +124,7 @@ pub async fn ask_tokenizer<T: serde::de::DeserializeOwned>(
         trace: Vec::new(),
         body: request,
     };
-    let reply = upstream.tokenizer(call).await.ok()?;
+    let reply = upstream.convert(call).await.ok()?;
     if !(200..300).contains(&reply.status) {
         return None;
     }
@@ -172,7 +176,7 @@ impl HttpUpstream {
 }
 
 impl Upstream for HttpUpstream {
-    fn prefill<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+    fn answer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
         Box::pin(async move {
             let limit = self.limits.prefill_timeout;
             let call = async {
@@ -218,7 +222,7 @@ impl Upstream for HttpUpstream {
         })
     }
 
-    fn tokenizer<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
+    fn convert<'a>(&'a self, call: Call<'a>) -> BoxFuture<'a, Result<Reply, CallError>> {
         Box::pin(async move {
             let response = self.send(&call).await?;
             let status = response.status;
@@ -349,7 +353,7 @@ mod tests {
         let mut ok = b"HTTP/1.1 200 OK\r\ncontent-length: 4096\r\n\r\n".to_vec();
         ok.extend(std::iter::repeat_n(b'{', 4096));
         let url = server(Some(ok)).await;
-        let reply = upstream().prefill(call(&url)).await;
+        let reply = upstream().answer(call(&url)).await;
         assert_eq!(reply.err(), Some(CallError::TooLarge(1024)));
     }
 

@@ -3,7 +3,8 @@
 //! completions are each translated to and from a chat completion run through
 //! prefill/decode (so a decoder failure resumes them as it resumes chat):
 //! OpenAI's Responses and Anthropic's Messages, both cut into the same
-//! segments (`segments.rs`), by a translator the relay feeds (`openai/translator.rs`).
+//! segments (`segments.rs`), written through the `TranslatedOutput` the
+//! relay feeds (`openai/translated_output.rs`).
 
 pub mod client_event;
 pub mod messages;

@@ -40,15 +40,16 @@ struct QueueState {
     in_flight: usize,
     /// The tag of the request admitted last from a queue.
     clock: f64,
-    flows: HashMap<Arc<str>, TenantFlow>,
+    queues: HashMap<Arc<str>, TenantQueue>,
     queued: usize,
     next_ticket: u64,
 }
 
+/// One tenant's line in the fair queue (a "flow" in fair-queueing terms).
 #[derive(Debug, Default)]
-struct TenantFlow {
+struct TenantQueue {
     waiting: VecDeque<(u64, oneshot::Sender<()>)>,
-    /// The finish tag of the flow's last admitted request.
+    /// The finish tag of the queue's last admitted request.
     finish: f64,
     weight: u32,
     priority: i32,
@@ -105,19 +106,19 @@ impl FairQueue {
             let id = inner.next_ticket;
             inner.next_ticket += 1;
             let clock = inner.clock;
-            let flow = inner.flows.entry(share.tenant.clone()).or_default();
-            if self.max_wait.is_zero() || flow.waiting.len() >= self.max_queued {
+            let tenant_queue = inner.queues.entry(share.tenant.clone()).or_default();
+            if self.max_wait.is_zero() || tenant_queue.waiting.len() >= self.max_queued {
                 return Err(Refusal::QueueFull);
             }
-            flow.weight = share.weight.max(1);
-            flow.priority = share.priority;
-            // A flow that starts waiting starts at the clock: time it spent
-            // idle is no credit.
-            if flow.waiting.is_empty() {
-                flow.finish = flow.finish.max(clock);
+            tenant_queue.weight = share.weight.max(1);
+            tenant_queue.priority = share.priority;
+            // A tenant's queue that starts waiting starts at the clock: time
+            // it spent idle is no credit.
+            if tenant_queue.waiting.is_empty() {
+                tenant_queue.finish = tenant_queue.finish.max(clock);
             }
             let (tx, rx) = oneshot::channel();
-            flow.waiting.push_back((id, tx));
+            tenant_queue.waiting.push_back((id, tx));
             inner.queued += 1;
             // A slot may have freed between the check above and now.
             dispatch(&mut inner, self.limit);
@@ -151,9 +152,12 @@ impl FairQueue {
     /// Takes a waiting request out of its queue, or says it was given a slot.
     fn withdraw(&self, tenant: &Arc<str>, id: u64) -> Withdrawn {
         let mut inner = self.lock();
-        let removed = inner.flows.get_mut(tenant).and_then(|flow| {
-            let at = flow.waiting.iter().position(|(ticket, _)| *ticket == id)?;
-            flow.waiting.remove(at)
+        let removed = inner.queues.get_mut(tenant).and_then(|tenant_queue| {
+            let at = tenant_queue
+                .waiting
+                .iter()
+                .position(|(ticket, _)| *ticket == id)?;
+            tenant_queue.waiting.remove(at)
         });
         if removed.is_some() {
             inner.queued -= 1;
@@ -191,16 +195,16 @@ impl Drop for Ticket<'_> {
     }
 }
 
-/// A flow with no one waiting and a tag behind the clock carries nothing a
-/// newcomer would not get: dropped, so that the map holds active tenants only.
+/// A tenant's queue with no one waiting and a tag behind the clock carries
+/// nothing a newcomer would not get: dropped, so that the map holds active tenants only.
 fn forget_idle(inner: &mut QueueState, tenant: &Arc<str>) {
     let clock = inner.clock;
     if inner
-        .flows
+        .queues
         .get(tenant)
-        .is_some_and(|flow| flow.waiting.is_empty() && flow.finish <= clock)
+        .is_some_and(|tenant_queue| tenant_queue.waiting.is_empty() && tenant_queue.finish <= clock)
     {
-        inner.flows.remove(tenant);
+        inner.queues.remove(tenant);
     }
 }
 
@@ -208,14 +212,14 @@ fn forget_idle(inner: &mut QueueState, tenant: &Arc<str>) {
 fn dispatch(inner: &mut QueueState, limit: usize) {
     while inner.in_flight < limit && inner.queued > 0 {
         let next = inner
-            .flows
+            .queues
             .iter()
-            .filter(|(_, flow)| !flow.waiting.is_empty())
-            .map(|(tenant, flow)| {
-                let start = flow.finish;
+            .filter(|(_, tenant_queue)| !tenant_queue.waiting.is_empty())
+            .map(|(tenant, tenant_queue)| {
+                let start = tenant_queue.finish;
                 (
-                    flow.priority,
-                    start + 1.0 / f64::from(flow.weight),
+                    tenant_queue.priority,
+                    start + 1.0 / f64::from(tenant_queue.weight),
                     start,
                     tenant,
                 )
@@ -225,13 +229,13 @@ fn dispatch(inner: &mut QueueState, limit: usize) {
             return;
         };
         let tenant = tenant.clone();
-        let Some(flow) = inner.flows.get_mut(&tenant) else {
+        let Some(tenant_queue) = inner.queues.get_mut(&tenant) else {
             return;
         };
-        let Some((_, waiter)) = flow.waiting.pop_front() else {
+        let Some((_, waiter)) = tenant_queue.waiting.pop_front() else {
             return;
         };
-        flow.finish = finish;
+        tenant_queue.finish = finish;
         inner.queued -= 1;
         inner.clock = inner.clock.max(start);
         // A waiter whose caller is gone takes no slot.

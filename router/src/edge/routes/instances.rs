@@ -8,7 +8,7 @@ use crate::error::ApiError;
 use crate::membership::load::EngineLoad;
 use crate::membership::static_instances::STATIC_ID_PREFIX;
 use crate::membership::{valid_id, Claim, Registration, Registry};
-use crate::pd::flow::Flow;
+use crate::pd::deps::FlowDeps;
 use crate::prefix::KvEventBatch;
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -136,7 +136,7 @@ const EVENTS_BODY_LIMIT: BodyLimits = BodyLimits {
 /// KV cache events of an instance (forwarded by its agent), into its prefix
 /// index: same caller and credential as its heartbeats.
 pub async fn kv_events(
-    State(flow): State<Arc<Flow>>,
+    State(deps): State<Arc<FlowDeps>>,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Body,
@@ -144,7 +144,7 @@ pub async fn kv_events(
     require_json(&headers)?;
     // The credential first: a caller without it must not have the router read
     // and parse a batch of up to 4 MiB before its 403.
-    if flow
+    if deps
         .registry
         .registrant(&id, credential(&headers))?
         .is_none()
@@ -160,8 +160,8 @@ pub async fn kv_events(
     batch
         .check()
         .map_err(|bad| ApiError::bad_request(bad.to_string(), Some("events")))?;
-    let cap = flow.routing.prefix_index_blocks;
-    if flow
+    let cap = deps.routing.prefix_index_blocks;
+    if deps
         .registry
         .kv_events(&id, credential(&headers), &batch, cap)?
     {

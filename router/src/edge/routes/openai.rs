@@ -58,7 +58,7 @@ async fn generate(
         let info = prologue.check(route, &mut value)?;
         // The model label is set once the model is known to be served
         // (pd::start): a client's made-up names must not become series.
-        crate::pd::run(state.flow.clone(), info, value, prologue.record).await
+        crate::pd::run(state.deps.clone(), info, value, prologue.record).await
     };
     prologue::generate(&state, route.path(), caller, &headers, body, run).await
 }

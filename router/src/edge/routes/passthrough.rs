@@ -66,7 +66,7 @@ async fn run(
     body: Body,
     record: &mut RequestRecord,
 ) -> Result<Response, ApiError> {
-    let limits = BodyLimits::client(&state.flow.requests);
+    let limits = BodyLimits::client(&state.deps.requests);
     // The share is held until the engine's answer is relayed.
     let BudgetedBody {
         bytes,
@@ -82,7 +82,7 @@ async fn run(
     let request_id = crate::pd::record::engine_request_id(record.request_id());
     let mut tried: Vec<String> = Vec::new();
     loop {
-        let Some(instance) = choose(&state.flow.registry, &model, &tried) else {
+        let Some(instance) = choose(&state.deps.registry, &model, &tried) else {
             return Err(ApiError::Unavailable(format!(
                 "no instance is ready for model `{model}`"
             )));
@@ -95,7 +95,7 @@ async fn run(
             trace: crate::observe::traces::headers(record.span()),
             body: body.clone(),
         };
-        match state.flow.upstream.prefill(call).await {
+        match state.deps.upstream.answer(call).await {
             Ok(reply) if (200..300).contains(&reply.status) => {
                 let status = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::OK);
                 return Ok((
@@ -163,13 +163,13 @@ fn model_of(state: &AppState, fields: &Fields<'_>) -> Result<String, ApiError> {
     };
     match model {
         Some(model) => {
-            if state.flow.registry.knows_model(&model) {
+            if state.deps.registry.knows_model(&model) {
                 Ok(model)
             } else {
                 Err(ApiError::ModelNotFound(model))
             }
         }
-        None => match state.flow.registry.models().as_slice() {
+        None => match state.deps.registry.models().as_slice() {
             [only] => Ok(only.clone()),
             _ => Err(ApiError::bad_request(
                 "`model` is required when the router serves more than one model",

@@ -85,7 +85,7 @@ pub async fn generate(
     let mut prologue = Prologue {
         record,
         caller,
-        max_tokens_limit: state.flow.requests.max_tokens_limit,
+        max_tokens_limit: state.deps.requests.max_tokens_limit,
     };
     let answered = async move {
         let read = read_body(state, &mut prologue, headers, body).await;
@@ -112,7 +112,7 @@ async fn read_body(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Bytes, ApiError> {
-    let limits = BodyLimits::client(&state.flow.requests);
+    let limits = BodyLimits::client(&state.deps.requests);
     let read = read_budgeted(headers, body, limits, &state.body_budget).await?;
     prologue.record.hold_body_share(read.permit);
     if let Some(caller) = &prologue.caller {

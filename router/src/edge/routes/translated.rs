@@ -2,8 +2,8 @@
 //! (Responses, Messages): after the prologue every generating route shares
 //! (`prologue.rs`), the protocol's request is translated, the chat runs
 //! through prefill/decode (`pd::run`, so it is resumed like any chat) with the
-//! translation's driver as the relay's `Translator`, fed each chat chunk as it
-//! is journaled, and the answer is the protocol's events or its whole answer.
+//! translation's driver as the relay's `TranslatedOutput`, fed each chat
+//! chunk as it is journaled, and the answer is the protocol's events or its whole answer.
 
 use super::prologue;
 use crate::background::run::{run_apart, Apart, CHECKPOINT_EVERY};
@@ -91,11 +91,11 @@ pub async fn serve<T: Translation>(
             };
             let driver = TranslationDriver::new(translation, to, false);
             let (chat_response, entry) = crate::pd::run_observed(
-                state.flow.clone(),
+                state.deps.clone(),
                 info,
                 chat,
                 prologue.record,
-                Some(driver.translator()),
+                Some(driver.as_output()),
             )
             .await
             .map_err(failed)?;

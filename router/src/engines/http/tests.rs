@@ -160,7 +160,7 @@ async fn a_body_dropped_before_its_end_closes_its_connection() {
 
 /// What a raw server does with one request of a connection.
 #[derive(Clone, Copy)]
-enum Step {
+enum ServerStep {
     /// Writes this answer, then reads the next request.
     Answer(&'static [u8]),
     /// Writes this answer, then closes the connection.
@@ -171,7 +171,7 @@ enum Step {
 
 /// A raw server: for each connection in turn, what it does with each request
 /// it reads.
-async fn scripted(script: Vec<Vec<Step>>) -> (String, Arc<AtomicUsize>) {
+async fn scripted(script: Vec<Vec<ServerStep>>) -> (String, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     let accepted = Arc::new(AtomicUsize::new(0));
@@ -188,12 +188,12 @@ async fn scripted(script: Vec<Vec<Step>>) -> (String, Arc<AtomicUsize>) {
                     break;
                 }
                 match step {
-                    Step::Answer(answer) => socket.write_all(answer).await.expect("write"),
-                    Step::AnswerAndClose(answer) => {
+                    ServerStep::Answer(answer) => socket.write_all(answer).await.expect("write"),
+                    ServerStep::AnswerAndClose(answer) => {
                         socket.write_all(answer).await.expect("write");
                         break;
                     }
-                    Step::Close => break,
+                    ServerStep::Close => break,
                 }
             }
         }
@@ -213,8 +213,8 @@ async fn a_request_that_was_written_is_never_sent_twice() {
     // The engine answers once, then reads the next request and drops the
     // connection without an answer (it may have acted on it).
     let (url, accepted) = scripted(vec![
-        vec![Step::Answer(OK), Step::Close],
-        vec![Step::Answer(OK)],
+        vec![ServerStep::Answer(OK), ServerStep::Close],
+        vec![ServerStep::Answer(OK)],
     ])
     .await;
     let client = client();
@@ -231,8 +231,11 @@ async fn a_request_that_was_written_is_never_sent_twice() {
 #[tokio::test]
 async fn a_pooled_connection_the_engine_closed_is_not_used() {
     // A keep-alive timeout: the engine closes the idle connection.
-    let (url, accepted) =
-        scripted(vec![vec![Step::AnswerAndClose(OK)], vec![Step::Answer(OK)]]).await;
+    let (url, accepted) = scripted(vec![
+        vec![ServerStep::AnswerAndClose(OK)],
+        vec![ServerStep::Answer(OK)],
+    ])
+    .await;
     let client = client();
     let mut response = ask(&client, &url).await;
     assert_eq!(read_all(&mut response.body).await, b"ok");
@@ -245,7 +248,7 @@ async fn a_pooled_connection_the_engine_closed_is_not_used() {
 
 #[tokio::test]
 async fn a_new_connection_closed_before_an_answer_is_an_error() {
-    let (url, _) = scripted(vec![vec![Step::Close]]).await;
+    let (url, _) = scripted(vec![vec![ServerStep::Close]]).await;
     let result = client().post(&url, "/a", &[], &empty()).await;
     assert!(
         matches!(result, Err(ClientError::ClosedBeforeResponse)),
@@ -257,19 +260,19 @@ async fn a_new_connection_closed_before_an_answer_is_an_error() {
 #[tokio::test]
 async fn bodies_end_as_framed_and_only_clean_ends_are_reused() {
     let (url, accepted) = scripted(vec![
-        vec![Step::AnswerAndClose(
+        vec![ServerStep::AnswerAndClose(
             b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
         )],
-        vec![Step::AnswerAndClose(
+        vec![ServerStep::AnswerAndClose(
             b"HTTP/1.1 200 OK\r\n\r\nuntil the end",
         )],
-        vec![Step::Answer(
+        vec![ServerStep::Answer(
             b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokEXTRA",
         )],
-        vec![Step::Answer(
+        vec![ServerStep::Answer(
             b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
         )],
-        vec![Step::Answer(
+        vec![ServerStep::Answer(
             b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n",
         )],
     ])
@@ -311,7 +314,7 @@ async fn bodies_end_as_framed_and_only_clean_ends_are_reused() {
 #[tokio::test]
 async fn an_answer_before_the_whole_request_is_still_read() {
     // The engine refuses a large body after its head, and closes.
-    let (url, _) = scripted(vec![vec![Step::AnswerAndClose(
+    let (url, _) = scripted(vec![vec![ServerStep::AnswerAndClose(
         b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 8\r\n\r\ntoo big!",
     )]])
     .await;
@@ -360,7 +363,7 @@ async fn dropping_a_stream_closes_it_at_the_engine() {
 #[tokio::test]
 async fn a_truncated_chunked_body_is_an_error() {
     // The engine dies in the middle of a stream.
-    let (url, _) = scripted(vec![vec![Step::AnswerAndClose(
+    let (url, _) = scripted(vec![vec![ServerStep::AnswerAndClose(
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
     )]])
     .await;
@@ -376,10 +379,10 @@ async fn a_truncated_chunked_body_is_an_error() {
 #[tokio::test]
 async fn interim_answers_are_skipped_within_a_bound() {
     let (url, _) = scripted(vec![
-        vec![Step::Answer(
+        vec![ServerStep::Answer(
             b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok",
         )],
-        vec![Step::Answer(
+        vec![ServerStep::Answer(
             b"HTTP/1.1 100 A\r\n\r\nHTTP/1.1 100 B\r\n\r\nHTTP/1.1 100 C\r\n\r\n\
               HTTP/1.1 100 D\r\n\r\nHTTP/1.1 100 E\r\n\r\nHTTP/1.1 100 F\r\n\r\n\
               HTTP/1.1 100 G\r\n\r\nHTTP/1.1 100 H\r\n\r\nHTTP/1.1 100 I\r\n\r\n",

@@ -4,8 +4,9 @@
 //! (`request.rs`), the router's stop strings (`stops.rs`), an engine chunk's
 //! fast checks and edits (`chunk.rs`), and what the client gets: each chunk
 //! with the router's id, or one answer assembled from them (`output.rs`,
-//! `assemble.rs`), or handed to another client protocol's translator
-//! (`translator.rs`: the interface the relay feeds each parsed chat chunk).
+//! `assemble.rs`), or handed to another client protocol
+//! (`translated_output.rs`: the `TranslatedOutput` the relay feeds each
+//! parsed chat chunk).
 
 pub mod assemble;
 pub mod chunk;
@@ -14,4 +15,4 @@ pub mod output;
 pub mod patch;
 pub mod request;
 pub mod stops;
-pub mod translator;
+pub mod translated_output;

@@ -14,7 +14,7 @@ use super::chunk::{self, Chunk, Field};
 use super::request::{RequestInfo, Route};
 use crate::error::ApiError;
 use crate::journal::Entry;
-use crate::protocols::openai::translator::Translator;
+use crate::protocols::openai::translated_output::TranslatedOutput;
 use crate::protocols::sse;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
@@ -67,7 +67,7 @@ pub struct Output {
     hide_reasoning: bool,
     /// The client's protocol, when it is not chat's own (Responses,
     /// Messages): what a streaming client gets is its translation.
-    translator: Option<Box<dyn Translator>>,
+    translated: Option<Box<dyn TranslatedOutput>>,
 }
 
 impl Output {
@@ -97,15 +97,15 @@ impl Output {
             }),
             prompt_logprobs: None,
             hide_reasoning: info.hide_reasoning,
-            translator: None,
+            translated: None,
         }
     }
 
-    /// The client's protocol is `translator`'s; returns what the client gets
+    /// The client's protocol is `translated`'s; returns what the client gets
     /// before the first chunk.
-    pub fn translate_with(&mut self, mut translator: Box<dyn Translator>) -> Option<Bytes> {
-        let first = translator.start();
-        self.translator = Some(translator);
+    pub fn translate_with(&mut self, mut translated: Box<dyn TranslatedOutput>) -> Option<Bytes> {
+        let first = translated.start();
+        self.translated = Some(translated);
         first
     }
 
@@ -156,11 +156,11 @@ impl Output {
         if let Some(usage) = parsed.usage.filter(|u| u.get() != "null") {
             self.engine_usage = serde_json::from_str(usage.get()).ok();
         }
-        if let Some(translator) = &mut self.translator {
+        if let Some(translated) = &mut self.translated {
             // Engine usage chunks are not the client's: the router counts.
             return match parsed.choices.is_empty() {
                 true => None,
-                false => translator.chunk(parsed),
+                false => translated.chunk(parsed),
             };
         }
         // Echo requests never resume: their chunks are all the client's route.
@@ -337,7 +337,7 @@ impl Output {
     /// The usage a finished stream ends with, where it has one (read of
     /// the journal's entry).
     pub fn end_usage(&self, entry: &Entry) -> Option<Value> {
-        (self.include_usage || self.translator.is_some()).then(|| self.usage(entry))
+        (self.include_usage || self.translated.is_some()).then(|| self.usage(entry))
     }
 
     /// The last events of a finished stream, with its `end_usage`: usage
@@ -347,8 +347,8 @@ impl Output {
         &mut self,
         usage: Option<Value>,
     ) -> (Vec<Bytes>, Option<BoxFuture<'static, ()>>) {
-        if let Some(translator) = &mut self.translator {
-            return (Vec::new(), translator.finish(usage.unwrap_or_default()));
+        if let Some(translated) = &mut self.translated {
+            return (Vec::new(), translated.finish(usage.unwrap_or_default()));
         }
         let mut events = Vec::with_capacity(2);
         if let Some(usage) = usage {
@@ -363,16 +363,16 @@ impl Output {
     /// A translated protocol's last events (after [`Self::end_events`] or
     /// [`Self::fail_events`]).
     pub fn last_events(&mut self) -> Option<Bytes> {
-        self.translator.as_mut().and_then(|t| t.last())
+        self.translated.as_mut().and_then(|t| t.last())
     }
 
     /// The last events of a stream that cannot go on, in the client's
     /// protocol.
     pub fn fail_events(&mut self, error: &ApiError) -> Vec<Bytes> {
-        match &mut self.translator {
-            Some(translator) => {
-                translator.fail(error);
-                translator.last().into_iter().collect()
+        match &mut self.translated {
+            Some(translated) => {
+                translated.fail(error);
+                translated.last().into_iter().collect()
             }
             None => Self::error_events(error),
         }

@@ -338,7 +338,7 @@ struct RolesShape {
 impl<'de> serde::Deserialize<'de> for RolesShape {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         #[derive(serde::Deserialize)]
-        struct Role<'a> {
+        struct MessageRole<'a> {
             #[serde(borrow, default)]
             role: Option<&'a RawValue>,
         }
@@ -356,7 +356,7 @@ impl<'de> serde::Deserialize<'de> for RolesShape {
                     len: 0,
                     all_roles: true,
                 };
-                while let Some(message) = seq.next_element::<Role<'de>>()? {
+                while let Some(message) = seq.next_element::<MessageRole<'de>>()? {
                     shape.all_roles &= message.role.is_some_and(|r| r.get().starts_with('"'));
                     shape.len += 1;
                 }

@@ -1,7 +1,10 @@
-//! A client protocol made from the chat completion the router runs for it
-//! (Responses, Messages), fed each chat chunk as the relay journals it: the
-//! chunk is parsed once, for the journal and the translation alike, and a
-//! resumed chat goes on in the client's protocol as it goes on in chat's.
+//! The relay's output when the client's protocol is not chat's own
+//! (Responses, Messages): the relay feeds it each chat chunk as it journals
+//! it, so the chunk is parsed once, for the journal and the translation
+//! alike, and a resumed chat goes on in the client's protocol as it goes on
+//! in chat's. (What each protocol makes of the chunks is its `Translation`,
+//! `background/translation.rs`; one request's run of it, the
+//! `TranslationDriver` there, is the one implementation of this.)
 
 use super::chunk::Chunk;
 use crate::error::ApiError;
@@ -9,9 +12,9 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use serde_json::Value;
 
-/// What the relay feeds one request's translation through (the one
-/// implementation is `background::translation::TranslationDriver`).
-pub trait Translator: Send {
+/// What the relay writes a translated client's output through: fed the
+/// chat's chunks and its end, it gives the client's bytes.
+pub trait TranslatedOutput: Send {
     /// What the client gets before the first chunk.
     fn start(&mut self) -> Option<Bytes>;
     /// What the client gets of one chat chunk (one with choices; its text is
@@ -28,8 +31,8 @@ pub trait Translator: Send {
 }
 
 /// (The client's output, which holds one, is `Debug`.)
-impl std::fmt::Debug for dyn Translator {
+impl std::fmt::Debug for dyn TranslatedOutput {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Translator")
+        f.write_str("TranslatedOutput")
     }
 }

@@ -1,8 +1,9 @@
-//! What the request flow needs of the router: the subsystems its phases call
-//! and the few settings they read. The flow takes this, not the whole
-//! application state, so that `pd` depends only on the modules below it (the
-//! registry, the journal, the policies, the holds) and its sessions are built
-//! and tested without the HTTP app, its metrics recorder or its listeners.
+//! The request flow's dependencies (`FlowDeps`): the subsystems its phases
+//! call and the groups of flags they read. Every phase takes these (as
+//! `deps`), not the whole application state, so that `pd` depends only on
+//! the modules below it (the registry, the journal, the policies, the holds)
+//! and its sessions are built and tested without the HTTP app, its metrics
+//! recorder or its listeners.
 
 use crate::config::{EngineArgs, RequestArgs, ResumeArgs, RouterConfig, RoutingArgs};
 use crate::journal::Journal;
@@ -16,7 +17,11 @@ use crate::policy::Selector;
 use std::sync::Arc;
 use tokio_util::task::TaskTracker;
 
-pub struct Flow {
+/// What a request's phases use: the registry, the journal, the selectors,
+/// the holds, the outliers, the [`Upstream`] seam and the flag groups they
+/// read. (Not the app's state: that is `edge::app::AppState`, which holds
+/// these as its `deps`.)
+pub struct FlowDeps {
     pub registry: Arc<Registry>,
     pub journal: Arc<Journal>,
     pub prefill: Selector,
@@ -38,9 +43,9 @@ pub struct Flow {
     pub drains: TaskTracker,
 }
 
-impl Flow {
-    /// The flow over `registry`, reaching engines through `upstream`; and the
-    /// queue of hold releases that the router's keeper task takes.
+impl FlowDeps {
+    /// The flow's dependencies over `registry`, reaching engines through
+    /// `upstream`; and the queue of hold releases that the router's keeper task takes.
     pub fn new(
         config: &RouterConfig,
         registry: Registry,
@@ -55,7 +60,7 @@ impl Flow {
         let routing = &config.routing;
         let thresholds = Thresholds::of(routing);
         let ttl = config.membership.heartbeat_ttl;
-        let flow = Self {
+        let deps = Self {
             registry: Arc::new(registry),
             journal: Arc::new(Journal::default()),
             prefill: Selector::new(routing.prefill_policy, ttl, thresholds),
@@ -70,10 +75,10 @@ impl Flow {
             tokenizers: Tokenizers::default(),
             drains: TaskTracker::new(),
         };
-        (flow, releases)
+        (deps, releases)
     }
 
-    /// The flow with the router's own tokenizers.
+    /// The same, with the router's own tokenizers.
     pub fn with_tokenizers(mut self, tokenizers: Tokenizers) -> Self {
         self.tokenizers = tokenizers;
         self
