@@ -763,7 +763,10 @@ def kill_batch(
         decoders = {ids[rid]: e["decoder"] for rid, e in entries.items()}
         assert set(decoders.values()) <= {victim, None}, decoders
         assert all(cut[k] <= regions[k[0]][1] for k in cut), (cut, regions)
-        return len(cut) == len(ids) and all(cut[k] >= regions[k[0]][0] for k in cut)
+        ready = len(cut) == len(ids) and all(cut[k] >= regions[k[0]][0] for k in cut)
+        # Lined up means every stream is on the victim: none resumed yet.
+        assert not ready or set(decoders.values()) == {victim}, decoders
+        return ready
 
     cluster.only(victim)
     pause = cluster.pause_file(victim)

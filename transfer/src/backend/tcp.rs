@@ -196,11 +196,13 @@ async fn read_stripe(stripe: Stripe, pieces: Vec<DestSpan>) -> Result<()> {
         len,
     };
     let answer_by = AnswerBy::Deadline(deadline);
+    let asked = Instant::now();
     let opened =
         tokio::time::timeout_at(deadline.into(), ctrl.open(&addr, &request, answer_by)).await;
+    // The wait ran to the pull's deadline, not one I/O timeout: say how long.
     let (mut conn, reply) = opened.map_err(|_| TransferError::Timeout {
         what: "asking for block bytes",
-        after: io,
+        after: asked.elapsed(),
     })??;
     match reply {
         Reply::Data { len: got } if got == len => {}

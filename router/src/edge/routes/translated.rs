@@ -57,7 +57,11 @@ pub async fn serve<T: Translation>(
         async |mut prologue, bytes| {
             let tenant = prologue.tenant();
             let prepared = async {
-                let request: Map<String, Value> = serde_json::from_slice(&bytes)
+                let request: Result<Map<String, Value>, _> = serde_json::from_slice(&bytes);
+                // The request is kept as parsed: the bytes it was read from
+                // go now, not when the generation ends.
+                drop(bytes);
+                let request = request
                     .map_err(|err| ApiError::bad_request(format!("request body: {err}"), None))?;
                 prepare(&state, request, &tenant).await
             }
