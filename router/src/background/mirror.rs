@@ -107,7 +107,13 @@ pub async fn publish(
     sent: &mut Sent,
 ) -> bool {
     let at = tokio::time::Instant::now();
-    match write(store, id, token, live, sent, Some(origin)).await {
+    let writer = Writer {
+        store,
+        id,
+        token,
+        live,
+    };
+    match writer.write(sent, Some(origin)).await {
         Ok(()) => {
             live.hold_until(at + hold_for(store.lease()));
             true
@@ -131,104 +137,129 @@ struct Written {
     cancel_asked: bool,
 }
 
-/// One write of `live`'s events after `written` up to its last checkpoint,
-/// its state and the checkpoint; at the end, the stored response with them:
-/// one script, under the lease (a client that read the last events can at
-/// once continue from the stored response).
-async fn write(
-    store: &RedisStore,
-    id: &str,
-    token: &str,
-    live: &Live,
-    sent: &mut Sent,
-    origin: Option<&Value>,
-) -> Result<(), AppendError> {
-    let result = write_once(store, id, token, live, sent, origin).await;
-    let result = match result {
-        // The store lost the checkpoint the patch was of: whole, at once.
-        Err(AppendError::NoCheckpoint) => {
-            sent.forget();
-            write_once(store, id, token, live, sent, origin).await
-        }
-        other => other,
-    };
-    if result.is_err() {
-        // Whether it landed is unknown: the next write sends all again.
-        sent.forget();
-    }
-    result
+/// The writer of one background response: its store, its id and the token
+/// of its lease there, its live log.
+struct Writer<'a> {
+    store: &'a RedisStore,
+    id: &'a str,
+    token: &'a str,
+    live: &'a Live,
 }
 
-async fn write_once(
-    store: &RedisStore,
-    id: &str,
-    token: &str,
-    live: &Live,
-    sent: &mut Sent,
-    origin: Option<&Value>,
-) -> Result<(), AppendError> {
-    let written = sent.written.last;
-    let snapshot = live.snapshot(written);
-    // A generation handed over is not done: another replica goes on.
-    let done = snapshot.done && !live.fenced();
-    // Its stored response goes with its last events, under the lease.
-    let stored = if done { live.kept() } else { None };
-    // The response as it stands changes with few events (created, in
-    // progress, the end): written when it did (with its tenant, which the
-    // store then has too); at the end, read by the store from the stored
-    // response where that one holds the same.
-    let response_changed = sent.response.as_ref() != Some(&snapshot.response);
-    let response = match &stored {
-        _ if !response_changed => AppendResponse::Kept,
-        Some(kept)
-            if serde_json::from_str::<Value>(kept.response.get())
-                .ok()
-                .as_ref()
-                == Some(&snapshot.response) =>
-        {
-            AppendResponse::Stored(&snapshot.response)
+impl Writer<'_> {
+    /// One write of `live`'s events after `written` up to its last checkpoint,
+    /// its state and the checkpoint; at the end, the stored response with them:
+    /// one script, under the lease (a client that read the last events can at
+    /// once continue from the stored response).
+    async fn write(&self, sent: &mut Sent, origin: Option<&Value>) -> Result<(), AppendError> {
+        let result = self.write_once(sent, origin).await;
+        let result = match result {
+            // The store lost the checkpoint the patch was of: whole, at once.
+            Err(AppendError::NoCheckpoint) => {
+                sent.forget();
+                self.write_once(sent, origin).await
+            }
+            other => other,
+        };
+        if result.is_err() {
+            // Whether it landed is unknown: the next write sends all again.
+            sent.forget();
         }
-        _ => AppendResponse::Whole(&snapshot.response),
-    };
-    let checkpoint = snapshot
-        .checkpoint
-        .as_ref()
-        .and_then(|checkpoint| sent.checkpoint_text(checkpoint));
-    let write = checkpoint.as_ref().map(|(whole, text)| match whole {
-        true => CheckpointWrite::Whole(text),
-        false => CheckpointWrite::Patch(text),
-    });
-    let append = Append {
-        tenant: response_changed.then_some(live.tenant.as_str()),
-        response,
-        done,
-        checkpoint: write,
-        origin,
-        stored: stored.as_deref(),
-    };
-    let cancel_asked = store
-        .append_write(id, token, append, &snapshot.events)
-        .await?;
-    if let (Some((whole, text)), Some(now)) = (checkpoint, snapshot.checkpoint) {
-        if whole {
-            (sent.whole_bytes, sent.patch_bytes, sent.patches) = (text.len(), 0, 0);
-        } else {
-            sent.patch_bytes += text.len();
-            sent.patches += 1;
+        result
+    }
+
+    async fn write_once(&self, sent: &mut Sent, origin: Option<&Value>) -> Result<(), AppendError> {
+        let Writer {
+            store,
+            id,
+            token,
+            live,
+        } = *self;
+        let written = sent.written.last;
+        let snapshot = live.snapshot(written);
+        // A generation handed over is not done: another replica goes on.
+        let done = snapshot.done && !live.fenced();
+        // Its stored response goes with its last events, under the lease.
+        let stored = if done { live.kept() } else { None };
+        // The response as it stands changes with few events (created, in
+        // progress, the end): written when it did (with its tenant, which the
+        // store then has too); at the end, read by the store from the stored
+        // response where that one holds the same.
+        let response_changed = sent.response.as_ref() != Some(&snapshot.response);
+        let response = match &stored {
+            _ if !response_changed => AppendResponse::Kept,
+            Some(kept)
+                if serde_json::from_str::<Value>(kept.response.get())
+                    .ok()
+                    .as_ref()
+                    == Some(&snapshot.response) =>
+            {
+                AppendResponse::Stored(&snapshot.response)
+            }
+            _ => AppendResponse::Whole(&snapshot.response),
+        };
+        let checkpoint = snapshot
+            .checkpoint
+            .as_ref()
+            .and_then(|checkpoint| sent.checkpoint_text(checkpoint));
+        let write = checkpoint.as_ref().map(|(whole, text)| match whole {
+            true => CheckpointWrite::Whole(text),
+            false => CheckpointWrite::Patch(text),
+        });
+        let append = Append {
+            tenant: response_changed.then_some(live.tenant.as_str()),
+            response,
+            done,
+            checkpoint: write,
+            origin,
+            stored: stored.as_deref(),
+        };
+        let cancel_asked = store
+            .append_write(id, token, append, &snapshot.events)
+            .await?;
+        if let (Some((whole, text)), Some(now)) = (checkpoint, snapshot.checkpoint) {
+            if whole {
+                (sent.whole_bytes, sent.patch_bytes, sent.patches) = (text.len(), 0, 0);
+            } else {
+                sent.patch_bytes += text.len();
+                sent.patches += 1;
+            }
+            sent.checkpoint = Some(now);
         }
-        sent.checkpoint = Some(now);
+        if response_changed {
+            sent.response = Some(snapshot.response);
+        }
+        let last = snapshot.events.last().and_then(ClientEvent::sequence);
+        sent.written = Written {
+            last: last.or(written),
+            through: snapshot.through,
+            done,
+            cancel_asked,
+        };
+        Ok(())
     }
-    if response_changed {
-        sent.response = Some(snapshot.response);
+
+    /// This replica stops (the generation was fenced as it stopped): writes the
+    /// last events (not as done) and lets the lease go, so that another replica
+    /// takes the generation over at its next look instead of after the lease.
+    async fn hand_over(&self, sent: &mut Sent) {
+        let Writer {
+            store, id, token, ..
+        } = *self;
+        match self.write(sent, None).await {
+            Ok(_) => {}
+            Err(AppendError::Fenced) => return,
+            Err(err) => {
+                tracing::warn!(id, %err, "handing a background response over: its last events not written");
+            }
+        }
+        match store.release_lease(id, token).await {
+            Ok(()) => tracing::info!(id, "background response handed over to another replica"),
+            Err(err) => {
+                tracing::warn!(id, %err, "handing a background response over: its lease is left to expire")
+            }
+        }
     }
-    let last = snapshot.events.last().and_then(ClientEvent::sequence);
-    sent.written = Written {
-        last: last.or(written),
-        through: snapshot.through,
-        done,
-        cancel_asked,
-    };
-    Ok(())
 }
 
 /// Copies `live` (background response `id`, leased with `token`) into
@@ -263,13 +294,19 @@ pub async fn mirror(
         }
     }
     let _writing = Writing(&live);
+    let writer = Writer {
+        store: &store,
+        id: &id,
+        token: &token,
+        live: &live,
+    };
     loop {
         if stop.is_cancelled() && !live.done() {
             // The router stops: the generation goes on elsewhere.
             live.fence();
         }
         if live.fenced() {
-            return hand_over(&store, &id, &token, &live, &mut sent).await;
+            return writer.hand_over(&mut sent).await;
         }
         changes.borrow_and_update();
         // Nothing new since the last checkpoint written: no write, unless
@@ -279,7 +316,7 @@ pub async fn mirror(
             || renewed.elapsed() >= renew_every;
         let at = tokio::time::Instant::now();
         let outcome = if due {
-            write(&store, &id, &token, &live, &mut sent, origin.as_ref()).await
+            writer.write(&mut sent, origin.as_ref()).await
         } else {
             Ok(())
         };
@@ -355,25 +392,6 @@ pub async fn mirror(
             _ = changes.changed() => {}
             _ = tokio::time::sleep(CANCEL_POLL.min(renew_every)) => {}
             _ = stop.cancelled() => {}
-        }
-    }
-}
-
-/// This replica stops (the generation was fenced as it stopped): writes the
-/// last events (not as done) and lets the lease go, so that another replica
-/// takes the generation over at its next look instead of after the lease.
-async fn hand_over(store: &RedisStore, id: &str, token: &str, live: &Live, sent: &mut Sent) {
-    match write(store, id, token, live, sent, None).await {
-        Ok(_) => {}
-        Err(AppendError::Fenced) => return,
-        Err(err) => {
-            tracing::warn!(id, %err, "handing a background response over: its last events not written");
-        }
-    }
-    match store.release_lease(id, token).await {
-        Ok(()) => tracing::info!(id, "background response handed over to another replica"),
-        Err(err) => {
-            tracing::warn!(id, %err, "handing a background response over: its lease is left to expire")
         }
     }
 }

@@ -128,14 +128,7 @@ impl Caller {
             return Ok(());
         };
         if let Err(wait) = bucket.take(more, Instant::now()) {
-            crate::observe::metrics::tenant_rejected(&self.tenant, "tokens_per_minute");
-            return Err(ApiError::RateLimited {
-                message: format!(
-                    "tenant `{}` has used its tokens per minute; retry later",
-                    self.tenant
-                ),
-                retry_after_s: wait.as_secs().max(1),
-            });
+            return Err(out_of_tokens(&self.tenant, wait));
         }
         self.usage.charged.fetch_add(more, Ordering::Relaxed);
         Ok(())
@@ -409,14 +402,7 @@ impl Tenants {
             .as_mut()
             .and_then(|bucket| bucket.take(estimate, Instant::now()).err())
         {
-            crate::observe::metrics::tenant_rejected(&tenant.name, "tokens_per_minute");
-            return Err(ApiError::RateLimited {
-                message: format!(
-                    "tenant `{}` has used its tokens per minute; retry later",
-                    tenant.name
-                ),
-                retry_after_s: wait.as_secs().max(1),
-            });
+            return Err(out_of_tokens(&tenant.name, wait));
         }
         let share = Share {
             tenant: tenant.name.clone(),
@@ -527,6 +513,16 @@ pub fn engine_cache_salt(
 /// Tokens charged for a body of `bytes`.
 fn body_tokens(bytes: u64) -> u64 {
     (bytes / BYTES_PER_TOKEN_ESTIMATE).max(1)
+}
+
+/// The 429 of a tenant whose tokens per minute are spent until `wait` from
+/// now (counted as such a refusal).
+fn out_of_tokens(tenant: &str, wait: std::time::Duration) -> ApiError {
+    crate::observe::metrics::tenant_rejected(tenant, "tokens_per_minute");
+    ApiError::RateLimited {
+        message: format!("tenant `{tenant}` has used its tokens per minute; retry later"),
+        retry_after_s: wait.as_secs().max(1),
+    }
 }
 
 #[cfg(test)]

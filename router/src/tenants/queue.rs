@@ -249,6 +249,7 @@ fn dispatch(inner: &mut QueueState, limit: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::task::JoinHandle;
 
     fn share(tenant: &str, weight: u32, priority: i32) -> Share {
         Share {
@@ -258,13 +259,43 @@ mod tests {
         }
     }
 
+    /// A slot of `queue` taken at once by tenant `tenant`.
+    async fn taken(queue: &Arc<FairQueue>, tenant: &str, weight: u32) -> Slot {
+        queue
+            .acquire(&share(tenant, weight, 0))
+            .await
+            .unwrap_or_else(|_| unreachable!())
+    }
+
+    /// A queue of one slot (at most `max_queued` callers waiting, each at
+    /// most `max_wait`), that slot taken by tenant `a`, and a caller of
+    /// `share` waiting for it (its outcome, the slot let go).
+    async fn held_with_one_waiting(
+        max_queued: usize,
+        max_wait: Duration,
+        share: Share,
+    ) -> (Arc<FairQueue>, Slot, JoinHandle<Result<(), Refusal>>) {
+        let queue = Arc::new(FairQueue::new(1, max_queued, max_wait));
+        let held = taken(&queue, "a", 1).await;
+        let waiter = tokio::spawn({
+            let queue = queue.clone();
+            async move { queue.acquire(&share).await.map(drop) }
+        });
+        until_queued(&queue, 1).await;
+        (queue, held, waiter)
+    }
+
+    /// Until `callers` wait in `queue`.
+    async fn until_queued(queue: &FairQueue, callers: usize) {
+        while queue.queued() < callers {
+            tokio::task::yield_now().await;
+        }
+    }
+
     #[tokio::test]
     async fn backlogged_tenants_are_served_by_weight() {
         let queue = Arc::new(FairQueue::new(1, 1000, Duration::from_secs(30)));
-        let first = queue
-            .acquire(&share("a", 3, 0))
-            .await
-            .unwrap_or_else(|_| unreachable!());
+        let first = taken(&queue, "a", 3).await;
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut waiting = tokio::task::JoinSet::new();
         for (tenant, weight) in [("a", 3), ("b", 1)] {
@@ -279,9 +310,7 @@ mod tests {
                 tokio::task::yield_now().await;
             }
         }
-        while queue.queued() < 80 {
-            tokio::task::yield_now().await;
-        }
+        until_queued(&queue, 80).await;
         drop(first);
         while waiting.join_next().await.is_some() {}
         let order = order.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -292,18 +321,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_lower_priority_value_goes_first() {
-        let queue = Arc::new(FairQueue::new(1, 10, Duration::from_secs(30)));
-        let first = queue
-            .acquire(&share("a", 1, 0))
-            .await
-            .unwrap_or_else(|_| unreachable!());
-        let low = tokio::spawn({
-            let queue = queue.clone();
-            async move { queue.acquire(&share("batch", 100, 5)).await.map(drop) }
-        });
-        while queue.queued() < 1 {
-            tokio::task::yield_now().await;
-        }
+        let (queue, first, low) =
+            held_with_one_waiting(10, Duration::from_secs(30), share("batch", 100, 5)).await;
         let urgent = {
             let queue = queue.clone();
             tokio::spawn(async move {
@@ -311,9 +330,7 @@ mod tests {
                 (slot.is_ok(), queue.queued())
             })
         };
-        while queue.queued() < 2 {
-            tokio::task::yield_now().await;
-        }
+        until_queued(&queue, 2).await;
         drop(first);
         // Urgent was admitted while batch still waited.
         assert_eq!(urgent.await.ok(), Some((true, 1)));
@@ -322,18 +339,8 @@ mod tests {
 
     #[tokio::test]
     async fn queues_are_bounded_in_length_and_wait() {
-        let queue = Arc::new(FairQueue::new(1, 1, Duration::from_millis(50)));
-        let _held = queue
-            .acquire(&share("a", 1, 0))
-            .await
-            .unwrap_or_else(|_| unreachable!());
-        let waiter = tokio::spawn({
-            let queue = queue.clone();
-            async move { queue.acquire(&share("a", 1, 0)).await.map(drop) }
-        });
-        while queue.queued() < 1 {
-            tokio::task::yield_now().await;
-        }
+        let (queue, _held, waiter) =
+            held_with_one_waiting(1, Duration::from_millis(50), share("a", 1, 0)).await;
         assert_eq!(
             queue.acquire(&share("a", 1, 0)).await.map(drop),
             Err(Refusal::QueueFull)
@@ -344,18 +351,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_caller_gone_while_waiting_takes_no_slot() {
-        let queue = Arc::new(FairQueue::new(1, 10, Duration::from_secs(30)));
-        let held = queue
-            .acquire(&share("a", 1, 0))
-            .await
-            .unwrap_or_else(|_| unreachable!());
-        let gone = tokio::spawn({
-            let queue = queue.clone();
-            async move { queue.acquire(&share("a", 1, 0)).await.map(drop) }
-        });
-        while queue.queued() < 1 {
-            tokio::task::yield_now().await;
-        }
+        let (queue, held, gone) =
+            held_with_one_waiting(10, Duration::from_secs(30), share("a", 1, 0)).await;
         gone.abort();
         let _ = gone.await;
         assert_eq!(queue.queued(), 0);

@@ -1,15 +1,13 @@
 //! The admin API: instances and the request journal. The bearer token is
 //! checked once, by the [`super::access::admin`] layer on these routes.
 
-use super::access::Access;
-use super::instances::registration;
+use super::instances::{no_content_if_registered, not_registered, CheckedRegistration};
 use crate::error::ApiError;
 use crate::journal::Journal;
 use crate::membership::{Claim, Lifecycle, Registry};
-use axum::body::Body;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
-use axum::{Extension, Json};
+use axum::http::StatusCode;
+use axum::Json;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -25,11 +23,8 @@ pub async fn list_instances(
 /// credential stops working; the answer carries the new one).
 pub async fn add_instance(
     State(registry): State<Arc<Registry>>,
-    Extension(access): Extension<Arc<Access>>,
-    headers: HeaderMap,
-    body: Body,
+    CheckedRegistration(reg): CheckedRegistration,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let reg = registration(&access, &headers, body).await?;
     let (instance, credential) = registry.register(reg, Claim::Admin).await?;
     let mut view = instance.view();
     view["credential"] = json!(credential);
@@ -42,9 +37,7 @@ async fn set_state(
     lifecycle: Lifecycle,
 ) -> Result<Json<Value>, ApiError> {
     if !registry.set_lifecycle(id, lifecycle).await? {
-        return Err(ApiError::NotFound(format!(
-            "instance `{id}` is not registered"
-        )));
+        return Err(not_registered(id));
     }
     let view = registry.get(id).map(|i| i.view()).unwrap_or(Value::Null);
     Ok(Json(view))
@@ -90,13 +83,7 @@ pub async fn remove_instance(
     State(registry): State<Arc<Registry>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    if registry.remove(&id, Claim::Admin).await? {
-        Ok(StatusCode::NO_CONTENT)
-    } else {
-        Err(ApiError::NotFound(format!(
-            "instance `{id}` is not registered"
-        )))
-    }
+    no_content_if_registered(registry.remove(&id, Claim::Admin).await?, &id)
 }
 
 pub async fn requests(

@@ -11,8 +11,9 @@ use crate::membership::{valid_id, Claim, Registration, Registry};
 use crate::pd::deps::FlowDeps;
 use crate::prefix::KvEventBatch;
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -27,9 +28,29 @@ const BODY_LIMIT: BodyLimits = BodyLimits {
     within: INTERNAL_BODY_TIMEOUT,
 };
 
+/// A registration body, parsed and checked against the router's [`Access`]
+/// (from the routes' extension): what both the registration and the admin
+/// API take.
+pub struct CheckedRegistration(pub Registration);
+
+impl<S: Send + Sync> FromRequest<S> for CheckedRegistration {
+    type Rejection = Response;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Response> {
+        let (mut parts, body) = request.into_parts();
+        let Extension(access) = Extension::<Arc<Access>>::from_request_parts(&mut parts, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        registration(&access, &parts.headers, body)
+            .await
+            .map(Self)
+            .map_err(IntoResponse::into_response)
+    }
+}
+
 /// Parses and checks a registration body (JSON only; URL and ctrl within the
 /// upstream policy).
-pub async fn registration(
+async fn registration(
     access: &Access,
     headers: &HeaderMap,
     body: Body,
@@ -67,11 +88,9 @@ pub async fn registration(
 
 pub async fn register(
     State(registry): State<Arc<Registry>>,
-    Extension(access): Extension<Arc<Access>>,
     headers: HeaderMap,
-    body: Body,
+    CheckedRegistration(reg): CheckedRegistration,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let reg = registration(&access, &headers, body).await?;
     if reg.persistent {
         // A persistent instance never expires: only an operator adds one.
         return Err(ApiError::bad_request(
@@ -121,9 +140,7 @@ pub async fn heartbeat(
             json!({"id": id, "lease_ttl_s": registry.ttl().as_secs()}),
         ))
     } else {
-        Err(ApiError::NotFound(format!(
-            "instance `{id}` is not registered"
-        )))
+        Err(not_registered(&id))
     }
 }
 
@@ -149,9 +166,7 @@ pub async fn kv_events(
         .registrant(&id, credential(&headers))?
         .is_none()
     {
-        return Err(ApiError::NotFound(format!(
-            "instance `{id}` is not registered"
-        )));
+        return Err(not_registered(&id));
     }
     let value = read_json(&headers, body, EVENTS_BODY_LIMIT).await?;
     let batch: KvEventBatch = serde_json::from_value(value).map_err(|err| {
@@ -161,16 +176,10 @@ pub async fn kv_events(
         .check()
         .map_err(|bad| ApiError::bad_request(bad.to_string(), Some("events")))?;
     let cap = deps.routing.prefix_index_blocks;
-    if deps
+    let found = deps
         .registry
-        .kv_events(&id, credential(&headers), &batch, cap)?
-    {
-        Ok(StatusCode::NO_CONTENT)
-    } else {
-        Err(ApiError::NotFound(format!(
-            "instance `{id}` is not registered"
-        )))
-    }
+        .kv_events(&id, credential(&headers), &batch, cap)?;
+    no_content_if_registered(found, &id)
 }
 
 pub async fn deregister(
@@ -179,11 +188,19 @@ pub async fn deregister(
     headers: HeaderMap,
 ) -> Result<StatusCode, ApiError> {
     let claim = Claim::Registrant(credential(&headers));
-    if registry.remove(&id, claim).await? {
+    no_content_if_registered(registry.remove(&id, claim).await?, &id)
+}
+
+/// 204 when instance `id` was there to act on, else 404.
+pub fn no_content_if_registered(registered: bool, id: &str) -> Result<StatusCode, ApiError> {
+    if registered {
         Ok(StatusCode::NO_CONTENT)
     } else {
-        Err(ApiError::NotFound(format!(
-            "instance `{id}` is not registered"
-        )))
+        Err(not_registered(id))
     }
+}
+
+/// The 404 of a call on an instance the registry does not have.
+pub fn not_registered(id: &str) -> ApiError {
+    ApiError::NotFound(format!("instance `{id}` is not registered"))
 }

@@ -83,15 +83,13 @@ impl Framing {
                     return Ok((!buf.is_empty()).then(|| buf.split().freeze()));
                 }
                 Framing::Length(left) => {
-                    if buf.is_empty() {
+                    let Some(data) = take_counted(left, buf) else {
                         return Ok(None);
-                    }
-                    let take = take_len(*left, buf.len());
-                    *left -= take as u64;
+                    };
                     if *left == 0 {
                         *self = Framing::Done;
                     }
-                    return Ok(Some(buf.split_to(take).freeze()));
+                    return Ok(Some(data));
                 }
                 Framing::Chunked(chunk) => match chunk {
                     ChunkedState::Size => {
@@ -106,15 +104,13 @@ impl Framing {
                         };
                     }
                     ChunkedState::Data(left) => {
-                        if buf.is_empty() {
+                        let Some(data) = take_counted(left, buf) else {
                             return Ok(None);
-                        }
-                        let take = take_len(*left, buf.len());
-                        *left -= take as u64;
+                        };
                         if *left == 0 {
                             *chunk = ChunkedState::DataEnd;
                         }
-                        return Ok(Some(buf.split_to(take).freeze()));
+                        return Ok(Some(data));
                     }
                     ChunkedState::DataEnd => {
                         if buf.len() < 2 {
@@ -171,6 +167,16 @@ impl Framing {
         };
         usize::try_from(left).unwrap_or(LARGE).clamp(SMALL, LARGE)
     }
+}
+
+/// Up to `left` of `buf`'s bytes, taken off `left` (None: `buf` is empty).
+fn take_counted(left: &mut u64, buf: &mut BytesMut) -> Option<Bytes> {
+    if buf.is_empty() {
+        return None;
+    }
+    let take = take_len(*left, buf.len());
+    *left -= take as u64;
+    Some(buf.split_to(take).freeze())
 }
 
 /// `min(left, available)` without overflow.

@@ -407,11 +407,7 @@ impl Output {
                 let token_ids = self.return_token_ids.then(|| json!(c.token_ids));
                 choice.insert("token_ids".into(), token_ids.unwrap_or(Value::Null));
                 if self.route == Route::Completions {
-                    let prompt = self.return_token_ids.then(|| json!(entry.prompt_token_ids));
-                    choice.insert("prompt_token_ids".into(), prompt.unwrap_or(Value::Null));
-                    if let Some(logprobs) = &self.prompt_logprobs {
-                        choice.insert("prompt_logprobs".into(), logprobs.clone());
-                    }
+                    self.insert_prompt(&mut choice, entry);
                 }
                 Value::Object(choice)
             })
@@ -427,13 +423,19 @@ impl Output {
         // The decoder's own transfer parameters are the router's business.
         response.insert("kv_transfer_params".into(), Value::Null);
         if self.route == Route::Chat {
-            let prompt = self.return_token_ids.then(|| json!(entry.prompt_token_ids));
-            response.insert("prompt_token_ids".into(), prompt.unwrap_or(Value::Null));
-            if let Some(logprobs) = &self.prompt_logprobs {
-                response.insert("prompt_logprobs".into(), logprobs.clone());
-            }
+            self.insert_prompt(&mut response, entry);
         }
         Value::Object(response)
+    }
+
+    /// The prompt's token ids (null unless asked for) and its logprobs (when
+    /// asked for): on each choice of a completion, on a chat completion.
+    fn insert_prompt(&self, into: &mut Map<String, Value>, entry: &Entry) {
+        let prompt = self.return_token_ids.then(|| json!(entry.prompt_token_ids));
+        into.insert("prompt_token_ids".into(), prompt.unwrap_or(Value::Null));
+        if let Some(logprobs) = &self.prompt_logprobs {
+            into.insert("prompt_logprobs".into(), logprobs.clone());
+        }
     }
 }
 

@@ -335,35 +335,68 @@ struct RolesShape {
     all_roles: bool,
 }
 
+/// One message as [`RolesShape`] reads it: its role, if any, left raw.
+#[derive(serde::Deserialize)]
+struct MessageRole<'a> {
+    #[serde(borrow, default)]
+    role: Option<&'a RawValue>,
+}
+
+impl<'de> SeqShape<'de> for RolesShape {
+    type Element = MessageRole<'de>;
+    const EXPECTING: &'static str = "a list of messages";
+
+    fn start() -> Self {
+        RolesShape {
+            len: 0,
+            all_roles: true,
+        }
+    }
+
+    fn add(&mut self, message: MessageRole<'de>) {
+        self.all_roles &= message.role.is_some_and(|r| r.get().starts_with('"'));
+        self.len += 1;
+    }
+}
+
 impl<'de> serde::Deserialize<'de> for RolesShape {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        #[derive(serde::Deserialize)]
-        struct MessageRole<'a> {
-            #[serde(borrow, default)]
-            role: Option<&'a RawValue>,
+        deserializer.deserialize_seq(Folding::<Self>::new())
+    }
+}
+
+/// What a JSON list holds, read element by element as it goes (nothing of
+/// an element kept but what `add` counts).
+trait SeqShape<'de>: Sized {
+    type Element: serde::Deserialize<'de>;
+    const EXPECTING: &'static str;
+    /// The shape of an empty list.
+    fn start() -> Self;
+    fn add(&mut self, element: Self::Element);
+}
+
+/// The visitor that folds a list into its [`SeqShape`].
+struct Folding<T>(std::marker::PhantomData<T>);
+
+impl<T> Folding<T> {
+    fn new() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<'de, T: SeqShape<'de>> serde::de::Visitor<'de> for Folding<T> {
+    type Value = T;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(T::EXPECTING)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<T, A::Error> {
+        let mut shape = T::start();
+        while let Some(element) = seq.next_element::<T::Element>()? {
+            shape.add(element);
         }
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = RolesShape;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a list of messages")
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<RolesShape, A::Error> {
-                let mut shape = RolesShape {
-                    len: 0,
-                    all_roles: true,
-                };
-                while let Some(message) = seq.next_element::<MessageRole<'de>>()? {
-                    shape.all_roles &= message.role.is_some_and(|r| r.get().starts_with('"'));
-                    shape.len += 1;
-                }
-                Ok(shape)
-            }
-        }
-        deserializer.deserialize_seq(Visit)
+        Ok(shape)
     }
 }
 
@@ -391,34 +424,30 @@ enum Element {
     Other,
 }
 
+impl SeqShape<'_> for ArrayShape {
+    type Element = Element;
+    const EXPECTING: &'static str = "an array";
+
+    fn start() -> Self {
+        ArrayShape {
+            len: 0,
+            all_ids: true,
+            all_numbers: true,
+            only: None,
+        }
+    }
+
+    fn add(&mut self, element: Element) {
+        self.all_ids &= matches!(element, Element::Id);
+        self.all_numbers &= matches!(element, Element::Id | Element::Number);
+        self.only = (self.len == 0).then_some(element);
+        self.len += 1;
+    }
+}
+
 impl<'de> serde::Deserialize<'de> for ArrayShape {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = ArrayShape;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an array")
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<ArrayShape, A::Error> {
-                let mut shape = ArrayShape {
-                    len: 0,
-                    all_ids: true,
-                    all_numbers: true,
-                    only: None,
-                };
-                while let Some(element) = seq.next_element::<Element>()? {
-                    shape.all_ids &= matches!(element, Element::Id);
-                    shape.all_numbers &= matches!(element, Element::Id | Element::Number);
-                    shape.only = (shape.len == 0).then_some(element);
-                    shape.len += 1;
-                }
-                Ok(shape)
-            }
-        }
-        deserializer.deserialize_seq(Visit)
+        deserializer.deserialize_seq(Folding::<Self>::new())
     }
 }
 
@@ -465,9 +494,7 @@ impl<'de> serde::Deserialize<'de> for Element {
                 Ok(Element::Other)
             }
             fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<Element, A::Error> {
-                let inner = <ArrayShape as serde::Deserialize>::deserialize(
-                    serde::de::value::SeqAccessDeserializer::new(seq),
-                )?;
+                let inner = Folding::<ArrayShape>::new().visit_seq(seq)?;
                 Ok(if inner.len > 0 && inner.all_ids {
                     Element::Ids
                 } else {

@@ -59,6 +59,19 @@ impl ResponseEvents {
         out.serialize(event.kind, Some(event.sequence_number), &event);
     }
 
+    /// An output item's `kind` event (added, done) with the whole item.
+    fn push_item(&mut self, out: &mut EventWriter, kind: &str, index: usize, item: &Value) {
+        self.push(
+            out,
+            ItemEvent {
+                kind,
+                output_index: index,
+                item: Some(item),
+                ..ItemEvent::default()
+            },
+        );
+    }
+
     fn next_sequence(&mut self) -> u64 {
         self.sequence += 1;
         self.sequence - 1
@@ -138,15 +151,7 @@ impl ResponseEvents {
                 (id, item)
             }
         };
-        self.push(
-            out,
-            ItemEvent {
-                kind: "response.output_item.added",
-                output_index: index,
-                item: Some(&item),
-                ..ItemEvent::default()
-            },
-        );
+        self.push_item(out, "response.output_item.added", index, &item);
         if let Some(part) = Part::of(segment, "") {
             self.push(
                 out,
@@ -238,15 +243,7 @@ impl ResponseEvents {
                 function_call_item(&id, call_id, name, text)
             }
         };
-        self.push(
-            out,
-            ItemEvent {
-                kind: "response.output_item.done",
-                output_index: index,
-                item: Some(&item),
-                ..ItemEvent::default()
-            },
-        );
+        self.push_item(out, "response.output_item.done", index, &item);
         self.items.push(item);
     }
 

@@ -41,11 +41,9 @@ class StagedHolds:
     """The host buffers of one holder's staged holds."""
 
     def __init__(self, holder: _transfer.Holder, layers: list[KVLayer]) -> None:
-        if not layers:
-            raise ValueError("no KV layers to stage")
+        self._stream = CopyStream.of_layers(layers, "to stage")
         self._holder = holder
         self._layers = layers
-        self._stream = CopyStream(layers[0].tensor.device)
         self._staged: dict[str, _Staged] = {}
 
     def create(self, transfer_id: str, block_ids: list[int]) -> None:

@@ -101,11 +101,9 @@ class StagedReads:
     """Starts staged pulls for one reader and its KV layers."""
 
     def __init__(self, reader: _transfer.Reader, layers: list[KVLayer]) -> None:
-        if not layers:
-            raise ValueError("no KV layers to read into")
+        self._stream = CopyStream.of_layers(layers, "to read into")
         self._reader = reader
         self._layers = layers
-        self._stream = CopyStream(layers[0].tensor.device)
 
     def pull_async(
         self,

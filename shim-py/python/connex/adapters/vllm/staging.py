@@ -173,6 +173,14 @@ class CopyStream:
             else None
         )
 
+    @classmethod
+    def of_layers(cls, layers: list[KVLayer], purpose: str) -> CopyStream:
+        """The copy stream of the KV layers' device (the first one's: they are
+        on one); ValueError for no layers (`purpose`: what they were for)."""
+        if not layers:
+            raise ValueError(f"no KV layers {purpose}")
+        return cls(layers[0].tensor.device)
+
     def run(self, copy: Any) -> Fence:
         """Runs `copy()` after everything the compute stream has queued so far
         (on a GPU: on the side stream, asynchronously); returns its fence."""
