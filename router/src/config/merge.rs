@@ -44,7 +44,8 @@ pub fn old_env_arguments(
 ) -> Vec<OsString> {
     let mut args = Vec::new();
     for (old, new) in RENAMED {
-        let Some(value) = env(&env_name(old)) else {
+        // An empty variable is an unset one, as clap takes a flag's own.
+        let Some(value) = env(&env_name(old)).filter(|v| !v.is_empty()) else {
             continue;
         };
         if set_by_user(serve, new) {

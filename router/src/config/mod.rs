@@ -417,6 +417,13 @@ mod tests {
         );
         assert_eq!(config.engines.stall_timeout, Duration::from_millis(500));
         assert_eq!(config.resume.resume_wait, Duration::from_secs(3));
+        // An empty old variable is unset (the default), not a start failure.
+        let default = serve_with_env(&["connex-router", "serve"], &[]);
+        let config = serve_with_env(
+            &["connex-router", "serve"],
+            &[("CONNEX_STALL_TIMEOUT_MS", "")],
+        );
+        assert_eq!(config.engines.stall_timeout, default.engines.stall_timeout);
     }
 
     #[test]
