@@ -421,12 +421,33 @@ pub fn streamed_text(chunks: &[Value]) -> String {
         .collect()
 }
 
-/// A free loopback TCP port (bound, then released for the caller to use).
+/// A free loopback TCP port (bound, then released for the caller to use),
+/// below the kernel's ephemeral range (`ip_local_port_range`, 32768 and up
+/// on Linux). A port taken from that range with a bind to port 0 can be handed
+/// to any other process binding port 0 before the caller's own process binds
+/// it; with the suite's hundreds of routers and engines that happened (an
+/// engine told `--listen` a port exited, its port taken). The ports here are
+/// never handed out by the kernel, and this process walks them in turn from a
+/// start of its own.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const COUNT: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(7_919) % COUNT,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..COUNT {
+        let offset = NEXT.fetch_add(1, Ordering::Relaxed) % COUNT;
+        let port = u16::try_from(FIRST + offset).expect("a port");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {FIRST}..{}", FIRST + COUNT)
 }
 
 /// A real etcd server (Debian `etcd-server`) on free loopback ports with a
