@@ -469,7 +469,7 @@ pub async fn frozen_holder_is_waited_for_until_the_deadline(kind: BackendKind) {
     process.signal("CONT");
     assert!(matches!(err, TransferError::Timeout { .. }), "{err:?}");
     let took = started.elapsed();
-    assert!(took >= 4 * io && took < 8 * io, "{took:?}");
+    assert!(took >= 4 * io && took < 8 * io, "{took:?}: {err:?}");
 }
 
 pub async fn stalled_holder_times_out(kind: BackendKind) {

@@ -54,14 +54,45 @@ impl HolderProcess {
         let _ = self.child.wait();
     }
 
-    /// Sends `signal` (`STOP`, `CONT`) to the holder's process.
+    /// Sends `signal` (`STOP`, `CONT`) to the holder's process. A STOP
+    /// returns once every thread has stopped: kill(2) wakes one thread to take
+    /// the stop, and until it gets a CPU (two busy cores) the others run on
+    /// and answer requests (a describe answered 1 ms after the STOP was sent).
     pub fn signal(&self, signal: &str) {
+        let pid = self.child.id();
         let sent = Command::new("kill")
-            .args([format!("-{signal}"), self.child.id().to_string()])
+            .args([format!("-{signal}"), pid.to_string()])
             .status()
             .unwrap();
         assert!(sent.success(), "kill -{signal}");
+        if signal == "STOP" {
+            let started = std::time::Instant::now();
+            while !every_thread_stopped(pid) {
+                assert!(
+                    started.elapsed() < std::time::Duration::from_secs(30),
+                    "holder {pid} not stopped 30 s after SIGSTOP"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
     }
+}
+
+/// Whether each thread of `pid` is stopped (state `T` in its
+/// `/proc/PID/task/TID/stat`, the field after the parenthesised name).
+fn every_thread_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat"))
+            .ok()
+            .and_then(|stat| {
+                let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
+                Some(state == 'T')
+            })
+            .unwrap_or(false)
+    })
 }
 
 impl Drop for HolderProcess {
