@@ -21,11 +21,24 @@ struct Etcd {
     dir: std::path::PathBuf,
 }
 
+/// A loopback port free now, below the kernel's ephemeral range (32768 and
+/// up here): this binary's other tests bind port 0 while etcd starts, and one
+/// of them could be handed a port taken from that range before etcd binds it.
+/// Walked from a start of this process's own (32000-32767; the e2e tests walk
+/// 20000-31999).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 32_000;
+    const COUNT: u32 = 768;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id() % COUNT;
+    (0..COUNT)
+        .filter_map(|_| {
+            let offset = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % COUNT;
+            u16::try_from(FIRST + offset).ok()
+        })
+        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("a free port in 32000..32768")
 }
 
 impl Etcd {
