@@ -53,6 +53,14 @@ async fn ask(client: &EngineClient, url: &str) -> Response {
     client.post(url, "/a", &[], &empty()).await.expect("answer")
 }
 
+/// POSTs `{}` to `/a` and expects an error.
+async fn ask_error(client: &EngineClient, url: &str) -> ClientError {
+    match client.post(url, "/a", &[], &empty()).await {
+        Ok(response) => panic!("answered {}", response.status),
+        Err(error) => error,
+    }
+}
+
 async fn read_all(body: &mut Body) -> Vec<u8> {
     let mut all = Vec::new();
     while let Some(piece) = body.chunk().await.expect("body") {
@@ -249,11 +257,10 @@ async fn a_pooled_connection_the_engine_closed_is_not_used() {
 #[tokio::test]
 async fn a_new_connection_closed_before_an_answer_is_an_error() {
     let (url, _) = scripted(vec![vec![ServerStep::Close]]).await;
-    let result = client().post(&url, "/a", &[], &empty()).await;
+    let error = ask_error(&client(), &url).await;
     assert!(
-        matches!(result, Err(ClientError::ClosedBeforeResponse)),
-        "{:?}",
-        result.err()
+        matches!(error, ClientError::ClosedBeforeResponse),
+        "{error:?}"
     );
 }
 
@@ -397,12 +404,8 @@ async fn interim_answers_are_skipped_within_a_bound() {
     // The first connection is pooled; the second one's interim answers never
     // end.
     let _pooled = client.inner.pool.take(url.trim_start_matches("http://"));
-    let result = client.post(&url, "/a", &[], &empty()).await;
-    assert!(
-        matches!(result, Err(ClientError::TooManyInterim)),
-        "{:?}",
-        result.err()
-    );
+    let error = ask_error(&client, &url).await;
+    assert!(matches!(error, ClientError::TooManyInterim), "{error:?}");
 }
 
 #[tokio::test]
@@ -410,11 +413,10 @@ async fn refused_connects_and_bad_urls_are_told_apart() {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     drop(listener);
-    let result = client().post(&url, "/a", &[], &Payload::new()).await;
+    let error = ask_error(&client(), &url).await;
     assert!(
-        matches!(result, Err(ClientError::Connect { refused: true, .. })),
-        "{:?}",
-        result.err()
+        matches!(error, ClientError::Connect { refused: true, .. }),
+        "{error:?}"
     );
     for url in [
         "https://127.0.0.1:1",
@@ -422,8 +424,8 @@ async fn refused_connects_and_bad_urls_are_told_apart() {
         "http://h:1/base",
         "127.0.0.1:1",
     ] {
-        let result = client().post(url, "/a", &[], &Payload::new()).await;
-        assert!(matches!(result, Err(ClientError::Url(_))), "{url}");
+        let error = ask_error(&client(), url).await;
+        assert!(matches!(error, ClientError::Url(_)), "{url}: {error:?}");
     }
 }
 
