@@ -140,6 +140,17 @@ pub fn with_parsed<R>(chunk: &Value, f: impl FnOnce(&Chunk<'_>) -> R) -> R {
     f(&parsed)
 }
 
+/// The `key` of each event of type `kind`, in order: the indices a client
+/// reads its stream's blocks or items by.
+#[cfg(test)]
+pub fn indices_of(events: &[Value], kind: &str, key: &str) -> Vec<u64> {
+    events
+        .iter()
+        .filter(|e| e["type"] == kind)
+        .filter_map(|e| e[key].as_u64())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -157,7 +157,7 @@ impl MessageEvents {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocols::segments::with_parsed;
+    use crate::protocols::segments::{indices_of, with_parsed};
 
     fn chunk(delta: Value, finish: Option<&str>) -> Value {
         json!({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
@@ -219,11 +219,7 @@ mod tests {
             json!({"input_tokens": 3, "output_tokens": 5})
         );
         // Block indices count the shown blocks.
-        let starts: Vec<u64> = events
-            .iter()
-            .filter(|e| e["type"] == "content_block_start")
-            .filter_map(|e| e["index"].as_u64())
-            .collect();
+        let starts = indices_of(&events, "content_block_start", "index");
         assert_eq!(starts, [0, 1, 2]);
     }
 }

@@ -414,7 +414,7 @@ fn response_event(out: &mut EventWriter, kind: &str, sequence_number: u64, respo
 mod tests {
     use super::*;
     use crate::protocols::client_event::{ClientEvent, Destination};
-    use crate::protocols::segments::with_parsed;
+    use crate::protocols::segments::{indices_of, with_parsed};
     use std::collections::BTreeMap;
 
     fn echo() -> ResponseEcho {
@@ -486,11 +486,7 @@ mod tests {
         assert_eq!(whole["output"][2]["call_id"], "call_a");
         assert_eq!(whole["usage"]["output_tokens"], 6);
         // Each item's events name its output index.
-        let done: Vec<u64> = all
-            .iter()
-            .filter(|e| e["type"] == "response.output_item.done")
-            .filter_map(|e| e["output_index"].as_u64())
-            .collect();
+        let done = indices_of(&all, "response.output_item.done", "output_index");
         assert_eq!(done, [0, 1, 2]);
     }
 
