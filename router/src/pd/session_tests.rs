@@ -306,7 +306,7 @@ fn assert_continues_after(call: &(String, &'static str, Value), generated: &[u32
     assert_eq!(call.2["max_tokens"], json!(6 - generated.len()));
 }
 
-/// A decoder's stream that sends tokens 0 to `n` and then `how` it fails.
+/// A decoder's stream that sends its first `n` tokens, then fails `how`.
 fn fails_after(n: u32, how: Piece) -> Script {
     Script::Stream(vec![tokens(0, n, false), how])
 }
