@@ -13,7 +13,7 @@ use connex_transfer as ct;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{IntoPyDict, PyDict};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -129,16 +129,17 @@ fn info_dict<'py>(py: Python<'py>, info: &ct::HoldInfo) -> PyResult<Bound<'py, P
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: &ct::HolderStats) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("holds", s.holds)?;
-    d.set_item("held_bytes", s.held_bytes)?;
-    d.set_item("pulls", s.pulls)?;
-    d.set_item("releases", s.releases)?;
-    d.set_item("expiries", s.expiries)?;
-    d.set_item("evictions", s.evictions)?;
-    d.set_item("stale_epoch_refusals", s.stale_epoch_refusals)?;
-    d.set_item("bytes_served", s.bytes_served)?;
-    Ok(d)
+    [
+        ("holds", s.holds),
+        ("held_bytes", s.held_bytes),
+        ("pulls", s.pulls),
+        ("releases", s.releases),
+        ("expiries", s.expiries),
+        ("evictions", s.evictions),
+        ("stale_epoch_refusals", s.stale_epoch_refusals),
+        ("bytes_served", s.bytes_served),
+    ]
+    .into_py_dict(py)
 }
 
 fn pull_dict<'py>(py: Python<'py>, stats: &ct::PullStats) -> PyResult<Bound<'py, PyDict>> {

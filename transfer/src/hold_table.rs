@@ -556,11 +556,16 @@ mod tests {
 
     const LEASE: Duration = Duration::from_secs(10);
 
+    /// A table whose holds go on release, holding at most `budget` bytes; the
+    /// regions its holds are made of, and the time it starts at.
+    fn new_table(budget: Option<u64>) -> (RegionTable, HoldTable, Instant) {
+        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, budget);
+        (RegionTable::default(), table, Instant::now())
+    }
+
     #[test]
     fn lease_is_renewed_by_pulls_and_renews_and_expires_otherwise() {
-        let regions = RegionTable::default();
-        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, None);
-        let t0 = Instant::now();
+        let (regions, table, t0) = new_table(None);
         table.create("a", spans(&regions, &[4, 4]), t0).unwrap();
         table.create("b", spans(&regions, &[4]), t0).unwrap();
         // A renew at 8 s and a pull at 16 s keep "a"; "b" expires at 10 s.
@@ -587,9 +592,7 @@ mod tests {
 
     #[test]
     fn release_is_idempotent_and_after_pull_frees_on_the_first_complete_pull() {
-        let regions = RegionTable::default();
-        let now = Instant::now();
-        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, None);
+        let (regions, table, now) = new_table(None);
         table.create("a", spans(&regions, &[8]), now).unwrap();
         assert!(!table.finish_pull("a", 0, now).unwrap());
         assert!(table.release("a", now));
@@ -609,9 +612,7 @@ mod tests {
 
     #[test]
     fn budget_evicts_the_oldest_holds_and_counts_them() {
-        let regions = RegionTable::default();
-        let now = Instant::now();
-        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, Some(100));
+        let (regions, table, now) = new_table(Some(100));
         table.create("a", spans(&regions, &[40]), now).unwrap();
         table.create("b", spans(&regions, &[40]), now).unwrap();
         table.create("c", spans(&regions, &[50]), now).unwrap();
@@ -633,9 +634,7 @@ mod tests {
 
     #[test]
     fn stale_epochs_are_refused_and_counted() {
-        let regions = RegionTable::default();
-        let now = Instant::now();
-        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, None);
+        let (regions, table, now) = new_table(None);
         table.create("a", spans(&regions, &[8]), now).unwrap();
         table.describe("a", 0, None, now).unwrap();
         table.renew("a", 2, now).unwrap();
@@ -671,9 +670,7 @@ mod tests {
 
     #[test]
     fn reads_map_byte_ranges_onto_blocks() {
-        let regions = RegionTable::default();
-        let now = Instant::now();
-        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, None);
+        let (regions, table, now) = new_table(None);
         table
             .create("a", spans(&regions, &[4, 0, 6, 5]), now)
             .unwrap();
@@ -692,9 +689,7 @@ mod tests {
 
     #[test]
     fn a_freed_hold_is_reported_only_when_its_last_read_stopped() {
-        let regions = RegionTable::default();
-        let now = Instant::now();
-        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, Some(100));
+        let (regions, table, now) = new_table(Some(100));
         table.create("a", spans(&regions, &[8]), now).unwrap();
         let (_, first) = table.read("a", 0, 0, 8, now).unwrap();
         let (_, second) = table.read("a", 0, 0, 4, now).unwrap();
@@ -733,9 +728,7 @@ mod tests {
 
     #[test]
     fn a_one_sided_pull_holds_the_blocks_until_done_or_its_window_ends() {
-        let regions = RegionTable::default();
-        let now = Instant::now();
-        let table = HoldTable::new(LEASE, ReleaseMode::OnRelease, None);
+        let (regions, table, now) = new_table(None);
         let window = Some(Duration::from_secs(5));
         table.create("a", spans(&regions, &[8]), now).unwrap();
         table.describe("a", 0, window, now).unwrap();

@@ -157,6 +157,17 @@ pub fn check_transfer_id(id: &str) -> Result<(), FrameError> {
     Ok(())
 }
 
+/// What a TCP read asks for: bytes `offset..offset+len` of hold `id`'s
+/// blocks laid end to end, at resume `epoch`. The reader's stripe makes it,
+/// the holder's connection streams it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadRange {
+    pub id: String,
+    pub epoch: u32,
+    pub offset: u64,
+    pub len: u64,
+}
+
 /// A request from a reader or a control client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
@@ -180,13 +191,8 @@ pub enum Request {
         backend: u8,
         window_ms: u32,
     },
-    /// TCP data path: bytes `offset..offset+len` of the hold's blocks laid end to end.
-    Read {
-        id: String,
-        epoch: u32,
-        offset: u64,
-        len: u64,
-    },
+    /// TCP data path: a range of the hold's bytes.
+    Read(ReadRange),
     /// End of a complete pull of `bytes`.
     Done {
         id: String,
@@ -373,14 +379,12 @@ impl Request {
                 out = Out::new(op::DESCRIBE, seq);
                 out.str(id).u32(*epoch).u8(*backend).u32(*window_ms);
             }
-            Request::Read {
-                id,
-                epoch,
-                offset,
-                len,
-            } => {
+            Request::Read(range) => {
                 out = Out::new(op::READ, seq);
-                out.str(id).u32(*epoch).u64(*offset).u64(*len);
+                out.str(&range.id)
+                    .u32(range.epoch)
+                    .u64(range.offset)
+                    .u64(range.len);
             }
             Request::Done { id, epoch, bytes } => {
                 out = Out::new(op::DONE, seq);
@@ -433,12 +437,12 @@ impl Request {
                         "read of {len} bytes over the limit {MAX_READ_LEN}"
                     )));
                 }
-                Request::Read {
+                Request::Read(ReadRange {
                     id,
                     epoch,
                     offset,
                     len,
-                }
+                })
             }
             op::DONE => Request::Done {
                 id: r.id()?,
@@ -471,7 +475,7 @@ impl Request {
             | Request::Release { id }
             | Request::Stat { id }
             | Request::Describe { id, .. }
-            | Request::Read { id, .. }
+            | Request::Read(ReadRange { id, .. })
             | Request::Done { id, .. }
             | Request::Abort { id } => Some(id),
             Request::Stats
@@ -791,12 +795,12 @@ mod tests {
                 backend: 2,
                 window_ms: 30_000,
             },
-            Request::Read {
+            Request::Read(ReadRange {
                 id: "a".into(),
                 epoch: 1,
                 offset: 5,
                 len: 1 << 30,
-            },
+            }),
             Request::Done {
                 id: "a".into(),
                 epoch: 1,
@@ -858,12 +862,12 @@ mod tests {
 
     #[test]
     fn truncated_oversized_and_trailing_payloads_are_refused() {
-        let frame = Request::Read {
+        let frame = Request::Read(ReadRange {
             id: "abc".into(),
             epoch: 1,
             offset: 0,
             len: 8,
-        }
+        })
         .encode(0);
         let (header, payload) = split(&frame);
         for cut in 0..payload.len() {

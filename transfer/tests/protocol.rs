@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use connex_transfer::proto::{self, Header, Reply, Request, HEADER_LEN, MAX_PAYLOAD};
+use connex_transfer::proto::{self, Header, ReadRange, Reply, Request, HEADER_LEN, MAX_PAYLOAD};
 use connex_transfer::{
     BackendKind, BlockRef, ClientConfig, CtrlClient, Holder, HolderConfig, Reader, ReaderConfig,
     Region, RegionId, Secret, TransferError,
@@ -82,12 +82,12 @@ async fn bad_payloads_get_an_error_and_the_connection_goes_on() {
         ),
         // A read far past the end of the hold.
         (
-            Request::Read {
+            Request::Read(ReadRange {
                 id: H1.into(),
                 epoch: 0,
                 offset: 4000,
                 len: 200,
-            }
+            })
             .encode(11)
             .to_vec(),
             proto::ErrorCode::BadRange,
@@ -186,12 +186,12 @@ async fn garbage_never_stops_the_listener() {
             0 => bytes = frame(proto::VERSION, (next() % 10) as u8, round, &bytes),
             // A valid request with random bytes flipped.
             1 => {
-                bytes = Request::Read {
+                bytes = Request::Read(ReadRange {
                     id: H1.into(),
                     epoch: 0,
                     offset: 0,
                     len: 4096,
-                }
+                })
                 .encode(round)
                 .to_vec();
                 let at = (next() as usize) % bytes.len();

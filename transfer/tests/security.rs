@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use connex_transfer::proto::{self, Header, Reply, Request, HEADER_LEN};
+use connex_transfer::proto::{self, Header, ReadRange, Reply, Request, HEADER_LEN};
 use connex_transfer::{
     new_transfer_id, BackendKind, BlockRef, ClientConfig, ConnectionCounts, CtrlClient, Holder,
     HolderConfig, Reader, ReaderConfig, Region, Secret, TransferError,
@@ -580,12 +580,12 @@ async fn a_trickling_reader_cannot_hold_a_writer_for_ever() {
     let id = new_transfer_id();
     create_hold(&holder, &id, vec![7; LEN], 1);
     let mut stream = TcpStream::connect(holder.ctrl_addr()).await.unwrap();
-    let read = Request::Read {
+    let read = Request::Read(ReadRange {
         id: id.clone(),
         epoch: 0,
         offset: 0,
         len: LEN as u64,
-    };
+    });
     stream.write_all(&read.encode(1)).await.unwrap();
     let started = Instant::now();
     let mut got = 0usize;
@@ -631,12 +631,12 @@ async fn small_reads_nobody_takes(io_timeout: Duration) -> (Holder, String, TcpS
     socket.set_recv_buffer_size(4096).unwrap();
     let mut stream = socket.connect(holder.ctrl_addr()).await.unwrap();
     for seq in 0..64 {
-        let read = Request::Read {
+        let read = Request::Read(ReadRange {
             id: id.clone(),
             epoch: 0,
             offset: 0,
             len: SMALL_READ as u64,
-        };
+        });
         stream.write_all(&read.encode(seq)).await.unwrap();
     }
     (holder, id, stream)

@@ -163,8 +163,17 @@ mod tests {
         path.to_string_lossy().to_string()
     }
 
-    fn serve(args: &[&str]) -> Result<RouterConfig, ConfigError> {
-        match load(args.iter().map(OsString::from).collect())?.command {
+    /// The command line `connex-router serve` with `flags`.
+    fn argv(flags: &[&str]) -> Vec<OsString> {
+        ["connex-router", "serve"]
+            .iter()
+            .chain(flags)
+            .map(OsString::from)
+            .collect()
+    }
+
+    fn serve(flags: &[&str]) -> Result<RouterConfig, ConfigError> {
+        match load(argv(flags))?.command {
             Command::Serve(config) => Ok(config),
             Command::Demo(_) => panic!("expected serve"),
         }
@@ -176,15 +185,7 @@ mod tests {
             "connex-config",
             "heartbeat_ttl_s = 3\ndecode_policy = \"power_of_two\"\nadmin_token = \"file\"\n",
         );
-        let config = serve(&[
-            "connex-router",
-            "serve",
-            "--config",
-            &path,
-            "--admin-token",
-            "cli",
-        ])
-        .expect("parse");
+        let config = serve(&["--config", &path, "--admin-token", "cli"]).expect("parse");
         assert_eq!(config.membership.heartbeat_ttl, Duration::from_secs(3));
         assert_eq!(config.routing.decode_policy, PolicyKind::PowerOfTwo);
         assert_eq!(config.access.admin_token.as_deref(), Some("cli"));
@@ -192,33 +193,24 @@ mod tests {
 
     #[test]
     fn host_and_port_set_the_client_listener() {
-        let config = serve(&[
-            "connex-router",
-            "serve",
-            "--host",
-            "0.0.0.0",
-            "--port",
-            "9100",
-        ])
-        .expect("parse");
+        let config = serve(&["--host", "0.0.0.0", "--port", "9100"]).expect("parse");
         assert_eq!(
             config.listeners.listen,
             "0.0.0.0:9100".parse().expect("addr")
         );
-        let config = serve(&["connex-router", "serve", "--port", "9101"]).expect("parse");
+        let config = serve(&["--port", "9101"]).expect("parse");
         assert_eq!(
             config.listeners.listen,
             "127.0.0.1:9101".parse().expect("addr")
         );
-        let config = serve(&["connex-router", "serve", "--host", "::1"]).expect("parse");
+        let config = serve(&["--host", "::1"]).expect("parse");
         assert_eq!(config.listeners.listen, "[::1]:8000".parse().expect("addr"));
     }
 
     #[test]
     fn host_or_port_with_listen_is_refused_by_name() {
         for flag in ["--host=0.0.0.0", "--port=9000"] {
-            let err = serve(&["connex-router", "serve", "--listen", "127.0.0.1:1", flag])
-                .expect_err("conflict");
+            let err = serve(&["--listen", "127.0.0.1:1", flag]).expect_err("conflict");
             let ConfigError::Cli(err) = err else {
                 panic!("not a command-line error: {err}");
             };
@@ -234,26 +226,18 @@ mod tests {
 
     #[test]
     fn log_format_and_level_parse() {
-        let config = serve(&["connex-router", "serve"]).expect("parse");
+        let config = serve(&[]).expect("parse");
         assert_eq!(config.observability.log_format, LogFormat::Text);
         assert_eq!(config.observability.log_level, None);
-        let config = serve(&[
-            "connex-router",
-            "serve",
-            "--log-format",
-            "json",
-            "--log-level",
-            "debug",
-        ])
-        .expect("parse");
+        let config = serve(&["--log-format", "json", "--log-level", "debug"]).expect("parse");
         assert_eq!(config.observability.log_format, LogFormat::Json);
         assert_eq!(config.observability.log_level.as_deref(), Some("debug"));
-        assert!(serve(&["connex-router", "serve", "--log-format", "xml"]).is_err());
+        assert!(serve(&["--log-format", "xml"]).is_err());
     }
 
     #[test]
     fn http2_is_off_by_default_and_its_limits_are_checked() {
-        let config = serve(&["connex-router", "serve"]).expect("parse");
+        let config = serve(&[]).expect("parse");
         assert!(!config.http2.http2);
         assert_eq!(
             (
@@ -262,7 +246,7 @@ mod tests {
             ),
             (256, Duration::from_secs(60))
         );
-        let config = serve(&["connex-router", "serve", "--http2"]).expect("parse");
+        let config = serve(&["--http2"]).expect("parse");
         assert!(config.http2.http2);
         for bad in [
             ["--http2-max-streams", "0"],
@@ -271,16 +255,14 @@ mod tests {
             ["--http2-idle-timeout", "25h"],
             ["--http2-idle-timeout", "100000000000000000000"],
         ] {
-            let mut args = vec!["connex-router", "serve"];
-            args.extend(bad);
-            assert!(serve(&args).is_err(), "{bad:?} accepted");
+            assert!(serve(&bad).is_err(), "{bad:?} accepted");
         }
     }
 
     #[test]
     fn static_instances_come_from_flags_or_a_file_list() {
         let path = config_file("connex-config-static", "prefill = [\"http://10.0.0.1:8100,10.0.0.1:7000\"]\ndecode = [\"http://10.0.0.2:8200\", \"http://10.0.0.3:8200\"]\nstatic_model = \"m\"\n");
-        let config = serve(&["connex-router", "serve", "--config", &path]).expect("parse");
+        let config = serve(&["--config", &path]).expect("parse");
         assert_eq!(
             config.membership.prefill,
             ["http://10.0.0.1:8100,10.0.0.1:7000"]
@@ -290,21 +272,13 @@ mod tests {
             ["http://10.0.0.2:8200", "http://10.0.0.3:8200"]
         );
         assert_eq!(config.membership.static_model.as_deref(), Some("m"));
-        let config = serve(&[
-            "connex-router",
-            "serve",
-            "--decode",
-            "http://a:1",
-            "--decode",
-            "http://b:2",
-        ])
-        .expect("parse");
+        let config = serve(&["--decode", "http://a:1", "--decode", "http://b:2"]).expect("parse");
         assert_eq!(config.membership.decode, ["http://a:1", "http://b:2"]);
     }
 
     #[test]
     fn durations_take_units_and_bare_numbers_keep_the_old_flags_unit() {
-        let config = serve(&["connex-router", "serve"]).expect("parse");
+        let config = serve(&[]).expect("parse");
         assert_eq!(config.engines.stall_timeout, Duration::from_secs(10));
         assert_eq!(config.membership.heartbeat_ttl, Duration::from_secs(10));
         assert_eq!(
@@ -312,8 +286,6 @@ mod tests {
             Duration::from_secs(7 * 24 * 3600)
         );
         let config = serve(&[
-            "connex-router",
-            "serve",
             "--stall-timeout",
             "250ms",
             "--heartbeat-ttl",
@@ -328,8 +300,6 @@ mod tests {
         // What a user wrote before durations took units means what it did:
         // the old names, a bare number in the unit the old name said.
         let config = serve(&[
-            "connex-router",
-            "serve",
             "--stall-timeout-ms",
             "500",
             "--heartbeat-ttl-s",
@@ -349,7 +319,7 @@ mod tests {
             "99999999999999999999h",
         ] {
             let flag = format!("--stall-timeout={bad}");
-            let err = serve(&["connex-router", "serve", &flag]).expect_err("not a duration");
+            let err = serve(&[&flag]).expect_err("not a duration");
             assert!(err.to_string().contains("is not a duration"), "{err}");
         }
     }
@@ -360,31 +330,22 @@ mod tests {
             "connex-config-units",
             "stall_timeout_ms = 750\nresume_wait = \"3s\"\nshutdown_grace_s = 5\n",
         );
-        let config = serve(&["connex-router", "serve", "--config", &path]).expect("parse");
+        let config = serve(&["--config", &path]).expect("parse");
         assert_eq!(config.engines.stall_timeout, Duration::from_millis(750));
         assert_eq!(config.resume.resume_wait, Duration::from_secs(3));
         assert_eq!(config.listeners.shutdown_grace, Duration::from_secs(5));
         // The command line still wins over the file, under either name.
-        let config = serve(&[
-            "connex-router",
-            "serve",
-            "--config",
-            &path,
-            "--stall-timeout",
-            "1s",
-        ])
-        .expect("parse");
+        let config = serve(&["--config", &path, "--stall-timeout", "1s"]).expect("parse");
         assert_eq!(config.engines.stall_timeout, Duration::from_secs(1));
     }
 
-    fn serve_with_env(args: &[&str], env: &[(&str, &str)]) -> RouterConfig {
-        let argv = args.iter().map(OsString::from).collect();
+    fn serve_with_env(flags: &[&str], env: &[(&str, &str)]) -> RouterConfig {
         let lookup = |name: &str| {
             env.iter()
                 .find(|(key, _)| *key == name)
                 .map(|(_, value)| OsString::from(value))
         };
-        match load_with_env(argv, lookup).expect("parse").command {
+        match load_with_env(argv(flags), lookup).expect("parse").command {
             Command::Serve(config) => config,
             Command::Demo(_) => panic!("expected serve"),
         }
@@ -397,12 +358,12 @@ mod tests {
             ("CONNEX_HEARTBEAT_TTL_S", "3"),
             ("CONNEX_SUSPECT_MS", "1s"),
         ];
-        let config = serve_with_env(&["connex-router", "serve"], &old);
+        let config = serve_with_env(&[], &old);
         assert_eq!(config.engines.stall_timeout, Duration::from_millis(500));
         assert_eq!(config.membership.heartbeat_ttl, Duration::from_secs(3));
         assert_eq!(config.routing.suspect_for, Duration::from_secs(1));
         let config = serve_with_env(
-            &["connex-router", "serve", "--stall-timeout=2s"],
+            &["--stall-timeout=2s"],
             &[("CONNEX_STALL_TIMEOUT_MS", "500")],
         );
         assert_eq!(config.engines.stall_timeout, Duration::from_secs(2));
@@ -411,18 +372,12 @@ mod tests {
             "connex-config-env",
             "stall_timeout = \"7s\"\nresume_wait = \"3s\"\n",
         );
-        let config = serve_with_env(
-            &["connex-router", "serve", "--config", &path],
-            &[("CONNEX_STALL_TIMEOUT_MS", "500")],
-        );
+        let config = serve_with_env(&["--config", &path], &[("CONNEX_STALL_TIMEOUT_MS", "500")]);
         assert_eq!(config.engines.stall_timeout, Duration::from_millis(500));
         assert_eq!(config.resume.resume_wait, Duration::from_secs(3));
         // An empty old variable is unset (the default), not a start failure.
-        let default = serve_with_env(&["connex-router", "serve"], &[]);
-        let config = serve_with_env(
-            &["connex-router", "serve"],
-            &[("CONNEX_STALL_TIMEOUT_MS", "")],
-        );
+        let default = serve_with_env(&[], &[]);
+        let config = serve_with_env(&[], &[("CONNEX_STALL_TIMEOUT_MS", "")]);
         assert_eq!(config.engines.stall_timeout, default.engines.stall_timeout);
     }
 
@@ -473,7 +428,7 @@ mod tests {
     #[test]
     fn unknown_file_key_is_an_error() {
         let path = config_file("connex-config-bad", "no_such_setting = 1\n");
-        let err = serve(&["connex-router", "serve", "--config", &path]).expect_err("must fail");
+        let err = serve(&["--config", &path]).expect_err("must fail");
         assert!(matches!(err, ConfigError::UnknownKey(key) if key == "no_such_setting"));
     }
 }

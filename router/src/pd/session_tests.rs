@@ -306,14 +306,30 @@ fn assert_continues_after(call: &(String, &'static str, Value), generated: &[u32
     assert_eq!(call.2["max_tokens"], json!(6 - generated.len()));
 }
 
+/// A decoder's stream that sends its first `n` tokens, then fails `how`.
+fn fails_after(n: u32, how: Piece) -> Script {
+    Script::Stream(vec![tokens(0, n, false), how])
+}
+
+/// Runs a completions request over two decoders, the first answering `first`
+/// and the second the rest of the tokens from `from`, and checks that the
+/// client got the whole text after one resume; the cluster and the calls the
+/// engines saw.
+async fn completes_after_one_resume(
+    first: Script,
+    from: u32,
+    extra: &[&str],
+) -> (Arc<FlowDeps>, Arc<Scripted>) {
+    let rest = Script::Stream(vec![tokens(from, 6, true)]);
+    let upstream = Scripted::new(vec![first, rest]);
+    let deps = cluster(upstream.clone(), 2, extra).await;
+    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
+    (deps, upstream)
+}
+
 #[tokio::test]
 async fn a_reset_mid_stream_resumes_after_the_tokens_the_client_has() {
-    let upstream = Scripted::new(vec![
-        Script::Stream(vec![tokens(0, 2, false), Piece::Reset]),
-        Script::Stream(vec![tokens(2, 6, true)]),
-    ]);
-    let deps = cluster(upstream.clone(), 2, &[]).await;
-    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
+    let (deps, upstream) = completes_after_one_resume(fails_after(2, Piece::Reset), 2, &[]).await;
     let calls = upstream.calls();
     assert_ne!(calls[0].0, calls[1].0, "another decoder");
     assert_continues_after(&calls[1], &[0, 1]);
@@ -322,23 +338,14 @@ async fn a_reset_mid_stream_resumes_after_the_tokens_the_client_has() {
 
 #[tokio::test]
 async fn a_truncated_stream_resumes() {
-    let upstream = Scripted::new(vec![
-        Script::Stream(vec![tokens(0, 3, false)]),
-        Script::Stream(vec![tokens(3, 6, true)]),
-    ]);
-    let deps = cluster(upstream.clone(), 2, &[]).await;
-    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
+    let (_, upstream) =
+        completes_after_one_resume(Script::Stream(vec![tokens(0, 3, false)]), 3, &[]).await;
     assert_continues_after(&upstream.calls()[1], &[0, 1, 2]);
 }
 
 #[tokio::test]
 async fn a_stall_after_the_first_token_resumes() {
-    let upstream = Scripted::new(vec![
-        Script::Stream(vec![tokens(0, 1, false), Piece::Hang]),
-        Script::Stream(vec![tokens(1, 6, true)]),
-    ]);
-    let deps = cluster(upstream.clone(), 2, &[]).await;
-    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
+    let (_, upstream) = completes_after_one_resume(fails_after(1, Piece::Hang), 1, &[]).await;
     assert_continues_after(&upstream.calls()[1], &[0]);
 }
 
@@ -372,46 +379,36 @@ async fn a_trickling_decoder_is_cut_at_the_stall_timeout() {
         .chain((0..2000).map(|_| Piece::Raw(b"d")))
         .chain(std::iter::once(Piece::Hang))
         .collect();
-    let upstream = Scripted::new(vec![
+    completes_after_one_resume(
         Script::Stream(trickle),
-        Script::Stream(vec![tokens(1, 6, true)]),
-    ]);
-    let deps = cluster(upstream, 2, &["--max-sse-event-bytes", "100000"]).await;
-    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
+        1,
+        &["--max-sse-event-bytes", "100000"],
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn an_oversized_event_is_a_protocol_failure() {
-    let upstream = Scripted::new(vec![
+    completes_after_one_resume(
         Script::Stream(vec![
             tokens(0, 1, false),
             Piece::Raw(&[b'x'; 4096]),
             Piece::Hang,
         ]),
-        Script::Stream(vec![tokens(1, 6, true)]),
-    ]);
-    let deps = cluster(upstream, 2, &["--max-sse-event-bytes", "1024"]).await;
-    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
+        1,
+        &["--max-sse-event-bytes", "1024"],
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn no_response_headers_fail_over() {
-    let upstream = Scripted::new(vec![
-        Script::NoHeaders,
-        Script::Stream(vec![tokens(0, 6, true)]),
-    ]);
-    let deps = cluster(upstream, 2, &[]).await;
-    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
+    completes_after_one_resume(Script::NoHeaders, 0, &[]).await;
 }
 
 #[tokio::test]
 async fn a_5xx_fails_over_and_a_4xx_reaches_the_client_as_an_openai_error() {
-    let upstream = Scripted::new(vec![
-        Script::Status(503, "busy"),
-        Script::Stream(vec![tokens(0, 6, true)]),
-    ]);
-    let deps = cluster(upstream, 2, &[]).await;
-    assert_eq!(complete(&deps).await.expect("ok"), (WHOLE.to_string(), 1));
+    completes_after_one_resume(Script::Status(503, "busy"), 0, &[]).await;
 
     let upstream = Scripted::new(vec![Script::Status(
         400,
@@ -425,7 +422,7 @@ async fn a_5xx_fails_over_and_a_4xx_reaches_the_client_as_an_openai_error() {
 
 #[tokio::test]
 async fn a_protocol_violation_resumes_and_is_never_relayed() {
-    let upstream = Scripted::new(vec![
+    let (_, upstream) = completes_after_one_resume(
         Script::Stream(vec![
             tokens(0, 2, false),
             Piece::Event(
@@ -433,11 +430,10 @@ async fn a_protocol_violation_resumes_and_is_never_relayed() {
             ),
             tokens(2, 6, true),
         ]),
-        Script::Stream(vec![tokens(2, 6, true)]),
-    ]);
-    let deps = cluster(upstream.clone(), 2, &[]).await;
-    let (text, resumes) = complete(&deps).await.expect("ok");
-    assert_eq!((text.as_str(), resumes), (WHOLE, 1));
+        2,
+        &[],
+    )
+    .await;
     assert_continues_after(&upstream.calls()[1], &[0, 1]);
 }
 

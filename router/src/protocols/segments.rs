@@ -140,6 +140,31 @@ pub fn with_parsed<R>(chunk: &Value, f: impl FnOnce(&Chunk<'_>) -> R) -> R {
     f(&parsed)
 }
 
+/// A chat delta opening tool call `index`: its `id`, its function's `name`
+/// and the first piece of its `arguments`.
+#[cfg(test)]
+pub fn call_opens(index: u32, id: &str, name: &str, arguments: &str) -> Value {
+    serde_json::json!({"tool_calls": [{"index": index, "id": id,
+        "function": {"name": name, "arguments": arguments}}]})
+}
+
+/// A chat delta adding `arguments` to tool call `index`.
+#[cfg(test)]
+pub fn call_grows(index: u32, arguments: &str) -> Value {
+    serde_json::json!({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
+}
+
+/// The `key` of each event of type `kind`, in order: the indices a client
+/// reads its stream's blocks or items by.
+#[cfg(test)]
+pub fn indices_of(events: &[Value], kind: &str, key: &str) -> Vec<u64> {
+    events
+        .iter()
+        .filter(|e| e["type"] == kind)
+        .filter_map(|e| e[key].as_u64())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -163,18 +188,9 @@ mod tests {
             chunk(json!({"role": "assistant", "content": ""}), None),
             chunk(json!({"reasoning": "hm"}), None),
             chunk(json!({"content": "Hi"}), None),
-            chunk(
-                json!({"tool_calls": [{"index": 0, "id": "a", "function": {"name": "f", "arguments": "{"}}]}),
-                None,
-            ),
-            chunk(
-                json!({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}),
-                None,
-            ),
-            chunk(
-                json!({"tool_calls": [{"index": 1, "id": "b", "function": {"name": "g", "arguments": ""}}]}),
-                Some("tool_calls"),
-            ),
+            chunk(call_opens(0, "a", "f", "{"), None),
+            chunk(call_grows(0, "}"), None),
+            chunk(call_opens(1, "b", "g", ""), Some("tool_calls")),
         ] {
             steps.extend(with_parsed(&c, |c| seen(&s.chunk(c))));
         }

@@ -738,6 +738,16 @@ mod tests {
         );
     }
 
+    /// At most `max` responses, a tenant's finished ones at most `bytes`.
+    fn tenant_bytes_bounded(max: usize, bytes: usize) -> LiveResponses {
+        LiveResponses::with_limits(LiveLimits {
+            max,
+            max_bytes: usize::MAX,
+            per_tenant: max,
+            per_tenant_bytes: bytes,
+        })
+    }
+
     fn open(lives: &LiveResponses, id: &str, tenant: &str) -> Result<Arc<Live>, LiveRefusal> {
         lives.open(id, tenant, LiveQuota::default(), json!({}))
     }
@@ -814,12 +824,7 @@ mod tests {
     /// bytes bound may make this replica's takeover see it as another's.
     #[test]
     fn a_finished_response_still_being_written_is_never_anothers() {
-        let lives = LiveResponses::with_limits(LiveLimits {
-            max: 1,
-            max_bytes: usize::MAX,
-            per_tenant: 1,
-            per_tenant_bytes: 100,
-        });
+        let lives = tenant_bytes_bounded(1, 100);
         let a = open(&lives, "a", "t").unwrap_or_else(|_| unreachable!());
         a.gate(tokio::time::Instant::now());
         a.push(vec![event(0)], Some(json!({"status": "completed"})));
@@ -828,12 +833,7 @@ mod tests {
         assert!(lives.get("a", "t").is_some());
         assert_eq!(lives.mirrored(), vec!["a".to_string()]);
         // Larger than its tenant's bound: its log goes, its writer not.
-        let lives = LiveResponses::with_limits(LiveLimits {
-            max: 4,
-            max_bytes: usize::MAX,
-            per_tenant: 4,
-            per_tenant_bytes: 100,
-        });
+        let lives = tenant_bytes_bounded(4, 100);
         let big = open(&lives, "big", "t").unwrap_or_else(|_| unreachable!());
         big.gate(tokio::time::Instant::now());
         big.push(vec![], Some(json!({"text": "x".repeat(500)})));

@@ -11,7 +11,7 @@ use crate::client::{AnswerBy, CtrlClient};
 use crate::config::BackendKind;
 use crate::conn;
 use crate::error::{Result, TransferError};
-use crate::proto::{Reply, Request};
+use crate::proto::{ReadRange, Reply, Request};
 use crate::region::{DestSpan, RegionEntry};
 use futures_util::future::BoxFuture;
 use std::collections::VecDeque;
@@ -89,10 +89,12 @@ async fn fetch(job: Fetch<'_>) -> Result<u32> {
     let stripe_of = |offset: u64, len: u64| Stripe {
         ctrl: job.ctrl.clone(),
         addr: job.remote_ctrl.to_string(),
-        id: job.transfer_id.to_string(),
-        epoch: job.epoch,
-        offset,
-        len,
+        range: ReadRange {
+            id: job.transfer_id.to_string(),
+            epoch: job.epoch,
+            offset,
+            len,
+        },
         io: job.io_timeout,
         deadline: job.deadline,
         fence: job.fence.clone(),
@@ -156,14 +158,11 @@ async fn fetch(job: Fetch<'_>) -> Result<u32> {
     Ok(count)
 }
 
-/// One stripe's request: bytes `offset..offset+len` of the hold.
+/// One stripe's request: a range of the hold's bytes.
 struct Stripe {
     ctrl: CtrlClient,
     addr: String,
-    id: String,
-    epoch: u32,
-    offset: u64,
-    len: u64,
+    range: ReadRange,
     io: Duration,
     deadline: Instant,
     fence: Arc<PullFence>,
@@ -181,20 +180,13 @@ async fn read_stripe(stripe: Stripe, pieces: Vec<DestSpan>) -> Result<()> {
     let Stripe {
         ctrl,
         addr,
-        id,
-        epoch,
-        offset,
-        len,
+        range,
         io,
         deadline,
         fence,
     } = stripe;
-    let request = Request::Read {
-        id,
-        epoch,
-        offset,
-        len,
-    };
+    let len = range.len;
+    let request = Request::Read(range);
     let answer_by = AnswerBy::Deadline(deadline);
     let asked = Instant::now();
     let opened =

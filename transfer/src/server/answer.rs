@@ -34,7 +34,7 @@ pub(super) fn answer(shared: &Shared, request: Request) -> Reply {
         Request::Hello { .. } | Request::Proof { .. } => Err(TransferError::Protocol(
             "handshake ops are answered above".into(),
         )),
-        Request::Read { .. } => Err(TransferError::Protocol("read is streamed".into())),
+        Request::Read(_) => Err(TransferError::Protocol("read is streamed".into())),
     };
     result.unwrap_or_else(|err| error_reply(&err))
 }

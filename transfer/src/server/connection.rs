@@ -126,15 +126,9 @@ impl Connection {
             }
         };
         match request {
-            Request::Read {
-                id,
-                epoch,
-                offset,
-                len,
-            } => {
+            Request::Read(range) => {
                 let (shared, shutdown) = (&*self.shared, &self.shutdown);
-                let range = (offset, len);
-                match stream_range(stream, shared, shutdown, seq, &id, epoch, range).await {
+                match stream_range(stream, shared, shutdown, seq, &range).await {
                     Ok(back) => Some(back),
                     Err(err) => {
                         tracing::debug!(%err, "connection closed while streaming");

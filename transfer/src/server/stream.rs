@@ -5,7 +5,7 @@ use super::answer::error_reply;
 use super::{Shared, IDLE_TIMEOUT};
 use crate::conn::{self, IO_PIECE};
 use crate::error::{Result, TransferError};
-use crate::proto::Reply;
+use crate::proto::{ReadRange, Reply};
 use crate::region::SrcSpan;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -22,11 +22,10 @@ pub(super) async fn stream_range(
     shared: &Shared,
     shutdown: &CancellationToken,
     seq: u32,
-    id: &str,
-    epoch: u32,
-    (offset, len): (u64, u64),
+    range: &ReadRange,
 ) -> Result<TcpStream> {
-    let io = shared.io_timeout;
+    let (io, len) = (shared.io_timeout, range.len);
+    let (id, epoch, offset) = (&range.id, range.epoch, range.offset);
     let (spans, read) = match shared.holds.read(id, epoch, offset, len, Instant::now()) {
         Ok(found) => found,
         Err(err) => {

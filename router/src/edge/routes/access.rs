@@ -31,15 +31,13 @@ pub async fn admin(
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    match access.admin_token.as_deref() {
-        None => Err(ApiError::Unauthorized(
+    let Some(token) = access.admin_token.as_deref() else {
+        return Err(ApiError::Unauthorized(
             "the admin API is disabled: start the router with --admin-token",
-        )),
-        Some(token) if bearer_matches(request.headers(), token) => Ok(next.run(request).await),
-        Some(_) => Err(ApiError::Unauthorized(
-            "a valid admin bearer token is required",
-        )),
-    }
+        ));
+    };
+    let lacks = "a valid admin bearer token is required";
+    bearer(token, lacks, request, next).await
 }
 
 /// `route_layer` of the registration routes.
@@ -49,10 +47,10 @@ pub async fn registrar(
     next: Next,
 ) -> Result<Response, ApiError> {
     match access.register_token.as_deref() {
-        Some(token) if bearer_matches(request.headers(), token) => Ok(next.run(request).await),
-        Some(_) => Err(ApiError::Unauthorized(
-            "a valid registration token is required",
-        )),
+        Some(token) => {
+            let lacks = "a valid registration token is required";
+            bearer(token, lacks, request, next).await
+        }
         None => {
             let peer = request
                 .extensions()
@@ -67,6 +65,20 @@ pub async fn registrar(
             }
         }
     }
+}
+
+/// Runs `request` when it carries `Authorization: Bearer <token>`; else a 401
+/// saying what it `lacks`.
+async fn bearer(
+    token: &str,
+    lacks: &'static str,
+    request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    if !bearer_matches(request.headers(), token) {
+        return Err(ApiError::Unauthorized(lacks));
+    }
+    Ok(next.run(request).await)
 }
 
 /// `route_layer` of the client routes that take a key but no slot: the

@@ -10,42 +10,25 @@ use crate::protocols::client_event::{json_of, EventWriter};
 use crate::protocols::messages::request::chat_body;
 use crate::protocols::messages::stream::MessageEvents;
 use crate::protocols::openai::chunk::Chunk;
-use crate::tenants::Caller;
-use axum::body::Body;
-use axum::extract::State;
-use axum::http::HeaderMap;
+use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use serde_json::value::RawValue;
 use serde_json::Value;
 use std::sync::Arc;
 
-pub async fn create(
-    State(state): State<Arc<AppState>>,
-    caller: Option<Extension<Caller>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    let caller = caller.map(|c| c.0);
-    let served = serve(
-        state,
-        ANTHROPIC_PATH,
-        caller,
-        None,
-        headers,
-        body,
-        async |_, request, _| {
-            let (echo, chat) = chat_body(&request)?;
-            let stream = echo.stream;
-            let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
-            Ok(Prepared {
-                chat,
-                translation: MessageTranslation(MessageEvents::new(id, echo)),
-                stream,
-                background: None,
-            })
-        },
-    )
+pub async fn create(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    let served = serve(state, ANTHROPIC_PATH, request, async |_, request, _| {
+        let (echo, chat) = chat_body(&request)?;
+        let stream = echo.stream;
+        let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+        Ok(Prepared {
+            chat,
+            translation: MessageTranslation(MessageEvents::new(id, echo)),
+            stream,
+            background: None,
+        })
+    })
     .await;
     served.unwrap_or_else(|error| error.response_for(ANTHROPIC_PATH))
 }

@@ -22,7 +22,9 @@ pub mod translated;
 use crate::edge::app::{AppState, HandlerState};
 use crate::edge::gate::{self, ExposeInstances};
 use crate::edge::server::Shutdown;
-use crate::tenants::Tenants;
+use crate::error::ApiError;
+use crate::protocols::openai::request::Route;
+use crate::tenants::{Caller, Tenants};
 use access::Access;
 use axum::body::Body;
 use axum::extract::State;
@@ -30,8 +32,10 @@ use axum::handler::Handler;
 use axum::http::HeaderMap;
 use axum::http::Method;
 use axum::middleware::from_fn_with_state;
+use axum::response::Response;
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::{Extension, Router};
+use std::future::Future;
 use std::sync::Arc;
 
 /// Which listener serves a route.
@@ -109,15 +113,30 @@ impl Guard {
     }
 }
 
+/// A gated POST to `path` served by `serve`, told `route` (which of the
+/// routes it serves this one is) and given the caller, headers and body.
+fn gated_post<R, F, Fut>(path: &'static str, route: R, serve: F) -> Endpoint
+where
+    R: Copy + Send + Sync + 'static,
+    F: Fn(Arc<AppState>, R, Option<Caller>, HeaderMap, Body) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<Response, ApiError>> + Send + 'static,
+{
+    let handler =
+        move |State(state): State<Arc<AppState>>,
+              caller: Option<Extension<Caller>>,
+              headers: HeaderMap,
+              body: Body| { serve(state, route, caller.map(|c| c.0), headers, body) };
+    Guard::Gated.route(Verb::Post, path, handler)
+}
+
+/// A generating OpenAI route (completions, chat completions).
+fn generating(route: Route) -> Endpoint {
+    gated_post(route.path(), route, openai::generate)
+}
+
 /// A route of [`passthrough::PATHS`].
 fn passthrough(path: &'static str) -> Endpoint {
-    let handler = move |State(state): State<Arc<AppState>>,
-                        caller: Option<Extension<crate::tenants::Caller>>,
-                        headers: HeaderMap,
-                        body: Body| {
-        passthrough::forward(state, path, caller.map(|c| c.0), headers, body)
-    };
-    Guard::Gated.route(Verb::Post, path, handler)
+    gated_post(path, path, passthrough::forward)
 }
 
 /// Every route of the router.
@@ -125,8 +144,8 @@ pub fn endpoints() -> Vec<Endpoint> {
     use Guard::{Admin, Gated, Keyed, Open, Registrar};
     use Verb::{Delete, Get, Post};
     let mut endpoints = vec![
-        Gated.route(Post, "/v1/completions", openai::completions),
-        Gated.route(Post, "/v1/chat/completions", openai::chat_completions),
+        generating(Route::Completions),
+        generating(Route::Chat),
         Gated.route(Post, "/v1/responses", responses::create),
         Gated.route(Post, "/v1/messages", messages::create),
         // Reads, deletes and cancels hold the router as requests do: an

@@ -1,5 +1,5 @@
-//! OpenAI routes: completions and chat completions (the model list is
-//! `models.rs`).
+//! OpenAI routes: completions and chat completions, one handler for both
+//! (the model list is `models.rs`).
 
 use super::prologue::{self, Prologue};
 use crate::edge::app::AppState;
@@ -8,38 +8,13 @@ use crate::protocols::openai::client_body::ClientBody;
 use crate::protocols::openai::request::Route;
 use crate::tenants::Caller;
 use axum::body::{Body, Bytes};
-use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
-use axum::Extension;
 use std::sync::Arc;
 
-pub async fn completions(
-    State(state): State<Arc<AppState>>,
-    caller: Option<Extension<Caller>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Result<Response, ApiError> {
-    generate(
-        state,
-        Route::Completions,
-        caller.map(|c| c.0),
-        headers,
-        body,
-    )
-    .await
-}
-
-pub async fn chat_completions(
-    State(state): State<Arc<AppState>>,
-    caller: Option<Extension<Caller>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Result<Response, ApiError> {
-    generate(state, Route::Chat, caller.map(|c| c.0), headers, body).await
-}
-
-async fn generate(
+/// Serves the generating OpenAI `route` (completions or chat completions):
+/// the prologue, then the request through `pd::run`.
+pub async fn generate(
     state: Arc<AppState>,
     route: Route,
     caller: Option<Caller>,

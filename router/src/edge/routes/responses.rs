@@ -6,7 +6,6 @@
 use super::translated::{follow, follow_shared, serve, Prepared};
 use crate::background::mirror::CANCEL_POLL;
 use crate::background::response_translation::ResponseTranslation;
-use crate::edge::gate::AdmissionSlot;
 use crate::error::ApiError;
 
 use crate::protocols::responses::new_id;
@@ -19,11 +18,9 @@ use crate::store::redis::{LogState, RedisStore};
 use crate::store::stored::{StoreError, Stored, TenantQuota};
 use crate::store::ResponseStores;
 use crate::tenants::Caller;
-use axum::body::Body;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::extract::{FromRequestParts, Path, Query, Request, State};
 use axum::http::request::Parts;
-use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 
@@ -35,20 +32,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub async fn create(
     State(state): State<Arc<AppState>>,
     caller: Option<Extension<Caller>>,
-    admission: Option<Extension<AdmissionSlot>>,
-    headers: HeaderMap,
-    body: Body,
+    request: Request,
 ) -> Result<Response, ApiError> {
-    let caller = caller.map(|c| c.0);
-    let admission = admission.map(|a| a.0);
-    let kept = caller.as_ref().map(|c| c.kept).unwrap_or_default();
+    let kept = caller.map(|c| c.0.kept).unwrap_or_default();
     serve(
         state,
         "/v1/responses",
-        caller,
-        admission,
-        headers,
-        body,
+        request,
         async |state, request, tenant| {
             let (echo, input) = check(&request)?;
             let mut items = match &echo.previous_response_id {

@@ -19,7 +19,8 @@ use crate::store::redis::RedisStore;
 use crate::store::stored::StoreError;
 use crate::tenants::Caller;
 use axum::body::Body;
-use axum::http::{header, HeaderMap, HeaderValue};
+use axum::extract::Request;
+use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
@@ -38,16 +39,19 @@ pub struct Prepared<T> {
 }
 
 /// Reads the request, lets `prepare` check and translate it (with the
-/// caller's tenant name), runs the chat and translates its answer.
+/// caller's tenant name), runs the chat and translates its answer. The
+/// request is taken as the gate left it: its caller and admission slot are
+/// its extensions.
 pub async fn serve<T: Translation>(
     state: Arc<AppState>,
     path: &'static str,
-    caller: Option<Caller>,
-    admission: Option<AdmissionSlot>,
-    headers: HeaderMap,
-    body: Body,
+    request: Request,
     prepare: impl AsyncFnOnce(&Arc<AppState>, Map<String, Value>, &str) -> Result<Prepared<T>, ApiError>,
 ) -> Result<Response, ApiError> {
+    let (parts, body) = request.into_parts();
+    let caller = parts.extensions.get::<Caller>().cloned();
+    let admission = parts.extensions.get::<AdmissionSlot>().cloned();
+    let headers = parts.headers;
     prologue::generate(
         &state,
         path,

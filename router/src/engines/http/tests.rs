@@ -53,6 +53,14 @@ async fn ask(client: &EngineClient, url: &str) -> Response {
     client.post(url, "/a", &[], &empty()).await.expect("answer")
 }
 
+/// POSTs `{}` to `/a` and expects an error.
+async fn ask_error(client: &EngineClient, url: &str) -> ClientError {
+    match client.post(url, "/a", &[], &empty()).await {
+        Ok(response) => panic!("answered {}", response.status),
+        Err(error) => error,
+    }
+}
+
 async fn read_all(body: &mut Body) -> Vec<u8> {
     let mut all = Vec::new();
     while let Some(piece) = body.chunk().await.expect("body") {
@@ -169,6 +177,11 @@ enum ServerStep {
     Close,
 }
 
+/// A script in which each connection takes one step of `steps`, in order.
+fn once_each<const N: usize>(steps: [ServerStep; N]) -> Vec<Vec<ServerStep>> {
+    steps.into_iter().map(|step| vec![step]).collect()
+}
+
 /// A raw server: for each connection in turn, what it does with each request
 /// it reads.
 async fn scripted(script: Vec<Vec<ServerStep>>) -> (String, Arc<AtomicUsize>) {
@@ -231,10 +244,10 @@ async fn a_request_that_was_written_is_never_sent_twice() {
 #[tokio::test]
 async fn a_pooled_connection_the_engine_closed_is_not_used() {
     // A keep-alive timeout: the engine closes the idle connection.
-    let (url, accepted) = scripted(vec![
-        vec![ServerStep::AnswerAndClose(OK)],
-        vec![ServerStep::Answer(OK)],
-    ])
+    let (url, accepted) = scripted(once_each([
+        ServerStep::AnswerAndClose(OK),
+        ServerStep::Answer(OK),
+    ]))
     .await;
     let client = client();
     let mut response = ask(&client, &url).await;
@@ -248,34 +261,23 @@ async fn a_pooled_connection_the_engine_closed_is_not_used() {
 
 #[tokio::test]
 async fn a_new_connection_closed_before_an_answer_is_an_error() {
-    let (url, _) = scripted(vec![vec![ServerStep::Close]]).await;
-    let result = client().post(&url, "/a", &[], &empty()).await;
+    let (url, _) = scripted(once_each([ServerStep::Close])).await;
+    let error = ask_error(&client(), &url).await;
     assert!(
-        matches!(result, Err(ClientError::ClosedBeforeResponse)),
-        "{:?}",
-        result.err()
+        matches!(error, ClientError::ClosedBeforeResponse),
+        "{error:?}"
     );
 }
 
 #[tokio::test]
 async fn bodies_end_as_framed_and_only_clean_ends_are_reused() {
-    let (url, accepted) = scripted(vec![
-        vec![ServerStep::AnswerAndClose(
-            b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
-        )],
-        vec![ServerStep::AnswerAndClose(
-            b"HTTP/1.1 200 OK\r\n\r\nuntil the end",
-        )],
-        vec![ServerStep::Answer(
-            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokEXTRA",
-        )],
-        vec![ServerStep::Answer(
-            b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
-        )],
-        vec![ServerStep::Answer(
-            b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n",
-        )],
-    ])
+    let (url, accepted) = scripted(once_each([
+        ServerStep::AnswerAndClose(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort"),
+        ServerStep::AnswerAndClose(b"HTTP/1.1 200 OK\r\n\r\nuntil the end"),
+        ServerStep::Answer(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokEXTRA"),
+        ServerStep::Answer(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok"),
+        ServerStep::Answer(b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n"),
+    ]))
     .await;
     let client = client();
     let mut response = ask(&client, &url).await;
@@ -314,9 +316,9 @@ async fn bodies_end_as_framed_and_only_clean_ends_are_reused() {
 #[tokio::test]
 async fn an_answer_before_the_whole_request_is_still_read() {
     // The engine refuses a large body after its head, and closes.
-    let (url, _) = scripted(vec![vec![ServerStep::AnswerAndClose(
+    let (url, _) = scripted(once_each([ServerStep::AnswerAndClose(
         b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 8\r\n\r\ntoo big!",
-    )]])
+    )]))
     .await;
     let body = Bytes::from(vec![b' '; 32 << 20]);
     let mut response = client()
@@ -363,9 +365,9 @@ async fn dropping_a_stream_closes_it_at_the_engine() {
 #[tokio::test]
 async fn a_truncated_chunked_body_is_an_error() {
     // The engine dies in the middle of a stream.
-    let (url, _) = scripted(vec![vec![ServerStep::AnswerAndClose(
+    let (url, _) = scripted(once_each([ServerStep::AnswerAndClose(
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
-    )]])
+    )]))
     .await;
     let mut response = ask(&client(), &url).await;
     let hello = response.body.chunk().await.expect("piece");
@@ -378,16 +380,16 @@ async fn a_truncated_chunked_body_is_an_error() {
 
 #[tokio::test]
 async fn interim_answers_are_skipped_within_a_bound() {
-    let (url, _) = scripted(vec![
-        vec![ServerStep::Answer(
+    let (url, _) = scripted(once_each([
+        ServerStep::Answer(
             b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok",
-        )],
-        vec![ServerStep::Answer(
+        ),
+        ServerStep::Answer(
             b"HTTP/1.1 100 A\r\n\r\nHTTP/1.1 100 B\r\n\r\nHTTP/1.1 100 C\r\n\r\n\
               HTTP/1.1 100 D\r\n\r\nHTTP/1.1 100 E\r\n\r\nHTTP/1.1 100 F\r\n\r\n\
               HTTP/1.1 100 G\r\n\r\nHTTP/1.1 100 H\r\n\r\nHTTP/1.1 100 I\r\n\r\n",
-        )],
-    ])
+        ),
+    ]))
     .await;
     let client = client();
     let mut response = ask(&client, &url).await;
@@ -397,12 +399,8 @@ async fn interim_answers_are_skipped_within_a_bound() {
     // The first connection is pooled; the second one's interim answers never
     // end.
     let _pooled = client.inner.pool.take(url.trim_start_matches("http://"));
-    let result = client.post(&url, "/a", &[], &empty()).await;
-    assert!(
-        matches!(result, Err(ClientError::TooManyInterim)),
-        "{:?}",
-        result.err()
-    );
+    let error = ask_error(&client, &url).await;
+    assert!(matches!(error, ClientError::TooManyInterim), "{error:?}");
 }
 
 #[tokio::test]
@@ -410,11 +408,10 @@ async fn refused_connects_and_bad_urls_are_told_apart() {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     drop(listener);
-    let result = client().post(&url, "/a", &[], &Payload::new()).await;
+    let error = ask_error(&client(), &url).await;
     assert!(
-        matches!(result, Err(ClientError::Connect { refused: true, .. })),
-        "{:?}",
-        result.err()
+        matches!(error, ClientError::Connect { refused: true, .. }),
+        "{error:?}"
     );
     for url in [
         "https://127.0.0.1:1",
@@ -422,8 +419,8 @@ async fn refused_connects_and_bad_urls_are_told_apart() {
         "http://h:1/base",
         "127.0.0.1:1",
     ] {
-        let result = client().post(url, "/a", &[], &Payload::new()).await;
-        assert!(matches!(result, Err(ClientError::Url(_))), "{url}");
+        let error = ask_error(&client(), url).await;
+        assert!(matches!(error, ClientError::Url(_)), "{url}: {error:?}");
     }
 }
 

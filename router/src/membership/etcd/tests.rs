@@ -147,25 +147,21 @@ async fn records_that_would_fail_a_registration_never_reach_the_view() {
     let (mut tasks, stop) = (JoinSet::new(), CancellationToken::new());
     let watching = replica(&etcd, &mut tasks, &stop).await;
     // Through the watch: each bad record is refused, the good ones apply.
-    put(
-        &mut client,
-        "good-1",
-        "http://10.0.0.1:8000",
-        Some("10.0.0.1:14579"),
-    )
-    .await;
-    put(&mut client, "outside", "http://192.168.1.9:8000", None).await;
-    put(&mut client, "metadata", "http://169.254.169.254:80", None).await;
-    put(
-        &mut client,
-        "ctrl-out",
-        "http://10.0.0.2:8000",
-        Some("192.168.1.9:14579"),
-    )
-    .await;
-    put(&mut client, "with-path", "http://10.0.0.3:8000/steal", None).await;
-    put(&mut client, "bad%id", "http://10.0.0.4:8000", None).await;
-    put(&mut client, "good-2", "http://10.0.0.5:8000/", None).await;
+    for (id, url, ctrl) in [
+        ("good-1", "http://10.0.0.1:8000", Some("10.0.0.1:14579")),
+        ("outside", "http://192.168.1.9:8000", None),
+        ("metadata", "http://169.254.169.254:80", None),
+        (
+            "ctrl-out",
+            "http://10.0.0.2:8000",
+            Some("192.168.1.9:14579"),
+        ),
+        ("with-path", "http://10.0.0.3:8000/steal", None),
+        ("bad%id", "http://10.0.0.4:8000", None),
+        ("good-2", "http://10.0.0.5:8000/", None),
+    ] {
+        put(&mut client, id, url, ctrl).await;
+    }
     eventually_ids(&watching, &["good-1", "good-2"]).await;
     // The URL is the bare origin a registration stores.
     let good = watching.get("good-2").expect("good-2");

@@ -157,7 +157,7 @@ impl MessageEvents {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocols::segments::with_parsed;
+    use crate::protocols::segments::{call_grows, call_opens, indices_of, with_parsed};
 
     fn chunk(delta: Value, finish: Option<&str>) -> Value {
         json!({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
@@ -173,14 +173,8 @@ mod tests {
         for c in [
             chunk(json!({"reasoning": "hm"}), None),
             chunk(json!({"content": "Hi"}), None),
-            chunk(
-                json!({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": "{\"a\":"}}]}),
-                None,
-            ),
-            chunk(
-                json!({"tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]}),
-                Some("tool_calls"),
-            ),
+            chunk(call_opens(0, "call_1", "f", "{\"a\":"), None),
+            chunk(call_grows(0, " 1}"), Some("tool_calls")),
         ] {
             all.extend(with_parsed(&c, |c| events.chunk(c)));
         }
@@ -219,11 +213,7 @@ mod tests {
             json!({"input_tokens": 3, "output_tokens": 5})
         );
         // Block indices count the shown blocks.
-        let starts: Vec<u64> = events
-            .iter()
-            .filter(|e| e["type"] == "content_block_start")
-            .filter_map(|e| e["index"].as_u64())
-            .collect();
+        let starts = indices_of(&events, "content_block_start", "index");
         assert_eq!(starts, [0, 1, 2]);
     }
 }

@@ -414,7 +414,7 @@ fn response_event(out: &mut EventWriter, kind: &str, sequence_number: u64, respo
 mod tests {
     use super::*;
     use crate::protocols::client_event::{ClientEvent, Destination};
-    use crate::protocols::segments::with_parsed;
+    use crate::protocols::segments::{call_grows, indices_of, with_parsed};
     use std::collections::BTreeMap;
 
     fn echo() -> ResponseEcho {
@@ -448,10 +448,7 @@ mod tests {
                 "function": {"name": "f", "arguments": "{\"a\""}}]}),
                 None,
             ),
-            chunk(
-                json!({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}),
-                Some("tool_calls"),
-            ),
+            chunk(call_grows(0, ": 1}"), Some("tool_calls")),
         ] {
             with_parsed(&c, |c| events.chunk(c, &mut out));
         }
@@ -486,11 +483,7 @@ mod tests {
         assert_eq!(whole["output"][2]["call_id"], "call_a");
         assert_eq!(whole["usage"]["output_tokens"], 6);
         // Each item's events name its output index.
-        let done: Vec<u64> = all
-            .iter()
-            .filter(|e| e["type"] == "response.output_item.done")
-            .filter_map(|e| e["output_index"].as_u64())
-            .collect();
+        let done = indices_of(&all, "response.output_item.done", "output_index");
         assert_eq!(done, [0, 1, 2]);
     }
 
