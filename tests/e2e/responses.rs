@@ -129,6 +129,51 @@ async fn the_next_turn_carries_the_stored_conversation_to_any_engine() {
     assert_eq!(engine_requests(&engines[2]).await.len(), 1);
 }
 
+/// The keys of a JSON object, in its order.
+fn keys(object: &Value) -> Vec<&str> {
+    object
+        .as_object()
+        .map(|map| map.keys().map(String::as_str).collect())
+        .unwrap_or_default()
+}
+
+/// A JSON schema's properties reach the engines in the order the client
+/// declared them: vLLM's grammar (xgrammar) writes an object's members in
+/// that order, so a router that sorted them (a map without order) would
+/// change the answer, e.g. `{"motto":..,"season":..,"warm":..}` for a schema
+/// that declares `motto, warm, season`. Likewise a tool's parameters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_schemas_properties_reach_the_engines_in_their_declared_order() {
+    let (router, engines) = scale_out_cluster(&[], &[]).await;
+    let schema = json!({"type": "object", "properties": {
+        "motto": {"type": "string"}, "warm": {"type": "boolean"},
+        "season": {"type": "object", "properties": {"when": {"type": "string"}, "early": {"type": "boolean"}}}},
+        "required": ["motto", "warm", "season"]});
+    let tool = json!({"type": "function", "name": "plan", "parameters": {"type": "object",
+        "properties": {"zone": {"type": "string"}, "at": {"type": "string"}}}});
+    let body = json!({"model": "mock", "input": "A city?", "max_output_tokens": 4, "tools": [tool],
+        "text": {"format": {"type": "json_schema", "name": "city", "schema": schema}}});
+    let (status, text) = create(&router, &body).await;
+    assert_eq!(status, 200, "{text}");
+    for engine in [&engines[0], &engines[1]] {
+        let requests = engine_requests(engine).await;
+        let sent = &requests.last().unwrap()["body"];
+        let schema = &sent["response_format"]["json_schema"]["schema"];
+        assert_eq!(
+            keys(&schema["properties"]),
+            ["motto", "warm", "season"],
+            "{sent}"
+        );
+        assert_eq!(
+            keys(&schema["properties"]["season"]["properties"]),
+            ["when", "early"],
+            "{sent}"
+        );
+        let parameters = &sent["tools"][0]["function"]["parameters"];
+        assert_eq!(keys(&parameters["properties"]), ["zone", "at"], "{sent}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_come_in_the_routes_shape_and_the_store_is_bounded() {
     let (router, _engines) = scale_out_cluster(&["--max-stored-responses", "2"], &[]).await;
