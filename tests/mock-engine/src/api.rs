@@ -33,6 +33,8 @@ pub struct EngineState {
     /// Tokens-API calls answered: render and (streaming) derender.
     pub render_calls: AtomicU64,
     pub derender_calls: AtomicU64,
+    /// The body of the last render call (what a continuation renders).
+    pub last_render: std::sync::Mutex<Option<Value>>,
     /// Prompt KV: held as a prefill, pulled as a decoder (see [`crate::kv`]).
     pub kv: crate::kv::KvState,
     /// Set by [`crate::MockEngine::crash_now`]: the next token of every decode
@@ -74,6 +76,7 @@ impl EngineState {
             model_list_calls: AtomicU64::new(0),
             render_calls: AtomicU64::new(0),
             derender_calls: AtomicU64::new(0),
+            last_render: std::sync::Mutex::new(None),
             prefix,
             events_ready: tokio::sync::Notify::new(),
             published_ready: tokio::sync::Notify::new(),
@@ -170,6 +173,7 @@ async fn stats(State(state): State<Arc<EngineState>>) -> Json<Value> {
         "model_list_calls": state.model_list_calls.load(Ordering::Relaxed),
         "render_calls": state.render_calls.load(Ordering::Relaxed),
         "derender_calls": state.derender_calls.load(Ordering::Relaxed),
+        "last_render": state.last_render.lock().unwrap_or_else(|e| e.into_inner()).clone(),
     }))
 }
 
