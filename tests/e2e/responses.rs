@@ -381,6 +381,89 @@ async fn structured_outputs_and_hidden_reasoning_reach_prefill_and_decode() {
     assert!(!text.contains("reasoning_text"), "{text}");
 }
 
+/// A [`failover_cluster`] of decoders that answer like a model
+/// (`--eos-after-tokens 16`) with the tokens API; d0 with `d0_flags` too.
+async fn ending_cluster(d0_flags: &[&str]) -> (Proc, [Proc; 3]) {
+    let model = ["--enable-scale-out", "--eos-after-tokens", "16"];
+    failover_cluster(&[], &[&model[..], d0_flags].concat(), &model).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_ends_calls_its_tool_then_answers_the_result() {
+    let (router, _engines) = ending_cluster(&[]).await;
+    // Turn one, streamed: the model calls the tool and stops there.
+    let first = json!({"model": "mock", "input": "Weather in Paris?", "stream": true,
+                       "max_output_tokens": 64, "reasoning": {"effort": "low"}, "tools": tools()});
+    let (status, text) = create(&router, &first).await;
+    assert_eq!(status, 200, "{text}");
+    let done = sse_events(&text).last().unwrap().clone();
+    assert_eq!(done["type"], "response.completed", "{text}");
+    let first = &done["response"];
+    assert_eq!(first["status"], "completed", "{first}");
+    assert_eq!(first["usage"]["output_tokens"], 16);
+    let call = first["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["type"] == "function_call")
+        .cloned()
+        .unwrap();
+    let arguments: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!(arguments["words"].is_string(), "{call}");
+    // Turn two, the tool's output chained by id: the model answers in text.
+    let second = json!({"model": "mock", "previous_response_id": first["id"], "tools": tools(),
+        "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}]});
+    let (status, text) = create(&router, &second).await;
+    assert_eq!(status, 200, "{text}");
+    let second: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(second["status"], "completed", "{second}");
+    let kinds: Vec<&str> = second["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["message"], "{second}");
+    // Fifteen words, then the end-of-sequence token (no text).
+    let answer = second["output"][0]["content"][0]["text"].as_str().unwrap();
+    assert_eq!(answer.split_whitespace().count(), 15, "{answer}");
+    assert_eq!(second["usage"]["output_tokens"], 16);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_ends_is_resumed_to_its_end() {
+    let body = json!({"model": "mock", "input": "Call it across a kill", "stream": true,
+                      "max_output_tokens": 64, "reasoning": {"effort": "low"}, "tools": tools()});
+    let (router, _engines) = ending_cluster(&[]).await;
+    let whole = create(&router, &body).await;
+    drop(router);
+    // d0 dies after 10 of the 16 tokens (inside the call's arguments).
+    let crashing = [
+        "--crash-after-tokens",
+        "10",
+        "--decode-us-per-token",
+        "1000",
+    ];
+    let (router, _engines) = ending_cluster(&crashing).await;
+    let (status, text) = create(&router, &body).await;
+    assert_eq!(status, 200, "{text}");
+    let resumed = &sse_events(&text).last().unwrap()["response"].clone();
+    let whole = &sse_events(&whole.1).last().unwrap()["response"].clone();
+    assert_eq!(resumed["status"], "completed", "{text}");
+    assert_eq!(resumed["usage"]["output_tokens"], 16);
+    let call = |response: &Value| {
+        let output = response["output"].as_array().unwrap();
+        let call = output
+            .iter()
+            .find(|i| i["type"] == "function_call")
+            .unwrap();
+        (call["name"].clone(), call["arguments"].clone())
+    };
+    assert_eq!(call(resumed), call(whole));
+    let metrics = metrics_text(&router).await;
+    assert_eq!(metric(&metrics, "connex_resumes_total", &[]), 1.0);
+}
+
 /// Reads a background response's events from `starting_after` until `take`
 /// events came (then lets go) or the stream ended.
 pub(super) async fn reattach(

@@ -230,7 +230,7 @@ fn derender_chunk(engine: &EngineState, request: &Value) -> Result<Value, String
         .ok_or("missing generate_chunk")?;
     let mut state = StreamState::parse(request.get("stream_state"))?;
     let max = u32::try_from(max_tokens(chat)).map_err(|_| "max_tokens too large")?;
-    let shape = Shape::new(true, chat, &prompt, max);
+    let shape = Shape::new(true, chat, &prompt, max, engine.config.eos_after_tokens);
     // What the output so far opened: the state must say so (see the module doc).
     let opened = opened_calls(&shape, state.output.len());
     if state.tool_call_ids.len() != opened || state.tools_streamed != (opened > 0) {
