@@ -826,3 +826,49 @@ async fn too_many_or_too_long_stop_strings_are_a_400() {
     let body = json!({"model":"mock","prompt":"hi","max_tokens":4,"stop":["a", "b"]});
     assert_eq!(post(&router, "/v1/completions", &body).await.0, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_that_ends_at_its_eos_token_equals_the_engines_own() {
+    let model = ["--eos-after-tokens", "7"];
+    let (router, [_prefill, _decode]) =
+        pd_cluster(&[], [("prefill", &model[..]), ("decode", &model[..])]).await;
+    let reference = engine(None, "both", &model);
+    let tool = json!({"type":"function","function":{"name":"lookup","parameters":{"type":"object",
+        "properties":{"words":{"type":"string"}}}}});
+    let asked = json!([{"role":"user","content":"Look it up"}]);
+    let answered = json!([{"role":"user","content":"Look it up"},
+        {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+            "function":{"name":"lookup","arguments":"{}"}}]},
+        {"role":"tool","tool_call_id":"c1","content":"found"}]);
+    for (messages, finish) in [
+        (&asked, "tool_calls"),
+        (&answered, "stop"),
+        (&asked, "length"),
+    ] {
+        let max = if finish == "length" { 5 } else { 64 };
+        let body = json!({"model":"mock","messages":messages,"tools":[tool],
+            "max_completion_tokens":max});
+        let (status, answer) = post(&router, "/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["choices"][0]["finish_reason"], finish, "{answer}");
+        let tokens = if finish == "length" { 5 } else { 7 };
+        assert_eq!(answer["usage"]["completion_tokens"], tokens, "{answer}");
+        assert_same_answer(&router, &reference, "/v1/chat/completions", body.clone()).await;
+        // Streamed: the same end.
+        let mut streamed = body;
+        streamed["stream"] = json!(true);
+        let chunks = stream(&router, "/v1/chat/completions", &streamed).await;
+        let ends: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c.pointer("/choices/0/finish_reason"))
+            .filter(|f| !f.is_null())
+            .collect();
+        assert_eq!(ends, [&json!(finish)], "{chunks:?}");
+    }
+    // Completions end there too.
+    let body = json!({"model":"mock","prompt":"Once","max_tokens":64});
+    let (_, answer) = post(&router, "/v1/completions", &body).await;
+    assert_eq!(answer["choices"][0]["finish_reason"], "stop", "{answer}");
+    assert_eq!(answer["usage"]["completion_tokens"], 7);
+    assert_same_answer(&router, &reference, "/v1/completions", body).await;
+}

@@ -155,6 +155,12 @@ async fn errors_on_the_route_are_in_anthropics_shape() {
             404,
             "not_found_error",
         ),
+        (
+            json!({"model": "mock", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
+                   "ec_transfer_params": {}}),
+            400,
+            "invalid_request_error",
+        ),
     ] {
         let (got, text) = create(&router, &body).await;
         assert_eq!(got, status, "{text}");
@@ -207,6 +213,61 @@ async fn a_decoder_killed_mid_message_is_resumed_into_one_message() {
         1.0,
         "{metrics}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_own_fields_reach_prefill_decode_and_a_resume() {
+    let extras = json!({"chat_template_kwargs": {"enable_thinking": false},
+                        "vllm_xargs": {"mock_note": "kept"}});
+    let mut body = json!({"model": "mock", "max_tokens": 24, "stream": true, "top_k": 5,
+                          "thinking": {"type": "enabled", "budget_tokens": 12},
+                          "messages": [{"role": "user", "content": "Resume with vLLM's fields"}]});
+    for (key, value) in extras.as_object().unwrap() {
+        body[key] = value.clone();
+    }
+    body["cache_salt"] = json!("my-salt");
+    // d0 dies after 10 tokens; d1 continues.
+    let crashing = [
+        "--crash-after-tokens",
+        "10",
+        "--decode-us-per-token",
+        "1000",
+    ];
+    let (router, engines) = scale_out_cluster(&[], &crashing).await;
+    let (status, text) = create(&router, &body).await;
+    assert_eq!(status, 200, "{text}");
+    let events = sse_events(&text);
+    assert!(!events.iter().any(|e| e["type"] == "error"), "{text}");
+    assert_eq!(accumulate(&events)["usage"]["output_tokens"], 24, "{text}");
+    // (d0 is gone: the prefill and the continuation tell.)
+    let sent = &engine_requests(&engines[0]).await[0]["body"];
+    for (key, value) in extras.as_object().unwrap() {
+        assert_eq!(&sent[key], value, "prefill: {key} in {sent}");
+    }
+    // The client's salt, under the router's own namespace for clients' salts.
+    let salt = sent["cache_salt"].as_str().unwrap().to_string();
+    assert!(salt.ends_with("my-salt"), "{sent}");
+    let stats = engine_stats(&engines[2]).await;
+    let rendered = &stats["last_render"];
+    assert_eq!(
+        rendered["chat_template_kwargs"],
+        extras["chat_template_kwargs"]
+    );
+    let generate = stats["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["path"] == "/inference/v1/generate")
+        .cloned()
+        .unwrap();
+    assert_eq!(generate["body"]["sampling_params"]["top_k"], 5);
+    assert_eq!(
+        generate["body"]["sampling_params"]["extra_args"],
+        extras["vllm_xargs"]
+    );
+    assert_eq!(generate["body"]["cache_salt"], json!(salt));
+    let metrics = metrics_text(&router).await;
+    assert_eq!(metric(&metrics, "connex_resumes_total", &[]), 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -190,6 +190,23 @@ async fn errors_come_in_the_routes_shape_and_the_store_is_bounded() {
             "resp_nope",
         ),
         (json!({"model": "nope", "input": "x"}), 404, "nope"),
+        // Neither OpenAI's nor vLLM's.
+        (
+            json!({"model": "mock", "input": "x", "top_n": 2}),
+            400,
+            "`top_n` is not a Responses request field",
+        ),
+        // vLLM's, but the router's own to set.
+        (
+            json!({"model": "mock", "input": "x", "kv_transfer_params": {"do_remote_decode": true}}),
+            400,
+            "not taken from clients",
+        ),
+        (
+            json!({"model": "mock", "input": "x", "chat_template_kwargs": true}),
+            400,
+            "`chat_template_kwargs` must be an object",
+        ),
     ] {
         let (got, text) = create(&router, &body).await;
         assert_eq!(got, status, "{body}: {text}");
@@ -292,6 +309,204 @@ async fn a_decoder_killed_mid_response_is_resumed_into_one_response() {
         1.0,
         "{metrics}"
     );
+}
+
+/// vLLM's own request fields a test sends (and which the engines must get):
+/// the sampling extras and `chat_template_kwargs` (how a client turns Qwen3's
+/// thinking off).
+pub(super) fn vllm_extras() -> Value {
+    json!({"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "seed": 7,
+           "stop_token_ids": [3], "ignore_eos": false, "skip_special_tokens": false,
+           "vllm_xargs": {"mock_note": "kept"},
+           "chat_template_kwargs": {"enable_thinking": false}})
+}
+
+/// `body` with every field of `extras`.
+pub(super) fn with_extras(mut body: Value, extras: &Value) -> Value {
+    for (key, value) in extras.as_object().unwrap() {
+        body[key] = value.clone();
+    }
+    body
+}
+
+/// Asserts that `body` (an engine's record of a chat request) has every
+/// field of `extras` as the client sent it.
+pub(super) fn assert_carries(body: &Value, extras: &Value, context: &str) {
+    for (key, value) in extras.as_object().unwrap() {
+        assert_eq!(&body[key], value, "{context}: {key} in {body}");
+    }
+}
+
+/// Asserts that a continuation on `decoder` (vLLM's tokens API) rendered a
+/// chat that has every field of `extras`, and generated with the sampling
+/// parameters vLLM makes of them (`vllm_xargs` as `extra_args`).
+pub(super) async fn assert_continued_with(decoder: &Proc, extras: &Value) {
+    let stats = engine_stats(decoder).await;
+    assert_carries(&stats["last_render"], extras, "the continuation's render");
+    let requests = stats["requests"].as_array().unwrap();
+    let generate = requests
+        .iter()
+        .find(|r| r["path"] == "/inference/v1/generate")
+        .unwrap_or_else(|| panic!("no continuation on the second decoder: {requests:?}"));
+    let sampling = &generate["body"]["sampling_params"];
+    for key in [
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "seed",
+        "stop_token_ids",
+    ] {
+        assert_eq!(sampling[key], extras[key], "{key} in {sampling}");
+    }
+    assert_eq!(sampling["extra_args"], extras["vllm_xargs"], "{sampling}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_own_fields_reach_prefill_decode_and_a_resume() {
+    let extras = vllm_extras();
+    let body = with_extras(
+        json!({"model": "mock", "input": "Resume with vLLM's fields", "stream": true,
+               "max_output_tokens": 24, "reasoning": {"effort": "low"}}),
+        &extras,
+    );
+    // d0 dies after 10 tokens (inside the reasoning); d1 continues.
+    let crashing = [
+        "--crash-after-tokens",
+        "10",
+        "--decode-us-per-token",
+        "1000",
+    ];
+    let (router, engines) = scale_out_cluster(&[], &crashing).await;
+    let (status, text) = create(&router, &body).await;
+    assert_eq!(status, 200, "{text}");
+    let events = sse_events(&text);
+    assert!(!events.iter().any(|e| e["type"] == "error"), "{text}");
+    let done = &events.last().unwrap()["response"];
+    assert_eq!(done["usage"]["output_tokens"], 24, "{text}");
+    // The response object repeats OpenAI's fields only, as vLLM's does.
+    assert!(done.get("chat_template_kwargs").is_none(), "{done}");
+    // (d0 is gone: what a decoder is sent, the next test reads.)
+    let prefill = engine_requests(&engines[0]).await;
+    assert_carries(&prefill[0]["body"], &extras, "the prefill");
+    assert_continued_with(&engines[2], &extras).await;
+    let metrics = metrics_text(&router).await;
+    assert_eq!(metric(&metrics, "connex_resumes_total", &[]), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_and_hidden_reasoning_reach_prefill_and_decode() {
+    let (router, engines) = scale_out_cluster(&[], &[]).await;
+    let structured = json!({"regex": "w[0-9]+"});
+    let extras = with_extras(vllm_extras(), &json!({"structured_outputs": structured}));
+    let body = with_extras(
+        json!({"model": "mock", "input": "Think, but do not show it",
+               "max_output_tokens": 8, "reasoning": {"effort": "low"},
+               "include_reasoning": false}),
+        &extras,
+    );
+    let (status, text) = create(&router, &body).await;
+    assert_eq!(status, 200, "{text}");
+    let response: Value = serde_json::from_str(&text).unwrap();
+    // The mock reasons half of its tokens: none of it shows.
+    let kinds: Vec<&str> = response["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|item| item["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["message"], "{text}");
+    assert_eq!(response["usage"]["output_tokens"], 8);
+    for (engine, what) in [(&engines[0], "prefill"), (&engines[1], "decoder")] {
+        let requests = engine_requests(engine).await;
+        assert_carries(&requests[0]["body"], &extras, what);
+    }
+    // The same request streamed shows no reasoning event either.
+    let (status, text) = create(&router, &with_extras(body, &json!({"stream": true}))).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(!text.contains("reasoning_text"), "{text}");
+}
+
+/// A [`failover_cluster`] of decoders that answer like a model
+/// (`--eos-after-tokens 16`) with the tokens API; d0 with `d0_flags` too.
+async fn ending_cluster(d0_flags: &[&str]) -> (Proc, [Proc; 3]) {
+    let model = ["--enable-scale-out", "--eos-after-tokens", "16"];
+    failover_cluster(&[], &[&model[..], d0_flags].concat(), &model).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_ends_calls_its_tool_then_answers_the_result() {
+    let (router, _engines) = ending_cluster(&[]).await;
+    // Turn one, streamed: the model calls the tool and stops there.
+    let first = json!({"model": "mock", "input": "Weather in Paris?", "stream": true,
+                       "max_output_tokens": 64, "reasoning": {"effort": "low"}, "tools": tools()});
+    let (status, text) = create(&router, &first).await;
+    assert_eq!(status, 200, "{text}");
+    let done = sse_events(&text).last().unwrap().clone();
+    assert_eq!(done["type"], "response.completed", "{text}");
+    let first = &done["response"];
+    assert_eq!(first["status"], "completed", "{first}");
+    assert_eq!(first["usage"]["output_tokens"], 16);
+    let call = first["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["type"] == "function_call")
+        .cloned()
+        .unwrap();
+    let arguments: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!(arguments["words"].is_string(), "{call}");
+    // Turn two, the tool's output chained by id: the model answers in text.
+    let second = json!({"model": "mock", "previous_response_id": first["id"], "tools": tools(),
+        "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}]});
+    let (status, text) = create(&router, &second).await;
+    assert_eq!(status, 200, "{text}");
+    let second: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(second["status"], "completed", "{second}");
+    let kinds: Vec<&str> = second["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["message"], "{second}");
+    // Fifteen words, then the end-of-sequence token (no text).
+    let answer = second["output"][0]["content"][0]["text"].as_str().unwrap();
+    assert_eq!(answer.split_whitespace().count(), 15, "{answer}");
+    assert_eq!(second["usage"]["output_tokens"], 16);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_ends_is_resumed_to_its_end() {
+    let body = json!({"model": "mock", "input": "Call it across a kill", "stream": true,
+                      "max_output_tokens": 64, "reasoning": {"effort": "low"}, "tools": tools()});
+    let (router, _engines) = ending_cluster(&[]).await;
+    let whole = create(&router, &body).await;
+    drop(router);
+    // d0 dies after 10 of the 16 tokens (inside the call's arguments).
+    let crashing = [
+        "--crash-after-tokens",
+        "10",
+        "--decode-us-per-token",
+        "1000",
+    ];
+    let (router, _engines) = ending_cluster(&crashing).await;
+    let (status, text) = create(&router, &body).await;
+    assert_eq!(status, 200, "{text}");
+    let resumed = &sse_events(&text).last().unwrap()["response"].clone();
+    let whole = &sse_events(&whole.1).last().unwrap()["response"].clone();
+    assert_eq!(resumed["status"], "completed", "{text}");
+    assert_eq!(resumed["usage"]["output_tokens"], 16);
+    let call = |response: &Value| {
+        let output = response["output"].as_array().unwrap();
+        let call = output
+            .iter()
+            .find(|i| i["type"] == "function_call")
+            .unwrap();
+        (call["name"].clone(), call["arguments"].clone())
+    };
+    assert_eq!(call(resumed), call(whole));
+    let metrics = metrics_text(&router).await;
+    assert_eq!(metric(&metrics, "connex_resumes_total", &[]), 1.0);
 }
 
 /// Reads a background response's events from `starting_after` until `take`

@@ -35,16 +35,64 @@ pub fn flag(body: &Map<String, Value>, key: &'static str, default: bool) -> Resu
     }
 }
 
-/// The checks every translated request starts with: no field outside the
-/// lists of `known` (400 naming it: never dropped in silence), the fields of
-/// `shapes` of their JSON type when set, and a `model`; returns the model.
+/// Fields vLLM's own routes take that the router sets itself: a client's
+/// would be overwritten, so it is refused (400 saying why), never dropped.
+const ROUTER_OWNED: &[(&str, &str)] = &[
+    (
+        "kv_transfer_params",
+        "the router sets it for each phase (prefill, decode, resume)",
+    ),
+    (
+        "ec_transfer_params",
+        "the router does not disaggregate encoders",
+    ),
+    (
+        "request_id",
+        "the router names a request by its `x-request-id` header",
+    ),
+];
+
+/// Whether `value` is a JSON integer that fits an i64 (what vLLM takes for
+/// its integer fields).
+pub fn is_integer(value: &Value) -> bool {
+    value.is_i64()
+}
+
+/// The fields of `keys` that `body` sets (not null), as they are: vLLM's own
+/// request fields, which its chat route reads as the protocol's own route
+/// does, so that the chat body carries them to every phase.
+pub fn engine_fields(body: &Map<String, Value>, keys: &[&str]) -> Map<String, Value> {
+    keys.iter()
+        .filter_map(|&key| {
+            let value = body.get(key).filter(|v| !v.is_null())?;
+            Some((key.to_string(), value.clone()))
+        })
+        .collect()
+}
+
+/// The checks every translated request starts with: no field the router
+/// sets itself (`ROUTER_OWNED`) and none outside the lists of `known` (400
+/// naming it: never dropped in silence), the fields of `shapes` of their
+/// JSON type when set, and a `model`; returns the model.
 pub fn check_fields(
     body: &Map<String, Value>,
     protocol: &str,
     known: &[&[&str]],
     shapes: &[Shape],
 ) -> Result<String, ApiError> {
-    let is_known = |key: &str| known.iter().any(|part| part.contains(&key));
+    if let Some((key, why)) = ROUTER_OWNED
+        .iter()
+        .find(|(key, _)| body.get(*key).is_some_and(|v| !v.is_null()))
+    {
+        return Err(bad(
+            format!("`{key}` is not taken from clients: {why}"),
+            key,
+        ));
+    }
+    let is_known = |key: &str| {
+        known.iter().any(|part| part.contains(&key))
+            || ROUTER_OWNED.iter().any(|(owned, _)| *owned == key)
+    };
     if let Some(unknown) = body.keys().find(|k| !is_known(k)) {
         return Err(ApiError::bad_request(
             format!("`{unknown}` is not a {protocol} request field this router serves"),

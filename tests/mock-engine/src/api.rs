@@ -33,6 +33,8 @@ pub struct EngineState {
     /// Tokens-API calls answered: render and (streaming) derender.
     pub render_calls: AtomicU64,
     pub derender_calls: AtomicU64,
+    /// The body of the last render call (what a continuation renders).
+    pub last_render: std::sync::Mutex<Option<Value>>,
     /// Prompt KV: held as a prefill, pulled as a decoder (see [`crate::kv`]).
     pub kv: crate::kv::KvState,
     /// Set by [`crate::MockEngine::crash_now`]: the next token of every decode
@@ -74,6 +76,7 @@ impl EngineState {
             model_list_calls: AtomicU64::new(0),
             render_calls: AtomicU64::new(0),
             derender_calls: AtomicU64::new(0),
+            last_render: std::sync::Mutex::new(None),
             prefix,
             events_ready: tokio::sync::Notify::new(),
             published_ready: tokio::sync::Notify::new(),
@@ -170,6 +173,7 @@ async fn stats(State(state): State<Arc<EngineState>>) -> Json<Value> {
         "model_list_calls": state.model_list_calls.load(Ordering::Relaxed),
         "render_calls": state.render_calls.load(Ordering::Relaxed),
         "derender_calls": state.derender_calls.load(Ordering::Relaxed),
+        "last_render": state.last_render.lock().unwrap_or_else(|e| e.into_inner()).clone(),
     }))
 }
 
@@ -258,6 +262,9 @@ struct Plan {
     model: String,
     prompt_ids: Vec<u32>,
     max_tokens: u32,
+    /// `--eos-after-tokens`: the token of this run that is the answer's
+    /// end-of-sequence token (counted after what a continued answer had).
+    eos_at: Option<u32>,
     /// Choices per request (`n`): greedy, so every choice has the same tokens.
     n: usize,
     include_usage: bool,
@@ -478,6 +485,20 @@ fn plan(
     let kv_pull = (flag("do_remote_prefill") && !flag("do_remote_decode"))
         .then(|| kv_in.cloned())
         .flatten();
+    // A continuation's prompt is the held prompt and the answer so far.
+    let answered = match &kv_pull {
+        Some(kv) => kv
+            .get("remote_num_tokens")
+            .and_then(Value::as_u64)
+            .map_or(0, |held| (prompt_ids.len() as u64).saturating_sub(held)),
+        None => 0,
+    };
+    let eos = state.config.eos_after_tokens.filter(|_| kv_out.is_none());
+    let eos_at = eos.map(|n| {
+        u32::try_from(u64::from(n).saturating_sub(answered))
+            .unwrap_or(0)
+            .max(1)
+    });
     let prefix = match kind {
         Kind::Completion => "cmpl",
         Kind::Chat => "chatcmpl",
@@ -497,7 +518,9 @@ fn plan(
             request,
             &prompt_ids,
             if kv_out.is_some() { 1 } else { max_tokens },
+            eos,
         ),
+        eos_at,
         max_tokens: if kv_out.is_some() { 1 } else { max_tokens },
         n: request
             .get("n")
@@ -582,7 +605,8 @@ impl Run {
                 tokio::time::sleep(Duration::from_micros(cost)).await;
             }
         }
-        if self.emitted.len() as u32 >= self.plan.max_tokens {
+        let count = self.emitted.len() as u32;
+        if count >= self.plan.max_tokens || self.plan.eos_at.is_some_and(|at| count >= at) {
             return Ok(None);
         }
         // The decode step's time passes first, so that the previous token is on
@@ -590,7 +614,6 @@ impl Run {
         if config.decode_us_per_token > 0 && !self.emitted.is_empty() {
             tokio::time::sleep(Duration::from_micros(config.decode_us_per_token)).await;
         }
-        let count = self.emitted.len() as u32;
         let crash = config.crash_after_tokens == Some(count)
             || self.state.crash_now.load(Ordering::Relaxed);
         if crash && self.plan.kv_out.is_none() {
@@ -614,7 +637,10 @@ impl Run {
         if engine_dead || config.stall_after_tokens == Some(count) && self.plan.kv_out.is_none() {
             std::future::pending::<()>().await;
         }
-        let token = self.context.next_token();
+        let token = match self.plan.eos_at == Some(count + 1) {
+            true => model::EOS_ID,
+            false => self.context.next_token(),
+        };
         self.context.absorb(token);
         self.emitted.push(token);
         let emitted = self.emitted.len() as u32;
@@ -642,6 +668,11 @@ impl Run {
                 .log
                 .update(self.record, |r| r.outcome = Outcome::Completed);
         }
+    }
+
+    /// Whether the last token emitted is the answer's end-of-sequence token.
+    fn ended_at_eos(&self) -> bool {
+        self.plan.eos_at == Some(self.emitted.len() as u32)
     }
 
     fn usage(&self) -> Value {
@@ -767,10 +798,11 @@ impl Run {
             }
             Err(crashed) => return Some(Err(crashed)),
         };
-        let last = self.emitted.len() as u32 >= self.plan.max_tokens;
         let generated = self.emitted.len();
+        let eos = self.ended_at_eos();
+        let last = generated as u32 >= self.plan.max_tokens || eos;
         let finish_reason = if last {
-            json!(self.plan.shape.finish_reason(generated))
+            json!(self.plan.shape.finish_reason(generated, eos))
         } else {
             Value::Null
         };
@@ -858,7 +890,8 @@ impl Run {
         }
         self.finish();
         let mut choice = self.plan.shape.whole_choice(&self.emitted);
-        choice["finish_reason"] = json!(self.plan.shape.finish_reason(self.emitted.len()));
+        let eos = self.ended_at_eos();
+        choice["finish_reason"] = json!(self.plan.shape.finish_reason(self.emitted.len(), eos));
         choice["stop_reason"] = Value::Null;
         if let Some((stop, end)) = stopped {
             self.plan.shape.cut(&mut choice, end);

@@ -55,6 +55,14 @@ pub struct MockConfig {
     /// restarted engine re-registers its id at once (as an agent that kept it).
     #[arg(long)]
     pub credential_file: Option<std::path::PathBuf>,
+    /// Answer like a model: each answer ends at an end-of-sequence token, its
+    /// Nth (counted over the whole answer, a resumed one's continuation
+    /// included), with `finish_reason: "stop"` (`"tool_calls"` on the chat
+    /// route once it called a tool, as vLLM's), when `max_tokens` does not
+    /// end it first. A chat whose last message is a tool's result is then
+    /// answered in text (the model read the result), not with another call.
+    #[arg(long)]
+    pub eos_after_tokens: Option<u32>,
     /// Exit the process after emitting this many tokens of one request.
     #[arg(long)]
     pub crash_after_tokens: Option<u32>,

@@ -54,6 +54,10 @@ impl ContextHash {
     }
 }
 
+/// The end-of-sequence token (`--eos-after-tokens`): a control byte no text
+/// prompt has, whose text is empty (vLLM skips special tokens' text).
+pub const EOS_ID: u32 = 2;
+
 /// Generates `count` tokens after `context`, the reference any test compares to.
 pub fn generate(context: &[u32], count: usize) -> Vec<u32> {
     let mut hash = ContextHash::of(context);
@@ -119,7 +123,9 @@ fn byte_char(byte: u8) -> char {
 
 /// Text of one token.
 pub fn token_text(id: u32) -> String {
-    if id < FIRST_WORD_ID {
+    if id == EOS_ID {
+        String::new()
+    } else if id < FIRST_WORD_ID {
         // Prompt bytes are not valid UTF-8 one by one; show them as-is when ASCII.
         char::from_u32(id).map(String::from).unwrap_or_default()
     } else {

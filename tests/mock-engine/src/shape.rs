@@ -2,7 +2,11 @@
 //! request asks for it: logprobs (`logprobs`/`top_logprobs`), the echoed prompt
 //! (`echo`), reasoning (`reasoning_effort`: the first half of the tokens are
 //! reasoning) and tool calls (`tools`: the tokens are the arguments of one call
-//! per tool, up to two, taking turns).
+//! per tool, up to two, taking turns). An engine started with
+//! `--eos-after-tokens N` answers like a model: its answers end at an
+//! end-of-sequence token, the Nth, with `stop` (`tool_calls` once a chat
+//! called a tool), and a chat whose last message is a tool's result is
+//! answered in text; so an agent's loop (call, result, answer) ends.
 //!
 //! The stream and the non-stream answer are built here independently, each the
 //! way vLLM builds it: the non-stream answer is what a router that assembles a
@@ -21,6 +25,8 @@ pub enum Part {
     Content,
     /// The arguments of tool call `n`.
     Tool(usize),
+    /// The end-of-sequence token (`--eos-after-tokens`): no text.
+    End,
 }
 
 /// The shape of one request's answers.
@@ -36,7 +42,11 @@ pub struct Shape {
     /// The function names called, in call order.
     tools: Vec<String>,
     reasoning_tokens: usize,
+    /// The tokens that carry text: `max_tokens`, or those before the
+    /// end-of-sequence token when it comes first.
     max_tokens: usize,
+    /// The index of the end-of-sequence token, when the answer has one.
+    end: Option<usize>,
     /// Stop strings (non-stream answers only: a router owns them for streams)
     /// and `include_stop_str_in_output`.
     stops: Vec<String>,
@@ -44,8 +54,19 @@ pub struct Shape {
 }
 
 impl Shape {
-    pub fn new(chat: bool, request: &Value, prompt_ids: &[u32], max_tokens: u32) -> Self {
-        let max_tokens = max_tokens as usize;
+    /// The shape of an answer of `max_tokens` to `request`; `eos`: the
+    /// engine's `--eos-after-tokens` (the answer ends at that token).
+    pub fn new(
+        chat: bool,
+        request: &Value,
+        prompt_ids: &[u32],
+        max_tokens: u32,
+        eos: Option<u32>,
+    ) -> Self {
+        let end = eos
+            .map(|n| n.max(1) as usize - 1)
+            .filter(|&end| end < max_tokens as usize);
+        let max_tokens = end.unwrap_or(max_tokens as usize);
         let logprobs = if chat {
             (request.get("logprobs").and_then(Value::as_bool) == Some(true)).then(|| {
                 request
@@ -72,7 +93,17 @@ impl Shape {
         let echo_text = echo.is_some()
             && request.get("return_token_ids").and_then(Value::as_bool) != Some(true);
         let tool_choice_none = request.get("tool_choice").and_then(Value::as_str) == Some("none");
-        let tools = if chat && !tool_choice_none {
+        // A model that ends (`--eos-after-tokens`) answers a tool's result in
+        // text: the loop of an agent ends.
+        let answers_result = eos.is_some()
+            && request
+                .get("messages")
+                .and_then(Value::as_array)
+                .and_then(|messages| messages.last())
+                .and_then(|last| last.get("role"))
+                .and_then(Value::as_str)
+                == Some("tool");
+        let tools = if chat && !tool_choice_none && !answers_result {
             request
                 .get("tools")
                 .and_then(Value::as_array)
@@ -100,6 +131,7 @@ impl Shape {
             tools,
             reasoning_tokens: if reasoning { max_tokens / 2 } else { 0 },
             max_tokens,
+            end,
             stops: match request.get("stop") {
                 Some(Value::String(stop)) => vec![stop.clone()],
                 Some(Value::Array(items)) => items
@@ -154,7 +186,9 @@ impl Shape {
 
     /// Where generated token `i` goes.
     pub fn part(&self, i: usize) -> Part {
-        if i < self.reasoning_tokens {
+        if self.end == Some(i) {
+            Part::End
+        } else if i < self.reasoning_tokens {
             Part::Reasoning
         } else if self.tools.is_empty() {
             Part::Content
@@ -169,11 +203,18 @@ impl Shape {
         self.logprobs.is_none() && self.echo.is_none() && self.tools.is_empty()
     }
 
-    /// The mock's answers end at `max_tokens`: `length`, tool calls or not
-    /// (vLLM turns only a `stop` into `tool_calls`; an answer cut by
-    /// `max_tokens` inside or after its calls stays `length`).
-    pub fn finish_reason(&self, _generated: usize) -> &'static str {
-        "length"
+    /// Why an answer of `generated` tokens ended: at `max_tokens`, `length`,
+    /// tool calls or not (vLLM turns only a `stop` into `tool_calls`; an
+    /// answer cut by `max_tokens` inside or after its calls stays `length`);
+    /// at its end-of-sequence token (`eos`), `stop`, or `tool_calls` for a
+    /// chat that called a tool.
+    pub fn finish_reason(&self, generated: usize, eos: bool) -> &'static str {
+        let called = || (0..generated).any(|i| matches!(self.part(i), Part::Tool(_)));
+        match eos {
+            false => "length",
+            true if self.chat && called() => "tool_calls",
+            true => "stop",
+        }
     }
 
     fn call_id(n: usize) -> String {
@@ -240,6 +281,7 @@ impl Shape {
             Part::Content => {
                 delta.insert("content".into(), json!(text));
             }
+            Part::End => {}
             Part::Tool(n) => {
                 let arguments = self.arguments_piece(i, n, token, self.max_tokens);
                 let first = (0..i).all(|j| self.part(j) != Part::Tool(n));
@@ -415,4 +457,43 @@ fn chat_logprob(lp: &TokenLogprob) -> Value {
         .map(|(t, l)| entry(t, *l))
         .collect::<Vec<_>>());
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(messages: Value) -> Value {
+        json!({"messages": messages, "reasoning_effort": "low",
+               "tools": [{"type": "function", "function": {"name": "f"}}]})
+    }
+
+    #[test]
+    fn a_model_that_ends_calls_its_tool_then_answers_the_result() {
+        let asked = chat(json!([{"role": "user", "content": "hi"}]));
+        let shape = Shape::new(true, &asked, &[], 32, Some(9));
+        // Reasoning, the call's arguments, then the end-of-sequence token.
+        let parts: Vec<Part> = (0..9).map(|i| shape.part(i)).collect();
+        assert_eq!(parts[..4], [Part::Reasoning; 4]);
+        assert_eq!(parts[4..8], [Part::Tool(0); 4]);
+        assert_eq!(parts[8], Part::End);
+        assert_eq!(shape.finish_reason(9, true), "tool_calls");
+        let tokens = model::generate(&[1], 8);
+        let whole = shape.whole_choice(&[tokens.as_slice(), &[model::EOS_ID]].concat());
+        let arguments = whole
+            .pointer("/message/tool_calls/0/function/arguments")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        assert!(serde_json::from_str::<Value>(arguments).is_ok(), "{whole}");
+        // The tool's result comes back: the answer is text.
+        let result = chat(json!([{"role": "user", "content": "hi"},
+            {"role": "tool", "tool_call_id": "c", "content": "sunny"}]));
+        let shape = Shape::new(true, &result, &[], 32, Some(9));
+        assert_eq!(shape.part(5), Part::Content);
+        assert_eq!(shape.finish_reason(9, true), "stop");
+        // Without --eos-after-tokens: calls until max_tokens, as before.
+        let shape = Shape::new(true, &result, &[], 32, None);
+        assert_eq!(shape.part(31), Part::Tool(0));
+        assert_eq!(shape.finish_reason(32, false), "length");
+    }
 }

@@ -55,6 +55,27 @@ pub fn max_tokens(request: &Value) -> u64 {
         .unwrap_or(16)
 }
 
+/// A chat request's fields vLLM's render carries into its sampling
+/// parameters as they are.
+const SAMPLING: &[&str] = &[
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "structured_outputs",
+];
+
 /// `POST /v1/chat/completions/render`.
 pub async fn render(State(state): State<Arc<EngineState>>, body: Bytes) -> Response {
     if let Some(refused) = refused(&state) {
@@ -64,6 +85,7 @@ pub async fn render(State(state): State<Arc<EngineState>>, body: Bytes) -> Respo
     let Ok(request) = serde_json::from_slice::<Value>(&body) else {
         return error(StatusCode::BAD_REQUEST, "invalid JSON body");
     };
+    *state.last_render.lock().unwrap_or_else(|e| e.into_inner()) = Some(request.clone());
     let prompt = match chat_prompt(&request) {
         Ok(prompt) => prompt,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
@@ -71,10 +93,15 @@ pub async fn render(State(state): State<Arc<EngineState>>, body: Bytes) -> Respo
     let mut sampling = Map::new();
     sampling.insert("n".into(), json!(1));
     sampling.insert("max_tokens".into(), json!(max_tokens(&request)));
-    for key in ["temperature", "top_p", "seed", "min_tokens", "stop"] {
+    // What vLLM's render puts in its SamplingParams of the request's own
+    // fields (`vllm_xargs` become its `extra_args`).
+    for &key in SAMPLING {
         if let Some(value) = request.get(key) {
             sampling.insert(key.into(), value.clone());
         }
+    }
+    if let Some(xargs) = request.get("vllm_xargs") {
+        sampling.insert("extra_args".into(), xargs.clone());
     }
     Json(
         json!({"request_id": format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
@@ -203,7 +230,7 @@ fn derender_chunk(engine: &EngineState, request: &Value) -> Result<Value, String
         .ok_or("missing generate_chunk")?;
     let mut state = StreamState::parse(request.get("stream_state"))?;
     let max = u32::try_from(max_tokens(chat)).map_err(|_| "max_tokens too large")?;
-    let shape = Shape::new(true, chat, &prompt, max);
+    let shape = Shape::new(true, chat, &prompt, max, engine.config.eos_after_tokens);
     // What the output so far opened: the state must say so (see the module doc).
     let opened = opened_calls(&shape, state.output.len());
     if state.tool_call_ids.len() != opened || state.tools_streamed != (opened > 0) {

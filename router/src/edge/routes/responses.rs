@@ -11,7 +11,7 @@ use crate::error::ApiError;
 use crate::protocols::responses::new_id;
 
 use crate::edge::app::AppState;
-use crate::protocols::responses::request::{chat_body, check};
+use crate::protocols::responses::request::{chat_body, check, Checked};
 use crate::protocols::responses::stream::ResponseEvents;
 use crate::store::live::{Live, LiveQuota, LiveRefusal};
 use crate::store::redis::{LogState, RedisStore};
@@ -40,7 +40,11 @@ pub async fn create(
         "/v1/responses",
         request,
         async |state, request, tenant| {
-            let (echo, input) = check(&request)?;
+            let Checked {
+                echo,
+                input,
+                engine,
+            } = check(&request)?;
             let mut items = match &echo.previous_response_id {
                 None => Vec::new(),
                 Some(id) => stored(&state.responses, id, tenant)
@@ -49,7 +53,7 @@ pub async fn create(
                     .map_err(store_unavailable)?,
             };
             items.extend(input);
-            let chat = chat_body(&echo, &items)?;
+            let chat = chat_body(&echo, &items, &engine)?;
             let created_at = SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())

@@ -1,7 +1,7 @@
 //! A Messages request, checked and translated to a chat completion body.
 
 use crate::error::ApiError;
-use crate::protocols::{bad, check_fields, flag, Shape};
+use crate::protocols::{bad, check_fields, engine_fields, flag, Shape};
 use serde_json::{json, Map, Value};
 
 /// Fields a Messages request may carry; anything else is refused (400).
@@ -23,6 +23,19 @@ const KNOWN: &[&str] = &[
     "output_config",
 ];
 
+/// vLLM's own Messages fields beyond Anthropic's (its `/v1/messages` takes
+/// them: `vllm/entrypoints/anthropic/protocol.py`), each one vLLM's chat
+/// route reads with the same meaning: carried to the chat body as they are,
+/// so that prefill, decode and a resume's continuation all get them.
+const ENGINE: &[&str] = &[
+    "chat_template_kwargs",
+    "vllm_xargs",
+    "cache_salt",
+    "watermarking",
+    "mm_payload",
+    "return_mm_kwargs",
+];
+
 /// Fields checked for their JSON type (null is their absence).
 const SHAPES: &[Shape] = &[
     ("tool_choice", "an object", Value::is_object),
@@ -33,6 +46,12 @@ const SHAPES: &[Shape] = &[
     ("temperature", "a number", Value::is_number),
     ("top_p", "a number", Value::is_number),
     ("top_k", "an integer", Value::is_u64),
+    ("chat_template_kwargs", "an object", Value::is_object),
+    ("vllm_xargs", "an object", Value::is_object),
+    ("cache_salt", "a string", Value::is_string),
+    ("watermarking", "a boolean", Value::is_boolean),
+    ("mm_payload", "a string", Value::is_string),
+    ("return_mm_kwargs", "a boolean", Value::is_boolean),
 ];
 
 /// What the answer needs of its request.
@@ -45,7 +64,7 @@ pub struct MessageEcho {
 /// Checks `body` and returns its echo and the chat completion body (always
 /// streamed with usage: the router turns the chunks into the answer).
 pub fn chat_body(body: &Map<String, Value>) -> Result<(MessageEcho, Value), ApiError> {
-    let model = check_fields(body, "Messages", &[KNOWN], SHAPES)?;
+    let model = check_fields(body, "Messages", &[KNOWN, ENGINE], SHAPES)?;
     let Some(max_tokens) = body
         .get("max_tokens")
         .filter(|v| v.as_u64().is_some_and(|n| n > 0))
@@ -140,6 +159,9 @@ pub fn chat_body(body: &Map<String, Value>) -> Result<(MessageEcho, Value), ApiE
             chat["response_format"] =
                 json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}});
         }
+    }
+    if let Some(map) = chat.as_object_mut() {
+        map.extend(engine_fields(body, ENGINE));
     }
     Ok((MessageEcho { model, stream }, chat))
 }
@@ -353,6 +375,26 @@ mod tests {
     }
 
     #[test]
+    fn vllms_own_fields_reach_the_chat_as_they_are() {
+        let body = chat(json!({
+            "model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}],
+            "chat_template_kwargs": {"enable_thinking": false}, "vllm_xargs": {"k": 1},
+            "cache_salt": "s", "watermarking": true, "mm_payload": "none",
+            "return_mm_kwargs": false
+        }))
+        .unwrap_or_default();
+        assert_eq!(
+            body["chat_template_kwargs"],
+            json!({"enable_thinking": false})
+        );
+        assert_eq!(body["vllm_xargs"], json!({"k": 1}));
+        assert_eq!(body["cache_salt"], "s");
+        assert_eq!(body["watermarking"], true);
+        assert_eq!(body["mm_payload"], "none");
+        assert_eq!(body["return_mm_kwargs"], false);
+    }
+
+    #[test]
     fn bad_requests_are_refused_by_name() {
         for (body, said) in [
             (
@@ -370,6 +412,14 @@ mod tests {
             (
                 json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image"}]}]}),
                 "image",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {"a": 1}}),
+                "kv_transfer_params` is not taken from clients",
+            ),
+            (
+                json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []}),
+                "chat_template_kwargs",
             ),
         ] {
             let error = chat(body.clone()).map(|_| ()).expect_err("refused");

@@ -230,6 +230,7 @@ mod tests {
             background: false,
             previous_response_id: Some("resp_0".into()),
             fields,
+            hide_reasoning: false,
         };
         let output = [message_item("msg_1", "hi")];
         let chat_usage = json!({"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3});

@@ -1,7 +1,7 @@
 //! A Responses request, checked and translated to a chat completion body.
 
 use crate::error::ApiError;
-use crate::protocols::{bad, check_fields, flag, Shape};
+use crate::protocols::{bad, check_fields, engine_fields, flag, is_integer, Shape};
 use serde_json::{json, Map, Value};
 
 /// Request fields the response object repeats as they were asked.
@@ -35,7 +35,43 @@ const KNOWN: &[&str] = &[
     "safety_identifier",
     "prompt_cache_key",
     "stream_options",
+    "enable_response_messages",
 ];
+
+/// vLLM's own Responses fields beyond OpenAI's (its `/v1/responses` takes
+/// them: `vllm/entrypoints/openai/responses/protocol.py`), each one vLLM's
+/// chat route reads with the same meaning: carried to the chat body as they
+/// are, so that prefill, decode and a resume's continuation all get them.
+/// Not echoed in the response object (vLLM's is not either).
+const ENGINE: &[&str] = &[
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "include_reasoning",
+    "watermarking",
+    "structured_outputs",
+    "chat_template_kwargs",
+    "vllm_xargs",
+    "priority",
+    "cache_salt",
+    "session_id",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+    "mm_payload",
+    "return_mm_kwargs",
+];
+
+/// vLLM fields of its harmony-format models alone: known, and refused by name.
+const NOT_SERVED: &[&str] = &["previous_input_messages"];
 
 /// Fields checked for their JSON type (null is their absence).
 const SHAPES: &[Shape] = &[
@@ -53,7 +89,47 @@ const SHAPES: &[Shape] = &[
         "a positive integer",
         is_positive_integer,
     ),
+    ("top_k", "an integer", is_integer),
+    ("seed", "an integer", is_integer),
+    ("priority", "an integer", is_integer),
+    ("min_p", "a number", Value::is_number),
+    ("presence_penalty", "a number", Value::is_number),
+    ("frequency_penalty", "a number", Value::is_number),
+    ("repetition_penalty", "a number", Value::is_number),
+    ("stop", "a string or an array of strings", is_stop),
+    ("stop_token_ids", "an array of token ids", is_token_ids),
+    ("ignore_eos", "a boolean", Value::is_boolean),
+    ("include_stop_str_in_output", "a boolean", Value::is_boolean),
+    ("skip_special_tokens", "a boolean", Value::is_boolean),
+    ("include_reasoning", "a boolean", Value::is_boolean),
+    ("watermarking", "a boolean", Value::is_boolean),
+    ("enable_response_messages", "a boolean", Value::is_boolean),
+    ("return_mm_kwargs", "a boolean", Value::is_boolean),
+    ("logit_bias", "an object", Value::is_object),
+    ("structured_outputs", "an object", Value::is_object),
+    ("chat_template_kwargs", "an object", Value::is_object),
+    ("vllm_xargs", "an object", Value::is_object),
+    ("mm_processor_kwargs", "an object", Value::is_object),
+    ("media_io_kwargs", "an object", Value::is_object),
+    ("cache_salt", "a string", Value::is_string),
+    ("session_id", "a string", Value::is_string),
+    ("mm_payload", "a string", Value::is_string),
 ];
+
+fn is_stop(value: &Value) -> bool {
+    match value {
+        Value::String(_) => true,
+        Value::Array(stops) => stops.iter().all(Value::is_string),
+        _ => false,
+    }
+}
+
+fn is_token_ids(value: &Value) -> bool {
+    value.as_array().is_some_and(|ids| {
+        ids.iter()
+            .all(|id| id.as_u64().is_some_and(|id| id <= u64::from(u32::MAX)))
+    })
+}
 
 fn is_positive_integer(value: &Value) -> bool {
     value.as_u64().is_some_and(|n| n > 0)
@@ -71,14 +147,58 @@ pub struct ResponseEcho {
     pub previous_response_id: Option<String>,
     /// Request fields the response object repeats as they were asked.
     pub fields: Map<String, Value>,
+    /// vLLM's `include_reasoning: false`: the model reasons, and the
+    /// response shows no reasoning item.
+    #[serde(default)]
+    pub hide_reasoning: bool,
 }
 
-/// Checks `body` and returns its echo and its input items, each as the chat
-/// reads it (`canonical_item`: what the stored conversation keeps).
-pub fn check(body: &Map<String, Value>) -> Result<(ResponseEcho, Vec<Value>), ApiError> {
-    let model = check_fields(body, "Responses", &[ECHOED, KNOWN], SHAPES)?;
+/// A Responses request, checked.
+#[derive(Debug)]
+pub struct Checked {
+    pub echo: ResponseEcho,
+    /// Its input items, each as the chat reads it (`canonical_item`: what the
+    /// stored conversation keeps).
+    pub input: Vec<Value>,
+    /// vLLM's own fields it sets (`ENGINE`), for the chat body as they are.
+    pub engine: Map<String, Value>,
+}
+
+/// Checks `body`: its echo, its input items and its engine fields.
+pub fn check(body: &Map<String, Value>) -> Result<Checked, ApiError> {
+    let model = check_fields(
+        body,
+        "Responses",
+        &[ECHOED, KNOWN, ENGINE, NOT_SERVED],
+        SHAPES,
+    )?;
     super::limits::check_echoed(body)?;
     let flag = |key, default| flag(body, key, default);
+    if let Some(key) = NOT_SERVED
+        .iter()
+        .find(|k| body.get(**k).is_some_and(|v| !v.is_null()))
+    {
+        return Err(bad(
+            format!("`{key}` (vLLM's, for harmony-format models) is not served by this router"),
+            key,
+        ));
+    }
+    if flag("enable_response_messages", false)? {
+        return Err(bad(
+            "`enable_response_messages: true` (vLLM's, for harmony-format models) is not served by this router",
+            "enable_response_messages",
+        ));
+    }
+    let text_format = body
+        .get("text")
+        .and_then(|t| t.get("format"))
+        .filter(|f| !f.is_null());
+    if text_format.is_some() && body.get("structured_outputs").is_some_and(|v| !v.is_null()) {
+        return Err(bad(
+            "`structured_outputs` and `text.format` cannot both be given",
+            "structured_outputs",
+        ));
+    }
     let background = flag("background", false)?;
     if background && !flag("store", true)? {
         return Err(bad(
@@ -137,14 +257,24 @@ pub fn check(body: &Map<String, Value>) -> Result<(ResponseEcho, Vec<Value>), Ap
         background,
         previous_response_id,
         fields,
+        hide_reasoning: !flag("include_reasoning", true)?,
     };
-    Ok((echo, input))
+    Ok(Checked {
+        echo,
+        input,
+        engine: engine_fields(body, ENGINE),
+    })
 }
 
 /// The chat completion body for `echo`'s request over `items` (the stored
-/// conversation first, then this request's input). Always streamed with
-/// usage: the router turns the chunks into events or one response.
-pub fn chat_body(echo: &ResponseEcho, items: &[Value]) -> Result<Value, ApiError> {
+/// conversation first, then this request's input), with vLLM's own fields
+/// `engine` as they are. Always streamed with usage: the router turns the
+/// chunks into events or one response.
+pub fn chat_body(
+    echo: &ResponseEcho,
+    items: &[Value],
+    engine: &Map<String, Value>,
+) -> Result<Value, ApiError> {
     let mut messages = Vec::new();
     if let Some(instructions) = echo.fields.get("instructions").filter(|v| !v.is_null()) {
         let Value::String(text) = instructions else {
@@ -188,6 +318,9 @@ pub fn chat_body(echo: &ResponseEcho, items: &[Value]) -> Result<Value, ApiError
         if !effort.is_null() {
             map.insert("reasoning_effort".into(), effort.clone());
         }
+    }
+    for (key, value) in engine {
+        map.insert(key.clone(), value.clone());
     }
     Ok(chat)
 }
@@ -387,8 +520,8 @@ mod tests {
     use super::*;
 
     fn chat(body: Value) -> Result<Value, ApiError> {
-        let (echo, items) = check(body.as_object().unwrap_or(&Map::new()))?;
-        chat_body(&echo, &items)
+        let checked = check(body.as_object().unwrap_or(&Map::new()))?;
+        chat_body(&checked.echo, &checked.input, &checked.engine)
     }
 
     #[test]
@@ -439,7 +572,7 @@ mod tests {
             {"type": "function_call", "call_id": "c1", "name": "f", "id": "fc_1"}
         ]});
         let items = check(body.as_object().unwrap_or(&Map::new()))
-            .map(|(_, items)| items)
+            .map(|checked| checked.input)
             .unwrap_or_default();
         assert_eq!(
             items,
@@ -448,6 +581,36 @@ mod tests {
                 json!({"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}),
             ]
         );
+    }
+
+    #[test]
+    fn vllms_own_fields_reach_the_chat_as_they_are() {
+        let extras = json!({
+            "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "seed": -3,
+            "stop": ["END"], "stop_token_ids": [7], "ignore_eos": true,
+            "include_stop_str_in_output": true, "skip_special_tokens": false,
+            "presence_penalty": 0.5, "frequency_penalty": 0.25, "logit_bias": {"9": -1},
+            "structured_outputs": {"regex": "a+"},
+            "chat_template_kwargs": {"enable_thinking": false},
+            "vllm_xargs": {"k": [1, "v"]}, "priority": 2, "cache_salt": "s",
+            "session_id": "sess", "watermarking": false, "include_reasoning": false,
+            "mm_processor_kwargs": {}, "media_io_kwargs": {}, "mm_payload": "none",
+            "return_mm_kwargs": false
+        });
+        let mut body = json!({"model": "m", "input": "x", "enable_response_messages": false});
+        for (key, value) in extras.as_object().unwrap_or(&Map::new()) {
+            body[key] = value.clone();
+        }
+        let chat = chat(body.clone()).unwrap_or_default();
+        for (key, value) in extras.as_object().unwrap_or(&Map::new()) {
+            assert_eq!(&chat[key], value, "{key}: {chat}");
+        }
+        assert!(chat.get("enable_response_messages").is_none(), "{chat}");
+        // Not repeated by the response object (vLLM's does not either).
+        let checked = check(body.as_object().unwrap_or(&Map::new())).map_err(|e| e.to_string());
+        let echo = checked.map(|c| c.echo);
+        assert!(echo.as_ref().is_ok_and(|e| e.hide_reasoning), "{echo:?}");
+        assert!(echo.is_ok_and(|e| !e.fields.contains_key("top_k")));
     }
 
     #[test]
@@ -471,6 +634,40 @@ mod tests {
                 "function tools",
             ),
             (json!({"input": "x"}), "model"),
+            // vLLM's chat knows it, vLLM's Responses does not.
+            (
+                json!({"model": "m", "input": "x", "min_tokens": 2}),
+                "min_tokens",
+            ),
+            (
+                json!({"model": "m", "input": "x", "kv_transfer_params": {}}),
+                "kv_transfer_params` is not taken from clients",
+            ),
+            (
+                json!({"model": "m", "input": "x", "request_id": "r"}),
+                "x-request-id",
+            ),
+            (
+                json!({"model": "m", "input": "x", "previous_input_messages": []}),
+                "harmony",
+            ),
+            (
+                json!({"model": "m", "input": "x", "enable_response_messages": true}),
+                "harmony",
+            ),
+            (
+                json!({"model": "m", "input": "x", "structured_outputs": {"regex": "a"},
+                       "text": {"format": {"type": "json_object"}}}),
+                "cannot both",
+            ),
+            (
+                json!({"model": "m", "input": "x", "chat_template_kwargs": "no"}),
+                "chat_template_kwargs",
+            ),
+            (
+                json!({"model": "m", "input": "x", "stop_token_ids": [-1]}),
+                "stop_token_ids",
+            ),
             // Not a response id's shape: it would name a key in the store.
             (
                 json!({"model": "m", "input": "x", "previous_response_id": "resp_a}:stored"}),

@@ -27,6 +27,10 @@ pub struct ResponseEvents {
     /// The item being streamed: its id and segment.
     open_id: String,
     open_segment: Option<Segment>,
+    /// A reasoning segment is open that the response does not show
+    /// (`include_reasoning: false`).
+    #[serde(default)]
+    hiding: bool,
 }
 
 impl ResponseEvents {
@@ -40,6 +44,7 @@ impl ResponseEvents {
             segments: Segmenter::default(),
             open_id: String::new(),
             open_segment: None,
+            hiding: false,
         }
     }
 
@@ -116,12 +121,33 @@ impl ResponseEvents {
 
     fn render(&mut self, steps: Vec<Step<'_>>, out: &mut EventWriter) {
         for step in steps {
+            if self.echo.hide_reasoning && self.hidden(&step) {
+                continue;
+            }
             let index = self.items.len();
             match step {
                 Step::Open(segment) => self.open(out, index, &segment),
                 Step::Delta(delta) => self.delta(out, index, delta),
                 Step::Close(segment, text) => self.close(out, index, &segment, &text),
             }
+        }
+    }
+
+    /// Whether `step` is one of a reasoning segment's, which a response that
+    /// hides reasoning makes no events of (the segmenter opens one segment
+    /// at a time: a delta is the open one's).
+    fn hidden(&mut self, step: &Step<'_>) -> bool {
+        match step {
+            Step::Open(Segment::Reasoning) => {
+                self.hiding = true;
+                true
+            }
+            Step::Close(Segment::Reasoning, _) => {
+                self.hiding = false;
+                true
+            }
+            Step::Delta(_) => self.hiding,
+            _ => false,
         }
     }
 
@@ -425,6 +451,7 @@ mod tests {
             background: false,
             previous_response_id: None,
             fields: serde_json::Map::new(),
+            hide_reasoning: false,
         }
     }
 
@@ -485,6 +512,45 @@ mod tests {
         // Each item's events name its output index.
         let done = indices_of(&all, "response.output_item.done", "output_index");
         assert_eq!(done, [0, 1, 2]);
+    }
+
+    #[test]
+    fn a_response_that_hides_reasoning_shows_only_the_rest() {
+        let mut events = ResponseEvents::new(
+            "resp_3".into(),
+            7,
+            ResponseEcho {
+                hide_reasoning: true,
+                ..echo()
+            },
+        );
+        let mut out = EventWriter::new(Destination::Log(()));
+        events.start(&mut out);
+        for c in [
+            chunk(json!({"role": "assistant", "reasoning": "hm"}), None),
+            chunk(json!({"reasoning": "m"}), None),
+            chunk(json!({"content": "Hi"}), Some("stop")),
+        ] {
+            with_parsed(&c, |c| events.chunk(c, &mut out));
+        }
+        let whole = events.finish(json!({}), &mut out);
+        let whole: Value = serde_json::from_str(whole.get()).unwrap_or_default();
+        let all: Vec<Value> = out.into_events().iter().map(ClientEvent::value).collect();
+        let text = serde_json::to_string(&all).unwrap_or_default();
+        for hidden in ["reasoning_text", "\"type\":\"reasoning\"", "hm"] {
+            assert!(!text.contains(hidden), "{hidden}: {text}");
+        }
+        let numbers: Vec<u64> = all
+            .iter()
+            .filter_map(|e| e["sequence_number"].as_u64())
+            .collect();
+        assert_eq!(numbers, (0..all.len() as u64).collect::<Vec<_>>());
+        assert_eq!(whole["output"].as_array().map(Vec::len), Some(1));
+        assert_eq!(whole["output"][0]["content"][0]["text"], "Hi");
+        assert_eq!(
+            indices_of(&all, "response.output_item.done", "output_index"),
+            [0]
+        );
     }
 
     #[test]
