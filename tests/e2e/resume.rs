@@ -661,23 +661,39 @@ async fn no_decoder_left_ends_with_an_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn uncarried_state_fails_over_only_before_the_first_token() {
-    // Guided output cannot be carried by a resumed request (its grammar
-    // would start again): a crash after the first token is an error...
-    let cluster_mid = cluster(Fault::Crash, 3, &[]).await;
-    let body = SHAPES[0].body(json!({"guided_regex": "( w[0-9]+)+"}));
-    let chunks = stream(&cluster_mid.router, SHAPES[0].path(), &body).await;
-    let error = chunks
-        .iter()
-        .find(|c| c.get("error").is_some())
-        .expect("error");
-    assert!(
-        error["error"]["message"].as_str().unwrap().contains(
-            "a request with guided or structured output cannot be resumed after its first token"
-        ),
-        "{error}"
-    );
-    // ...but a failure before it moves the request with its own body.
+async fn guided_output_resumes_saying_which_prompt_tokens_are_generated() {
+    // Guided output continues after its first token: the continuation asks
+    // the same grammar and says how many of its prompt's last tokens are
+    // generated (the decoder's connector replays the grammar over them).
+    for shape in [SHAPES[0], SHAPES[2]] {
+        let context = format!("{shape:?}");
+        let cluster = cluster(Fault::Crash, 3, &[]).await;
+        let guided = if shape.chat {
+            json!({"response_format": {"type": "json_object"}})
+        } else {
+            json!({"guided_regex": "( w[0-9]+)+"})
+        };
+        let outcome = request(&cluster.router, shape, guided.clone()).await;
+        assert_uninterrupted(&outcome, shape, &context);
+        let expected = model::generate(&shape.prompt_ids(), MAX_TOKENS);
+        let kept = with_text(&expected, 3);
+        // A chat continues through the tokens API: render gets the client's
+        // body, generate the hold's params.
+        let records = engine_requests(&cluster.healthy).await;
+        let resumed = records
+            .iter()
+            .find(|r| r["body"]["kv_transfer_params"].is_object())
+            .expect("the continuation");
+        let kv = &resumed["body"]["kv_transfer_params"];
+        assert_eq!(kv["resume_epoch"], 1, "{context}");
+        assert_eq!(kv["generated_tokens"], kept, "{context}");
+        let (key, value) = guided.as_object().unwrap().iter().next().unwrap();
+        assert!(
+            records.iter().any(|r| &r["body"][key] == value),
+            "{context}: {records:?}"
+        );
+    }
+    // A failure before the first token moves the request with its own body.
     let cluster_early = cluster(Fault::Refuse5xx, 0, &[]).await;
     let outcome = request(
         &cluster_early.router,

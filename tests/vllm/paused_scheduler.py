@@ -8,8 +8,11 @@ while the file named by the engine's `--additional-config` key `PAUSE_KEY`
 holds a number N, a running request that has N output tokens is not scheduled
 again (vLLM's per-request `next_decode_eligible_step` gate), so each request of
 the batch stops at token N whenever it was admitted, and its client has
-everything up to there once the engine's API server has sent it on. Without the
-file the scheduler is vLLM's own.
+everything up to there once the engine's API server has sent it on. A request
+that names its own count (`vllm_xargs: {PAUSE_AT_KEY: N}`, which vLLM keeps in
+its sampling params' `extra_args`) stops there instead, so that one batch can
+cut each of its requests at a point of its own (test_structured_resume). Without
+the file the scheduler is vLLM's own.
 
 Used as `--scheduler-cls paused_scheduler.PausedScheduler` (this folder on the
 engine's PYTHONPATH) with `--additional-config '{"connex_pause_file": PATH}'`.
@@ -23,6 +26,8 @@ from pathlib import Path
 from vllm.v1.core.sched.scheduler import Scheduler
 
 PAUSE_KEY = "connex_pause_file"
+# A request's own pause count (its `vllm_xargs`), while the file exists.
+PAUSE_AT_KEY = "connex_pause_at"
 # How long a step with every running request paused waits before it returns
 # (nothing to compute): the engine loop steps again at once, and would spin a
 # core the API server and the router need.
@@ -48,7 +53,9 @@ class PausedScheduler(Scheduler):
         paused = 0
         if at is not None:
             for request in self.running:
-                if request.num_output_tokens + request.num_output_placeholders >= at:
+                if request.num_output_tokens + request.num_output_placeholders >= own_count(
+                    request, at
+                ):
                     # `schedule` skips a running request until this step.
                     request.next_decode_eligible_step = self.current_step + 2
                     paused += 1
@@ -56,3 +63,9 @@ class PausedScheduler(Scheduler):
         if paused and not output.num_scheduled_tokens:
             time.sleep(IDLE_S)
         return output
+
+
+def own_count(request, default: int) -> int:
+    """The count at which `request` pauses: its own, or the file's."""
+    extra = getattr(request.sampling_params, "extra_args", None) or {}
+    return int(extra.get(PAUSE_AT_KEY, default))

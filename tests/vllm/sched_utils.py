@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from itertools import count
+from pathlib import Path
 
 import harness
 import torch
@@ -19,8 +20,10 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     VllmConfig,
 )
+from vllm.sampling_params import StructuredOutputsParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -57,13 +60,19 @@ def make_scheduler(
     num_blocks: int = 1000,
     ctrl: FakeCtrl | None = None,
     parallel: ParallelConfig | None = None,
+    model_dir: Path | None = None,
+    reasoning_parser: str = "",
 ) -> Scheduler:
+    """`model_dir`: another model than the tiny one (its tokenizer is what the
+    structured output grammars are compiled for); `reasoning_parser`: vLLM's
+    parser that decides where a grammar starts (`--reasoning-parser`)."""
     from connex.adapters.vllm import pd_connector
     from connex.adapters.vllm.keeper import HoldKeeper
 
-    model = ModelConfig(model=str(harness.model_dir()), dtype="bfloat16", seed=0)
+    model = ModelConfig(model=str(model_dir or harness.model_dir()), dtype="bfloat16", seed=0)
     vllm_config = VllmConfig(
         model_config=model,
+        structured_outputs_config=StructuredOutputsConfig(reasoning_parser=reasoning_parser),
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
             max_num_batched_tokens=2048,
@@ -128,9 +137,18 @@ def _structured(vllm_config):
 
 
 def make_request(
-    prompt: list[int], max_tokens: int = 8, kv_transfer_params: dict | None = None
+    prompt: list[int],
+    max_tokens: int = 8,
+    kv_transfer_params: dict | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    """A greedy request; with `structured_outputs`, compiled by the xgrammar
+    backend (what the engine's input processor picks for it)."""
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, structured_outputs=structured_outputs
+    )
+    if structured_outputs is not None:
+        structured_outputs._backend = "xgrammar"
     params.update_from_generation_config({}, EOS)
     request = Request(
         request_id=f"req-{next(_ids)}",

@@ -151,7 +151,8 @@ pub async fn render(
 /// The `generate` body that continues a chat after `generated` tokens:
 /// render's request with prompt + generated as its tokens, what is left of
 /// `max_tokens` and `min_tokens`, one sequence, no prompt logprobs (the first
-/// decoder gave them), streamed with usage, pulling the hold with `kv`; the
+/// decoder gave them), streamed with usage, pulling the hold with `kv` (which
+/// says how many of the tokens are generated: `resume::continuing`); the
 /// client body's `priority` and `cache_salt` (its tenant's, as the router set
 /// them) whatever render echoed of them.
 pub fn generate_body(
@@ -187,7 +188,10 @@ pub fn generate_body(
         .value("output_mode", json!("tokens"))
         .value("stream", Value::Bool(true))
         .value("stream_options", json!({"include_usage": true}))
-        .value("kv_transfer_params", kv.clone())
+        .value(
+            "kv_transfer_params",
+            super::resume::continuing(kv, generated.len()),
+        )
         .to_bytes())
 }
 
@@ -530,7 +534,12 @@ mod tests {
         assert_eq!(body["sampling_params"]["prompt_logprobs"], Value::Null);
         assert_eq!(body["stream"], true);
         assert_eq!(body["output_mode"], "tokens");
-        assert_eq!(body["kv_transfer_params"], kv);
+        // The hold's params, saying which of the tokens are generated (the
+        // connector replays a structured request's grammar over those).
+        assert_eq!(
+            body["kv_transfer_params"],
+            json!({"transfer_id": "t", "resume_epoch": 1, "generated_tokens": 3})
+        );
         assert!(body.get("features").is_none());
         let none = ClientBody::default();
         assert!(generate_body(&json!({"token_ids": [1]}), &none, &[1], &[2], &kv).is_err());

@@ -12,11 +12,16 @@
 //!   on `/v1/completions` as a completions request does (vLLM's derender
 //!   gives no logprobs yet), its chunks re-wrapped as chat chunks.
 //!
-//! Some requests carry state that no continuation can: `n > 1` (one stream
-//! per choice), guided or structured output (the grammar would restart at the
-//! continuation; docs/resume.md), logprobs together with tools. Those fail
-//! over only before their first token (when nothing has reached the client
-//! yet).
+//! Every continuation's `kv_transfer_params` say how many of its prompt's
+//! last tokens are generated output (`generated_tokens`): a decoder's
+//! connector fast-forwards a guided or structured request's grammar over
+//! exactly those before the first new token is sampled (vLLM starts a
+//! grammar at its root otherwise; docs/resume.md), and ends the request with
+//! an error where it cannot.
+//!
+//! A request that asks logprobs together with tools carries state that no
+//! continuation can: it fails over only before its first token (when nothing
+//! has reached the client yet).
 
 use super::failure::Failure;
 use crate::engines::http::Payload;
@@ -47,9 +52,17 @@ pub const CHAT_ONLY: &[&str] = &[
     "audio",
 ];
 
-/// Why a request cannot be continued from its generated tokens, if it cannot.
-pub fn mid_stream_blocker(route: Route, body: &ClientBody) -> Option<&'static str> {
-    let set = |key: &str| body.is_set(key);
+/// The `kv_transfer_params` key of a continuation that says how many of its
+/// prompt's last tokens are generated output (the connector replays a
+/// structured request's grammar over them).
+pub const GENERATED_TOKENS: &str = "generated_tokens";
+
+/// Whether vLLM serves the request with guided or structured output (a
+/// grammar that a continuation's decoder must fast-forward over the
+/// generated tokens): `guided_*`, `structured_outputs`, a `response_format`
+/// other than text, or a chat's `tool_choice` of `required` or a named
+/// function.
+pub fn structured_output(route: Route, body: &ClientBody) -> bool {
     let guided = [
         "guided_json",
         "guided_regex",
@@ -57,14 +70,15 @@ pub fn mid_stream_blocker(route: Route, body: &ClientBody) -> Option<&'static st
         "guided_grammar",
         "structured_outputs",
     ];
-    if guided.iter().any(|k| set(k))
+    guided.iter().any(|key| body.is_set(key))
         || (route == Route::Chat && forces_tool_call(body))
         || body
             .typed::<TypeOnly>("response_format")
             .is_some_and(|format| format.kind != "text")
-    {
-        return Some("guided or structured output");
-    }
+}
+
+/// Why a request cannot be continued from its generated tokens, if it cannot.
+pub fn mid_stream_blocker(route: Route, body: &ClientBody) -> Option<&'static str> {
     if route == Route::Chat
         && offers_tools(body)
         && chat_continuation(body) == ChatContinuation::Completions
@@ -105,6 +119,16 @@ pub fn with_epoch(kv_transfer_params: &Value, epoch: u64) -> Value {
     let mut kv = kv_transfer_params.clone();
     if let Some(map) = kv.as_object_mut() {
         map.insert("resume_epoch".into(), json!(epoch));
+    }
+    kv
+}
+
+/// A continuation's `kv_transfer_params`: `kv` (the hold's, at its epoch)
+/// saying that the prompt's last `generated` tokens are generated output.
+pub fn continuing(kv: &Value, generated: usize) -> Value {
+    let mut kv = kv.clone();
+    if let Some(map) = kv.as_object_mut() {
+        map.insert(GENERATED_TOKENS.into(), json!(generated));
     }
     kv
 }
@@ -168,7 +192,10 @@ pub fn resume_body(
         // The first decoder sent the echoed prompt and its logprobs.
         .value("echo", Value::Bool(false))
         .value("prompt_logprobs", Value::Null)
-        .value("kv_transfer_params", kv_transfer_params.clone())
+        .value(
+            "kv_transfer_params",
+            continuing(kv_transfer_params, generated.len()),
+        )
         .to_payload()
 }
 
@@ -191,6 +218,10 @@ pub struct ResumePolicy {
     pub max_connect_failures: u32,
     /// Why the request cannot continue after its first token, if it cannot.
     pub blocker: Option<&'static str>,
+    /// The request has guided or structured output ([`structured_output`]):
+    /// a continuation's decoder fast-forwards its grammar, or ends it with an
+    /// error, which the final error then names.
+    pub structured: bool,
 }
 
 /// The next step after a decoder failure.
@@ -227,8 +258,20 @@ pub fn decide(failure: &Failure, progress: Progress, policy: ResumePolicy) -> Ne
         ));
     }
     if progress.resumes >= policy.max_resumes {
+        // A decoder that cannot fast-forward a structured request's grammar
+        // over the generated tokens (its connector refuses, or the grammar
+        // rejects them) finishes the continuation with an error, which reads
+        // as a 5xx: say what it likely was.
+        let structured = if policy.structured
+            && progress.generated > 0
+            && failure.cause == super::failure::Cause::ServerError
+        {
+            "; the structured output could not be continued (a decoder ends a continuation with an error when its connector cannot replay the grammar over the generated tokens: the decoder's log names why)"
+        } else {
+            ""
+        };
         return Next::Fail(format!(
-            "{}; gave up after {} resumes",
+            "{}; gave up after {} resumes{structured}",
             failure.message, policy.max_resumes
         ));
     }
@@ -287,30 +330,29 @@ mod tests {
         // The first decoder sends the prompt's logprobs and the echo.
         assert_eq!(blocked(json!({"prompt_logprobs": 1})), None);
         assert_eq!(blocked(json!({"echo": true})), None);
-        assert_eq!(
-            blocked(json!({"guided_json": {"type":"object"}})),
-            Some("guided or structured output")
-        );
+        // Structured output resumes: the decoder replays its grammar over
+        // the generated tokens (`generated_tokens`).
+        assert_eq!(blocked(json!({"guided_json": {"type":"object"}})), None);
         assert_eq!(
             chat(json!({"response_format": {"type": "json_object"}})),
-            Some("guided or structured output")
+            None
         );
         assert_eq!(blocked(json!({"n": 1, "temperature": 0.5})), None);
         assert_eq!(blocked(json!({"logprobs": null, "echo": false})), None);
-        // Tools continue through the tokens API; a tool choice vLLM serves
-        // with structured output does not, nor do tools with logprobs.
+        // Tools continue through the tokens API, a tool choice vLLM serves
+        // with structured output too; tools with logprobs do not.
         let tools = json!([{"type": "function", "function": {"name": "f"}}]);
         assert_eq!(chat(json!({"tools": tools})), None);
         assert_eq!(chat(json!({"tools": tools, "tool_choice": "auto"})), None);
         assert_eq!(
             chat(json!({"tools": tools, "tool_choice": "required"})),
-            Some("guided or structured output")
+            None
         );
         assert_eq!(
             chat(
                 json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
             ),
-            Some("guided or structured output")
+            None
         );
         assert_eq!(
             chat(json!({"tools": tools, "logprobs": true})),
@@ -330,10 +372,93 @@ mod tests {
         );
     }
 
+    #[test]
+    fn structured_output_is_told_apart() {
+        let completions =
+            |body: Value| structured_output(Route::Completions, &ClientBody::of(body));
+        let chat = |body: Value| structured_output(Route::Chat, &ClientBody::of(body));
+        let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+        for key in [
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+        ] {
+            assert!(completions(json!({key: "x"})), "{key}");
+        }
+        assert!(completions(json!({"structured_outputs": {"regex": "a+"}})));
+        assert!(completions(
+            json!({"response_format": {"type": "json_schema", "json_schema": {}}})
+        ));
+        assert!(chat(json!({"response_format": {"type": "json_object"}})));
+        assert!(chat(json!({"tools": tools, "tool_choice": "required"})));
+        assert!(chat(
+            json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+        ));
+        assert!(!chat(json!({"tools": tools, "tool_choice": "auto"})));
+        assert!(!chat(json!({"response_format": {"type": "text"}})));
+        assert!(!completions(
+            json!({"structured_outputs": null, "temperature": 0})
+        ));
+    }
+
+    #[test]
+    fn a_continuation_says_how_many_prompt_tokens_are_generated() {
+        let kv = with_epoch(&json!({"transfer_id": "t", "resume_epoch": 0}), 2);
+        let body = ClientBody::of(json!({"model": "m", "prompt": "hi",
+            "structured_outputs": {"choice": ["yes", "no"]}, "max_tokens": 8}));
+        let out: Value = serde_json::from_slice(
+            &resume_body(Route::Completions, &body, &[1, 2, 3], &[9, 8], &kv).to_bytes(),
+        )
+        .expect("JSON");
+        assert_eq!(out["prompt"], json!([1, 2, 3, 9, 8]));
+        assert_eq!(
+            out["kv_transfer_params"],
+            json!({"transfer_id": "t", "resume_epoch": 2, "generated_tokens": 2})
+        );
+        // The grammar's request goes to the decoder as the client sent it.
+        assert_eq!(out["structured_outputs"], json!({"choice": ["yes", "no"]}));
+    }
+
+    #[test]
+    fn a_structured_request_that_no_decoder_continues_fails_by_name() {
+        let mid = Progress {
+            generated: 7,
+            resumes: 3,
+            connect_failures: 0,
+        };
+        let structured = ResumePolicy {
+            structured: true,
+            ..POLICY
+        };
+        let finished_with_error = failure(Cause::ServerError);
+        assert!(matches!(
+            decide(&finished_with_error, mid, structured),
+            Next::Fail(m) if m.contains("gave up after 3 resumes")
+                && m.contains("the structured output could not be continued")
+        ));
+        // A crash is not the grammar's doing, nor is a plain request's error.
+        assert!(matches!(
+            decide(&failure(Cause::Reset), mid, structured),
+            Next::Fail(m) if !m.contains("structured")
+        ));
+        assert!(matches!(
+            decide(&finished_with_error, mid, POLICY),
+            Next::Fail(m) if !m.contains("structured")
+        ));
+        // Resumes left: a structured request resumes like any other.
+        let early = Progress { resumes: 1, ..mid };
+        assert_eq!(
+            decide(&finished_with_error, early, structured),
+            Next::Resume
+        );
+    }
+
     const POLICY: ResumePolicy = ResumePolicy {
         max_resumes: 3,
         max_connect_failures: 4,
         blocker: None,
+        structured: false,
     };
 
     fn failure(cause: Cause) -> Failure {

@@ -121,6 +121,7 @@ impl Session {
                 max_resumes: deps.resume.max_resumes,
                 max_connect_failures: MAX_CONNECT_FAILURES,
                 blocker,
+                structured: resume::structured_output(info.route, &body),
             },
             kv_transfer_params: prefilled.kv_transfer_params,
             lease,

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .config import ConfigError, ConnexConfig
+from .grammar_replay import GrammarReplay
 from .params import MAX_COMPAT_VALUE_LEN, Layout
 from .scheduler import ConnexMetadata, ConnexScheduler
 from .stats import ConnexKVStats, ConnexPromMetrics
@@ -258,6 +259,9 @@ class ConnexConnector(KVConnectorBase_V1, SupportsHMA):
                 is_consumer,
                 keeper,
                 hold_mode=self.hold_mode,
+                # vLLM's Scheduler is constructing this connector: found
+                # in the calling frames, its internals checked once.
+                replay=GrammarReplay.from_caller() if is_consumer else None,
             )
             if len(kv_cache_config.kv_cache_groups) > 1:
                 logger.info(

@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.request import Request, RequestStatus
 
 from .config import ConnexConfig
+from .grammar_replay import GrammarReplay
 from .params import Layout, ParamsError, RemoteHold, hold_params, remote_hold, wants_hold
 
 if TYPE_CHECKING:
@@ -142,6 +143,7 @@ class ConnexScheduler:
         is_consumer: bool,
         keeper: HoldKeeper | None = None,
         hold_mode: str = "in_place",
+        replay: GrammarReplay | None = None,
     ) -> None:
         self.cfg = cfg
         self.staged = hold_mode == "staged"
@@ -150,6 +152,9 @@ class ConnexScheduler:
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.keeper = keeper
+        # A decoder's: continuations of structured requests get their grammar
+        # fast-forwarded over the generated tokens (grammar_replay.py).
+        self.replay = replay
         # Producer state.
         self._producing: dict[str, Request] = {}  # req_id -> Request (wants a hold)
         self._held: dict[str, HoldSpec] = {}  # req_id -> its live hold
@@ -218,6 +223,8 @@ class ConnexScheduler:
             self.keeper.finish(req_id, release=release)
         self._consumed.discard(req_id)
         self._checked.pop(req_id, None)
+        if self.replay is not None:
+            self.replay.forget(req_id)
         if req_id not in self._producing:
             return False, None
         self._producing.pop(req_id)
@@ -351,7 +358,13 @@ class ConnexScheduler:
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
+        # vLLM asks only once the request's grammar is compiled, before it is
+        # first scheduled (and again after a preemption: replayed once).
+        if self.replay is not None and self.replay.replay(request) is not None:
+            # Not scheduled (None: vLLM skips it this step); the scheduler
+            # finishes it with an error at its next update.
+            return None, False
         hold = self._remote(request)
         if hold is None:
             return 0, False
