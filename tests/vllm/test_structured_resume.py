@@ -669,20 +669,12 @@ def killed(cluster, reference, tokenizer) -> dict:
 
 # ---- the tests ------------------------------------------------------------------------------
 
-# Found by this module (2026-12-07), not yet explained: every JSON object
-# answer continued on d2 writes its members in another order than the
-# uninterrupted one from the first member after the cut on that it chooses
-# (`..."motto":"...","season":...,"warm":...}` where the reference, in the
-# schema's order, has `"warm"` first), at every cut, chat and completions,
-# streamed or not. xgrammar compiles a schema's properties in their declared
-# order, so the continuation's grammar admits what the first decoder's did
-# not: the grammar replay or the continuation's grammar is wrong for JSON
-# objects (regex, choice and the replay's own scheduler tests are right).
-# Strict: these pass, and must be unmarked, once it is fixed.
-OBJECT_ORDER = pytest.mark.xfail(
-    strict=True,
-    reason="issue 43: a resumed JSON object's members come in another order (module note)",
-)
+# Found by this module (2026-12-07): every JSON object continued on d2 wrote
+# its members in alphabetical order from the cut on (`..."season":..,"warm":..}`
+# where the schema, and so the uninterrupted answer, has `"warm"` first): the
+# router rebuilt the continuation's body through serde_json's sorted map, and
+# xgrammar writes an object's members in the schema's order. The router now
+# keeps every object's order (docs/architecture.md, "Wire contracts").
 
 
 def assert_parses(kind: str, answer: dict) -> None:
@@ -702,11 +694,7 @@ def assert_parses(kind: str, answer: dict) -> None:
 
 @pytest.mark.parametrize(
     ("kind", "point"),
-    [
-        pytest.param(*k, marks=OBJECT_ORDER) if KINDS[k[0]][2] in ("json", "tool") else k
-        for k in CUT
-        if k[0] in KINDS
-    ],
+    [k for k in CUT if k[0] in KINDS],
     ids=[f"{k}-{p}" for k, p in CUT if k in KINDS],
 )
 def test_a_structured_answer_cut_by_a_decoder_kill_equals_the_uninterrupted_one(
@@ -721,7 +709,6 @@ def test_a_structured_answer_cut_by_a_decoder_kill_equals_the_uninterrupted_one(
     assert got == want
 
 
-@OBJECT_ORDER
 def test_the_openai_clients_parse_across_a_kill(reference, killed):
     want = harness.outcome(reference["openai parse", "string"])
     got = killed["answers"]["openai parse", "string"]
@@ -732,7 +719,6 @@ def test_the_openai_clients_parse_across_a_kill(reference, killed):
     assert got == want
 
 
-@OBJECT_ORDER
 def test_a_responses_json_schema_stream_cut_by_a_kill_equals_the_plain_engines(reference, killed):
     want = harness.outcome(reference["responses", "batch"])
     got = killed["answers"]["responses", "batch"]
@@ -743,8 +729,7 @@ def test_a_responses_json_schema_stream_cut_by_a_kill_equals_the_plain_engines(r
     read_json_text(got["text"])
 
 
-# Compared as the client's parsed input (a dict: the order of its members
-# is not compared, see OBJECT_ORDER).
+# Compared as the client's parsed input (a dict).
 @pytest.mark.parametrize("kind", list(MESSAGES_CHOICES))
 def test_a_messages_tool_choice_stream_cut_by_a_kill_equals_the_plain_engines(
     reference, killed, kind
