@@ -31,8 +31,10 @@ pub enum KvEvent {
         block_size: usize,
         /// Blocks of a LoRA adapter's requests (`lora_id` in vLLM 0.32,
         /// `lora_name` later): not the base model's cache.
+        /// (Boxed, as is `extra_keys`: an order-keeping JSON value is large
+        /// and most events carry neither.)
         #[serde(default)]
-        lora_id: Option<serde_json::Value>,
+        lora_id: Option<Box<serde_json::Value>>,
         #[serde(default)]
         lora_name: Option<String>,
         /// Where the blocks live: `GPU` (or absent) is the engine's own cache.
@@ -41,7 +43,7 @@ pub enum KvEvent {
         /// Per block: multimodal hashes, LoRA, cache_salt. A block with any is
         /// not a plain token prefix the router can match.
         #[serde(default)]
-        extra_keys: Option<serde_json::Value>,
+        extra_keys: Option<Box<serde_json::Value>>,
         /// KV cache group (hybrid models); only group 0 is indexed.
         #[serde(default)]
         group_idx: Option<u32>,
@@ -148,7 +150,7 @@ impl KvEvent {
         else {
             return None;
         };
-        let own_cache = lora_id.as_ref().is_none_or(serde_json::Value::is_null)
+        let own_cache = lora_id.as_deref().is_none_or(serde_json::Value::is_null)
             && lora_name.is_none()
             && medium.as_deref().is_none_or(|m| m == "GPU")
             && group_idx.unwrap_or(0) == 0;
@@ -156,7 +158,7 @@ impl KvEvent {
             return None;
         }
         let none = |k: &serde_json::Value| k.is_null() || k.as_array().is_some_and(Vec::is_empty);
-        match extra_keys {
+        match extra_keys.as_deref() {
             None | Some(serde_json::Value::Null) => Some(None),
             Some(serde_json::Value::Array(per_block)) => match per_block.split_first() {
                 None => Some(None),

@@ -261,7 +261,7 @@ mod tests {
         let extra_keys = salt.map(|salt| {
             let mut keys = vec![serde_json::json!([salt])];
             keys.resize(hashes.len(), serde_json::Value::Null);
-            serde_json::Value::Array(keys)
+            Box::new(serde_json::Value::Array(keys))
         });
         KvEvent::BlockStored {
             block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
