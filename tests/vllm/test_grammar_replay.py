@@ -184,6 +184,27 @@ def test_tokens_the_grammar_rejects_end_the_request_with_an_error(tiny_tokenizer
     assert "its grammar rejected the" in line and "accepted" in line, line
 
 
+def test_a_refused_continuation_is_never_scheduled_while_it_waits_to_end(tiny_tokenizer):
+    """Asked again about a refused request (each step until the update that
+    ends it, or for good on a Scheduler without its error set), the connector
+    still refuses it: it never runs from a grammar that rejected its tokens."""
+    sched = make_scheduler("kv_consumer")
+
+    class WithoutErrorSet:
+        """A Scheduler with the replay's internals but no error set."""
+
+        structured_output_manager = sched.structured_output_manager
+
+    sched.connector.scheduler.replay = GrammarReplay(WithoutErrorSet())
+    wrong = tokens(tiny_tokenizer, '{"city": 7')
+    prompt = tokens(tiny_tokenizer, "<|user|>Where to?<|end|><|assistant|>") + wrong
+    request = start(sched, prompt, len(wrong), StructuredOutputsParams(json=SCHEMA))
+    for _ in range(3):
+        out, outputs = step(sched)
+        assert request.request_id not in out.num_scheduled_tokens
+        assert not [o for o in outputs if o.request_id == request.request_id]
+
+
 def test_a_vllm_without_the_internals_refuses_at_start_and_fails_structured_continuations(
     tiny_tokenizer, replay_log
 ):

@@ -69,7 +69,8 @@ pub enum RenderError {
 
 /// The body `render` is given: the client's chat body, without the stop
 /// strings the router matches itself (`stops.rs`): the engine must not stop
-/// on them either.
+/// on them either; asking for the reasoning as the first decoder was asked
+/// (`decode::reasoning_shown`).
 pub fn render_body(body: &ClientBody) -> Payload {
     // Rendered as not streamed: vLLM refuses `stream_options` then (the
     // generate request sets its own).
@@ -78,7 +79,7 @@ pub fn render_body(body: &ClientBody) -> Payload {
     } else {
         &["stream_options"]
     };
-    Patch::new(body, remove)
+    super::decode::reasoning_shown(Patch::new(body, remove), body)
         .value("stream", Value::Bool(false))
         .to_payload()
 }
@@ -625,6 +626,33 @@ mod tests {
         assert_eq!(out, json!({"choices": [], "usage": {"prompt_tokens": 3}}));
         let error = Bytes::from_static(br#"{"error":{"message":"x","code":500}}"#);
         assert_eq!(passed_through(error.clone()), error);
+    }
+
+    /// A client that hides the reasoning has it rendered as the first
+    /// decoder was asked (shown): render answers `reasoning_ended: true` for
+    /// a request with `include_reasoning: false`, and the continuation's
+    /// decoder would then replay a structured request's grammar over the
+    /// reasoning, which the grammar rejects.
+    #[test]
+    fn rendering_asks_for_the_reasoning_as_the_first_decoder_did() {
+        let hidden = ClientBody::of(
+            json!({"model": "m", "messages": [], "include_reasoning": false,
+            "response_format": {"type": "json_object"}}),
+        );
+        let out: Value = serde_json::from_slice(&render_body(&hidden).to_bytes()).unwrap();
+        assert_eq!(out["include_reasoning"], true);
+        let decode: Value = serde_json::from_slice(
+            &super::super::decode::decode_body(&hidden, &json!({})).to_bytes(),
+        )
+        .unwrap();
+        assert_eq!(decode["include_reasoning"], out["include_reasoning"]);
+        let shown =
+            ClientBody::of(json!({"model": "m", "messages": [], "include_reasoning": true}));
+        let out: Value = serde_json::from_slice(&render_body(&shown).to_bytes()).unwrap();
+        assert_eq!(out["include_reasoning"], true);
+        let unset = ClientBody::of(json!({"model": "m", "messages": []}));
+        let out: Value = serde_json::from_slice(&render_body(&unset).to_bytes()).unwrap();
+        assert_eq!(out.get("include_reasoning"), None);
     }
 
     #[test]

@@ -140,6 +140,10 @@ class GrammarReplay:
         self._scheduler = scheduler
         self._manager = None if scheduler is None else scheduler.structured_output_manager
         self._done: set[str] = set()
+        # Refused requests stay refused each time the scheduler asks again
+        # (before the update that finishes them, or for good on a vLLM
+        # without the scheduler's error set): never scheduled meanwhile.
+        self._refused: dict[str, Refused] = {}
         if self.unsupported:
             logger.warning(
                 "ConnexConnector: structured output is not continued after a decoder "
@@ -158,6 +162,7 @@ class GrammarReplay:
 
     def forget(self, req_id: str) -> None:
         self._done.discard(req_id)
+        self._refused.pop(req_id, None)
 
     def replay(self, request: Any) -> Refused | None:
         """Feeds a structured continuation's generated tokens to its grammar,
@@ -165,7 +170,7 @@ class GrammarReplay:
         the request must end with an error (already queued for that)."""
         req_id = request.request_id
         if req_id in self._done:
-            return None
+            return self._refused.get(req_id)
         self._done.add(req_id)
         if not getattr(request, "use_structured_output", False):
             return None
@@ -237,4 +242,6 @@ class GrammarReplay:
                 req_id,
                 error,
             )
-        return Refused(error)
+        refused = Refused(error)
+        self._refused[req_id] = refused
+        return refused
