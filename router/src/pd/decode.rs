@@ -33,27 +33,12 @@ pub fn decode_body(body: &ClientBody, kv_transfer_params: &Value) -> Payload {
     if body.get("stream") != Some(&Value::Bool(true)) {
         remove.push("prompt_logprobs");
     }
-    reasoning_shown(Patch::new(body, &remove), body)
+    super::derender::reasoning_shown(Patch::new(body, &remove), body)
         .value("stream", Value::Bool(true))
         .value("return_token_ids", Value::Bool(true))
         .value("stream_options", json!({"include_usage": true}))
         .value("kv_transfer_params", kv_transfer_params.clone())
         .to_payload()
-}
-
-/// `patch` asking the engine for the reasoning a client that hides it
-/// (`include_reasoning: false`) will not see: vLLM streams no token ids
-/// then, so the router asks for it and hides it itself (`output.rs`). A
-/// continuation's render asks the same, so that the engine decides where
-/// the reasoning ended as the first decoder did (render answers
-/// `reasoning_ended: true` for a request that hides it, and a structured
-/// request's grammar would then be replayed over the reasoning).
-pub(super) fn reasoning_shown<'a>(patch: Patch<'a>, body: &ClientBody) -> Patch<'a> {
-    if body.get("include_reasoning") == Some(&Value::Bool(false)) {
-        patch.value("include_reasoning", Value::Bool(true))
-    } else {
-        patch
-    }
 }
 
 /// Why no stream could be opened on a decoder.

@@ -70,7 +70,7 @@ pub enum RenderError {
 /// The body `render` is given: the client's chat body, without the stop
 /// strings the router matches itself (`stops.rs`): the engine must not stop
 /// on them either; asking for the reasoning as the first decoder was asked
-/// (`decode::reasoning_shown`).
+/// ([`reasoning_shown`]).
 pub fn render_body(body: &ClientBody) -> Payload {
     // Rendered as not streamed: vLLM refuses `stream_options` then (the
     // generate request sets its own).
@@ -79,9 +79,24 @@ pub fn render_body(body: &ClientBody) -> Payload {
     } else {
         &["stream_options"]
     };
-    super::decode::reasoning_shown(Patch::new(body, remove), body)
+    reasoning_shown(Patch::new(body, remove), body)
         .value("stream", Value::Bool(false))
         .to_payload()
+}
+
+/// `patch` asking the engine for the reasoning a client that hides it
+/// (`include_reasoning: false`) will not see: vLLM streams no token ids
+/// then, so the router asks for it and hides it itself (`output.rs`). A
+/// continuation's render asks the same, so that the engine decides where
+/// the reasoning ended as the first decoder did (render answers
+/// `reasoning_ended: true` for a request that hides it, and a structured
+/// request's grammar would then be replayed over the reasoning).
+pub(super) fn reasoning_shown<'a>(patch: Patch<'a>, body: &ClientBody) -> Patch<'a> {
+    if body.get("include_reasoning") == Some(&Value::Bool(false)) {
+        patch.value("include_reasoning", Value::Bool(true))
+    } else {
+        patch
+    }
 }
 
 /// A continuation's chunk that is not derendered, as the client's stream
@@ -641,11 +656,6 @@ mod tests {
         );
         let out: Value = serde_json::from_slice(&render_body(&hidden).to_bytes()).unwrap();
         assert_eq!(out["include_reasoning"], true);
-        let decode: Value = serde_json::from_slice(
-            &super::super::decode::decode_body(&hidden, &json!({})).to_bytes(),
-        )
-        .unwrap();
-        assert_eq!(decode["include_reasoning"], out["include_reasoning"]);
         let shown =
             ClientBody::of(json!({"model": "m", "messages": [], "include_reasoning": true}));
         let out: Value = serde_json::from_slice(&render_body(&shown).to_bytes()).unwrap();
